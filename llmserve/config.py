@@ -1,0 +1,169 @@
+"""Engine configuration: one frozen dataclass per concern.
+
+Every field carries a one-line docstring-style comment that doubles as CLI help. "auto" values are
+resolved by `EngineConfig.create` before freezing and never mutated later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Architecture hyper-parameters, read from a HF config.json or from GGUF metadata."""
+
+    architecture: str  # "llama" family: Llama 2/3, SmolLM2, Mistral, Qwen2
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v projections
+    rope_scaling: dict | None = None  # HF rope_scaling dict ("llama3", "linear", "dynamic" ...)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers, in float32 units (times dtype size / 4)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str  # resolved path of the GGUF file or HF directory
+    arch: ModelArchConfig
+    dtype: torch.dtype  # compute and weight dtype
+    max_model_len: int  # longest prompt + output a request may have
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    seed: int = 0  # seed of the engine-wide generator for unseeded sampled requests
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int  # tokens per KV block
+    num_blocks: int  # blocks in the preallocated pool
+    kv_cache_memory: int  # bytes the pool takes (K and V, all layers)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int  # token budget of one engine step (prefill chunks + decodes)
+    max_num_seqs: int  # most requests running at once
+    max_model_len: int  # longest prompt + output
+    enable_chunked_prefill: bool = True  # split long prompts across steps, mixed with decodes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+
+
+def _arg(default, help_text: str):
+    """A field whose help text doubles as the CLI flag's help."""
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine options (CLI flags and `LLM(...)` keyword arguments), resolved by `create_config`."""
+
+    model: str | None = _arg(None, "GGUF file or HF model directory; default: the embedded SmolLM2-135M-Instruct")
+    dtype: str = _arg("auto", "float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on CUDA)")
+    device: str = _arg("auto", "cpu | cuda | auto")
+    max_model_len: int | None = _arg(None, "longest prompt + output; default: the model's context, at most 4096")
+    block_size: int = _arg(16, "tokens per KV-cache block")
+    kv_cache_memory: int | str = _arg("1GiB", "KV-cache pool size: bytes or with a unit (512MiB, 2GiB)")
+    num_kv_blocks: int | None = _arg(None, "exact KV pool size in blocks (overrides kv_cache_memory)")
+    max_num_batched_tokens: int = _arg(2048, "token budget of one engine step (prefill chunks + decodes)")
+    max_num_seqs: int = _arg(128, "most requests running at once")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps, mixed with decodes")
+    seed: int = _arg(0, "seed for requests that sample without their own seed")
+
+    def create_config(self, arch: ModelArchConfig, model_path: str) -> EngineConfig:
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        max_model_len = self.max_model_len or min(arch.max_position_embeddings, 4096)
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        bytes_per_token = arch.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+        if self.num_kv_blocks is not None:
+            num_blocks = self.num_kv_blocks
+        else:
+            num_blocks = parse_bytes(self.kv_cache_memory) // (bytes_per_token * self.block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={self.kv_cache_memory} holds no block of {self.block_size} tokens "
+                f"({bytes_per_token * self.block_size} bytes each)"
+            )
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({max_model_len})"
+            )
+        return EngineConfig(
+            model=ModelConfig(
+                path=model_path, arch=arch, dtype=dtype, max_model_len=max_model_len, device=device,
+                seed=self.seed,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory=num_blocks * self.block_size * bytes_per_token,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+        )
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_bytes(value: int | str) -> int:
+    """'2GiB' -> 2147483648; plain integers are bytes."""
+    if isinstance(value, int):
+        return value
+    text = value.strip().lower()
+    number = text.rstrip("kmgib")
+    unit = text[len(number) :]
+    if unit not in _UNITS or not number:
+        raise ValueError(f"cannot parse a memory size from {value!r} (use e.g. 512MiB, 2GiB)")
+    return int(float(number) * _UNITS[unit])

@@ -1,0 +1,74 @@
+"""The pool of KV-cache block ids: allocation, reference counts and the free queue.
+
+Invariant (checked by `check_integrity`): every block id is either free (ref count 0, in the free
+queue) or in use (ref count > 0, not in the queue); free + used = total.
+
+The free queue is an ordered dict so that a block can be taken out of its middle in O(1): the prefix
+cache keeps freed-but-still-valid blocks in the queue (least recently freed first) and revives one on
+a hit.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` blocks from the head of the free queue, each with ref count 1."""
+        if count > len(self._free):
+            raise NoFreeBlocksError(f"need {count} blocks, {len(self._free)} free")
+        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
+        for block in blocks:
+            self.ref_counts[block] = 1
+        return blocks
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        """Share blocks: a free block (a prefix-cache hit) leaves the free queue."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the tail of the free queue.
+
+        Callers pass a sequence's blocks last-first, so that its tail blocks (least likely to be a
+        shared prefix) are evicted before its head blocks.
+        """
+        for block in blocks:
+            count = self.ref_counts[block]
+            if count <= 0:
+                raise RuntimeError(f"block {block} freed more often than allocated")
+            self.ref_counts[block] = count - 1
+            if count == 1:
+                self._free[block] = None
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the free queue and the ref counts disagree."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is in the free queue twice"
+        for block, count in enumerate(self.ref_counts):
+            assert count >= 0, f"block {block} has ref count {count}"
+            assert (count == 0) == (block in free), f"block {block}: ref {count}, free={block in free}"

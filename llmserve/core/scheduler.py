@@ -1,0 +1,182 @@
+"""Iteration-level (continuous) batching under a per-step token budget.
+
+There are no prefill and decode phases. Each request knows how many of its tokens have KV in the
+cache (`num_computed_tokens`) and how many exist (`num_tokens`); each step the scheduler lets
+requests catch up by some of the difference, running requests first (in admission order), then
+waiting ones, until the token budget (`max_num_batched_tokens`) or the sequence cap
+(`max_num_seqs`) is used up. A long prompt therefore becomes several chunks mixed with other
+requests' decodes, a decode is "catch up by one", and a resumed preempted request re-prefills its
+prompt and output. A request whose computed tokens reach its known tokens gets a sampled token.
+
+When the KV pool cannot hold a running request's next tokens, the most recently admitted running
+request is preempted (its blocks freed, recomputed later) rather than failing the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmserve.config import SchedulerConfig
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step: which requests run and by how many tokens each catches up."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended while planning (outgrew the pool)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests and not self.finished
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_scheduled_tokens.append(num_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stopped, length, aborted) and free its blocks at once."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- the step plan -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        now = time.monotonic()
+        for request in output.requests:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                if victim is request and len(self.running) == 1:
+                    # Alone and still too big: the pool can never hold it, so it ends here.
+                    self.finish_request(request, RequestStatus.FINISHED_LENGTH)
+                    output.finished.append(request)
+                    break
+                self._preempt(victim, output)
+                if victim is request:
+                    break
+            else:
+                output.add(request, num_new)
+                budget -= num_new
+                index += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv_cache.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.add(request, num_new)
+            budget -= num_new
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        """Recompute preemption: drop the KV; the request re-prefills prompt + output later."""
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        output.preempted.append(request)
+
+    # -- after the model ran -------------------------------------------------------------------
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests that hit a stop rule.
+
+        Returns the requests that received a new token this step (finished ones included).
+        """
+        now = time.monotonic()
+        updated = []
+        for request, num_tokens in zip(output.requests, output.num_scheduled_tokens, strict=True):
+            request.num_computed_tokens += num_tokens
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue  # a prefill chunk that has not reached the end of the known tokens
+            request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.finish_request(request, status)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens and (
+            token_id in request.eos_token_ids or token_id in params.stop_token_ids
+        ):
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

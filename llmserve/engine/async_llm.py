@@ -1,0 +1,171 @@
+"""The engine behind the HTTP server: one background loop that every request shares.
+
+The synchronous engine runs in its own thread (torch releases the GIL in its kernels, so the event
+loop stays responsive). Requests and aborts reach it through a thread-safe command queue, drained
+at the start of every step; outputs come back to each request's asyncio queue. A request's stream
+ends with its finished output, or with an exception if the engine failed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from llmserve.config import EngineArgs
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.metrics.stats import StepStats
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("llmserve")
+
+_IDLE_WAIT_SECONDS = 0.05
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLM:
+    def __init__(self, engine_args: EngineArgs) -> None:
+        self.engine = LLMEngine(engine_args)
+        self.tokenizer = self.engine.tokenizer
+        self.config = self.engine.config
+        self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- the API the server calls ------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Tokenize and validate now, so bad input fails before anything is queued."""
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.engine.validate_prompt(prompt_ids)
+        return prompt_ids
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs of one request; cancelling the iteration aborts it."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop has stopped")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.encode_prompt(prompt)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(_Add(request_id, prompt_ids, params, time.monotonic(), priority))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._commands.put(_Abort(request_id))
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopped.set()
+        self._thread.join(timeout)
+
+    # -- the engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # noqa: BLE001 - one bad step must not kill the server
+                logger.exception("engine step failed; failing the requests in flight")
+                self._fail_all(error)
+                continue
+            for output in outputs:
+                self._deliver(output.request_id, output)
+            self._notify(outputs)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_SECONDS) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+            return
+        if command.request_id not in self._streams:
+            return  # the client left before the request reached the engine
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt_ids, command.params, command.arrival_time, command.priority
+            )
+        except ValueError as error:
+            self._deliver(command.request_id, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, error)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _notify(self, outputs: list[RequestOutput]) -> None:
+        stats = self.engine.last_step
+        if stats is None:
+            return
+        for listener in self.step_listeners:
+            try:
+                listener(stats, outputs)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                logger.exception("step listener failed")

@@ -1,0 +1,154 @@
+"""The synchronous engine: add requests at any time, call `step()` until they finish.
+
+One step is three moves: the scheduler plans which requests catch up by how many tokens, the model
+runner executes that plan and samples, and the results update the requests and become outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from llmserve.config import EngineArgs, EngineConfig
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.output_processor import OutputProcessor
+from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
+from llmserve.metrics.stats import StepStats
+from llmserve.models.registry import build_model
+from llmserve.outputs import RequestOutput
+from llmserve.request import Request, RequestStatus
+from llmserve.sampling_params import SamplingParams
+from llmserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("llmserve")
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        start = time.monotonic()
+        path = resolve_model_path(args.model)
+        self.config: EngineConfig = args.create_config(load_arch_config(path), path)
+        self.tokenizer = load_tokenizer(path)
+        model = build_model(self.config.model, load_weights(path, self.config.model.dtype))
+        cache = self.config.cache
+        self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager)
+        self.model_runner = ModelRunner(self.config, model, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
+        self.last_step: StepStats | None = None
+        torch.manual_seed(self.config.model.seed)
+        self.startup_seconds = time.monotonic() - start
+        self._log_startup()
+
+    def _log_startup(self) -> None:
+        cache, model = self.config.cache, self.config.model
+        tokens = cache.num_blocks * cache.block_size
+        logger.info(
+            "model %s (%s, %s) ready in %.2f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), "
+            "max concurrency at max_model_len %d: %.2f sequences",
+            model.path, model.dtype, model.device, self.startup_seconds, cache.num_blocks, cache.block_size,
+            tokens, cache.kv_cache_memory / 2**20, model.max_model_len, tokens / model.max_model_len,
+        )
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request; raises ValueError (with the limits named) if it can never run."""
+        params = params or SamplingParams()
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(prompt_ids)
+        children = [
+            self._make_request(
+                request_id if params.n == 1 else f"{request_id}#{index}",
+                prompt_ids, params if params.n == 1 else params.child(index), arrival_time, priority,
+            )
+            for index in range(params.n)
+        ]
+        self.output_processor.add_request(request_id, text, children)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        max_len = self.config.model.max_model_len
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= max_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but the maximum context length (max_model_len) "
+                f"is {max_len}, which must leave room for at least one generated token"
+            )
+        if not self.kv_cache_manager.can_ever_fit(len(prompt_ids) + 1):
+            cache = self.config.cache
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but the whole KV cache holds only "
+                f"{cache.num_blocks * cache.block_size} tokens ({cache.num_blocks} blocks of "
+                f"{cache.block_size}); raise kv_cache_memory"
+            )
+        vocab = self.config.model.arch.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def _make_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time, priority: int
+    ) -> Request:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.config.model.device).manual_seed(params.seed)
+        return Request(request_id, prompt_ids, params, arrival_time, priority, self.eos_token_ids, generator)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish every unfinished child of the request and free its blocks; returns its last output."""
+        children = self.output_processor.children_of(request_id)
+        for child in children:
+            self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.abort(request_id) if children else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        outputs = self.output_processor.outputs_for(scheduled.finished)
+        num_sampled = 0
+        if scheduled.requests:
+            result = self.model_runner.execute(scheduled)
+            updated = self.scheduler.update_from_output(scheduled, result.sampled_token_ids)
+            outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)
+            num_sampled = len(result.sampled_token_ids)
+        self.last_step = self._step_stats(scheduled, num_sampled, time.monotonic() - start)
+        return outputs
+
+    def _step_stats(self, scheduled: SchedulerOutput, num_sampled: int, seconds: float) -> StepStats:
+        return StepStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_batched_seqs=len(scheduled.requests),
+            num_prompt_tokens=sum(
+                max(0, min(r.num_computed_tokens, r.num_prompt_tokens) - (r.num_computed_tokens - n))
+                for r, n in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True)
+            ),
+            num_generation_tokens=num_sampled,
+            num_preemptions=len(scheduled.preempted),
+            step_seconds=seconds,
+        )

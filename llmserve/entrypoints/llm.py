@@ -1,0 +1,87 @@
+"""The offline Python API: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from llmserve.config import EngineArgs
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Runs a batch of prompts through the engine with continuous batching and returns their outputs.
+
+    `model=None` serves the embedded default model (SmolLM2-135M-Instruct). Other keyword arguments
+    are `EngineArgs` fields (dtype, kv_cache_memory, max_model_len, max_num_batched_tokens, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        request_ids = []
+        for prompt, param, prio in zip(prompts, params, priorities, strict=True):
+            request_ids.append(str(next(self._ids)))
+            self.engine.add_request(request_ids[-1], prompt, param, priority=prio)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation (a list of role/content messages)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params

@@ -1,0 +1,17 @@
+"""Numbers the engine reports after each step, for logs and Prometheus."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepStats:
+    num_running: int  # requests running after the step
+    num_waiting: int  # requests waiting (new or preempted) after the step
+    kv_cache_usage: float  # fraction of KV blocks in use
+    num_batched_seqs: int  # requests that ran in the step
+    num_prompt_tokens: int  # prompt tokens computed in the step (a recompute counts its prompt again)
+    num_generation_tokens: int  # tokens sampled in the step
+    num_preemptions: int  # requests preempted in the step
+    step_seconds: float

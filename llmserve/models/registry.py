@@ -1,0 +1,33 @@
+"""Model classes by architecture name, and building one with its weights loaded."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.config import ModelConfig
+from llmserve.models.llama import LlamaForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Module:
+    """Construct on the meta device (no wasted init), materialize, then copy the weights in."""
+    model_cls = _MODELS.get(config.arch.architecture)
+    if model_cls is None:
+        raise ValueError(
+            f"unsupported architecture {config.arch.architecture!r}; supported: {supported_architectures()}"
+        )
+    with torch.device("meta"):
+        model = model_cls(config.arch, config.max_model_len, config.device)
+    model = model.to_empty(device=config.device).to(config.dtype)
+    model.load_weights(weights)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,52 @@
+"""Per-step batch metadata that attention layers read, set around each forward pass.
+
+Batching stays out of model code: the model sees a flat list of tokens and positions; only the
+attention layers look at how those tokens split into sequences and where their KV lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence with more than one query token this step (a prompt chunk or a recompute)."""
+
+    query_start: int  # first row of its queries in the flat token batch
+    query_end: int
+    context_slots: torch.Tensor  # [context_len] KV slots of positions 0..context_len-1 (new ones included)
+
+
+@dataclass
+class AttentionMetadata:
+    """The batch as attention needs it. Decode rows (one query token each) come first."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] KV slot each new token's K/V is written to
+    num_decode_tokens: int  # rows 0..num_decode_tokens-1 are single-token decodes
+    decode_context_slots: torch.Tensor | None  # [num_decodes, max_context] slots (padded)
+    decode_context_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where valid
+    prefills: list[PrefillSpan]
+
+
+_context: AttentionMetadata | None = None
+
+
+@contextmanager
+def set_forward_context(metadata: AttentionMetadata) -> Iterator[None]:
+    global _context
+    previous, _context = _context, metadata
+    try:
+        yield
+    finally:
+        _context = previous
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _context is None:
+        raise RuntimeError("attention called outside set_forward_context")
+    return _context

@@ -1,0 +1,174 @@
+"""Runs one engine step on the device: flat inputs from the scheduler's plan, forward, sample.
+
+The KV pool is one preallocated tensor [layers, 2, num_slots, kv_heads, head_dim]; each attention
+layer gets views of its K and V slices. Input bookkeeping is vectorized with numpy; the only Python
+loops are over requests (gathering their new token ids and block tables), never over tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from llmserve.config import EngineConfig
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.scheduler import SchedulerOutput
+from llmserve.request import Request
+from llmserve.sample.metadata import SamplingMetadata
+from llmserve.sample.sampler import Sampler, SamplerOutput
+from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]  # request id -> new token, for requests that caught up
+    logprobs: dict[str, dict[int, float]]  # request id -> top-N and sampled token log-probs
+
+
+@dataclass
+class _StepInputs:
+    requests: list[Request]  # in batch order (decodes first)
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    sample_rows: list[int]  # batch indices of requests that sample this step
+    logits_indices: torch.Tensor  # flat token index of each sampling request's last token
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.model = model
+        self.kv_cache_manager = kv_cache_manager
+        self.device = config.model.device
+        self.block_size = config.cache.block_size
+        self.vocab_size = config.model.arch.vocab_size
+        self.sampler = Sampler()
+        self.kv_cache = self._allocate_kv_cache()
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        arch, cache = self.config.model.arch, self.config.cache
+        layers = self.model.attention_layers()
+        kv_cache = torch.zeros(
+            len(layers), 2, cache.num_blocks * cache.block_size, arch.num_key_value_heads, arch.head_dim,
+            dtype=self.config.model.dtype, device=self.device,
+        )
+        for index, layer in enumerate(layers):
+            layer.key_cache, layer.value_cache = kv_cache[index, 0], kv_cache[index, 1]
+        return kv_cache
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        inputs = self._prepare_inputs(scheduled)
+        with set_forward_context(inputs.attention):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        if not inputs.sample_rows:
+            return ModelRunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sampling_requests = [inputs.requests[row] for row in inputs.sample_rows]
+        metadata = SamplingMetadata.build(
+            params=[r.sampling_params for r in sampling_requests],
+            prompt_token_ids=[r.prompt_token_ids for r in sampling_requests],
+            output_token_ids=[r.output_token_ids for r in sampling_requests],
+            generators=[r.generator for r in sampling_requests],
+            eos_token_ids=[r.eos_token_ids for r in sampling_requests],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        return self._to_output(sampling_requests, self.sampler(logits, metadata))
+
+    @staticmethod
+    def _to_output(requests: list[Request], sampled: SamplerOutput) -> ModelRunnerOutput:
+        token_ids = sampled.sampled_token_ids.tolist()  # the one host sync of the step
+        output = ModelRunnerOutput(
+            sampled_token_ids={r.request_id: t for r, t in zip(requests, token_ids, strict=True)},
+            logprobs={},
+        )
+        if sampled.logprobs is None:
+            return output
+        top_ids, top_values = sampled.logprobs_token_ids.tolist(), sampled.logprobs.tolist()
+        sampled_values = sampled.sampled_logprobs.tolist()
+        for row, request in enumerate(requests):
+            num = request.sampling_params.logprobs
+            if num is None:
+                continue
+            entry = dict(zip(top_ids[row][:num], top_values[row][:num], strict=True))
+            entry[token_ids[row]] = sampled_values[row]
+            output.logprobs[request.request_id] = entry
+        return output
+
+    def _prepare_inputs(self, scheduled: SchedulerOutput) -> _StepInputs:
+        # Single-token rows first so attention can batch them into one decode call.
+        order = sorted(range(len(scheduled.requests)), key=lambda i: scheduled.num_scheduled_tokens[i] != 1)
+        requests = [scheduled.requests[i] for i in order]
+        num_new = np.array([scheduled.num_scheduled_tokens[i] for i in order], dtype=np.int64)
+        computed = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+        seq_lens = computed + num_new
+        ends = np.cumsum(num_new)
+        starts = ends - num_new
+
+        token_ids: list[int] = []
+        for request, first, count in zip(requests, computed.tolist(), num_new.tolist(), strict=True):
+            token_ids.extend(request.all_token_ids[first : first + count])
+        positions = np.arange(ends[-1]) - np.repeat(starts - computed, num_new)
+        block_tables = self._block_tables(requests, int(seq_lens.max()))
+        token_rows = np.repeat(np.arange(len(requests)), num_new)
+        slot_mapping = self._slots(block_tables[token_rows, positions // self.block_size], positions)
+
+        sample_rows = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens]
+        to_device = self._to_device
+        return _StepInputs(
+            requests=requests,
+            input_ids=to_device(np.asarray(token_ids, dtype=np.int64)),
+            positions=to_device(positions),
+            attention=self._attention_metadata(block_tables, num_new, seq_lens, starts, slot_mapping),
+            sample_rows=sample_rows,
+            logits_indices=to_device(ends[sample_rows] - 1),
+        )
+
+    def _attention_metadata(self, block_tables, num_new, seq_lens, starts, slot_mapping) -> AttentionMetadata:
+        num_decodes = int(np.count_nonzero(num_new == 1))
+        decode_slots = decode_mask = None
+        if num_decodes:
+            context = np.arange(int(seq_lens[:num_decodes].max()))
+            decode_blocks = block_tables[:num_decodes][:, context // self.block_size]
+            decode_slots = self._slots(decode_blocks, context[None, :])
+            decode_mask = self._to_device(context[None, :] < seq_lens[:num_decodes, None])[:, None, None, :]
+            decode_slots = self._to_device(decode_slots)
+        prefills = [
+            PrefillSpan(
+                query_start=int(starts[i]),
+                query_end=int(starts[i] + num_new[i]),
+                context_slots=self._to_device(self._prefill_slots(block_tables[i], int(seq_lens[i]))),
+            )
+            for i in range(num_decodes, len(num_new))
+        ]
+        return AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping),
+            num_decode_tokens=num_decodes,
+            decode_context_slots=decode_slots,
+            decode_context_mask=decode_mask,
+            prefills=prefills,
+        )
+
+    def _prefill_slots(self, block_table: np.ndarray, seq_len: int) -> np.ndarray:
+        positions = np.arange(seq_len)
+        return self._slots(block_table[positions // self.block_size], positions)
+
+    def _block_tables(self, requests: list[Request], max_len: int) -> np.ndarray:
+        num_columns = -(-max_len // self.block_size)
+        tables = np.zeros((len(requests), num_columns), dtype=np.int64)
+        for row, request in enumerate(requests):
+            table = self.kv_cache_manager.get_block_table(request.request_id)[:num_columns]
+            tables[row, : len(table)] = table
+        return tables
+
+    def _slots(self, blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """KV slot of each position, given the block id holding it (same shapes)."""
+        return blocks * self.block_size + positions % self.block_size
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)

@@ -1,0 +1,66 @@
+"""Shared fixtures for end-to-end tests on the real default model (float32 unless stated)."""
+
+import os
+
+import pytest
+import torch
+
+from llmserve.model_loader import default_model_path
+
+PROMPT_TEXTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three prime numbers greater than one hundred:",
+]
+
+
+def long_text(num_words: int) -> str:
+    """Deterministic prose from the Python documentation shipped with the interpreter's stdlib."""
+    import inspect
+    import json
+
+    words = " ".join(inspect.getdoc(m) or "" for m in (json, os, inspect, pytest)).split()
+    return " ".join((words * (num_words // max(len(words), 1) + 1))[:num_words])
+
+
+@pytest.fixture(scope="session")
+def prompts_5_to_600(default_tokenizer) -> list[list[int]]:
+    """Eight prompts from 5 to about 600 tokens."""
+    texts = PROMPT_TEXTS + [long_text(n) for n in (40, 120, 250, 450)]
+    ids = [default_tokenizer.encode(t) for t in texts]
+    ids[-1] = ids[-1][:600]
+    return ids
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    from llmserve.model_loader import load_tokenizer
+
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def hf_model_fp32():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    from llmserve import LLM
+
+    return LLM(dtype="float32", kv_cache_memory="512MiB")
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), pad_token_id=2,
+        )
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,50 @@
+"""The same greedy tokens whatever the schedule: chunked or not, preempted or not, alone or batched."""
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+
+from .conftest import long_text
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(llm_fp32, prompts_5_to_600):
+    """Whole prompts in one step each (no chunking), a pool large enough never to preempt."""
+    outputs = llm_fp32.generate(prompts_5_to_600, GREEDY, use_tqdm=False)
+    assert llm_fp32.engine.scheduler.num_preemptions == 0
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_chunked_prefill_with_a_tiny_token_budget(prompts_5_to_600, reference):
+    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=37)
+    outputs = llm.generate(prompts_5_to_600, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+
+
+def test_chunked_prefill_off(prompts_5_to_600, reference):
+    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=4096,
+              enable_chunked_prefill=False, max_model_len=4096)
+    outputs = llm.generate(prompts_5_to_600, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+
+
+def test_preemption_forced_by_a_tiny_kv_pool(prompts_5_to_600, reference):
+    llm = LLM(dtype="float32", num_kv_blocks=48, block_size=16)  # 768 tokens for ~1,500 needed
+    outputs = llm.generate(prompts_5_to_600, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    llm.engine.kv_cache_manager.check_integrity()
+    assert llm.engine.kv_cache_manager.pool.num_free_blocks == 48
+
+
+def test_one_prompt_alone_equals_the_same_prompt_in_a_batch_of_32(llm_fp32, default_tokenizer):
+    prompts = [default_tokenizer.encode(long_text(8 + 13 * i)) for i in range(32)]
+    batched = llm_fp32.generate(prompts, GREEDY, use_tqdm=False)
+    for index in (0, 13, 31):
+        alone = llm_fp32.generate([prompts[index]], GREEDY, use_tqdm=False)
+        assert alone[0].outputs[0].token_ids == batched[index].outputs[0].token_ids
