@@ -56,6 +56,7 @@ class CacheConfig:
     block_size: int  # tokens per KV block
     num_blocks: int  # blocks in the preallocated pool
     kv_cache_memory: int  # bytes the pool takes (K and V, all layers)
+    enable_prefix_caching: bool = True  # reuse computed KV blocks of identical token prefixes
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class EngineArgs:
     max_num_batched_tokens: int = _arg(2048, "token budget of one engine step (prefill chunks + decodes)")
     max_num_seqs: int = _arg(128, "most requests running at once")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps, mixed with decodes")
+    prefix_caching: bool = _arg(True, "reuse the KV of identical prompt prefixes (automatic prefix caching)")
     seed: int = _arg(0, "seed for requests that sample without their own seed")
 
     def create_config(self, arch: ModelArchConfig, model_path: str) -> EngineConfig:
@@ -128,6 +130,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 num_blocks=num_blocks,
                 kv_cache_memory=num_blocks * self.block_size * bytes_per_token,
+                enable_prefix_caching=self.prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,

@@ -5,7 +5,7 @@ queue) or in use (ref count > 0, not in the queue); free + used = total.
 
 The free queue is an ordered dict so that a block can be taken out of its middle in O(1): the prefix
 cache keeps freed-but-still-valid blocks in the queue (least recently freed first) and revives one on
-a hit.
+a hit. A cached block is evicted (its hash forgotten) only when `allocate` hands it out again.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block holding that content
+        self._block_keys: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (hash, its tokens)
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,7 +45,40 @@ class BlockPool:
         blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
         for block in blocks:
             self.ref_counts[block] = 1
+            self._evict(block)
         return blocks
+
+    # -- prefix cache -------------------------------------------------------------------------------
+
+    def cache_block(self, block: int, block_hash: bytes, tokens: tuple[int, ...]) -> None:
+        """Remember that `block` holds the KV of a full block with this hash (first holder wins)."""
+        if block_hash not in self._cached and block not in self._block_keys:
+            self._cached[block_hash] = block
+            self._block_keys[block] = (block_hash, tokens)
+
+    def lookup(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:
+        """The cached block with this hash, if its tokens match too (a collision never hits)."""
+        block = self._cached.get(block_hash)
+        if block is None or self._block_keys[block][1] != tokens:
+            return None
+        return block
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._block_keys
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def _evict(self, block: int) -> None:
+        key = self._block_keys.pop(block, None)
+        if key is not None:
+            del self._cached[key[0]]
+            self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> None:
+        self._cached.clear()
+        self._block_keys.clear()
 
     def incref(self, blocks: Iterable[int]) -> None:
         """Share blocks: a free block (a prefix-cache hit) leaves the free queue."""
@@ -72,3 +108,5 @@ class BlockPool:
         for block, count in enumerate(self.ref_counts):
             assert count >= 0, f"block {block} has ref count {count}"
             assert (count == 0) == (block in free), f"block {block}: ref {count}, free={block in free}"
+        assert all(self._block_keys[b][0] == h for h, b in self._cached.items()), "cache index is stale"
+        assert len(self._cached) == len(self._block_keys), "cache index is stale"

@@ -5,8 +5,9 @@ cache (`num_computed_tokens`) and how many exist (`num_tokens`); each step the s
 requests catch up by some of the difference, running requests first (in admission order), then
 waiting ones, until the token budget (`max_num_batched_tokens`) or the sequence cap
 (`max_num_seqs`) is used up. A long prompt therefore becomes several chunks mixed with other
-requests' decodes, a decode is "catch up by one", and a resumed preempted request re-prefills its
-prompt and output. A request whose computed tokens reach its known tokens gets a sampled token.
+requests' decodes, a decode is "catch up by one", a prefix-cache hit starts a request with some
+tokens already computed, and a resumed preempted request re-prefills its prompt and output (from
+the prefix cache where its blocks survived). A request whose computed tokens reach its known tokens gets a sampled token.
 
 When the KV pool cannot hold a running request's next tokens, the most recently admitted running
 request is preempted (its blocks freed, recomputed later) rather than failing the step.
@@ -71,6 +72,7 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic()
         self.kv_cache.free(request)
+        self.kv_cache.forget(request)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -121,14 +123,20 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
+            cached_blocks = self.kv_cache.get_computed_blocks(request)
+            num_cached = len(cached_blocks) * self.kv_cache.block_size
+            num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv_cache.allocate_slots(request, num_new):
+            if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
                 break
             self.waiting.popleft()
+            self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.add(request, num_new)
@@ -158,6 +166,7 @@ class Scheduler:
         updated = []
         for request, num_tokens in zip(output.requests, output.num_scheduled_tokens, strict=True):
             request.num_computed_tokens += num_tokens
+            self.kv_cache.cache_computed_blocks(request)
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue  # a prefill chunk that has not reached the end of the known tokens

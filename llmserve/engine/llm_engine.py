@@ -35,7 +35,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path)
         model = build_model(self.config.model, load_weights(path, self.config.model.dtype))
         cache = self.config.cache
-        self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size)
+        self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager)
         self.model_runner = ModelRunner(self.config, model, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
