@@ -65,6 +65,8 @@ class SchedulerConfig:
     max_num_seqs: int  # most requests running at once
     max_model_len: int  # longest prompt + output
     enable_chunked_prefill: bool = True  # split long prompts across steps, mixed with decodes
+    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower priority value = more urgent)
+    priority_aging_seconds: float = 10.0  # waiting this long improves a request's priority by one
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ class EngineArgs:
     max_num_batched_tokens: int = _arg(2048, "token budget of one engine step (prefill chunks + decodes)")
     max_num_seqs: int = _arg(128, "most requests running at once")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps, mixed with decodes")
+    scheduling_policy: str = _arg("fcfs", "fcfs | priority (lower priority value runs first; aging avoids starvation)")
+    priority_aging_seconds: float = _arg(10.0, "waiting this many seconds improves a request's priority by one")
     prefix_caching: bool = _arg(True, "reuse the KV of identical prompt prefixes (automatic prefix caching)")
     seed: int = _arg(0, "seed for requests that sample without their own seed")
 
@@ -114,6 +118,10 @@ class EngineArgs:
                 f"kv_cache_memory={self.kv_cache_memory} holds no block of {self.block_size} tokens "
                 f"({bytes_per_token * self.block_size} bytes each)"
             )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.priority_aging_seconds <= 0:
+            raise ValueError("priority_aging_seconds must be > 0")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
@@ -137,6 +145,8 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                scheduling_policy=self.scheduling_policy,
+                priority_aging_seconds=self.priority_aging_seconds,
             ),
         )
 

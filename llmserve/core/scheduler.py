@@ -9,18 +9,20 @@ requests' decodes, a decode is "catch up by one", a prefix-cache hit starts a re
 tokens already computed, and a resumed preempted request re-prefills its prompt and output (from
 the prefix cache where its blocks survived). A request whose computed tokens reach its known tokens gets a sampled token.
 
-When the KV pool cannot hold a running request's next tokens, the most recently admitted running
-request is preempted (its blocks freed, recomputed later) rather than failing the step.
+When the KV pool cannot hold a running request's next tokens, the least urgent running request
+(FCFS: the most recently admitted) is preempted (its blocks freed, recomputed later) rather than
+failing the step. Under the priority policy a waiting request that is more urgent than a running
+one, and does not fit, preempts it too (see request_queue.py for the order and its aging rule).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from llmserve.config import SchedulerConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.request_queue import PriorityQueue, create_request_queue
 from llmserve.request import Request, RequestStatus
 
 
@@ -50,15 +52,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache = kv_cache_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting = create_request_queue(config.scheduling_policy, config.priority_aging_seconds)
+        self.running: list[Request] = []  # admission order (FCFS) or most urgent first (priority)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # -- queue management -------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add(request)
         self.requests[request.request_id] = request
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -90,8 +92,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        if isinstance(self.waiting, PriorityQueue):
+            self.running.sort(key=self.waiting.key)
+            self._preempt_for_urgent_waiting(output)
+        num_preempted_before = len(output.preempted)
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        if not output.preempted:
+        if len(output.preempted) == num_preempted_before:  # no KV pressure from running requests
             self._schedule_waiting(output, budget)
         now = time.monotonic()
         for request in output.requests:
@@ -120,9 +126,30 @@ class Scheduler:
                 index += 1
         return budget
 
+    def _preempt_for_urgent_waiting(self, output: SchedulerOutput) -> None:
+        """Priority policy: evict less urgent running requests while the most urgent waiting one
+        cannot be admitted (no sequence slot or not enough blocks for its prompt)."""
+        key = self.waiting.key
+        while self.waiting and self.running:
+            head, victim = self.waiting.peek(), self.running[-1]
+            if key(victim) <= key(head) or self._fits(head):
+                return
+            self._preempt(victim, output)
+
+    def _fits(self, request: Request) -> bool:
+        """Whether the request's whole prompt fits beside the running requests' next tokens."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        kv = self.kv_cache
+        running_needs = sum(
+            max(0, kv.blocks_for(r.num_tokens) - len(kv.get_block_table(r.request_id))) for r in self.running
+        )
+        needed = kv.blocks_for(request.num_tokens) - len(kv.get_computed_blocks(request))
+        return running_needs + needed <= kv.pool.num_free_blocks
+
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             cached_blocks = self.kv_cache.get_computed_blocks(request)
             num_cached = len(cached_blocks) * self.kv_cache.block_size
             num_new = request.num_tokens - num_cached
@@ -132,7 +159,7 @@ class Scheduler:
                 num_new = budget
             if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:
@@ -150,7 +177,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
         output.preempted.append(request)
 
     # -- after the model ran -------------------------------------------------------------------
