@@ -36,8 +36,8 @@ class ModelArchConfig:
     sliding_window: int | None = None
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token across all layers, in float32 units (times dtype size / 4)."""
+    def kv_elements_per_token(self) -> int:
+        """Elements of K and V for one token across all layers (times the dtype size for bytes)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
 
@@ -57,6 +57,7 @@ class CacheConfig:
     num_blocks: int  # blocks in the preallocated pool
     kv_cache_memory: int  # bytes the pool takes (K and V, all layers)
     enable_prefix_caching: bool = True  # reuse computed KV blocks of identical token prefixes
+    num_swap_blocks: int = 0  # blocks of CPU swap space for preempted requests
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True  # split long prompts across steps, mixed with decodes
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower priority value = more urgent)
     priority_aging_seconds: float = 10.0  # waiting this long improves a request's priority by one
+    preemption_mode: str = "auto"  # "recompute", "swap" (to CPU) or "auto" (cheaper by estimate)
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps, mixed with decodes")
     scheduling_policy: str = _arg("fcfs", "fcfs | priority (lower priority value runs first; aging avoids starvation)")
     priority_aging_seconds: float = _arg(10.0, "waiting this many seconds improves a request's priority by one")
+    preemption_mode: str = _arg("auto", "recompute | swap | auto: how to preempt (auto: cheaper by cost estimate)")
+    swap_space: int | str = _arg("1GiB", "CPU memory for the KV of requests preempted by swapping")
     prefix_caching: bool = _arg(True, "reuse the KV of identical prompt prefixes (automatic prefix caching)")
     seed: int = _arg(0, "seed for requests that sample without their own seed")
 
@@ -108,7 +112,7 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        bytes_per_token = arch.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+        bytes_per_token = arch.kv_elements_per_token * torch.tensor([], dtype=dtype).element_size()
         if self.num_kv_blocks is not None:
             num_blocks = self.num_kv_blocks
         else:
@@ -120,6 +124,8 @@ class EngineArgs:
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
         if self.priority_aging_seconds <= 0:
             raise ValueError("priority_aging_seconds must be > 0")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -139,6 +145,7 @@ class EngineArgs:
                 num_blocks=num_blocks,
                 kv_cache_memory=num_blocks * self.block_size * bytes_per_token,
                 enable_prefix_caching=self.prefix_caching,
+                num_swap_blocks=parse_bytes(self.swap_space) // (bytes_per_token * self.block_size),
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -147,6 +154,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 scheduling_policy=self.scheduling_policy,
                 priority_aging_seconds=self.priority_aging_seconds,
+                preemption_mode=self.preemption_mode,
             ),
         )
 

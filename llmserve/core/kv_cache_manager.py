@@ -37,11 +37,15 @@ def hash_block(parent_hash: bytes, tokens: tuple[int, ...], extra_key: bytes = b
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_swap_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks else None  # CPU swap space
         self.block_tables: dict[str, list[int]] = {}
+        self.swapped_tables: dict[str, list[int]] = {}  # request id -> its blocks in the swap space
         self._block_hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already in the cache
         self.prefix_cache_queries = 0  # prompt tokens looked up
@@ -138,10 +142,44 @@ class KVCacheManager:
         self._num_registered.pop(rid, None)
         if table:
             self.pool.free(reversed(table))
+        swapped = self.swapped_tables.pop(rid, None)
+        if swapped:
+            self.swap_pool.free(swapped)
 
     def forget(self, request: Request) -> None:
         """Drop the request's cached hashes once it is finished for good."""
         self._block_hashes.pop(request.request_id, None)
+
+    # -- swapping ---------------------------------------------------------------------------------------
+
+    def can_swap_out(self, request: Request) -> bool:
+        table = self.block_tables.get(request.request_id, [])
+        return self.swap_pool is not None and 0 < len(table) <= self.swap_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to the swap space; returns (device block, swap block) copies."""
+        table = self.block_tables.pop(request.request_id)
+        self._num_registered.pop(request.request_id, None)
+        swap_blocks = self.swap_pool.allocate(len(table))
+        self.swapped_tables[request.request_id] = swap_blocks
+        self.pool.free(reversed(table))
+        return list(zip(table, swap_blocks, strict=True))
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self.swapped_tables
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back with room for `num_new_tokens` more; returns (swap block,
+        device block) copies, or None (and changes nothing) if the pool lacks the blocks."""
+        swap_blocks = self.swapped_tables[request.request_id]
+        total = self.blocks_for(request.num_computed_tokens + num_new_tokens)
+        if total > self.pool.num_free_blocks:
+            return None
+        device_blocks = self.pool.allocate(total)
+        self.block_tables[request.request_id] = device_blocks
+        del self.swapped_tables[request.request_id]
+        self.swap_pool.free(swap_blocks)
+        return list(zip(swap_blocks, device_blocks, strict=False))
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -149,6 +187,13 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Every used block is owned by exactly its ref count of tables; free + used = total."""
         self.pool.check_integrity()
+        if self.swap_pool is not None:
+            self.swap_pool.check_integrity()
+            swap_owners = [0] * self.swap_pool.num_blocks
+            for table in self.swapped_tables.values():
+                for block in table:
+                    swap_owners[block] += 1
+            assert swap_owners == self.swap_pool.ref_counts, "swap tables and ref counts disagree"
         owners = [0] * self.pool.num_blocks
         for table in self.block_tables.values():
             for block in table:

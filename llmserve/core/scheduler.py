@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from llmserve.config import SchedulerConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.request_queue import PriorityQueue, create_request_queue
 from llmserve.request import Request, RequestStatus
 
@@ -34,6 +35,8 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # ended while planning (outgrew the pool)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, swap block) copies
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block) copies
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -41,7 +44,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests and not self.finished
+        return not (self.requests or self.finished or self.swap_out or self.swap_in)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.requests.append(request)
@@ -49,13 +52,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        preemption_costs: PreemptionCosts | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache_manager
+        self.preemption_costs = preemption_costs
         self.waiting = create_request_queue(config.scheduling_policy, config.priority_aging_seconds)
         self.running: list[Request] = []  # admission order (FCFS) or most urgent first (priority)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.preemptions_by_mode = {"recompute": 0, "swap": 0}
+        self.num_swapped_out_blocks = 0
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -150,6 +161,11 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if self.kv_cache.is_swapped(request):
+                if not self._swap_in(request, output, budget):
+                    break
+                budget -= output.num_scheduled_tokens[-1]
+                continue
             cached_blocks = self.kv_cache.get_computed_blocks(request)
             num_cached = len(cached_blocks) * self.kv_cache.block_size
             num_new = request.num_tokens - num_cached
@@ -169,16 +185,43 @@ class Scheduler:
             output.add(request, num_new)
             budget -= num_new
 
+    def _swap_in(self, request: Request, output: SchedulerOutput, budget: int) -> bool:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        moves = self.kv_cache.swap_in(request, num_new)
+        if moves is None:
+            return False
+        output.swap_in.extend(moves)
+        self.waiting.pop()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        output.add(request, num_new)
+        return True
+
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
-        """Recompute preemption: drop the KV; the request re-prefills prompt + output later."""
+        """Swap the request's KV to CPU, or drop it to re-prefill prompt + output later."""
         self.running.remove(request)
-        self.kv_cache.free(request)
+        if self._should_swap(request):
+            moves = self.kv_cache.swap_out(request)
+            output.swap_out.extend(moves)
+            self.num_swapped_out_blocks += len(moves)
+            self.preemptions_by_mode["swap"] += 1
+        else:
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0
+            self.preemptions_by_mode["recompute"] += 1
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
         output.preempted.append(request)
+
+    def _should_swap(self, request: Request) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.kv_cache.can_swap_out(request):
+            return False
+        if mode == "swap" or self.preemption_costs is None:
+            return True
+        return self.preemption_costs.prefer_swap(request.num_computed_tokens)
 
     # -- after the model ran -------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import torch
 
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
@@ -35,8 +36,10 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path)
         model = build_model(self.config.model, load_weights(path, self.config.model.dtype))
         cache = self.config.cache
-        self.kv_cache_manager = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager)
+        self.kv_cache_manager = KVCacheManager(
+            cache.num_blocks, cache.block_size, cache.enable_prefix_caching, cache.num_swap_blocks
+        )
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager, self._preemption_costs(model))
         self.model_runner = ModelRunner(self.config, model, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
@@ -44,6 +47,15 @@ class LLMEngine:
         torch.manual_seed(self.config.model.seed)
         self.startup_seconds = time.monotonic() - start
         self._log_startup()
+
+    def _preemption_costs(self, model) -> PreemptionCosts:
+        model_config = self.config.model
+        element_size = torch.tensor([], dtype=model_config.dtype).element_size()
+        return PreemptionCosts(
+            flops_per_token=2.0 * sum(p.numel() for p in model.parameters()),
+            kv_bytes_per_token=model_config.arch.kv_elements_per_token * element_size,
+            device_type=model_config.device.type,
+        )
 
     def _log_startup(self) -> None:
         cache, model = self.config.cache, self.config.model
@@ -129,6 +141,7 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         outputs = self.output_processor.outputs_for(scheduled.finished)
+        self.model_runner.move_blocks(scheduled.swap_out, scheduled.swap_in)
         num_sampled = 0
         if scheduled.requests:
             result = self.model_runner.execute(scheduled)

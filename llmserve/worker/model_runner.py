@@ -48,6 +48,16 @@ class ModelRunner:
         self.vocab_size = config.model.arch.vocab_size
         self.sampler = Sampler()
         self.kv_cache = self._allocate_kv_cache()
+        cache = config.cache
+        # Block-granular views for swapping: [layers, 2, blocks, block_size, kv_heads, head_dim].
+        self.kv_blocks = self.kv_cache.view(*self.kv_cache.shape[:2], cache.num_blocks, cache.block_size,
+                                            *self.kv_cache.shape[3:])
+        self.swap_space = None
+        if cache.num_swap_blocks:
+            self.swap_space = torch.empty(
+                *self.kv_blocks.shape[:2], cache.num_swap_blocks, *self.kv_blocks.shape[3:],
+                dtype=self.kv_cache.dtype, device="cpu", pin_memory=self.device.type == "cuda",
+            )
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         arch, cache = self.config.model.arch, self.config.cache
@@ -59,6 +69,17 @@ class ModelRunner:
         for index, layer in enumerate(layers):
             layer.key_cache, layer.value_cache = kv_cache[index, 0], kv_cache[index, 1]
         return kv_cache
+
+    @torch.inference_mode()
+    def move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy preempted requests' blocks to the swap space and resumed ones back, before the
+        step's forward writes into blocks the swap-outs just released."""
+        if swap_out:
+            device_blocks, swap_blocks = map(list, zip(*swap_out, strict=True))
+            self.swap_space[:, :, swap_blocks] = self.kv_blocks[:, :, device_blocks].to("cpu")
+        if swap_in:
+            swap_blocks, device_blocks = map(list, zip(*swap_in, strict=True))
+            self.kv_blocks[:, :, device_blocks] = self.swap_space[:, :, swap_blocks].to(self.device)
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
