@@ -63,6 +63,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache on admission
+        self.fork_source: Request | None = None  # sibling whose prompt KV this parallel sample shares
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None

@@ -50,6 +50,7 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already in the cache
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of which found in the cache
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) blocks
 
     @property
     def num_blocks(self) -> int:
@@ -121,13 +122,24 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make room for `num_new_tokens` after the computed tokens (and after `computed_blocks`, a
-        prefix-cache hit being adopted by a new request); all or nothing."""
+        prefix-cache hit being adopted by a new request); all or nothing.
+
+        If the first block to be written is shared (a fork's partial last block), it is copied
+        first: the copy is queued in `pending_copies` for the model runner.
+        """
         table = self.block_tables.setdefault(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         needed = self.blocks_for(num_tokens) - len(table) - len(computed_blocks)
         revived = sum(1 for block in computed_blocks if self.pool.ref_counts[block] == 0)
-        if max(needed, 0) + revived > self.pool.num_free_blocks:
+        write_index = request.num_computed_tokens // self.block_size
+        copy_on_write = write_index < len(table) and self.pool.ref_counts[table[write_index]] > 1
+        if max(needed, 0) + revived + copy_on_write > self.pool.num_free_blocks:
             return False
+        if copy_on_write:
+            (private,) = self.pool.allocate(1)
+            self.pending_copies.append((table[write_index], private))
+            self.pool.free([table[write_index]])
+            table[write_index] = private
         if computed_blocks:
             self.pool.incref(computed_blocks)
             table.extend(computed_blocks)
@@ -135,6 +147,19 @@ class KVCacheManager:
         if needed > 0:
             table.extend(self.pool.allocate(needed))
         return True
+
+    def fork(self, source: Request, child: Request, num_tokens: int) -> None:
+        """Let `child` share the blocks holding `source`'s first `num_tokens` tokens (parallel
+        samples of one prompt). Blocks are reference counted; a shared partial block is copied by
+        whichever request writes into it first."""
+        shared = self.block_tables[source.request_id][: self.blocks_for(num_tokens)]
+        self.pool.incref(shared)
+        self.block_tables[child.request_id] = list(shared)
+        self._num_registered[child.request_id] = num_tokens // self.block_size
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, request: Request) -> None:
         rid = request.request_id

@@ -37,6 +37,7 @@ class SchedulerOutput:
     finished: list[Request] = field(default_factory=list)  # ended while planning (outgrew the pool)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, swap block) copies
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block) copies
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, dest)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -44,7 +45,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.requests or self.finished or self.swap_out or self.swap_in)
+        return not (self.requests or self.finished or self.swap_out or self.swap_in or self.block_copies)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.requests.append(request)
@@ -110,6 +111,7 @@ class Scheduler:
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if len(output.preempted) == num_preempted_before:  # no KV pressure from running requests
             self._schedule_waiting(output, budget)
+        output.block_copies = self.kv_cache.take_pending_copies()
         now = time.monotonic()
         for request in output.requests:
             if request.first_scheduled_time is None:
@@ -166,6 +168,12 @@ class Scheduler:
                     break
                 budget -= output.num_scheduled_tokens[-1]
                 continue
+            source = request.fork_source
+            if source is not None and source.status == RequestStatus.RUNNING:
+                if source.num_computed_tokens < request.num_prompt_tokens or not self._fork(request, output, budget):
+                    break  # wait for the sibling computing the shared prompt, or for room
+                budget -= output.num_scheduled_tokens[-1]
+                continue
             cached_blocks = self.kv_cache.get_computed_blocks(request)
             num_cached = len(cached_blocks) * self.kv_cache.block_size
             num_new = request.num_tokens - num_cached
@@ -184,6 +192,23 @@ class Scheduler:
             self.running.append(request)
             output.add(request, num_new)
             budget -= num_new
+
+    def _fork(self, request: Request, output: SchedulerOutput, budget: int) -> bool:
+        """Admit a parallel sample on its sibling's prompt blocks; only the last prompt token (for
+        its own logits) and any output of its own are computed."""
+        shared = request.num_prompt_tokens - 1
+        self.kv_cache.fork(request.fork_source, request, shared)
+        request.num_computed_tokens = shared
+        num_new = min(request.num_tokens - shared, budget)
+        if not self.kv_cache.allocate_slots(request, num_new):
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0
+            return False
+        self.waiting.pop()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        output.add(request, num_new)
+        return True
 
     def _swap_in(self, request: Request, output: SchedulerOutput, budget: int) -> bool:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)

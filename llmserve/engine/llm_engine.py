@@ -91,6 +91,8 @@ class LLMEngine:
             )
             for index in range(params.n)
         ]
+        for child in children[1:]:
+            child.fork_source = children[0]  # parallel samples share the prompt's KV blocks
         self.output_processor.add_request(request_id, text, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -141,7 +143,7 @@ class LLMEngine:
         if scheduled.is_empty:
             return []
         outputs = self.output_processor.outputs_for(scheduled.finished)
-        self.model_runner.move_blocks(scheduled.swap_out, scheduled.swap_in)
+        self.model_runner.move_blocks(scheduled)
         num_sampled = 0
         if scheduled.requests:
             result = self.model_runner.execute(scheduled)

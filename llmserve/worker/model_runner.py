@@ -71,15 +71,19 @@ class ModelRunner:
         return kv_cache
 
     @torch.inference_mode()
-    def move_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Copy preempted requests' blocks to the swap space and resumed ones back, before the
-        step's forward writes into blocks the swap-outs just released."""
+    def move_blocks(self, scheduled: SchedulerOutput) -> None:
+        """Copy preempted requests' blocks to the swap space, resumed ones back, and shared blocks
+        about to be written (copy-on-write), before the step's forward writes into any of them."""
+        swap_out, swap_in, copies = scheduled.swap_out, scheduled.swap_in, scheduled.block_copies
         if swap_out:
             device_blocks, swap_blocks = map(list, zip(*swap_out, strict=True))
             self.swap_space[:, :, swap_blocks] = self.kv_blocks[:, :, device_blocks].to("cpu")
         if swap_in:
             swap_blocks, device_blocks = map(list, zip(*swap_in, strict=True))
             self.kv_blocks[:, :, device_blocks] = self.swap_space[:, :, swap_blocks].to(self.device)
+        if copies:
+            sources, destinations = map(list, zip(*copies, strict=True))
+            self.kv_blocks[:, :, destinations] = self.kv_blocks[:, :, sources]
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
