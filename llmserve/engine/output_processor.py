@@ -94,6 +94,7 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
             finished=finished,
+            num_cached_tokens=first.num_cached_tokens or 0,
             metrics=RequestMetrics(
                 arrival_time=first.arrival_time,
                 first_scheduled_time=first.first_scheduled_time,

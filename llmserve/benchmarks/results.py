@@ -1,0 +1,130 @@
+"""What every benchmark shares: run metadata, JSON result files, plain-text tables, figures.
+
+A number without the machine, command, date and commit that produced it cannot be compared later,
+so every result file carries them next to the measurements.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = "bench_results"
+
+
+def git_commit(start: str | os.PathLike = ".") -> str | None:
+    """The checked-out commit, read from .git without running git (None outside a checkout)."""
+    for folder in [Path(start).resolve(), *Path(start).resolve().parents]:
+        git_dir = folder / ".git"
+        if git_dir.is_dir():
+            return _resolve_head(git_dir)
+    return None
+
+
+def _resolve_head(git_dir: Path) -> str | None:
+    head = (git_dir / "HEAD").read_text().strip()
+    if not head.startswith("ref: "):
+        return head  # detached HEAD holds the commit itself
+    ref = head[len("ref: ") :]
+    loose = git_dir / ref
+    if loose.is_file():
+        return loose.read_text().strip()
+    packed = git_dir / "packed-refs"
+    if packed.is_file():
+        for line in packed.read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0]
+    return None  # a branch without commits yet
+
+
+def machine_description(device: torch.device | str | None = None) -> dict[str, Any]:
+    """Hardware and software that the numbers depend on."""
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device is not None and torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def run_metadata(benchmark: str, device: torch.device | str | None = None) -> dict[str, Any]:
+    return {
+        "benchmark": benchmark,
+        "command": " ".join(["llmserve", *sys.argv[1:]]) if sys.argv else "",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "machine": machine_description(device),
+    }
+
+
+def default_output_path(benchmark: str) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path(RESULTS_DIR) / f"{benchmark}-{stamp}.json"
+
+
+def write_result(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy and torch scalars
+        return value.item()
+    if isinstance(value, float | int | str | bool) or value is None:
+        return value
+    raise TypeError(f"cannot write {type(value).__name__} to a result file")
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """Rows as an aligned text table; floats get at most 4 significant decimals."""
+    cells = [[_format_cell(row.get(column)) for column in columns] for row in rows]
+    widths = [max(len(column), *(len(r[i]) for r in cells)) for i, column in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(lines)
+
+
+def _format_cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) >= 100 else f"{value:.4g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def pyplot():
+    """matplotlib.pyplot on a file-only backend, imported only when a figure is asked for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot().close(figure)
+    return path
