@@ -85,21 +85,34 @@ def _arg(default, help_text: str):
 
 @dataclass
 class EngineArgs:
-    """User-facing engine options (CLI flags and `LLM(...)` keyword arguments), resolved by `create_config`."""
+    """User-facing engine options (CLI flags and `LLM(...)` keyword arguments).
 
-    model: str | None = _arg(None, "GGUF file or HF model directory; default: the embedded SmolLM2-135M-Instruct")
+    `create_config` resolves them into the frozen per-concern configs.
+    """
+
+    model: str | None = _arg(
+        None, "GGUF file or HF model directory; default: the embedded SmolLM2-135M-Instruct"
+    )
     dtype: str = _arg("auto", "float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on CUDA)")
     device: str = _arg("auto", "cpu | cuda | auto")
-    max_model_len: int | None = _arg(None, "longest prompt + output; default: the model's context, at most 4096")
+    max_model_len: int | None = _arg(
+        None, "longest prompt + output; default: the model's context, at most 4096"
+    )
     block_size: int = _arg(16, "tokens per KV-cache block")
     kv_cache_memory: int | str = _arg("1GiB", "KV-cache pool size: bytes or with a unit (512MiB, 2GiB)")
     num_kv_blocks: int | None = _arg(None, "exact KV pool size in blocks (overrides kv_cache_memory)")
     max_num_batched_tokens: int = _arg(2048, "token budget of one engine step (prefill chunks + decodes)")
     max_num_seqs: int = _arg(128, "most requests running at once")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps, mixed with decodes")
-    scheduling_policy: str = _arg("fcfs", "fcfs | priority (lower priority value runs first; aging avoids starvation)")
-    priority_aging_seconds: float = _arg(10.0, "waiting this many seconds improves a request's priority by one")
-    preemption_mode: str = _arg("auto", "recompute | swap | auto: how to preempt (auto: cheaper by cost estimate)")
+    scheduling_policy: str = _arg(
+        "fcfs", "fcfs | priority (lower priority value runs first; aging avoids starvation)"
+    )
+    priority_aging_seconds: float = _arg(
+        10.0, "waiting this many seconds improves a request's priority by one"
+    )
+    preemption_mode: str = _arg(
+        "auto", "recompute | swap | auto: how to preempt (auto: cheaper by cost estimate)"
+    )
     swap_space: int | str = _arg("1GiB", "CPU memory for the KV of requests preempted by swapping")
     prefix_caching: bool = _arg(True, "reuse the KV of identical prompt prefixes (automatic prefix caching)")
     seed: int = _arg(0, "seed for requests that sample without their own seed")
@@ -137,7 +150,11 @@ class EngineArgs:
             )
         return EngineConfig(
             model=ModelConfig(
-                path=model_path, arch=arch, dtype=dtype, max_model_len=max_model_len, device=device,
+                path=model_path,
+                arch=arch,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                device=device,
                 seed=self.seed,
             ),
             cache=CacheConfig(

@@ -68,9 +68,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def child(self, index: int) -> SamplingParams:
         """Parameters for the index-th of n parallel samples: n=1 and a distinct derived seed."""

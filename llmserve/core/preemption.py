@@ -24,7 +24,9 @@ class PreemptionCosts:
     device_type: str = "cpu"
 
     def recompute_seconds(self, num_tokens: int) -> float:
-        return num_tokens * self.flops_per_token / _DEVICE_RATES.get(self.device_type, _DEVICE_RATES["cpu"])[0]
+        return (
+            num_tokens * self.flops_per_token / _DEVICE_RATES.get(self.device_type, _DEVICE_RATES["cpu"])[0]
+        )
 
     def swap_seconds(self, num_tokens: int) -> float:
         bandwidth = _DEVICE_RATES.get(self.device_type, _DEVICE_RATES["cpu"])[1]

@@ -7,7 +7,8 @@ waiting ones, until the token budget (`max_num_batched_tokens`) or the sequence 
 (`max_num_seqs`) is used up. A long prompt therefore becomes several chunks mixed with other
 requests' decodes, a decode is "catch up by one", a prefix-cache hit starts a request with some
 tokens already computed, and a resumed preempted request re-prefills its prompt and output (from
-the prefix cache where its blocks survived). A request whose computed tokens reach its known tokens gets a sampled token.
+the prefix cache where its blocks survived). A request whose computed tokens reach its known
+tokens gets a sampled token.
 
 When the KV pool cannot hold a running request's next tokens, the least urgent running request
 (FCFS: the most recently admitted) is preempted (its blocks freed, recomputed later) rather than
@@ -170,7 +171,9 @@ class Scheduler:
                 continue
             source = request.fork_source
             if source is not None and source.status == RequestStatus.RUNNING:
-                if source.num_computed_tokens < request.num_prompt_tokens or not self._fork(request, output, budget):
+                if source.num_computed_tokens < request.num_prompt_tokens or not self._fork(
+                    request, output, budget
+                ):
                     break  # wait for the sibling computing the shared prompt, or for room
                 budget -= output.num_scheduled_tokens[-1]
                 continue
@@ -250,9 +253,7 @@ class Scheduler:
 
     # -- after the model ran -------------------------------------------------------------------
 
-    def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
-    ) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests that hit a stop rule.
 
         Returns the requests that received a new token this step (finished ones included).

@@ -17,8 +17,8 @@ from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.output_processor import OutputProcessor
-from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
 from llmserve.metrics.stats import StepStats
+from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
 from llmserve.models.registry import build_model
 from llmserve.outputs import RequestOutput
 from llmserve.request import Request, RequestStatus
@@ -39,7 +39,9 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, cache.block_size, cache.enable_prefix_caching, cache.num_swap_blocks
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache_manager, self._preemption_costs(model))
+        self.scheduler = Scheduler(
+            self.config.scheduler, self.kv_cache_manager, self._preemption_costs(model)
+        )
         self.model_runner = ModelRunner(self.config, model, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
@@ -63,8 +65,16 @@ class LLMEngine:
         logger.info(
             "model %s (%s, %s) ready in %.2f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), "
             "max concurrency at max_model_len %d: %.2f sequences",
-            model.path, model.dtype, model.device, self.startup_seconds, cache.num_blocks, cache.block_size,
-            tokens, cache.kv_cache_memory / 2**20, model.max_model_len, tokens / model.max_model_len,
+            model.path,
+            model.dtype,
+            model.device,
+            self.startup_seconds,
+            cache.num_blocks,
+            cache.block_size,
+            tokens,
+            cache.kv_cache_memory / 2**20,
+            model.max_model_len,
+            tokens / model.max_model_len,
         )
 
     # -- requests -------------------------------------------------------------------------------
@@ -87,7 +97,10 @@ class LLMEngine:
         children = [
             self._make_request(
                 request_id if params.n == 1 else f"{request_id}#{index}",
-                prompt_ids, params if params.n == 1 else params.child(index), arrival_time, priority,
+                prompt_ids,
+                params if params.n == 1 else params.child(index),
+                arrival_time,
+                priority,
             )
             for index in range(params.n)
         ]

@@ -98,8 +98,9 @@ class OutputProcessor:
             metrics=RequestMetrics(
                 arrival_time=first.arrival_time,
                 first_scheduled_time=first.first_scheduled_time,
-                first_token_time=min((c.first_token_time for c in state.children if c.first_token_time),
-                                     default=None),
+                first_token_time=min(
+                    (c.first_token_time for c in state.children if c.first_token_time), default=None
+                ),
                 finished_time=max((c.finished_time or 0.0) for c in state.children) if finished else None,
                 num_preemptions=sum(c.num_preemptions for c in state.children),
             ),

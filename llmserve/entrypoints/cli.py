@@ -32,8 +32,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + spec.name.replace("_", "-")
         kind = _base_type(hints[spec.name])
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=spec.default,
-                               help=spec.metadata["help"])
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=spec.default, help=spec.metadata["help"]
+            )
         else:
             group.add_argument(flag, type=kind, default=spec.default, help=spec.metadata["help"])
 
@@ -67,9 +68,15 @@ def sampling_params_from(namespace: argparse.Namespace):
     from llmserve.sampling_params import SamplingParams
 
     return SamplingParams(
-        max_tokens=namespace.max_tokens, temperature=namespace.temperature, top_p=namespace.top_p,
-        top_k=namespace.top_k, min_p=namespace.min_p, repetition_penalty=namespace.repetition_penalty,
-        seed=namespace.seed, stop=namespace.stop, ignore_eos=namespace.ignore_eos,
+        max_tokens=namespace.max_tokens,
+        temperature=namespace.temperature,
+        top_p=namespace.top_p,
+        top_k=namespace.top_k,
+        min_p=namespace.min_p,
+        repetition_penalty=namespace.repetition_penalty,
+        seed=namespace.seed,
+        stop=namespace.stop,
+        ignore_eos=namespace.ignore_eos,
     )
 
 

@@ -53,7 +53,9 @@ class LLM:
         """Apply the model's chat template to each conversation (a list of role/content messages)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -50,21 +50,31 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         cache = config.cache
         # Block-granular views for swapping: [layers, 2, blocks, block_size, kv_heads, head_dim].
-        self.kv_blocks = self.kv_cache.view(*self.kv_cache.shape[:2], cache.num_blocks, cache.block_size,
-                                            *self.kv_cache.shape[3:])
+        self.kv_blocks = self.kv_cache.view(
+            *self.kv_cache.shape[:2], cache.num_blocks, cache.block_size, *self.kv_cache.shape[3:]
+        )
         self.swap_space = None
         if cache.num_swap_blocks:
             self.swap_space = torch.empty(
-                *self.kv_blocks.shape[:2], cache.num_swap_blocks, *self.kv_blocks.shape[3:],
-                dtype=self.kv_cache.dtype, device="cpu", pin_memory=self.device.type == "cuda",
+                *self.kv_blocks.shape[:2],
+                cache.num_swap_blocks,
+                *self.kv_blocks.shape[3:],
+                dtype=self.kv_cache.dtype,
+                device="cpu",
+                pin_memory=self.device.type == "cuda",
             )
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         arch, cache = self.config.model.arch, self.config.cache
         layers = self.model.attention_layers()
         kv_cache = torch.zeros(
-            len(layers), 2, cache.num_blocks * cache.block_size, arch.num_key_value_heads, arch.head_dim,
-            dtype=self.config.model.dtype, device=self.device,
+            len(layers),
+            2,
+            cache.num_blocks * cache.block_size,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            dtype=self.config.model.dtype,
+            device=self.device,
         )
         for index, layer in enumerate(layers):
             layer.key_cache, layer.value_cache = kv_cache[index, 0], kv_cache[index, 1]

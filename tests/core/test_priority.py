@@ -10,7 +10,9 @@ from .test_scheduler import finish_step, plan_of
 
 def make_scheduler(num_blocks=64, budget=64, max_seqs=8, aging=10.0):
     kv = KVCacheManager(num_blocks, block_size=4)
-    config = SchedulerConfig(budget, max_seqs, 1000, scheduling_policy="priority", priority_aging_seconds=aging)
+    config = SchedulerConfig(
+        budget, max_seqs, 1000, scheduling_policy="priority", priority_aging_seconds=aging
+    )
     return Scheduler(config, kv), kv
 
 

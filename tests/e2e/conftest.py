@@ -60,7 +60,10 @@ def llm_fp32():
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), pad_token_id=2,
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            pad_token_id=2,
         )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()

@@ -15,8 +15,9 @@ MAX_NEW = 32
 def test_batch_of_mixed_length_prompts_matches_hf_float32(llm_fp32, hf_model_fp32, prompts_5_to_600):
     lengths = [len(p) for p in prompts_5_to_600]
     assert min(lengths) >= 5 and max(lengths) >= 590 and len(lengths) >= 8
-    outputs = llm_fp32.generate(prompts_5_to_600, SamplingParams(temperature=0, max_tokens=MAX_NEW),
-                                use_tqdm=False)
+    outputs = llm_fp32.generate(
+        prompts_5_to_600, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False
+    )
     for prompt, output in zip(prompts_5_to_600, outputs, strict=True):
         expected = hf_greedy(hf_model_fp32, prompt, MAX_NEW)
         assert output.outputs[0].token_ids == expected[: len(output.outputs[0].token_ids)]
@@ -35,11 +36,15 @@ def test_bfloat16_matches_hf_or_diverges_only_at_a_near_tie(hf_model_fp32, promp
             ours = output.outputs[0].token_ids
             with torch.inference_mode():
                 result = hf_bf16.generate(
-                    torch.tensor([prompt]), max_new_tokens=16, do_sample=False, output_scores=True,
-                    return_dict_in_generate=True, pad_token_id=2,
+                    torch.tensor([prompt]),
+                    max_new_tokens=16,
+                    do_sample=False,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=2,
                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 )
-            theirs = result.sequences[0, len(prompt):].tolist()
+            theirs = result.sequences[0, len(prompt) :].tolist()
             for step, (a, b) in enumerate(zip(ours, theirs, strict=False)):
                 if a != b:
                     logprobs = torch.log_softmax(result.scores[step][0].float(), dim=-1)

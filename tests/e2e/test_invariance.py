@@ -26,8 +26,13 @@ def test_chunked_prefill_with_a_tiny_token_budget(prompts_5_to_600, reference):
 
 
 def test_chunked_prefill_off(prompts_5_to_600, reference):
-    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=4096,
-              enable_chunked_prefill=False, max_model_len=4096)
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory="256MiB",
+        max_num_batched_tokens=4096,
+        enable_chunked_prefill=False,
+        max_model_len=4096,
+    )
     outputs = llm.generate(prompts_5_to_600, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
 

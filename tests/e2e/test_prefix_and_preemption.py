@@ -21,7 +21,9 @@ def shared_prefix_prompts(default_tokenizer) -> list[list[int]]:
 
 def test_prefix_cache_hit_and_miss_give_the_same_tokens(shared_prefix_prompts):
     uncached = LLM(dtype="float32", kv_cache_memory="128MiB", prefix_caching=False)
-    expected = [o.outputs[0].token_ids for o in uncached.generate(shared_prefix_prompts, GREEDY, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids for o in uncached.generate(shared_prefix_prompts, GREEDY, use_tqdm=False)
+    ]
 
     cached = LLM(dtype="float32", kv_cache_memory="128MiB")
     first = cached.generate(shared_prefix_prompts[:1], GREEDY, use_tqdm=False)  # a miss: fills the cache
@@ -64,8 +66,6 @@ def test_n_parallel_samples_equal_n_separate_seeded_requests(llm_fp32, default_t
     prompt = default_tokenizer.encode(long_text(30))  # not a multiple of the block size
     params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)
     together = llm_fp32.generate([prompt], params, use_tqdm=False)[0]
-    separate = llm_fp32.generate(
-        [prompt] * 3, [params.child(i) for i in range(3)], use_tqdm=False
-    )
+    separate = llm_fp32.generate([prompt] * 3, [params.child(i) for i in range(3)], use_tqdm=False)
     assert [c.token_ids for c in together.outputs] == [o.outputs[0].token_ids for o in separate]
     assert len({tuple(c.token_ids) for c in together.outputs}) > 1  # different seeds, different samples

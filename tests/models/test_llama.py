@@ -15,20 +15,42 @@ from llmserve.worker.model_runner import ModelRunner
 
 VOCAB = 97
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
 )
 
 CASES = {
-    "llama-tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                   dict(tie_word_embeddings=True, rope_theta=10000.0)),
-    "llama3-rope-scaling": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
-        tie_word_embeddings=False, rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=32),
-    )),
-    "qwen2-qkv-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-                       dict(tie_word_embeddings=False, rope_theta=1000000.0)),
+    "llama-tied": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(tie_word_embeddings=True, rope_theta=10000.0),
+    ),
+    "llama3-rope-scaling": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        ),
+    ),
+    "qwen2-qkv-bias": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(tie_word_embeddings=False, rope_theta=1000000.0),
+    ),
 }
 
 
@@ -46,9 +68,12 @@ def build_pair(case: str):
     assert theta == extra["rope_theta"]
     arch = ModelArchConfig(
         architecture="qwen2" if "qwen2" in case else "llama",
-        head_dim=16, rope_theta=theta, attention_bias="qwen2" in case,
+        head_dim=16,
+        rope_theta=theta,
+        attention_bias="qwen2" in case,
         rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
-        tie_word_embeddings=extra["tie_word_embeddings"], **COMMON,
+        tie_word_embeddings=extra["tie_word_embeddings"],
+        **COMMON,
     )
     model_config = ModelConfig(path="", arch=arch, dtype=torch.float32, max_model_len=256)
     ours = build_model(model_config, hf.state_dict())

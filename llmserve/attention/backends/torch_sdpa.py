@@ -61,13 +61,15 @@ class TorchSDPABackend:
         values = value_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
         queries = query.transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]
         if context_len == num_queries:
-            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
-                                                 enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
         else:
             # Query i sits at position context_len - num_queries + i and sees keys up to there.
             query_pos = torch.arange(context_len - num_queries, context_len, device=query.device)
             key_pos = torch.arange(context_len, device=query.device)
             mask = key_pos[None, :] <= query_pos[:, None]
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
-                                                 enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )
         return out.squeeze(0).transpose(0, 1)
