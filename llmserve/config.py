@@ -49,6 +49,7 @@ class ModelConfig:
     max_model_len: int  # longest prompt + output a request may have
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0  # seed of the engine-wide generator for unseeded sampled requests
+    attention_backend: str = "auto"  # "auto", "torch" (reference) or "cpu_paged" (compiled, in place)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,9 @@ class EngineArgs:
     swap_space: int | str = _arg("1GiB", "CPU memory for the KV of requests preempted by swapping")
     prefix_caching: bool = _arg(True, "reuse the KV of identical prompt prefixes (automatic prefix caching)")
     seed: int = _arg(0, "seed for requests that sample without their own seed")
+    attention_backend: str = _arg(
+        "auto", "auto | torch (reference) | cpu_paged (compiled kernel, reads the cache in place)"
+    )
 
     def create_config(self, arch: ModelArchConfig, model_path: str) -> EngineConfig:
         device = resolve_device(self.device)
@@ -156,6 +160,7 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 device=device,
                 seed=self.seed,
+                attention_backend=self.attention_backend,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

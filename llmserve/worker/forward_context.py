@@ -28,9 +28,12 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] KV slot each new token's K/V is written to
     num_decode_tokens: int  # rows 0..num_decode_tokens-1 are single-token decodes
-    decode_context_slots: torch.Tensor | None  # [num_decodes, max_context] slots (padded)
+    decode_context_slots: torch.Tensor | None  # [num_decodes, max_context] slots (padded; gathering backends)
     decode_context_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where valid
     prefills: list[PrefillSpan]
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64 (in-place backends)
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths
+    block_size: int = 16
 
 
 _context: AttentionMetadata | None = None

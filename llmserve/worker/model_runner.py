@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmserve.attention.registry import select_attention_backend
 from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import SchedulerOutput
@@ -47,6 +48,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.arch.vocab_size
         self.sampler = Sampler()
+        self.attention_backend = select_attention_backend(config.model.attention_backend, self.device)
         self.kv_cache = self._allocate_kv_cache()
         cache = config.cache
         # Block-granular views for swapping: [layers, 2, blocks, block_size, kv_heads, head_dim].
@@ -78,6 +80,7 @@ class ModelRunner:
         )
         for index, layer in enumerate(layers):
             layer.key_cache, layer.value_cache = kv_cache[index, 0], kv_cache[index, 1]
+            layer.backend = self.attention_backend
         return kv_cache
 
     @torch.inference_mode()
@@ -167,7 +170,7 @@ class ModelRunner:
     def _attention_metadata(self, block_tables, num_new, seq_lens, starts, slot_mapping) -> AttentionMetadata:
         num_decodes = int(np.count_nonzero(num_new == 1))
         decode_slots = decode_mask = None
-        if num_decodes:
+        if num_decodes and self.attention_backend.needs_gathered_decode:
             context = np.arange(int(seq_lens[:num_decodes].max()))
             decode_blocks = block_tables[:num_decodes][:, context // self.block_size]
             decode_slots = self._slots(decode_blocks, context[None, :])
@@ -187,6 +190,9 @@ class ModelRunner:
             decode_context_slots=decode_slots,
             decode_context_mask=decode_mask,
             prefills=prefills,
+            decode_block_tables=self._to_device(block_tables[:num_decodes]) if num_decodes else None,
+            decode_seq_lens=self._to_device(seq_lens[:num_decodes]) if num_decodes else None,
+            block_size=self.block_size,
         )
 
     def _prefill_slots(self, block_table: np.ndarray, seq_len: int) -> np.ndarray:

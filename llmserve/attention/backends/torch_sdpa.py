@@ -15,6 +15,7 @@ from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 
 class TorchSDPABackend:
     name = "torch"
+    needs_gathered_decode = True  # wants decode_context_slots / decode_context_mask in the metadata
 
     def forward(
         self,
@@ -38,8 +39,9 @@ class TorchSDPABackend:
             )
         return output
 
-    @staticmethod
-    def _decode(query, key_cache, value_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(
+        self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         slots = metadata.decode_context_slots
         keys = key_cache[slots].transpose(1, 2)  # [B, kv_heads, max_context, head_dim]
         values = value_cache[slots].transpose(1, 2)
