@@ -7,6 +7,7 @@ runner executes that plan and samples, and the results update the requests and b
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -33,7 +34,8 @@ class LLMEngine:
         start = time.monotonic()
         path = resolve_model_path(args.model)
         self.config: EngineConfig = args.create_config(load_arch_config(path), path)
-        self.tokenizer = load_tokenizer(path)
+        arch = self.config.model.arch
+        self.tokenizer = load_tokenizer(path, None if os.path.isdir(path) else arch.eos_token_ids)
         model = build_model(self.config.model, load_weights(path, self.config.model.dtype))
         cache = self.config.cache
         self.kv_cache_manager = KVCacheManager(

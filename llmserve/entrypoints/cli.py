@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import sys
 import types
@@ -59,7 +60,6 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> 
     group.add_argument("--top-k", type=int, default=-1)
     group.add_argument("--min-p", type=float, default=0.0)
     group.add_argument("--repetition-penalty", type=float, default=1.0)
-    group.add_argument("--seed", type=int, default=None)
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true")
 
@@ -74,7 +74,6 @@ def sampling_params_from(namespace: argparse.Namespace):
         top_k=namespace.top_k,
         min_p=namespace.min_p,
         repetition_penalty=namespace.repetition_penalty,
-        seed=namespace.seed,
         stop=namespace.stop,
         ignore_eos=namespace.ignore_eos,
     )
@@ -139,8 +138,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="llmserve", description="Serve and run large language models.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands.add_parser = functools.partial(commands.add_parser, parents=[common])
 
     generate = commands.add_parser("generate", help="stream a completion of PROMPT to stdout")
     generate.add_argument("prompt")
@@ -177,7 +178,7 @@ def _extra_commands() -> list[Callable]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
+        level=logging.INFO if getattr(args, "verbose", False) or args.command == "serve" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
