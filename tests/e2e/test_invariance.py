@@ -20,7 +20,7 @@ def reference(llm_fp32, prompts_5_to_600):
 
 
 def test_chunked_prefill_with_a_tiny_token_budget(prompts_5_to_600, reference):
-    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=37)
+    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=61)
     outputs = llm.generate(prompts_5_to_600, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
 
@@ -37,18 +37,22 @@ def test_chunked_prefill_off(prompts_5_to_600, reference):
     assert [o.outputs[0].token_ids for o in outputs] == reference
 
 
-def test_preemption_forced_by_a_tiny_kv_pool(prompts_5_to_600, reference):
-    llm = LLM(dtype="float32", num_kv_blocks=48, block_size=16)  # 768 tokens for ~1,500 needed
-    outputs = llm.generate(prompts_5_to_600, GREEDY, use_tqdm=False)
+def test_preemption_forced_by_a_tiny_kv_pool(llm_fp32, default_tokenizer):
+    """A pool that admits every prompt at once but cannot hold their growth forces preemptions."""
+    prompts = [default_tokenizer.encode(long_text(60 + 17 * i)) for i in range(6)]
+    expected = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, GREEDY, use_tqdm=False)]
+    num_blocks = sum(-(-(len(p) + 1) // 16) for p in prompts) + 1
+    llm = LLM(dtype="float32", num_kv_blocks=num_blocks, prefix_caching=False, preemption_mode="recompute")
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
-    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     llm.engine.kv_cache_manager.check_integrity()
-    assert llm.engine.kv_cache_manager.pool.num_free_blocks == 48
+    assert llm.engine.kv_cache_manager.pool.num_free_blocks == num_blocks
 
 
 def test_one_prompt_alone_equals_the_same_prompt_in_a_batch_of_32(llm_fp32, default_tokenizer):
-    prompts = [default_tokenizer.encode(long_text(8 + 13 * i)) for i in range(32)]
+    prompts = [default_tokenizer.encode(long_text(8 + 6 * i)) for i in range(32)]
     batched = llm_fp32.generate(prompts, GREEDY, use_tqdm=False)
     for index in (0, 13, 31):
         alone = llm_fp32.generate([prompts[index]], GREEDY, use_tqdm=False)

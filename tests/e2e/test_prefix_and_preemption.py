@@ -52,14 +52,15 @@ def test_forced_preemption_in_each_mode_gives_the_same_tokens(mode, default_toke
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     roomy = LLM(dtype="float32", kv_cache_memory="128MiB", prefix_caching=False)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
-    tight = LLM(dtype="float32", num_kv_blocks=30, prefix_caching=False, preemption_mode=mode)
+    num_blocks = sum(-(-(len(p) + 1) // 16) for p in prompts) + 1  # all admitted; growth won't fit
+    tight = LLM(dtype="float32", num_kv_blocks=num_blocks, prefix_caching=False, preemption_mode=mode)
     outputs = tight.generate(prompts, params, use_tqdm=False)
     scheduler = tight.engine.scheduler
     assert scheduler.preemptions_by_mode[mode] > 0
     if mode == "swap":
         assert scheduler.num_swapped_out_blocks > 0
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert tight.engine.kv_cache_manager.pool.num_free_blocks == 30
+    assert tight.engine.kv_cache_manager.pool.num_free_blocks == num_blocks
 
 
 def test_n_parallel_samples_equal_n_separate_seeded_requests(llm_fp32, default_tokenizer):
