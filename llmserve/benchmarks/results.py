@@ -86,26 +86,29 @@ def write_result(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
 def _json_default(value: Any) -> Any:
     if hasattr(value, "item"):  # numpy and torch scalars
         return value.item()
-    if isinstance(value, float | int | str | bool) or value is None:
-        return value
     raise TypeError(f"cannot write {type(value).__name__} to a result file")
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """Rows as an aligned text table; floats get at most 4 significant decimals."""
+    """Rows as an aligned text table: floats to 2 decimals (3 significant digits below 1)."""
     cells = [[_format_cell(row.get(column)) for column in columns] for row in rows]
     widths = [max(len(column), *(len(r[i]) for r in cells)) for i, column in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines = [_align(columns, widths), "  ".join("-" * w for w in widths)]
+    lines += [_align(r, widths) for r in cells]
     return "\n".join(lines)
+
+
+def _align(cells: Sequence[str], widths: Sequence[int]) -> str:
+    """The first column (a name) left-aligned, the numbers after it right-aligned."""
+    first, *rest = cells
+    return "  ".join([first.ljust(widths[0]), *(c.rjust(w) for c, w in zip(rest, widths[1:], strict=True))])
 
 
 def _format_cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:,.2f}" if abs(value) >= 100 else f"{value:.4g}"
+        return f"{value:,.2f}" if abs(value) >= 1 else f"{value:.3g}"
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)

@@ -47,10 +47,7 @@ def load_arch_config(path: str) -> ModelArchConfig:
 
 def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Weights under HF names in `dtype`; a GGUF is dequantized once and cached as safetensors."""
-    if os.path.isdir(path):
-        weights = hf_loader.load_weights(path)
-    else:
-        weights = _cached_gguf_weights(path)
+    weights = hf_loader.load_weights(path) if os.path.isdir(path) else _cached_gguf_weights(path)
     return {name: tensor.to(dtype) for name, tensor in weights.items()}
 
 

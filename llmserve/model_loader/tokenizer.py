@@ -49,10 +49,7 @@ def load_tokenizer(path: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
     from transformers import AutoTokenizer
 
     try:
-        if os.path.isdir(path):
-            hf = AutoTokenizer.from_pretrained(path)
-        else:
-            hf = _gguf_tokenizer(path)
+        hf = AutoTokenizer.from_pretrained(path) if os.path.isdir(path) else _gguf_tokenizer(path)
     except ModelLoadError:
         raise
     except Exception as error:  # noqa: BLE001 - transformers raises many kinds for a bad tokenizer

@@ -43,8 +43,10 @@ class TorchSDPABackend:
         self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         slots = metadata.decode_context_slots
-        keys = key_cache[slots].transpose(1, 2)  # [B, kv_heads, max_context, head_dim]
-        values = value_cache[slots].transpose(1, 2)
+        valid = metadata.decode_context_mask.view(slots.shape[0], slots.shape[1], 1, 1)
+        # Padding slots may hold anything (even NaN): zero them, since 0 * NaN survives the mask.
+        keys = key_cache[slots].masked_fill_(~valid, 0).transpose(1, 2)  # [B, kv_heads, ctx, head_dim]
+        values = value_cache[slots].masked_fill_(~valid, 0).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),  # [B, heads, 1, head_dim]
             keys,

@@ -1,0 +1,316 @@
+"""Online serving benchmark: an async load generator for any OpenAI-compatible completions server.
+
+Requests stream from /v1/completions (`stream`, `stream_options.include_usage`, `ignore_eos`), sent
+at Poisson arrival times (or all at once), optionally capped at C in flight. Latency is taken on the
+client from the SSE chunks as they arrive, so the numbers include the server's HTTP and detokenizing
+path, which is what a user sees; the same file of requests can be replayed against llmserve, vLLM
+or llama.cpp.
+
+Metrics per request: TTFT (send -> first chunk with a token), TPOT ((e2e - TTFT) / (tokens - 1)),
+inter-token latency (gaps between chunks) and e2e. Goodput counts only requests meeting both the TTFT
+and the TPOT service-level objectives: throughput that misses its SLOs is not useful throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy as np
+
+from llmserve.benchmarks.results import format_table, pyplot, save_figure
+from llmserve.benchmarks.workload import BenchRequest
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it. Times in seconds."""
+
+    ok: bool = False
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (None for a single-token output)."""
+        if self.output_tokens < 2 or self.ttft is None or self.e2e is None:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    def meets(self, slo_ttft: float, slo_tpot: float) -> bool:
+        tpot = self.tpot
+        return (
+            self.ok and self.ttft is not None and self.ttft <= slo_ttft and (tpot is None or tpot <= slo_tpot)
+        )
+
+
+class StreamTracker:
+    """Folds the SSE lines of one streamed completion into a `RequestResult`.
+
+    A chunk with a choice counts as tokens arriving (servers send one per detokenized step); the
+    final usage chunk (no choices) gives exact token counts. Without usage, output tokens fall back
+    to the number of chunks, which undercounts when a server merges tokens into one chunk.
+    """
+
+    def __init__(self, start: float, prompt_tokens: int) -> None:
+        self.start = start
+        self.chunk_times: list[float] = []
+        self.usage: dict | None = None
+        self.prompt_tokens = prompt_tokens
+        self.done = False
+
+    def feed(self, line: str, now: float) -> None:
+        line = line.strip()
+        if not line.startswith("data:"):
+            return  # blank separators, comments, event names
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            self.done = True
+            return
+        chunk = json.loads(data)
+        if chunk.get("error"):
+            raise RuntimeError(f"server error in stream: {chunk['error']}")
+        if chunk.get("choices"):
+            self.chunk_times.append(now)
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+
+    def result(self, end: float) -> RequestResult:
+        if not self.chunk_times:
+            return RequestResult(error="the stream carried no tokens", e2e=end - self.start)
+        usage = self.usage or {}
+        return RequestResult(
+            ok=True,
+            prompt_tokens=usage.get("prompt_tokens", self.prompt_tokens),
+            output_tokens=usage.get("completion_tokens", len(self.chunk_times)),
+            ttft=self.chunk_times[0] - self.start,
+            e2e=end - self.start,
+            itls=np.diff(self.chunk_times).tolist(),
+        )
+
+
+def completion_payload(
+    request: BenchRequest, model: str, prompt_format: str = "ids", temperature: float = 0.0
+) -> dict:
+    prompt = request.prompt_token_ids if prompt_format == "ids" else request.prompt
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+
+
+async def send_request(
+    client: httpx.AsyncClient, url: str, payload: dict, prompt_tokens: int
+) -> RequestResult:
+    """POST one streaming completion and time its chunks; failures come back as results, not raises."""
+    start = time.perf_counter()
+    tracker = StreamTracker(start, prompt_tokens)
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=payload) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                return RequestResult(error=f"HTTP {response.status_code}: {body[:300]}")
+            async for line in response.aiter_lines():
+                tracker.feed(line, time.perf_counter())
+                if tracker.done:
+                    break
+    except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as error:
+        return RequestResult(error=f"{type(error).__name__}: {error}")
+    return tracker.result(time.perf_counter())
+
+
+def arrival_offsets(num_requests: int, request_rate: float, seed: int = 0) -> np.ndarray:
+    """Send times (s from the start) of a Poisson process at `request_rate`/s; inf sends all at 0."""
+    if math.isinf(request_rate):
+        return np.zeros(num_requests)
+    if request_rate <= 0:
+        raise ValueError(f"request rate must be > 0 (or inf), got {request_rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, num_requests)
+    return np.cumsum(gaps) - gaps[0]  # the first request goes at once
+
+
+@dataclass
+class LoadGenerator:
+    """Sends requests at Poisson arrival times (all at once for rate inf), at most C in flight."""
+
+    url: str
+    model: str
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    seed: int = 0
+    prompt_format: str = "ids"  # "ids" sends prompt_token_ids (exact lengths), "text" the prompt text
+
+    async def run(self, requests: Sequence[BenchRequest], progress=None) -> tuple[list[RequestResult], float]:
+        """Results in request order, and seconds from the first send to the last response."""
+        offsets = arrival_offsets(len(requests), self.request_rate, self.seed)
+        limit = asyncio.Semaphore(self.max_concurrency) if self.max_concurrency else None
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.max_concurrency or 256)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+            start = time.perf_counter()
+            sends = [
+                self._send_at(client, request, start + offset, limit, progress)
+                for request, offset in zip(requests, offsets.tolist(), strict=True)
+            ]
+            results = await asyncio.gather(*sends)
+            return list(results), time.perf_counter() - start
+
+    async def _send_at(
+        self,
+        client: httpx.AsyncClient,
+        request: BenchRequest,
+        send_time: float,
+        limit: asyncio.Semaphore | None,
+        progress,
+    ) -> RequestResult:
+        await asyncio.sleep(max(0.0, send_time - time.perf_counter()))
+        payload = completion_payload(request, self.model, self.prompt_format)
+        async with limit or contextlib.nullcontext():
+            result = await send_request(client, self.url, payload, request.prompt_len)
+        if progress is not None:
+            progress.update(1)
+        return result
+
+
+def served_model_name(url: str) -> str:
+    """The first model the server lists, for servers that insist on a model name."""
+    response = httpx.get(f"{url}/v1/models", timeout=30)
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise ValueError(f"{url}/v1/models lists no model; pass --model")
+    return models[0]["id"]
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Mean and percentiles of one latency, in milliseconds."""
+
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> Distribution | None:
+        if len(seconds) == 0:
+            return None
+        values = 1e3 * np.asarray(seconds, dtype=np.float64)
+        p50, p90, p99 = np.percentile(values, PERCENTILES)
+        return cls(float(values.mean()), float(p50), float(p90), float(p99))
+
+
+@dataclass(frozen=True)
+class ServeMetrics:
+    num_requests: int
+    num_ok: int
+    duration: float  # first send -> last response, seconds
+    prompt_tokens: int
+    output_tokens: int
+    request_throughput: float  # completed requests / s
+    output_throughput: float  # output tokens / s
+    total_token_throughput: float  # (prompt + output) tokens / s
+    goodput: float  # requests / s meeting both SLOs
+    slo_attainment: float  # fraction of all requests meeting both SLOs
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    latency_ms: dict[str, Distribution | None]  # ttft, tpot, itl, e2e
+    errors: list[str]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def summarize(
+    results: Sequence[RequestResult], duration: float, slo_ttft_ms: float, slo_tpot_ms: float
+) -> ServeMetrics:
+    ok = [r for r in results if r.ok]
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    meeting = sum(r.meets(slo_ttft_ms / 1e3, slo_tpot_ms / 1e3) for r in results)
+    samples = {
+        "ttft": [r.ttft for r in ok],
+        "tpot": [r.tpot for r in ok if r.tpot is not None],
+        "itl": [gap for r in ok for gap in r.itls],
+        "e2e": [r.e2e for r in ok],
+    }
+    return ServeMetrics(
+        num_requests=len(results),
+        num_ok=len(ok),
+        duration=duration,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        request_throughput=len(ok) / duration,
+        output_throughput=output_tokens / duration,
+        total_token_throughput=(prompt_tokens + output_tokens) / duration,
+        goodput=meeting / duration,
+        slo_attainment=meeting / len(results) if results else 0.0,
+        slo_ttft_ms=slo_ttft_ms,
+        slo_tpot_ms=slo_tpot_ms,
+        latency_ms={name: Distribution.of(values) for name, values in samples.items()},
+        errors=sorted({r.error for r in results if not r.ok})[:10],
+    )
+
+
+def format_report(metrics: ServeMetrics, label: str = "") -> str:
+    rows = [{"metric": name, **asdict(dist)} for name, dist in metrics.latency_ms.items() if dist is not None]
+    lines = [
+        f"{label}{metrics.num_ok}/{metrics.num_requests} requests ok in {metrics.duration:.2f} s",
+        f"throughput: {metrics.request_throughput:.2f} req/s, {metrics.output_throughput:,.1f} output tok/s, "
+        f"{metrics.total_token_throughput:,.1f} total tok/s",
+        f"goodput (TTFT <= {metrics.slo_ttft_ms:g} ms and TPOT <= {metrics.slo_tpot_ms:g} ms): "
+        f"{metrics.goodput:.2f} req/s, {100 * metrics.slo_attainment:.1f}% of requests",
+        format_table(rows, ("metric", "mean", "p50", "p90", "p99")) + "\n(latencies in ms)",
+    ]
+    lines += [f"error: {error}" for error in metrics.errors]
+    return "\n".join(lines)
+
+
+def plot_sweep(rates: Sequence[float], sweep: Sequence[ServeMetrics], path) -> None:
+    """Latency against achieved output throughput, one point per request rate."""
+    plt = pyplot()
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    throughput = [m.output_throughput for m in sweep]
+    for axis, metric in zip(axes, ("ttft", "tpot", "e2e"), strict=True):
+        for percentile, style in (("p50", "-o"), ("p99", "--s")):
+            values = [getattr(m.latency_ms[metric], percentile, math.nan) for m in sweep]  # nan: no data
+            axis.plot(throughput, values, style, label=percentile)
+        for rate, x, metrics in zip(rates, throughput, sweep, strict=True):
+            if metrics.latency_ms[metric]:
+                axis.annotate(f"{rate:g}/s", (x, metrics.latency_ms[metric].p50), fontsize=7)
+        axis.set(xlabel="output tokens / s", ylabel=f"{metric.upper()} (ms)", title=metric.upper())
+        axis.legend()
+    save_figure(figure, path)
+
+
+def plot_distributions(results: Sequence[RequestResult], path) -> None:
+    """CDFs of TTFT, TPOT and e2e for a single run."""
+    plt = pyplot()
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    ok = [r for r in results if r.ok]
+    columns = {
+        "TTFT": [r.ttft for r in ok],
+        "TPOT": [r.tpot for r in ok if r.tpot is not None],
+        "e2e": [r.e2e for r in ok],
+    }
+    for axis, (name, seconds) in zip(axes, columns.items(), strict=True):
+        values = np.sort(1e3 * np.asarray(seconds, dtype=np.float64))
+        axis.plot(values, np.arange(1, len(values) + 1) / max(len(values), 1))
+        axis.set(xlabel=f"{name} (ms)", ylabel="fraction of requests", title=f"{name} CDF")
+    save_figure(figure, path)

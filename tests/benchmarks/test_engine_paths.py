@@ -1,0 +1,106 @@
+"""The benchmarks' engine paths on a tiny random Llama: same greedy tokens, exact token accounting."""
+
+import pytest
+import torch
+
+from llmserve.benchmarks.latency import measure_bounds, model_size, run_latency
+from llmserve.benchmarks.memory import live_engine_args, measure_live, sample_cache
+from llmserve.benchmarks.naive_batching import NaiveBatchRunner
+from llmserve.benchmarks.throughput import run_continuous, run_throughput
+from llmserve.benchmarks.workload import TokenCorpus, WorkloadSpec, build_workload, greedy_params
+from llmserve.config import EngineArgs
+
+SPEC = WorkloadSpec(num_requests=7, seed=0, prompt_len_median=12, output_len_median=6,
+                    prompt_len_range=(2, 40), output_len_range=(1, 12))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir):
+    from llmserve import LLM
+
+    # A small step budget chunks the longer prompts: the engine's schedule differs from naive's.
+    return LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_llm):
+    return build_workload(SPEC, tiny_llm.tokenizer)
+
+
+def test_naive_batching_and_continuous_batching_give_the_same_greedy_tokens(tiny_llm, workload):
+    continuous, naive = run_throughput(tiny_llm, workload, batch_sizes=[1, 3, 7])
+    expected_output = sum(r.max_tokens for r in workload)
+    assert continuous.output_tokens == expected_output
+    assert continuous.prompt_tokens == sum(r.prompt_len for r in workload)
+    for result in naive:
+        assert result.matching_outputs == len(workload), result.system
+        assert (result.requests, result.output_tokens) == (len(workload), expected_output)
+    # One group of all 7: every row padded to the longest prompt, decoding until the longest output.
+    longest_prompt = max(r.prompt_len for r in workload)
+    longest_output = max(r.max_tokens for r in workload)
+    assert naive[-1].computed_tokens == 7 * longest_prompt + 7 * (longest_output - 1)
+    # Alone (B=1) nothing is padded and no row waits.
+    assert naive[0].computed_tokens == sum(r.prompt_len + r.max_tokens - 1 for r in workload)
+
+
+def test_naive_batching_feeds_the_reference_backend_too(tiny_model_dir, workload):
+    """The module's engine picks the compiled in-place backend (block tables) where it builds; the
+    reference backend reads gathered slots and a mask instead: naive batching must serve both."""
+    from llmserve import LLM
+
+    llm = LLM(
+        tiny_model_dir, dtype="float32", kv_cache_memory="4MiB", block_size=4, attention_backend="torch"
+    )
+    _, naive = run_throughput(llm, workload[:4], batch_sizes=[4])
+    assert naive[0].matching_outputs == 4
+
+
+def test_naive_runner_returns_the_engine_cache_to_the_model(tiny_llm, workload):
+    model = tiny_llm.engine.model_runner.model
+    before = [(layer.key_cache, layer.value_cache) for layer in model.attention_layers()]
+    tokens, _ = NaiveBatchRunner(model).generate([r.prompt_token_ids for r in workload[:2]], [3, 2], 2)
+    assert [len(t) for t in tokens] == [3, 2]
+    after = [(layer.key_cache, layer.value_cache) for layer in model.attention_layers()]
+    assert all(a is c and b is d for (a, b), (c, d) in zip(before, after, strict=True))
+    _, again = run_continuous(tiny_llm, workload[:2])
+    reference = tiny_llm.generate(
+        [r.prompt_token_ids for r in workload[:2]], [greedy_params(r.max_tokens) for r in workload[:2]]
+    )
+    assert again == [o.outputs[0].token_ids for o in reference]
+
+
+def test_latency_runs_leave_the_engine_empty_and_bounds_count_the_weights(tiny_llm):
+    engine = tiny_llm.engine
+    points = run_latency(engine, TokenCorpus(tiny_llm.tokenizer), [4, 16], decode_tokens=3, repeats=2)
+    assert [p.prompt_len for p in points] == [4, 16]
+    assert all(p.prefill_seconds > 0 and p.decode_seconds_per_token > 0 for p in points)
+    assert not engine.has_unfinished_requests()
+    model = engine.model_runner.model
+    bounds = measure_bounds(model, torch.device("cpu"), copy_bytes=2**20, matmul_size=64, repeats=1)
+    num_parameters, weight_bytes = model_size(model)
+    assert num_parameters == sum(p.numel() for p in model.parameters())
+    assert (bounds.num_parameters, bounds.weight_bytes) == (num_parameters, 4 * num_parameters)  # float32
+    assert bounds.floor_ms_per_token == pytest.approx(1e3 * weight_bytes / bounds.copy_bandwidth)
+    assert bounds.compute_ceiling_tok_s == pytest.approx(bounds.matmul_flops / (2 * num_parameters))
+
+
+def test_live_memory_sampling_counts_blocks_and_computed_tokens(tiny_model_dir, workload):
+    from llmserve.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(model=tiny_model_dir, dtype="float32", num_kv_blocks=12, block_size=4, max_num_seqs=2)
+    engine = LLMEngine(live_engine_args(args, len(workload)))
+    assert engine.config.scheduler.max_num_seqs == len(workload)
+    assert not engine.config.cache.enable_prefix_caching
+    for index, request in enumerate(workload[:3]):
+        engine.add_request(str(index), request.prompt_token_ids, greedy_params(request.max_tokens))
+    engine.step()
+    sample = sample_cache(engine)
+    running = engine.scheduler.running
+    assert sample.num_running == len(running) > 0
+    assert sample.used_slots == sum(r.num_computed_tokens for r in running)
+    assert 0 <= sample.allocated_slots - sample.used_slots < 4 * len(running)  # under a block each
+    while engine.has_unfinished_requests():
+        engine.step()
+    live = measure_live(engine, workload)
+    assert 1 <= live.max_running <= len(workload) and 0.0 <= live.mean_waste < 1.0
+    assert not engine.has_unfinished_requests()

@@ -1,0 +1,85 @@
+"""The load generator against a real `llmserve serve` on a tiny random Llama (loopback port)."""
+
+import asyncio
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from llmserve.benchmarks.serve import LoadGenerator, served_model_name, summarize
+from llmserve.benchmarks.workload import BenchRequest
+from llmserve.entrypoints.cli import main
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llmserve.entrypoints.openai.cli") is None,
+    reason="`llmserve serve` (llmserve/entrypoints/openai/cli.py) does not exist yet",
+)
+
+STARTUP_SECONDS = 120
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_model_dir):
+    port = free_port()
+    command = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--model", tiny_model_dir,
+               "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_ready(process, url)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def wait_until_ready(process: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"llmserve serve exited with {process.returncode}: {process.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    pytest.fail(f"llmserve serve did not answer within {STARTUP_SECONDS} s")
+
+
+def test_streamed_completions_are_timed_and_counted(server_url):
+    requests = [
+        BenchRequest("", list(range(100, 100 + n)), max_tokens) for n, max_tokens in ((5, 4), (9, 1), (3, 6))
+    ]
+    generator = LoadGenerator(server_url, served_model_name(server_url), max_concurrency=2)
+    results, duration = asyncio.run(generator.run(requests))
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.output_tokens for r in results] == [4, 1, 6]  # ignore_eos: exactly max_tokens each
+    assert [r.prompt_tokens for r in results] == [5, 9, 3]
+    for result in results:
+        assert 0 < result.ttft <= result.e2e <= duration
+        assert len(result.itls) <= result.output_tokens - 1
+    metrics = summarize(results, duration, slo_ttft_ms=1e6, slo_tpot_ms=1e6)
+    assert metrics.output_tokens == 11 and metrics.slo_attainment == 1.0
+
+
+def test_text_prompts_and_a_sweep_from_the_command_line(server_url, tiny_model_dir, tmp_path):
+    output, plot = tmp_path / "serve.json", tmp_path / "sweep.png"
+    argv = ["bench", "serve", "--url", server_url, "--tokenizer", tiny_model_dir, "--num-requests", "3",
+            "--prompt-len-median", "8", "--output-len-median", "3", "--output-len-range", "2,4",
+            "--prompt-format", "text", "--sweep", "50,inf"]  # fmt: skip
+    assert main([*argv, "--output", str(output), "--plot", str(plot)]) == 0
+    result = json.loads(output.read_text())
+    assert [run["request_rate"] for run in result["runs"]] == [50, "inf"]
+    assert all(run["num_ok"] == 3 for run in result["runs"])
+    assert plot.stat().st_size > 0
