@@ -94,7 +94,9 @@ class EngineArgs:
     model: str | None = _arg(
         None, "GGUF file or HF model directory; default: the embedded SmolLM2-135M-Instruct"
     )
-    dtype: str = _arg("auto", "float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on CUDA)")
+    dtype: str = _arg(
+        "auto", "float32 | bfloat16 | float16 | auto (bfloat16 where native: CUDA, AVX512-BF16/AMX)"
+    )
     device: str = _arg("auto", "cpu | cuda | auto")
     max_model_len: int | None = _arg(
         None, "longest prompt + output; default: the model's context, at most 4096"
@@ -190,11 +192,23 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 where the hardware computes it natively (CUDA, or a CPU with AVX-512 BF16 or
+    AMX, where bf16 matmuls run ~5x faster than float32), float32 otherwise."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+        return torch.bfloat16 if native else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
