@@ -50,7 +50,7 @@ class AsyncLLM:
         self.engine = LLMEngine(engine_args)
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config
-        self.step_listeners: list[Callable[[StepStats, list[RequestOutput]], None]] = []
+        self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
@@ -95,7 +95,7 @@ class AsyncLLM:
                 self._commands.put(_Abort(request_id))
 
     def abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        """Abort from outside the stream: its iterator receives the final "abort" output."""
         self._commands.put(_Abort(request_id))
 
     @property
@@ -121,7 +121,8 @@ class AsyncLLM:
                 continue
             for output in outputs:
                 self._deliver(output.request_id, output)
-            self._notify(outputs)
+            if self.engine.last_step is not None:
+                self._notify(self.engine.last_step, outputs)
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     def _drain_commands(self, block: bool) -> None:
@@ -138,7 +139,10 @@ class AsyncLLM:
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
+            output = self.engine.abort_request(command.request_id)
+            if output is not None:  # its final "abort" output ends a live stream and counts in metrics
+                self._deliver(command.request_id, output)
+                self._notify(None, [output])
             return
         if command.request_id not in self._streams:
             return  # the client left before the request reached the engine
@@ -160,10 +164,8 @@ class AsyncLLM:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
 
-    def _notify(self, outputs: list[RequestOutput]) -> None:
-        stats = self.engine.last_step
-        if stats is None:
-            return
+    def _notify(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
+        """Tell listeners about a step (stats) and its outputs; aborts come with stats None."""
         for listener in self.step_listeners:
             try:
                 listener(stats, outputs)

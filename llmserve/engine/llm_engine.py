@@ -156,6 +156,7 @@ class LLMEngine:
         start = time.monotonic()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
+            self.last_step = None
             return []
         outputs = self.output_processor.outputs_for(scheduled.finished)
         self.model_runner.move_blocks(scheduled)

@@ -1,0 +1,407 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over one `AsyncLLM`, run by uvicorn.
+
+Every error a client can cause is a 4xx with OpenAI's body `{"error": {message, type, param, code}}`;
+an internal failure is a 500 with the same body and never a traceback. The port is bound before the
+model loads (a busy port fails at once) but only listens once it has loaded, so /health answering
+means ready. SIGTERM or Ctrl-C stops the engine, which ends every in-flight request (streams get a
+final chunk with finish_reason "abort"), then uvicorn drains the connections and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pydantic
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmserve.engine.async_llm import AsyncLLM, EngineDeadError
+from llmserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from llmserve.entrypoints.openai.serving import ApiError, ClientDisconnected, ServerContext, json_response
+from llmserve.entrypoints.openai.serving_chat import ChatHandler
+from llmserve.entrypoints.openai.serving_completions import CompletionHandler
+from llmserve.metrics.prometheus import PrometheusMetrics
+
+logger = logging.getLogger("llmserve.server")
+
+API_KEY_ENV = "LLMSERVE_API_KEY"
+MAX_BODY_BYTES = 4 * 2**20
+STATS_LOG_SECONDS = 10.0
+GRACEFUL_SHUTDOWN_SECONDS = 10
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)  # .Q4_1, -Q4_K_M, .f16
+
+
+@dataclass
+class AppState:
+    ctx: ServerContext
+    completions: CompletionHandler
+    chat: ChatHandler
+    metrics: PrometheusMetrics
+
+
+def build_app(
+    engine: AsyncLLM,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_waiting: int = 256,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    metrics: PrometheusMetrics | None = None,
+) -> FastAPI:
+    """The app; `max_waiting` bounds the engine requests in flight (running + waiting) before 429s."""
+    if max_waiting < 1:
+        raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+    metrics = metrics or PrometheusMetrics()
+    metrics.attach(engine)
+    ctx = ServerContext(engine, served_model_name, max_waiting)
+    app = FastAPI(title="llmserve", lifespan=_lifespan, strict_content_type=False)
+    app.state.llmserve = AppState(ctx, CompletionHandler(ctx), ChatHandler(ctx), metrics)
+    app.include_router(router)
+    _install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # added last: runs first
+    return app
+
+
+# -- routes -----------------------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+def _state(raw_request: Request) -> AppState:
+    return raw_request.app.state.llmserve
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).completions.create(request, raw_request)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).chat.create(request, raw_request)
+
+
+@router.get("/v1/models")
+async def list_models(raw_request: Request) -> Response:
+    ctx = _state(raw_request).ctx
+    return json_response(
+        ModelList(data=[ModelCard(id=ctx.served_model_name, max_model_len=ctx.max_model_len)])
+    )
+
+
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+    state = _state(raw_request)
+    state.ctx.check_model(request.model)
+    if request.messages is not None:
+        messages = [m.to_template_message() for m in request.messages]
+        tokens = state.chat.render(messages, request.add_generation_prompt)
+    else:
+        tokens = list(state.ctx.engine.tokenizer.encode(request.prompt or ""))
+    return json_response(
+        TokenizeResponse(count=len(tokens), max_model_len=state.ctx.max_model_len, tokens=tokens)
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+    ctx = _state(raw_request).ctx
+    ctx.check_model(request.model)
+    vocab_size = ctx.engine.engine.config.model.arch.vocab_size
+    if any(not 0 <= token < vocab_size for token in request.tokens):
+        raise ApiError(f"token ids must be in [0, {vocab_size})", param="tokens")
+    text = ctx.engine.tokenizer.decode(request.tokens, skip_special_tokens=False)
+    return json_response(DetokenizeResponse(prompt=text))
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    if not _state(raw_request).ctx.engine.is_running:
+        raise ApiError("the engine has stopped", status=503, type="server_error")
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    registry = _state(raw_request).metrics
+    return Response(registry.render(), media_type=registry.content_type)
+
+
+# -- errors, auth, lifespan --------------------------------------------------------------------------
+
+
+def _error_type(status: int) -> str:
+    return {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every failure becomes an OpenAI error body; the status says whose fault it was."""
+
+    async def on_internal_error(raw_request: Request, error: Exception) -> Response:
+        logger.error("internal error serving %s", raw_request.url.path, exc_info=error)
+        body = ApiError("internal server error", status=500, type="server_error").body()
+        return json_response(body, 500)
+
+    async def on_api_error(_: Request, error: ApiError) -> Response:
+        return json_response(error.body(), error.status, error.headers)
+
+    async def on_validation_error(_: Request, error: RequestValidationError) -> Response:
+        return json_response(validation_api_error(error).body(), 400)
+
+    async def on_http_error(_: Request, error: StarletteHTTPException) -> Response:
+        api_error = ApiError(str(error.detail), status=error.status_code, type=_error_type(error.status_code))
+        return json_response(api_error.body(), error.status_code, error.headers)
+
+    async def on_value_error(raw_request: Request, error: ValueError) -> Response:
+        if isinstance(error, pydantic.ValidationError):  # a response model we built is wrong: our bug
+            return await on_internal_error(raw_request, error)
+        return json_response(ApiError(str(error)).body(), 400)
+
+    async def on_engine_dead(_: Request, error: EngineDeadError) -> Response:
+        return json_response(ApiError(str(error), status=503, type="server_error").body(), 503)
+
+    async def on_disconnect(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody is listening; the engine requests are already aborted
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ValueError, on_value_error)
+    app.add_exception_handler(EngineDeadError, on_engine_dead)
+    app.add_exception_handler(ClientDisconnected, on_disconnect)
+    app.add_exception_handler(Exception, on_internal_error)
+
+
+def validation_api_error(error: RequestValidationError) -> ApiError:
+    """The most specific validation error as a 400 whose `param` is the top-level field at fault.
+
+    For a union field pydantic reports one error per member; the deepest one is from the member the
+    input came closest to matching, so it is the one worth showing.
+    """
+    chosen = max(error.errors(), key=lambda e: len(e["loc"]))
+    if chosen["type"] == "json_invalid":
+        detail = chosen.get("ctx", {}).get("error", "")
+        return ApiError(f"the request body is not valid JSON: {detail}".rstrip(": "))
+    loc = [str(part) for part in chosen["loc"][1:] if not _is_union_tag(part)]
+    message = str(chosen["msg"]).removeprefix("Value error, ")
+    if not loc:
+        return ApiError("the request body must be a JSON object (sent with Content-Type: application/json)")
+    return ApiError(f"{'.'.join(loc)}: {message}", param=loc[0])
+
+
+def _is_union_tag(part: str | int) -> bool:
+    """pydantic names the union member it tried ('str', 'list[int]') in an error's location."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+class ApiKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on the API routes; /health and /metrics stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _is_protected(scope["path"]) and not self._authorized(scope):
+            error = ApiError(
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                status=401,
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+            await json_response(error.body(), 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        return secrets.compare_digest(header, self._expected)
+
+
+class BodySizeLimitMiddleware:
+    """Refuses request bodies over `max_bytes` with 413, by Content-Length or while reading a chunked body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await json_response(self._error().body(), 413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # an HTTPException passes FastAPI's body reader unchanged
+                raise StarletteHTTPException(413, self._error().message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _error(self) -> ApiError:
+        return ApiError(f"the request body exceeds {self.max_bytes} bytes", status=413)
+
+
+def _is_protected(path: str) -> bool:
+    return path == "/v1" or any(path.startswith(prefix) for prefix in _PROTECTED_PREFIXES)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    task = asyncio.create_task(_log_stats_periodically(app.state.llmserve))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _log_stats_periodically(state: AppState, interval: float = STATS_LOG_SECONDS) -> None:
+    """Every `interval` seconds while busy: queue sizes, KV usage and token throughput."""
+    metrics, engine = state.metrics, state.ctx.engine.engine
+    last = (metrics.total_prompt_tokens, metrics.total_generation_tokens, time.monotonic())
+    while True:
+        await asyncio.sleep(interval)
+        now = (metrics.total_prompt_tokens, metrics.total_generation_tokens, time.monotonic())
+        running, waiting = engine.scheduler.num_running, engine.scheduler.num_waiting
+        if running or waiting or now[:2] != last[:2]:
+            elapsed = now[2] - last[2]
+            logger.info(
+                "running: %d, waiting: %d, KV cache usage: %.1f%%, "
+                "prompt: %.1f tokens/s, generation: %.1f tokens/s",
+                running,
+                waiting,
+                100 * engine.kv_cache_manager.usage,
+                (now[0] - last[0]) / elapsed,
+                (now[1] - last[1]) / elapsed,
+            )
+        last = now
+
+
+# -- running -----------------------------------------------------------------------------------------
+
+
+def default_served_model_name(model_path: str) -> str:
+    """The model directory's name, or the GGUF file's stem without its quantization tag.
+
+    `SmolLM2-135M-Instruct.Q4_1.gguf` is served as `SmolLM2-135M-Instruct`: clients name the model,
+    not the file it happens to be quantized into.
+    """
+    path = Path(model_path.rstrip("/"))
+    if not path.is_file():
+        return path.name
+    return _QUANT_SUFFIX.sub("", path.stem) or path.stem
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`llmserve serve`: load the model, serve until SIGTERM/Ctrl-C, exit 0."""
+    from llmserve.entrypoints.cli import engine_args_from
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    with _bound_socket(args.host, args.port) as sock:
+        engine = AsyncLLM(engine_args_from(args))
+        try:
+            name = args.served_model_name or default_served_model_name(engine.config.model.path)
+            app = build_app(engine, name, api_key, args.max_waiting)
+            config = uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_config=None,
+                access_log=False,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+            )
+            server = _Server(config, on_exit=lambda: engine.shutdown(timeout=0))
+            host, port = sock.getsockname()[:2]
+            logger.info(
+                "serving %r on http://%s:%d%s", name, host, port, " (API key required)" if api_key else ""
+            )
+            server.run(sockets=[sock])
+        finally:
+            engine.shutdown()
+    return 0
+
+
+@contextlib.contextmanager
+def _bound_socket(host: str, port: int) -> Iterator[socket.socket]:
+    """Bind now so a busy port fails before the model loads; uvicorn starts listening later."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            raise OSError(f"cannot bind {host}:{port}: {error.strerror}") from error
+        yield sock
+    finally:
+        sock.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with a hook on the first exit signal, and no re-raising of it afterwards.
+
+    uvicorn re-raises a caught SIGTERM once it has shut down, which would kill the process with
+    status -15; a graceful shutdown is a success, so the process returns normally instead.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:
+            self._on_exit()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

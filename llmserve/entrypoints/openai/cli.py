@@ -1,0 +1,44 @@
+"""`llmserve serve`: the OpenAI-compatible HTTP server (registered by `llmserve.entrypoints.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from llmserve.entrypoints.cli import add_engine_arguments
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve the model (default: the embedded SmolLM2-135M-Instruct) over an "
+        "OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+        "/detokenize, /health and Prometheus /metrics.",
+    )
+    group = serve.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the API routes (also env LLMSERVE_API_KEY)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send; default: the model file's stem",
+    )
+    group.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests in flight (running + waiting) before the server answers 429",
+    )
+    add_engine_arguments(serve)
+    serve.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from llmserve.entrypoints.openai.api_server import run_server  # FastAPI and uvicorn load only here
+
+    return run_server(args)

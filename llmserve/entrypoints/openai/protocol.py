@@ -1,0 +1,362 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Requests are validated strictly (a string where a number belongs is a 400, not silently coerced)
+but unknown fields are ignored, as OpenAI does. Value ranges that only make sense together with the
+model (max_tokens against the context length) are checked by the serving code.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
+
+from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16  # choices per prompt
+MAX_STOP_SEQUENCES = 16
+MAX_SEED = 2**63 - 1 - MAX_N  # parallel samples use seed + index, which must stay an int64
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """Many clients send null for "not set"; an optional field then takes its default."""
+        if value is None and info.field_name is not None:
+            field = cls.model_fields[info.field_name]
+            if not field.is_required():
+                return field.get_default(call_default_factory=True)
+        return value
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
+
+
+# -- shared request fields -------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)  # -1 or 0: disabled
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] = Field(default_factory=list)  # validated into a list
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    priority: int = 0  # lower runs first when the server uses --scheduling-policy priority
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str]) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if not all(stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("is only allowed when stream is true")
+        return options
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field that set the token limit, for error messages."""
+        return "max_tokens"
+
+    def requested_logprobs(self) -> int | None:
+        """Top-N logprobs to compute per generated token; None when not asked for."""
+        return None
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Engine parameters; `max_tokens` is resolved by the caller against the context length."""
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=list(self.stop),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs(),
+        )
+
+
+# -- /v1/completions -------------------------------------------------------------------------------
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: Prompt) -> Prompt:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("must not be an empty list")
+        return prompt
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+
+class CompletionLogprobs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# -- /v1/chat/completions --------------------------------------------------------------------------
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def to_template_message(self) -> dict[str, str]:
+        """The {role, content} dict chat templates expect; text parts are joined by newlines."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs to be true")
+        return top_logprobs
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [message.to_template_message() for message in self.messages]
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        """A delta carries only what changed: the role once, then content pieces, finally nothing."""
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# -- /v1/models, /tokenize, /detokenize -------------------------------------------------------------
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "llmserve"
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(_Request):
+    """Either `prompt` (plain text) or `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, validate_default=True)
+    add_generation_prompt: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _check_one_input(cls, messages: list[ChatMessage] | None, info: ValidationInfo) -> list | None:
+        if (messages is None) == (info.data.get("prompt") is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return messages
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

@@ -1,0 +1,419 @@
+"""What the completion and chat handlers share: errors, admission, engine streams, logprob text.
+
+The handlers never hold engine state: each HTTP request becomes one engine request per prompt
+(`AsyncLLM.generate`), and closing those iterators (client gone, server stopping) aborts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo, _SamplingRequest
+from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("llmserve.server")
+
+DISCONNECT_POLL_SECONDS = 0.25
+MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients expect a finite number
+
+T = TypeVar("T")
+
+
+class ApiError(Exception):
+    """An error with an HTTP status and an OpenAI error body; `param` names the offending field."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",  # noqa: A002 - the OpenAI field name
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+@dataclass
+class ServerContext:
+    """Per-app state the handlers share."""
+
+    engine: AsyncLLM
+    served_model_name: str
+    max_in_flight: int
+    in_flight: int = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.config.model.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise ApiError(
+                f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                status=404,
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+
+    def admit(self, count: int) -> Callable[[], None]:
+        """Take `count` in-flight slots or refuse with 429; returns the (idempotent) release."""
+        if count > self.max_in_flight:
+            raise ApiError(
+                f"the request has {count} prompts but the server admits at most {self.max_in_flight} "
+                "requests at once",
+                param="prompt",
+            )
+        if self.in_flight + count > self.max_in_flight:
+            raise ApiError(
+                f"the server is at its limit of {self.max_in_flight} requests in flight; retry later",
+                status=429,
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
+        self.in_flight += count
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= count
+
+        return release
+
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        try:
+            return self.engine.encode_prompt(prompt)
+        except ValueError as error:
+            raise ApiError(str(error), param=param) from error
+
+    def sampling_params(
+        self, request: _SamplingRequest, prompt_lens: Sequence[int], default_max: int | None
+    ) -> SamplingParams:
+        """Engine parameters with max_tokens checked against the context left by the longest prompt."""
+        room = self.max_model_len - max(prompt_lens)
+        requested = request.requested_max_tokens()
+        max_tokens = requested if requested is not None else min(default_max or room, room)
+        if max_tokens > room:
+            raise ApiError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{max(prompt_lens)} prompt tokens plus max_tokens={max_tokens} exceed it; "
+                "shorten the prompt or lower max_tokens",
+                param=request.max_tokens_param,
+            )
+        try:
+            return request.to_sampling_params(max_tokens)
+        except ValueError as error:  # SamplingParams messages start with the field's name
+            raise ApiError(str(error), param=str(error).split(" ", 1)[0]) from error
+
+
+# -- engine streams ---------------------------------------------------------------------------------
+
+
+async def merge_streams(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several engine streams as (stream index, item); closing this closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item))
+        except Exception as error:  # noqa: BLE001 - re-raised in the consumer
+            queue.put_nowait((index, error))
+        finally:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+class EngineRequests:
+    """The engine requests behind one HTTP request (one per prompt), iterated, aborted and logged together."""
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        request_id: str,
+        prompts: Sequence[list[int]],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        self.id = request_id
+        self.request_ids = [
+            request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))
+        ]
+        self.prompts = list(prompts)
+        self.latest: list[RequestOutput | None] = [None] * len(prompts)
+        self._streams = [
+            engine.generate(ids, params, rid, priority)
+            for ids, rid in zip(prompts, self.request_ids, strict=True)
+        ]
+
+    async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """Yield (prompt index, cumulative output); engine failures raise; each request is logged."""
+        try:
+            async for index, output in merge_streams(self._streams):
+                if output.error is not None:
+                    raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+                self.latest[index] = output
+                yield index, output
+        finally:
+            for request_id, output in zip(self.request_ids, self.latest, strict=True):
+                log_finished(request_id, output)
+
+    async def final(self) -> list[RequestOutput]:
+        """Run every request to its finished output, in prompt order."""
+        async with contextlib.aclosing(self.outputs()) as outputs:
+            async for _ in outputs:
+                pass
+        return [output for output in self.latest if output is not None]
+
+    def usage(self) -> UsageInfo:
+        """Every prompt once, plus the tokens of all its completions so far (summed over n)."""
+        generated = sum(len(c.token_ids) for o in self.latest if o is not None for c in o.outputs)
+        return UsageInfo.of(sum(map(len, self.prompts)), generated)
+
+
+@dataclass
+class Delta:
+    """What one choice gained since the last chunk."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+@dataclass
+class ChoiceProgress:
+    """How much of one choice a stream has sent, so each chunk carries only the new part."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+    def advance(self, completion: CompletionOutput, with_logprobs: bool) -> Delta | None:
+        """The unsent part, or None when there is nothing worth a chunk (tokens without text)."""
+        if self.finished:
+            return None
+        text = completion.text[self.text_len :]
+        token_ids = completion.token_ids[self.num_tokens :]
+        finish = completion.finish_reason
+        if not text and finish is None and not (with_logprobs and token_ids):
+            return None
+        logprobs = None if completion.logprobs is None else completion.logprobs[self.num_tokens :]
+        self.text_len += len(text)
+        self.num_tokens += len(token_ids)
+        self.finished = finish is not None
+        return Delta(text, list(token_ids), logprobs, finish)
+
+
+async def until_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await raw_request.is_disconnected():
+                raise ClientDisconnected
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that runs `on_close` however the stream ends.
+
+    The body generator's own `finally` does not run if it was never started (the client left before
+    the first byte), so resources held for the stream are released here instead.
+    """
+
+    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._content.aclose()  # a disconnect can leave it suspended at a yield
+            finally:
+                self._on_close()
+
+
+def json_response(body: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        body.model_dump_json(), status_code=status, headers=headers, media_type="application/json"
+    )
+
+
+def sse_event(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse_event("[DONE]")
+
+
+def sse_error(error: BaseException) -> str:
+    """The in-band error event for a stream that already sent its 200 status."""
+    message, status = (error.message, error.status) if isinstance(error, ApiError) else (str(error), 500)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return sse_event(
+        ErrorResponse(error=ErrorInfo(message=message, type=kind, code=str(status))).model_dump_json()
+    )
+
+
+# -- logprobs ---------------------------------------------------------------------------------------
+
+
+class TokenText:
+    """Per-token strings and bytes for logprobs: each token decoded alone, as OpenAI reports them."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._cache) < _TOKEN_CACHE_SIZE:
+                self._cache[token_id] = text
+        return text
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The token's UTF-8 bytes; exact even for a token holding part of a character."""
+        text = self(token_id)
+        if _REPLACEMENT_CHAR in text and hasattr(self._tokenizer, "convert_ids_to_tokens"):
+            raw = raw_token_bytes(self._tokenizer.convert_ids_to_tokens([token_id])[0])
+            if raw is not None:
+                return list(raw)
+        return list(text.encode("utf-8"))
+
+
+_TOKEN_CACHE_SIZE = 1 << 16
+_REPLACEMENT_CHAR = "\ufffd"
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for bytes (GPT-2's table): unicode char -> byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {chr(b): b for b in printable}
+    shifted = (b for b in range(256) if b not in set(printable))
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def raw_token_bytes(piece: str) -> bytes | None:
+    """Bytes of a vocabulary piece: SentencePiece byte fallback (<0xE2>) or byte-level BPE; else None."""
+    match = _BYTE_FALLBACK.fullmatch(piece)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    if all(char in _BYTE_LEVEL for char in piece):
+        return bytes(_BYTE_LEVEL[char] for char in piece)
+    return None
+
+
+def finite(logprob: float) -> float:
+    return logprob if not math.isnan(logprob) and logprob > MIN_LOGPROB else MIN_LOGPROB
+
+
+def top_entries(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
+    """The `count` most likely of one token's (top-N plus sampled) logprob entries."""
+    return sorted(entry.items(), key=lambda item: item[1], reverse=True)[:count]
+
+
+# -- logging ----------------------------------------------------------------------------------------
+
+
+def log_finished(request_id: str, output: RequestOutput | None) -> None:
+    """One line per engine request: tokens, TTFT, end-to-end latency and why it ended."""
+    if output is None:
+        logger.info("request %s ended before its first token", request_id)
+        return
+    metrics = output.metrics
+    ttft = metrics.time_to_first_token if metrics else None
+    e2e = (metrics.e2e_latency or time.monotonic() - metrics.arrival_time) if metrics else None
+    reasons = ",".join(sorted({c.finish_reason or "abort" for c in output.outputs})) or "abort"
+    logger.info(
+        "request %s %s: prompt %d tokens, output %d tokens, ttft %s, e2e %s, finish %s",
+        request_id,
+        "finished" if output.finished else "aborted",
+        len(output.prompt_token_ids),
+        sum(len(c.token_ids) for c in output.outputs),
+        _seconds(ttft),
+        _seconds(e2e),
+        reasons,
+    )
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}s"

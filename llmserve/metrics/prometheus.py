@@ -1,0 +1,248 @@
+"""Prometheus metrics for the server, named `llmserve:*` in vLLM's style, in a private registry.
+
+Fed by an `AsyncLLM` step listener (it runs in the engine thread after every step) plus gauges read
+live at scrape time, so an abort that leaves the engine idle still shows as zero running requests.
+
+Token counters are exact by construction:
+- `prompt_tokens_total`: the prompt length of every request that produced at least one token, counted
+  once when its first token arrives (prefix-cache hits and preemption recomputes do not change it);
+  equal to the sum of `usage.prompt_tokens` the server reported for those requests.
+- `generation_tokens_total`: output tokens delivered, all n samples included; equal to the sum of
+  `usage.completion_tokens`.
+
+To add a metric, create it with `counter`/`gauge`/`histogram` (which prefix the name and register it
+here) and update it from a step listener of your own or from `on_step`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from llmserve.metrics.stats import StepStats
+from llmserve.outputs import CompletionOutput, RequestOutput
+
+if TYPE_CHECKING:
+    from llmserve.engine.async_llm import AsyncLLM
+
+PREFIX = "llmserve:"
+_PRUNE_EVERY_STEPS = 256
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class _Progress:
+    """What the listener has seen of one live request."""
+
+    num_tokens: int
+    last_token_time: float
+
+
+class PrometheusMetrics:
+    """The server's metrics registry and the step listener that feeds it."""
+
+    content_type = CONTENT_TYPE_LATEST  # of `render()`'s output
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.num_requests_running = self.gauge("num_requests_running", "Requests running in the engine.")
+        self.num_requests_waiting = self.gauge("num_requests_waiting", "Requests waiting (new or preempted).")
+        self.kv_cache_usage = self.gauge(
+            "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)."
+        )
+        self.prompt_tokens = self.counter(
+            "prompt_tokens", "Prompt tokens of requests, counted once at their first output token."
+        )
+        self.generation_tokens = self.counter("generation_tokens", "Output tokens generated.")
+        self.request_success = self.counter(
+            "request_success",
+            "Finished sequences (n > 1 counts each sample), by finish reason.",
+            ["finished_reason"],
+        )
+        self.num_preemptions = self.counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.time_to_first_token = self.histogram(
+            "time_to_first_token_seconds", "Arrival to first output token.", LATENCY_BUCKETS
+        )
+        self.inter_token_latency = self.histogram(
+            "inter_token_latency_seconds", "Time between successive outputs of a request.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = self.histogram(
+            "e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS
+        )
+        self.request_queue_time = self.histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS
+        )
+        self.request_prefill_time = self.histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS
+        )
+        self.request_decode_time = self.histogram(
+            "request_decode_time_seconds", "First token to finish.", LATENCY_BUCKETS
+        )
+        self.iteration_tokens = self.histogram(
+            "iteration_tokens_total", "Tokens (prompt + generated) computed per engine step.", TOKEN_BUCKETS
+        )
+        self.iteration_batch_size = self.histogram(
+            "iteration_batch_size", "Requests batched per engine step.", BATCH_BUCKETS
+        )
+        self.total_prompt_tokens = 0  # plain totals for the periodic log line
+        self.total_generation_tokens = 0
+        self._requests: dict[str, _Progress] = {}
+        self._last_stats: StepStats | None = None
+        self._is_live: Callable[[str], bool] = lambda request_id: True
+        self._steps = 0
+
+    # -- declaring metrics ----------------------------------------------------------------------
+
+    def counter(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Counter:
+        """A counter exposed as `llmserve:<name>_total`."""
+        return Counter(PREFIX + name, documentation, list(labels), registry=self.registry)
+
+    def gauge(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
+        return Gauge(PREFIX + name, documentation, list(labels), registry=self.registry)
+
+    def histogram(
+        self, name: str, documentation: str, buckets: Sequence[float], labels: Sequence[str] = ()
+    ) -> Histogram:
+        return Histogram(PREFIX + name, documentation, list(labels), buckets=buckets, registry=self.registry)
+
+    # -- feeding them ----------------------------------------------------------------------------
+
+    def attach(self, llm: AsyncLLM) -> None:
+        """Listen to the engine's steps and read its queue and cache gauges at scrape time."""
+        engine = llm.engine
+        self.num_requests_running.set_function(lambda: engine.scheduler.num_running)
+        self.num_requests_waiting.set_function(lambda: engine.scheduler.num_waiting)
+        self.kv_cache_usage.set_function(lambda: engine.kv_cache_manager.usage)
+        self._is_live = engine.output_processor.has_request  # called in the engine thread only
+        llm.step_listeners.append(self.on_step)
+
+    def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
+        """Step listener: per-step histograms, token counters and per-request latencies.
+
+        `stats` is None for outputs that no step produced (an abort's final output)."""
+        if stats is not None and stats is not self._last_stats:
+            self._last_stats = stats
+            self._observe_step(stats)
+        now = time.monotonic()
+        for output in outputs:
+            self._observe_output(output, now)
+        self._steps += 1
+        if self._steps % _PRUNE_EVERY_STEPS == 0:
+            self._prune()
+
+    def _observe_step(self, stats: StepStats) -> None:
+        self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+        self.iteration_batch_size.observe(stats.num_batched_seqs)
+        if stats.num_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions)
+
+    def _observe_output(self, output: RequestOutput, now: float) -> None:
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        progress = self._requests.get(output.request_id)
+        if progress is None and num_tokens > 0:
+            progress = self._requests[output.request_id] = _Progress(0, now)
+            self._observe_first_token(output, now)
+        if progress is not None and num_tokens > progress.num_tokens:
+            if progress.num_tokens > 0:
+                self.inter_token_latency.observe(now - progress.last_token_time)
+            self.generation_tokens.inc(num_tokens - progress.num_tokens)
+            self.total_generation_tokens += num_tokens - progress.num_tokens
+            progress.num_tokens, progress.last_token_time = num_tokens, now
+        if output.finished:
+            self._requests.pop(output.request_id, None)
+            self._observe_finished(output)
+
+    def _observe_first_token(self, output: RequestOutput, now: float) -> None:
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.total_prompt_tokens += len(output.prompt_token_ids)
+        metrics = output.metrics
+        if metrics is not None:
+            first_token_time = metrics.first_token_time or now
+            self.time_to_first_token.observe(first_token_time - metrics.arrival_time)
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        for completion in output.outputs:
+            self.request_success.labels(finished_reason=_reason(completion)).inc()
+        metrics = output.metrics
+        if metrics is None or metrics.finished_time is None:
+            return
+        self.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
+        if metrics.first_scheduled_time is not None:
+            self.request_queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+        if metrics.first_token_time is None:
+            return
+        self.request_decode_time.observe(metrics.finished_time - metrics.first_token_time)
+        if metrics.first_scheduled_time is not None:
+            self.request_prefill_time.observe(metrics.first_token_time - metrics.first_scheduled_time)
+
+    def _prune(self) -> None:
+        """Forget requests the engine no longer knows (aborted ones never report a finished output)."""
+        for request_id in [r for r in self._requests if not self._is_live(r)]:
+            del self._requests[request_id]
+
+    # -- exposing them ---------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text exposition format."""
+        return generate_latest(self.registry)
+
+
+def _reason(completion: CompletionOutput) -> str:
+    return completion.finish_reason or "abort"
