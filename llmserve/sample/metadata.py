@@ -108,8 +108,13 @@ def _penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, dev
     use_repetition = [p.repetition_penalty != 1.0 for p in params]
     use_additive = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
     tensors = dict.fromkeys(
-        ("repetition_penalties", "seen_token_mask", "frequency_penalties", "presence_penalties",
-         "output_token_counts")
+        (
+            "repetition_penalties",
+            "seen_token_mask",
+            "frequency_penalties",
+            "presence_penalties",
+            "output_token_counts",
+        )
     )
     if any(use_repetition):
         prompt = [ids if use else [] for ids, use in zip(prompt_token_ids, use_repetition, strict=True)]

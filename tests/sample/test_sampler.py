@@ -107,8 +107,9 @@ def _draw_seeded_in_batch(
         batch[row] = step
         generators = [generator(99) if p.seed is not None else None for p in params_batch]
         generators[row] = gen
-        metadata = build(params_batch, step.shape[-1], outputs=[[1, 2]] * len(params_batch),
-                         generators=generators)
+        metadata = build(
+            params_batch, step.shape[-1], outputs=[[1, 2]] * len(params_batch), generators=generators
+        )
         tokens.append(int(sampler(batch, metadata).sampled_token_ids[row]))
     return tokens
 
