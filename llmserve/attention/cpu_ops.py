@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -23,6 +24,10 @@ def load_cpu_ops() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        # torch finds `ninja` on PATH; the pinned one lives beside this interpreter in the venv.
+        bin_dir = os.path.dirname(sys.executable)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         os.environ.setdefault(
             "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "llmserve" / "torch_extensions")
         )
