@@ -1,18 +1,32 @@
-"""GGUF files: architecture from the metadata, tensors dequantized to HF names and layouts."""
+"""GGUF files (llama.cpp's format): architecture from the metadata, tensors as HF Llama weights.
+
+Only dense models of the llama family are accepted: "llama" (Llama 1-3, SmolLM2, Mistral, which
+llama.cpp also files as llama) and "qwen2". Tensors are dequantized to float32 and renamed and
+reshaped so they equal what HF transformers loads from the same file, including undoing the row
+permutation that llama.cpp's converter applies to the q and k projections of "llama" models.
+"""
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from llmserve.config import ModelArchConfig
-from llmserve.model_loader.errors import ModelLoadError
+from llmserve.model_loader.errors import ModelLoadError, describe
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+if TYPE_CHECKING:
+    from gguf import GGUFReader, ReaderTensor
 
-_LAYER_NAMES = {
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# llama.cpp rotates adjacent pairs of q/k elements for "llama" (its "normal" rope) and converts HF's
+# rotate-half layout by permuting rows; "qwen2" uses the neox rope, which needs no permutation.
+_ROPE_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+_GGUF_MAGIC = b"GGUF"
+
+_LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -23,106 +37,203 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def open_gguf(path: str):
+def open_gguf(path: str) -> GGUFReader:
+    """Parse a GGUF's header, metadata and tensor index (the data stays memory-mapped)."""
     from gguf import GGUFReader
 
+    _check_magic(path)
     try:
         return GGUFReader(path)
-    except Exception as error:  # noqa: BLE001 - any parse failure means a corrupt or foreign file
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(error).__name__}: {error})") from None
+    except Exception as error:  # gguf reports damage as IndexError/ValueError/... from numpy
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({describe(error)})") from None
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _check_magic(path: str) -> None:
+    """Tell "not a GGUF at all" apart from "a damaged GGUF", which the reader cannot."""
+    try:
+        with open(path, "rb") as file:
+            magic = file.read(len(_GGUF_MAGIC))
+    except OSError as error:
+        raise ModelLoadError(f"{path}: cannot read the file ({describe(error)})") from None
+    if magic != _GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (its first bytes are {magic!r}, not {_GGUF_MAGIC!r})")
 
 
-def arch_config(reader, path: str) -> ModelArchConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-
-    def key(name: str, default=None):
-        value = _field(reader, f"{arch}.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{name}")
-        return value
-
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+def read_arch_config(reader: GGUFReader, path: str) -> ModelArchConfig:
+    """The architecture, from llama.cpp's `{arch}.*` and `tokenizer.ggml.*` metadata keys."""
+    arch = _architecture(reader, path)
+    hidden = int(_required(reader, f"{arch}.embedding_length", path))
+    heads = int(_required(reader, f"{arch}.attention.head_count", path))
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    _reject_rope_frequency_factors(tensor_names, path)
     return ModelArchConfig(
         architecture=arch,
-        vocab_size=int(
-            _field(reader, f"{arch}.vocab_size", None) or len(_field(reader, "tokenizer.ggml.tokens", []))
-        ),
+        vocab_size=_vocab_size(reader, arch, path),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_hidden_layers=int(key("block_count")),
+        intermediate_size=int(_required(reader, f"{arch}.feed_forward_length", path)),
+        num_hidden_layers=int(_required(reader, f"{arch}.block_count", path)),
         num_attention_heads=heads,
-        num_key_value_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(key("context_length")),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        rope_scaling=_rope_scaling(reader, arch),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-        sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+        num_key_value_heads=int(_optional(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=_head_dim(reader, arch, hidden, heads, path),
+        rms_norm_eps=float(_required(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+        rope_theta=float(_optional(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_required(reader, f"{arch}.context_length", path)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        rope_scaling=_rope_scaling(reader, arch, path),
+        bos_token_id=_optional_int(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_token_ids(reader),
+        sliding_window=_optional_int(reader, f"{arch}.attention.sliding_window"),
     )
 
 
-def _rope_scaling(reader, arch: str) -> dict | None:
+def _field(reader: GGUFReader, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _required(reader: GGUFReader, key: str, path: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ModelLoadError(f"{path}: the GGUF metadata lacks the key {key}")
+    return value
+
+
+def _optional(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    value = _field(reader, key)
+    return default if value is None else value
+
+
+def _optional_int(reader: GGUFReader, key: str) -> int | None:
+    value = _field(reader, key)
+    return None if value is None else int(value)
+
+
+def _architecture(reader: GGUFReader, path: str) -> str:
+    arch = _required(reader, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {supported})")
+    if _optional(reader, f"{arch}.expert_count", 0):  # Mixtral is filed as "llama" with experts
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} with mixture-of-experts layers")
+    return arch
+
+
+def _vocab_size(reader: GGUFReader, arch: str, path: str) -> int:
+    """`{arch}.vocab_size`; older files only have the token list, whose length is the same."""
+    size = _field(reader, f"{arch}.vocab_size")
+    if size is not None:
+        return int(size)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ModelLoadError(f"{path}: the GGUF metadata has neither {arch}.vocab_size nor a token list")
+    return len(tokens.data)
+
+
+def _head_dim(reader: GGUFReader, arch: str, hidden: int, heads: int, path: str) -> int:
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is not None:
+        return int(key_length)
+    if heads <= 0 or hidden % heads:
+        raise ModelLoadError(f"{path}: embedding_length {hidden} is not divisible by head_count {heads}")
+    return hidden // heads
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, path: str) -> dict | None:
+    """HF's rope_scaling dict; llama.cpp records only "linear" in a form our rotary layer reproduces."""
     kind = _field(reader, f"{arch}.rope.scaling.type")
     factor = _field(reader, f"{arch}.rope.scaling.factor")
-    if kind in (None, "none") or factor is None:
+    if factor is None:
+        factor = _field(reader, f"{arch}.rope.scale_linear")  # the key before scaling.type existed
+        kind = kind or (None if factor is None else "linear")
+    if kind in (None, "none") or factor is None or float(factor) == 1.0:
         return None
     if kind != "linear":
-        raise ModelLoadError(f"unsupported GGUF rope scaling type {kind!r}")
+        raise ModelLoadError(f"{path}: unsupported rope scaling type {kind!r} (supported: linear)")
     return {"rope_type": "linear", "factor": float(factor)}
 
 
-def load_weights(reader, arch: ModelArchConfig, path: str) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32 under its HF name, in HF layout."""
-    from gguf.quants import dequantize
+def _reject_rope_frequency_factors(tensor_names: set[str], path: str) -> None:
+    """Llama 3.1+ files store their rope scaling as per-frequency factors, which we cannot apply."""
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelLoadError(
+            f"{path}: unsupported rope scaling (per-frequency factors in tensor rope_freqs.weight, "
+            "as in Llama 3.1+ GGUFs); load the HF model directory instead"
+        )
 
+
+def _eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
+    """End-of-sequence plus end-of-turn/-message ids: llama.cpp stops on all of them."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ids = (_optional_int(reader, key) for key in keys)
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def read_weights(reader: GGUFReader, arch: ModelArchConfig, path: str) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized to float32, under its HF name and in HF's layout."""
     weights = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
-            continue
-        try:
-            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        except Exception as error:  # noqa: BLE001
-            raise ModelLoadError(f"{path}: cannot read tensor {tensor.name} ({error})") from None
-        weights[name] = torch.from_numpy(_undo_rope_permutation(name, array, arch).copy())
+            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} (an unsupported model variant)")
+        array = _to_hf_layout(name, _dequantize(tensor, path), arch, path)
+        weights[name] = torch.from_numpy(array if array.flags.writeable else array.copy())
     return weights
 
 
 def hf_name(gguf_name: str) -> str | None:
-    match = _LAYER_TENSOR.match(gguf_name)
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown tensors."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}" if part in _LAYER_NAMES else None
-    base, _, kind = gguf_name.rpartition(".")
-    return f"{_GLOBAL_NAMES[base]}.{kind}" if base in _GLOBAL_NAMES else None
+        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}" if part in _LAYER_TENSORS else None
+    match = _GLOBAL_TENSOR.fullmatch(gguf_name)
+    if match and match.group(1) in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[match.group(1)]}.{match.group(2)}"
+    return None
 
 
-def _undo_rope_permutation(name: str, array: np.ndarray, arch: ModelArchConfig) -> np.ndarray:
-    """llama.cpp's converter interleaves the two rotary halves of each q/k head; restore HF order.
+def _dequantize(tensor: ReaderTensor, path: str) -> np.ndarray:
+    """float32 in HF's shape: GGUF lists dimensions fastest-first, the reverse of numpy's order."""
+    from gguf.quants import dequantize
 
-    It maps rows (head, half, i) to (head, i, half); the inverse swaps those axes back.
-    """
-    if arch.architecture != "llama" or not (".q_proj." in name or ".k_proj." in name):
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+        return array.astype(np.float32, copy=False).reshape(shape)
+    except Exception as error:  # an unsupported quantization type or a damaged tensor
+        raise ModelLoadError(
+            f"{path}: cannot dequantize tensor {tensor.name} ({tensor.tensor_type.name}): {describe(error)}"
+        ) from None
+
+
+def _to_hf_layout(name: str, array: np.ndarray, arch: ModelArchConfig, path: str) -> np.ndarray:
+    if arch.architecture not in _ROPE_PERMUTED_ARCHITECTURES:
         return array
-    heads = arch.num_attention_heads if ".q_proj." in name else arch.num_key_value_heads
-    rest = array.shape[1:]
-    return array.reshape(heads, array.shape[0] // heads // 2, 2, *rest).swapaxes(1, 2).reshape(array.shape)
+    if ".self_attn.q_proj." in name:
+        heads = arch.num_attention_heads
+    elif ".self_attn.k_proj." in name:
+        heads = arch.num_key_value_heads
+    else:
+        return array
+    if array.shape[0] != heads * arch.head_dim or arch.head_dim % 2:
+        raise ModelLoadError(
+            f"{path}: tensor {name} has {array.shape[0]} rows, not {heads} heads of {arch.head_dim}"
+        )
+    return unpermute_rope_rows(array, heads)
+
+
+def unpermute_rope_rows(array: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (rows and, for biases, elements are the first axis).
+
+    HF rotates the two halves of each head (element i pairs with i + head_dim/2); llama.cpp rotates
+    adjacent elements (2i pairs with 2i + 1). Its converter therefore reorders each head's rows from
+    (half, i) to (i, half); swapping those two axes back restores HF's order.
+    """
+    split = array.reshape(num_heads, array.shape[0] // num_heads // 2, 2, *array.shape[1:])
+    return np.ascontiguousarray(split.swapaxes(1, 2)).reshape(array.shape)

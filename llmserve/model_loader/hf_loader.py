@@ -1,66 +1,140 @@
-"""HF model directories: config.json and *.safetensors (single file or sharded)."""
+"""HF model directories: config.json (+ generation_config.json) and *.safetensors weights.
+
+config.json is read directly rather than through transformers' AutoConfig so that both its current
+layout (`rope_parameters` holding rope_theta) and the older one (top-level `rope_theta` and
+`rope_scaling`) map onto the same ModelArchConfig without importing transformers.
+"""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
+from typing import Any
 
 import torch
 
 from llmserve.config import ModelArchConfig
-from llmserve.model_loader.errors import ModelLoadError
+from llmserve.model_loader.errors import ModelLoadError, describe
 
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_INDEX_FILE = "model.safetensors.index.json"
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
-def arch_config(path: str) -> ModelArchConfig:
-    try:
-        with open(os.path.join(path, "config.json")) as file:
-            config = json.load(file)
-    except (OSError, json.JSONDecodeError) as error:
-        raise ModelLoadError(f"{path}: unreadable config.json ({error})") from None
-    names = config.get("architectures") or []
-    arch = next((_ARCHITECTURES[n] for n in names if n in _ARCHITECTURES), None)
-    if arch is None:
-        raise ModelLoadError(
-            f"{path}: unsupported architecture {names} (supported: {', '.join(_ARCHITECTURES)})"
-        )
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
-    heads = config["num_attention_heads"]
-    eos = config.get("eos_token_id")
+def read_arch_config(path: str) -> ModelArchConfig:
+    config = _read_json(os.path.join(path, "config.json"), path)
+    arch = _architecture(config, path)
+    missing = [key for key in _REQUIRED_KEYS if config.get(key) is None]
+    if missing:
+        raise ModelLoadError(f"{path}: config.json lacks {', '.join(missing)}")
+    heads = int(config["num_attention_heads"])
+    theta, rope_scaling = _rope(config)
     return ModelArchConfig(
         architecture=arch,
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_hidden_layers=config["num_hidden_layers"],
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_hidden_layers=int(config["num_hidden_layers"]),
         num_attention_heads=heads,
-        num_key_value_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
-        rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
-        sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
+        rope_scaling=rope_scaling,
+        bos_token_id=config["bos_token_id"] if isinstance(config.get("bos_token_id"), int) else None,
+        eos_token_ids=_eos_token_ids(path, config),
+        sliding_window=_sliding_window(config),
     )
 
 
-def load_weights(path: str) -> dict[str, torch.Tensor]:
+def _read_json(file: str, model_path: str) -> dict[str, Any]:
+    name = os.path.basename(file)
+    try:
+        with open(file, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{model_path}: unreadable {name} ({describe(error)})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{model_path}: {name} is not a JSON object")
+    return data
+
+
+def _architecture(config: dict[str, Any], path: str) -> str:
+    names = config.get("architectures") or []
+    arch = next((ARCHITECTURES[name] for name in names if name in ARCHITECTURES), None)
+    if arch is None:
+        supported = ", ".join(ARCHITECTURES)
+        raise ModelLoadError(f"{path}: unsupported architecture {names} (supported: {supported})")
+    return arch
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None for plain rope), from either config.json layout."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    return theta, None if kind == "default" else {"rope_type": kind, **rope}
+
+
+def _eos_token_ids(path: str, config: dict[str, Any]) -> tuple[int, ...]:
+    """generation_config.json decides when generation stops; config.json is the fallback."""
+    generation_file = os.path.join(path, "generation_config.json")
+    eos = None
+    if os.path.isfile(generation_file):
+        eos = _read_json(generation_file, path).get("eos_token_id")
+    if eos is None:
+        eos = config.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(i) for i in eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    """Mistral sets sliding_window; Qwen2 also needs use_sliding_window, which is usually false."""
+    if not config.get("use_sliding_window", True):
+        return None
+    window = config.get("sliding_window")
+    return None if window is None else int(window)
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, with its HF name and stored dtype."""
     from safetensors.torch import load_file
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ModelLoadError(f"{path}: no *.safetensors weights")
     weights: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in _safetensors_files(path):
         try:
             weights.update(load_file(file))
-        except Exception as error:  # noqa: BLE001 - a corrupt shard
-            raise ModelLoadError(f"{file}: unreadable safetensors ({error})") from None
+        except Exception as error:  # a damaged shard: safetensors raises its own error type
+            raise ModelLoadError(f"{file}: unreadable safetensors file ({describe(error)})") from None
     return weights
+
+
+def _safetensors_files(path: str) -> list[str]:
+    """The shards the index names (so stray files are ignored), else every *.safetensors file."""
+    index_file = os.path.join(path, _INDEX_FILE)
+    if os.path.isfile(index_file):
+        weight_map = _read_json(index_file, path).get("weight_map") or {}
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+        if missing:
+            shards = ", ".join(missing)
+            raise ModelLoadError(f"{path}: missing weight shards {shards} (named in {_INDEX_FILE})")
+        if files:
+            return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        others = [f for f in ("pytorch_model.bin", "model.pt") if os.path.isfile(os.path.join(path, f))]
+        hint = f"; found {others[0]}, convert it to safetensors" if others else ""
+        raise ModelLoadError(f"{path}: no *.safetensors weights{hint}")
+    return files

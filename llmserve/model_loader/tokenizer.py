@@ -1,76 +1,119 @@
-"""The tokenizer and chat template, from an HF directory or a GGUF's metadata (via transformers)."""
+"""The tokenizer and chat template of a model, over a transformers fast tokenizer.
+
+For a GGUF, transformers builds the tokenizer from the vocabulary and merges in its metadata, which
+takes seconds; the result is saved in the model cache (keyed like the weights) and loaded from there
+on later starts in a fraction of a second.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from llmserve.model_loader import cache
-from llmserve.model_loader.errors import ModelLoadError
+from llmserve.model_loader import weights_cache
+from llmserve.model_loader.default_model import is_gguf, resolve_model_path
+from llmserve.model_loader.errors import ModelLoadError, describe
+from llmserve.model_loader.weights import load_arch_config
 
-logger = logging.getLogger("llmserve")
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_DIR = "tokenizer"
 
 
 class Tokenizer:
-    """A thin wrapper over a transformers fast tokenizer with the calls the engine needs."""
+    """The tokenizer calls the engine makes; `.hf` is the underlying transformers tokenizer."""
 
-    def __init__(self, hf_tokenizer, eos_token_ids: tuple[int, ...]) -> None:
-        self.hf = hf_tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.bos_token_id = hf_tokenizer.bos_token_id
-        self.vocab_size = len(hf_tokenizer)
-        self.all_special_ids = list(hf_tokenizer.all_special_ids)
+    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...]) -> None:
+        self.hf = hf
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.bos_token_id: int | None = hf.bos_token_id
+        self.vocab_size: int = len(hf)  # includes added tokens, unlike hf.vocab_size
+        self.all_special_ids: tuple[int, ...] = tuple(hf.all_special_ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        return self.hf.convert_ids_to_tokens(ids)
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return self.hf.convert_ids_to_tokens(list(ids))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the conversation rendered with the model's chat template."""
+        """Token ids of the conversation rendered by the model's chat template.
+
+        Raises ValueError when the model has no template, a message is malformed, or the template
+        itself rejects the conversation (e.g. roles out of order).
+        """
+        import jinja2
+
         if not self.hf.chat_template:
-            raise ValueError("this model has no chat template; use plain completions")
-        for message in messages:
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError("each message needs a 'role' and a 'content'")
-        text = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+            raise ValueError("this model has no chat template; send a plain completion prompt instead")
+        _check_messages(messages)
+        try:
+            text = self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except jinja2.TemplateError as error:
+            raise ValueError(f"the chat template rejected the messages: {error}") from error
+        # The template writes any BOS itself; encoding must not add a second one.
         return self.encode(text, add_special_tokens=False)
 
 
-def load_tokenizer(path: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+def _check_messages(messages: object) -> None:
+    if not isinstance(messages, list | tuple):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"message {index} must be a dict with a string 'role'")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"message {index} must have a string 'content'")
+
+
+def load_tokenizer(path: str, eos_token_ids: tuple[int, ...] | None = None) -> Tokenizer:
+    """The tokenizer of the GGUF file or HF directory at `path`.
+
+    `eos_token_ids` default to the model's own stop tokens (GGUF metadata, or generation_config.json
+    over config.json), then to the tokenizer's eos token.
+    """
+    path = resolve_model_path(path)
+    hf = _load_hf_tokenizer(path)
+    if eos_token_ids is None:
+        eos_token_ids = load_arch_config(path).eos_token_ids
+    if not eos_token_ids and hf.eos_token_id is not None:
+        eos_token_ids = (hf.eos_token_id,)
+    return Tokenizer(hf, tuple(eos_token_ids))
+
+
+def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(path) if os.path.isdir(path) else _gguf_tokenizer(path)
-    except ModelLoadError:
-        raise
-    except Exception as error:  # noqa: BLE001 - transformers raises many kinds for a bad tokenizer
-        raise ModelLoadError(f"{path}: cannot load the tokenizer ({error})") from None
-    eos = eos_token_ids or ((hf.eos_token_id,) if hf.eos_token_id is not None else ())
-    return Tokenizer(hf, tuple(eos))
+        if is_gguf(path):
+            return _gguf_tokenizer(path)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as error:  # transformers raises many kinds for a missing or bad tokenizer
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({describe(error)})") from None
 
 
-def _gguf_tokenizer(path: str):
-    """Converting a GGUF vocabulary takes seconds, so the converted tokenizer is cached."""
+def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """From the cache, else converted from the GGUF metadata and cached."""
     from transformers import AutoTokenizer
 
-    entry = cache.entry_path(path, "tokenizer")
-    if entry.is_dir():
-        return AutoTokenizer.from_pretrained(entry)
-    hf = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=entry.parent, prefix=".tokenizer-")
-    hf.save_pretrained(staging)
-    try:
-        os.rename(staging, entry)
-    except OSError:  # another process cached it first
-        shutil.rmtree(staging, ignore_errors=True)
+    cached = weights_cache.cached_dir(path, _TOKENIZER_DIR)
+    if cached is not None:
+        try:
+            return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        except Exception as error:  # a damaged entry: convert again and replace it
+            logger.warning("ignoring the unreadable cached tokenizer %s (%s)", cached, describe(error))
+            weights_cache.discard_dir(path, _TOKENIZER_DIR)
+    hf = AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+    )
+    weights_cache.save_dir(path, _TOKENIZER_DIR, hf.save_pretrained)
     return hf

@@ -1,0 +1,118 @@
+"""The architecture and weights of a model, from a GGUF file or an HF directory, behind one interface.
+
+A GGUF is converted once (its metadata parsed, its tensors dequantized) and served from the on-disk
+cache afterwards, so the second start costs a hash of the file plus a memory-map of the cache entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from llmserve.config import ModelArchConfig
+from llmserve.model_loader import gguf_loader, hf_loader, weights_cache
+from llmserve.model_loader.default_model import is_gguf, resolve_model_path
+from llmserve.model_loader.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+_ARCH_FILE = "arch.json"
+_MAX_NAMES_IN_MESSAGE = 3
+
+
+def load_arch_config(path: str) -> ModelArchConfig:
+    """The architecture of the GGUF file or HF directory at `path`."""
+    path = resolve_model_path(path)
+    if not is_gguf(path):
+        return hf_loader.read_arch_config(path)
+    arch = _cached_arch_config(path)
+    if arch is None:  # parsing a GGUF's metadata reads its whole vocabulary: seconds, so cache it
+        arch = gguf_loader.read_arch_config(gguf_loader.open_gguf(path), path)
+        weights_cache.save_json(path, _ARCH_FILE, dataclasses.asdict(arch))
+    return arch
+
+
+def _cached_arch_config(path: str) -> ModelArchConfig | None:
+    fields = weights_cache.load_json(path, _ARCH_FILE)
+    if fields is None:
+        return None
+    try:
+        return ModelArchConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+    except (TypeError, KeyError) as error:  # written with other fields: the caller parses the GGUF again
+        logger.warning("ignoring a cached architecture of %s with other fields (%s)", path, error)
+        return None
+
+
+def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every weight under its HF Llama name (`model.layers.0.self_attn.q_proj.weight` ...) in `dtype`.
+
+    A tied model has no `lm_head.weight` unless its checkpoint stores one anyway.
+    """
+    path = resolve_model_path(path)
+    if is_gguf(path):
+        arch, weights = _gguf_weights(path)
+    else:
+        arch, weights = hf_loader.read_arch_config(path), hf_loader.read_weights(path)
+    check_weights(weights, arch, path)
+    return {name: tensor.to(dtype) for name, tensor in weights.items()}
+
+
+def _gguf_weights(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """float32 weights from the cache, or dequantized now and cached for the next start."""
+    cached = weights_cache.load_weights(path)
+    if cached is not None:
+        return load_arch_config(path), cached
+    reader = gguf_loader.open_gguf(path)
+    arch = gguf_loader.read_arch_config(reader, path)
+    weights = gguf_loader.read_weights(reader, arch, path)
+    check_weights(weights, arch, path)  # never cache a file that cannot be served
+    weights_cache.save_json(path, _ARCH_FILE, dataclasses.asdict(arch))
+    weights_cache.save_weights(path, weights)
+    return arch, weights
+
+
+def expected_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
+    """The HF name and shape of every tensor the architecture needs."""
+    hidden, ffn, vocab = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    q_rows = arch.num_attention_heads * arch.head_dim
+    kv_rows = arch.num_key_value_heads * arch.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for layer in range(arch.num_hidden_layers):
+        prefix = f"model.layers.{layer}."
+        shapes.update(
+            {
+                f"{prefix}self_attn.q_proj.weight": (q_rows, hidden),
+                f"{prefix}self_attn.k_proj.weight": (kv_rows, hidden),
+                f"{prefix}self_attn.v_proj.weight": (kv_rows, hidden),
+                f"{prefix}self_attn.o_proj.weight": (hidden, q_rows),
+                f"{prefix}mlp.gate_proj.weight": (ffn, hidden),
+                f"{prefix}mlp.up_proj.weight": (ffn, hidden),
+                f"{prefix}mlp.down_proj.weight": (hidden, ffn),
+                f"{prefix}input_layernorm.weight": (hidden,),
+                f"{prefix}post_attention_layernorm.weight": (hidden,),
+            }
+        )
+        if arch.attention_bias:
+            shapes[f"{prefix}self_attn.q_proj.bias"] = (q_rows,)
+            shapes[f"{prefix}self_attn.k_proj.bias"] = (kv_rows,)
+            shapes[f"{prefix}self_attn.v_proj.bias"] = (kv_rows,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def check_weights(weights: dict[str, torch.Tensor], arch: ModelArchConfig, path: str) -> None:
+    """Fail with the path and the first problem instead of a shape error deep in model building."""
+    shapes = expected_shapes(arch)
+    missing = [name for name in shapes if name not in weights]
+    if missing:
+        shown = ", ".join(missing[:_MAX_NAMES_IN_MESSAGE])
+        shown += " ..." if len(missing) > _MAX_NAMES_IN_MESSAGE else ""
+        raise ModelLoadError(f"{path}: missing tensors {shown} ({len(missing)} of {len(shapes)} missing)")
+    for name, shape in shapes.items():
+        actual = tuple(weights[name].shape)
+        if actual != shape:
+            raise ModelLoadError(f"{path}: tensor {name} has shape {actual}, the architecture needs {shape}")
