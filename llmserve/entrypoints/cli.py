@@ -94,8 +94,8 @@ def stream_text(engine, request_id: str, prompt, params) -> Iterator[str]:
 def cmd_generate(args: argparse.Namespace) -> int:
     from llmserve.engine.llm_engine import LLMEngine
 
+    params = sampling_params_from(args)  # bad values fail before the model loads
     engine = LLMEngine(engine_args_from(args))
-    params = sampling_params_from(args)
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -109,8 +109,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from llmserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(engine_args_from(args))
     params = sampling_params_from(args)
+    engine = LLMEngine(engine_args_from(args))
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("llmserve chat: type a message, /reset to clear the history, Ctrl-D to quit.", file=sys.stderr)
     for turn in range(sys.maxsize):
