@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmserve.spec_decode.config import SpeculativeConfig
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -77,6 +79,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 def _arg(default, help_text: str):
@@ -122,8 +125,27 @@ class EngineArgs:
     attention_backend: str = _arg(
         "auto", "auto | torch (reference) | cpu_paged (compiled kernel, reads the cache in place)"
     )
+    # -- speculative decoding (llmserve/spec_decode, docs/speculative.md) --
+    speculative_method: str | None = _arg(
+        None, "ngram (prompt lookup) | draft (a smaller model) | early_exit (the target's first layers)"
+    )
+    num_speculative_tokens: int = _arg(3, "drafts proposed per step and request (K)")
+    speculative_draft_model: str | None = _arg(
+        None, "draft: GGUF file or HF directory of a model with the target's tokenizer"
+    )
+    speculative_draft_layers: int | None = _arg(
+        None, "early_exit: target layers in the draft (default: half; all = the target itself)"
+    )
+    prompt_lookup_min: int = _arg(2, "ngram: shortest suffix that may match the earlier text")
+    prompt_lookup_max: int = _arg(4, "ngram: longest suffix tried first")
+    speculative_disable_batch_size: int = _arg(
+        4, "propose nothing while more requests than this run (0: always speculate)"
+    )
 
-    def create_config(self, arch: ModelArchConfig, model_path: str) -> EngineConfig:
+    def create_config(
+        self, arch: ModelArchConfig, model_path: str, draft_arch: ModelArchConfig | None = None
+    ) -> EngineConfig:
+        """`draft_arch`: the draft model's, whose KV pool (as many blocks) shares kv_cache_memory."""
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         max_model_len = self.max_model_len or min(arch.max_position_embeddings, 4096)
@@ -131,15 +153,19 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        bytes_per_token = arch.kv_elements_per_token * torch.tensor([], dtype=dtype).element_size()
+        element_size = torch.tensor([], dtype=dtype).element_size()
+        bytes_per_token = arch.kv_elements_per_token * element_size
+        pool_bytes_per_token = bytes_per_token  # + the draft model's KV, which uses the same block ids
+        if draft_arch is not None:
+            pool_bytes_per_token += draft_arch.kv_elements_per_token * element_size
         if self.num_kv_blocks is not None:
             num_blocks = self.num_kv_blocks
         else:
-            num_blocks = parse_bytes(self.kv_cache_memory) // (bytes_per_token * self.block_size)
+            num_blocks = parse_bytes(self.kv_cache_memory) // (pool_bytes_per_token * self.block_size)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={self.kv_cache_memory} holds no block of {self.block_size} tokens "
-                f"({bytes_per_token * self.block_size} bytes each)"
+                f"({pool_bytes_per_token * self.block_size} bytes each)"
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
@@ -167,7 +193,7 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_blocks=num_blocks,
-                kv_cache_memory=num_blocks * self.block_size * bytes_per_token,
+                kv_cache_memory=num_blocks * self.block_size * pool_bytes_per_token,
                 enable_prefix_caching=self.prefix_caching,
                 num_swap_blocks=parse_bytes(self.swap_space) // (bytes_per_token * self.block_size),
             ),
@@ -179,6 +205,15 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 priority_aging_seconds=self.priority_aging_seconds,
                 preemption_mode=self.preemption_mode,
+            ),
+            speculative=SpeculativeConfig.create(
+                method=self.speculative_method,
+                num_speculative_tokens=self.num_speculative_tokens,
+                prompt_lookup_min=self.prompt_lookup_min,
+                prompt_lookup_max=self.prompt_lookup_max,
+                draft_model=self.speculative_draft_model,
+                draft_layers=self.speculative_draft_layers,
+                disable_batch_size=self.speculative_disable_batch_size,
             ),
         )
 

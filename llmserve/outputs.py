@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmserve.spec_decode.metrics import SpecDecodeStats
+
 
 @dataclass
 class RequestMetrics:
@@ -49,3 +51,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None  # set when the engine failed this request alone
+    spec_decode: SpecDecodeStats | None = None  # drafts proposed and accepted (all n samples); None: none

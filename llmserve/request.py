@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.metrics import SpecDecodeStats
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +72,10 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        # Speculative decoding (llmserve/spec_decode): drafts to verify in the step being planned (empty
+        # otherwise; never part of all_token_ids), and this request's drafts and accepted tokens so far.
+        self.spec_token_ids: list[int] = []
+        self.spec_decode_stats = SpecDecodeStats()
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +95,11 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first `num_output_tokens` (speculative decoding: a stop string hit
+        before the last of the step's new tokens)."""
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
 
     def __repr__(self) -> str:
         return (

@@ -28,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the end-of-sequence token
     logprobs: int | None = None  # return the top-N log-probabilities for each generated token
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    num_speculative_tokens: int | None = None  # drafts per step if the engine speculates; None: its K; 0: off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +58,11 @@ class SamplingParams:
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
+            (
+                "num_speculative_tokens",
+                self.num_speculative_tokens is None or self.num_speculative_tokens >= 0,
+                "must be None or >= 0",
+            ),
         ]
         for name, ok, message in checks:
             if not ok:

@@ -171,6 +171,16 @@ class KVCacheManager:
         if swapped:
             self.swap_pool.free(swapped)
 
+    def free_excess_blocks(self, request: Request) -> None:
+        """Speculative decoding: return the blocks past the request's computed tokens to the pool, i.e.
+        blocks that held only rejected drafts. They are never in the prefix cache (only full blocks of
+        computed tokens are registered) and never shared (allocated for this request's drafts)."""
+        table = self.block_tables.get(request.request_id)
+        keep = self.blocks_for(request.num_computed_tokens)
+        if table is not None and len(table) > keep:
+            self.pool.free(reversed(table[keep:]))
+            del table[keep:]
+
     def forget(self, request: Request) -> None:
         """Drop the request's cached hashes once it is finished for good."""
         self._block_hashes.pop(request.request_id, None)

@@ -10,6 +10,10 @@ tokens already computed, and a resumed preempted request re-prefills its prompt 
 the prefix cache where its blocks survived). A request whose computed tokens reach its known
 tokens gets a sampled token.
 
+Speculative decoding (llmserve/spec_decode) extends "catch up": a decoding request with k drafts
+catches up by 1 + k tokens under the same budget, receives 1..k+1 tokens back, and only the verified
+ones count as computed; the slots of rejected drafts are rolled back.
+
 When the KV pool cannot hold a running request's next tokens, the least urgent running request
 (FCFS: the most recently admitted) is preempted (its blocks freed, recomputed later) rather than
 failing the step. Under the priority policy a waiting request that is more urgent than a running
@@ -20,12 +24,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmserve.config import SchedulerConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.request_queue import PriorityQueue, create_request_queue
 from llmserve.request import Request, RequestStatus
+from llmserve.spec_decode.metrics import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from llmserve.spec_decode.planner import DraftPlanner
 
 
 @dataclass
@@ -39,6 +48,8 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, swap block) copies
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block) copies
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, dest)
+    # speculative decoding: request id -> drafts it verifies this step (counted in num_scheduled_tokens)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -59,10 +70,13 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         preemption_costs: PreemptionCosts | None = None,
+        draft_planner: DraftPlanner | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache_manager
         self.preemption_costs = preemption_costs
+        self.draft_planner = draft_planner  # speculative decoding; None when off
+        self.spec_decode_stats = SpecDecodeStats()
         self.waiting = create_request_queue(config.scheduling_policy, config.priority_aging_seconds)
         self.running: list[Request] = []  # admission order (FCFS) or most urgent first (priority)
         self.requests: dict[str, Request] = {}
@@ -120,11 +134,17 @@ class Scheduler:
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        planner = self.draft_planner
+        speculate = planner is not None and planner.is_enabled(len(self.running))
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
+            num_drafts = self._plan_drafts(request, budget) if speculate else 0
+            while not self.kv_cache.allocate_slots(request, num_new + num_drafts):
+                if num_drafts:  # no room for the drafts: decode without them rather than preempt
+                    num_drafts, request.spec_token_ids = 0, []
+                    continue
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1:
                     # Alone and still too big: the pool can never hold it, so it ends here.
@@ -135,10 +155,25 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                output.add(request, num_new)
-                budget -= num_new
+                output.add(request, num_new + num_drafts)
+                if num_drafts:
+                    output.num_draft_tokens[request.request_id] = num_drafts
+                budget -= num_new + num_drafts
                 index += 1
         return budget
+
+    def _plan_drafts(self, request: Request, budget: int) -> int:
+        """Speculative decoding: drafts a decoding request verifies this step. Every accepted draft is a
+        generated token, so k stays within the budget, max_model_len and max_tokens."""
+        request.spec_token_ids = []
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return 0  # only decodes speculate; prompt chunks and resumed requests catch up first
+        room = min(
+            budget - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+        )
+        return self.draft_planner.plan(request, room) if room > 0 else 0
 
     def _preempt_for_urgent_waiting(self, output: SchedulerOutput) -> None:
         """Priority policy: evict less urgent running requests while the most urgent waiting one
@@ -228,6 +263,7 @@ class Scheduler:
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Swap the request's KV to CPU, or drop it to re-prefill prompt + output later."""
         self.running.remove(request)
+        request.spec_token_ids = []  # speculative decoding: drafts planned this step are void
         if self._should_swap(request):
             moves = self.kv_cache.swap_out(request)
             output.swap_out.extend(moves)
@@ -253,27 +289,56 @@ class Scheduler:
 
     # -- after the model ran -------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests that hit a stop rule.
 
-        Returns the requests that received a new token this step (finished ones included).
+        A request gets one new token, or 1..k+1 after verifying k drafts (the accepted drafts, then the
+        recovered or bonus token); stop rules apply to each in order and drop the ones after a stop.
+
+        Returns the requests that received new tokens this step (finished ones included).
         """
         now = time.monotonic()
         updated = []
         for request, num_tokens in zip(output.requests, output.num_scheduled_tokens, strict=True):
             request.num_computed_tokens += num_tokens
-            self.kv_cache.cache_computed_blocks(request)
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is None:
+            token_ids = sampled_token_ids.get(request.request_id)
+            if token_ids is None:
+                self.kv_cache.cache_computed_blocks(request)
                 continue  # a prefill chunk that has not reached the end of the known tokens
-            request.append_output_token(token_id)
+            num_drafts = output.num_draft_tokens.get(request.request_id, 0)
+            if num_drafts:
+                self._roll_back_rejected(request, num_drafts, num_accepted=len(token_ids) - 1)
+            status = self._append_tokens(request, token_ids)
+            # Blocks are registered only now that the accepted drafts are in all_token_ids (their hashes).
+            self.kv_cache.cache_computed_blocks(request)
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = self._check_stop(request, token_id)
             if status is not None:
                 self.finish_request(request, status)
             updated.append(request)
         return updated
+
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Speculative decoding: the KV of drafts after the first rejection is not computed; blocks that
+        held only those drafts go back to the pool."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.kv_cache.free_excess_blocks(request)
+        request.spec_token_ids = []
+        request.spec_decode_stats.observe(num_drafts, num_accepted)
+        self.spec_decode_stats.observe(num_drafts, num_accepted)
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
+        """Append tokens until one ends the request; returns that stop status, if any."""
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                # A stop before the last accepted draft: KV past the kept tokens does not matter.
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                return status
+        return None
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -24,6 +24,9 @@ from llmserve.models.registry import build_model
 from llmserve.outputs import RequestOutput
 from llmserve.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.metrics import SpecDecodeStats
+from llmserve.spec_decode.planner import DraftPlanner
+from llmserve.spec_decode.proposers.draft_model import create_drafter, load_draft_arch
 from llmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("llmserve")
@@ -33,7 +36,8 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         start = time.monotonic()
         path = resolve_model_path(args.model)
-        self.config: EngineConfig = args.create_config(load_arch_config(path), path)
+        draft_arch = load_draft_arch(args)  # speculative decoding: its KV pool shares the memory
+        self.config: EngineConfig = args.create_config(load_arch_config(path), path, draft_arch)
         arch = self.config.model.arch
         self.tokenizer = load_tokenizer(path, None if os.path.isdir(path) else arch.eos_token_ids)
         model = build_model(self.config.model, load_weights(path, self.config.model.dtype))
@@ -41,10 +45,15 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, cache.block_size, cache.enable_prefix_caching, cache.num_swap_blocks
         )
+        spec = self.config.speculative
         self.scheduler = Scheduler(
-            self.config.scheduler, self.kv_cache_manager, self._preemption_costs(model)
+            self.config.scheduler,
+            self.kv_cache_manager,
+            self._preemption_costs(model),
+            DraftPlanner(spec) if spec is not None else None,
         )
         self.model_runner = ModelRunner(self.config, model, self.kv_cache_manager)
+        self.model_runner.drafter = create_drafter(self.config, model, self.model_runner)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
         self.last_step: StepStats | None = None
@@ -150,6 +159,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        """Speculative decoding totals since start-up (drafts proposed, accepted)."""
+        return self.scheduler.spec_decode_stats
+
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -160,16 +174,20 @@ class LLMEngine:
             return []
         outputs = self.output_processor.outputs_for(scheduled.finished)
         self.model_runner.move_blocks(scheduled)
-        num_sampled = 0
+        num_sampled = num_accepted = 0
         if scheduled.requests:
             result = self.model_runner.execute(scheduled)
-            updated = self.scheduler.update_from_output(scheduled, result.sampled_token_ids)
+            sampled = result.sampled_token_ids
+            num_sampled = sum(map(len, sampled.values()))
+            num_accepted = sum(len(sampled[r]) - 1 for r in scheduled.num_draft_tokens)
+            updated = self.scheduler.update_from_output(scheduled, sampled)
             outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)
-            num_sampled = len(result.sampled_token_ids)
-        self.last_step = self._step_stats(scheduled, num_sampled, time.monotonic() - start)
+        self.last_step = self._step_stats(scheduled, num_sampled, num_accepted, time.monotonic() - start)
         return outputs
 
-    def _step_stats(self, scheduled: SchedulerOutput, num_sampled: int, seconds: float) -> StepStats:
+    def _step_stats(
+        self, scheduled: SchedulerOutput, num_sampled: int, num_accepted: int, seconds: float
+    ) -> StepStats:
         return StepStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -178,8 +196,11 @@ class LLMEngine:
             num_prompt_tokens=sum(
                 max(0, min(r.num_computed_tokens, r.num_prompt_tokens) - (r.num_computed_tokens - n))
                 for r, n in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True)
+                if r.request_id not in scheduled.num_draft_tokens  # speculating requests are decoding
             ),
             num_generation_tokens=num_sampled,
             num_preemptions=len(scheduled.preempted),
             step_seconds=seconds,
+            num_draft_tokens=sum(scheduled.num_draft_tokens.values()),
+            num_accepted_tokens=num_accepted,
         )

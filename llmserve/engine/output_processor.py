@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmserve.request import Request, RequestStatus
+from llmserve.spec_decode.metrics import SpecDecodeStats
 
 
 @dataclass
@@ -20,6 +21,7 @@ class _ParentState:
     prompt_token_ids: list[int]
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
+    num_detokenized: list[int]  # output tokens of each child fed to its detokenizer so far
 
 
 class OutputProcessor:
@@ -34,7 +36,7 @@ class OutputProcessor:
             for child in children
         ]
         self.parents[request_id] = _ParentState(
-            request_id, prompt, children[0].prompt_token_ids, children, detokenizers
+            request_id, prompt, children[0].prompt_token_ids, children, detokenizers, [0] * len(children)
         )
         for index, child in enumerate(children):
             self.child_index[child.request_id] = (request_id, index)
@@ -47,20 +49,49 @@ class OutputProcessor:
         return [] if state is None else list(state.children)
 
     def process(
-        self, updated: list[Request], logprobs: dict[str, dict[int, float]], finish_request
+        self, updated: list[Request], logprobs: dict[str, list[dict[int, float]]], finish_request
     ) -> list[RequestOutput]:
-        """Fold this step's new tokens into outputs; `finish_request(req, status)` ends a stop-string hit."""
+        """Fold this step's new tokens into outputs; `finish_request(req, status)` ends a stop-string hit.
+
+        A request can bring several new tokens (speculative decoding): they are detokenized one at a
+        time, so a stop string ends the output at the token completing it, as without speculation.
+        """
         touched: dict[str, _ParentState] = {}
         for request in updated:
             parent_id, index = self.child_index[request.request_id]
             state = self.parents[parent_id]
-            self._record_logprobs(request, logprobs.get(request.request_id))
-            stop = state.detokenizers[index].update([request.all_token_ids[-1]])
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                finish_request(request, RequestStatus.FINISHED_STOPPED)
+            stop, dropped = self._detokenize_new_tokens(
+                request, state, index, logprobs.get(request.request_id)
+            )
+            if stop is not None and (dropped or not request.is_finished):
+                self._finish_at_stop_string(request, stop, finish_request)
             touched[parent_id] = state
         return [self._make_output(state) for state in touched.values()]
+
+    def _detokenize_new_tokens(
+        self, request: Request, state: _ParentState, index: int, entries: list[dict[int, float]] | None
+    ) -> tuple[str | None, bool]:
+        """Feed the child's new tokens (and log-probs) in order; returns the stop string hit, if any,
+        and whether tokens after it were dropped."""
+        first = state.num_detokenized[index]
+        new_ids = request.all_token_ids[request.num_prompt_tokens + first :]
+        for offset, token_id in enumerate(new_ids):
+            self._record_logprobs(request, token_id, entries[offset] if entries else None)
+            stop = state.detokenizers[index].update([token_id])
+            if stop is not None:
+                request.truncate_output(first + offset + 1)
+                state.num_detokenized[index] = first + offset + 1
+                return stop, offset + 1 < len(new_ids)
+        state.num_detokenized[index] = first + len(new_ids)
+        return None, False
+
+    @staticmethod
+    def _finish_at_stop_string(request: Request, stop: str, finish_request) -> None:
+        request.stop_reason = stop
+        if request.is_finished:  # speculative decoding: a token after the stop string had ended it
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Final output of an aborted request (its children are already finished by the scheduler)."""
@@ -73,11 +104,11 @@ class OutputProcessor:
         return [self._make_output(self.parents[parent]) for parent in parents]
 
     @staticmethod
-    def _record_logprobs(request: Request, entry: dict[int, float] | None) -> None:
+    def _record_logprobs(request: Request, token_id: int, entry: dict[int, float] | None) -> None:
         if request.logprobs is None or entry is None:
             return
         request.logprobs.append(entry)
-        request.cumulative_logprob += entry[request.all_token_ids[-1]]
+        request.cumulative_logprob += entry[token_id]
 
     def _make_output(self, state: _ParentState) -> RequestOutput:
         completions = [
@@ -95,6 +126,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0,
+            spec_decode=_spec_decode_stats(state.children),
             metrics=RequestMetrics(
                 arrival_time=first.arrival_time,
                 first_scheduled_time=first.first_scheduled_time,
@@ -123,3 +155,9 @@ class OutputProcessor:
         del self.parents[state.request_id]
         for child in state.children:
             del self.child_index[child.request_id]
+
+
+def _spec_decode_stats(children: list[Request]) -> SpecDecodeStats | None:
+    """Drafts and accepted tokens summed over the samples; None when nothing was drafted."""
+    total = sum((c.spec_decode_stats for c in children), SpecDecodeStats())
+    return total if total.num_drafts else None

@@ -117,6 +117,12 @@ class PrometheusMetrics:
             ["finished_reason"],
         )
         self.num_preemptions = self.counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.spec_decode_num_draft_tokens = self.counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed and verified."
+        )
+        self.spec_decode_num_accepted_tokens = self.counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens the target accepted."
+        )
         self.time_to_first_token = self.histogram(
             "time_to_first_token_seconds", "Arrival to first output token.", LATENCY_BUCKETS
         )
@@ -192,6 +198,9 @@ class PrometheusMetrics:
         self.iteration_batch_size.observe(stats.num_batched_seqs)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
+        if stats.num_draft_tokens:
+            self.spec_decode_num_draft_tokens.inc(stats.num_draft_tokens)
+            self.spec_decode_num_accepted_tokens.inc(stats.num_accepted_tokens)
 
     def _observe_output(self, output: RequestOutput, now: float) -> None:
         num_tokens = sum(len(c.token_ids) for c in output.outputs)

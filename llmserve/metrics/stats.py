@@ -15,3 +15,5 @@ class StepStats:
     num_generation_tokens: int  # tokens sampled in the step
     num_preemptions: int  # requests preempted in the step
     step_seconds: float
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified in the step
+    num_accepted_tokens: int = 0  # of which accepted

@@ -8,6 +8,7 @@ loops are over requests (gathering their new token ids and block tables), never 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,13 +21,18 @@ from llmserve.core.scheduler import SchedulerOutput
 from llmserve.request import Request
 from llmserve.sample.metadata import SamplingMetadata
 from llmserve.sample.sampler import Sampler, SamplerOutput
+from llmserve.spec_decode.verifier import DraftVerifier
 from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
+
+if TYPE_CHECKING:
+    from llmserve.spec_decode.proposers.draft_model import DraftModelProposer
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]  # request id -> new token, for requests that caught up
-    logprobs: dict[str, dict[int, float]]  # request id -> top-N and sampled token log-probs
+    # request id -> new tokens, for requests that caught up: one, or 1..k+1 after verifying k drafts
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[dict[int, float]]]  # request id -> per new token: top-N and its own log-probs
 
 
 @dataclass
@@ -36,7 +42,7 @@ class _StepInputs:
     positions: torch.Tensor
     attention: AttentionMetadata
     sample_rows: list[int]  # batch indices of requests that sample this step
-    logits_indices: torch.Tensor  # flat token index of each sampling request's last token
+    logits_indices: torch.Tensor  # flat token index of each sampling request's last token (and its drafts)
 
 
 class ModelRunner:
@@ -48,6 +54,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.arch.vocab_size
         self.sampler = Sampler()
+        # Speculative decoding (llmserve/spec_decode): a model drafter, set by the engine, proposes
+        # drafts before the forward (n-gram drafts come from the scheduler); the verifier checks them.
+        self.drafter: DraftModelProposer | None = None
+        self.verifier = DraftVerifier(self.vocab_size, self.device)
         self.attention_backend = select_attention_backend(config.model.attention_backend, self.device)
         self.kv_cache = self._allocate_kv_cache()
         cache = config.cache
@@ -104,6 +114,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        draft_probs = self.drafter.propose(scheduled) if self.drafter is not None else {}
         inputs = self._prepare_inputs(scheduled)
         with set_forward_context(inputs.attention):
             hidden = self.model(inputs.input_ids, inputs.positions)
@@ -111,6 +122,8 @@ class ModelRunner:
             return ModelRunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         sampling_requests = [inputs.requests[row] for row in inputs.sample_rows]
+        if any(r.spec_token_ids for r in sampling_requests):  # speculative decoding: verify the drafts
+            return ModelRunnerOutput(*self.verifier(logits, sampling_requests, draft_probs))
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in sampling_requests],
             prompt_token_ids=[r.prompt_token_ids for r in sampling_requests],
@@ -126,7 +139,7 @@ class ModelRunner:
     def _to_output(requests: list[Request], sampled: SamplerOutput) -> ModelRunnerOutput:
         token_ids = sampled.sampled_token_ids.tolist()  # the one host sync of the step
         output = ModelRunnerOutput(
-            sampled_token_ids={r.request_id: t for r, t in zip(requests, token_ids, strict=True)},
+            sampled_token_ids={r.request_id: [t] for r, t in zip(requests, token_ids, strict=True)},
             logprobs={},
         )
         if sampled.logprobs is None:
@@ -139,7 +152,7 @@ class ModelRunner:
                 continue
             entry = dict(zip(top_ids[row][:num], top_values[row][:num], strict=True))
             entry[token_ids[row]] = sampled_values[row]
-            output.logprobs[request.request_id] = entry
+            output.logprobs[request.request_id] = [entry]
         return output
 
     def _prepare_inputs(self, scheduled: SchedulerOutput) -> _StepInputs:
@@ -155,12 +168,14 @@ class ModelRunner:
         token_ids: list[int] = []
         for request, first, count in zip(requests, computed.tolist(), num_new.tolist(), strict=True):
             token_ids.extend(request.all_token_ids[first : first + count])
+            token_ids.extend(request.spec_token_ids)  # speculative decoding: drafts follow the last token
         positions = np.arange(ends[-1]) - np.repeat(starts - computed, num_new)
         block_tables = self._block_tables(requests, int(seq_lens.max()))
         token_rows = np.repeat(np.arange(len(requests)), num_new)
         slot_mapping = self._slots(block_tables[token_rows, positions // self.block_size], positions)
 
-        sample_rows = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens]
+        num_drafts = np.array([len(r.spec_token_ids) for r in requests], dtype=np.int64)
+        sample_rows = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens + num_drafts[i]]
         to_device = self._to_device
         return _StepInputs(
             requests=requests,
@@ -168,7 +183,7 @@ class ModelRunner:
             positions=to_device(positions),
             attention=self._attention_metadata(block_tables, num_new, seq_lens, starts, slot_mapping),
             sample_rows=sample_rows,
-            logits_indices=to_device(ends[sample_rows] - 1),
+            logits_indices=to_device(_logits_indices(ends[sample_rows], num_drafts[sample_rows])),
         )
 
     def _attention_metadata(self, block_tables, num_new, seq_lens, starts, slot_mapping) -> AttentionMetadata:
@@ -217,3 +232,11 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+
+def _logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """Flat indices of the tokens whose logits are needed: each sampling request's last token, and
+    with k drafts its last k + 1 tokens (speculative decoding verifies every draft position)."""
+    counts = num_drafts + 1
+    firsts = np.repeat(ends - counts, counts)
+    return firsts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -90,7 +90,7 @@ def test_random_workloads_never_leak_or_double_own_blocks(ops, num_blocks, block
 def _step(scheduler: Scheduler, eos: bool) -> None:
     plan = scheduler.schedule()
     sampled = {
-        r.request_id: (2 if eos else 7)
+        r.request_id: [2 if eos else 7]
         for r, n in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
         if r.num_computed_tokens + n == r.num_tokens
     }

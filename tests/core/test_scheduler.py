@@ -17,7 +17,7 @@ def plan_of(output):
 def finish_step(scheduler, output, token=7):
     """Feed back a token for every request that caught up, like the model runner does."""
     sampled = {
-        r.request_id: token
+        r.request_id: [token]
         for r, n in zip(output.requests, output.num_scheduled_tokens, strict=True)
         if r.num_computed_tokens + n == r.num_tokens
     }
@@ -118,7 +118,9 @@ def test_stop_rules_eos_stop_ids_max_tokens_and_min_tokens(make_request):
     for r in (eos, stop_id, suppressed):
         scheduler.add_request(r)
     plan = scheduler.schedule()
-    scheduler.update_from_output(plan, {eos.request_id: 2, stop_id.request_id: 9, suppressed.request_id: 2})
+    scheduler.update_from_output(
+        plan, {eos.request_id: [2], stop_id.request_id: [9], suppressed.request_id: [2]}
+    )
     assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_reason == 2
     assert stop_id.status == RequestStatus.FINISHED_STOPPED and stop_id.stop_reason == 9
     assert suppressed.status == RequestStatus.RUNNING  # eos before min_tokens does not stop

@@ -38,7 +38,7 @@ def test_random_prefix_tree_workload_finishes_without_leaks(mode, policy):
             scheduler.finish_request(rng.choice(scheduler.running), RequestStatus.FINISHED_ABORTED)
         plan = scheduler.schedule()
         sampled = {
-            r.request_id: rng.randrange(3, 500)
+            r.request_id: [rng.randrange(3, 500)]
             for r, n in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
             if r.num_computed_tokens + n == r.num_tokens
         }

@@ -1,0 +1,61 @@
+"""Speculative decoding settings, resolved from EngineArgs and frozen like the other configs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram", "draft", "early_exit")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed and how many; `create` returns None when speculation is off."""
+
+    method: (
+        str  # "ngram" (prompt lookup), "draft" (a smaller model) or "early_exit" (the target's first layers)
+    )
+    num_speculative_tokens: int  # K: drafts proposed per step for a request (SamplingParams may override)
+    prompt_lookup_min: int = 2  # ngram: shortest suffix that may match
+    prompt_lookup_max: int = 4  # ngram: longest suffix tried first
+    draft_model: str | None = None  # draft: GGUF file or HF directory sharing the target's tokenizer
+    draft_layers: int | None = None  # early_exit: leading target layers in the draft (None: the default)
+    disable_batch_size: int = 0  # propose nothing while more requests than this run (0: never disable)
+
+    @classmethod
+    def create(
+        cls,
+        method: str | None,
+        num_speculative_tokens: int,
+        prompt_lookup_min: int,
+        prompt_lookup_max: int,
+        draft_model: str | None,
+        draft_layers: int | None,
+        disable_batch_size: int,
+    ) -> SpeculativeConfig | None:
+        """Validate the flags; ValueError names the offending one."""
+        if method is None or method == "none":
+            return None
+        if method not in METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(METHODS)}; got {method!r}")
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                f"got {prompt_lookup_min} and {prompt_lookup_max}"
+            )
+        if method == "draft" and not draft_model:
+            raise ValueError("speculative_method draft needs --speculative-draft-model")
+        if draft_layers is not None and draft_layers < 1:
+            raise ValueError(f"speculative_draft_layers must be >= 1, got {draft_layers}")
+        if disable_batch_size < 0:
+            raise ValueError(f"speculative_disable_batch_size must be >= 0, got {disable_batch_size}")
+        return cls(
+            method=method,
+            num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_min=prompt_lookup_min,
+            prompt_lookup_max=prompt_lookup_max,
+            draft_model=draft_model if method == "draft" else None,
+            draft_layers=draft_layers if method == "early_exit" else None,
+            disable_batch_size=disable_batch_size,
+        )

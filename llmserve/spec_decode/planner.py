@@ -1,0 +1,47 @@
+"""The scheduler's side of speculative decoding: whether a step speculates, and how many drafts each
+decoding request verifies.
+
+A request verifying k drafts catches up by 1 + k tokens (its last sampled token and the drafts) under
+the same token budget as everything else. N-gram drafts are proposed right here, on the host, so the
+budget and KV slots reserved are exactly what is verified; a model proposer fills in the planned
+number of drafts on the device just before the target's forward (see proposers/draft_model.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmserve.request import Request
+from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.spec_decode.proposers.ngram import NgramProposer
+
+
+class DraftPlanner:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.ngram = None
+        if config.method == "ngram":
+            self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def is_enabled(self, num_running: int) -> bool:
+        """Auto-disable: verifying 1 + k tokens per request costs little while a step is bound by reading
+        the weights (small batches) but adds real compute once the batch is large, where rejected
+        drafts then cost more than accepted ones save."""
+        limit = self.config.disable_batch_size
+        return limit == 0 or num_running <= limit
+
+    def plan(self, request: Request, max_drafts: int) -> int:
+        """Drafts `request` verifies this step (at most `max_drafts`); n-gram drafts are set on it now.
+
+        K is the request's `SamplingParams.num_speculative_tokens` when set (0 turns speculation off
+        for it), else the engine's `--num-speculative-tokens`.
+        """
+        k = request.sampling_params.num_speculative_tokens
+        k = min(self.config.num_speculative_tokens if k is None else k, max_drafts)
+        if k <= 0:
+            return 0
+        if self.ngram is None:
+            return k
+        drafts = self.ngram.propose(np.asarray(request.all_token_ids, dtype=np.int64), k)
+        request.spec_token_ids = drafts.tolist()
+        return len(drafts)

@@ -1,0 +1,84 @@
+"""The model runner's side of speculative decoding: target logits at every draft position -> new tokens.
+
+A request verifying k drafts had logits computed at its last known token and at each draft (k + 1
+rows, in order); requests without drafts in the same step have one row and get an ordinary sample
+(their bonus token), so one pass serves the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from llmserve.request import Request
+from llmserve.spec_decode.rejection_sampler import RejectionSampler, RejectionSamplerOutput
+from llmserve.spec_decode.sampling import build_row_metadata, expand_rows
+
+TokenLogprobs = dict[int, float]
+
+
+class DraftVerifier:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.rejection_sampler = RejectionSampler()
+
+    def __call__(
+        self, logits: torch.Tensor, requests: Sequence[Request], draft_probs: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+        """New tokens per request (accepted drafts, then the recovered or bonus token) and their logprobs.
+
+        `draft_probs` holds each request's [k, V] q when its drafts were sampled from a distribution;
+        empty means one-hot q (n-gram drafts, or greedy drafts that only greedy requests verify).
+        """
+        num_drafts = [len(r.spec_token_ids) for r in requests]
+        rows, drafts_before = expand_rows(requests, [k + 1 for k in num_drafts])
+        metadata = build_row_metadata(rows, drafts_before, self.vocab_size, self.device)
+        draft_ids = [t for r in requests for t in r.spec_token_ids]
+        q = None
+        if draft_probs:
+            q = torch.cat([draft_probs[r.request_id] for r, k in zip(requests, num_drafts, strict=True) if k])
+        output = self.rejection_sampler(
+            logits, num_drafts, torch.tensor(draft_ids, dtype=torch.int64, device=self.device), q, metadata
+        )
+        accepted, next_ids = output.num_accepted.tolist(), output.next_token_ids.tolist()  # the host sync
+        token_ids = [r.spec_token_ids[:a] + [t] for r, a, t in zip(requests, accepted, next_ids, strict=True)]
+        new_tokens = {r.request_id: ids for r, ids in zip(requests, token_ids, strict=True)}
+        if metadata.max_num_logprobs is None:
+            return new_tokens, {}
+        return new_tokens, self._logprobs(requests, token_ids, output, metadata.max_num_logprobs)
+
+    def _logprobs(
+        self,
+        requests: Sequence[Request],
+        token_ids: list[list[int]],
+        output: RejectionSamplerOutput,
+        max_num: int,
+    ) -> dict[str, list[TokenLogprobs]]:
+        """Per new token: the top-N log-probs of the target's processed distribution at its position,
+        plus the emitted token's own (the Sampler's format)."""
+        logprobs = output.processed_logits.log_softmax(dim=-1)
+        rows, chosen, start = [], [], 0
+        for request, ids in zip(requests, token_ids, strict=True):
+            rows.extend(range(start, start + len(ids)))
+            chosen.extend(ids)
+            start += len(request.spec_token_ids) + 1
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=logprobs.device)
+        chosen_t = torch.tensor(chosen, dtype=torch.int64, device=logprobs.device)
+        top = logprobs[rows_t].topk(min(max_num, logprobs.shape[-1]), dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+        chosen_values = logprobs[rows_t, chosen_t].tolist()
+        result, index = {}, 0
+        for request, ids in zip(requests, token_ids, strict=True):
+            num = request.sampling_params.logprobs
+            if num is not None:
+                result[request.request_id] = [
+                    {
+                        **dict(zip(top_ids[i][:num], top_values[i][:num], strict=True)),
+                        ids[i - index]: chosen_values[i],
+                    }
+                    for i in range(index, index + len(ids))
+                ]
+            index += len(ids)
+        return result
