@@ -1,0 +1,114 @@
+"""N-gram prompt lookup (exact proposals) and the scheduler-side draft planner."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmserve.request import Request
+from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.spec_decode.planner import DraftPlanner
+from llmserve.spec_decode.proposers.ngram import NgramProposer
+
+
+def propose(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
+    return NgramProposer(min_n, max_n).propose(np.array(tokens, dtype=np.int64), k).tolist()
+
+
+def test_longest_match_wins_over_a_later_shorter_one():
+    # Suffix [1, 2, 3] occurs at 0..2 (3 tokens) and [2, 3] at 6..7 (2 tokens, later).
+    tokens = [1, 2, 3, 4, 9, 9, 2, 3, 6, 5, 1, 2, 3]
+    assert propose(tokens, 3) == [4, 9, 9]
+
+
+def test_latest_of_equally_long_matches_wins():
+    # [2, 3] ends at 2 and at 7 with the same length (2): the later one's continuation.
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 8, 2, 3]
+    assert propose(tokens, 2) == [5, 8]
+
+
+def test_continuation_is_cut_at_num_drafts():
+    tokens = [7, 8, 1, 2, 3, 4, 5, 6, 1, 2]
+    assert propose(tokens, 1) == [3]
+    assert propose(tokens, 4) == [3, 4, 5, 6]
+
+
+def test_periodic_text_continues_past_the_end_lz77_style():
+    assert propose([5, 1, 2, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+    assert propose([3, 3, 3], 4) == [3, 3, 3, 3]
+    assert propose([9, 4, 5, 6, 4, 5], 6) == [6, 4, 5, 6, 4, 5]
+
+
+def test_no_match_proposes_nothing():
+    assert propose([1, 2, 3, 4, 5], 3) == []
+    assert propose([1, 2, 3, 1, 5, 3], 3) == []  # only a 1-token match: below min_n = 2
+    assert propose([1, 2, 3, 1, 5, 3], 3, min_n=1) == [1, 5, 3]
+    assert propose([4], 3) == []
+    assert propose([1, 2, 1, 2], 0) == []
+
+
+def test_max_n_bounds_the_suffix_tried():
+    # With max_n = 2 the 3-token match at 0..2 is no longer preferred over the later 2-token one.
+    tokens = [1, 2, 3, 4, 9, 9, 2, 3, 6, 5, 1, 2, 3]
+    assert propose(tokens, 3, max_n=2) == [6, 5, 1]
+
+
+# -- the planner --------------------------------------------------------------------------------------
+
+
+def _config(method: str = "ngram", k: int = 3, disable: int = 4) -> SpeculativeConfig:
+    return SpeculativeConfig.create(method, k, 2, 4, None, None, disable)
+
+
+def _request(tokens: list[int], **params) -> Request:
+    return Request("r", tokens, SamplingParams(**params))
+
+
+def test_planner_sets_ngram_drafts_within_the_room_given():
+    planner = DraftPlanner(_config(k=3))
+    request = _request([5, 1, 2, 1, 2, 1, 2])
+    assert planner.plan(request, max_drafts=8) == 3
+    assert request.spec_token_ids == [1, 2, 1]
+    assert planner.plan(request, max_drafts=2) == 2
+    assert request.spec_token_ids == [1, 2]
+    assert planner.plan(_request([1, 2, 3]), max_drafts=8) == 0
+
+
+def test_per_request_k_overrides_the_engine_and_zero_turns_it_off():
+    planner = DraftPlanner(_config(k=3))
+    assert planner.plan(_request([5, 1, 2, 1, 2, 1, 2], num_speculative_tokens=5), 8) == 5
+    off = _request([5, 1, 2, 1, 2, 1, 2], num_speculative_tokens=0)
+    assert planner.plan(off, 8) == 0
+    assert off.spec_token_ids == []
+
+
+def test_model_methods_plan_k_slots_and_leave_drafts_to_the_proposer():
+    planner = DraftPlanner(_config(method="early_exit", k=4))
+    request = _request([1, 2, 3])
+    assert planner.plan(request, max_drafts=8) == 4
+    assert planner.plan(request, max_drafts=2) == 2
+    assert request.spec_token_ids == []
+
+
+def test_auto_disable_above_the_batch_size():
+    planner = DraftPlanner(_config(disable=4))
+    assert [planner.is_enabled(n) for n in (1, 4, 5, 64)] == [True, True, False, False]
+    assert DraftPlanner(_config(disable=0)).is_enabled(1000)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("medusa", 3, 2, 4, None, None, 0), "speculative_method"),
+        (("ngram", 0, 2, 4, None, None, 0), "num_speculative_tokens"),
+        (("ngram", 3, 3, 2, None, None, 0), "prompt_lookup_min"),
+        (("draft", 3, 2, 4, None, None, 0), "draft-model"),
+        (("early_exit", 3, 2, 4, None, 0, 0), "speculative_draft_layers"),
+        (("ngram", 3, 2, 4, None, None, -1), "speculative_disable_batch_size"),
+    ],
+)
+def test_config_rejects_bad_flags_naming_them(args, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.create(*args)
+    assert SpeculativeConfig.create("none", 3, 2, 4, None, None, 0) is None
