@@ -6,11 +6,15 @@ resolved by `EngineConfig.create` before freezing and never mutated later.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.spec_decode.config import SpeculativeConfig
+
+logger = logging.getLogger("llmserve")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,6 +46,11 @@ class ModelArchConfig:
         """Elements of K and V for one token across all layers (times the dtype size for bytes)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
+    def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of K and V for one token across all layers, scales of an 8-bit cache included."""
+        row_bytes = get_kv_cache_format(kv_cache_dtype).bytes_per_row(self.head_dim, dtype)
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * row_bytes
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -61,6 +70,9 @@ class CacheConfig:
     kv_cache_memory: int  # bytes the pool takes (K and V, all layers)
     enable_prefix_caching: bool = True  # reuse computed KV blocks of identical token prefixes
     num_swap_blocks: int = 0  # blocks of CPU swap space for preempted requests
+    kv_cache_dtype: str = "auto"  # storage of K/V rows: "auto" (the model dtype), "int8" or "fp8"
+    sliding_window: int = 0  # keep only the last this many tokens' KV (0: keep all)
+    attention_sinks: int = 0  # with a window: also keep the first this many tokens (StreamingLLM)
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,15 @@ class EngineArgs:
     )
     swap_space: int | str = _arg("1GiB", "CPU memory for the KV of requests preempted by swapping")
     prefix_caching: bool = _arg(True, "reuse the KV of identical prompt prefixes (automatic prefix caching)")
+    kv_cache_dtype: str = _arg(
+        "auto", "auto (the model dtype) | int8 | fp8: K/V stored in 8 bits with a scale per token and head"
+    )
+    sliding_window: int | None = _arg(
+        None, "attend to and keep only the last W tokens' KV (default: the model's own window, if any)"
+    )
+    attention_sinks: int = _arg(
+        0, "with a sliding window: also keep the first S tokens (StreamingLLM attention sinks)"
+    )
     seed: int = _arg(0, "seed for requests that sample without their own seed")
     attention_backend: str = _arg(
         "auto", "auto | torch (reference) | cpu_paged (compiled kernel, reads the cache in place)"
@@ -153,11 +174,12 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        element_size = torch.tensor([], dtype=dtype).element_size()
-        bytes_per_token = arch.kv_elements_per_token * element_size
+        get_kv_cache_format(self.kv_cache_dtype)  # validates the name
+        bytes_per_token = arch.kv_bytes_per_token(dtype, self.kv_cache_dtype)
         pool_bytes_per_token = bytes_per_token  # + the draft model's KV, which uses the same block ids
         if draft_arch is not None:
-            pool_bytes_per_token += draft_arch.kv_elements_per_token * element_size
+            pool_bytes_per_token += draft_arch.kv_bytes_per_token(dtype, self.kv_cache_dtype)
+        window, sinks = self._window(arch, max_model_len)
         if self.num_kv_blocks is not None:
             num_blocks = self.num_kv_blocks
         else:
@@ -194,8 +216,11 @@ class EngineArgs:
                 block_size=self.block_size,
                 num_blocks=num_blocks,
                 kv_cache_memory=num_blocks * self.block_size * pool_bytes_per_token,
-                enable_prefix_caching=self.prefix_caching,
+                enable_prefix_caching=self.prefix_caching and not window,
                 num_swap_blocks=parse_bytes(self.swap_space) // (bytes_per_token * self.block_size),
+                kv_cache_dtype=self.kv_cache_dtype,
+                sliding_window=window,
+                attention_sinks=sinks,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -216,6 +241,21 @@ class EngineArgs:
                 disable_batch_size=self.speculative_disable_batch_size,
             ),
         )
+
+    def _window(self, arch: ModelArchConfig, max_model_len: int) -> tuple[int, int]:
+        """(window, sinks); (0, 0) when no sequence can outgrow sinks + window anyway."""
+        window = self.sliding_window if self.sliding_window is not None else (arch.sliding_window or 0)
+        if window < 0 or (self.sliding_window is not None and window < 1):
+            raise ValueError(f"sliding_window must be >= 1, got {window}")
+        if self.attention_sinks < 0:
+            raise ValueError(f"attention_sinks must be >= 0, got {self.attention_sinks}")
+        if self.attention_sinks and not window:
+            raise ValueError("attention_sinks needs a sliding window (--sliding-window)")
+        if not window or window + self.attention_sinks >= max_model_len:
+            return 0, 0
+        if self.prefix_caching:
+            logger.info("prefix caching is off: it does not combine with a sliding window")
+        return window, self.attention_sinks
 
 
 def resolve_device(device: str) -> torch.device:

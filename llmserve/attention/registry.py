@@ -14,21 +14,22 @@ logger = logging.getLogger("llmserve")
 _BACKENDS = {backend.name: backend for backend in (TorchSDPABackend, CPUPagedBackend)}
 
 
-def get_attention_backend(name: str = "torch"):
+def get_attention_backend(name: str = "torch", kv_cache_dtype: str = "auto"):
+    """A backend instance reading and writing the KV cache in the given format (kv_format.py)."""
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose from auto, {', '.join(sorted(_BACKENDS))}"
         )
-    return _BACKENDS[name]()
+    return _BACKENDS[name](kv_cache_dtype)
 
 
-def select_attention_backend(name: str, device: torch.device):
+def select_attention_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto"):
     """Resolve "auto": the compiled paged kernel on CPU when it builds, else the reference."""
     if name != "auto":
-        return get_attention_backend(name)
+        return get_attention_backend(name, kv_cache_dtype)
     if device.type == "cpu":
         try:
-            return get_attention_backend(CPUPagedBackend.name)
+            return get_attention_backend(CPUPagedBackend.name, kv_cache_dtype)
         except RuntimeError:
             pass
-    return get_attention_backend(TorchSDPABackend.name)
+    return get_attention_backend(TorchSDPABackend.name, kv_cache_dtype)

@@ -9,6 +9,17 @@ A request's block table maps its logical token positions to physical KV slots:
 Blocks are allocated as tokens arrive (`allocate_slots`) and all returned when the request
 finishes, is aborted or is preempted (`free`). Waste is under one block per sequence.
 
+Sliding window with attention sinks (StreamingLLM): a query at position p sees only the first S
+tokens and the last W (p - W < k <= p). Before each allocation, blocks that no future query can see
+return to the pool and their table entries become NULL_BLOCK; sink blocks and window blocks stay:
+
+    positions  0..15 | 16..31 | 32..47 | 48..63 | 64..   (S = 4, W = 24, 70 tokens computed)
+    block ids  [  7  |  NULL  |  NULL  |   11   |  4 ]
+               sinks '-- freed, never read --' '- window -'
+
+So a sequence holds at most ceil(S / B) + ceil(W / B) + 1 blocks however long it grows (plus its
+current step's new tokens). Prefix caching is off with a window (the engine config turns it off).
+
 Prefix caching: every full block whose KV has been computed is registered under a hash chained
 over its parent block's hash and its own token ids (plus an optional extra key for anything else
 that changes the KV), so a new request whose tokens start the same way reuses those blocks and
@@ -22,6 +33,8 @@ from array import array
 
 from llmserve.core.block_pool import BlockPool
 from llmserve.request import Request
+
+NULL_BLOCK = -1  # a block-table entry whose block left the sliding window (attention never reads it)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -38,9 +51,19 @@ def hash_block(parent_hash: bytes, tokens: tuple[int, ...], extra_key: bytes = b
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_swap_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_swap_blocks: int = 0,
+        sliding_window: int = 0,
+        attention_sinks: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window  # 0: keep every block
+        self.num_sink_blocks = cdiv(attention_sinks, block_size) if sliding_window else 0
+        self._window_start: dict[str, int] = {}  # request id -> first table entry not yet freed
+        self.num_window_evicted_blocks = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks else None  # CPU swap space
@@ -59,6 +82,13 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def max_blocks_per_sequence(self) -> int:
+        """Blocks a decoding sequence holds at most: all of them without a window."""
+        if not self.sliding_window:
+            return self.pool.num_blocks
+        return self.num_sink_blocks + cdiv(self.sliding_window, self.block_size) + 1
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -128,6 +158,8 @@ class KVCacheManager:
         first: the copy is queued in `pending_copies` for the model runner.
         """
         table = self.block_tables.setdefault(request.request_id, [])
+        if self.sliding_window:
+            self._free_out_of_window(request, table)
         num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         needed = self.blocks_for(num_tokens) - len(table) - len(computed_blocks)
         revived = sum(1 for block in computed_blocks if self.pool.ref_counts[block] == 0)
@@ -148,13 +180,29 @@ class KVCacheManager:
             table.extend(self.pool.allocate(needed))
         return True
 
+    def _free_out_of_window(self, request: Request, table: list[int]) -> None:
+        """Return the blocks whose positions are all past the sinks and before the window of the next
+        query (position num_computed_tokens): no query from now on can see them."""
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        end = min(max(first_visible, 0) // self.block_size, len(table))
+        start = self._window_start.get(request.request_id, self.num_sink_blocks)
+        if end <= start:
+            return
+        dead = [block for block in table[start:end] if block != NULL_BLOCK]
+        self.pool.free(dead)
+        table[start:end] = [NULL_BLOCK] * (end - start)
+        self._window_start[request.request_id] = end
+        self.num_window_evicted_blocks += len(dead)
+
     def fork(self, source: Request, child: Request, num_tokens: int) -> None:
         """Let `child` share the blocks holding `source`'s first `num_tokens` tokens (parallel
         samples of one prompt). Blocks are reference counted; a shared partial block is copied by
         whichever request writes into it first."""
         shared = self.block_tables[source.request_id][: self.blocks_for(num_tokens)]
-        self.pool.incref(shared)
+        self.pool.incref(_live(shared))
         self.block_tables[child.request_id] = list(shared)
+        if source.request_id in self._window_start:
+            self._window_start[child.request_id] = self._window_start[source.request_id]
         self._num_registered[child.request_id] = num_tokens // self.block_size
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -165,8 +213,9 @@ class KVCacheManager:
         rid = request.request_id
         table = self.block_tables.pop(rid, None)
         self._num_registered.pop(rid, None)
+        self._window_start.pop(rid, None)
         if table:
-            self.pool.free(reversed(table))
+            self.pool.free(reversed(_live(table)))
         swapped = self.swapped_tables.pop(rid, None)
         if swapped:
             self.swap_pool.free(swapped)
@@ -188,17 +237,20 @@ class KVCacheManager:
     # -- swapping ---------------------------------------------------------------------------------------
 
     def can_swap_out(self, request: Request) -> bool:
-        table = self.block_tables.get(request.request_id, [])
-        return self.swap_pool is not None and 0 < len(table) <= self.swap_pool.num_free_blocks
+        live = _live(self.block_tables.get(request.request_id, []))
+        return self.swap_pool is not None and 0 < len(live) <= self.swap_pool.num_free_blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Move the request's blocks to the swap space; returns (device block, swap block) copies."""
+        """Move the request's blocks to the swap space; returns (device block, swap block) copies.
+        Entries freed by a sliding window stay NULL_BLOCK in the swapped table."""
         table = self.block_tables.pop(request.request_id)
         self._num_registered.pop(request.request_id, None)
-        swap_blocks = self.swap_pool.allocate(len(table))
-        self.swapped_tables[request.request_id] = swap_blocks
-        self.pool.free(reversed(table))
-        return list(zip(table, swap_blocks, strict=True))
+        live = _live(table)
+        swap_blocks = iter(self.swap_pool.allocate(len(live)))
+        swapped = [NULL_BLOCK if block == NULL_BLOCK else next(swap_blocks) for block in table]
+        self.swapped_tables[request.request_id] = swapped
+        self.pool.free(reversed(live))
+        return list(zip(live, _live(swapped), strict=True))
 
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self.swapped_tables
@@ -206,15 +258,17 @@ class KVCacheManager:
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
         """Bring a swapped request back with room for `num_new_tokens` more; returns (swap block,
         device block) copies, or None (and changes nothing) if the pool lacks the blocks."""
-        swap_blocks = self.swapped_tables[request.request_id]
-        total = self.blocks_for(request.num_computed_tokens + num_new_tokens)
+        swapped = self.swapped_tables[request.request_id]
+        num_freed = len(swapped) - len(_live(swapped))  # left a sliding window before the swap
+        total = self.blocks_for(request.num_computed_tokens + num_new_tokens) - num_freed
         if total > self.pool.num_free_blocks:
             return None
-        device_blocks = self.pool.allocate(total)
-        self.block_tables[request.request_id] = device_blocks
+        device_blocks = iter(self.pool.allocate(total))
+        table = [NULL_BLOCK if block == NULL_BLOCK else next(device_blocks) for block in swapped]
+        self.block_tables[request.request_id] = table + list(device_blocks)
         del self.swapped_tables[request.request_id]
-        self.swap_pool.free(swap_blocks)
-        return list(zip(swap_blocks, device_blocks, strict=False))
+        self.swap_pool.free(_live(swapped))
+        return list(zip(_live(swapped), _live(table), strict=True))
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -226,11 +280,16 @@ class KVCacheManager:
             self.swap_pool.check_integrity()
             swap_owners = [0] * self.swap_pool.num_blocks
             for table in self.swapped_tables.values():
-                for block in table:
+                for block in _live(table):
                     swap_owners[block] += 1
             assert swap_owners == self.swap_pool.ref_counts, "swap tables and ref counts disagree"
         owners = [0] * self.pool.num_blocks
         for table in self.block_tables.values():
-            for block in table:
+            for block in _live(table):
                 owners[block] += 1
         assert owners == self.pool.ref_counts, "block tables and ref counts disagree"
+
+
+def _live(table: list[int]) -> list[int]:
+    """The table's blocks, without entries freed by a sliding window."""
+    return [block for block in table if block != NULL_BLOCK]

@@ -41,9 +41,18 @@ class LLMEngine:
         arch = self.config.model.arch
         self.tokenizer = load_tokenizer(path, None if os.path.isdir(path) else arch.eos_token_ids)
         model = build_model(self.config.model, load_weights(path, self.config.model.dtype))
+        if self.config.model.quantization is not None:  # a transform of the loaded model (module swap)
+            from llmserve.quantization.methods import quantize_model
+
+            quantize_model(model, self.config.model, self.tokenizer)
         cache = self.config.cache
         self.kv_cache_manager = KVCacheManager(
-            cache.num_blocks, cache.block_size, cache.enable_prefix_caching, cache.num_swap_blocks
+            cache.num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            cache.num_swap_blocks,
+            sliding_window=cache.sliding_window,
+            attention_sinks=cache.attention_sinks,
         )
         spec = self.config.speculative
         self.scheduler = Scheduler(
@@ -63,23 +72,26 @@ class LLMEngine:
 
     def _preemption_costs(self, model) -> PreemptionCosts:
         model_config = self.config.model
-        element_size = torch.tensor([], dtype=model_config.dtype).element_size()
         return PreemptionCosts(
             flops_per_token=2.0 * sum(p.numel() for p in model.parameters()),
-            kv_bytes_per_token=model_config.arch.kv_elements_per_token * element_size,
+            kv_bytes_per_token=model_config.arch.kv_bytes_per_token(
+                model_config.dtype, self.config.cache.kv_cache_dtype
+            ),
             device_type=model_config.device.type,
         )
 
     def _log_startup(self) -> None:
         cache, model = self.config.cache, self.config.model
         tokens = cache.num_blocks * cache.block_size
+        kv_dtype = str(model.dtype) if cache.kv_cache_dtype == "auto" else cache.kv_cache_dtype
         logger.info(
-            "model %s (%s, %s) ready in %.2f s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), "
+            "model %s (%s, %s) ready in %.2f s; KV cache (%s): %d blocks x %d tokens = %d tokens (%.1f MiB), "
             "max concurrency at max_model_len %d: %.2f sequences",
             model.path,
             model.dtype,
             model.device,
             self.startup_seconds,
+            kv_dtype,
             cache.num_blocks,
             cache.block_size,
             tokens,
@@ -87,6 +99,13 @@ class LLMEngine:
             model.max_model_len,
             tokens / model.max_model_len,
         )
+        if cache.sliding_window:
+            logger.info(
+                "sliding window: %d tokens + %d attention sinks; a sequence holds at most %d blocks",
+                cache.sliding_window,
+                cache.attention_sinks,
+                self.kv_cache_manager.max_blocks_per_sequence,
+            )
 
     # -- requests -------------------------------------------------------------------------------
 

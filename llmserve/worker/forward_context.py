@@ -20,6 +20,8 @@ class PrefillSpan:
     query_start: int  # first row of its queries in the flat token batch
     query_end: int
     context_slots: torch.Tensor  # [context_len] KV slots of positions 0..context_len-1 (new ones included)
+    # sliding window: the positions of context_slots (sinks, then the window; None = 0..context_len-1)
+    context_positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -34,6 +36,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64 (in-place backends)
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths
     block_size: int = 16
+    sliding_window: int = 0  # keys further back than this from a query are hidden (0: no window)
+    attention_sinks: int = 0  # ... except the sequence's first this many tokens (StreamingLLM)
 
 
 _context: AttentionMetadata | None = None

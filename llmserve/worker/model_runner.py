@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from llmserve.attention.registry import select_attention_backend
+from llmserve.attention.window import decode_context_positions, prefill_context_positions
 from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import SchedulerOutput
@@ -58,7 +59,9 @@ class ModelRunner:
         # drafts before the forward (n-gram drafts come from the scheduler); the verifier checks them.
         self.drafter: DraftModelProposer | None = None
         self.verifier = DraftVerifier(self.vocab_size, self.device)
-        self.attention_backend = select_attention_backend(config.model.attention_backend, self.device)
+        self.attention_backend = select_attention_backend(
+            config.model.attention_backend, self.device, config.cache.kv_cache_dtype
+        )
         self.kv_cache = self._allocate_kv_cache()
         cache = config.cache
         # Block-granular views for swapping: [layers, 2, blocks, block_size, kv_heads, head_dim].
@@ -83,13 +86,14 @@ class ModelRunner:
         # all now (torch.zeros of 1 GiB costs 1.5 s at start-up); no backend reads a slot before
         # it is written except masked padding. Devices get explicit zeros.
         allocate = torch.empty if self.device.type == "cpu" else torch.zeros
+        kv_format = self.attention_backend.kv_format  # 8-bit rows carry their scale (kv_format.py)
         kv_cache = allocate(
             len(layers),
             2,
             cache.num_blocks * cache.block_size,
             arch.num_key_value_heads,
-            arch.head_dim,
-            dtype=self.config.model.dtype,
+            kv_format.row_size(arch.head_dim),
+            dtype=kv_format.storage_dtype(self.config.model.dtype),
             device=self.device,
         )
         for index, layer in enumerate(layers):
@@ -188,19 +192,17 @@ class ModelRunner:
 
     def _attention_metadata(self, block_tables, num_new, seq_lens, starts, slot_mapping) -> AttentionMetadata:
         num_decodes = int(np.count_nonzero(num_new == 1))
+        cache = self.config.cache
         decode_slots = decode_mask = None
         if num_decodes and self.attention_backend.needs_gathered_decode:
-            context = np.arange(int(seq_lens[:num_decodes].max()))
-            decode_blocks = block_tables[:num_decodes][:, context // self.block_size]
-            decode_slots = self._slots(decode_blocks, context[None, :])
-            decode_mask = self._to_device(context[None, :] < seq_lens[:num_decodes, None])[:, None, None, :]
-            decode_slots = self._to_device(decode_slots)
-        prefills = [
-            PrefillSpan(
-                query_start=int(starts[i]),
-                query_end=int(starts[i] + num_new[i]),
-                context_slots=self._to_device(self._prefill_slots(block_tables[i], int(seq_lens[i]))),
+            context, valid = decode_context_positions(
+                seq_lens[:num_decodes], cache.attention_sinks, cache.sliding_window
             )
+            decode_blocks = np.take_along_axis(block_tables[:num_decodes], context // self.block_size, axis=1)
+            decode_slots = self._to_device(self._slots(decode_blocks, context))
+            decode_mask = self._to_device(valid)[:, None, None, :]
+        prefills = [
+            self._prefill_span(block_tables[i], int(starts[i]), int(num_new[i]), int(seq_lens[i]))
             for i in range(num_decodes, len(num_new))
         ]
         return AttentionMetadata(
@@ -212,11 +214,23 @@ class ModelRunner:
             decode_block_tables=self._to_device(block_tables[:num_decodes]) if num_decodes else None,
             decode_seq_lens=self._to_device(seq_lens[:num_decodes]) if num_decodes else None,
             block_size=self.block_size,
+            sliding_window=cache.sliding_window,
+            attention_sinks=cache.attention_sinks,
         )
 
-    def _prefill_slots(self, block_table: np.ndarray, seq_len: int) -> np.ndarray:
-        positions = np.arange(seq_len)
-        return self._slots(block_table[positions // self.block_size], positions)
+    def _prefill_span(self, block_table: np.ndarray, start: int, num_new: int, seq_len: int) -> PrefillSpan:
+        """A sequence's queries and its context slots: all positions, or with a sliding window only
+        the live ones (sinks and window; their blocks are the ones still in the table)."""
+        cache = self.config.cache
+        live = prefill_context_positions(seq_len, num_new, cache.attention_sinks, cache.sliding_window)
+        positions = np.arange(seq_len) if live is None else live
+        slots = self._slots(block_table[positions // self.block_size], positions)
+        return PrefillSpan(
+            query_start=start,
+            query_end=start + num_new,
+            context_slots=self._to_device(slots),
+            context_positions=None if live is None else self._to_device(live),
+        )
 
     def _block_tables(self, requests: list[Request], max_len: int) -> np.ndarray:
         num_columns = -(-max_len // self.block_size)

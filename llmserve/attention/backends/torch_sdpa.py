@@ -3,6 +3,11 @@
 Decodes are batched: each decode gathers its context K/V through its block table into one padded
 tensor and a single masked SDPA call serves them all. Prefill chunks run one SDPA call per sequence
 with a causal mask offset by the context already cached. Faster backends are tested against this.
+
+The KV cache format (`kv_format.py`) decides how rows are written and read back: as they are, or
+quantized on write and dequantized here, after the gather. With a sliding window (and attention
+sinks) the model runner hands over only the live context positions; the prefill mask then also
+hides keys that have left a query's window.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmserve.attention.kv_format import KVCacheFormat, get_kv_cache_format
 from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 
 
@@ -17,25 +23,28 @@ class TorchSDPABackend:
     name = "torch"
     needs_gathered_decode = True  # wants decode_context_slots / decode_context_mask in the metadata
 
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
+        self.kv_format: KVCacheFormat = get_kv_cache_format(kv_cache_dtype)
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,
-        key_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_slots, num_kv_heads, row] (row: see kv_format.py)
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        key_cache.index_copy_(0, metadata.slot_mapping, key)
-        value_cache.index_copy_(0, metadata.slot_mapping, value)
+        self.kv_format.write(key_cache, metadata.slot_mapping, key)
+        self.kv_format.write(value_cache, metadata.slot_mapping, value)
         output = torch.empty_like(query)
         num_decodes = metadata.num_decode_tokens
         if num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, scale)
         for span in metadata.prefills:
             output[span.query_start : span.query_end] = self._prefill(
-                query[span.query_start : span.query_end], key_cache, value_cache, span, scale
+                query[span.query_start : span.query_end], key_cache, value_cache, span, metadata, scale
             )
         return output
 
@@ -44,12 +53,13 @@ class TorchSDPABackend:
     ) -> torch.Tensor:
         slots = metadata.decode_context_slots
         valid = metadata.decode_context_mask.view(slots.shape[0], slots.shape[1], 1, 1)
+        read = self.kv_format.read
         # Padding slots may hold anything (even NaN): zero them, since 0 * NaN survives the mask.
-        keys = key_cache[slots].masked_fill_(~valid, 0).transpose(1, 2)  # [B, kv_heads, ctx, head_dim]
-        values = value_cache[slots].masked_fill_(~valid, 0).transpose(1, 2)
+        keys = read(key_cache, slots, query.dtype).masked_fill_(~valid, 0).transpose(1, 2)
+        values = read(value_cache, slots, query.dtype).masked_fill_(~valid, 0).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),  # [B, heads, 1, head_dim]
-            keys,
+            keys,  # [B, kv_heads, ctx, head_dim]
             values,
             attn_mask=metadata.decode_context_mask,
             scale=scale,
@@ -57,23 +67,40 @@ class TorchSDPABackend:
         )
         return out.squeeze(2)
 
-    @staticmethod
-    def _prefill(query, key_cache, value_cache, span: PrefillSpan, scale: float) -> torch.Tensor:
+    def _prefill(
+        self, query, key_cache, value_cache, span: PrefillSpan, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         num_queries = query.shape[0]
         context_len = span.context_slots.shape[0]
-        keys = key_cache[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
-        values = value_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+        read = self.kv_format.read
+        keys = read(key_cache, span.context_slots, query.dtype).transpose(0, 1).unsqueeze(0)
+        values = read(value_cache, span.context_slots, query.dtype).transpose(0, 1).unsqueeze(0)
         queries = query.transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]
-        if context_len == num_queries:
+        if context_len == num_queries and span.context_positions is None:
             out = F.scaled_dot_product_attention(
                 queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            # Query i sits at position context_len - num_queries + i and sees keys up to there.
-            query_pos = torch.arange(context_len - num_queries, context_len, device=query.device)
-            key_pos = torch.arange(context_len, device=query.device)
-            mask = key_pos[None, :] <= query_pos[:, None]
+            mask = _prefill_mask(span, num_queries, metadata, query.device)
             out = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             )
         return out.squeeze(0).transpose(0, 1)
+
+
+def _prefill_mask(
+    span: PrefillSpan, num_queries: int, metadata: AttentionMetadata, device: torch.device
+) -> torch.Tensor:
+    """[q, ctx] True where query i may see key j: causal, and within sinks + window if any.
+
+    The queries are the span's last positions; keys are position-ordered (a gap where blocks left the
+    window), so the causal part is the usual offset triangle."""
+    key_pos = span.context_positions
+    if key_pos is None:
+        key_pos = torch.arange(span.context_slots.shape[0], device=device)
+    query_pos = key_pos[-num_queries:]
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if metadata.sliding_window:
+        in_window = query_pos[:, None] - key_pos[None, :] < metadata.sliding_window
+        mask &= in_window | (key_pos[None, :] < metadata.attention_sinks)
+    return mask
