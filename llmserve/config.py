@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmserve.attention.kv_format import get_kv_cache_format
+from llmserve.quantization.config import QuantizationConfig
 from llmserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("llmserve")
@@ -61,6 +62,7 @@ class ModelConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0  # seed of the engine-wide generator for unseeded sampled requests
     attention_backend: str = "auto"  # "auto", "torch" (reference) or "cpu_paged" (compiled, in place)
+    quantization: QuantizationConfig | None = None  # weight quantization (llmserve/quantization); None: float
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,13 @@ class EngineArgs:
     attention_backend: str = _arg(
         "auto", "auto | torch (reference) | cpu_paged (compiled kernel, reads the cache in place)"
     )
+    # -- weight quantization (llmserve/quantization, docs/quantization.md) --
+    quantization: str | None = _arg(
+        None, "int8 | int4 | awq | gptq | gguf (the GGUF's Q4_0/Q4_1/Q8_0 blocks) | DIR (`llmserve quantize`)"
+    )
+    quantization_group_size: int | None = _arg(
+        None, "int4 methods: input channels per scale, 32 | 64 | 128 (default: the largest that fits)"
+    )
     # -- speculative decoding (llmserve/spec_decode, docs/speculative.md) --
     speculative_method: str | None = _arg(
         None, "ngram (prompt lookup) | draft (a smaller model) | early_exit (the target's first layers)"
@@ -211,6 +220,11 @@ class EngineArgs:
                 device=device,
                 seed=self.seed,
                 attention_backend=self.attention_backend,
+                quantization=QuantizationConfig.create(
+                    self.quantization,
+                    self.quantization_group_size,
+                    (arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim),
+                ),
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -1,0 +1,53 @@
+"""`--quantization`: which weight-quantization method, resolved before the engine is built.
+
+Kept free of heavy imports: `llmserve.config` imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+METHODS = ("int8", "int4", "awq", "gptq", "gguf")
+GROUP_SIZES = (32, 64, 128)  # the sizes the packed int4 CPU kernel accepts that we offer
+CHECKPOINT = "checkpoint"  # method of a directory written by `llmserve quantize`
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    method: str  # one of METHODS, or "checkpoint" (a saved quantized checkpoint in `path`)
+    group_size: int  # int4 group-wise methods: input channels sharing one scale and offset
+    path: str | None = None  # checkpoint: the directory `llmserve quantize` wrote
+
+    @staticmethod
+    def create(
+        value: str | None, group_size: int | None, in_features: tuple[int, ...]
+    ) -> QuantizationConfig | None:
+        """`value`: a method name or a checkpoint directory; `in_features`: every quantized layer's
+        input width, so that "auto" (None) picks the largest group size dividing them all."""
+        if value is None or value in ("", "none"):
+            return None
+        if value not in METHODS and not os.path.isdir(value):
+            raise ValueError(
+                f"quantization must be one of {', '.join(METHODS)} or a directory written by "
+                f"`llmserve quantize`; got {value!r}"
+            )
+        return QuantizationConfig(
+            method=value if value in METHODS else CHECKPOINT,
+            group_size=resolve_group_size(group_size, in_features),
+            path=None if value in METHODS else os.path.abspath(value),
+        )
+
+
+def resolve_group_size(group_size: int | None, in_features: tuple[int, ...]) -> int:
+    if group_size is None:  # the largest offered size that divides every layer's input width
+        fitting = [size for size in GROUP_SIZES if all(width % size == 0 for width in in_features)]
+        if not fitting:
+            raise ValueError(f"no int4 group size of {GROUP_SIZES} divides the layer widths {in_features}")
+        return fitting[-1]
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"quantization_group_size must be one of {GROUP_SIZES}, got {group_size}")
+    bad = [width for width in in_features if width % group_size]
+    if bad:
+        raise ValueError(f"quantization_group_size {group_size} does not divide the layer width {bad[0]}")
+    return group_size

@@ -1,0 +1,121 @@
+"""The engine's quantized weight formats and round-to-nearest (RTN) quantizers.
+
+A format is the canonical, kernel-independent form of one linear layer's weight [out, in]: what
+`llmserve quantize` saves, what GGUF blocks are read into, and what kernels pack from. Groups run
+along the input dimension, so fusing layers (q/k/v, gate/up) is a concatenation of rows.
+
+    Int8Weight:  w[n, k] = q[n, k] * scale[n, k // group]               q in -128..127 (symmetric)
+    Int4Weight:  w[n, k] = q[n, k] * scale[n, k // group] + offset[...]  q in 0..15 (asymmetric)
+
+The int4 offset is a float (llama.cpp's Q4_1 `m`, tinygemm's zero point) rather than an integer zero
+point: it represents Q4_0, Q4_1 and RTN's exact group minimum without a second rounding.
+Scales and offsets are float32, which holds GGUF's float16 `d` and `m` exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT8_MAX = 127
+INT4_LEVELS = 15
+_TINY = 1e-10  # the scale of an all-equal group: any positive value reproduces it exactly
+
+
+@dataclass
+class Int8Weight:
+    qweight: torch.Tensor  # int8 [out, in]
+    scales: torch.Tensor  # float32 [out, in // group_size]
+    group_size: int  # == in_features: one scale per output channel
+
+    kind = "int8"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qweight.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        rows, cols = self.qweight.shape
+        grouped = self.qweight.to(dtype).view(rows, -1, self.group_size) * self.scales.to(dtype)[..., None]
+        return grouped.view(rows, cols)
+
+    def rows(self, index: torch.Tensor) -> Int8Weight:
+        return Int8Weight(self.qweight[index], self.scales[index], self.group_size)
+
+
+@dataclass
+class Int4Weight:
+    qweight: torch.Tensor  # uint8 [out, in], one code 0..15 per byte (packing is the kernel's job)
+    scales: torch.Tensor  # float32 [out, in // group_size]
+    offsets: torch.Tensor  # float32 [out, in // group_size]
+    group_size: int
+
+    kind = "int4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qweight.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        rows, cols = self.qweight.shape
+        codes = self.qweight.to(dtype).view(rows, -1, self.group_size)
+        return (codes * self.scales.to(dtype)[..., None] + self.offsets.to(dtype)[..., None]).view(rows, cols)
+
+    def rows(self, index: torch.Tensor) -> Int4Weight:
+        return Int4Weight(self.qweight[index], self.scales[index], self.offsets[index], self.group_size)
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """Fuse shards (q/k/v, gate/up) into one weight; None if their formats differ."""
+    first = weights[0]
+    if any(type(w) is not type(first) or w.group_size != first.group_size for w in weights):
+        return None
+    if isinstance(first, Int8Weight):
+        return Int8Weight(
+            torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]), first.group_size
+        )
+    return Int4Weight(
+        torch.cat([w.qweight for w in weights]),
+        torch.cat([w.scales for w in weights]),
+        torch.cat([w.offsets for w in weights]),
+        first.group_size,
+    )
+
+
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8Weight:
+    """Symmetric RTN; `group_size` None: one scale per output channel."""
+    rows, cols = weight.shape
+    group_size = group_size or cols
+    grouped = weight.float().view(rows, -1, group_size)
+    scales = (grouped.abs().amax(-1) / INT8_MAX).clamp_min(_TINY)
+    codes = torch.round(grouped / scales[..., None]).clamp(-INT8_MAX, INT8_MAX)
+    return Int8Weight(codes.to(torch.int8).view(rows, cols), scales, group_size)
+
+
+def int4_params(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and offset of each group [..., group_size] spanning its min..max in 16 levels."""
+    low, high = grouped.amin(-1), grouped.amax(-1)
+    return ((high - low) / INT4_LEVELS).clamp_min(_TINY), low
+
+
+def int4_codes(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Nearest codes (as floats) of `values` given broadcastable scales and offsets."""
+    return torch.round((values - offsets) / scales).clamp(0, INT4_LEVELS)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
+    """Asymmetric group-wise RTN: each group's min and max are representable exactly."""
+    rows, cols = weight.shape
+    grouped = weight.float().view(rows, -1, group_size)
+    scales, offsets = int4_params(grouped)
+    codes = int4_codes(grouped, scales[..., None], offsets[..., None])
+    return Int4Weight(codes.to(torch.uint8).view(rows, cols), scales, offsets, group_size)
+
+
+def fake_quantize_int4(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RTN int4 and back to float32 (the searches in AWQ compare candidates this way)."""
+    return quantize_int4(weight, group_size).dequantize()

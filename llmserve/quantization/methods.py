@@ -1,0 +1,253 @@
+"""Quantization methods by name, and applying one to a loaded model (a module swap).
+
+A method maps the float model (and, for calibrated methods, a tokenizer) to the quantized weight of
+each linear layer it covers, plus any float parameters it changed (AWQ's folded norm weights).
+`apply_quantization` then replaces those `nn.Linear` modules by `QuantizedLinear`s; the model file
+knows nothing of it. The lm_head (tied to the embedding in small models) is int8 per channel for
+every int4 method: it is the largest single matmul, and 8 bits keep its error small.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from llmserve.config import ModelConfig
+from llmserve.quantization import awq, calibration, checkpoint, gguf_native
+from llmserve.quantization.config import CHECKPOINT
+from llmserve.quantization.formats import QuantizedWeight, concat_rows, quantize_int4, quantize_int8
+from llmserve.quantization.gptq import HessianAccumulator, gptq_quantize
+from llmserve.quantization.kernels import QuantizedLinear
+
+logger = logging.getLogger("llmserve")
+
+LM_HEAD = "lm_head"
+
+
+@dataclass
+class QuantizationResult:
+    weights: dict[str, QuantizedWeight]  # module name (model.layers.0.mlp.down_proj) -> weight
+    float_updates: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter name -> new value
+
+
+QuantizeMethod = Callable[[nn.Module, ModelConfig, object], QuantizationResult]
+_METHODS: dict[str, QuantizeMethod] = {}
+
+
+def register(name: str) -> Callable[[QuantizeMethod], QuantizeMethod]:
+    def wrap(method: QuantizeMethod) -> QuantizeMethod:
+        _METHODS[name] = method
+        return method
+
+    return wrap
+
+
+def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.startswith("model.layers.")
+    }
+
+
+def compute_quantization(model: nn.Module, config: ModelConfig, tokenizer=None) -> QuantizationResult:
+    """The quantized weights `config.quantization` asks for (the model is not changed, except by
+    AWQ's scale folding, which leaves its float outputs the same)."""
+    return _METHODS[config.quantization.method](model, config, tokenizer)
+
+
+def apply_quantization(model: nn.Module, result: QuantizationResult, config: ModelConfig) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in result.float_updates.items():
+            params[name].copy_(value)
+    for name, weight in result.weights.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, child)
+        setattr(parent, child, QuantizedLinear(weight, linear.bias, config.dtype, config.device))
+
+
+def quantize_model(model: nn.Module, config: ModelConfig, tokenizer=None) -> QuantizationResult:
+    """Quantize `model` in place as `config.quantization` says; returns what was computed."""
+    start = time.monotonic()
+    result = compute_quantization(model, config, tokenizer)
+    float_bytes = sum(_float_bytes(model.get_submodule(name), config.dtype) for name in result.weights)
+    apply_quantization(model, result, config)
+    quant_bytes = sum(_buffer_bytes(model.get_submodule(name)) for name in result.weights)
+    kernels = sorted({type(model.get_submodule(name).kernel).__name__ for name in result.weights})
+    logger.info(
+        "quantization %s: %d layers, %.1f -> %.1f MiB (kernels %s) in %.1f s",
+        config.quantization.method,
+        len(result.weights),
+        float_bytes / 2**20,
+        quant_bytes / 2**20,
+        ", ".join(kernels),
+        time.monotonic() - start,
+    )
+    return result
+
+
+def _float_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    return module.weight.numel() * torch.tensor([], dtype=dtype).element_size()
+
+
+def _buffer_bytes(module: nn.Module) -> int:
+    return sum(buffer.numel() * buffer.element_size() for buffer in module.buffers())
+
+
+def _lm_head_int8(model: nn.Module) -> dict[str, QuantizedWeight]:
+    return {LM_HEAD: quantize_int8(model.lm_head.weight)}
+
+
+# -- round to nearest ------------------------------------------------------------------------------
+
+
+@register("int8")
+def _int8(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
+    weights = {name: quantize_int8(linear.weight) for name, linear in decoder_linears(model).items()}
+    return QuantizationResult({**weights, **_lm_head_int8(model)})
+
+
+@register("int4")
+def _int4(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
+    group = config.quantization.group_size
+    weights = {name: quantize_int4(linear.weight, group) for name, linear in decoder_linears(model).items()}
+    return QuantizationResult({**weights, **_lm_head_int8(model)})
+
+
+# -- calibrated ------------------------------------------------------------------------------------
+
+
+def _calibration_batches(model: nn.Module, config: ModelConfig, tokenizer) -> list[torch.Tensor]:
+    if tokenizer is None:
+        raise ValueError(f"quantization {config.quantization.method} needs a tokenizer for calibration text")
+    return calibration.calibration_batches(tokenizer, calibration.CalibrationSpec(), config.device)
+
+
+def _layer_inputs(layer: nn.Module, linears: dict[str, nn.Module], hiddens, positions, sink) -> None:
+    with calibration.capture_inputs(linears, sink):
+        for pos, hidden in zip(positions, hiddens, strict=True):
+            layer(pos, hidden)
+
+
+@register("gptq")
+def _gptq(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
+    group = config.quantization.group_size
+    weights: dict[str, QuantizedWeight] = {}
+
+    def visit(index: int, layer: nn.Module, hiddens, positions) -> None:
+        linears = calibration.layer_linears(layer)
+        hessians = {name: HessianAccumulator(m.in_features, m.weight.device) for name, m in linears.items()}
+        _layer_inputs(layer, linears, hiddens, positions, lambda name, x: hessians[name].add(x))
+        for name, linear in linears.items():
+            weight = gptq_quantize(linear.weight, hessians[name].hessian(), group)
+            weights[f"model.layers.{index}.{name}"] = weight
+            linear.weight.copy_(weight.dequantize(linear.weight.dtype))  # later layers see this layer's error
+
+    run = calibration.run_layerwise
+    originals = {name: linear.weight.clone() for name, linear in decoder_linears(model).items()}
+    try:
+        run(model, _calibration_batches(model, config, tokenizer), visit)
+    finally:
+        with torch.no_grad():
+            for name, linear in decoder_linears(model).items():
+                linear.weight.copy_(originals[name])
+    return QuantizationResult({**weights, **_lm_head_int8(model)})
+
+
+@register("awq")
+def _awq(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
+    group = config.quantization.group_size
+    intermediate = config.arch.intermediate_size
+
+    def visit(index: int, layer: nn.Module, hiddens, positions) -> None:
+        attention, mlp = layer.self_attn, layer.mlp
+        linears = {"qkv": attention.qkv_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        inputs: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
+        _layer_inputs(layer, linears, hiddens, positions, lambda name, x: inputs[name].append(x))
+        x = {name: torch.cat(chunks) for name, chunks in inputs.items()}
+        folds = [
+            ("qkv", layer.input_layernorm.weight),
+            ("gate_up", layer.post_attention_layernorm.weight),
+            ("down", mlp.gate_up_proj.weight[intermediate:]),  # up_proj's rows feed down_proj
+        ]
+        for name, previous in folds:
+            scales = awq.search_scales(linears[name].weight, x[name], group)
+            awq.apply_scales([linears[name].weight], previous, scales)
+
+    run = calibration.run_layerwise
+    run(model, _calibration_batches(model, config, tokenizer), visit)
+    weights = {name: quantize_int4(linear.weight, group) for name, linear in decoder_linears(model).items()}
+    norms = {
+        name: param.detach().clone()
+        for name, param in model.named_parameters()
+        if name.endswith("layernorm.weight")
+    }
+    return QuantizationResult({**weights, **_lm_head_int8(model)}, norms)
+
+
+# -- GGUF's own blocks, saved checkpoints ----------------------------------------------------------
+
+
+@register("gguf")
+def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
+    from llmserve.model_loader.default_model import is_gguf
+
+    if not is_gguf(config.path):
+        raise ValueError(f"quantization gguf needs a GGUF model, not {config.path}")
+    tensors = _gguf_tensors(config)
+    weights: dict[str, QuantizedWeight] = {}
+    for name in decoder_linears(model):
+        parent, _, child = name.rpartition(".")
+        shards = model.packed_modules.get(child, (child,))
+        parts = [tensors.get(f"{parent}.{shard}.weight") for shard in shards]
+        fused = None if any(p is None for p in parts) else concat_rows(parts)
+        if fused is not None:
+            weights[name] = fused
+    head = "model.embed_tokens.weight" if config.arch.tie_word_embeddings else "lm_head.weight"
+    if head in tensors:
+        weights[LM_HEAD] = tensors[head]
+    kept = len(decoder_linears(model)) + 1 - len(weights)
+    if kept:
+        logger.info("quantization gguf: %d layers have no Q4_0/Q4_1/Q8_0 tensor and stay in float", kept)
+    return QuantizationResult(weights)
+
+
+def _gguf_tensors(config: ModelConfig) -> dict[str, QuantizedWeight]:
+    """Read once (parsing a GGUF takes seconds), then from the weights cache in our own format."""
+    from llmserve.model_loader import weights_cache
+
+    cached = weights_cache.cached_dir(config.path, _GGUF_CACHE_ENTRY)
+    if cached is not None:
+        try:
+            return checkpoint.load_quantized(str(cached))[0]
+        except (ValueError, OSError, KeyError) as error:
+            logger.warning("ignoring a damaged cache entry %s (%s)", cached, error)
+            weights_cache.discard_dir(config.path, _GGUF_CACHE_ENTRY)
+    tensors = gguf_native.read_quantized_tensors(config.path, config.arch)
+    info = {"method": "gguf", "source": config.path, "source_id": checkpoint.source_id(config.path)}
+    weights_cache.save_dir(
+        config.path, _GGUF_CACHE_ENTRY, lambda d: checkpoint.save_quantized(d, tensors, info)
+    )
+    return tensors
+
+
+_GGUF_CACHE_ENTRY = "gguf-native-v1"
+
+
+@register(CHECKPOINT)
+def _checkpoint(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
+    weights, floats, info = checkpoint.load_quantized(config.quantization.path)
+    source = checkpoint.source_id(config.path)
+    if info.get("source_id") != source:
+        raise ValueError(
+            f"{config.quantization.path} was quantized from {info.get('source')}, not from {config.path} "
+            "(pass that model with --model)"
+        )
+    return QuantizationResult(weights, floats)
