@@ -164,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands() -> list[Callable]:
     """Subcommands that live with their feature (server, benchmarks)."""
     registrars = []
-    for module_name in ("llmserve.entrypoints.openai.cli", "llmserve.benchmarks.cli"):
+    modules = ("llmserve.entrypoints.openai.cli", "llmserve.benchmarks.cli")
+    modules += ("llmserve.evaluation.cli", "llmserve.quantization.cli")
+    for module_name in modules:
         try:
             module = __import__(module_name, fromlist=["register"])
         except ModuleNotFoundError as error:

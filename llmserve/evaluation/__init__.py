@@ -1,0 +1,1 @@
+"""Model-quality evaluation through the engine (`llmserve eval ...`)."""
