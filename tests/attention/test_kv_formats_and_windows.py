@@ -32,8 +32,13 @@ def paged_case(decode_lens, prefills, sinks=0, window=0, kv_dtype="auto", seed=0
     max_blocks = max(-(-n // BLOCK) for n in lens)
     num_blocks = len(lens) * max_blocks + 1  # the last block is the NaN block
     nan_block = num_blocks - 1
-    tables = torch.randperm(num_blocks - 1, generator=gen)[: len(lens) * max_blocks].view(len(lens), max_blocks)
-    dense = [(torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen), torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen)) for n in lens]
+    tables = torch.randperm(num_blocks - 1, generator=gen)[: len(lens) * max_blocks].view(
+        len(lens), max_blocks
+    )
+    dense = [
+        (torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen), torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen))
+        for n in lens
+    ]
     caches = [torch.full((num_blocks * BLOCK, KV_HEADS, HEAD_DIM), float("nan")) for _ in range(2)]
     for seq, n in enumerate(lens):
         slots = tables[seq, torch.arange(n) // BLOCK] * BLOCK + torch.arange(n) % BLOCK
@@ -42,12 +47,12 @@ def paged_case(decode_lens, prefills, sinks=0, window=0, kv_dtype="auto", seed=0
         caches = [fmt.quantize(c) for c in caches]
         dense = [tuple(fmt.dequantize(fmt.quantize(x), torch.float32) for x in kv) for kv in dense]
     # Blocks no query of this step can see (all their positions in [sinks, first query - window]) go.
-    for seq, (n, q) in enumerate(zip(lens, new_counts)):
+    for seq, (n, q) in enumerate(zip(lens, new_counts, strict=True)):
         first_visible = n - q - window + 1 if window else 0
         for block in range(-(-sinks // BLOCK), max(first_visible, 0) // BLOCK):
             tables[seq, block] = nan_block
     queries = torch.randn(sum(new_counts), HEADS, HEAD_DIM, generator=gen)
-    new_rows = [torch.arange(n - q, n) for n, q in zip(lens, new_counts)]
+    new_rows = [torch.arange(n - q, n) for n, q in zip(lens, new_counts, strict=True)]
     key = torch.cat([dense[s][0][rows] for s, rows in enumerate(new_rows)])
     value = torch.cat([dense[s][1][rows] for s, rows in enumerate(new_rows)])
     if fmt.is_quantized:  # write the original floats: re-quantizing them gives the stored codes
@@ -91,7 +96,7 @@ def dense_reference(queries, dense, lens, new_counts, sinks, window):
     """Masked attention over all positions, float64."""
     out, row = [], 0
     group = HEADS // KV_HEADS
-    for (keys, values), n, q in zip(dense, lens, new_counts):
+    for (keys, values), n, q in zip(dense, lens, new_counts, strict=True):
         k = keys.double().repeat_interleave(group, dim=1)  # [n, heads, d]
         v = values.double().repeat_interleave(group, dim=1)
         query_pos, key_pos = torch.arange(n - q, n)[:, None], torch.arange(n)[None, :]
@@ -158,10 +163,10 @@ def test_quantize_round_trip_bounds(kv_dtype):
     assert packed.dtype == torch.uint8 and packed.shape == (500, KV_HEADS, HEAD_DIM + 4)
     restored = fmt.dequantize(packed, torch.float32)
     scale = rows.abs().amax(-1, keepdim=True) / fmt.code_max
-    if kv_dtype == "int8":  # uniform levels: half a step
-        bound = scale * 0.5 * (1 + 1e-5)
-    else:  # 3 mantissa bits: half an ulp, 1/16 relative; subnormal step 2^-9 of the scale
-        bound = rows.abs() / 16 + scale * 2**-10 + 1e-7
+    # int8: uniform levels, half a step. fp8: 3 mantissa bits, half an ulp is 1/16 relative; the
+    # subnormal step is 2^-9 of the scale.
+    int8_bound = scale * 0.5 * (1 + 1e-5)
+    bound = int8_bound if kv_dtype == "int8" else rows.abs() / 16 + scale * 2**-10 + 1e-7
     assert ((restored - rows).abs() <= bound).all()
     zeros = fmt.dequantize(fmt.quantize(torch.zeros(3, 1, 8)), torch.float32)
     assert torch.equal(zeros, torch.zeros(3, 1, 8))
