@@ -1,0 +1,72 @@
+"""A quantized tiny model through the engine equals a float run of its dequantized weights; CLI errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.config import EngineArgs
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.entrypoints.cli import main
+from llmserve.quantization.kernels import QuantizedLinear
+from llmserve.sampling_params import SamplingParams
+from tests.helpers import make_tiny_llama_dir
+
+PROMPTS = ["The quick brown fox", "def main():\n    return"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny")))
+
+
+def _greedy(engine: LLMEngine) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(str(index), prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0].token_ids
+    return [list(outputs[str(index)]) for index in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_engine_matches_float_run_of_its_weights(tiny_dir, method):
+    """float32: the swapped modules dequantize on the fly, so the same weights give the same tokens
+    (the bf16 packed kernels are checked against their weights in test_formats: their different
+    accumulation order makes a random tiny model's greedy tokens drift after a few steps)."""
+    args = dict(model=tiny_dir, dtype="float32", kv_cache_memory="4MiB")
+    quantized = LLMEngine(EngineArgs(**args, quantization=method))
+    model = quantized.model_runner.model
+    swapped = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert len(swapped) == 2 * 4 + 1  # every decoder linear and the lm_head
+    reference = LLMEngine(EngineArgs(**args))
+    float_modules = dict(reference.model_runner.model.named_modules())
+    with torch.no_grad():
+        for name, module in swapped.items():
+            if name == "lm_head":  # tied: the embedding keeps its float weights
+                float_modules[name].weight = torch.nn.Parameter(module.kernel.dequantize(torch.float32))
+            else:
+                float_modules[name].weight.copy_(module.kernel.dequantize(torch.float32))
+    assert _greedy(quantized) == _greedy(reference)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["generate", "hi", "--quantization", "int3"],
+            "quantization must be one of int8, int4, awq, gptq, gguf",
+        ),
+        (["generate", "hi", "--quantization", "int4", "--quantization-group-size", "48"], "must be one of"),
+        (["generate", "hi", "--quantization", "gguf"], "quantization gguf needs a GGUF model"),
+        (["eval", "ppl", "--context", "1"], "--max-tokens and --context must be >= 2"),
+        (["quantize", "--quantization", "gguf", "--output", "x"], "--quantization must be one of int8"),
+    ],
+)
+def test_cli_errors_are_one_line(tiny_dir, capsys, argv, message):
+    assert main([*argv, "--model", tiny_dir, "--kv-cache-memory", "4MiB"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
