@@ -1,0 +1,77 @@
+"""Tiny random Llamas for end-to-end speculative decoding tests (float32, milliseconds per step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+
+# 4 layers so that an early exit (2 layers by default) is a real, different draft.
+TARGET_LAYERS = 4
+MAX_TOKENS = 24
+
+# Token-id prompts: some repeat a phrase (prompt lookup finds drafts there), some do not.
+PROMPTS = [
+    [5, 6, 7, 8] * 6,
+    [100, 200, 300] * 5 + [9],
+    list(range(1000, 1030)),
+    [42] * 3,
+    [7, 700, 7000, 70, 17, 170] * 3 + [7, 700],
+    [31, 4159, 2653],
+]
+
+
+def greedy(max_tokens: int = MAX_TOKENS, k: int | None = None, **kwargs) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k, **kwargs
+    )
+
+
+def make_llm(model_dir: str, **kwargs) -> LLM:
+    """A small float32 engine; speculation never auto-disabled unless the test says so."""
+    kwargs.setdefault("speculative_disable_batch_size", 0)
+    return LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", max_model_len=256, **kwargs)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    """Every block back in the free pool once all requests are done; ref counts agree with tables."""
+    manager = llm.engine.kv_cache_manager
+    manager.check_integrity()
+    assert not llm.engine.has_unfinished_requests()
+    assert manager.pool.num_free_blocks == manager.num_blocks
+
+
+@pytest.fixture(scope="package", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine OpenMP spinning made these
+    tests several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory) -> str:
+    from tests.helpers import make_tiny_llama_dir
+
+    path = tmp_path_factory.mktemp("spec") / "target"
+    return make_tiny_llama_dir(str(path), num_hidden_layers=TARGET_LAYERS)
+
+
+@pytest.fixture(scope="session")
+def other_draft_dir(tmp_path_factory) -> str:
+    """A different random model with the same vocabulary: a valid draft that is rarely right."""
+    from tests.helpers import make_tiny_llama_dir
+
+    return make_tiny_llama_dir(str(tmp_path_factory.mktemp("spec") / "draft"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def reference_llm(target_dir) -> LLM:
+    return make_llm(target_dir)

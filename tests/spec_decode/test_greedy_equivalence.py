@@ -1,0 +1,81 @@
+"""Greedy output with speculation is token for token the output without it (float32, tiny random Llama).
+
+Every method, K in {1, 3, 5, 8} (engine-wide and per request), batch 1 and a batch mixed with requests
+that do not speculate; the target as its own draft must accept everything.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import PROMPTS, TARGET_LAYERS, assert_no_leaks, greedy, make_llm, token_ids
+
+PER_REQUEST_K = [None, 1, 5, 8, 0]  # None: the engine's K (3); 0: this request does not speculate
+
+
+@pytest.fixture(scope="module")
+def reference(reference_llm) -> list[list[int]]:
+    return token_ids(reference_llm.generate(PROMPTS, greedy(), use_tqdm=False))
+
+
+@pytest.fixture(scope="module", params=["ngram", "early_exit", "early_exit_all", "draft_other", "draft_self"])
+def method(request, target_dir, other_draft_dir):
+    """(name, engine kwargs) per proposer; *_all / *_self are the target drafting for itself."""
+    kwargs = {
+        "ngram": dict(speculative_method="ngram"),
+        "early_exit": dict(speculative_method="early_exit"),
+        "early_exit_all": dict(speculative_method="early_exit", speculative_draft_layers=TARGET_LAYERS),
+        "draft_other": dict(speculative_method="draft", speculative_draft_model=other_draft_dir),
+        "draft_self": dict(speculative_method="draft", speculative_draft_model=target_dir),
+    }[request.param]
+    return request.param, make_llm(target_dir, num_speculative_tokens=3, **kwargs)
+
+
+def test_mixed_batch_with_per_request_k_equals_no_speculation(method, reference):
+    name, llm = method
+    prompts = [p for p in PROMPTS for _ in PER_REQUEST_K]
+    params = [greedy(k=k) for _ in PROMPTS for k in PER_REQUEST_K]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outputs) == [r for r in reference for _ in PER_REQUEST_K]
+    for output, param in zip(outputs, params, strict=True):
+        if param.num_speculative_tokens == 0:
+            assert output.spec_decode is None
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_draft_tokens > 0
+    if name in ("early_exit_all", "draft_self"):
+        assert stats.acceptance_rate >= 0.98
+        assert stats.num_accepted_tokens == stats.num_draft_tokens  # float32: exactly the same argmax
+    elif name in ("ngram", "early_exit"):
+        assert stats.num_accepted_tokens > 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_batch_of_one_equals_no_speculation(method, reference, k):
+    _, llm = method
+    output = llm.generate([PROMPTS[0]], greedy(k=k), use_tqdm=False)
+    assert token_ids(output) == [reference[0]]
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("k", [1, 5, 8])
+def test_engine_wide_k(target_dir, reference, k):
+    llm = make_llm(target_dir, speculative_method="ngram", num_speculative_tokens=k)
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_accepted_tokens > 0
+    assert stats.num_draft_tokens <= k * stats.num_drafts
+
+
+def test_auto_disable_above_the_batch_size(target_dir, reference):
+    """With disable_batch_size 2, six equally long requests never speculate; when four of them finish
+    early, the last two do. The tokens are the same either way."""
+    kwargs = dict(speculative_method="early_exit", speculative_draft_layers=TARGET_LAYERS)
+    llm = make_llm(target_dir, speculative_disable_batch_size=2, **kwargs)
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+    assert llm.engine.spec_decode_stats.num_drafts == 0
+    lengths = [4, 4, 4, 4, 16, 24]
+    outputs = llm.generate(PROMPTS, [greedy(n) for n in lengths], use_tqdm=False)
+    assert token_ids(outputs) == [r[:n] for r, n in zip(reference, lengths, strict=True)]
+    assert [o.spec_decode is not None for o in outputs] == [False] * 4 + [True] * 2
+    assert_no_leaks(llm)
