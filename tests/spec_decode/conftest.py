@@ -34,6 +34,17 @@ def make_llm(model_dir: str, **kwargs) -> LLM:
     return LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", max_model_len=256, **kwargs)
 
 
+def spec_kwargs(method: str, target_dir: str, other_draft_dir: str) -> dict:
+    """Engine kwargs per proposer; *_all and *_self are the target drafting for itself."""
+    return {
+        "ngram": dict(speculative_method="ngram"),
+        "early_exit": dict(speculative_method="early_exit"),
+        "early_exit_all": dict(speculative_method="early_exit", speculative_draft_layers=TARGET_LAYERS),
+        "draft": dict(speculative_method="draft", speculative_draft_model=other_draft_dir),
+        "draft_self": dict(speculative_method="draft", speculative_draft_model=target_dir),
+    }[method]
+
+
 def token_ids(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 

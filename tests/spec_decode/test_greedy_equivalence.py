@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import PROMPTS, TARGET_LAYERS, assert_no_leaks, greedy, make_llm, token_ids
+from .conftest import PROMPTS, TARGET_LAYERS, assert_no_leaks, greedy, make_llm, spec_kwargs, token_ids
 
 PER_REQUEST_K = [None, 1, 5, 8, 0]  # None: the engine's K (3); 0: this request does not speculate
 
@@ -18,16 +18,9 @@ def reference(reference_llm) -> list[list[int]]:
     return token_ids(reference_llm.generate(PROMPTS, greedy(), use_tqdm=False))
 
 
-@pytest.fixture(scope="module", params=["ngram", "early_exit", "early_exit_all", "draft_other", "draft_self"])
+@pytest.fixture(scope="module", params=["ngram", "early_exit", "early_exit_all", "draft", "draft_self"])
 def method(request, target_dir, other_draft_dir):
-    """(name, engine kwargs) per proposer; *_all / *_self are the target drafting for itself."""
-    kwargs = {
-        "ngram": dict(speculative_method="ngram"),
-        "early_exit": dict(speculative_method="early_exit"),
-        "early_exit_all": dict(speculative_method="early_exit", speculative_draft_layers=TARGET_LAYERS),
-        "draft_other": dict(speculative_method="draft", speculative_draft_model=other_draft_dir),
-        "draft_self": dict(speculative_method="draft", speculative_draft_model=target_dir),
-    }[request.param]
+    kwargs = spec_kwargs(request.param, target_dir, other_draft_dir)
     return request.param, make_llm(target_dir, num_speculative_tokens=3, **kwargs)
 
 
