@@ -164,3 +164,17 @@ def test_sampled_self_draft_accepts_nearly_everything(self_draft_llm):
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     assert drafted > 50
     assert accepted / drafted >= 0.98
+
+
+def test_sliding_window_early_exit_matches_and_draft_model_is_refused(target_dir, other_draft_dir):
+    """Early exit shares the target's windowed KV; a draft model would have to catch up over blocks
+    the window already freed, so the engine refuses that combination with a clear error."""
+    prompts = [p * 4 for p in PROMPTS[:3]]
+    window = dict(sliding_window=32, attention_sinks=4)
+    expected = token_ids(make_llm(target_dir, **window).generate(prompts, greedy(40), use_tqdm=False))
+    llm = make_llm(target_dir, **window, **spec_kwargs("early_exit", target_dir, other_draft_dir))
+    assert token_ids(llm.generate(prompts, greedy(40), use_tqdm=False)) == expected
+    assert llm.engine.spec_decode_stats.num_accepted_tokens > 0
+    assert_no_leaks(llm)
+    with pytest.raises(ValueError, match="sliding-window"):
+        make_llm(target_dir, **window, **spec_kwargs("draft", target_dir, other_draft_dir))

@@ -233,6 +233,12 @@ def create_drafter(
             target_runner.kv_cache_manager,
             shared_kv_cache=target_runner.kv_cache[:layers],
         )
+    if config.cache.sliding_window:
+        # The draft catches up on a request's whole context after the target's prefill, by when the
+        # window has freed the oldest blocks; early exit shares the target's KV and has no such gap.
+        raise ValueError(
+            "speculative_method draft does not support a sliding-window KV cache; use ngram or early_exit"
+        )
     path = resolve_model_path(spec.draft_model)
     arch = load_arch_config(path)
     if arch.vocab_size != config.model.arch.vocab_size:
