@@ -123,6 +123,13 @@ class PrometheusMetrics:
         self.spec_decode_num_accepted_tokens = self.counter(
             "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens the target accepted."
         )
+        self.spec_decode_acceptance_rate = self.gauge(
+            "spec_decode_draft_acceptance_rate", "Speculative decoding: accepted / proposed draft tokens."
+        )
+        self.spec_decode_mean_accepted_length = self.gauge(
+            "spec_decode_mean_accepted_length",
+            "Speculative decoding: tokens gained per verification step (accepted drafts + 1).",
+        )
         self.time_to_first_token = self.histogram(
             "time_to_first_token_seconds", "Arrival to first output token.", LATENCY_BUCKETS
         )
@@ -176,6 +183,11 @@ class PrometheusMetrics:
         self.num_requests_running.set_function(lambda: engine.scheduler.num_running)
         self.num_requests_waiting.set_function(lambda: engine.scheduler.num_waiting)
         self.kv_cache_usage.set_function(lambda: engine.kv_cache_manager.usage)
+        # Since start-up, like the counters they are the ratios of (plus the number of drafts).
+        self.spec_decode_acceptance_rate.set_function(lambda: engine.spec_decode_stats.acceptance_rate)
+        self.spec_decode_mean_accepted_length.set_function(
+            lambda: engine.spec_decode_stats.mean_accepted_length
+        )
         self._is_live = engine.output_processor.has_request  # called in the engine thread only
         llm.step_listeners.append(self.on_step)
 

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from llmserve.spec_decode.metrics import SpecDecodeStats
 
 MAX_N = 16  # choices per prompt
 MAX_STOP_SEQUENCES = 16
@@ -179,17 +180,41 @@ class CompletionChoice(_Response):
     finish_reason: FinishReason | None = None
 
 
+class SpeculativeUsage(_Response):
+    """llmserve's extension of `usage` (speculative decoding; absent when nothing was drafted)."""
+
+    num_drafts: int  # verification steps with at least one draft
+    num_draft_tokens: int  # draft tokens proposed and verified
+    num_accepted_tokens: int  # of which the target accepted
+    acceptance_rate: float  # accepted / proposed
+    mean_accepted_length: float  # tokens gained per verification step (accepted + 1)
+
+    @classmethod
+    def of(cls, stats: SpecDecodeStats) -> SpeculativeUsage:
+        return cls(
+            num_drafts=stats.num_drafts,
+            num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_tokens=stats.num_accepted_tokens,
+            acceptance_rate=stats.acceptance_rate,
+            mean_accepted_length=stats.mean_accepted_length,
+        )
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    speculative: SpeculativeUsage | None = Field(default=None, exclude_if=lambda value: value is None)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(
+        cls, prompt_tokens: int, completion_tokens: int, speculative: SpecDecodeStats | None = None
+    ) -> UsageInfo:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            speculative=SpeculativeUsage.of(speculative) if speculative and speculative.num_drafts else None,
         )
 
 

@@ -26,6 +26,7 @@ from llmserve.engine.async_llm import AsyncLLM
 from llmserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo, _SamplingRequest
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger("llmserve.server")
 
@@ -223,9 +224,12 @@ class EngineRequests:
         return [output for output in self.latest if output is not None]
 
     def usage(self) -> UsageInfo:
-        """Every prompt once, plus the tokens of all its completions so far (summed over n)."""
-        generated = sum(len(c.token_ids) for o in self.latest if o is not None for c in o.outputs)
-        return UsageInfo.of(sum(map(len, self.prompts)), generated)
+        """Every prompt once, plus the tokens of all its completions so far (summed over n), and the
+        speculative decoding counts of all of them."""
+        outputs = [o for o in self.latest if o is not None]
+        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        speculative = sum((o.spec_decode for o in outputs if o.spec_decode), SpecDecodeStats())
+        return UsageInfo.of(sum(map(len, self.prompts)), generated, speculative)
 
 
 @dataclass

@@ -1,0 +1,119 @@
+"""Speculative decoding through the entry points: `serve` (usage.speculative, /metrics), `generate`
+and one-line errors for bad --speculative-* flags."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from llmserve import LLM, SamplingParams
+from tests.entrypoints.conftest import API_KEY, ServerProcess, start_server, tiny_server_args
+from tests.entrypoints.test_server_lifecycle import delta, scrape
+
+MODEL = "tiny-llama"
+# The tiny model has 2 layers: an early exit after both is the target itself, which accepts every draft.
+SELF_DRAFT = ["--speculative-method", "early_exit", "--speculative-draft-layers", "2"]
+PROMPT = "one two three one two three one two"
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_model_dir, tmp_path_factory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("spec-server") / "server.log"
+    args = tiny_server_args(tiny_model_dir, *SELF_DRAFT, "--num-speculative-tokens", "4")
+    process = start_server(args, log, api_key=API_KEY)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(spec_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{spec_server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_completion_text_equals_no_speculation_and_usage_reports_drafts(client, tiny_model_dir):
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=NO_EOS
+    )
+    expected = LLM(tiny_model_dir, dtype="float32").generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
+    assert response.choices[0].text == expected[0].outputs[0].text
+    assert response.usage.completion_tokens == 12
+    spec = response.usage.model_extra["speculative"]
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_drafts"]
+    assert spec["num_accepted_tokens"] == spec["num_draft_tokens"]  # the target drafting for itself
+    assert spec["acceptance_rate"] == 1.0
+    assert spec["mean_accepted_length"] == 1 + spec["num_accepted_tokens"] / spec["num_drafts"]
+
+
+def test_chat_and_streamed_usage_carry_the_same_field(client):
+    messages = [{"role": "user", "content": "Count: one two three"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, extra_body=NO_EOS)
+    assert chat.usage.model_extra["speculative"]["num_accepted_tokens"] > 0
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_EOS,
+        )
+    )
+    assert chunks[-1].usage.model_extra["speculative"]["acceptance_rate"] == 1.0
+
+
+def test_a_request_that_does_not_speculate_has_no_speculative_usage(client):
+    """max_tokens=1 leaves no room for drafts: `usage` keeps exactly OpenAI's three fields."""
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    assert response.usage.model_extra == {}
+
+
+def test_metrics_count_drafts_and_expose_rates(spec_server, client):
+    before = scrape(spec_server)
+    usages = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=10, extra_body=NO_EOS).usage
+        for p in (PROMPT, "alpha beta")
+    ]
+    after = scrape(spec_server)
+    drafted = sum(u.model_extra["speculative"]["num_draft_tokens"] for u in usages)
+    accepted = sum(u.model_extra["speculative"]["num_accepted_tokens"] for u in usages)
+    assert delta(after, before, "llmserve:spec_decode_num_draft_tokens_total") == drafted
+    assert delta(after, before, "llmserve:spec_decode_num_accepted_tokens_total") == accepted
+    assert after["llmserve:spec_decode_draft_acceptance_rate"] == 1.0
+    assert after["llmserve:spec_decode_mean_accepted_length"] > 1.0
+
+
+def llmserve(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "llmserve.entrypoints.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_generate_with_ngram_speculation(tiny_model_dir):
+    prompt = "a b a b a b"
+    args = ["--model", tiny_model_dir, "--max-tokens", "8", "--ignore-eos", "--temperature", "0"]
+    result = llmserve("generate", prompt, *args, "--speculative-method", "ngram")
+    assert result.returncode == 0, result.stderr
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = LLM(tiny_model_dir, dtype="float32").generate(prompt, params, use_tqdm=False)
+    assert result.stdout.strip() == expected[0].outputs[0].text.strip()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "x", "--speculative-method", "bogus"], "speculative_method must be one of"),
+        (["serve", "--speculative-method", "ngram", "--prompt-lookup-min", "9"], "prompt_lookup_min"),
+    ],
+)
+def test_bad_speculative_flags_are_one_line_errors(tiny_model_dir, args, message):
+    """Each check is unit-tested in tests/spec_decode; here: they reach both commands as one line."""
+    result = llmserve(*args, "--model", tiny_model_dir)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
