@@ -70,3 +70,14 @@ def test_cli_errors_are_one_line(tiny_dir, capsys, argv, message):
     assert main([*argv, "--model", tiny_dir, "--kv-cache-memory", "4MiB"]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_saved_checkpoint_reloads_the_same_weights(tiny_dir, tmp_path):
+    output = str(tmp_path / "int4")
+    assert main(["quantize", "--model", tiny_dir, "--quantization", "int4", "--output", output]) == 0
+    args = dict(model=tiny_dir, dtype="float32", kv_cache_memory="4MiB")
+    direct, saved = (
+        LLMEngine(EngineArgs(**args, quantization="int4")),
+        LLMEngine(EngineArgs(**args, quantization=output)),
+    )
+    assert _greedy(saved) == _greedy(direct)
