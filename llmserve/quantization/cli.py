@@ -31,7 +31,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             f"--quantization must be one of {', '.join(SAVABLE)} to save; got {args.quantization!r}"
         )
     path = resolve_model_path(args.model)
-    engine_args = dataclasses.replace(engine_args_from(args), kv_cache_memory="1MiB")  # no KV pool is built
+    # Quantize from float32 weights whatever the serving dtype; no KV pool is built.
+    engine_args = dataclasses.replace(engine_args_from(args), dtype="float32", kv_cache_memory="1MiB")
     config = engine_args.create_config(load_arch_config(path), path).model
     tokenizer = load_tokenizer(path, None if os.path.isdir(path) else config.arch.eos_token_ids)
     model = build_model(config, load_weights(path, config.dtype))
