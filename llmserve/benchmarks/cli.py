@@ -1,4 +1,4 @@
-"""`llmserve bench throughput|serve|latency|memory|workload`.
+"""`llmserve bench throughput|serve|latency|memory|workload|prefix-cache|priority|spec-decode`.
 
 Each command prints a report, writes a JSON result (with machine, command, date and commit) to
 `--output` (default under bench_results/), and draws a PNG with `--plot`.
@@ -30,6 +30,7 @@ def register(subparsers) -> None:
     _add_workload(commands)
     _add_prefix_cache(commands)
     _add_priority(commands)
+    _add_spec_decode(commands)
 
 
 # -- argument groups --------------------------------------------------------------------------------
@@ -514,4 +515,63 @@ def cmd_priority(args: argparse.Namespace) -> int:
         {"rows": rows, "p99_ratio": ratio, "engine_args": dataclasses.asdict(engine_args)},
         device,
     )
+    return 0
+
+
+# -- speculative decoding -----------------------------------------------------------------------------
+
+
+def _add_spec_decode(commands) -> None:
+    parser = commands.add_parser(
+        "spec-decode", help="batch-1 ms/token per speculative method; throughput off / on / auto"
+    )
+    parser.add_argument("--methods", default="ngram,early_exit", help="besides none: ngram,early_exit,draft")
+    parser.add_argument(
+        "--early-exit-layers", type=_positive_ints, default=None, help="early-exit depths, e.g. 8,12,16"
+    )
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per latency workload")
+    parser.add_argument("--document-len", type=int, default=400, help="tokens of each grounded document")
+    parser.add_argument("--max-tokens", type=int, default=128, help="latency: tokens at most (EOS ends)")
+    parser.add_argument("--batch-sizes", type=_positive_ints, default=[1, 4, 16, 64])
+    parser.add_argument("--throughput-output-len", type=int, default=64)
+    parser.add_argument("--throughput-method", default="ngram", help="method measured on/auto ('' skips)")
+    add_output_arguments(parser)
+    add_engine_arguments(parser)
+    parser.set_defaults(handler=cmd_spec_decode)
+
+
+def cmd_spec_decode(args: argparse.Namespace) -> int:
+    from llmserve.benchmarks.spec_decode import (
+        LATENCY_COLUMNS,
+        THROUGHPUT_COLUMNS,
+        SpecBenchConfig,
+        methods,
+        run_benchmark,
+    )
+
+    for name in ("num_prompts", "document_len", "max_tokens", "throughput_output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    engine_args = engine_args_from(args)
+    names = [n for n in args.methods.split(",") if n]
+    if args.speculative_draft_model and "draft" not in names:
+        names.append("draft")
+    chosen = methods(names, args.early_exit_layers or [None], args.speculative_draft_model)
+    if args.throughput_method and args.throughput_method not in {m.name for m in chosen}:
+        raise ValueError(f"--throughput-method {args.throughput_method!r} is not among the methods measured")
+    config = SpecBenchConfig(
+        methods=tuple(chosen),
+        throughput_method=args.throughput_method,
+        num_prompts=args.num_prompts,
+        document_len=args.document_len,
+        max_tokens=args.max_tokens,
+        batch_sizes=tuple(args.batch_sizes),
+        throughput_output_len=args.throughput_output_len,
+        seed=args.seed,
+    )
+    payload = run_benchmark(engine_args, config)
+    print(result_files.format_table(payload["latency"], LATENCY_COLUMNS))
+    if payload["throughput"]:
+        print(result_files.format_table(payload["throughput"], THROUGHPUT_COLUMNS))
+    save(args, "spec-decode", {**payload, "engine_args": dataclasses.asdict(engine_args)})
     return 0

@@ -1,0 +1,295 @@
+"""Speculative decoding: batch-1 latency per method and throughput with speculation off, on and auto.
+
+Latency: each prompt alone on the engine (batch 1), greedy, timed from its first token to its last,
+so ms per output token is the decode cost without the prefill. Two workloads: input-grounded
+(summarize, rewrite or extract from a document cut from the real text of workload.py, where the
+answer quotes its input and prompt lookup shines) and open-ended chat (where it cannot). Every method
+must produce the tokens of no speculation (`matching_outputs`); the speedup is none's ms per token over
+the method's.
+
+Throughput: one wave of B grounded requests of a fixed length (EOS ignored), for B in e.g. 1, 4, 16,
+64, through three engines that differ only in speculation: off, on (never disabled) and auto (off
+while more than `--speculative-disable-batch-size` requests run).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from llmserve.benchmarks.workload import TokenCorpus, greedy_params
+from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.metrics import SpecDecodeStats
+
+GROUNDED_TASKS = (
+    "Summarize the document above in a few sentences.",
+    "Rewrite the document above in simpler words, keeping every fact.",
+    "List every function, class or option the document above names, quoting each exactly.",
+    "Answer from the document above only: what does it say the reader should do?",
+)
+CHAT_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are some good ways to learn a new language as an adult?",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me ideas for a birthday party for my grandmother.",
+    "What should I pack for a week of hiking in the mountains?",
+    "Describe your ideal weekend.",
+    "How do I make a simple tomato sauce?",
+    "Write a poem about autumn leaves.",
+)
+LATENCY_COLUMNS = (
+    "workload", "method", "ms_per_token", "speedup", "acceptance_rate", "mean_accepted_length",
+    "output_tokens", "matching_outputs",
+)  # fmt: skip
+THROUGHPUT_COLUMNS = ("batch_size", "mode", "output_tok_s", "speedup", "acceptance_rate", "seconds")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A speculation setting to measure: its label and the engine arguments that select it."""
+
+    name: str  # "none", "ngram", "early_exit:15", "draft"
+    engine_kwargs: dict
+
+
+def methods(names: Sequence[str], early_exit_layers: Sequence[int | None], draft_model: str | None) -> list:
+    """The methods to measure, "none" first (the baseline); early_exit once per depth."""
+    result = [Method("none", {"speculative_method": None})]
+    for name in names:
+        if name == "ngram":
+            result.append(Method("ngram", {"speculative_method": "ngram"}))
+        elif name == "early_exit":
+            for layers in early_exit_layers:
+                label = "early_exit" if layers is None else f"early_exit:{layers}"
+                kwargs = {"speculative_method": "early_exit", "speculative_draft_layers": layers}
+                result.append(Method(label, kwargs))
+        elif name == "draft":
+            if not draft_model:
+                raise ValueError("method draft needs --speculative-draft-model")
+            kwargs = {"speculative_method": "draft", "speculative_draft_model": draft_model}
+            result.append(Method("draft", kwargs))
+        elif name != "none":
+            raise ValueError(f"--methods takes none, ngram, early_exit and draft; got {name!r}")
+    return result
+
+
+# -- workloads ----------------------------------------------------------------------------------------
+
+
+def grounded_prompts(tokenizer, corpus: TokenCorpus, count: int, document_len: int, seed: int) -> list:
+    """Chat prompts of a real-text document followed by a task that draws on it."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for index in range(count):
+        document, _ = corpus.prompt(rng, document_len)
+        task = GROUNDED_TASKS[index % len(GROUNDED_TASKS)]
+        prompts.append(_chat(tokenizer, f"{document.strip()}\n\n{task}"))
+    return prompts
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    return [_chat(tokenizer, CHAT_PROMPTS[i % len(CHAT_PROMPTS)]) for i in range(count)]
+
+
+def _chat(tokenizer, content: str) -> list[int]:
+    """The model's chat template around one user message, or the plain text without a template."""
+    try:
+        return tokenizer.apply_chat_template([{"role": "user", "content": content}])
+    except ValueError:
+        return tokenizer.encode(content)
+
+
+# -- batch-1 latency ---------------------------------------------------------------------------------
+
+
+@dataclass
+class LatencyResult:
+    workload: str
+    method: str
+    requests: int
+    output_tokens: int
+    decode_seconds: float  # first token to last, summed over the requests
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_drafts: int
+    matching_outputs: int | None = None  # requests whose tokens equal no speculation's
+    speedup: float | None = None  # none's ms per token over this method's
+
+    @property
+    def ms_per_token(self) -> float:
+        """Decode time per token after the first (the first token's cost is the prefill's)."""
+        return 1e3 * self.decode_seconds / max(self.output_tokens - self.requests, 1)
+
+    @property
+    def stats(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
+
+    def to_json(self) -> dict:
+        return {
+            **asdict(self),
+            "ms_per_token": self.ms_per_token,
+            "acceptance_rate": self.stats.acceptance_rate,
+            "mean_accepted_length": self.stats.mean_accepted_length,
+        }
+
+
+def measure_latency(
+    llm, workload: str, method: str, prompts: Sequence[list[int]], max_tokens: int
+) -> tuple[LatencyResult, list[list[int]]]:
+    """Each prompt alone, greedy, stopping at EOS or `max_tokens`; returns the tokens too."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    decode_seconds, stats, tokens = 0.0, SpecDecodeStats(), []
+    for prompt in prompts:
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
+        metrics = output.metrics
+        decode_seconds += metrics.finished_time - metrics.first_token_time
+        stats = stats + (output.spec_decode or SpecDecodeStats())
+        tokens.append(list(output.outputs[0].token_ids))
+    result = LatencyResult(
+        workload=workload,
+        method=method,
+        requests=len(prompts),
+        output_tokens=sum(map(len, tokens)),
+        decode_seconds=decode_seconds,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        num_drafts=stats.num_drafts,
+    )
+    return result, tokens
+
+
+def compare_to_baseline(result: LatencyResult, baseline: LatencyResult, tokens, baseline_tokens) -> None:
+    """Fill in the speedup over no speculation and how many outputs equal its tokens."""
+    result.speedup = baseline.ms_per_token / result.ms_per_token
+    result.matching_outputs = sum(a == b for a, b in zip(tokens, baseline_tokens, strict=True))
+
+
+# -- throughput -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ThroughputResult:
+    mode: str  # "off", "on" or "auto"
+    batch_size: int
+    output_tokens: int
+    seconds: float
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    speedup: float | None = None  # output tok/s over "off" at the same batch size
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def to_json(self) -> dict:
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return {**asdict(self), "output_tok_s": self.output_tok_s, "acceptance_rate": rate}
+
+
+def measure_throughput(
+    llm, mode: str, prompts: Sequence[list[int]], batch_size: int, output_len: int
+) -> ThroughputResult:
+    """One wave of `batch_size` requests (the prompts cycled), each exactly `output_len` tokens."""
+    batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+    before = _copy(llm.engine.spec_decode_stats)
+    start = time.perf_counter()
+    outputs = llm.generate(batch, greedy_params(output_len), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = llm.engine.spec_decode_stats
+    return ThroughputResult(
+        mode=mode,
+        batch_size=batch_size,
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
+        seconds=seconds,
+        num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
+        num_accepted_tokens=after.num_accepted_tokens - before.num_accepted_tokens,
+    )
+
+
+def fill_throughput_speedups(results: Sequence[ThroughputResult]) -> None:
+    off = {r.batch_size: r.output_tok_s for r in results if r.mode == "off"}
+    for result in results:
+        if result.batch_size in off:
+            result.speedup = result.output_tok_s / off[result.batch_size]
+
+
+def _copy(stats: SpecDecodeStats) -> SpecDecodeStats:
+    return stats + SpecDecodeStats()
+
+
+def warm_up(llm, prompt: Sequence[int]) -> None:
+    """First-call costs (allocations, kernel selection) are nobody's speculation."""
+    llm.generate([list(prompt)[:32]], greedy_params(8), use_tqdm=False)
+
+
+# -- the whole benchmark ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpecBenchConfig:
+    methods: tuple[Method, ...]  # "none" first
+    throughput_method: str  # the method measured on / auto in the throughput part ("" skips it)
+    num_prompts: int = 8  # per latency workload
+    document_len: int = 400  # tokens of each grounded prompt's document
+    max_tokens: int = 128  # latency: at most this many tokens (EOS ends earlier)
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    throughput_output_len: int = 64
+    seed: int = 0
+
+
+def run_benchmark(engine_args, config: SpecBenchConfig, progress=print) -> dict:
+    """Every method on both workloads at batch 1, then throughput off / on / auto; JSON-ready."""
+    from llmserve import LLM
+
+    base = {**asdict(engine_args), "speculative_disable_batch_size": 0}
+    latency: list[LatencyResult] = []
+    throughput: list[ThroughputResult] = []
+    baseline: dict[str, tuple[LatencyResult, list]] = {}
+    workloads = None
+    for method in config.methods:
+        progress(f"method {method.name}")
+        llm = LLM(**{**base, **method.engine_kwargs})
+        if workloads is None:
+            workloads = _workloads(llm.tokenizer, config)
+        warm_up(llm, workloads["grounded"][0])
+        for name, prompts in workloads.items():
+            result, tokens = measure_latency(llm, name, method.name, prompts, config.max_tokens)
+            if method.name == "none":
+                baseline[name] = (result, tokens)
+            compare_to_baseline(result, baseline[name][0], tokens, baseline[name][1])
+            latency.append(result)
+        if method.name in ("none", config.throughput_method):
+            mode = "off" if method.name == "none" else "on"
+            throughput += _throughput_runs(llm, mode, workloads["grounded"], config)
+        del llm
+    auto = next((m for m in config.methods if m.name == config.throughput_method), None)
+    if auto is not None:
+        progress(f"method {auto.name}, auto-disabled above {engine_args.speculative_disable_batch_size}")
+        llm = LLM(**{**asdict(engine_args), **auto.engine_kwargs})
+        warm_up(llm, workloads["grounded"][0])
+        throughput += _throughput_runs(llm, "auto", workloads["grounded"], config)
+    fill_throughput_speedups(throughput)
+    return {
+        "latency": [r.to_json() for r in latency],
+        "throughput": [r.to_json() for r in sorted(throughput, key=lambda r: (r.batch_size, r.mode))],
+        "auto_disable_batch_size": engine_args.speculative_disable_batch_size,
+        "throughput_method": config.throughput_method,
+    }
+
+
+def _workloads(tokenizer, config: SpecBenchConfig) -> dict[str, list[list[int]]]:
+    corpus = TokenCorpus(tokenizer)
+    return {
+        "grounded": grounded_prompts(tokenizer, corpus, config.num_prompts, config.document_len, config.seed),
+        "chat": chat_prompts(tokenizer, config.num_prompts),
+    }
+
+
+def _throughput_runs(llm, mode: str, prompts, config: SpecBenchConfig) -> list[ThroughputResult]:
+    return [
+        measure_throughput(llm, mode, prompts, batch_size, config.throughput_output_len)
+        for batch_size in config.batch_sizes
+    ]
