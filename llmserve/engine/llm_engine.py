@@ -45,10 +45,6 @@ class LLMEngine:
             from llmserve.quantization.methods import quantize_model
 
             quantize_model(model, self.config.model, self.tokenizer)
-        if self.config.model.quantization is not None:  # a transform of the loaded model (module swap)
-            from llmserve.quantization.methods import quantize_model
-
-            quantize_model(model, self.config.model, self.tokenizer)
         cache = self.config.cache
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks,
