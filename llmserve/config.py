@@ -164,7 +164,7 @@ class EngineArgs:
         None, "draft: GGUF file or HF directory of a model with the target's tokenizer"
     )
     speculative_draft_layers: int | None = _arg(
-        None, "early_exit: target layers in the draft (default: half; all = the target itself)"
+        None, "early_exit: target layers in the draft (default: 0.93 of them, see docs/speculative.md)"
     )
     prompt_lookup_min: int = _arg(2, "ngram: shortest suffix that may match the earlier text")
     prompt_lookup_max: int = _arg(4, "ngram: longest suffix tried first")

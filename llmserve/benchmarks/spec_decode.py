@@ -254,6 +254,7 @@ def run_benchmark(engine_args, config: SpecBenchConfig, progress=print) -> dict:
         llm = LLM(**{**base, **method.engine_kwargs})
         if workloads is None:
             workloads = _workloads(llm.tokenizer, config)
+            throughput_prompts = _throughput_prompts(llm.tokenizer, config)
         warm_up(llm, workloads["grounded"][0])
         for name, prompts in workloads.items():
             result, tokens = measure_latency(llm, name, method.name, prompts, config.max_tokens)
@@ -261,16 +262,16 @@ def run_benchmark(engine_args, config: SpecBenchConfig, progress=print) -> dict:
                 baseline[name] = (result, tokens)
             compare_to_baseline(result, baseline[name][0], tokens, baseline[name][1])
             latency.append(result)
-        if method.name in ("none", config.throughput_method):
+        if config.throughput_method and method.name in ("none", config.throughput_method):
             mode = "off" if method.name == "none" else "on"
-            throughput += _throughput_runs(llm, mode, workloads["grounded"], config)
+            throughput += _throughput_runs(llm, mode, throughput_prompts, config)
         del llm
     auto = next((m for m in config.methods if m.name == config.throughput_method), None)
     if auto is not None:
         progress(f"method {auto.name}, auto-disabled above {engine_args.speculative_disable_batch_size}")
         llm = LLM(**{**asdict(engine_args), **auto.engine_kwargs})
         warm_up(llm, workloads["grounded"][0])
-        throughput += _throughput_runs(llm, "auto", workloads["grounded"], config)
+        throughput += _throughput_runs(llm, "auto", throughput_prompts, config)
     fill_throughput_speedups(throughput)
     return {
         "latency": [r.to_json() for r in latency],
@@ -286,6 +287,12 @@ def _workloads(tokenizer, config: SpecBenchConfig) -> dict[str, list[list[int]]]
         "grounded": grounded_prompts(tokenizer, corpus, config.num_prompts, config.document_len, config.seed),
         "chat": chat_prompts(tokenizer, config.num_prompts),
     }
+
+
+def _throughput_prompts(tokenizer, config: SpecBenchConfig) -> list[list[int]]:
+    """A distinct grounded prompt per request of the largest wave (no prefix-cache or copy effects)."""
+    count = max(config.batch_sizes, default=0)
+    return grounded_prompts(tokenizer, TokenCorpus(tokenizer), count, config.document_len, config.seed + 1)
 
 
 def _throughput_runs(llm, mode: str, prompts, config: SpecBenchConfig) -> list[ThroughputResult]:
