@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.entrypoints.cli import main
 from tests.entrypoints.conftest import API_KEY, ServerProcess, start_server, tiny_server_args
 from tests.entrypoints.test_server_lifecycle import delta, scrape
 
@@ -91,29 +92,28 @@ def test_metrics_count_drafts_and_expose_rates(spec_server, client):
 
 def llmserve(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "llmserve.entrypoints.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
-def test_generate_with_ngram_speculation(tiny_model_dir):
+def test_generate_with_ngram_speculation(tiny_model_dir, capsys):
     prompt = "a b a b a b"
-    args = ["--model", tiny_model_dir, "--max-tokens", "8", "--ignore-eos", "--temperature", "0"]
-    result = llmserve("generate", prompt, *args, "--speculative-method", "ngram")
-    assert result.returncode == 0, result.stderr
+    flags = ["--max-tokens", "8", "--ignore-eos", "--temperature", "0", "--dtype", "float32"]
+    assert main(["generate", prompt, "--model", tiny_model_dir, *flags, "--speculative-method", "ngram"]) == 0
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = LLM(tiny_model_dir, dtype="float32").generate(prompt, params, use_tqdm=False)
-    assert result.stdout.strip() == expected[0].outputs[0].text.strip()
+    assert capsys.readouterr().out.strip() == expected[0].outputs[0].text.strip()
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["generate", "x", "--speculative-method", "bogus"], "speculative_method must be one of"),
-        (["serve", "--speculative-method", "ngram", "--prompt-lookup-min", "9"], "prompt_lookup_min"),
-    ],
-)
-def test_bad_speculative_flags_are_one_line_errors(tiny_model_dir, args, message):
+def test_bad_speculative_flags_are_one_line_errors(tiny_model_dir, capsys):
     """Each check is unit-tested in tests/spec_decode; here: they reach both commands as one line."""
-    result = llmserve(*args, "--model", tiny_model_dir)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert main(["generate", "x", "--model", tiny_model_dir, "--speculative-method", "bogus"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "llmserve: error: speculative_method must be one of ngram, draft, early_exit; got 'bogus'"
+    ]
+    result = llmserve(
+        "serve", "--model", tiny_model_dir, "--speculative-method", "ngram", "--prompt-lookup-min", "9"
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "llmserve: error: need 1 <= prompt_lookup_min <= prompt_lookup_max, got 9 and 4"
+    ]
