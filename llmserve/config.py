@@ -84,7 +84,7 @@ class SchedulerConfig:
     max_model_len: int  # longest prompt + output
     enable_chunked_prefill: bool = True  # split long prompts across steps, mixed with decodes
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower priority value = more urgent)
-    priority_aging_seconds: float = 10.0  # waiting this long improves a request's priority by one
+    priority_aging_seconds: float = 60.0  # waiting this long improves a request's priority by one
     preemption_mode: str = "auto"  # "recompute", "swap" (to CPU) or "auto" (cheaper by estimate)
 
 
@@ -128,7 +128,7 @@ class EngineArgs:
         "fcfs", "fcfs | priority (lower priority value runs first; aging avoids starvation)"
     )
     priority_aging_seconds: float = _arg(
-        10.0, "waiting this many seconds improves a request's priority by one"
+        60.0, "waiting this many seconds improves a request's priority by one"
     )
     preemption_mode: str = _arg(
         "auto", "recompute | swap | auto: how to preempt (auto: cheaper by cost estimate)"

@@ -178,6 +178,9 @@ def _add_serve(commands) -> None:
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
     parser.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                         help="send token ids (exact lengths, same tokenizer) or the prompt text")  # fmt: skip
+    parser.add_argument("--cache-bust", action=argparse.BooleanOptionalAction, default=True,
+                        help="put a random run-specific token before every prompt, so that no run "
+                        "finds an earlier run's prompts in the server's prefix cache")  # fmt: skip
     add_workload_arguments(parser, with_seed=True)
     add_output_arguments(parser)
     parser.set_defaults(handler=cmd_serve)
@@ -186,7 +189,14 @@ def _add_serve(commands) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import httpx
 
-    from llmserve.benchmarks.serve import format_report, plot_distributions, plot_sweep, served_model_name
+    from llmserve.benchmarks.serve import (
+        format_report,
+        pick_salts,
+        plot_distributions,
+        plot_sweep,
+        salt_requests,
+        served_model_name,
+    )
 
     url = args.url.rstrip("/")
     try:
@@ -195,7 +205,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot reach an OpenAI-compatible server at {url}: {error}") from error
     requests = load_workload(args, lambda: load_tokenizer_for(args.tokenizer))
     rates = args.sweep or [args.request_rate]
-    runs = [_serve_once(args, url, model, requests, rate) for rate in rates]
+    salts = pick_salts(requests, len(rates)) if args.cache_bust else [None] * len(rates)
+    runs = [
+        _serve_once(
+            args, url, model, requests if salt is None else salt_requests(requests, salt, f"{salt} "), rate
+        )
+        for rate, salt in zip(rates, salts, strict=True)
+    ]
     for rate, (metrics, _) in zip(rates, runs, strict=True):
         print(format_report(metrics, label=f"[rate {rate:g}/s] "), end="\n\n")
     payload = {
@@ -203,6 +219,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "model": model,
         "workload": {"file": args.workload, **describe(requests)},
         "max_concurrency": args.max_concurrency,
+        "cache_bust_salt_token_ids": salts if args.cache_bust else None,
         "runs": [
             {"request_rate": rate if math.isfinite(rate) else "inf", **metrics.to_json()}  # JSON has no inf
             for rate, (metrics, _) in zip(rates, runs, strict=True)

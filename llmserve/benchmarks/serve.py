@@ -136,6 +136,27 @@ async def send_request(
     return tracker.result(time.perf_counter())
 
 
+def salt_requests(requests: Sequence[BenchRequest], salt_id: int, salt_text: str) -> list[BenchRequest]:
+    """The requests with one run-specific token (or text) in front of every prompt.
+
+    Repeating a workload against a server with automatic prefix caching (every run of a sweep, or
+    a second invocation) would otherwise find every prompt cached and measure no prefill at all.
+    A different first token changes every block hash, so nothing of an earlier run is reused,
+    while the workload keeps its shape (one more prompt token per request).
+    """
+    return [
+        BenchRequest(salt_text + r.prompt, [salt_id, *r.prompt_token_ids], r.max_tokens) for r in requests
+    ]
+
+
+def pick_salts(requests: Sequence[BenchRequest], count: int, seed: int | None = None) -> list[int]:
+    """`count` distinct token ids that occur in the workload (so valid for its tokenizer), at random."""
+    vocabulary = np.unique(np.concatenate([np.asarray(r.prompt_token_ids) for r in requests]))
+    if len(vocabulary) < count:
+        raise ValueError(f"the workload has only {len(vocabulary)} distinct tokens for {count} salts")
+    return np.random.default_rng(seed).choice(vocabulary, size=count, replace=False).tolist()
+
+
 def arrival_offsets(num_requests: int, request_rate: float, seed: int = 0) -> np.ndarray:
     """Send times (s from the start) of a Poisson process at `request_rate`/s; inf sends all at 0."""
     if math.isinf(request_rate):

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from llmserve.benchmarks.serve import LoadGenerator, served_model_name, summarize
+from llmserve.benchmarks.serve import LoadGenerator, pick_salts, salt_requests, served_model_name, summarize
 from llmserve.benchmarks.workload import BenchRequest
 from llmserve.entrypoints.cli import main
 
@@ -83,3 +83,18 @@ def test_text_prompts_and_a_sweep_from_the_command_line(server_url, tiny_model_d
     assert [run["request_rate"] for run in result["runs"]] == [50, "inf"]
     assert all(run["num_ok"] == 3 for run in result["runs"])
     assert plot.stat().st_size > 0
+    salts = result["cache_bust_salt_token_ids"]
+    assert len(salts) == 2 and salts[0] != salts[1]
+    # each run's prompts carry its salt text: more prompt tokens than the workload itself
+    assert all(run["prompt_tokens"] > result["workload"]["prompt_tokens"] for run in result["runs"])
+
+
+def test_salts_are_distinct_workload_tokens_put_before_every_prompt():
+    requests = [BenchRequest("a b", [7, 8], 3), BenchRequest("c", [9, 7], 2)]
+    salts = pick_salts(requests, 3, seed=0)
+    assert sorted(salts) == [7, 8, 9]
+    salted = salt_requests(requests, salts[0], "x ")
+    assert [r.prompt_token_ids for r in salted] == [[salts[0], 7, 8], [salts[0], 9, 7]]
+    assert [r.prompt for r in salted] == ["x a b", "x c"] and [r.max_tokens for r in salted] == [3, 2]
+    with pytest.raises(ValueError, match="only 3 distinct tokens"):
+        pick_salts(requests, 4)
