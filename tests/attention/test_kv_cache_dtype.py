@@ -3,33 +3,25 @@ scales that move with their blocks (swap, copy-on-write, speculative drafts), re
 
 import pytest
 
-from llmserve.config import EngineArgs, ModelArchConfig
+from llmserve.config import EngineArgs
 from llmserve.entrypoints.llm import LLM
+from llmserve.model_loader import default_model_path, load_arch_config
 from llmserve.sampling_params import SamplingParams
 
-SMOLLM2_135M = ModelArchConfig(  # the default model's shapes: 30 layers, 3 KV heads of 64
-    architecture="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
+
+@pytest.fixture(scope="module")
+def smollm2_arch():
+    """The default model's architecture (30 layers, 3 KV heads of 64), read from its file."""
+    return load_arch_config(default_model_path())
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_8bit_pool_holds_1_88x_the_tokens_of_bf16_scales_included(kv_dtype):
+def test_8bit_pool_holds_1_88x_the_tokens_of_bf16_scales_included(kv_dtype, smollm2_arch):
     def blocks(kv_cache_dtype):
         args = EngineArgs(
             dtype="bfloat16", device="cpu", kv_cache_memory="1GiB", kv_cache_dtype=kv_cache_dtype
         )
-        return args.create_config(SMOLLM2_135M, "unused").cache
+        return args.create_config(smollm2_arch, "unused").cache
 
     bf16, quantized = blocks("auto"), blocks(kv_dtype)
     assert bf16.num_blocks == 2**30 // (2 * 30 * 3 * 64 * 2 * 16)
@@ -38,9 +30,9 @@ def test_8bit_pool_holds_1_88x_the_tokens_of_bf16_scales_included(kv_dtype):
     assert quantized.kv_cache_memory <= 2**30 and quantized.kv_cache_dtype == kv_dtype
 
 
-def test_unknown_kv_cache_dtype_is_a_one_line_error():
+def test_unknown_kv_cache_dtype_is_a_one_line_error(smollm2_arch):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
-        EngineArgs(device="cpu", kv_cache_dtype="int4").create_config(SMOLLM2_135M, "unused")
+        EngineArgs(device="cpu", kv_cache_dtype="int4").create_config(smollm2_arch, "unused")
 
 
 @pytest.fixture(scope="module")
