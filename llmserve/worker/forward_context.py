@@ -26,15 +26,22 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
-    """The batch as attention needs it. Decode rows (one query token each) come first."""
+    """The batch as attention needs it.
+
+    "Decode" sequences come first: those with at most the backend's `max_decode_query_len` query
+    tokens this step (single-token decodes, and for in-place backends also short spans such as a
+    speculative verification), attended to in one batched call. Longer spans follow as prefills."""
 
     slot_mapping: torch.Tensor  # [num_tokens] KV slot each new token's K/V is written to
-    num_decode_tokens: int  # rows 0..num_decode_tokens-1 are single-token decodes
+    num_decode_tokens: int  # query rows 0..num_decode_tokens-1 belong to the decode sequences
     decode_context_slots: torch.Tensor | None  # [num_decodes, max_context] slots (padded; gathering backends)
     decode_context_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where valid
     prefills: list[PrefillSpan]
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64 (in-place backends)
-    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64 context lengths, new tokens included
+    # [num_decodes + 1] int64: decode sequence i's query rows are [starts[i], starts[i + 1]) (in-place
+    # backends); None means one query row per decode sequence
+    decode_query_starts: torch.Tensor | None = None
     block_size: int = 16
     sliding_window: int = 0  # keys further back than this from a query are hidden (0: no window)
     attention_sinks: int = 0  # ... except the sequence's first this many tokens (StreamingLLM)

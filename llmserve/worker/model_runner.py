@@ -160,8 +160,11 @@ class ModelRunner:
         return output
 
     def _prepare_inputs(self, scheduled: SchedulerOutput) -> _StepInputs:
-        # Single-token rows first so attention can batch them into one decode call.
-        order = sorted(range(len(scheduled.requests)), key=lambda i: scheduled.num_scheduled_tokens[i] != 1)
+        # Short rows first (decodes, verify spans) so attention can batch them into one call.
+        limit = self.attention_backend.max_decode_query_len
+        order = sorted(
+            range(len(scheduled.requests)), key=lambda i: scheduled.num_scheduled_tokens[i] > limit
+        )
         requests = [scheduled.requests[i] for i in order]
         num_new = np.array([scheduled.num_scheduled_tokens[i] for i in order], dtype=np.int64)
         computed = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
@@ -191,7 +194,8 @@ class ModelRunner:
         )
 
     def _attention_metadata(self, block_tables, num_new, seq_lens, starts, slot_mapping) -> AttentionMetadata:
-        num_decodes = int(np.count_nonzero(num_new == 1))
+        num_decodes = int(np.count_nonzero(num_new <= self.attention_backend.max_decode_query_len))
+        decode_query_starts = np.concatenate(([0], np.cumsum(num_new[:num_decodes])))
         cache = self.config.cache
         decode_slots = decode_mask = None
         if num_decodes and self.attention_backend.needs_gathered_decode:
@@ -207,12 +211,13 @@ class ModelRunner:
         ]
         return AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
-            num_decode_tokens=num_decodes,
+            num_decode_tokens=int(decode_query_starts[-1]),
             decode_context_slots=decode_slots,
             decode_context_mask=decode_mask,
             prefills=prefills,
             decode_block_tables=self._to_device(block_tables[:num_decodes]) if num_decodes else None,
             decode_seq_lens=self._to_device(seq_lens[:num_decodes]) if num_decodes else None,
+            decode_query_starts=self._to_device(decode_query_starts) if num_decodes else None,
             block_size=self.block_size,
             sliding_window=cache.sliding_window,
             attention_sinks=cache.attention_sinks,

@@ -22,6 +22,7 @@ def random_batch(dtype, decode_lens, prefill_spans, heads=9, kv_heads=3, head_di
     value_cache = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen)
     tables = perm[: len(lens) * max_blocks].view(len(lens), max_blocks)
+    random_batch.tables = tables  # for with_spans_in_kernel
     context_slots = [
         (tables[i, torch.arange(n) // BLOCK] * BLOCK + torch.arange(n) % BLOCK) for i, n in enumerate(lens)
     ]
@@ -55,6 +56,25 @@ def random_batch(dtype, decode_lens, prefill_spans, heads=9, kv_heads=3, head_di
     return query, key, value, key_cache, value_cache, metadata
 
 
+def with_spans_in_kernel(metadata, decode_lens, prefill_spans, tables):
+    """The same batch as the in-place backend sees it when every span is short enough for the kernel:
+    decodes and spans together, each span's queries at rows query_starts[i]..query_starts[i+1]-1."""
+    counts = [1] * len(decode_lens) + [q for q, _ in prefill_spans]
+    lens = decode_lens + [ctx for _, ctx in prefill_spans]
+    starts = torch.tensor([0, *counts]).cumsum(0)
+    return AttentionMetadata(
+        slot_mapping=metadata.slot_mapping,
+        num_decode_tokens=int(starts[-1]),
+        decode_context_slots=None,
+        decode_context_mask=None,
+        prefills=[],
+        decode_block_tables=tables[: len(lens)].contiguous(),
+        decode_seq_lens=torch.tensor(lens, dtype=torch.int64),
+        decode_query_starts=starts,
+        block_size=BLOCK,
+    )
+
+
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("decode_lens", [[1], [15, 16, 17], [33, 100, 250, 511, 2, 64]])
 def test_decode_matches_reference(dtype, atol, decode_lens):
@@ -82,3 +102,36 @@ def test_gqa_group_of_one_and_plain_multi_head():
         expected = TorchSDPABackend().forward(q, k, v, kc.clone(), vc.clone(), md, 0.2)
         actual = CPUPagedBackend().forward(q, k, v, kc.clone(), vc.clone(), md, 0.2)
         torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [64, 128, 32])
+@pytest.mark.parametrize("spans", [[(4, 40), (16, 16), (2, 300)], [(9, 9), (6, 150), (1, 1), (16, 33)]])
+def test_short_spans_in_kernel_match_reference(dtype, atol, head_dim, spans):
+    """Speculative verification and short prompt tails: several causal queries per sequence, read in
+    place by the kernel, equal the reference backend's prefill path (bf16: the AVX-512 BF16 path
+    for head_dim 64 and 128 where the CPU has it, the portable one otherwise)."""
+    from llmserve.attention.backends.cpu_paged import CPUPagedBackend
+
+    decode_lens = [1, 17, 64, 129]
+    query, key, value, key_cache, value_cache, metadata = random_batch(
+        dtype, decode_lens, spans, head_dim=head_dim
+    )
+    scale = head_dim**-0.5
+    expected = TorchSDPABackend().forward(
+        query, key, value, key_cache.clone(), value_cache.clone(), metadata, scale
+    )
+    in_kernel = with_spans_in_kernel(metadata, decode_lens, spans, random_batch.tables)
+    actual = CPUPagedBackend().forward(
+        query, key, value, key_cache.clone(), value_cache.clone(), in_kernel, scale
+    )
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=atol)
+
+
+def test_kernel_rejects_inconsistent_query_starts():
+    ops = load_cpu_ops()
+    query = torch.randn(3, 9, 64)
+    cache = torch.randn(32, 3, 64)
+    tables, lens = torch.zeros(2, 2, dtype=torch.int64), torch.tensor([5, 6])
+    with pytest.raises(RuntimeError, match="query_starts"):
+        ops.paged_attention(query, cache, cache, tables, lens, torch.tensor([0, 1, 2]), 16, 0.125, 0, 0, 0)

@@ -57,6 +57,7 @@ def paged_case(decode_lens, prefills, sinks=0, window=0, kv_dtype="auto", seed=0
     value = torch.cat([dense[s][1][rows] for s, rows in enumerate(new_rows)])
     if fmt.is_quantized:  # write the original floats: re-quantizing them gives the stored codes
         key, value = key.clone(), value.clone()
+    paged_case.tables = tables  # the block tables after eviction, for tests that build their own metadata
     slot = lambda seq, pos: tables[seq, pos // BLOCK] * BLOCK + pos % BLOCK  # noqa: E731
     slot_mapping = torch.cat([slot(s, rows) for s, rows in enumerate(new_rows)])
     metadata = build_metadata(tables, lens, new_counts, len(decode_lens), sinks, window, slot_mapping, slot)
@@ -170,3 +171,38 @@ def test_quantize_round_trip_bounds(kv_dtype):
     assert ((restored - rows).abs() <= bound).all()
     zeros = fmt.dequantize(fmt.quantize(torch.zeros(3, 1, 8)), torch.float32)
     assert torch.equal(zeros, torch.zeros(3, 1, 8))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize(("decode_lens", "prefills", "sinks", "window"), CASES)
+def test_kernel_spans_match_dense_reference(kv_dtype, decode_lens, prefills, sinks, window):
+    """Short spans (up to the kernel's limit) in the kernel with the decodes: causal within the span,
+    sinks and window per query, 8-bit rows dequantized; long spans stay prefills."""
+    from llmserve.attention.backends.cpu_paged import CPUPagedBackend
+
+    queries, key, value, caches, metadata, dense, lens, new_counts = paged_case(
+        decode_lens, prefills, sinks, window, kv_dtype, seed=2
+    )
+    backend = CPUPagedBackend(kv_dtype)
+    short = [count <= backend.max_decode_query_len for count in new_counts]
+    num_short = short.index(False) if False in short else len(short)
+    # the spans that fit go to the kernel (all but CASES[2]'s 20-token one)
+    assert num_short - len(decode_lens) == sum(q <= backend.max_decode_query_len for q, _ in prefills)
+    starts = torch.tensor([0, *new_counts[:num_short]]).cumsum(0)
+    in_kernel = AttentionMetadata(
+        slot_mapping=metadata.slot_mapping,
+        num_decode_tokens=int(starts[-1]),
+        decode_context_slots=None,
+        decode_context_mask=None,
+        prefills=metadata.prefills[num_short - len(decode_lens) :],
+        decode_block_tables=paged_case.tables[:num_short].contiguous(),
+        decode_seq_lens=torch.tensor(lens[:num_short], dtype=torch.int64),
+        decode_query_starts=starts,
+        block_size=BLOCK,
+        sliding_window=window,
+        attention_sinks=sinks,
+    )
+    expected = dense_reference(queries, dense, lens, new_counts, sinks, window)
+    actual = backend.forward(queries, key, value, caches[0].clone(), caches[1].clone(), in_kernel, SCALE)
+    torch.testing.assert_close(actual.double(), expected, atol=2e-5, rtol=2e-5)

@@ -1,9 +1,10 @@
-"""CPU attention that reads the paged KV cache in place for decodes (compiled kernel).
+"""CPU attention that reads the paged KV cache in place for decodes and short spans (compiled kernel).
 
-Decode rows go to `paged_decode_attention`, which walks each sequence's block table directly; no
-padded copy of every context is gathered. It dequantizes 8-bit caches row by row and visits only
-the sinks and the window when a sliding window is on. Prefill spans (compute-bound, few per step)
-keep the reference SDPA path.
+Sequences with at most `max_decode_query_len` query tokens this step (decodes, speculative
+verification of k drafts, short prompt tails) go to one `paged_attention` call, which walks each
+sequence's block table directly; no padded copy of any context is gathered, and no mask is built.
+It dequantizes 8-bit caches row by row and visits only the sinks and the window when a sliding
+window is on. Longer prefill spans (compute-bound, few per step) keep the reference SDPA path.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from llmserve.worker.forward_context import AttentionMetadata
 class CPUPagedBackend(TorchSDPABackend):
     name = "cpu_paged"
     needs_gathered_decode = False
+    # A verify pass of up to 15 drafts stays in the kernel; longer spans are matmul-shaped work for SDPA.
+    max_decode_query_len = 16
 
     def __init__(self, kv_cache_dtype: str = "auto") -> None:
         super().__init__(kv_cache_dtype)
@@ -28,12 +31,16 @@ class CPUPagedBackend(TorchSDPABackend):
     def _decode(
         self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        return self.ops.paged_decode_attention(
+        query_starts = metadata.decode_query_starts
+        if query_starts is None:  # one query row per sequence
+            query_starts = torch.arange(query.shape[0] + 1, device=query.device)
+        return self.ops.paged_attention(
             query.contiguous(),
             key_cache,
             value_cache,
             metadata.decode_block_tables,
             metadata.decode_seq_lens,
+            query_starts,
             metadata.block_size,
             scale,
             self.kv_format.kernel_code,

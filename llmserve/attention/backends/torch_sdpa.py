@@ -22,6 +22,7 @@ from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 class TorchSDPABackend:
     name = "torch"
     needs_gathered_decode = True  # wants decode_context_slots / decode_context_mask in the metadata
+    max_decode_query_len = 1  # the batched decode call serves single-token rows; longer spans are prefills
 
     def __init__(self, kv_cache_dtype: str = "auto") -> None:
         self.kv_format: KVCacheFormat = get_kv_cache_format(kv_cache_dtype)

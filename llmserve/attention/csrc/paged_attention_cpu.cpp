@@ -1,30 +1,40 @@
-// Decode attention over the paged KV cache, read in place (no gathered copy of the context).
+// Attention over the paged KV cache, read in place (no gathered copy of the context), for sequences
+// with few query tokens this step: decodes (one query) and short spans such as a speculative
+// verification (k drafts + 1). Long prompt chunks are compute-bound and go to SDPA instead.
 //
-// One work item per (sequence, KV head): the G = num_heads / num_kv_heads query heads that share the
-// KV head are processed together, so each K and V row is loaded once for all of them (GQA).
-// Scores for the whole context go to a per-thread buffer (two passes: max, then exp-sum and the
-// weighted sum of V), which keeps the inner loops simple, contiguous and auto-vectorized.
+// One work item per (sequence, KV head), handed out dynamically (contexts differ in length): every
+// query row that shares the KV head (the G = num_heads / num_kv_heads heads of the group, times the
+// span's query tokens) is processed together, so each K and V row is read from memory once.
+// Two passes: scores for the whole live context into a per-thread buffer, softmax per query row
+// (causal: query i of a span sees positions up to its own), then the probability-weighted sum of V.
 //
-// 8-bit caches (int8, fp8; see kv_format.py) are dequantized row by row as they are read. With a
-// sliding window only the sink positions and the window are visited: freed blocks are never touched.
+// bfloat16 caches with head_dim 64 or 128 on AVX-512 BF16 take a fast path: q.k as bf16 pair dot
+// products (vdpbf16ps, exact products, float32 sums) and V accumulated in registers. Everything else
+// (float32, float16, 8-bit caches, other head sizes, other CPUs) converts each K/V row to float32 and
+// uses plain loops the compiler vectorizes. 8-bit caches (int8, fp8; kv_format.py) are dequantized row
+// by row as they are read. With a sliding window only the sink positions and the window are visited:
+// freed blocks are never touched.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+#define LLMSERVE_BF16_FAST_PATH 1
 #endif
 
 namespace {
 
-// Row conversion to float, written so the compiler vectorizes it (bf16 is the top half of a float).
+// ---- rows of the cache, converted to float ----------------------------------------------------------
+
 inline void load_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
 inline void load_row(const double* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -34,42 +44,13 @@ inline void load_row(const c10::Half* src, float* dst, int64_t n) {
 }
 inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {  // widen 16 halves to 32 bits and shift them into the float's top
-    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(raw + i));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16)));
-  }
-#endif
-  for (; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;
-    std::memcpy(dst + i, &bits, sizeof(float));
-  }
-}
-
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-// exp(x) = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its degree-6 Taylor polynomial
-// (relative error ~1e-7). Unlike std::exp it vectorizes, and softmax spends most of its time here.
-inline float vexp(float x) {
-  const float t = std::max(x, -87.0f) * 1.4426950408889634f;
-  const float n = std::nearbyint(t);
-  const float f = (t - n) * 0.6931471805599453f;  // back to natural-log units: 2^(t-n) = e^f
-  const float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-inline void axpy(float alpha, const float* __restrict x, float* __restrict y, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+  for (int64_t i = 0; i < n; ++i) {  // bf16 is the top half of a float32
+    const uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof(float));
+    dst[i] = value;
+  }
 }
 
 // Readers of one cached (slot, kv head) row into floats. Plain rows are head_dim values of the
@@ -117,104 +98,311 @@ struct Fp8Rows {
   }
 };
 
-// Calls visit(row, index) for context positions [begin, end) in order, walking the block table one
-// block at a time; `index` counts from `first_index` (the position's place in the scores buffer).
+// ---- small vector helpers -----------------------------------------------------------------------------
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float alpha, const float* __restrict x, float* __restrict y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// exp(x) = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its degree-6 Taylor polynomial
+// (relative error ~1e-7). Unlike std::exp it vectorizes, and softmax spends most of its time here.
+inline float vexp(float x) {
+  const float t = std::max(x, -87.0f) * 1.4426950408889634f;
+  const float n = std::nearbyint(t);
+  const float f = (t - n) * 0.6931471805599453f;  // back to natural-log units: 2^(t-n) = e^f
+  const float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// ---- which positions a sequence reads, and which of them each query sees ---------------------------
+
+// The live context of one sequence this step: positions [0, sink_end) and [window_begin, length),
+// stored in that order at score indices 0..context-1. Without a window it is all of [0, length).
+struct Span {
+  int64_t length;       // context length, this step's query tokens included
+  int64_t num_queries;  // the last num_queries positions are this step's queries
+  int64_t window;
+  int64_t sink_end;
+  int64_t window_begin;
+  int64_t context;
+
+  Span(int64_t length, int64_t num_queries, int64_t sinks, int64_t window)
+      : length(length), num_queries(num_queries), window(window) {
+    sink_end = window > 0 ? std::min(sinks, length) : length;
+    window_begin = window > 0 ? std::max(sink_end, length - num_queries - window + 1) : length;
+    context = sink_end + length - window_begin;
+  }
+
+  // Query i sees score indices [0, a) and [b, c): the sinks up to its own position, and the window
+  // positions p - window < pos <= p (everything up to p when there is no window).
+  void visible(int64_t query, int64_t& a, int64_t& b, int64_t& c) const {
+    const int64_t p = length - num_queries + query;
+    a = std::min(sink_end, p + 1);
+    const int64_t low = window > 0 ? std::max(window_begin, p - window + 1) : window_begin;
+    b = sink_end + low - window_begin;
+    c = std::max(b, sink_end + p + 1 - window_begin);
+  }
+};
+
+// Calls visit(row, index) for each live position in order, walking the block table one block at a
+// time; `index` is the position's place in the scores buffer.
 template <typename elem_t, typename Visit>
-inline void walk_positions(const elem_t* cache, const int64_t* table, int64_t begin, int64_t end,
-                           int64_t first_index, int64_t block_size, int64_t slot_stride, Visit&& visit) {
-  for (int64_t pos = begin; pos < end;) {
-    const int64_t offset = pos % block_size, count = std::min(block_size - offset, end - pos);
-    const elem_t* rows = cache + (table[pos / block_size] * block_size + offset) * slot_stride;
-    const int64_t index = first_index + pos - begin;
-    for (int64_t t = 0; t < count; ++t) visit(rows + t * slot_stride, index + t);
-    pos += count;
+inline void walk_context(const Span& span, const elem_t* cache, const int64_t* table, int64_t block_size,
+                         int64_t slot_stride, Visit&& visit) {
+  auto walk = [&](int64_t begin, int64_t end, int64_t first_index) {
+    for (int64_t pos = begin; pos < end;) {
+      const int64_t offset = pos % block_size, count = std::min(block_size - offset, end - pos);
+      const elem_t* rows = cache + (table[pos / block_size] * block_size + offset) * slot_stride;
+      const int64_t index = first_index + pos - begin;
+      for (int64_t t = 0; t < count; ++t) visit(rows + t * slot_stride, index + t);
+      pos += count;
+    }
+  };
+  walk(0, span.sink_end, 0);
+  walk(span.window_begin, span.length, span.sink_end);
+}
+
+// Softmax of each query row over what it sees, in place; positions it must not see become exactly 0.
+inline void softmax_rows(const Span& span, int64_t group, float* scores) {
+  const int64_t context = span.context;
+  for (int64_t query = 0; query < span.num_queries; ++query) {
+    int64_t a, b, c;
+    span.visible(query, a, b, c);
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores + (query * group + g) * context;
+      float max_score = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max_score)
+      for (int64_t i = 0; i < a; ++i) max_score = std::max(max_score, s[i]);
+#pragma omp simd reduction(max : max_score)
+      for (int64_t i = b; i < c; ++i) max_score = std::max(max_score, s[i]);
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t i = 0; i < a; ++i) {
+        s[i] = vexp(s[i] - max_score);
+        total += s[i];
+      }
+#pragma omp simd reduction(+ : total)
+      for (int64_t i = b; i < c; ++i) {
+        s[i] = vexp(s[i] - max_score);
+        total += s[i];
+      }
+      const float inverse = 1.0f / total;
+#pragma omp simd
+      for (int64_t i = 0; i < a; ++i) s[i] *= inverse;
+#pragma omp simd
+      for (int64_t i = b; i < c; ++i) s[i] *= inverse;
+      std::fill(s + a, s + b, 0.0f);
+      std::fill(s + c, s + context, 0.0f);
+    }
   }
 }
 
+// Everything one work item needs to know about the batch.
+template <typename scalar_t, typename elem_t>
+struct Batch {
+  const scalar_t* query;  // [num_tokens, num_heads, head_dim]
+  const elem_t* key_cache;
+  const elem_t* value_cache;
+  const int64_t* block_tables;  // [num_seqs, max_blocks]
+  const int64_t* seq_lens;      // [num_seqs]
+  const int64_t* query_starts;  // [num_seqs + 1]
+  scalar_t* out;
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, row_len, sinks, window;
+  float scale;
+
+  int64_t group() const { return num_heads / num_kv_heads; }
+  int64_t slot_stride() const { return num_kv_heads * row_len; }
+  // Query row r = (token i of the span, head g of the group), as a pointer into query / out.
+  int64_t head_offset(int64_t seq, int64_t kv_head, int64_t row) const {
+    const int64_t token = query_starts[seq] + row / group(), head = kv_head * group() + row % group();
+    return (token * num_heads + head) * head_dim;
+  }
+};
+
+// Per-thread buffers, grown as needed and reused across work items.
+struct Scratch {
+  std::vector<float> scores, queries, acc, row;
+  float* grow(std::vector<float>& buffer, int64_t size) {
+    if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+    return buffer.data();
+  }
+};
+
+// ---- the portable kernel: any dtype, any head size ---------------------------------------------------
+
 template <typename scalar_t, typename Rows>
-void decode_kernel(const scalar_t* query, const typename Rows::elem_t* key_cache,
-                   const typename Rows::elem_t* value_cache, const int64_t* block_tables,
-                   const int64_t* seq_lens, scalar_t* out, int64_t num_seqs, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                   int64_t sinks, int64_t window) {
+void attend_portable(const Batch<scalar_t, typename Rows::elem_t>& batch, int64_t seq, int64_t kv_head,
+                     Scratch& scratch) {
   using elem_t = typename Rows::elem_t;
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_len = head_dim + Rows::extra;
-  const int64_t slot_stride = num_kv_heads * row_len;  // elements between consecutive slots
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t length = seq_lens[seq];
-      // Live context: [0, sink_end) and [window_begin, length); one range when there is no window.
-      const int64_t sink_end = window > 0 ? std::min(sinks, length) : length;
-      const int64_t window_begin = window > 0 ? std::max(sink_end, length - window) : length;
-      const int64_t context = sink_end + length - window_begin;
-      const int64_t* table = block_tables + seq * max_blocks;
-      const elem_t* keys = key_cache + kv_head * row_len;
-      const elem_t* values = value_cache + kv_head * row_len;
-      for (int64_t g = 0; g < group; ++g) {
-        load_row(query + (seq * num_heads + kv_head * group + g) * head_dim, q.data() + g * head_dim, head_dim);
-        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] *= scale;
-      }
-      if (static_cast<int64_t>(scores.size()) < group * context) scores.resize(group * context);
-      // Pass 1: scores = q . k for every live position, one K row load for the whole group.
-      auto score = [&](const elem_t* key_row, int64_t index) {
-        Rows::load(key_row, row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) scores[g * context + index] = dot(q.data() + g * head_dim, row.data(), head_dim);
-      };
-      walk_positions(keys, table, 0, sink_end, 0, block_size, slot_stride, score);
-      walk_positions(keys, table, window_begin, length, sink_end, block_size, slot_stride, score);
-      // Softmax per query head.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * context;
-        float max_score = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : max_score)
-        for (int64_t pos = 0; pos < context; ++pos) max_score = std::max(max_score, s[pos]);
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t pos = 0; pos < context; ++pos) {
-          s[pos] = vexp(s[pos] - max_score);
-          total += s[pos];
-        }
-        const float inverse = 1.0f / total;
-#pragma omp simd
-        for (int64_t pos = 0; pos < context; ++pos) s[pos] *= inverse;
-      }
-      // Pass 2: out = sum_pos p[pos] * v[pos].
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      auto accumulate = [&](const elem_t* value_row, int64_t index) {
-        Rows::load(value_row, row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * context + index], row.data(), acc.data() + g * head_dim, head_dim);
-      };
-      walk_positions(values, table, 0, sink_end, 0, block_size, slot_stride, accumulate);
-      walk_positions(values, table, window_begin, length, sink_end, block_size, slot_stride, accumulate);
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* o = out + (seq * num_heads + kv_head * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[g * head_dim + d]);
-      }
+  const int64_t head_dim = batch.head_dim, group = batch.group();
+  const int64_t num_queries = batch.query_starts[seq + 1] - batch.query_starts[seq];
+  const Span span(batch.seq_lens[seq], num_queries, batch.sinks, batch.window);
+  const int64_t rows = num_queries * group, context = span.context;
+  const int64_t* table = batch.block_tables + seq * batch.max_blocks;
+  float* q = scratch.grow(scratch.queries, rows * head_dim);
+  float* scores = scratch.grow(scratch.scores, rows * context);
+  float* acc = scratch.grow(scratch.acc, rows * head_dim);
+  float* row = scratch.grow(scratch.row, head_dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    load_row(batch.query + batch.head_offset(seq, kv_head, r), q + r * head_dim, head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= batch.scale;
+  }
+  const int64_t stride = batch.slot_stride();
+  walk_context(span, batch.key_cache + kv_head * batch.row_len, table, batch.block_size, stride,
+               [&](const elem_t* key_row, int64_t index) {
+                 Rows::load(key_row, row, head_dim);
+                 for (int64_t r = 0; r < rows; ++r) scores[r * context + index] = dot(q + r * head_dim, row, head_dim);
+               });
+  softmax_rows(span, group, scores);
+  std::fill(acc, acc + rows * head_dim, 0.0f);
+  walk_context(span, batch.value_cache + kv_head * batch.row_len, table, batch.block_size, stride,
+               [&](const elem_t* value_row, int64_t index) {
+                 Rows::load(value_row, row, head_dim);
+                 for (int64_t r = 0; r < rows; ++r) {
+                   const float p = scores[r * context + index];
+                   if (p != 0.0f) axpy(p, row, acc + r * head_dim, head_dim);
+                 }
+               });
+  for (int64_t r = 0; r < rows; ++r) {
+    scalar_t* o = batch.out + batch.head_offset(seq, kv_head, r);
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[r * head_dim + d]);
+  }
+}
+
+// ---- the bfloat16 fast path (AVX-512 BF16) -----------------------------------------------------------
+
+#ifdef LLMSERVE_BF16_FAST_PATH
+
+// 16 bfloat16 values widened to floats (bf16 is the top half of a float32).
+inline __m512 widen_bf16(const uint16_t* src) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+// V pass for query rows [first, first + R): accumulators stay in registers for the whole context.
+template <int D, int R>
+inline void accumulate_values(const Span& span, const uint16_t* values, const int64_t* table, int64_t block_size,
+                              int64_t stride, const float* scores, int64_t first, float* acc) {
+  constexpr int V = D / 16;
+  __m512 sum[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) sum[r][j] = _mm512_setzero_ps();
+  const float* p = scores + first * span.context;
+  walk_context(span, values, table, block_size, stride, [&](const uint16_t* value_row, int64_t index) {
+    __m512 v[V];
+    for (int j = 0; j < V; ++j) v[j] = widen_bf16(value_row + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 weight = _mm512_set1_ps(p[r * span.context + index]);
+      for (int j = 0; j < V; ++j) sum[r][j] = _mm512_fmadd_ps(weight, v[j], sum[r][j]);
     }
   });
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < V; ++j) _mm512_storeu_ps(acc + (first + r) * D + 16 * j, sum[r][j]);
+}
+
+template <int D>
+void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, int64_t kv_head, Scratch& scratch) {
+  constexpr int K = D / 32;  // 512-bit registers of bf16 pairs per row
+  const int64_t group = batch.group();
+  const int64_t num_queries = batch.query_starts[seq + 1] - batch.query_starts[seq];
+  const Span span(batch.seq_lens[seq], num_queries, batch.sinks, batch.window);
+  const int64_t rows = num_queries * group, context = span.context;
+  const int64_t* table = batch.block_tables + seq * batch.max_blocks;
+  const int64_t stride = batch.slot_stride();
+  float* scores = scratch.grow(scratch.scores, rows * context);
+  float* acc = scratch.grow(scratch.acc, rows * D);
+  // The query rows stay bf16: vdpbf16ps multiplies bf16 pairs exactly and sums in float32.
+  std::vector<__m512i> q(rows * K);
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto* src = reinterpret_cast<const uint16_t*>(batch.query + batch.head_offset(seq, kv_head, r));
+    for (int j = 0; j < K; ++j) q[r * K + j] = _mm512_loadu_si512(src + 32 * j);
+  }
+  const float scale = batch.scale;
+  const auto* keys = reinterpret_cast<const uint16_t*>(batch.key_cache) + kv_head * batch.row_len;
+  walk_context(span, keys, table, batch.block_size, stride, [&](const uint16_t* key_row, int64_t index) {
+    __m512i k[K];
+    for (int j = 0; j < K; ++j) k[j] = _mm512_loadu_si512(key_row + 32 * j);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[r * K], (__m512bh)k[0]);
+      for (int j = 1; j < K; ++j) sum = _mm512_dpbf16_ps(sum, (__m512bh)q[r * K + j], (__m512bh)k[j]);
+      scores[r * context + index] = scale * _mm512_reduce_add_ps(sum);
+    }
+  });
+  softmax_rows(span, group, scores);
+  const auto* values = reinterpret_cast<const uint16_t*>(batch.value_cache) + kv_head * batch.row_len;
+  constexpr int R = D <= 64 ? 4 : 2;  // query rows per V pass: R * D / 16 accumulators in registers
+  int64_t first = 0;
+  for (; first + R <= rows; first += R)
+    accumulate_values<D, R>(span, values, table, batch.block_size, stride, scores, first, acc);
+  switch (rows - first) {
+    case 3: accumulate_values<D, 3>(span, values, table, batch.block_size, stride, scores, first, acc); break;
+    case 2: accumulate_values<D, 2>(span, values, table, batch.block_size, stride, scores, first, acc); break;
+    case 1: accumulate_values<D, 1>(span, values, table, batch.block_size, stride, scores, first, acc); break;
+    default: break;
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // round to bf16 (nearest even), 16 values at a time
+    auto* o = reinterpret_cast<uint16_t*>(batch.out + batch.head_offset(seq, kv_head, r));
+    for (int j = 0; j < D / 16; ++j) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * D + 16 * j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), (__m256i)rounded);
+    }
+  }
+}
+
+#endif  // LLMSERVE_BF16_FAST_PATH
+
+// Runs attend(seq, kv_head, scratch) for every work item, longest contexts first, dealt out to the
+// threads one at a time so uneven lengths do not leave a thread idle.
+template <typename Attend>
+void for_each_item(int64_t num_seqs, int64_t num_kv_heads, const int64_t* seq_lens, Attend&& attend) {
+  std::vector<int64_t> order(num_seqs);
+  for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return seq_lens[a] > seq_lens[b]; });
+  const int64_t num_items = num_seqs * num_kv_heads;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_items));
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item)
+      attend(order[item / num_kv_heads], item % num_kv_heads, scratch);
+  }
 }
 
 }  // namespace
 
-// query [B, H, D]; key_cache, value_cache [slots, KVH, D] in the query's dtype, or, for an 8-bit
-// cache (kv_format 1 = int8, 2 = fp8), [slots, KVH, D + 4] bytes; block_tables [B, max_blocks] int64;
-// seq_lens [B] int64; window > 0 keeps only the first `sinks` and the last `window` positions.
-// Returns [B, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size,
-                                     double scale, int64_t kv_format, int64_t sinks, int64_t window) {
+// query [T, H, D]: the query tokens of every sequence, sequence b's at rows query_starts[b] ..
+// query_starts[b + 1] - 1 (its last positions). key_cache, value_cache [slots, KVH, D] in the query's
+// dtype, or, for an 8-bit cache (kv_format 1 = int8, 2 = fp8), [slots, KVH, D + 4] bytes; block_tables
+// [B, max_blocks] int64; seq_lens [B] int64 (context lengths, this step's tokens included); window > 0
+// keeps only the first `sinks` and the last `window` positions. Returns [T, H, D].
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+                              int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "paged_decode_attention needs contiguous tensors");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
-              "block_tables and seq_lens must be int64");
+              "paged_attention needs contiguous tensors");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
+                  query_starts.scalar_type() == torch::kInt64,
+              "block_tables, seq_lens and query_starts must be int64");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
+  auto starts = query_starts.contiguous();
   auto out = torch::empty_like(query);
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_seqs = lens.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(1);
+  TORCH_CHECK(starts.size(0) == num_seqs + 1 && starts.data_ptr<int64_t>()[num_seqs] == query.size(0),
+              "query_starts must have num_seqs + 1 entries ending at the number of query tokens");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (plain), 1 (int8) or 2 (fp8)");
   if (kv_format == 0) {
@@ -223,13 +411,30 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
     TORCH_CHECK(key_cache.scalar_type() == torch::kByte && key_cache.size(2) == head_dim + 4,
                 "an 8-bit KV cache must be uint8 rows of head_dim + 4 bytes");
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+  if (num_seqs == 0) return out;
+  const int64_t* lens_ptr = lens.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     auto run = [&](auto rows_tag, const auto* keys, const auto* values) {
       using Rows = decltype(rows_tag);
-      decode_kernel<scalar_t, Rows>(query.data_ptr<scalar_t>(), keys, values, tables.data_ptr<int64_t>(),
-                                    lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), num_seqs, num_heads,
-                                    num_kv_heads, head_dim, block_size, tables.size(1), static_cast<float>(scale),
-                                    sinks, window);
+      using elem_t = typename Rows::elem_t;
+      const Batch<scalar_t, elem_t> batch{query.data_ptr<scalar_t>(), keys, values, tables.data_ptr<int64_t>(),
+                                          lens_ptr, starts.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
+                                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
+                                          head_dim + Rows::extra, sinks, window, static_cast<float>(scale)};
+#ifdef LLMSERVE_BF16_FAST_PATH
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<elem_t, c10::BFloat16>) {
+        if (head_dim == 64) {
+          for_each_item(num_seqs, num_kv_heads, lens_ptr, [&](int64_t s, int64_t h, Scratch& x) { attend_bf16<64>(batch, s, h, x); });
+          return;
+        }
+        if (head_dim == 128) {
+          for_each_item(num_seqs, num_kv_heads, lens_ptr, [&](int64_t s, int64_t h, Scratch& x) { attend_bf16<128>(batch, s, h, x); });
+          return;
+        }
+      }
+#endif
+      for_each_item(num_seqs, num_kv_heads, lens_ptr,
+                    [&](int64_t s, int64_t h, Scratch& x) { attend_portable<scalar_t, Rows>(batch, s, h, x); });
     };
     if (kv_format == 0) {
       run(PlainRows<scalar_t>{}, key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>());
@@ -242,6 +447,16 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cach
   return out;
 }
 
+// Whether this build has the bfloat16 fast path (tests check both paths where they can).
+bool has_bf16_fast_path() {
+#ifdef LLMSERVE_BF16_FAST_PATH
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "Decode attention over a paged KV cache (CPU)");
+  m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)");
+  m.def("has_bf16_fast_path", &has_bf16_fast_path, "Whether the AVX-512 BF16 path was compiled in");
 }
