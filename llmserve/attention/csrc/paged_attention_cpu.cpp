@@ -155,18 +155,38 @@ struct Span {
   }
 };
 
+// Asks for the `count` rows (of row_bytes each, slot_stride elements apart) to be brought into the
+// cache. Blocks sit at scattered places in the pool, so the hardware prefetcher cannot see the next
+// one coming; without this every block starts with a stall on memory.
+template <typename elem_t>
+inline void prefetch_rows(const elem_t* rows, int64_t count, int64_t slot_stride, int64_t row_bytes) {
+  for (int64_t t = 0; t < count; ++t) {
+    const char* row = reinterpret_cast<const char*>(rows + t * slot_stride);
+    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(row + line, 0, 3);
+  }
+}
+
 // Calls visit(row, index) for each live position in order, walking the block table one block at a
-// time; `index` is the position's place in the scores buffer.
+// time (prefetching the next block's rows first); `index` is the position's place in the scores buffer.
 template <typename elem_t, typename Visit>
 inline void walk_context(const Span& span, const elem_t* cache, const int64_t* table, int64_t block_size,
-                         int64_t slot_stride, Visit&& visit) {
+                         int64_t slot_stride, int64_t row_bytes, Visit&& visit) {
+  auto rows_at = [&](int64_t pos) { return cache + (table[pos / block_size] * block_size + pos % block_size) * slot_stride; };
   auto walk = [&](int64_t begin, int64_t end, int64_t first_index) {
+    if (begin < end) prefetch_rows(rows_at(begin), std::min(block_size - begin % block_size, end - begin), slot_stride, row_bytes);
     for (int64_t pos = begin; pos < end;) {
       const int64_t offset = pos % block_size, count = std::min(block_size - offset, end - pos);
-      const elem_t* rows = cache + (table[pos / block_size] * block_size + offset) * slot_stride;
+      const int64_t next = pos + count, next_count = std::min(block_size, end - next);
+      const elem_t* rows = rows_at(pos);
+      const elem_t* next_rows = next < end ? rows_at(next) : nullptr;
       const int64_t index = first_index + pos - begin;
-      for (int64_t t = 0; t < count; ++t) visit(rows + t * slot_stride, index + t);
-      pos += count;
+      for (int64_t t = 0; t < count; ++t) {  // row t of this block, and a prefetch of the next block's row t
+        if (next_rows != nullptr && t < next_count) prefetch_rows(next_rows + t * slot_stride, 1, slot_stride, row_bytes);
+        visit(rows + t * slot_stride, index + t);
+      }
+      if (next_rows != nullptr && next_count > count)  // a short first block: the rest of the next one now
+        prefetch_rows(next_rows + count * slot_stride, next_count - count, slot_stride, row_bytes);
+      pos = next;
     }
   };
   walk(0, span.sink_end, 0);
@@ -259,14 +279,15 @@ void attend_portable(const Batch<scalar_t, typename Rows::elem_t>& batch, int64_
     for (int64_t d = 0; d < head_dim; ++d) q[r * head_dim + d] *= batch.scale;
   }
   const int64_t stride = batch.slot_stride();
-  walk_context(span, batch.key_cache + kv_head * batch.row_len, table, batch.block_size, stride,
+  const int64_t row_bytes = batch.row_len * static_cast<int64_t>(sizeof(elem_t));
+  walk_context(span, batch.key_cache + kv_head * batch.row_len, table, batch.block_size, stride, row_bytes,
                [&](const elem_t* key_row, int64_t index) {
                  Rows::load(key_row, row, head_dim);
                  for (int64_t r = 0; r < rows; ++r) scores[r * context + index] = dot(q + r * head_dim, row, head_dim);
                });
   softmax_rows(span, group, scores);
   std::fill(acc, acc + rows * head_dim, 0.0f);
-  walk_context(span, batch.value_cache + kv_head * batch.row_len, table, batch.block_size, stride,
+  walk_context(span, batch.value_cache + kv_head * batch.row_len, table, batch.block_size, stride, row_bytes,
                [&](const elem_t* value_row, int64_t index) {
                  Rows::load(value_row, row, head_dim);
                  for (int64_t r = 0; r < rows; ++r) {
@@ -299,7 +320,7 @@ inline void accumulate_values(const Span& span, const uint16_t* values, const in
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < V; ++j) sum[r][j] = _mm512_setzero_ps();
   const float* p = scores + first * span.context;
-  walk_context(span, values, table, block_size, stride, [&](const uint16_t* value_row, int64_t index) {
+  walk_context(span, values, table, block_size, stride, 2 * D, [&](const uint16_t* value_row, int64_t index) {
     __m512 v[V];
     for (int j = 0; j < V; ++j) v[j] = widen_bf16(value_row + 16 * j);
     for (int r = 0; r < R; ++r) {
@@ -330,7 +351,7 @@ void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, 
   }
   const float scale = batch.scale;
   const auto* keys = reinterpret_cast<const uint16_t*>(batch.key_cache) + kv_head * batch.row_len;
-  walk_context(span, keys, table, batch.block_size, stride, [&](const uint16_t* key_row, int64_t index) {
+  walk_context(span, keys, table, batch.block_size, stride, 2 * D, [&](const uint16_t* key_row, int64_t index) {
     __m512i k[K];
     for (int j = 0; j < K; ++j) k[j] = _mm512_loadu_si512(key_row + 32 * j);
     for (int64_t r = 0; r < rows; ++r) {
