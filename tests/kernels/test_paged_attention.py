@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
-from llmserve.attention.cpu_ops import load_cpu_ops
+from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 
 pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler for the CPU kernel")

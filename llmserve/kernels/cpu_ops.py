@@ -1,4 +1,5 @@
-"""The compiled CPU attention kernels, built once per machine with torch's C++ extension loader.
+"""The compiled CPU kernels (paged attention, small-batch bf16 linear), built once per machine with
+torch's C++ extension loader.
 
 `make venv` builds them during set-up (so the first `llmserve serve` does not wait for a compiler);
 if compilation fails the engine falls back to the pure-PyTorch reference backend and says so.
@@ -15,7 +16,9 @@ from types import ModuleType
 
 logger = logging.getLogger("llmserve")
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_SOURCES = [
+    str(Path(__file__).parent / "csrc" / name) for name in ("module.cpp", "paged_attention.cpp", "linear.cpp")
+]
 
 
 @functools.cache
@@ -33,7 +36,7 @@ def load_cpu_ops() -> ModuleType | None:
         )
         return load(
             name="llmserve_cpu_ops",
-            sources=[str(_SOURCE)],
+            sources=_SOURCES,
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

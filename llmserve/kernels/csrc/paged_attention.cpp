@@ -476,8 +476,3 @@ bool has_bf16_fast_path() {
   return false;
 #endif
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)");
-  m.def("has_bf16_fast_path", &has_bf16_fast_path, "Whether the AVX-512 BF16 path was compiled in");
-}

@@ -1,0 +1,61 @@
+"""The small-batch bf16 linear kernel against F.linear, and the module swap that uses it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.kernels.cpu_ops import load_cpu_ops
+from llmserve.kernels.small_batch_linear import MAX_ROWS, SmallBatchLinear, use_small_batch_linear
+
+ops = load_cpu_ops()
+pytestmark = pytest.mark.skipif(
+    ops is None or not ops.small_batch_linear_supported(), reason="needs the AVX-512 BF16 kernel build"
+)
+
+
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (13, 64), (3, 1536), (49152, 576)])
+def test_matches_float64_reference(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    exact = (
+        x.double() @ w.double().T
+    )  # bf16 products are exact; only the float32 sums and the final rounding differ
+    actual = ops.small_batch_linear(x, w)
+    assert actual.dtype == torch.bfloat16 and actual.shape == (rows, out_features)
+    bound = 2**-8 * exact.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)
+    assert ((actual.double() - exact).abs() <= bound).all()
+    # and within rounding of torch's own bf16 linear
+    torch.testing.assert_close(actual.float(), F.linear(x, w).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_rejects_what_it_does_not_serve():
+    w = torch.randn(8, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        ops.small_batch_linear(torch.randn(9, 64).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.small_batch_linear(torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.small_batch_linear(torch.randn(1, 64), torch.randn(8, 64))
+
+
+def test_module_swap_keeps_parameters_and_tied_weights_and_falls_back():
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {"embed": nn.Embedding(100, 64), "proj": nn.Linear(64, 96, bias=True), "odd": nn.Linear(40, 8)}
+    ).bfloat16()
+    head = nn.Linear(64, 100, bias=False).bfloat16()
+    head.weight = model["embed"].weight  # tied, as in small Llamas
+    model["head"] = head
+    reference = {name: module for name, module in model.items()}
+    x = torch.randn(4, 64).bfloat16()
+    before = F.linear(x, model["proj"].weight, model["proj"].bias)
+    assert use_small_batch_linear(model) == 2  # "odd" (40 inputs) stays a plain nn.Linear
+    assert type(model["proj"]) is SmallBatchLinear and type(model["odd"]) is nn.Linear
+    assert model["head"].weight is model["embed"].weight
+    assert all(model[name] is module for name, module in reference.items())
+    torch.testing.assert_close(model["proj"](x).float(), before.float(), atol=3e-2, rtol=2e-2)
+    many = torch.randn(MAX_ROWS + 1, 64).bfloat16()  # more rows: F.linear, bit for bit
+    assert torch.equal(model["proj"](many), F.linear(many, model["proj"].weight, model["proj"].bias))
