@@ -18,11 +18,11 @@ from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.output_processor import OutputProcessor
+from llmserve.kernels.small_batch_linear import can_use_small_batch_linear, use_small_batch_linear
 from llmserve.metrics.stats import StepStats
 from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
 from llmserve.models.registry import build_model
 from llmserve.outputs import RequestOutput
-from llmserve.kernels.small_batch_linear import can_use_small_batch_linear, use_small_batch_linear
 from llmserve.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.metrics import SpecDecodeStats

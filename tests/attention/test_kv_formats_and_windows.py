@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
-from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.attention.window import decode_context_positions, prefill_context_positions
+from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 
 BLOCK = 8

@@ -107,8 +107,8 @@ def tiny_short_context(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
 def test_engine_generates_past_the_trained_length_with_bounded_memory(tiny_short_context, backend):
-    from llmserve.kernels.cpu_ops import load_cpu_ops
     from llmserve.entrypoints.llm import LLM
+    from llmserve.kernels.cpu_ops import load_cpu_ops
     from llmserve.sampling_params import SamplingParams
 
     if backend == "cpu_paged" and load_cpu_ops() is None:
