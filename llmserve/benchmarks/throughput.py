@@ -133,6 +133,8 @@ def run_throughput(
 
 
 def format_report(continuous: ThroughputResult, naive: Sequence[ThroughputResult]) -> str:
+    if not naive:
+        return format_table([continuous.to_json()], COLUMNS)
     ratio, best = speedup(continuous, naive)
     return "\n".join([
         format_table([r.to_json() for r in (*naive, continuous)], COLUMNS),

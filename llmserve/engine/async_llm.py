@@ -2,13 +2,17 @@
 
 The synchronous engine runs in its own thread (torch releases the GIL in its kernels, so the event
 loop stays responsive). Requests and aborts reach it through a thread-safe command queue, drained
-at the start of every step; outputs come back to each request's asyncio queue. A request's stream
-ends with its finished output, or with an exception if the engine failed it.
+at the start of every step; outputs come back to each request's asyncio queue, all of a step's
+outputs in one `call_soon_threadsafe` per event loop (one wakeup per step, not one per request:
+each wakeup is a self-pipe write that lets the event loop thread take the GIL and a core from the
+model's threads). A request's stream ends with its finished output, or with an exception if the
+engine failed it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -109,6 +113,15 @@ class AsyncLLM:
     # -- the engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # a bug outside the step: fail every stream rather than leave it hanging
+            logger.exception("the engine loop crashed")
+            self._stopped.set()
+            error = EngineDeadError("the engine loop crashed; see the server log")
+            self._deliver_all([(request_id, error) for request_id in list(self._streams)])
+
+    def _loop(self) -> None:
         while not self._stopped.is_set():
             self._drain_commands(block=not self.engine.has_unfinished_requests())
             if not self.engine.has_unfinished_requests():
@@ -119,8 +132,7 @@ class AsyncLLM:
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(error)
                 continue
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._deliver_all([(output.request_id, output) for output in outputs])
             if self.engine.last_step is not None:
                 self._notify(self.engine.last_step, outputs)
         self._fail_all(EngineDeadError("the server is shutting down"))
@@ -154,15 +166,25 @@ class AsyncLLM:
             self._deliver(command.request_id, error)
 
     def _fail_all(self, error: BaseException) -> None:
-        for request_id in list(self._streams):
+        request_ids = list(self._streams)
+        for request_id in request_ids:
             self.engine.abort_request(request_id)
-            self._deliver(request_id, error)
+        self._deliver_all([(request_id, error) for request_id in request_ids])
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand items to their streams with one callback per event loop (normally there is one)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                loop, stream = target
+                batches.setdefault(loop, []).append((stream, item))
+        for loop, batch in batches.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to read these streams
+                loop.call_soon_threadsafe(_put_all, batch)
 
     def _notify(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         """Tell listeners about a step (stats) and its outputs; aborts come with stats None."""
@@ -171,3 +193,8 @@ class AsyncLLM:
                 listener(stats, outputs)
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 logger.exception("step listener failed")
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for stream, item in batch:
+        stream.put_nowait(item)

@@ -32,6 +32,14 @@ def test_bench_throughput(tmp_path, engine_flags):
     assert result["speedup_vs_best_naive"] > 0 and result["workload"]["num_requests"] == 4
 
 
+def test_bench_throughput_continuous_only_in_an_engine_thread(tmp_path, engine_flags):
+    argv = ["bench", "throughput", *WORKLOAD, "--naive-batch-sizes", "none", "--engine-thread", *engine_flags]
+    result = run(argv, tmp_path, "throughput-thread")
+    assert [r["system"] for r in result["results"]] == ["continuous"]
+    assert result["engine_thread"] is True and result["speedup_vs_best_naive"] is None
+    assert result["results"][0]["output_tokens"] > 0
+
+
 def test_bench_latency(tmp_path, engine_flags):
     argv = ["bench", "latency", "--prompt-lengths", "4,8", "--decode-tokens", "2", "--repeats", "1",
             "--copy-mib", "1", "--matmul-size", "32", *engine_flags]  # fmt: skip

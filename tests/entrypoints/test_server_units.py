@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
+import threading
 import types
 from collections.abc import AsyncIterator
 
@@ -11,8 +13,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmserve.engine.async_llm import AsyncLLM, EngineDeadError
 from llmserve.entrypoints.openai.api_server import build_app, default_served_model_name
-from llmserve.entrypoints.openai.serving import raw_token_bytes
+from llmserve.entrypoints.openai.serving import merge_streams, raw_token_bytes
 from llmserve.metrics.prometheus import PrometheusMetrics
 from llmserve.metrics.stats import StepStats
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -173,3 +176,73 @@ def test_raw_token_bytes():
     assert raw_token_bytes("ðŁĺ") == "😀".encode()[:3]  # part of a character
     assert raw_token_bytes("<0xE2>") == b"\xe2"  # SentencePiece byte fallback
     assert raw_token_bytes("▁Paris") is None  # not a byte-level piece: fall back to the text
+
+
+def test_one_event_loop_wakeup_per_step_delivers_every_stream_in_order():
+    engine = AsyncLLM.__new__(AsyncLLM)  # only the delivery half; no model behind it
+    loop = asyncio.new_event_loop()
+    try:
+        streams = {f"r{i}": asyncio.Queue() for i in range(3)}
+        engine._streams = {rid: (loop, queue) for rid, queue in streams.items()}
+        wakeups = []
+        real_call = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: wakeups.append(args) or real_call(*args)
+        outputs = [_output(rid, 2, [5]) for rid in ("r0", "r1", "r2", "gone")]
+        engine._deliver_all([(o.request_id, o) for o in outputs])  # one step's outputs
+        engine._deliver_all([("r1", outputs[1])])  # the next step's
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(wakeups) == 2
+        assert [q.qsize() for q in streams.values()] == [1, 2, 1]
+        assert streams["r0"].get_nowait() is outputs[0]
+    finally:
+        loop.close()
+    engine._deliver_all([("r0", outputs[0])])  # a closed loop has no readers left: no error
+
+
+@pytest.mark.parametrize("num_streams", [1, 3])
+def test_closing_merged_streams_early_closes_every_engine_stream(num_streams):
+    closed = []
+
+    async def stream(index: int):
+        try:
+            for item in range(5):
+                yield item
+                await asyncio.sleep(0)
+        finally:
+            closed.append(index)  # in AsyncLLM.generate this is where the request is aborted
+
+    async def first_two() -> list[tuple[int, int]]:
+        merged = merge_streams([stream(i) for i in range(num_streams)])
+        seen = [await anext(merged), await anext(merged)]
+        await merged.aclose()
+        return seen
+
+    seen = asyncio.run(first_two())
+    assert seen[0][1] == 0 and all(index < num_streams for index, _ in seen)
+    assert sorted(closed) == list(range(num_streams))
+
+
+def test_a_crashed_engine_loop_fails_its_streams_instead_of_hanging():
+    class BrokenEngine:
+        def validate_prompt(self, prompt_ids):
+            pass
+
+        def has_unfinished_requests(self):
+            return False
+
+        def add_request(self, *args):
+            raise AssertionError("a bug in the loop")
+
+    async def consume(engine: AsyncLLM) -> None:
+        async for _ in engine.generate([1, 2], SamplingParams(max_tokens=2), "r"):
+            pass
+
+    engine = AsyncLLM.__new__(AsyncLLM)
+    engine.engine, engine.tokenizer, engine.step_listeners = BrokenEngine(), _Tokenizer(), []
+    engine._commands, engine._streams, engine._stopped = queue.SimpleQueue(), {}, threading.Event()
+    engine._thread = threading.Thread(target=engine._run)
+    engine._thread.start()
+    with pytest.raises(EngineDeadError, match="crashed"):
+        asyncio.run(asyncio.wait_for(consume(engine), timeout=10))
+    engine._thread.join(5)
+    assert not engine.is_running

@@ -151,6 +151,13 @@ class ServerContext:
 
 async def merge_streams(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
     """Interleave several engine streams as (stream index, item); closing this closes them all."""
+    if len(streams) == 1:  # the usual case: no pump task and no second queue hop per output
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
