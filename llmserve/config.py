@@ -150,7 +150,9 @@ class EngineArgs:
     )
     # -- weight quantization (llmserve/quantization, docs/quantization.md) --
     quantization: str | None = _arg(
-        None, "int8 | int4 | awq | gptq | gguf (the GGUF's Q4_0/Q4_1/Q8_0 blocks) | DIR (`llmserve quantize`)"
+        None,
+        "int8 (GPTQ-calibrated, per channel) | int8-rtn | int4 | awq | gptq | gguf (the GGUF's Q4_0/Q4_1/"
+        "Q8_0 blocks) | DIR (`llmserve quantize`)",
     )
     quantization_group_size: int | None = _arg(
         None, "int4 methods: input channels per scale, 32 | 64 | 128 (default: the largest that fits)"

@@ -8,12 +8,12 @@ import os
 
 from llmserve.entrypoints.cli import add_engine_arguments, engine_args_from
 
-SAVABLE = ("int8", "int4", "awq", "gptq")
+SAVABLE = ("int8", "int8-rtn", "int4", "awq", "gptq")
 
 
 def register(subparsers) -> None:
     quantize = subparsers.add_parser(
-        "quantize", help="quantize a model (int8, int4, awq, gptq) and save a checkpoint directory"
+        "quantize", help="quantize a model (int8, int8-rtn, int4, awq, gptq) and save a checkpoint directory"
     )
     quantize.add_argument("--output", required=True, help="directory to write (created if missing)")
     add_engine_arguments(quantize)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-METHODS = ("int8", "int4", "awq", "gptq", "gguf")
+METHODS = ("int8", "int8-rtn", "int4", "awq", "gptq", "gguf")
 GROUP_SIZES = (32, 64, 128)  # the sizes the packed int4 CPU kernel accepts that we offer
 CHECKPOINT = "checkpoint"  # method of a directory written by `llmserve quantize`
 

@@ -91,9 +91,14 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8We
     rows, cols = weight.shape
     group_size = group_size or cols
     grouped = weight.float().view(rows, -1, group_size)
-    scales = (grouped.abs().amax(-1) / INT8_MAX).clamp_min(_TINY)
+    scales = int8_scales(grouped)
     codes = torch.round(grouped / scales[..., None]).clamp(-INT8_MAX, INT8_MAX)
     return Int8Weight(codes.to(torch.int8).view(rows, cols), scales, group_size)
+
+
+def int8_scales(grouped: torch.Tensor) -> torch.Tensor:
+    """Symmetric scale of each group [..., group_size]: its largest magnitude maps to 127."""
+    return (grouped.abs().amax(-1) / INT8_MAX).clamp_min(_TINY)
 
 
 def int4_params(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

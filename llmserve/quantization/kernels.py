@@ -55,11 +55,15 @@ class DequantizeKernel(LinearKernel):
 
 
 class Int8PackedKernel(LinearKernel):
-    """Per-output-channel int8: `aten._weight_int8pack_mm` (CPU, bf16)."""
+    """Per-output-channel int8: `aten._weight_int8pack_mm` (CPU, bf16).
+
+    On torch 2.13 the op crashes (SIGSEGV) on a weight that is not 64-byte aligned, such as a view
+    into a larger buffer (safetensors' `load_file` returns those: a checkpoint's or the weights
+    cache's int8 layers), so the weight is always copied into a fresh allocation (64-byte aligned)."""
 
     def __init__(self, weight: Int8Weight, dtype: torch.dtype) -> None:
         super().__init__()
-        self.register_buffer("qweight", weight.qweight.contiguous())
+        self.register_buffer("qweight", weight.qweight.clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", weight.scales[:, 0].to(dtype).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -108,8 +108,8 @@ def _lm_head_int8(model: nn.Module) -> dict[str, QuantizedWeight]:
 # -- round to nearest ------------------------------------------------------------------------------
 
 
-@register("int8")
-def _int8(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
+@register("int8-rtn")
+def _int8_rtn(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
     weights = {name: quantize_int8(linear.weight) for name, linear in decoder_linears(model).items()}
     return QuantizationResult({**weights, **_lm_head_int8(model)})
 
@@ -138,7 +138,30 @@ def _layer_inputs(layer: nn.Module, linears: dict[str, nn.Module], hiddens, posi
 
 @register("gptq")
 def _gptq(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
-    group = config.quantization.group_size
+    weights = _gptq_weights(model, config, tokenizer, "int4", config.quantization.group_size)
+    return QuantizationResult({**weights, **_lm_head_int8(model)})
+
+
+@register("int8")
+def _int8(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
+    """GPTQ at 8 bits, one scale per output channel: the single packed int8 call per layer of RTN,
+    at a fraction of its perplexity cost (docs/quantization.md)."""
+    dtype = str(config.dtype).removeprefix("torch.")  # GPTQ starts from the weights in this dtype
+    weights = _cached(
+        config,
+        f"{_INT8_GPTQ_CACHE_ENTRY}-{dtype}",
+        lambda: _gptq_weights(model, config, tokenizer, "int8", None),
+    )
+    return QuantizationResult({**weights, **_lm_head_int8(model)})
+
+
+_INT8_GPTQ_CACHE_ENTRY = "int8-gptq-v1"  # bump when the calibration or the algorithm changes
+
+
+def _gptq_weights(
+    model: nn.Module, config: ModelConfig, tokenizer, kind: str, group: int | None
+) -> dict[str, QuantizedWeight]:
+    """Every decoder linear by GPTQ, layer by layer (later layers see earlier layers' rounding)."""
     weights: dict[str, QuantizedWeight] = {}
 
     def visit(index: int, layer: nn.Module, hiddens, positions) -> None:
@@ -146,19 +169,20 @@ def _gptq(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
         hessians = {name: HessianAccumulator(m.in_features, m.weight.device) for name, m in linears.items()}
         _layer_inputs(layer, linears, hiddens, positions, lambda name, x: hessians[name].add(x))
         for name, linear in linears.items():
-            weight = gptq_quantize(linear.weight, hessians[name].hessian(), group)
+            weight = gptq_quantize(linear.weight, hessians[name].hessian(), group, kind=kind)
             weights[f"model.layers.{index}.{name}"] = weight
             linear.weight.copy_(weight.dequantize(linear.weight.dtype))  # later layers see this layer's error
 
     run = calibration.run_layerwise
     originals = {name: linear.weight.clone() for name, linear in decoder_linears(model).items()}
     try:
-        run(model, _calibration_batches(model, config, tokenizer), visit)
+        with calibration.one_thread():
+            run(model, _calibration_batches(model, config, tokenizer), visit)
     finally:
         with torch.no_grad():
             for name, linear in decoder_linears(model).items():
                 linear.weight.copy_(originals[name])
-    return QuantizationResult({**weights, **_lm_head_int8(model)})
+    return weights
 
 
 @register("awq")
@@ -221,24 +245,35 @@ def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
 
 def _gguf_tensors(config: ModelConfig) -> dict[str, QuantizedWeight]:
     """Read once (parsing a GGUF takes seconds), then from the weights cache in our own format."""
-    from llmserve.model_loader import weights_cache
+    return _cached(
+        config, _GGUF_CACHE_ENTRY, lambda: gguf_native.read_quantized_tensors(config.path, config.arch)
+    )
 
-    cached = weights_cache.cached_dir(config.path, _GGUF_CACHE_ENTRY)
+
+_GGUF_CACHE_ENTRY = "gguf-native-v1"
+
+
+def _cached(
+    config: ModelConfig, entry: str, compute: Callable[[], dict[str, QuantizedWeight]]
+) -> dict[str, QuantizedWeight]:
+    """`compute()`, kept in the weights cache of a GGUF source (keyed by its SHA-256) under `entry`
+    and reloaded from there at the next start; an HF directory is computed every time."""
+    from llmserve.model_loader import weights_cache
+    from llmserve.model_loader.default_model import is_gguf
+
+    if not is_gguf(config.path):
+        return compute()
+    cached = weights_cache.cached_dir(config.path, entry)
     if cached is not None:
         try:
             return checkpoint.load_quantized(str(cached))[0]
         except (ValueError, OSError, KeyError) as error:
             logger.warning("ignoring a damaged cache entry %s (%s)", cached, error)
-            weights_cache.discard_dir(config.path, _GGUF_CACHE_ENTRY)
-    tensors = gguf_native.read_quantized_tensors(config.path, config.arch)
-    info = {"method": "gguf", "source": config.path, "source_id": checkpoint.source_id(config.path)}
-    weights_cache.save_dir(
-        config.path, _GGUF_CACHE_ENTRY, lambda d: checkpoint.save_quantized(d, tensors, info)
-    )
+            weights_cache.discard_dir(config.path, entry)
+    tensors = compute()
+    info = {"method": entry, "source": config.path, "source_id": checkpoint.source_id(config.path)}
+    weights_cache.save_dir(config.path, entry, lambda d: checkpoint.save_quantized(d, tensors, info))
     return tensors
-
-
-_GGUF_CACHE_ENTRY = "gguf-native-v1"
 
 
 @register(CHECKPOINT)

@@ -16,7 +16,7 @@ def smollm2_arch():
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_8bit_pool_holds_1_88x_the_tokens_of_bf16_scales_included(kv_dtype, smollm2_arch):
+def test_8bit_pool_holds_1_94x_the_tokens_of_bf16_scales_included(kv_dtype, smollm2_arch):
     def blocks(kv_cache_dtype):
         args = EngineArgs(
             dtype="bfloat16", device="cpu", kv_cache_memory="1GiB", kv_cache_dtype=kv_cache_dtype
@@ -25,8 +25,8 @@ def test_8bit_pool_holds_1_88x_the_tokens_of_bf16_scales_included(kv_dtype, smol
 
     bf16, quantized = blocks("auto"), blocks(kv_dtype)
     assert bf16.num_blocks == 2**30 // (2 * 30 * 3 * 64 * 2 * 16)
-    assert quantized.num_blocks == 2**30 // (2 * 30 * 3 * (64 + 4) * 16)  # codes + a float32 scale per row
-    assert 1.88 <= quantized.num_blocks / bf16.num_blocks < 1.89  # 128 / 68
+    assert quantized.num_blocks == 2**30 // (2 * 30 * 3 * (64 + 2) * 16)  # codes + a float16 scale per row
+    assert 1.93 <= quantized.num_blocks / bf16.num_blocks < 1.94  # 128 / 66
     assert quantized.kv_cache_memory <= 2**30 and quantized.kv_cache_dtype == kv_dtype
 
 

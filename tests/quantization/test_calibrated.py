@@ -14,7 +14,7 @@ from llmserve.evaluation.perplexity import default_text_path
 from llmserve.model_loader import default_model_path, load_arch_config, load_tokenizer, load_weights
 from llmserve.models.registry import build_model
 from llmserve.quantization import awq, calibration
-from llmserve.quantization.formats import quantize_int4
+from llmserve.quantization.formats import quantize_int4, quantize_int8
 from llmserve.quantization.gptq import HessianAccumulator, gptq_quantize
 
 LAYER = 2
@@ -57,14 +57,20 @@ def _error(x: torch.Tensor, weight: torch.Tensor, approx: torch.Tensor) -> float
 
 
 @pytest.mark.parametrize("name", ["qkv", "down"])
-def test_gptq_beats_rtn_on_held_out_activations(activations, name):
+@pytest.mark.parametrize(
+    ("kind", "group", "rtn"),
+    [
+        ("int4", GROUP, lambda w: quantize_int4(w, GROUP)),  # --quantization gptq
+        ("int8", None, lambda w: quantize_int8(w)),  # --quantization int8 (per channel)
+    ],
+)
+def test_gptq_beats_rtn_on_held_out_activations(activations, name, kind, group, rtn):
     weights, captured = activations
     weight, held_out = weights[name], captured["held_out"][name]
     hessian = HessianAccumulator(weight.shape[1], weight.device)
     hessian.add(captured["calib"][name])
-    gptq = gptq_quantize(weight, hessian.hessian(), GROUP).dequantize()
-    rtn = quantize_int4(weight, GROUP).dequantize()
-    assert _error(held_out, weight, gptq) < _error(held_out, weight, rtn)
+    gptq = gptq_quantize(weight, hessian.hessian(), group, kind=kind).dequantize()
+    assert _error(held_out, weight, gptq) < _error(held_out, weight, rtn(weight).dequantize())
 
 
 @pytest.mark.parametrize("name", ["qkv", "down"])

@@ -32,7 +32,7 @@ def _greedy(engine: LLMEngine) -> list[list[int]]:
     return [list(outputs[str(index)]) for index in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int8-rtn", "int4"])
 def test_quantized_engine_matches_float_run_of_its_weights(tiny_dir, method):
     """float32: the swapped modules dequantize on the fly, so the same weights give the same tokens
     (the bf16 packed kernels are checked against their weights in test_formats: their different
@@ -58,7 +58,7 @@ def test_quantized_engine_matches_float_run_of_its_weights(tiny_dir, method):
     [
         (
             ["generate", "hi", "--quantization", "int3"],
-            "quantization must be one of int8, int4, awq, gptq, gguf",
+            "quantization must be one of int8, int8-rtn, int4, awq, gptq, gguf",
         ),
         (["generate", "hi", "--quantization", "int4", "--quantization-group-size", "48"], "must be one of"),
         (["generate", "hi", "--quantization", "gguf"], "quantization gguf needs a GGUF model"),

@@ -7,7 +7,8 @@ import torch
 
 from llmserve.quantization.checkpoint import load_quantized, save_quantized
 from llmserve.quantization.config import QuantizationConfig, resolve_group_size
-from llmserve.quantization.formats import concat_rows, quantize_int4, quantize_int8
+from llmserve.quantization.formats import Int8Weight, concat_rows, quantize_int4, quantize_int8
+from llmserve.quantization.gptq import gptq_quantize
 from llmserve.quantization.kernels import (
     DequantizeKernel,
     Int4PackedKernel,
@@ -48,6 +49,32 @@ def test_int4_round_trip_within_half_a_step_and_exact_extremes(weight, group):
     torch.testing.assert_close(restored.amax(-1), grouped.amax(-1), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("kind", "group", "rtn"),
+    [("int8", None, lambda w: quantize_int8(w)), ("int4", 32, lambda w: quantize_int4(w, 32))],
+)
+def test_gptq_with_uncorrelated_inputs_is_rtn(weight, kind, group, rtn):
+    """A diagonal Hessian gives no column anything to compensate: GPTQ must round to nearest."""
+    hessian = torch.diag(torch.rand(128) + 0.5)
+    q, expected = gptq_quantize(weight, hessian, group, kind=kind), rtn(weight)
+    assert type(q) is type(expected) and q.group_size == expected.group_size
+    assert torch.equal(q.qweight, expected.qweight)
+    torch.testing.assert_close(q.scales, expected.scales, rtol=0, atol=0)
+
+
+def test_gptq_int8_per_channel_keeps_the_single_packed_call(weight):
+    torch.manual_seed(1)
+    x = torch.randn(512, 128) @ torch.randn(128, 128)  # correlated inputs: errors get compensated
+    q = gptq_quantize(weight, 2 * x.t() @ x / 512, None, kind="int8")
+    assert q.qweight.dtype == torch.int8 and q.scales.shape == (96, 1)
+    assert q.qweight.abs().max() <= 127
+    assert type(select_kernel(q, torch.bfloat16, torch.device("cpu"))) is Int8PackedKernel
+    # The objective GPTQ minimizes: the output error on its own calibration inputs.
+    gptq_error = (x @ (q.dequantize() - weight).t()).pow(2).mean()
+    rtn_error = (x @ (quantize_int8(weight).dequantize() - weight).t()).pow(2).mean()
+    assert gptq_error < 0.8 * rtn_error
+
+
 def test_concat_rows_fuses_and_refuses_mixed_formats(weight):
     a, b = quantize_int4(weight[:32], 32), quantize_int4(weight[32:], 32)
     torch.testing.assert_close(concat_rows([a, b]).dequantize(), quantize_int4(weight, 32).dequantize())
@@ -77,6 +104,19 @@ def test_packed_kernels_multiply_by_the_quantized_weight(weight, make, kernel_cl
     torch.testing.assert_close(out.double(), expected, rtol=0.02, atol=0.05)
 
 
+def test_int8_packed_kernel_takes_a_weight_at_an_unaligned_address(weight):
+    """Checkpoints load as views into one buffer; `_weight_int8pack_mm` crashed on such a weight."""
+    q = quantize_int8(weight)
+    buffer = torch.zeros(q.qweight.numel() + 40, dtype=torch.int8)
+    unaligned = buffer[40:].view(q.shape)
+    unaligned.copy_(q.qweight)
+    assert unaligned.data_ptr() % 64 != 0
+    kernel = select_kernel(Int8Weight(unaligned, q.scales, q.group_size), torch.bfloat16, torch.device("cpu"))
+    x = torch.randn(4, 128).to(torch.bfloat16)
+    expected = x.double() @ kernel.dequantize(torch.float32).double().t()
+    torch.testing.assert_close(kernel(x).double(), expected, rtol=0.02, atol=0.05)
+
+
 def test_float32_dequantizes_on_the_fly(weight):
     q = quantize_int4(weight, 32)
     kernel = select_kernel(q, torch.float32, torch.device("cpu"))
@@ -102,6 +142,6 @@ def test_group_size_resolution():
         resolve_group_size(128, (576,))
     with pytest.raises(ValueError, match="must be one of"):
         resolve_group_size(48, (576,))
-    with pytest.raises(ValueError, match="quantization must be one of int8, int4, awq, gptq, gguf"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int8-rtn, int4, awq, gptq, gguf"):
         QuantizationConfig.create("int3", None, (64,))
     assert QuantizationConfig.create(None, None, (64,)) is None
