@@ -8,17 +8,35 @@ if compilation fails the engine falls back to the pure-PyTorch reference backend
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger("llmserve")
 
 _SOURCES = [
     str(Path(__file__).parent / "csrc" / name) for name in ("module.cpp", "paged_attention.cpp", "linear.cpp")
 ]
+
+
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _build_directory(root: str) -> str:
+    """One build per distinct source, torch and flags: two checkouts (or versions) on one machine then
+    never rebuild over each other's module, each finds its own build on the next start."""
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(Path(source).read_bytes())
+    digest.update(f"{torch.__version__} {sys.version_info[:2]} {_CFLAGS}".encode())
+    path = Path(root) / f"llmserve_cpu_ops-{digest.hexdigest()[:16]}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 @functools.cache
@@ -31,16 +49,17 @@ def load_cpu_ops() -> ModuleType | None:
         bin_dir = os.path.dirname(sys.executable)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        os.environ.setdefault(
-            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "llmserve" / "torch_extensions")
+        build_root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
+            Path.home() / ".cache" / "llmserve" / "torch_extensions"
         )
         return load(
             name="llmserve_cpu_ops",
             sources=_SOURCES,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
+            build_directory=_build_directory(build_root),
             verbose=False,
         )
     except Exception as error:  # noqa: BLE001 - any build failure means "use the fallback"
-        logger.warning("compiled CPU attention unavailable (%s); using the torch reference backend", error)
+        logger.warning("compiled CPU kernels unavailable (%s); using the torch reference paths", error)
         return None

@@ -54,7 +54,7 @@ inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
 }
 
 // Readers of one cached (slot, kv head) row into floats. Plain rows are head_dim values of the
-// cache's dtype; 8-bit rows (kv_format.py) are head_dim codes followed by the row's float32 scale.
+// cache's dtype; 8-bit rows (kv_format.py) are head_dim codes followed by the row's float16 scale.
 template <typename T>
 struct PlainRows {
   using elem_t = T;
@@ -63,14 +63,14 @@ struct PlainRows {
 };
 
 inline float read_scale(const uint8_t* src, int64_t n) {
-  float scale;
-  std::memcpy(&scale, src + n, sizeof(scale));
-  return scale;
+  uint16_t bits;
+  std::memcpy(&bits, src + n, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
 struct Int8Rows {
   using elem_t = uint8_t;
-  static constexpr int64_t extra = 4;
+  static constexpr int64_t extra = 2;
   static void load(const uint8_t* src, float* dst, int64_t n) {
     const float scale = read_scale(src, n);
     const int8_t* codes = reinterpret_cast<const int8_t*>(src);
@@ -81,7 +81,7 @@ struct Int8Rows {
 
 struct Fp8Rows {
   using elem_t = uint8_t;
-  static constexpr int64_t extra = 4;
+  static constexpr int64_t extra = 2;
   static const float* table() {  // every float8_e4m3fn bit pattern's value, built once
     static const std::vector<float> values = [] {
       std::vector<float> v(256);
@@ -405,7 +405,7 @@ void for_each_item(int64_t num_seqs, int64_t num_kv_heads, const int64_t* seq_le
 
 // query [T, H, D]: the query tokens of every sequence, sequence b's at rows query_starts[b] ..
 // query_starts[b + 1] - 1 (its last positions). key_cache, value_cache [slots, KVH, D] in the query's
-// dtype, or, for an 8-bit cache (kv_format 1 = int8, 2 = fp8), [slots, KVH, D + 4] bytes; block_tables
+// dtype, or, for an 8-bit cache (kv_format 1 = int8, 2 = fp8), [slots, KVH, D + 2] bytes; block_tables
 // [B, max_blocks] int64; seq_lens [B] int64 (context lengths, this step's tokens included); window > 0
 // keeps only the first `sinks` and the last `window` positions. Returns [T, H, D].
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -429,8 +429,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   if (kv_format == 0) {
     TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), "a plain KV cache must have the query's dtype");
   } else {
-    TORCH_CHECK(key_cache.scalar_type() == torch::kByte && key_cache.size(2) == head_dim + 4,
-                "an 8-bit KV cache must be uint8 rows of head_dim + 4 bytes");
+    TORCH_CHECK(key_cache.scalar_type() == torch::kByte && key_cache.size(2) == head_dim + 2,
+                "an 8-bit KV cache must be uint8 rows of head_dim + 2 bytes");
   }
   if (num_seqs == 0) return out;
   const int64_t* lens_ptr = lens.data_ptr<int64_t>();
