@@ -17,6 +17,7 @@ from llmserve.spec_decode.metrics import SpecDecodeStats
 
 MAX_N = 16  # choices per prompt
 MAX_STOP_SEQUENCES = 16
+MAX_SPECULATIVE_TOKENS = 15  # a verify span of K + 1 stays within the in-place attention kernel
 MAX_SEED = 2**63 - 1 - MAX_N  # parallel samples use seed + index, which must stay an int64
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -79,6 +80,8 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     priority: int = 0  # lower runs first when the server uses --scheduling-policy priority
+    # drafts per step for this request when the server speculates (None: the server's K; 0: off)
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -135,6 +138,7 @@ class _SamplingRequest(_Request):
             stop=list(self.stop),
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
 
