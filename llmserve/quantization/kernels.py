@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.kernels.cpu_ops import load_cpu_ops
+from llmserve.kernels.small_batch_linear import MAX_ROWS as SMALL_BATCH_MAX_ROWS
 from llmserve.quantization.formats import Int4Weight, Int8Weight, QuantizedWeight
 
 _INT4_INNER_K_TILES = 1  # the CPU packing ignores tiling beyond this; any value >= 1 is accepted
@@ -65,10 +67,17 @@ class Int8PackedKernel(LinearKernel):
         super().__init__()
         self.register_buffer("qweight", weight.qweight.clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", weight.scales[:, 0].to(dtype).contiguous())
+        # At 1-8 rows the compiled int8 matrix-vector kernel (kernels/csrc/linear.cpp) streams the
+        # codes at memory speed; it multiplies by the same (bf16-rounded) scales as the packed op.
+        self._small_batch = _small_batch_int8_op(self.qweight.shape[1])
+        self.register_buffer("scales_float", self.scales.float() if self._small_batch is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        if self._small_batch is not None and flat.shape[0] <= SMALL_BATCH_MAX_ROWS:
+            out = self._small_batch(flat.contiguous(), self.qweight, self.scales_float)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
         return out.view(*x.shape[:-1], -1)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -130,6 +139,14 @@ class Int4PackedKernel(LinearKernel):
         cols = self.scales_and_zeros.shape[0] * self.group_size
         eye = torch.eye(cols, dtype=self.scales_and_zeros.dtype, device=self.packed.device)
         return self.forward(eye).t().to(dtype)
+
+
+def _small_batch_int8_op(in_features: int) -> Callable | None:
+    """The compiled small-batch int8 kernel, where this build has it and the width suits it."""
+    ops = load_cpu_ops()
+    if ops is None or not ops.small_batch_linear_supported() or in_features % 32:
+        return None
+    return ops.small_batch_linear_int8
 
 
 def _packed_cpu(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:

@@ -59,3 +59,19 @@ def test_module_swap_keeps_parameters_and_tied_weights_and_falls_back():
     torch.testing.assert_close(model["proj"](x).float(), before.float(), atol=3e-2, rtol=2e-2)
     many = torch.randn(MAX_ROWS + 1, 64).bfloat16()  # more rows: F.linear, bit for bit
     assert torch.equal(model["proj"](many), F.linear(many, model["proj"].weight, model["proj"].bias))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 32), (576, 1536)])
+def test_int8_matches_dequantized_reference(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
+    exact = (x.double() @ codes.double().T) * scales.double()  # the codes are exact in bf16
+    actual = ops.small_batch_linear_int8(x, codes, scales)
+    assert actual.dtype == torch.bfloat16 and actual.shape == (rows, out_features)
+    magnitude = (x.double().abs() @ codes.double().abs().T) * scales.double()
+    assert ((actual.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-5 * magnitude).all()
+    packed = torch.ops.aten._weight_int8pack_mm(x, codes, scales.bfloat16())  # what larger batches use
+    torch.testing.assert_close(actual.float(), packed.float(), atol=2e-2, rtol=2e-2)
