@@ -1,7 +1,7 @@
 """The engine behind the HTTP server: one background loop that every request shares.
 
-The synchronous engine runs in its own thread (torch releases the GIL in its kernels, so the event
-loop stays responsive). Requests and aborts reach it through a thread-safe command queue, drained
+The synchronous engine is built and runs in its own thread (torch releases the GIL in its kernels,
+so the event loop stays responsive). Requests and aborts reach it through a thread-safe command queue, drained
 at the start of every step; outputs come back to each request's asyncio queue, all of a step's
 outputs in one `call_soon_threadsafe` per event loop (one wakeup per step, not one per request:
 each wakeup is a self-pipe write that lets the event loop thread take the GIL and a core from the
@@ -51,15 +51,21 @@ class _Abort:
 
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs) -> None:
-        self.engine = LLMEngine(engine_args)
-        self.tokenizer = self.engine.tokenizer
-        self.config = self.engine.config
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._load_and_run, args=(engine_args,), name="llmserve-engine", daemon=True
+        )
         self._thread.start()
+        self._loaded.wait()
+        if self._load_error is not None:  # bad model or flags: the caller reports it, as before
+            raise self._load_error
+        self.tokenizer = self.engine.tokenizer
+        self.config = self.engine.config
 
     # -- the API the server calls ------------------------------------------------------------------
 
@@ -111,6 +117,18 @@ class AsyncLLM:
         self._thread.join(timeout)
 
     # -- the engine thread -------------------------------------------------------------------------
+
+    def _load_and_run(self, engine_args: EngineArgs) -> None:
+        # The engine is built on the thread that steps it: stepping a model loaded by another thread
+        # measured about 15% slower per decode step here (docs/benchmarks.md, "HTTP overhead").
+        try:
+            self.engine = LLMEngine(engine_args)
+        except BaseException as error:  # noqa: BLE001 - handed to __init__, which raises it
+            self._load_error = error
+            self._loaded.set()
+            return
+        self._loaded.set()
+        self._run()
 
     def _run(self) -> None:
         try:
