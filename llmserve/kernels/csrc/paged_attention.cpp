@@ -343,21 +343,24 @@ void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, 
   const int64_t stride = batch.slot_stride();
   float* scores = scratch.grow(scratch.scores, rows * context);
   float* acc = scratch.grow(scratch.acc, rows * D);
-  // The query rows stay bf16: vdpbf16ps multiplies bf16 pairs exactly and sums in float32.
-  std::vector<__m512i> q(rows * K);
-  for (int64_t r = 0; r < rows; ++r) {
-    const auto* src = reinterpret_cast<const uint16_t*>(batch.query + batch.head_offset(seq, kv_head, r));
-    for (int j = 0; j < K; ++j) q[r * K + j] = _mm512_loadu_si512(src + 32 * j);
-  }
+  // The query rows are read where they are, as bf16: vdpbf16ps multiplies bf16 pairs exactly and sums
+  // in float32. Row r = (token i, head g of the group) is at queries + i * token_stride + g * D.
+  const auto* queries = reinterpret_cast<const uint16_t*>(batch.query + batch.head_offset(seq, kv_head, 0));
+  const int64_t token_stride = batch.num_heads * D;
   const float scale = batch.scale;
   const auto* keys = reinterpret_cast<const uint16_t*>(batch.key_cache) + kv_head * batch.row_len;
   walk_context(span, keys, table, batch.block_size, stride, 2 * D, [&](const uint16_t* key_row, int64_t index) {
     __m512i k[K];
     for (int j = 0; j < K; ++j) k[j] = _mm512_loadu_si512(key_row + 32 * j);
-    for (int64_t r = 0; r < rows; ++r) {
-      __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[r * K], (__m512bh)k[0]);
-      for (int j = 1; j < K; ++j) sum = _mm512_dpbf16_ps(sum, (__m512bh)q[r * K + j], (__m512bh)k[j]);
-      scores[r * context + index] = scale * _mm512_reduce_add_ps(sum);
+    float* score = scores + index;
+    for (int64_t i = 0; i < num_queries; ++i) {
+      for (int64_t g = 0; g < group; ++g, score += context) {
+        const uint16_t* q = queries + i * token_stride + g * D;
+        __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(q), (__m512bh)k[0]);
+        for (int j = 1; j < K; ++j)
+          sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q + 32 * j), (__m512bh)k[j]);
+        *score = scale * _mm512_reduce_add_ps(sum);
+      }
     }
   });
   softmax_rows(span, group, scores);
@@ -394,7 +397,7 @@ void for_each_item(int64_t num_seqs, int64_t num_kv_heads, const int64_t* seq_le
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_items));
 #pragma omp parallel num_threads(threads)
   {
-    Scratch scratch;
+    static thread_local Scratch scratch;  // kept across calls: no allocation per layer once grown
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item)
       attend(order[item / num_kv_heads], item % num_kv_heads, scratch);
@@ -466,13 +469,4 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
     }
   });
   return out;
-}
-
-// Whether this build has the bfloat16 fast path (tests check both paths where they can).
-bool has_bf16_fast_path() {
-#ifdef LLMSERVE_BF16_FAST_PATH
-  return true;
-#else
-  return false;
-#endif
 }
