@@ -18,7 +18,7 @@ from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.output_processor import OutputProcessor
-from llmserve.kernels.small_batch_linear import can_use_small_batch_linear, use_small_batch_linear
+from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.metrics.stats import StepStats
 from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
 from llmserve.models.registry import build_model
@@ -46,8 +46,7 @@ class LLMEngine:
             from llmserve.quantization.methods import quantize_model
 
             quantize_model(model, self.config.model, self.tokenizer)
-        if can_use_small_batch_linear(self.config.model.device, self.config.model.dtype):
-            use_small_batch_linear(model)  # bf16 matrix-vector kernel for decode at small batch
+        use_small_batch_linear(model)  # bf16 on CPU: the matrix-vector kernel for decode at small batch
         cache = self.config.cache
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks,
