@@ -24,7 +24,7 @@ needs_kernel = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compile
 def paged_case(decode_lens, prefills, sinks=0, window=0, kv_dtype="auto", seed=0):
     """Random K/V for every position of each sequence in a paged cache; new tokens are each
     sequence's last positions (decodes: one; prefills: (num_queries, seq_len)). Returns the backend
-    inputs and the dense K/V as stored (dequantized) per sequence."""
+    inputs, the dense K/V as stored (dequantized) per sequence, and the block tables (after eviction)."""
     gen = torch.Generator().manual_seed(seed)
     fmt = get_kv_cache_format(kv_dtype)
     lens = list(decode_lens) + [n for _, n in prefills]
@@ -57,11 +57,10 @@ def paged_case(decode_lens, prefills, sinks=0, window=0, kv_dtype="auto", seed=0
     value = torch.cat([dense[s][1][rows] for s, rows in enumerate(new_rows)])
     if fmt.is_quantized:  # write the original floats: re-quantizing them gives the stored codes
         key, value = key.clone(), value.clone()
-    paged_case.tables = tables  # the block tables after eviction, for tests that build their own metadata
     slot = lambda seq, pos: tables[seq, pos // BLOCK] * BLOCK + pos % BLOCK  # noqa: E731
     slot_mapping = torch.cat([slot(s, rows) for s, rows in enumerate(new_rows)])
     metadata = build_metadata(tables, lens, new_counts, len(decode_lens), sinks, window, slot_mapping, slot)
-    return queries, key, value, caches, metadata, dense, lens, new_counts
+    return queries, key, value, caches, metadata, dense, lens, new_counts, tables
 
 
 def build_metadata(tables, lens, new_counts, num_decodes, sinks, window, slot_mapping, slot):
@@ -128,7 +127,7 @@ CASES = [  # (decode_lens, prefills, sinks, window)
 @pytest.mark.parametrize(("decode_lens", "prefills", "sinks", "window"), CASES)
 def test_torch_backend_matches_dense_masked_reference(kv_dtype, decode_lens, prefills, sinks, window):
     case = paged_case(decode_lens, prefills, sinks, window, kv_dtype)
-    expected = dense_reference(case[0], *case[5:], sinks, window)
+    expected = dense_reference(case[0], *case[5:8], sinks, window)
     actual = run(TorchSDPABackend(kv_dtype), case)
     torch.testing.assert_close(actual.double(), expected, atol=2e-5, rtol=2e-5)
 
@@ -183,7 +182,7 @@ def test_kernel_spans_match_dense_reference(kv_dtype, decode_lens, prefills, sin
     sinks and window per query, 8-bit rows dequantized; long spans stay prefills."""
     from llmserve.attention.backends.cpu_paged import CPUPagedBackend
 
-    queries, key, value, caches, metadata, dense, lens, new_counts = paged_case(
+    queries, key, value, caches, metadata, dense, lens, new_counts, tables = paged_case(
         decode_lens, prefills, sinks, window, kv_dtype, seed=2
     )
     backend = CPUPagedBackend(kv_dtype)
@@ -198,7 +197,7 @@ def test_kernel_spans_match_dense_reference(kv_dtype, decode_lens, prefills, sin
         decode_context_slots=None,
         decode_context_mask=None,
         prefills=metadata.prefills[num_short - len(decode_lens) :],
-        decode_block_tables=paged_case.tables[:num_short].contiguous(),
+        decode_block_tables=tables[:num_short].contiguous(),
         decode_seq_lens=torch.tensor(lens[:num_short], dtype=torch.int64),
         decode_query_starts=starts,
         block_size=BLOCK,

@@ -77,28 +77,21 @@ def test_a_request_that_does_not_speculate_has_no_speculative_usage(client):
 
 def test_per_request_number_of_drafts(client):
     """`num_speculative_tokens` in the body: 0 turns speculation off for the request, 2 caps its drafts."""
-    off = client.completions.create(
-        model=MODEL,
-        prompt=PROMPT,
-        max_tokens=10,
-        temperature=0,
-        extra_body={**NO_EOS, "num_speculative_tokens": 0},
-    )
+
+    def complete(num_speculative_tokens: int):
+        extra = {**NO_EOS, "num_speculative_tokens": num_speculative_tokens}
+        return client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, extra_body=extra
+        )
+
+    off = complete(0)
     assert off.usage.model_extra == {}
-    two = client.completions.create(
-        model=MODEL,
-        prompt=PROMPT,
-        max_tokens=10,
-        temperature=0,
-        extra_body={**NO_EOS, "num_speculative_tokens": 2},
-    )
+    two = complete(2)
     spec = two.usage.model_extra["speculative"]
     assert spec["num_draft_tokens"] <= 2 * spec["num_drafts"] and spec["num_drafts"] >= 3
     assert two.choices[0].text == off.choices[0].text
     with pytest.raises(openai.BadRequestError, match="num_speculative_tokens"):
-        client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"num_speculative_tokens": 99}
-        )
+        complete(99)
 
 
 def test_metrics_count_drafts_and_expose_rates(spec_server, client):

@@ -13,7 +13,8 @@ BLOCK = 16
 
 
 def random_batch(dtype, decode_lens, prefill_spans, heads=9, kv_heads=3, head_dim=64, seed=0):
-    """A paged cache with random contents and random (non-contiguous) block tables."""
+    """A paged cache with random contents and random (non-contiguous) block tables; returns the
+    backend inputs and the tables."""
     gen = torch.Generator().manual_seed(seed)
     lens = decode_lens + [ctx for _, ctx in prefill_spans]
     max_blocks = max(-(-n // BLOCK) for n in lens)
@@ -22,7 +23,6 @@ def random_batch(dtype, decode_lens, prefill_spans, heads=9, kv_heads=3, head_di
     value_cache = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen)
     tables = perm[: len(lens) * max_blocks].view(len(lens), max_blocks)
-    random_batch.tables = tables  # for with_spans_in_kernel
     context_slots = [
         (tables[i, torch.arange(n) // BLOCK] * BLOCK + torch.arange(n) % BLOCK) for i, n in enumerate(lens)
     ]
@@ -53,7 +53,7 @@ def random_batch(dtype, decode_lens, prefill_spans, heads=9, kv_heads=3, head_di
         decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64) if d else None,
         block_size=BLOCK,
     )
-    return query, key, value, key_cache, value_cache, metadata
+    return query, key, value, key_cache, value_cache, metadata, tables
 
 
 def with_spans_in_kernel(metadata, decode_lens, prefill_spans, tables):
@@ -81,7 +81,7 @@ def test_decode_matches_reference(dtype, atol, decode_lens):
     from llmserve.attention.backends.cpu_paged import CPUPagedBackend
 
     inputs = random_batch(dtype, decode_lens, prefill_spans=[(5, 40), (17, 17)])
-    query, key, value, key_cache, value_cache, metadata = inputs
+    query, key, value, key_cache, value_cache, metadata, _ = inputs
     scale = 64**-0.5
     expected = TorchSDPABackend().forward(
         query, key, value, key_cache.clone(), value_cache.clone(), metadata, scale
@@ -96,7 +96,7 @@ def test_gqa_group_of_one_and_plain_multi_head():
     from llmserve.attention.backends.cpu_paged import CPUPagedBackend
 
     for heads, kv_heads in ((4, 4), (8, 1)):
-        q, k, v, kc, vc, md = random_batch(
+        q, k, v, kc, vc, md, _ = random_batch(
             torch.float32, [20, 47], [], heads=heads, kv_heads=kv_heads, head_dim=32
         )
         expected = TorchSDPABackend().forward(q, k, v, kc.clone(), vc.clone(), md, 0.2)
@@ -114,14 +114,14 @@ def test_short_spans_in_kernel_match_reference(dtype, atol, head_dim, spans):
     from llmserve.attention.backends.cpu_paged import CPUPagedBackend
 
     decode_lens = [1, 17, 64, 129]
-    query, key, value, key_cache, value_cache, metadata = random_batch(
+    query, key, value, key_cache, value_cache, metadata, tables = random_batch(
         dtype, decode_lens, spans, head_dim=head_dim
     )
     scale = head_dim**-0.5
     expected = TorchSDPABackend().forward(
         query, key, value, key_cache.clone(), value_cache.clone(), metadata, scale
     )
-    in_kernel = with_spans_in_kernel(metadata, decode_lens, spans, random_batch.tables)
+    in_kernel = with_spans_in_kernel(metadata, decode_lens, spans, tables)
     actual = CPUPagedBackend().forward(
         query, key, value, key_cache.clone(), value_cache.clone(), in_kernel, scale
     )
