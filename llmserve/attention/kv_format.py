@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.kernels.cpu_ops import cpu_ops_for
+
 _SCALE_DTYPE = torch.float16
 _SCALE_BYTES = 2  # one float16 per row
 _MIN_SCALE = torch.finfo(_SCALE_DTYPE).tiny  # the smallest normal float16
@@ -58,7 +60,18 @@ class KVCacheFormat:
 
     def write(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows [n, kv_heads, head_dim] at the given slots of cache [slots, kv_heads, row]."""
-        cache.index_copy_(0, slots, rows)
+        ops = cpu_ops_for(cache)
+        if (
+            ops is not None
+            and cache.is_contiguous()
+            and rows.dtype == cache.dtype
+            and slots.dtype == torch.int64
+            and rows.stride(-1) == 1
+            and rows.stride(-2) == rows.shape[-1]
+        ):
+            ops.write_kv_rows(cache, slots, rows)  # a memcpy per token instead of an indexed copy
+        else:
+            cache.index_copy_(0, slots, rows)
 
     def read(self, cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows at `slots` (any shape) as [*slots.shape, kv_heads, head_dim] in `dtype`."""

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (paged attention, small-batch bf16 linear), built once per machine with
+"""The compiled CPU kernels (paged attention, small-batch linear, fused norm/rotary/SwiGLU), built
 torch's C++ extension loader.
 
 `make venv` builds them during set-up (so the first `llmserve serve` does not wait for a compiler);
@@ -19,9 +19,8 @@ import torch
 
 logger = logging.getLogger("llmserve")
 
-_SOURCES = [
-    str(Path(__file__).parent / "csrc" / name) for name in ("module.cpp", "paged_attention.cpp", "linear.cpp")
-]
+_SOURCE_NAMES = ("module.cpp", "paged_attention.cpp", "linear.cpp", "elementwise.cpp", "kv_write.cpp")
+_SOURCES = [str(Path(__file__).parent / "csrc" / name) for name in _SOURCE_NAMES]
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -63,3 +62,11 @@ def load_cpu_ops() -> ModuleType | None:
     except Exception as error:  # noqa: BLE001 - any build failure means "use the fallback"
         logger.warning("compiled CPU kernels unavailable (%s); using the torch reference paths", error)
         return None
+
+
+def cpu_ops_for(*tensors: torch.Tensor) -> ModuleType | None:
+    """The compiled kernels if these tensors can go to them (all on the CPU), else None: the
+    caller then runs its PyTorch formulation (CUDA, or a machine where the build failed)."""
+    if all(tensor.device.type == "cpu" for tensor in tensors):
+        return load_cpu_ops()
+    return None

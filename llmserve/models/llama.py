@@ -14,6 +14,7 @@ from torch import nn
 
 from llmserve.attention.layer import Attention
 from llmserve.config import ModelArchConfig
+from llmserve.kernels.cpu_ops import cpu_ops_for
 from llmserve.models.layers.norm import RMSNorm
 from llmserve.models.layers.rotary import RotaryEmbedding
 
@@ -42,7 +43,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(hidden)
+        ops = cpu_ops_for(gate_up) if gate_up.dim() == 2 else None
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -55,8 +60,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(arch)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden))
+        # attn_out becomes hidden + attn_out, and its normalization comes back with it: one pass
+        normed, hidden = self.post_attention_layernorm(attn_out, residual=hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

@@ -1,5 +1,7 @@
 """Greedy tokens equal HF transformers token for token, on the real default model."""
 
+import copy
+
 import pytest
 import torch
 
@@ -24,32 +26,61 @@ def test_batch_of_mixed_length_prompts_matches_hf_float32(llm_fp32, hf_model_fp3
         assert len(output.outputs[0].token_ids) == len(expected) or output.outputs[0].finish_reason == "stop"
 
 
-def test_bfloat16_matches_hf_or_diverges_only_at_a_near_tie(hf_model_fp32, prompts_5_to_600):
-    """As vLLM's check_logprobs_close: equal, or the first divergence is where HF's top two
-    tokens are within 0.05 nats of each other."""
+def test_bfloat16_matches_hf_or_diverges_within_each_others_top_5(hf_model_fp32, prompts_5_to_600):
+    """vLLM's check_logprobs_close: equal, or at the first divergence each side's token is among the
+    other's five most likely. bfloat16 greedy paths are chaotic on this model (its outlier activations
+    reach ~2,600, where a bf16 step is 16): any change in float32 summation order flips some ties, so
+    token equality is not the bar; closeness to float32 is (the next test)."""
     llm = LLM(dtype="bfloat16", kv_cache_memory="256MiB")
-    hf_bf16 = hf_model_fp32.to(torch.bfloat16)
+    hf_bf16 = copy.deepcopy(hf_model_fp32).to(torch.bfloat16)
+    prompts = prompts_5_to_600[:6]
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ours = output.outputs[0]
+        with torch.inference_mode():
+            result = hf_bf16.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=16,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=2,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            )
+        theirs = result.sequences[0, len(prompt) :].tolist()
+        for step, (a, b) in enumerate(zip(ours.token_ids, theirs, strict=False)):
+            if a != b:
+                hf_top5 = result.scores[step][0].float().topk(5).indices.tolist()
+                assert a in hf_top5, f"step {step}: our token {a} is not in HF's top 5 {hf_top5}"
+                assert b in ours.logprobs[step], f"step {step}: HF's token {b} is not in our top 5"
+                break
+
+
+def test_bfloat16_is_as_close_to_float32_as_hf_bfloat16(hf_model_fp32, prompts_5_to_600):
+    """Teacher-forced over ~600 tokens of real text: the log-probability our bf16 engine gives each
+    next token is no further from HF's float32 than HF's own bf16 model is (mean absolute error).
+    This is the accuracy bar for the fused kernels; a real bug is orders of magnitude off."""
+    text = prompts_5_to_600[-1]
+    ids = torch.tensor([text])
+
+    def next_token_logprobs(logits: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+
+    with torch.inference_mode():
+        reference = next_token_logprobs(hf_model_fp32(ids).logits[0, :-1])
+        hf_bf16 = next_token_logprobs(copy.deepcopy(hf_model_fp32).to(torch.bfloat16)(ids).logits[0, :-1])
+    llm = LLM(dtype="bfloat16", kv_cache_memory="256MiB", prefix_caching=False)
+    model = llm.engine.model_runner.model
+    hidden_rows: list[torch.Tensor] = []
+    handle = model.register_forward_hook(lambda _m, _a, hidden: hidden_rows.append(hidden.clone()))
     try:
-        prompts = prompts_5_to_600[:6]
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-        for prompt, output in zip(prompts, outputs, strict=True):
-            ours = output.outputs[0].token_ids
-            with torch.inference_mode():
-                result = hf_bf16.generate(
-                    torch.tensor([prompt]),
-                    max_new_tokens=16,
-                    do_sample=False,
-                    output_scores=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=2,
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                )
-            theirs = result.sequences[0, len(prompt) :].tolist()
-            for step, (a, b) in enumerate(zip(ours, theirs, strict=False)):
-                if a != b:
-                    logprobs = torch.log_softmax(result.scores[step][0].float(), dim=-1)
-                    top2 = logprobs.topk(2).values
-                    assert (top2[0] - top2[1]).item() < 0.05, f"diverged at step {step} without a near-tie"
-                    break
+        llm.generate([text], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     finally:
-        hf_model_fp32.to(torch.float32)
+        handle.remove()
+    hidden = torch.cat(hidden_rows)[: len(text) - 1]  # the prompt's rows, chunk after chunk
+    with torch.inference_mode():
+        ours = next_token_logprobs(model.compute_logits(hidden))
+    our_error = (ours - reference).abs().mean().item()
+    hf_error = (hf_bf16 - reference).abs().mean().item()
+    assert our_error <= 1.2 * hf_error, (our_error, hf_error)

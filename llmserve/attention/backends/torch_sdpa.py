@@ -39,8 +39,10 @@ class TorchSDPABackend:
     ) -> torch.Tensor:
         self.kv_format.write(key_cache, metadata.slot_mapping, key)
         self.kv_format.write(value_cache, metadata.slot_mapping, value)
-        output = torch.empty_like(query)
         num_decodes = metadata.num_decode_tokens
+        if not metadata.prefills:  # all decodes (most steps): no output buffer to fill piecewise
+            return self._decode(query, key_cache, value_cache, metadata, scale)
+        output = torch.empty_like(query)
         if num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, scale)
         for span in metadata.prefills:

@@ -7,10 +7,21 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight);
 bool small_batch_linear_supported();
 torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos,
+                      torch::Tensor sin, int64_t head_dim);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void write_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)");
   m.def("small_batch_linear", &small_batch_linear, "x W^T for 1-8 bfloat16 rows (AVX-512 BF16)");
   m.def("small_batch_linear_int8", &small_batch_linear_int8, "(x qweight^T) * scales for 1-8 bfloat16 rows, int8 weights");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32 inside");
+  m.def("add_rms_norm", &add_rms_norm, "x += residual in place; returns RMSNorm(x)");
+  m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE of query and key rows, in place");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of a fused [gate | up] projection");
+  m.def("write_kv_rows", &write_kv_rows, "cache[slots[i]] = rows[i], a memcpy per token");
   m.def("small_batch_linear_supported", &small_batch_linear_supported, "Whether small_batch_linear was compiled in");
 }

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmserve.kernels.cpu_ops import cpu_ops_for
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -12,7 +14,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm(x); given `residual`, x becomes x + residual (in place: x is a sublayer's fresh
+        output) and the result is (RMSNorm(x + residual), x + residual), a decoder layer's
+        "add the sublayer back, normalize for the next one" in one pass."""
+        ops = cpu_ops_for(x) if x.dim() == 2 and x.dtype == self.weight.dtype else None
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps) if ops else self.reference(x)
+        if ops:
+            return ops.add_rms_norm(x, residual, self.weight, self.eps), x
+        x = x.add_(residual)
+        return self.reference(x), x
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The PyTorch formulation (HF's): the oracle for the compiled kernel, and the CUDA path."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from llmserve.kernels.cpu_ops import cpu_ops_for
+
 
 def rope_inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (
@@ -48,6 +50,18 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_dim: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (query, key) [tokens, heads * head_dim]. On the CPU they are rotated in place by one
+        compiled call (they are views of the fresh qkv projection, so nothing else sees them change)."""
+        ops = cpu_ops_for(query) if query.dim() == 2 else None
+        if ops is not None:
+            ops.rotary_embedding(positions, query, key, self.cos, self.sin, head_dim)
+            return query, key
+        return self.reference(positions, query, key, head_dim)
+
+    def reference(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The PyTorch formulation: the oracle for the compiled kernel, and the CUDA path."""
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(query, cos, sin, head_dim), _rotate(key, cos, sin, head_dim)
