@@ -20,7 +20,8 @@ import torch
 logger = logging.getLogger("llmserve")
 
 _SOURCE_NAMES = ("module.cpp", "paged_attention.cpp", "linear.cpp", "elementwise.cpp", "kv_write.cpp")
-_SOURCES = [str(Path(__file__).parent / "csrc" / name) for name in _SOURCE_NAMES]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [str(_CSRC / name) for name in _SOURCE_NAMES]
 
 
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -30,8 +31,8 @@ def _build_directory(root: str) -> str:
     """One build per distinct source, torch and flags: two checkouts (or versions) on one machine then
     never rebuild over each other's module, each finds its own build on the next start."""
     digest = hashlib.sha256()
-    for source in _SOURCES:
-        digest.update(Path(source).read_bytes())
+    for source in sorted(_CSRC.iterdir()):  # the headers too
+        digest.update(source.read_bytes())
     digest.update(f"{torch.__version__} {sys.version_info[:2]} {_CFLAGS}".encode())
     path = Path(root) / f"llmserve_cpu_ops-{digest.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,8 @@
 // row before the weight multiplies it; SiLU rounds before the product), so bf16 outputs match the
 // reference path except where float32 sums are associated differently.
 //
-// Loops are plain C++ over float32 lanes that the compiler vectorizes (-O3 -march=native), except
-// SiLU's exponential, written with AVX-512 intrinsics where the machine has them; rows are shared among torch's threads when there are enough of them to pay for the hand-off.
+// Loops are plain C++ over float32 lanes that the compiler vectorizes (-O3 -march=native; SiLU's
+// exponential is vector_math.h's); rows are shared among torch's threads when there are enough of them to pay for the hand-off.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,11 +23,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "vector_math.h"
 
 namespace {
 
@@ -207,68 +204,13 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
 
 namespace {
 
-#ifdef __AVX512F__
-// e^x for 16 lanes to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to
-// degree 7, 2^n through the exponent bits (inputs clamped to where that stays a normal float).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  }
-  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
-}
-
-// 16 elements to float32 and back, rounding like Convert.
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline void store16(float* x, __m512 v) { _mm512_storeu_ps(x, v); }
-inline __m512 load16(const c10::BFloat16* x) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline void store16(c10::BFloat16* x, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), _mm512_cvtepi32_epi16(rounded));
-}
-template <typename scalar_t>
-inline __m512 round16(__m512 v) {
-  scalar_t tmp[16];
-  store16(tmp, v);
-  return load16(tmp);
-}
-
-template <typename scalar_t>
-constexpr bool kVectorSwiGLU = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
-#else
-template <typename scalar_t>
-constexpr bool kVectorSwiGLU = false;
-#endif
-
 // dst[i] = round(round(silu(gate[i])) * up[i]): F.silu(gate) * up with its two roundings.
 template <typename scalar_t>
 void swiglu_row(const scalar_t* gate, const scalar_t* up, scalar_t* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX512F__
-  if constexpr (kVectorSwiGLU<scalar_t>) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 g = load16(gate + i);
-      const __m512 exp_neg = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 silu = round16<scalar_t>(_mm512_div_ps(g, _mm512_add_ps(one, exp_neg)));
-      store16(dst + i, _mm512_mul_ps(silu, load16(up + i)));
-    }
-  }
-#endif
-  for (; i < n; ++i) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
     const float g = Convert<scalar_t>::load(gate[i]);
-    const float silu = round_to<scalar_t>(g / (1.0f + std::exp(-g)));
+    const float silu = round_to<scalar_t>(g / (1.0f + vexp(-g)));
     dst[i] = Convert<scalar_t>::store(silu * Convert<scalar_t>::load(up[i]));
   }
 }

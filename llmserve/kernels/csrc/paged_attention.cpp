@@ -18,6 +18,8 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <omp.h>
 
+#include "vector_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -110,19 +112,6 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 inline void axpy(float alpha, const float* __restrict x, float* __restrict y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
-
-// exp(x) = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its degree-6 Taylor polynomial
-// (relative error ~1e-7). Unlike std::exp it vectorizes, and softmax spends most of its time here.
-inline float vexp(float x) {
-  const float t = std::max(x, -87.0f) * 1.4426950408889634f;
-  const float n = std::nearbyint(t);
-  const float f = (t - n) * 0.6931471805599453f;  // back to natural-log units: 2^(t-n) = e^f
-  const float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // ---- which positions a sequence reads, and which of them each query sees ---------------------------
