@@ -12,7 +12,8 @@ from llmserve.entrypoints.cli import main
 
 # The tiny model has 2 layers: early_exit:2 is the target drafting for itself (accepts everything).
 FLAGS = ["--dtype", "float32", "--kv-cache-memory", "8MiB", "--num-prompts", "2", "--document-len", "32",
-         "--max-tokens", "8", "--batch-sizes", "1,3", "--throughput-output-len", "5", "--throughput-repeats", "2",
+         "--max-tokens", "8", "--batch-sizes", "1,3", "--throughput-output-len", "5",
+         "--throughput-repeats", "2",
          "--methods", "ngram,early_exit", "--early-exit-layers", "1,2", "--throughput-method", "early_exit:2",
          "--speculative-disable-batch-size", "2"]  # fmt: skip
 
