@@ -121,3 +121,10 @@ def test_config_rejects_bad_flags_naming_them(args, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.create(*args)
     assert SpeculativeConfig.create("none", 3, 2, 4, None, None, 0) is None
+
+
+def test_default_k_is_the_methods():
+    """N-gram drafts adapt to the match, so K is only their cap (7: an 8-row verify pass)."""
+    assert SpeculativeConfig.create("ngram", None, 2, 4, None, None, 0).num_speculative_tokens == 7
+    assert SpeculativeConfig.create("early_exit", None, 2, 4, None, None, 0).num_speculative_tokens == 3
+    assert SpeculativeConfig.create("ngram", 2, 2, 4, None, None, 0).num_speculative_tokens == 2
