@@ -161,7 +161,9 @@ class EngineArgs:
     speculative_method: str | None = _arg(
         None, "ngram (prompt lookup) | draft (a smaller model) | early_exit (the target's first layers)"
     )
-    num_speculative_tokens: int = _arg(3, "drafts proposed per step and request (K)")
+    num_speculative_tokens: int | None = _arg(
+        None, "drafts per step and request at most (K); default 7 for ngram (its drafts adapt), else 3"
+    )
     speculative_draft_model: str | None = _arg(
         None, "draft: GGUF file or HF directory of a model with the target's tokenizer"
     )

@@ -582,7 +582,8 @@ def _add_spec_decode(commands) -> None:
     parser.add_argument("--document-len", type=int, default=400, help="tokens of each grounded document")
     parser.add_argument("--max-tokens", type=int, default=128, help="latency: tokens at most (EOS ends)")
     parser.add_argument("--batch-sizes", type=_positive_ints, default=[1, 4, 16, 64])
-    parser.add_argument("--throughput-output-len", type=int, default=64)
+    parser.add_argument("--throughput-output-len", type=int, default=128, help="tokens per request")
+    parser.add_argument("--throughput-repeats", type=int, default=3, help="waves per batch size and mode")
     parser.add_argument("--throughput-method", default="ngram", help="method measured on/auto ('' skips)")
     add_output_arguments(parser)
     add_engine_arguments(parser)
@@ -598,7 +599,7 @@ def cmd_spec_decode(args: argparse.Namespace) -> int:
         run_benchmark,
     )
 
-    for name in ("num_prompts", "document_len", "max_tokens", "throughput_output_len"):
+    for name in ("num_prompts", "document_len", "max_tokens", "throughput_output_len", "throughput_repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     engine_args = engine_args_from(args)
@@ -616,6 +617,7 @@ def cmd_spec_decode(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         batch_sizes=tuple(args.batch_sizes),
         throughput_output_len=args.throughput_output_len,
+        throughput_repeats=args.throughput_repeats,
         seed=args.seed,
     )
     payload = run_benchmark(engine_args, config)

@@ -7,14 +7,17 @@ answer quotes its input and prompt lookup shines) and open-ended chat (where it 
 must produce the tokens of no speculation (`matching_outputs`); the speedup is none's ms per token over
 the method's.
 
-Throughput: one wave of B grounded requests of a fixed length (EOS ignored), for B in e.g. 1, 4, 16,
-64, through three engines that differ only in speculation: off, on (never disabled) and auto (off
-while more than `--speculative-disable-batch-size` requests run).
+Throughput: waves of B grounded requests of a fixed length (EOS ignored), for B in e.g. 1, 4, 16, 64,
+through three engines that differ only in speculation: off, on (never disabled) and auto (off while
+more than `--speculative-disable-batch-size` requests run). Only decode steps are timed (prefill is
+the same work in every mode), each cell runs several times with the three modes back to back, and
+the tables give medians, so slow drift of a shared machine hits all three alike.
 """
 
 from __future__ import annotations
 
-import time
+import itertools
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -44,7 +47,10 @@ LATENCY_COLUMNS = (
     "workload", "method", "ms_per_token", "speedup", "acceptance_rate", "mean_accepted_length",
     "output_tokens", "matching_outputs",
 )  # fmt: skip
-THROUGHPUT_COLUMNS = ("batch_size", "mode", "output_tok_s", "speedup", "acceptance_rate", "seconds")
+THROUGHPUT_COLUMNS = (
+    "batch_size", "mode", "output_tok_s", "speedup", "speedup_min", "speedup_max", "acceptance_rate",
+    "repeats",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -172,52 +178,113 @@ def compare_to_baseline(result: LatencyResult, baseline: LatencyResult, tokens, 
 
 @dataclass
 class ThroughputResult:
+    """One wave's decode: only steps that computed no prompt tokens count (prefill is the same work
+    whatever the mode, and in a short wave it would hide the decode difference)."""
+
     mode: str  # "off", "on" or "auto"
     batch_size: int
-    output_tokens: int
-    seconds: float
+    repeat: int
+    output_tokens: int  # generated in decode-only steps
+    seconds: float  # those steps' time
     num_draft_tokens: int
     num_accepted_tokens: int
-    speedup: float | None = None  # output tok/s over "off" at the same batch size
 
     @property
     def output_tok_s(self) -> float:
-        return self.output_tokens / self.seconds
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class ThroughputSummary:
+    """The median over repeats of one (batch size, mode) cell, and of its ratio to "off" in the same
+    repeat (the modes of a repeat run back to back, so machine drift hits them alike)."""
+
+    batch_size: int
+    mode: str
+    repeats: int
+    output_tok_s: float  # median
+    speedup: float  # median of (this mode / off) per repeat
+    speedup_min: float
+    speedup_max: float
+    acceptance_rate: float
+    output_tokens: int  # per wave (decode-only steps)
 
     def to_json(self) -> dict:
-        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-        return {**asdict(self), "output_tok_s": self.output_tok_s, "acceptance_rate": rate}
+        return asdict(self)
 
 
 def measure_throughput(
-    llm, mode: str, prompts: Sequence[list[int]], batch_size: int, output_len: int
+    llm, mode: str, prompts: Sequence[list[int]], batch_size: int, output_len: int, repeat: int = 0
 ) -> ThroughputResult:
     """One wave of `batch_size` requests (the prompts cycled), each exactly `output_len` tokens."""
-    batch = [prompts[i % len(prompts)] for i in range(batch_size)]
-    before = _copy(llm.engine.spec_decode_stats)
-    start = time.perf_counter()
-    outputs = llm.generate(batch, greedy_params(output_len), use_tqdm=False)
-    seconds = time.perf_counter() - start
-    after = llm.engine.spec_decode_stats
-    return ThroughputResult(
-        mode=mode,
-        batch_size=batch_size,
-        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
-        seconds=seconds,
-        num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
-        num_accepted_tokens=after.num_accepted_tokens - before.num_accepted_tokens,
-    )
+    engine = llm.engine
+    for index in range(batch_size):
+        request_id = f"spec-bench-{next(_request_ids)}"
+        engine.add_request(request_id, prompts[index % len(prompts)], greedy_params(output_len))
+    result = ThroughputResult(mode, batch_size, repeat, 0, 0.0, 0, 0)
+    while engine.has_unfinished_requests():
+        engine.step()
+        step = engine.last_step
+        if step is None or step.num_prompt_tokens:
+            continue
+        result.output_tokens += step.num_generation_tokens
+        result.seconds += step.step_seconds
+        result.num_draft_tokens += step.num_draft_tokens
+        result.num_accepted_tokens += step.num_accepted_tokens
+    return result
 
 
-def fill_throughput_speedups(results: Sequence[ThroughputResult]) -> None:
-    off = {r.batch_size: r.output_tok_s for r in results if r.mode == "off"}
+_request_ids = itertools.count()
+
+
+def run_throughput(
+    engines: dict[str, object], prompts, config: SpecBenchConfig, progress=print
+) -> list[ThroughputResult]:
+    """Every batch size `config.throughput_repeats` times; within a repeat the modes run back to back
+    in an order that rotates between repeats, so none always runs first or last."""
+    modes = list(engines)
+    results = []
+    for repeat in range(config.throughput_repeats):
+        for batch_size in config.batch_sizes:
+            shift = repeat % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                results.append(
+                    measure_throughput(
+                        engines[mode], mode, prompts, batch_size, config.throughput_output_len, repeat
+                    )
+                )
+            progress(f"throughput repeat {repeat + 1}, batch {batch_size}: " + ", ".join(
+                f"{r.mode} {r.output_tok_s:.1f}" for r in results[-len(modes):]
+            ))  # fmt: skip
+    return results
+
+
+def summarize_throughput(results: Sequence[ThroughputResult]) -> list[ThroughputSummary]:
+    """Medians per (batch size, mode), ratios against "off" of the same repeat."""
+    off = {(r.batch_size, r.repeat): r.output_tok_s for r in results if r.mode == "off"}
+    cells: dict[tuple[int, str], list[ThroughputResult]] = {}
     for result in results:
-        if result.batch_size in off:
-            result.speedup = result.output_tok_s / off[result.batch_size]
-
-
-def _copy(stats: SpecDecodeStats) -> SpecDecodeStats:
-    return stats + SpecDecodeStats()
+        cells.setdefault((result.batch_size, result.mode), []).append(result)
+    summaries = []
+    for (batch_size, mode), runs in sorted(cells.items()):
+        ratios = [
+            r.output_tok_s / off[(batch_size, r.repeat)] for r in runs if off.get((batch_size, r.repeat))
+        ]
+        drafted = sum(r.num_draft_tokens for r in runs)
+        summaries.append(
+            ThroughputSummary(
+                batch_size=batch_size,
+                mode=mode,
+                repeats=len(runs),
+                output_tok_s=statistics.median(r.output_tok_s for r in runs),
+                speedup=statistics.median(ratios) if ratios else 0.0,
+                speedup_min=min(ratios, default=0.0),
+                speedup_max=max(ratios, default=0.0),
+                acceptance_rate=sum(r.num_accepted_tokens for r in runs) / drafted if drafted else 0.0,
+                output_tokens=runs[0].output_tokens,
+            )
+        )
+    return summaries
 
 
 def warm_up(llm, prompt: Sequence[int]) -> None:
@@ -236,7 +303,8 @@ class SpecBenchConfig:
     document_len: int = 400  # tokens of each grounded prompt's document
     max_tokens: int = 128  # latency: at most this many tokens (EOS ends earlier)
     batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
-    throughput_output_len: int = 64
+    throughput_output_len: int = 128
+    throughput_repeats: int = 3  # waves per (batch size, mode); the tables give medians
     seed: int = 0
 
 
@@ -246,7 +314,6 @@ def run_benchmark(engine_args, config: SpecBenchConfig, progress=print) -> dict:
 
     base = {**asdict(engine_args), "speculative_disable_batch_size": 0}
     latency: list[LatencyResult] = []
-    throughput: list[ThroughputResult] = []
     baseline: dict[str, tuple[LatencyResult, list]] = {}
     workloads = None
     for method in config.methods:
@@ -262,22 +329,26 @@ def run_benchmark(engine_args, config: SpecBenchConfig, progress=print) -> dict:
                 baseline[name] = (result, tokens)
             compare_to_baseline(result, baseline[name][0], tokens, baseline[name][1])
             latency.append(result)
-        if config.throughput_method and method.name in ("none", config.throughput_method):
-            mode = "off" if method.name == "none" else "on"
-            throughput += _throughput_runs(llm, mode, throughput_prompts, config)
         del llm
-    auto = next((m for m in config.methods if m.name == config.throughput_method), None)
-    if auto is not None:
-        progress(f"method {auto.name}, auto-disabled above {engine_args.speculative_disable_batch_size}")
-        llm = LLM(**{**asdict(engine_args), **auto.engine_kwargs})
-        warm_up(llm, workloads["grounded"][0])
-        throughput += _throughput_runs(llm, "auto", throughput_prompts, config)
-    fill_throughput_speedups(throughput)
+    throughput: list[ThroughputSummary] = []
+    method = next((m for m in config.methods if m.name == config.throughput_method), None)
+    if method is not None:
+        limit = engine_args.speculative_disable_batch_size
+        progress(f"throughput {method.name}: off, on, auto (off above {limit} requests)")
+        engines = {
+            "off": LLM(**{**base, "speculative_method": None}),
+            "on": LLM(**{**base, **method.engine_kwargs}),
+            "auto": LLM(**{**asdict(engine_args), **method.engine_kwargs}),
+        }
+        for llm in engines.values():
+            warm_up(llm, throughput_prompts[0])
+        throughput = summarize_throughput(run_throughput(engines, throughput_prompts, config, progress))
     return {
         "latency": [r.to_json() for r in latency],
-        "throughput": [r.to_json() for r in sorted(throughput, key=lambda r: (r.batch_size, r.mode))],
+        "throughput": [r.to_json() for r in throughput],
         "auto_disable_batch_size": engine_args.speculative_disable_batch_size,
         "throughput_method": config.throughput_method,
+        "throughput_repeats": config.throughput_repeats,
     }
 
 
@@ -293,10 +364,3 @@ def _throughput_prompts(tokenizer, config: SpecBenchConfig) -> list[list[int]]:
     """A distinct grounded prompt per request of the largest wave (no prefix-cache or copy effects)."""
     count = max(config.batch_sizes, default=0)
     return grounded_prompts(tokenizer, TokenCorpus(tokenizer), count, config.document_len, config.seed + 1)
-
-
-def _throughput_runs(llm, mode: str, prompts, config: SpecBenchConfig) -> list[ThroughputResult]:
-    return [
-        measure_throughput(llm, mode, prompts, batch_size, config.throughput_output_len)
-        for batch_size in config.batch_sizes
-    ]

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft", "early_exit")
+# K when none is given. N-gram drafts are free and adapt to the match (a match of n tokens proposes at
+# most 2 ** n, see proposers/ngram.py), so its K is only a cap: 7 keeps the verify pass at 8 rows, the
+# small-batch linear kernel's limit. A model proposer pays a draft forward per draft, hence 3.
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 3, "early_exit": 3}
 
 
 @dataclass(frozen=True)
@@ -25,18 +29,20 @@ class SpeculativeConfig:
     def create(
         cls,
         method: str | None,
-        num_speculative_tokens: int,
+        num_speculative_tokens: int | None,
         prompt_lookup_min: int,
         prompt_lookup_max: int,
         draft_model: str | None,
         draft_layers: int | None,
         disable_batch_size: int,
     ) -> SpeculativeConfig | None:
-        """Validate the flags; ValueError names the offending one."""
+        """Validate the flags (K None: the method's default); ValueError names the offending one."""
         if method is None or method == "none":
             return None
         if method not in METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(METHODS)}; got {method!r}")
+        if num_speculative_tokens is None:
+            num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS[method]
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:

@@ -13,6 +13,7 @@ from llmserve.entrypoints.cli import main
 # The tiny model has 2 layers: early_exit:2 is the target drafting for itself (accepts everything).
 FLAGS = ["--dtype", "float32", "--kv-cache-memory", "8MiB", "--num-prompts", "2", "--document-len", "32",
          "--max-tokens", "8", "--batch-sizes", "1,3", "--throughput-output-len", "5",
+         "--throughput-repeats", "2",
          "--methods", "ngram,early_exit", "--early-exit-layers", "1,2", "--throughput-method", "early_exit:2",
          "--speculative-disable-batch-size", "2"]  # fmt: skip
 
@@ -44,10 +45,14 @@ def test_throughput_off_on_auto(result):
     rows = {(r["batch_size"], r["mode"]): r for r in result["throughput"]}
     assert sorted(rows) == [(b, m) for b in (1, 3) for m in ("auto", "off", "on")]
     for (batch_size, mode), row in rows.items():
-        assert row["output_tokens"] == 5 * batch_size
-        assert (row["num_draft_tokens"] > 0) == (mode == "on" or (mode == "auto" and batch_size <= 2))
+        assert row["repeats"] == 2
+        # Decode steps only: the first token of each request comes from its prefill step.
+        assert 0 < row["output_tokens"] <= 4 * batch_size
+        assert (row["acceptance_rate"] > 0) == (mode == "on" or (mode == "auto" and batch_size <= 2))
+        assert row["speedup_min"] <= row["speedup"] <= row["speedup_max"]
     assert all(rows[(b, "off")]["speedup"] == 1.0 for b in (1, 3))
     assert result["auto_disable_batch_size"] == 2 and result["throughput_method"] == "early_exit:2"
+    assert result["throughput_repeats"] == 2
     assert {"machine", "command", "date", "git_commit", "engine_args"} <= result.keys()
 
 

@@ -60,6 +60,22 @@ def test_engine_wide_k(target_dir, reference, k):
     assert stats.num_draft_tokens <= k * stats.num_drafts
 
 
+def test_drafts_adapted_to_the_match_length_equal_no_speculation(target_dir, reference):
+    """With 1-token matches allowed, a match of n tokens proposes at most 2 ** n drafts: steps verify
+    2, 4 or K drafts, in one batch, and the tokens stay those of plain decoding."""
+    llm = make_llm(
+        target_dir,
+        speculative_method="ngram",
+        num_speculative_tokens=7,
+        prompt_lookup_min=1,
+        prompt_lookup_max=7,
+    )
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens < 7 * stats.num_drafts
+    assert_no_leaks(llm)
+
+
 def test_auto_disable_above_the_batch_size(target_dir, reference):
     """With disable_batch_size 2, six equally long requests never speculate; when four of them finish
     early, the last two do. The tokens are the same either way."""

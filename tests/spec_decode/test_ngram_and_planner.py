@@ -37,15 +37,24 @@ def test_continuation_is_cut_at_num_drafts():
 def test_periodic_text_continues_past_the_end_lz77_style():
     assert propose([5, 1, 2, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
     assert propose([3, 3, 3], 4) == [3, 3, 3, 3]
-    assert propose([9, 4, 5, 6, 4, 5], 6) == [6, 4, 5, 6, 4, 5]
+    assert propose([9, 4, 5, 6, 4, 5, 6], 6) == [4, 5, 6, 4, 5, 6]
 
 
 def test_no_match_proposes_nothing():
     assert propose([1, 2, 3, 4, 5], 3) == []
     assert propose([1, 2, 3, 1, 5, 3], 3) == []  # only a 1-token match: below min_n = 2
-    assert propose([1, 2, 3, 1, 5, 3], 3, min_n=1) == [1, 5, 3]
+    assert propose([1, 2, 3, 1, 5, 3], 3, min_n=1) == [1, 5]  # at most 2 ** 1 drafts
     assert propose([4], 3) == []
     assert propose([1, 2, 1, 2], 0) == []
+
+
+def test_a_match_of_n_tokens_proposes_at_most_2_to_the_n():
+    # Continuations of 8 tokens follow a 1-, a 2- and a 3-token match of the suffix.
+    tail = [10, 11, 12, 13, 14, 15, 16, 17]
+    assert propose([3, *tail, 9, 3], 8, min_n=1) == tail[:2]
+    assert propose([2, 3, *tail, 9, 2, 3], 8, min_n=1) == tail[:4]
+    assert propose([1, 2, 3, *tail, 9, 1, 2, 3], 8, min_n=1) == tail
+    assert propose([1, 2, 3, *tail, 9, 1, 2, 3], 5, min_n=1) == tail[:5]
 
 
 def test_max_n_bounds_the_suffix_tried():
@@ -112,3 +121,10 @@ def test_config_rejects_bad_flags_naming_them(args, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.create(*args)
     assert SpeculativeConfig.create("none", 3, 2, 4, None, None, 0) is None
+
+
+def test_default_k_is_the_methods():
+    """N-gram drafts adapt to the match, so K is only their cap (7: an 8-row verify pass)."""
+    assert SpeculativeConfig.create("ngram", None, 2, 4, None, None, 0).num_speculative_tokens == 7
+    assert SpeculativeConfig.create("early_exit", None, 2, 4, None, None, 0).num_speculative_tokens == 3
+    assert SpeculativeConfig.create("ngram", 2, 2, 4, None, None, 0).num_speculative_tokens == 2

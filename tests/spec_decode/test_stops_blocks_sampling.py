@@ -104,6 +104,8 @@ def test_no_leaks_through_rejections_preemption_and_aborts(target_dir, other_dra
     their blocks at once; the survivors' tokens are unchanged; everything returns to the pool."""
     kwargs = spec_kwargs(method, target_dir, other_draft_dir)
     kwargs.update(num_kv_blocks=10, preemption_mode="recompute")
+    if method == "ngram":  # 1-token matches: more drafts, and more of them wrong
+        kwargs.update(prompt_lookup_min=1)
     llm = make_llm(target_dir, num_speculative_tokens=8, **kwargs)
     engine = llm.engine
     for index, prompt in enumerate(PROMPTS):
