@@ -30,8 +30,8 @@ chat: venv
 	$(BIN)/llmserve chat
 
 lint: venv
-	$(BIN)/ruff check llmserve tests
-	$(BIN)/ruff format --check llmserve tests
+	$(BIN)/ruff check llmserve tests docs/scripts
+	$(BIN)/ruff format --check llmserve tests docs/scripts
 
 format: venv
 	$(BIN)/ruff format llmserve tests
