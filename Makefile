@@ -34,8 +34,8 @@ lint: venv
 	$(BIN)/ruff format --check llmserve tests docs/scripts
 
 format: venv
-	$(BIN)/ruff format llmserve tests
-	$(BIN)/ruff check --fix llmserve tests
+	$(BIN)/ruff format llmserve tests docs/scripts
+	$(BIN)/ruff check --fix llmserve tests docs/scripts
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,5 +1,5 @@
-"""The compiled CPU kernels (paged attention, small-batch linear, fused norm/rotary/SwiGLU), built
-torch's C++ extension loader.
+"""The compiled CPU kernels (paged attention, small-batch linear, fused norm/rotary/SwiGLU, K/V
+writes), built once per machine with torch's C++ extension loader.
 
 `make venv` builds them during set-up (so the first `llmserve serve` does not wait for a compiler);
 if compilation fails the engine falls back to the pure-PyTorch reference backend and says so.
@@ -65,9 +65,8 @@ def load_cpu_ops() -> ModuleType | None:
         return None
 
 
-def cpu_ops_for(*tensors: torch.Tensor) -> ModuleType | None:
-    """The compiled kernels if these tensors can go to them (all on the CPU), else None: the
-    caller then runs its PyTorch formulation (CUDA, or a machine where the build failed)."""
-    if all(tensor.device.type == "cpu" for tensor in tensors):
-        return load_cpu_ops()
-    return None
+def cpu_ops_for(tensor: torch.Tensor) -> ModuleType | None:
+    """The compiled kernels if `tensor` can go to them (it is on the CPU), else None: the caller
+    then runs its PyTorch formulation (CUDA, or a machine where the build failed). Called per op
+    and layer on the decode path, so it is one attribute test and a cached lookup."""
+    return load_cpu_ops() if tensor.device.type == "cpu" else None
