@@ -4,7 +4,12 @@ Sequences with at most `max_decode_query_len` query tokens this step (decodes, s
 verification of k drafts, short prompt tails) go to one `paged_attention` call, which walks each
 sequence's block table directly; no padded copy of any context is gathered, and no mask is built.
 It dequantizes 8-bit caches row by row and visits only the sinks and the window when a sliding
-window is on. Longer prefill spans (compute-bound, few per step) keep the reference SDPA path.
+window is on.
+
+Longer prefill spans are compute-bound: with a bfloat16 cache on an AVX-512 BF16 CPU they go to
+`prefill_attention`, a blocked causal kernel that also reads the context in place (3-5x PyTorch's
+CPU flash attention here); anything else (float32, 8-bit caches, a sliding window) keeps the
+reference SDPA path.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import torch
 
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.worker.forward_context import AttentionMetadata
+from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 
 
 class CPUPagedBackend(TorchSDPABackend):
@@ -27,6 +32,8 @@ class CPUPagedBackend(TorchSDPABackend):
         self.ops = load_cpu_ops()
         if self.ops is None:
             raise RuntimeError("the compiled CPU attention kernel could not be built")
+        fast_prefill = self.ops.prefill_attention_supported() and self.kv_format.kernel_code == 0
+        self.fast_prefill_dtypes = {torch.bfloat16} if fast_prefill else set()
 
     def _decode(
         self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float
@@ -47,3 +54,16 @@ class CPUPagedBackend(TorchSDPABackend):
             metadata.attention_sinks,
             metadata.sliding_window,
         )
+
+    def _prefill(
+        self, query, key_cache, value_cache, span: PrefillSpan, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        if (
+            query.dtype in self.fast_prefill_dtypes
+            and key_cache.dtype == query.dtype
+            and query.shape[-1] in (64, 128)
+            and span.context_positions is None
+            and not metadata.sliding_window
+        ):
+            return self.ops.prefill_attention(query, key_cache, value_cache, span.context_slots, scale)
+        return super()._prefill(query, key_cache, value_cache, span, metadata, scale)

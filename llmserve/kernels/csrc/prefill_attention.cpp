@@ -1,0 +1,278 @@
+// Causal attention of one long prompt span over its paged context (bfloat16, AVX-512 BF16): the
+// compute-bound half of a prefill, which PyTorch's CPU flash attention runs at about 30-60 GFLOP/s here.
+//
+// The span's queries are the last `num_queries` of `context` positions; position j's K/V row is at
+// slot context_slots[j] of the pool, read in place. Blocked in the flash-attention way: keys in tiles of
+// 32, query rows (token, head of the KV group) in blocks of R that keep their output accumulators in
+// registers for the whole context, with an online softmax (running max and sum) and tiles past a
+// block's last position skipped. Both products are bf16 pair dot products (vdpbf16ps: exact products,
+// float32 sums), so K and V are first repacked once per call into pair-interleaved tiles:
+//   keys   [tile][D/2 pairs][32 keys] (the pair p of each key, so one register holds one pair of 16 keys)
+//   values [tile][16 key pairs][D][2] (values of keys 2m and 2m+1 side by side for each of D columns)
+// and the probabilities are rounded to bf16 before the second product, as PyTorch's flash kernel does.
+#include <torch/extension.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define LLMSERVE_PREFILL_FAST_PATH 1
+#endif
+
+#ifdef LLMSERVE_PREFILL_FAST_PATH
+namespace {
+
+constexpr int kTile = 32;  // keys per tile: two registers of 16 float scores per query row
+
+// exp of 16 floats: the same range reduction and degree-6 polynomial as vexp (vector_math.h).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Problem {
+  const uint16_t* query;  // row (token i, head h) at query + i * query_stride + h * D
+  const uint16_t* key_cache;
+  const uint16_t* value_cache;
+  const int64_t* slots;
+  uint16_t* out;  // [num_queries, num_heads, D]
+  int64_t query_stride, num_queries, context, num_heads, num_kv_heads, slot_stride, num_tiles;
+  float scale;
+  int64_t group() const { return num_heads / num_kv_heads; }
+  int64_t first_position() const { return context - num_queries; }
+};
+
+// Packs tile `tile` of KV head `kv_head`: keys as [D/2][32] pairs, values as [16][D][2]; keys past the
+// context are zero (their scores are masked; zero values keep 0 * garbage out of the sums).
+template <int D>
+void pack_tile(const Problem& pb, int64_t kv_head, int64_t tile, uint32_t* keys, uint16_t* values) {
+  const int64_t first = tile * kTile, count = std::min<int64_t>(kTile, pb.context - first);
+  static const __m512i interleave_low = [] {  // (a[0], b[0], a[1], b[1], ... a[15], b[15])
+    alignas(64) int16_t idx[32];
+    for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<int16_t>(i), idx[2 * i + 1] = static_cast<int16_t>(32 + i);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i interleave_high = _mm512_add_epi16(interleave_low, _mm512_set1_epi16(16));
+  const __m512i zero = _mm512_setzero_si512();
+  const uint16_t* key_rows[kTile];
+  const uint16_t* value_rows[kTile];
+  for (int j = 0; j < kTile; ++j) {
+    const int64_t offset = j < count ? pb.slots[first + j] * pb.slot_stride + kv_head * D : -1;
+    key_rows[j] = offset >= 0 ? pb.key_cache + offset : nullptr;
+    value_rows[j] = offset >= 0 ? pb.value_cache + offset : nullptr;
+  }
+  for (int j = 0; j < kTile; ++j) {
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(key_rows[j]);
+    for (int p = 0; p < D / 2; ++p) keys[p * kTile + j] = row != nullptr ? row[p] : 0u;
+  }
+  for (int m = 0; m < kTile / 2; ++m) {
+    const uint16_t* a = value_rows[2 * m];
+    const uint16_t* b = value_rows[2 * m + 1];
+    for (int c = 0; c < D / 32; ++c) {  // 32 columns of the two rows -> 64 interleaved values
+      const __m512i va = a != nullptr ? _mm512_loadu_si512(a + 32 * c) : zero;
+      const __m512i vb = b != nullptr ? _mm512_loadu_si512(b + 32 * c) : zero;
+      uint16_t* dst = values + (m * D + 32 * c) * 2;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(va, interleave_low, vb));
+      _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(va, interleave_high, vb));
+    }
+  }
+}
+
+// Query rows [first_row, first_row + R) of KV head `kv_head` (row = token * group + head in group;
+// rows past the span repeat its last row and are not stored) against every tile they can see.
+template <int D, int R>
+void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, const uint32_t* packed_keys,
+                 const uint16_t* packed_values) {
+  constexpr int P = D / 2;   // bf16 pairs per row
+  constexpr int V = D / 16;  // float registers per output row
+  const int64_t group = pb.group(), num_rows = pb.num_queries * group;
+  const uint32_t* q[R];
+  int64_t position[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = std::min(first_row + r, num_rows - 1), token = row / group;
+    q[r] = reinterpret_cast<const uint32_t*>(pb.query + token * pb.query_stride + (kv_head * group + row % group) * D);
+    position[r] = pb.first_position() + token;
+  }
+  const int64_t last_position = position[R - 1], first_position = position[0];
+  __m512 acc[R][V];
+  __m512 running_sum[R];
+  float running_max[R];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    running_sum[r] = _mm512_setzero_ps();
+    running_max[r] = -std::numeric_limits<float>::infinity();
+  }
+  const __m512 scale = _mm512_set1_ps(pb.scale);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int64_t end_tile = last_position / kTile + 1;
+  const int64_t tile_words = static_cast<int64_t>(kTile) * D / 2;  // uint32 per packed tile
+  for (int64_t tile = 0; tile < end_tile; ++tile) {
+    const uint32_t* keys = packed_keys + tile * tile_words;
+    const uint16_t* values = packed_values + tile * tile_words * 2;
+    // scores: R rows x 32 keys
+    __m512 s[R][2];
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    for (int p = 0; p < P; ++p) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys + p * kTile);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(keys + p * kTile + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][p]));
+        s[r][0] = _mm512_dpbf16_ps(s[r][0], qp, k0);
+        s[r][1] = _mm512_dpbf16_ps(s[r][1], qp, k1);
+      }
+    }
+    const int64_t first_key = tile * kTile;
+    const bool needs_mask = first_key + kTile - 1 > first_position;
+    alignas(64) uint32_t probabilities[R][kTile / 2];  // bf16 pairs of each row's 32 probabilities
+    for (int r = 0; r < R; ++r) {
+      __mmask16 visible0 = 0xFFFF, visible1 = 0xFFFF;
+      if (needs_mask) {
+        const __m512i limit = _mm512_set1_epi32(static_cast<int>(position[r] - first_key));
+        visible0 = _mm512_cmple_epi32_mask(lane, limit);
+        visible1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit);
+      }
+      const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      const __m512 s0 = _mm512_mask_mul_ps(minus_inf, visible0, s[r][0], scale);
+      const __m512 s1 = _mm512_mask_mul_ps(minus_inf, visible1, s[r][1], scale);
+      const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      const float new_max = std::max(running_max[r], tile_max);
+      if (new_max > running_max[r]) {  // rescale what was summed so far to the new maximum
+        const __m512 correction = exp512(_mm512_set1_ps(running_max[r] - new_max));
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_mul_ps(acc[r][v], correction);
+        running_sum[r] = _mm512_mul_ps(running_sum[r], correction);
+        running_max[r] = new_max;
+      }
+      const __m512 m = _mm512_set1_ps(new_max);
+      // Hidden keys get exactly 0 (exp512 of -inf would be tiny, not zero).
+      const __m512 p0 = _mm512_maskz_mov_ps(visible0, exp512(_mm512_sub_ps(s0, m)));
+      const __m512 p1 = _mm512_maskz_mov_ps(visible1, exp512(_mm512_sub_ps(s1, m)));
+      running_sum[r] = _mm512_add_ps(running_sum[r], _mm512_add_ps(p0, p1));
+      _mm512_store_si512(probabilities[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    for (int m = 0; m < kTile / 2; ++m) {  // acc += P V, one key pair at a time
+      __m512bh v[V];
+      for (int c = 0; c < V; ++c) v[c] = (__m512bh)_mm512_loadu_si512(values + (m * D + 16 * c) * 2);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(probabilities[r][m]));
+        for (int c = 0; c < V; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, v[c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = first_row + r;
+    if (row >= num_rows) break;
+    const int64_t token = row / group;
+    uint16_t* o = pb.out + (token * pb.num_heads + kv_head * group + row % group) * D;
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(running_sum[r]));
+    for (int c = 0; c < V; ++c) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inverse));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)rounded);
+    }
+  }
+}
+
+template <int D>
+void run(const Problem& pb) {
+  constexpr int R = D <= 64 ? 4 : 2;  // R * D / 16 accumulators stay in registers
+  const int64_t tile_words = static_cast<int64_t>(kTile) * D / 2;
+  const int64_t head_words = pb.num_tiles * tile_words;
+  static thread_local std::vector<uint32_t> keys_buffer, values_buffer;  // grown once, reused per layer
+  const size_t size = static_cast<size_t>(pb.num_kv_heads * head_words);
+  if (keys_buffer.size() < size) keys_buffer.resize(size), values_buffer.resize(size);
+  uint32_t* packed_keys = keys_buffer.data();
+  uint16_t* packed_values = reinterpret_cast<uint16_t*>(values_buffer.data());
+  const int64_t pack_items = pb.num_kv_heads * pb.num_tiles;
+  const int64_t row_blocks = (pb.num_queries * pb.group() + R - 1) / R;
+  const int64_t items = pb.num_kv_heads * row_blocks;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < pack_items; ++item) {
+      const int64_t kv_head = item / pb.num_tiles, tile = item % pb.num_tiles;
+      pack_tile<D>(pb, kv_head, tile, packed_keys + kv_head * head_words + tile * tile_words,
+                   packed_values + (kv_head * head_words + tile * tile_words) * 2);
+    }
+    // Later rows see more keys: deal out the costliest blocks first, one at a time.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t block = row_blocks - 1 - item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
+      attend_rows<D, R>(pb, kv_head, block * R, packed_keys + kv_head * head_words,
+                        packed_values + kv_head * head_words * 2);
+    }
+  }
+}
+
+}  // namespace
+#endif  // LLMSERVE_PREFILL_FAST_PATH
+
+bool prefill_attention_supported() {
+#ifdef LLMSERVE_PREFILL_FAST_PATH
+  return true;
+#else
+  return false;
+#endif
+}
+
+// query [Q, H, D] bf16 (rows of a token contiguous; any token stride); key_cache, value_cache
+// [slots, KVH, D] bf16, contiguous; context_slots [C] int64 with C >= Q: the slots of positions
+// 0..C-1, the queries being positions C-Q..C-1. Returns the causal attention output [Q, H, D].
+torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                torch::Tensor context_slots, double scale) {
+  TORCH_CHECK(prefill_attention_supported(), "prefill_attention needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(query.scalar_type() == torch::kBFloat16 && key_cache.scalar_type() == torch::kBFloat16 &&
+                  value_cache.scalar_type() == torch::kBFloat16,
+              "prefill_attention takes bfloat16 queries and caches");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [tokens, heads, head_dim] with each token's heads contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes(),
+              "key_cache and value_cache must be contiguous and of one shape");
+  TORCH_CHECK(context_slots.scalar_type() == torch::kInt64 && context_slots.dim() == 1,
+              "context_slots must be a 1-D int64 tensor");
+  const int64_t num_queries = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(1), context = context_slots.size(0);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "prefill_attention supports head_dim 64 and 128");
+  TORCH_CHECK(key_cache.size(2) == head_dim, "the cache rows must have head_dim values");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(context >= num_queries, "the context must include the queries' own positions");
+  auto slots = context_slots.contiguous();
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(0);
+  for (int64_t j = 0; j < context; ++j)
+    TORCH_CHECK(slot_data[j] >= 0 && slot_data[j] < num_slots, "context slot out of range");
+  auto out = torch::empty({num_queries, num_heads, head_dim}, query.options());
+  if (num_queries == 0) return out;
+#ifdef LLMSERVE_PREFILL_FAST_PATH
+  const Problem pb{reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()),
+                   reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>()),
+                   reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>()),
+                   slot_data,
+                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                   query.stride(0),
+                   num_queries,
+                   context,
+                   num_heads,
+                   num_kv_heads,
+                   num_kv_heads * head_dim,
+                   (context + kTile - 1) / kTile,
+                   static_cast<float>(scale)};
+  if (head_dim == 64) run<64>(pb);
+  else run<128>(pb);
+#endif
+  return out;
+}
