@@ -21,7 +21,9 @@ SCALE = HEAD_DIM**-0.5
 needs_kernel = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler for the CPU kernel")
 
 
-def paged_case(decode_lens, prefills, sinks=0, window=0, kv_dtype="auto", seed=0):
+def paged_case(
+    decode_lens, prefills, sinks=0, window=0, kv_dtype="auto", seed=0, head_dim=HEAD_DIM, dtype=torch.float32
+):
     """Random K/V for every position of each sequence in a paged cache; new tokens are each
     sequence's last positions (decodes: one; prefills: (num_queries, seq_len)). Returns the backend
     inputs, the dense K/V as stored (dequantized) per sequence, and the block tables (after eviction)."""
@@ -36,10 +38,11 @@ def paged_case(decode_lens, prefills, sinks=0, window=0, kv_dtype="auto", seed=0
         len(lens), max_blocks
     )
     dense = [
-        (torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen), torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen))
-        for n in lens
+        tuple(torch.randn(n, KV_HEADS, head_dim, generator=gen).to(dtype) for _ in range(2)) for n in lens
     ]
-    caches = [torch.full((num_blocks * BLOCK, KV_HEADS, HEAD_DIM), float("nan")) for _ in range(2)]
+    caches = [
+        torch.full((num_blocks * BLOCK, KV_HEADS, head_dim), float("nan"), dtype=dtype) for _ in range(2)
+    ]
     for seq, n in enumerate(lens):
         slots = tables[seq, torch.arange(n) // BLOCK] * BLOCK + torch.arange(n) % BLOCK
         caches[0][slots], caches[1][slots] = dense[seq]
@@ -51,7 +54,7 @@ def paged_case(decode_lens, prefills, sinks=0, window=0, kv_dtype="auto", seed=0
         first_visible = n - q - window + 1 if window else 0
         for block in range(-(-sinks // BLOCK), max(first_visible, 0) // BLOCK):
             tables[seq, block] = nan_block
-    queries = torch.randn(sum(new_counts), HEADS, HEAD_DIM, generator=gen)
+    queries = torch.randn(sum(new_counts), HEADS, head_dim, generator=gen).to(dtype)
     new_rows = [torch.arange(n - q, n) for n, q in zip(lens, new_counts, strict=True)]
     key = torch.cat([dense[s][0][rows] for s, rows in enumerate(new_rows)])
     value = torch.cat([dense[s][1][rows] for s, rows in enumerate(new_rows)])
@@ -92,7 +95,7 @@ def build_metadata(tables, lens, new_counts, num_decodes, sinks, window, slot_ma
     )
 
 
-def dense_reference(queries, dense, lens, new_counts, sinks, window):
+def dense_reference(queries, dense, lens, new_counts, sinks, window, scale=SCALE):
     """Masked attention over all positions, float64."""
     out, row = [], 0
     group = HEADS // KV_HEADS
@@ -103,7 +106,7 @@ def dense_reference(queries, dense, lens, new_counts, sinks, window):
         mask = key_pos <= query_pos
         if window:
             mask &= (query_pos - key_pos < window) | (key_pos < sinks)
-        scores = torch.einsum("qhd,khd->hqk", queries[row : row + q].double(), k) * SCALE
+        scores = torch.einsum("qhd,khd->hqk", queries[row : row + q].double(), k) * scale
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         out.append(torch.einsum("hqk,khd->qhd", probs, v))
         row += q
@@ -207,3 +210,40 @@ def test_kernel_spans_match_dense_reference(kv_dtype, decode_lens, prefills, sin
     expected = dense_reference(queries, dense, lens, new_counts, sinks, window)
     actual = backend.forward(queries, key, value, caches[0].clone(), caches[1].clone(), in_kernel, SCALE)
     torch.testing.assert_close(actual.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("decode_lens", "prefills", "sinks", "window"), CASES)
+def test_bf16_fast_path_with_windows_matches_dense_reference(decode_lens, prefills, sinks, window):
+    """bfloat16 and head_dim 64: decodes and short spans in the AVX-512 BF16 path of the kernel (where
+    the CPU has it), long spans in the prefill kernel or SDPA, all with sinks and windows; against
+    float64 attention over the same bf16 values (NaN blocks catch a read of an evicted block)."""
+    from llmserve.attention.backends.cpu_paged import CPUPagedBackend
+
+    queries, key, value, caches, metadata, dense, lens, new_counts, tables = paged_case(
+        decode_lens, prefills, sinks, window, seed=3, head_dim=64, dtype=torch.bfloat16
+    )
+    backend = CPUPagedBackend()
+    num_short = len(decode_lens) + sum(1 for q, _ in prefills if q <= backend.max_decode_query_len)
+    if new_counts[len(decode_lens) : num_short] != [
+        q for q, _ in prefills if q <= backend.max_decode_query_len
+    ]:
+        pytest.skip("short spans are not first in this case")
+    starts = torch.tensor([0, *new_counts[:num_short]]).cumsum(0)
+    in_kernel = AttentionMetadata(
+        slot_mapping=metadata.slot_mapping,
+        num_decode_tokens=int(starts[-1]),
+        decode_context_slots=None,
+        decode_context_mask=None,
+        prefills=metadata.prefills[num_short - len(decode_lens) :],
+        decode_block_tables=tables[:num_short].contiguous(),
+        decode_seq_lens=torch.tensor(lens[:num_short], dtype=torch.int64),
+        decode_query_starts=starts,
+        block_size=BLOCK,
+        sliding_window=window,
+        attention_sinks=sinks,
+    )
+    expected = dense_reference(queries, dense, lens, new_counts, sinks, window, scale=64**-0.5)
+    actual = backend.forward(queries, key, value, caches[0].clone(), caches[1].clone(), in_kernel, 64**-0.5)
+    assert actual.dtype == torch.bfloat16
+    torch.testing.assert_close(actual.double(), expected, atol=1.5e-2, rtol=1.5e-2)

@@ -1,6 +1,6 @@
 // Attention over the paged KV cache, read in place (no gathered copy of the context), for sequences
 // with few query tokens this step: decodes (one query) and short spans such as a speculative
-// verification (k drafts + 1). Long prompt chunks are compute-bound and go to SDPA instead.
+// verification (k drafts + 1). Long prompt chunks are compute-bound and go to prefill_attention.cpp.
 //
 // One work item per (sequence, KV head), handed out dynamically (contexts differ in length): every
 // query row that shares the KV head (the G = num_heads / num_kv_heads heads of the group, times the
@@ -8,9 +8,12 @@
 // Two passes: scores for the whole live context into a per-thread buffer, softmax per query row
 // (causal: query i of a span sees positions up to its own), then the probability-weighted sum of V.
 //
-// bfloat16 caches with head_dim 64 or 128 on AVX-512 BF16 take a fast path: q.k as bf16 pair dot
-// products (vdpbf16ps, exact products, float32 sums) and V accumulated in registers. Everything else
-// (float32, float16, 8-bit caches, other head sizes, other CPUs) converts each K/V row to float32 and
+// bfloat16 caches with head_dim 64 or 128 on AVX-512 BF16 take a fast path that walks the context in
+// chunks of up to 16 rows of one block: q.k as bf16 pair dot products (vdpbf16ps, exact products,
+// float32 sums) for 16 keys, whose 16 partial-sum vectors one transpose-and-add tree reduces; softmax
+// numerators rounded to bf16 (as PyTorch's flash kernel does) so that P V also runs on vdpbf16ps, two
+// keys per instruction, into accumulators held in registers; one division per row at the end.
+// Everything else (float32, float16, 8-bit caches, other head sizes, other CPUs) converts each K/V row to float32 and
 // uses plain loops the compiler vectorizes. 8-bit caches (int8, fp8; kv_format.py) are dequantized row
 // by row as they are read. With a sliding window only the sink positions and the window are visited:
 // freed blocks are never touched.
@@ -239,9 +242,18 @@ struct Batch {
   }
 };
 
+// A run of up to 16 consecutive live positions inside one block: its first row's element offset in
+// the cache (K and V share the slot layout), its first score index, and its length.
+struct Chunk {
+  int64_t offset;
+  int64_t index;
+  int64_t count;
+};
+
 // Per-thread buffers, grown as needed and reused across work items.
 struct Scratch {
   std::vector<float> scores, queries, acc, row;
+  std::vector<Chunk> chunks;
   float* grow(std::vector<float>& buffer, int64_t size) {
     if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
     return buffer.data();
@@ -294,31 +306,88 @@ void attend_portable(const Batch<scalar_t, typename Rows::elem_t>& batch, int64_
 
 #ifdef LLMSERVE_BF16_FAST_PATH
 
-// 16 bfloat16 values widened to floats (bf16 is the top half of a float32).
-inline __m512 widen_bf16(const uint16_t* src) {
-  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+// The live context as chunks, in score-index order (a list, so that the passes over it are plain loops
+// whose accumulators the compiler keeps in registers).
+inline void list_chunks(const Span& span, const int64_t* table, int64_t block_size, int64_t slot_stride,
+                        std::vector<Chunk>& chunks) {
+  chunks.clear();
+  auto walk = [&](int64_t begin, int64_t end, int64_t first_index) {
+    for (int64_t pos = begin; pos < end;) {
+      const int64_t next = std::min({pos + 16, (pos / block_size + 1) * block_size, end});
+      chunks.push_back({(table[pos / block_size] * block_size + pos % block_size) * slot_stride,
+                        first_index + pos - begin, next - pos});
+      pos = next;
+    }
+  };
+  walk(0, span.sink_end, 0);
+  walk(span.window_begin, span.length, span.sink_end);
 }
 
-// V pass for query rows [first, first + R): accumulators stay in registers for the whole context.
+// Sixteen vectors of partial sums in, one vector out whose lane k is the sum of all lanes of v[k]: a
+// transpose-and-add tree (45 shuffles and adds for 16 dot products instead of 16 horizontal reductions).
+inline __m512 reduce_16(__m512 v[16]) {
+  __m512 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves added: c[i] = [v[2i] in 8 lanes | v[2i+1] in 8 lanes]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // 128-bit chunk j of d[i] holds key 4i + j in 4 lanes
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)
+    e[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane 4j + t of f holds key j + 4t
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+// Values of rows a and b side by side, column by column: out[c] holds columns 16c..16c+15 as
+// (a[col], b[col]) bf16 pairs, the operand vdpbf16ps multiplies by a (p_a, p_b) probability pair.
+template <int D>
+inline void interleave_rows(const uint16_t* a, const uint16_t* b, __m512i out[D / 16]) {
+  static const __m512i low = [] {
+    alignas(64) int16_t idx[32];
+    for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<int16_t>(i), idx[2 * i + 1] = static_cast<int16_t>(32 + i);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int c = 0; c < D / 32; ++c) {
+    const __m512i va = _mm512_loadu_si512(a + 32 * c), vb = _mm512_loadu_si512(b + 32 * c);
+    out[2 * c] = _mm512_permutex2var_epi16(va, low, vb);
+    out[2 * c + 1] = _mm512_permutex2var_epi16(va, high, vb);
+  }
+}
+
+// V pass for query rows [first, first + R): acc += P V with the probabilities as bf16 pairs (two keys per
+// vdpbf16ps), accumulators in registers for the whole context.
 template <int D, int R>
-inline void accumulate_values(const Span& span, const uint16_t* values, const int64_t* table, int64_t block_size,
-                              int64_t stride, const float* scores, int64_t first, float* acc) {
+inline void accumulate_values(const std::vector<Chunk>& chunks, const uint16_t* values, int64_t stride,
+                              const uint16_t* probs, int64_t probs_stride, int64_t first, float* acc) {
   constexpr int V = D / 16;
+  alignas(64) static const uint16_t zero_row[D] = {};
   __m512 sum[R][V];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j) sum[r][j] = _mm512_setzero_ps();
-  const float* p = scores + first * span.context;
-  walk_context(span, values, table, block_size, stride, 2 * D, [&](const uint16_t* value_row, int64_t index) {
-    __m512 v[V];
-    for (int j = 0; j < V; ++j) v[j] = widen_bf16(value_row + 16 * j);
-    for (int r = 0; r < R; ++r) {
-      const __m512 weight = _mm512_set1_ps(p[r * span.context + index]);
-      for (int j = 0; j < V; ++j) sum[r][j] = _mm512_fmadd_ps(weight, v[j], sum[r][j]);
+    for (int c = 0; c < V; ++c) sum[r][c] = _mm512_setzero_ps();
+  const uint16_t* p = probs + first * probs_stride;
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  for (int64_t i = 0; i < num_chunks; ++i) {
+    const Chunk chunk = chunks[i];
+    if (i + 1 < num_chunks) prefetch_rows(values + chunks[i + 1].offset, chunks[i + 1].count, stride, 2 * D);
+    const uint16_t* rows = values + chunk.offset;
+    for (int64_t k = 0; k < chunk.count; k += 2) {
+      __m512i v[V];
+      interleave_rows<D>(rows + k * stride, k + 1 < chunk.count ? rows + (k + 1) * stride : zero_row, v);
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;  // (p[index + k], p[index + k + 1]); a lone last row pairs with zeros
+        std::memcpy(&pair, p + r * probs_stride + chunk.index + k, sizeof(pair));
+        const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int c = 0; c < V; ++c) sum[r][c] = _mm512_dpbf16_ps(sum[r][c], weights, (__m512bh)v[c]);
+      }
     }
-  });
+  }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < V; ++j) _mm512_storeu_ps(acc + (first + r) * D + 16 * j, sum[r][j]);
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + (first + r) * D + 16 * c, sum[r][c]);
 }
 
 template <int D>
@@ -336,38 +405,82 @@ void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, 
   // in float32. Row r = (token i, head g of the group) is at queries + i * token_stride + g * D.
   const auto* queries = reinterpret_cast<const uint16_t*>(batch.query + batch.head_offset(seq, kv_head, 0));
   const int64_t token_stride = batch.num_heads * D;
-  const float scale = batch.scale;
+  const __m512 scale = _mm512_set1_ps(batch.scale);
   const auto* keys = reinterpret_cast<const uint16_t*>(batch.key_cache) + kv_head * batch.row_len;
-  walk_context(span, keys, table, batch.block_size, stride, 2 * D, [&](const uint16_t* key_row, int64_t index) {
-    __m512i k[K];
-    for (int j = 0; j < K; ++j) k[j] = _mm512_loadu_si512(key_row + 32 * j);
-    float* score = scores + index;
-    for (int64_t i = 0; i < num_queries; ++i) {
-      for (int64_t g = 0; g < group; ++g, score += context) {
-        const uint16_t* q = queries + i * token_stride + g * D;
-        __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(q), (__m512bh)k[0]);
-        for (int j = 1; j < K; ++j)
-          sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512(q + 32 * j), (__m512bh)k[j]);
-        *score = scale * _mm512_reduce_add_ps(sum);
+  std::vector<Chunk>& chunks = scratch.chunks;
+  list_chunks(span, table, batch.block_size, stride, chunks);
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  for (int64_t i = 0; i < num_chunks; ++i) {
+    const Chunk chunk = chunks[i];
+    if (i + 1 < num_chunks) prefetch_rows(keys + chunks[i + 1].offset, chunks[i + 1].count, stride, 2 * D);
+    const uint16_t* key_rows = keys + chunk.offset;
+    const int count = static_cast<int>(chunk.count);
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* q = queries + (r / group) * token_stride + (r % group) * D;
+      __m512bh qv[K];
+      for (int j = 0; j < K; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+      __m512 partial[16];
+      for (int k = 0; k < 16; ++k) {  // a short chunk repeats its last row (those lanes are not stored)
+        const uint16_t* key = key_rows + std::min(k, count - 1) * stride;
+        __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(key));
+        for (int j = 1; j < K; ++j) sum = _mm512_dpbf16_ps(sum, qv[j], (__m512bh)_mm512_loadu_si512(key + 32 * j));
+        partial[k] = sum;
       }
+      const __m512 dots = _mm512_mul_ps(reduce_16(partial), scale);
+      _mm512_mask_storeu_ps(scores + r * context + chunk.index, static_cast<__mmask16>((1u << count) - 1), dots);
     }
-  });
-  softmax_rows(span, group, scores);
+  }
+  // Softmax numerators as bf16 (exp(s - max) <= 1; hidden positions exactly 0), each row padded with
+  // zeros to an even length (keys go in pairs); the division by the row's total comes at the end.
+  const int64_t probs_stride = context + 2;
+  auto* probs = reinterpret_cast<uint16_t*>(scratch.grow(scratch.row, (rows * probs_stride + 1) / 2 + 16));
+  float* totals = scratch.grow(scratch.queries, rows);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t a, b, c;  // visible score indices: [0, a) and [b, c)
+    span.visible(r / group, a, b, c);
+    const float* s = scores + r * context;
+    uint16_t* p = probs + r * probs_stride;
+    auto visible_lanes = [&](int64_t i) {
+      const __m512i index = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i)));
+      const __mmask16 low = _mm512_cmplt_epi32_mask(index, _mm512_set1_epi32(static_cast<int>(a)));
+      const __mmask16 high = _mm512_cmpge_epi32_mask(index, _mm512_set1_epi32(static_cast<int>(b))) &
+                             _mm512_cmplt_epi32_mask(index, _mm512_set1_epi32(static_cast<int>(c)));
+      return static_cast<__mmask16>(low | high);
+    };
+    __m512 max_vector = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < context; i += 16) {
+      const __mmask16 visible = visible_lanes(i);
+      max_vector = _mm512_mask_max_ps(max_vector, visible, max_vector, _mm512_maskz_loadu_ps(visible, s + i));
+    }
+    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(max_vector));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < context; i += 16) {
+      const __mmask16 visible = visible_lanes(i);
+      const __m512 e = _mm512_maskz_mov_ps(visible, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(visible, s + i), row_max)));
+      total = _mm512_add_ps(total, e);
+      const __mmask16 in_row = static_cast<__mmask16>(context - i >= 16 ? 0xFFFF : (1u << (context - i)) - 1);
+      _mm256_mask_storeu_epi16(p + i, in_row, (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    p[context] = p[context + 1] = 0;
+    totals[r] = _mm512_reduce_add_ps(total);
+  }
   const auto* values = reinterpret_cast<const uint16_t*>(batch.value_cache) + kv_head * batch.row_len;
   constexpr int R = D <= 64 ? 4 : 2;  // query rows per V pass: R * D / 16 accumulators in registers
   int64_t first = 0;
   for (; first + R <= rows; first += R)
-    accumulate_values<D, R>(span, values, table, batch.block_size, stride, scores, first, acc);
+    accumulate_values<D, R>(chunks, values, stride, probs, probs_stride, first, acc);
   switch (rows - first) {
-    case 3: accumulate_values<D, 3>(span, values, table, batch.block_size, stride, scores, first, acc); break;
-    case 2: accumulate_values<D, 2>(span, values, table, batch.block_size, stride, scores, first, acc); break;
-    case 1: accumulate_values<D, 1>(span, values, table, batch.block_size, stride, scores, first, acc); break;
+    case 3: accumulate_values<D, 3>(chunks, values, stride, probs, probs_stride, first, acc); break;
+    case 2: accumulate_values<D, 2>(chunks, values, stride, probs, probs_stride, first, acc); break;
+    case 1: accumulate_values<D, 1>(chunks, values, stride, probs, probs_stride, first, acc); break;
     default: break;
   }
-  for (int64_t r = 0; r < rows; ++r) {  // round to bf16 (nearest even), 16 values at a time
+  for (int64_t r = 0; r < rows; ++r) {  // normalize, round to bf16 (nearest even), 16 values at a time
     auto* o = reinterpret_cast<uint16_t*>(batch.out + batch.head_offset(seq, kv_head, r));
+    const __m512 inverse = _mm512_set1_ps(1.0f / totals[r]);
     for (int j = 0; j < D / 16; ++j) {
-      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * D + 16 * j));
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * j), inverse));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), (__m256i)rounded);
     }
   }
