@@ -3,6 +3,11 @@
 // `index_copy_` does this through a generic indexed-copy loop: about 100 us per call for 64 decode
 // rows of SmolLM2 (24 KB), twice per layer. A row per token is one contiguous run of
 // kv_heads * head_dim elements in the pool, so the write is one memcpy per token.
+//
+// Decode rows land in 64 different blocks scattered over the pool, so each memcpy waited for its
+// destination lines to come from memory, one row after another (about 96 us per call at batch 64,
+// 6 ms of a 60 ms step). Prefetching every destination line for writing first lets those misses
+// overlap; the copies then hit the cache.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -26,6 +31,8 @@ void write_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows)
   char* dst = static_cast<char*>(cache.data_ptr());
   const int64_t src_stride = rows.stride(0) * rows.element_size();
   at::parallel_for(0, tokens, std::max<int64_t>(1, (1 << 16) / row_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(dst + slot[t] * row_bytes + line, 1, 3);
     for (int64_t t = begin; t < end; ++t) std::memcpy(dst + slot[t] * row_bytes, src + t * src_stride, row_bytes);
   });
 }
