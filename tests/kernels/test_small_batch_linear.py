@@ -61,6 +61,26 @@ def test_module_swap_keeps_parameters_and_tied_weights_and_falls_back():
     assert torch.equal(model["proj"](many), F.linear(many, model["proj"].weight, model["proj"].bias))
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("rows", [9, 16, 64, 300])
+def test_packed_weight_gemm_is_bit_identical_to_f_linear(rows):
+    """Above MAX_ROWS the swapped layer multiplies by its oneDNN-packed weight copy: one copy per
+    shared weight, and exactly F.linear's result (with and without bias)."""
+    torch.manual_seed(rows)
+    model = nn.ModuleDict({"embed": nn.Embedding(200, 64), "proj": nn.Linear(64, 96, bias=True)}).bfloat16()
+    head = nn.Linear(64, 200, bias=False).bfloat16()
+    head.weight = model["embed"].weight
+    model["head"] = head
+    assert use_small_batch_linear(model) == 2
+    assert model["proj"].packed_weight is not None and model["head"].packed_weight is not None
+    x = torch.randn(rows, 64).bfloat16()
+    for name in ("proj", "head"):
+        layer = model[name]
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), name
+    model["proj"].packed_weight = None  # the unpacked fallback gives the same
+    assert torch.equal(model["proj"](x), F.linear(x, model["proj"].weight, model["proj"].bias))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 8])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 32), (576, 1536)])
 def test_int8_matches_dequantized_reference(rows, out_features, in_features):
