@@ -24,7 +24,7 @@ from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 class CPUPagedBackend(TorchSDPABackend):
     name = "cpu_paged"
     needs_gathered_decode = False
-    # A verify pass of up to 15 drafts stays in the kernel; longer spans are matmul-shaped work for SDPA.
+    # A verify pass of up to 15 drafts stays in this kernel; longer spans are matmul-shaped (_prefill).
     max_decode_query_len = 16
 
     def __init__(self, kv_cache_dtype: str = "auto") -> None:
