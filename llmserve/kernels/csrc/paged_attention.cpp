@@ -488,21 +488,29 @@ void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, 
 
 #endif  // LLMSERVE_BF16_FAST_PATH
 
-// Runs attend(seq, kv_head, scratch) for every work item, longest contexts first, dealt out to the
-// threads one at a time so uneven lengths do not leave a thread idle.
+// Runs attend(seq, kv_head, scratch) for every (sequence, KV head), longest contexts first, dealt out
+// to the threads one item at a time so uneven lengths do not leave a thread idle. With enough
+// sequences to keep every thread busy, an item is a whole sequence, its KV heads one after another:
+// a head's rows share their pages (and 64-byte-line neighbours) with the other heads' rows of the same
+// slots, so the later heads find the block's pages in the TLB instead of another core walking them.
 template <typename Attend>
 void for_each_item(int64_t num_seqs, int64_t num_kv_heads, const int64_t* seq_lens, Attend&& attend) {
   std::vector<int64_t> order(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return seq_lens[a] > seq_lens[b]; });
-  const int64_t num_items = num_seqs * num_kv_heads;
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_items));
+  const int64_t max_threads = at::get_num_threads();
+  const int64_t heads_per_item = num_seqs >= 4 * max_threads ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  const int64_t num_items = num_seqs * items_per_seq;
+  const int threads = static_cast<int>(std::min<int64_t>(max_threads, num_items));
 #pragma omp parallel num_threads(threads)
   {
     static thread_local Scratch scratch;  // kept across calls: no allocation per layer once grown
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item)
-      attend(order[item / num_kv_heads], item % num_kv_heads, scratch);
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t seq = order[item / items_per_seq], first_head = (item % items_per_seq) * heads_per_item;
+      for (int64_t head = first_head; head < first_head + heads_per_item; ++head) attend(seq, head, scratch);
+    }
   }
 }
 
