@@ -21,6 +21,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <omp.h>
 
+#include "bf16_pairs.h"
 #include "vector_math.h"
 
 #include <algorithm>
@@ -252,9 +253,11 @@ struct Chunk {
 
 // Per-thread buffers, grown as needed and reused across work items.
 struct Scratch {
-  std::vector<float> scores, queries, acc, row;
+  std::vector<float> scores, queries, acc, row, totals;
+  std::vector<uint16_t> probs;  // bf16 softmax numerators (fast path)
   std::vector<Chunk> chunks;
-  float* grow(std::vector<float>& buffer, int64_t size) {
+  template <typename T>
+  T* grow(std::vector<T>& buffer, int64_t size) {
     if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
     return buffer.data();
   }
@@ -342,30 +345,12 @@ inline __m512 reduce_16(__m512 v[16]) {
   return _mm512_permutexvar_ps(order, f);
 }
 
-// Values of rows a and b side by side, column by column: out[c] holds columns 16c..16c+15 as
-// (a[col], b[col]) bf16 pairs, the operand vdpbf16ps multiplies by a (p_a, p_b) probability pair.
-template <int D>
-inline void interleave_rows(const uint16_t* a, const uint16_t* b, __m512i out[D / 16]) {
-  static const __m512i low = [] {
-    alignas(64) int16_t idx[32];
-    for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<int16_t>(i), idx[2 * i + 1] = static_cast<int16_t>(32 + i);
-    return _mm512_load_si512(idx);
-  }();
-  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-  for (int c = 0; c < D / 32; ++c) {
-    const __m512i va = _mm512_loadu_si512(a + 32 * c), vb = _mm512_loadu_si512(b + 32 * c);
-    out[2 * c] = _mm512_permutex2var_epi16(va, low, vb);
-    out[2 * c + 1] = _mm512_permutex2var_epi16(va, high, vb);
-  }
-}
-
 // V pass for query rows [first, first + R): acc += P V with the probabilities as bf16 pairs (two keys per
 // vdpbf16ps), accumulators in registers for the whole context.
 template <int D, int R>
 inline void accumulate_values(const std::vector<Chunk>& chunks, const uint16_t* values, int64_t stride,
                               const uint16_t* probs, int64_t probs_stride, int64_t first, float* acc) {
   constexpr int V = D / 16;
-  alignas(64) static const uint16_t zero_row[D] = {};
   __m512 sum[R][V];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < V; ++c) sum[r][c] = _mm512_setzero_ps();
@@ -377,7 +362,7 @@ inline void accumulate_values(const std::vector<Chunk>& chunks, const uint16_t* 
     const uint16_t* rows = values + chunk.offset;
     for (int64_t k = 0; k < chunk.count; k += 2) {
       __m512i v[V];
-      interleave_rows<D>(rows + k * stride, k + 1 < chunk.count ? rows + (k + 1) * stride : zero_row, v);
+      interleave_rows<D>(rows + k * stride, k + 1 < chunk.count ? rows + (k + 1) * stride : kZeroRow, v);
       for (int r = 0; r < R; ++r) {
         uint32_t pair;  // (p[index + k], p[index + k + 1]); a lone last row pairs with zeros
         std::memcpy(&pair, p + r * probs_stride + chunk.index + k, sizeof(pair));
@@ -433,8 +418,8 @@ void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, 
   // Softmax numerators as bf16 (exp(s - max) <= 1; hidden positions exactly 0), each row padded with
   // zeros to an even length (keys go in pairs); the division by the row's total comes at the end.
   const int64_t probs_stride = context + 2;
-  auto* probs = reinterpret_cast<uint16_t*>(scratch.grow(scratch.row, (rows * probs_stride + 1) / 2 + 16));
-  float* totals = scratch.grow(scratch.queries, rows);
+  uint16_t* probs = scratch.grow(scratch.probs, rows * probs_stride);
+  float* totals = scratch.grow(scratch.totals, rows);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t r = 0; r < rows; ++r) {
     int64_t a, b, c;  // visible score indices: [0, a) and [b, c)

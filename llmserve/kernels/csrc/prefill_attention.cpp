@@ -19,6 +19,7 @@
 #include <limits>
 #include <vector>
 
+#include "bf16_pairs.h"
 #include "vector_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -48,13 +49,6 @@ struct Problem {
 template <int D>
 void pack_tile(const Problem& pb, int64_t kv_head, int64_t tile, uint32_t* keys, uint16_t* values) {
   const int64_t first = tile * kTile, count = std::min<int64_t>(kTile, pb.context - first);
-  static const __m512i interleave_low = [] {  // (a[0], b[0], a[1], b[1], ... a[15], b[15])
-    alignas(64) int16_t idx[32];
-    for (int i = 0; i < 16; ++i) idx[2 * i] = static_cast<int16_t>(i), idx[2 * i + 1] = static_cast<int16_t>(32 + i);
-    return _mm512_load_si512(idx);
-  }();
-  const __m512i interleave_high = _mm512_add_epi16(interleave_low, _mm512_set1_epi16(16));
-  const __m512i zero = _mm512_setzero_si512();
   const uint16_t* key_rows[kTile];
   const uint16_t* value_rows[kTile];
   for (int j = 0; j < kTile; ++j) {
@@ -66,16 +60,11 @@ void pack_tile(const Problem& pb, int64_t kv_head, int64_t tile, uint32_t* keys,
     const uint32_t* row = reinterpret_cast<const uint32_t*>(key_rows[j]);
     for (int p = 0; p < D / 2; ++p) keys[p * kTile + j] = row != nullptr ? row[p] : 0u;
   }
-  for (int m = 0; m < kTile / 2; ++m) {
-    const uint16_t* a = value_rows[2 * m];
-    const uint16_t* b = value_rows[2 * m + 1];
-    for (int c = 0; c < D / 32; ++c) {  // 32 columns of the two rows -> 64 interleaved values
-      const __m512i va = a != nullptr ? _mm512_loadu_si512(a + 32 * c) : zero;
-      const __m512i vb = b != nullptr ? _mm512_loadu_si512(b + 32 * c) : zero;
-      uint16_t* dst = values + (m * D + 32 * c) * 2;
-      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(va, interleave_low, vb));
-      _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(va, interleave_high, vb));
-    }
+  for (int m = 0; m < kTile / 2; ++m) {  // key pair m: (V[2m][col], V[2m+1][col]) for every column
+    __m512i pairs[D / 16];
+    interleave_rows<D>(value_rows[2 * m] != nullptr ? value_rows[2 * m] : kZeroRow,
+                       value_rows[2 * m + 1] != nullptr ? value_rows[2 * m + 1] : kZeroRow, pairs);
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_si512(values + (m * D + 16 * c) * 2, pairs[c]);
   }
 }
 
