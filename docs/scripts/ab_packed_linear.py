@@ -9,19 +9,11 @@ Usage: python docs/scripts/ab_packed_linear.py [ROUNDS]
 
 import json
 import sys
-import time
+
+from ab_prefill_attention import workload_tokens_per_s  # the same timed run of mixed-100 (this folder)
 
 from llmserve import LLM, SamplingParams
 from llmserve.kernels.small_batch_linear import SmallBatchLinear
-
-
-def workload_tokens_per_s(llm: LLM, requests: list[dict]) -> float:
-    prompts = [r["prompt_token_ids"] for r in requests]
-    params = [SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0) for r in requests]
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return sum(len(r["prompt_token_ids"]) + r["max_tokens"] for r in requests) / elapsed
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ class TimedOps:
         return timed(name, attribute) if wrap else attribute
 
 
-def instrument(llm: LLM) -> None:
+def instrument(engine) -> None:
     ops = TimedOps(load_cpu_ops())
     for module in (norm, rotary, llama, kv_format):
         module.cpu_ops_for = lambda tensor: ops if tensor.device.type == "cpu" else None
@@ -56,10 +56,10 @@ def instrument(llm: LLM) -> None:
     linear = timed("F.linear", torch.nn.functional.linear)
     small_batch_linear.F = type("F", (), {"linear": staticmethod(linear)})
     packed_gemm = timed("packed GEMM", torch.ops.mkldnn._linear_pointwise)
-    for layer in llm.engine.model_runner.model.modules():
+    for layer in engine.model_runner.model.modules():
         if isinstance(layer, small_batch_linear.SmallBatchLinear) and layer.packed_weight is not None:
             layer.forward = _timed_forward(layer, packed_gemm)
-    for module in llm.engine.model_runner.model.modules():
+    for module in engine.model_runner.model.modules():
         if hasattr(getattr(module, "backend", None), "ops"):
             module.backend.ops = ops
 
@@ -94,7 +94,7 @@ def main() -> None:
             SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, temperature=0) for r in requests
         ]
         llm.generate(prompts[:4], params[:4], use_tqdm=False)
-        instrument(llm)
+        instrument(llm.engine)
         for attempt in ("first pass (cold KV pool pages)", "second pass"):
             spent.clear(), calls.clear()
             start = time.perf_counter()
@@ -113,7 +113,7 @@ def main() -> None:
             engine.step()
         for _ in range(3):
             engine.step()
-        instrument(type("Holder", (), {"engine": engine})())
+        instrument(engine)
         steps = 20
         start = time.perf_counter()
         for _ in range(steps):

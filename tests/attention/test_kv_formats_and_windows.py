@@ -118,6 +118,29 @@ def run(backend, case):
     return backend.forward(queries, key, value, caches[0].clone(), caches[1].clone(), metadata, SCALE)
 
 
+def with_short_spans_in_kernel(metadata, tables, lens, new_counts, decode_lens, prefills, backend):
+    """The batch as the in-place backend sees it: decodes and the spans short enough for its kernel
+    (CASES list those first) in one call, with query_starts; longer spans stay prefills."""
+    short = [count <= backend.max_decode_query_len for count in new_counts]
+    num_short = short.index(False) if False in short else len(short)
+    # the spans that fit go to the kernel (all but CASES[2]'s 20-token one)
+    assert num_short - len(decode_lens) == sum(q <= backend.max_decode_query_len for q, _ in prefills)
+    starts = torch.tensor([0, *new_counts[:num_short]]).cumsum(0)
+    return AttentionMetadata(
+        slot_mapping=metadata.slot_mapping,
+        num_decode_tokens=int(starts[-1]),
+        decode_context_slots=None,
+        decode_context_mask=None,
+        prefills=metadata.prefills[num_short - len(decode_lens) :],
+        decode_block_tables=tables[:num_short].contiguous(),
+        decode_seq_lens=torch.tensor(lens[:num_short], dtype=torch.int64),
+        decode_query_starts=starts,
+        block_size=BLOCK,
+        sliding_window=metadata.sliding_window,
+        attention_sinks=metadata.attention_sinks,
+    )
+
+
 CASES = [  # (decode_lens, prefills, sinks, window)
     ([1, 9, 40, 77], [(5, 30), (12, 12)], 0, 0),
     ([1, 9, 40, 77, 16, 17], [(5, 60), (12, 12), (3, 40)], 4, 16),
@@ -189,24 +212,7 @@ def test_kernel_spans_match_dense_reference(kv_dtype, decode_lens, prefills, sin
         decode_lens, prefills, sinks, window, kv_dtype, seed=2
     )
     backend = CPUPagedBackend(kv_dtype)
-    short = [count <= backend.max_decode_query_len for count in new_counts]
-    num_short = short.index(False) if False in short else len(short)
-    # the spans that fit go to the kernel (all but CASES[2]'s 20-token one)
-    assert num_short - len(decode_lens) == sum(q <= backend.max_decode_query_len for q, _ in prefills)
-    starts = torch.tensor([0, *new_counts[:num_short]]).cumsum(0)
-    in_kernel = AttentionMetadata(
-        slot_mapping=metadata.slot_mapping,
-        num_decode_tokens=int(starts[-1]),
-        decode_context_slots=None,
-        decode_context_mask=None,
-        prefills=metadata.prefills[num_short - len(decode_lens) :],
-        decode_block_tables=tables[:num_short].contiguous(),
-        decode_seq_lens=torch.tensor(lens[:num_short], dtype=torch.int64),
-        decode_query_starts=starts,
-        block_size=BLOCK,
-        sliding_window=window,
-        attention_sinks=sinks,
-    )
+    in_kernel = with_short_spans_in_kernel(metadata, tables, lens, new_counts, decode_lens, prefills, backend)
     expected = dense_reference(queries, dense, lens, new_counts, sinks, window)
     actual = backend.forward(queries, key, value, caches[0].clone(), caches[1].clone(), in_kernel, SCALE)
     torch.testing.assert_close(actual.double(), expected, atol=2e-5, rtol=2e-5)
@@ -224,25 +230,7 @@ def test_bf16_fast_path_with_windows_matches_dense_reference(decode_lens, prefil
         decode_lens, prefills, sinks, window, seed=3, head_dim=64, dtype=torch.bfloat16
     )
     backend = CPUPagedBackend()
-    num_short = len(decode_lens) + sum(1 for q, _ in prefills if q <= backend.max_decode_query_len)
-    if new_counts[len(decode_lens) : num_short] != [
-        q for q, _ in prefills if q <= backend.max_decode_query_len
-    ]:
-        pytest.skip("short spans are not first in this case")
-    starts = torch.tensor([0, *new_counts[:num_short]]).cumsum(0)
-    in_kernel = AttentionMetadata(
-        slot_mapping=metadata.slot_mapping,
-        num_decode_tokens=int(starts[-1]),
-        decode_context_slots=None,
-        decode_context_mask=None,
-        prefills=metadata.prefills[num_short - len(decode_lens) :],
-        decode_block_tables=tables[:num_short].contiguous(),
-        decode_seq_lens=torch.tensor(lens[:num_short], dtype=torch.int64),
-        decode_query_starts=starts,
-        block_size=BLOCK,
-        sliding_window=window,
-        attention_sinks=sinks,
-    )
+    in_kernel = with_short_spans_in_kernel(metadata, tables, lens, new_counts, decode_lens, prefills, backend)
     expected = dense_reference(queries, dense, lens, new_counts, sinks, window, scale=64**-0.5)
     actual = backend.forward(queries, key, value, caches[0].clone(), caches[1].clone(), in_kernel, 64**-0.5)
     assert actual.dtype == torch.bfloat16
