@@ -1,11 +1,13 @@
 """Speculative decoding: batch-1 latency per method and throughput with speculation off, on and auto.
 
 Latency: each prompt alone on the engine (batch 1), greedy, timed from its first token to its last,
-so ms per output token is the decode cost without the prefill. Two workloads: input-grounded
-(summarize, rewrite or extract from a document cut from the real text of workload.py, where the
-answer quotes its input and prompt lookup shines) and open-ended chat (where it cannot). Every method
-must produce the tokens of no speculation (`matching_outputs`); the speedup is none's ms per token over
-the method's.
+so ms per output token is the decode cost without the prefill. Every method has its own engine, all
+loaded at once, and each prompt runs on all of them back to back (in an order that rotates from
+prompt to prompt), so a machine whose speed drifts over minutes slows every method alike. Two
+workloads: input-grounded (summarize, rewrite or extract from a document cut from the real text of
+workload.py, where the answer quotes its input and prompt lookup shines) and open-ended chat (where
+it cannot). Every method must produce the tokens of no speculation (`matching_outputs`); the speedup
+is none's ms per token over the method's.
 
 Throughput: waves of B grounded requests of a fixed length (EOS ignored), for B in e.g. 1, 4, 16, 64,
 through three engines that differ only in speculation: off, on (never disabled) and auto (off while
@@ -143,28 +145,37 @@ class LatencyResult:
 
 
 def measure_latency(
-    llm, workload: str, method: str, prompts: Sequence[list[int]], max_tokens: int
-) -> tuple[LatencyResult, list[list[int]]]:
-    """Each prompt alone, greedy, stopping at EOS or `max_tokens`; returns the tokens too."""
+    llms: dict, workload: str, prompts: Sequence[list[int]], max_tokens: int
+) -> dict[str, tuple[LatencyResult, list[list[int]]]]:
+    """Each prompt alone on every engine in `llms` (method name -> LLM), greedy, stopping at EOS or
+    `max_tokens`; per method its result and its tokens. The methods take turns prompt by prompt."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    decode_seconds, stats, tokens = 0.0, SpecDecodeStats(), []
-    for prompt in prompts:
-        (output,) = llm.generate([prompt], params, use_tqdm=False)
-        metrics = output.metrics
-        decode_seconds += metrics.finished_time - metrics.first_token_time
-        stats = stats + (output.spec_decode or SpecDecodeStats())
-        tokens.append(list(output.outputs[0].token_ids))
-    result = LatencyResult(
-        workload=workload,
-        method=method,
-        requests=len(prompts),
-        output_tokens=sum(map(len, tokens)),
-        decode_seconds=decode_seconds,
-        num_draft_tokens=stats.num_draft_tokens,
-        num_accepted_tokens=stats.num_accepted_tokens,
-        num_drafts=stats.num_drafts,
-    )
-    return result, tokens
+    names = list(llms)
+    seconds = dict.fromkeys(names, 0.0)
+    stats = {name: SpecDecodeStats() for name in names}
+    tokens: dict[str, list[list[int]]] = {name: [] for name in names}
+    for index, prompt in enumerate(prompts):
+        for name in names[index % len(names) :] + names[: index % len(names)]:
+            (output,) = llms[name].generate([prompt], params, use_tqdm=False)
+            seconds[name] += output.metrics.finished_time - output.metrics.first_token_time
+            stats[name] = stats[name] + (output.spec_decode or SpecDecodeStats())
+            tokens[name].append(list(output.outputs[0].token_ids))
+    return {
+        name: (
+            LatencyResult(
+                workload=workload,
+                method=name,
+                requests=len(prompts),
+                output_tokens=sum(map(len, tokens[name])),
+                decode_seconds=seconds[name],
+                num_draft_tokens=stats[name].num_draft_tokens,
+                num_accepted_tokens=stats[name].num_accepted_tokens,
+                num_drafts=stats[name].num_drafts,
+            ),
+            tokens[name],
+        )
+        for name in names
+    }
 
 
 def compare_to_baseline(result: LatencyResult, baseline: LatencyResult, tokens, baseline_tokens) -> None:
@@ -313,23 +324,22 @@ def run_benchmark(engine_args, config: SpecBenchConfig, progress=print) -> dict:
     from llmserve import LLM
 
     base = {**asdict(engine_args), "speculative_disable_batch_size": 0}
-    latency: list[LatencyResult] = []
-    baseline: dict[str, tuple[LatencyResult, list]] = {}
-    workloads = None
-    for method in config.methods:
-        progress(f"method {method.name}")
-        llm = LLM(**{**base, **method.engine_kwargs})
-        if workloads is None:
-            workloads = _workloads(llm.tokenizer, config)
-            throughput_prompts = _throughput_prompts(llm.tokenizer, config)
+    progress(f"loading {len(config.methods)} engines: {', '.join(m.name for m in config.methods)}")
+    llms = {method.name: LLM(**{**base, **method.engine_kwargs}) for method in config.methods}
+    tokenizer = next(iter(llms.values())).tokenizer
+    workloads = _workloads(tokenizer, config)
+    throughput_prompts = _throughput_prompts(tokenizer, config)
+    for llm in llms.values():
         warm_up(llm, workloads["grounded"][0])
-        for name, prompts in workloads.items():
-            result, tokens = measure_latency(llm, name, method.name, prompts, config.max_tokens)
-            if method.name == "none":
-                baseline[name] = (result, tokens)
-            compare_to_baseline(result, baseline[name][0], tokens, baseline[name][1])
-            latency.append(result)
-        del llm
+    by_workload = {}
+    for name, prompts in workloads.items():
+        progress(f"latency: {name} ({len(prompts)} prompts, the methods in turn)")
+        by_workload[name] = results = measure_latency(llms, name, prompts, config.max_tokens)
+        baseline, baseline_tokens = results["none"]
+        for result, tokens in results.values():
+            compare_to_baseline(result, baseline, tokens, baseline_tokens)
+    latency = [by_workload[w][m.name][0] for m in config.methods for w in workloads]
+    del llms
     throughput: list[ThroughputSummary] = []
     method = next((m for m in config.methods if m.name == config.throughput_method), None)
     if method is not None:

@@ -7,7 +7,9 @@ is in docs/benchmarks.md), and decode at low concurrency and speculative verific
 of their time in it. `use_small_batch_linear` turns the model's plain `nn.Linear`s into
 `SmallBatchLinear`s (same parameters, shared weights stay shared) whose forward takes the kernel
 for few rows and `F.linear` otherwise; quantized layers keep their own kernels. Like quantization,
-this is a transform of the loaded model: the model file does not change.
+this is a transform of the loaded model: the model file does not change. The kernel reads its own
+copy of the weight, packed once in blocks of 32 output rows (`small_batch_pack`, see linear.cpp),
+so that it streams sequentially and needs no horizontal sums.
 
 Above 8 rows the layer runs oneDNN's GEMM on a copy of its weight packed once into oneDNN's blocked
 layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does): `F.linear`
@@ -28,11 +30,14 @@ MAX_ROWS = 8  # above this the GEMM in F.linear is compute-bound and faster
 
 
 class SmallBatchLinear(nn.Linear):
+    small_batch_weight: torch.Tensor  # `weight` in the small-batch kernel's layout (32-row blocks)
     packed_weight: torch.Tensor | None = None  # oneDNN-blocked copy of `weight` (see the module docstring)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dim() == 2 and input.shape[0] <= MAX_ROWS:
-            out = load_cpu_ops().small_batch_linear(input.contiguous(), self.weight)
+            out = load_cpu_ops().small_batch_linear(
+                input.contiguous(), self.small_batch_weight, self.out_features
+            )
             return out if self.bias is None else out + self.bias
         if self.packed_weight is not None and input.dtype == torch.bfloat16:
             return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
@@ -56,7 +61,8 @@ def use_small_batch_linear(model: nn.Module) -> int:
     if ops is None or not ops.small_batch_linear_supported():
         return 0
     swapped = 0
-    packed: dict[int, torch.Tensor | None] = {}  # shared weights (tied embeddings) share one copy
+    # shared weights (tied embeddings) share one copy of each layout
+    packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (
@@ -68,7 +74,7 @@ def use_small_batch_linear(model: nn.Module) -> int:
             weight.data = weight.data.contiguous()
             module.__class__ = SmallBatchLinear
             if id(weight) not in packed:
-                packed[id(weight)] = pack_for_onednn(weight)
-            module.packed_weight = packed[id(weight)]
+                packed[id(weight)] = (ops.small_batch_pack(weight.detach()), pack_for_onednn(weight))
+            module.small_batch_weight, module.packed_weight = packed[id(weight)]
             swapped += 1
     return swapped

@@ -23,7 +23,7 @@ def test_matches_float64_reference(rows, out_features, in_features):
     exact = (
         x.double() @ w.double().T
     )  # bf16 products are exact; only the float32 sums and the final rounding differ
-    actual = ops.small_batch_linear(x, w)
+    actual = ops.small_batch_linear(x, ops.small_batch_pack(w), out_features)
     assert actual.dtype == torch.bfloat16 and actual.shape == (rows, out_features)
     bound = 2**-8 * exact.abs() + 1e-5 * (x.double().abs() @ w.double().abs().T)
     assert ((actual.double() - exact).abs() <= bound).all()
@@ -31,14 +31,26 @@ def test_matches_float64_reference(rows, out_features, in_features):
     torch.testing.assert_close(actual.float(), F.linear(x, w).float(), atol=2e-2, rtol=2e-2)
 
 
+def test_a_row_does_not_depend_on_the_others():
+    """Verifying drafts (several rows) must give each row the bits that decoding it alone gives."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(MAX_ROWS, 576, generator=gen).bfloat16()
+    w = ops.small_batch_pack((torch.randn(100, 576, generator=gen) * 0.05).bfloat16())
+    together = ops.small_batch_linear(x, w, 100)
+    for row in range(MAX_ROWS):
+        assert torch.equal(ops.small_batch_linear(x[row : row + 1], w, 100)[0], together[row])
+
+
 def test_rejects_what_it_does_not_serve():
-    w = torch.randn(8, 64).bfloat16()
+    w = ops.small_batch_pack(torch.randn(8, 64).bfloat16())
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        ops.small_batch_linear(torch.randn(9, 64).bfloat16(), w)
+        ops.small_batch_linear(torch.randn(9, 64).bfloat16(), w, 8)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.small_batch_linear(torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16())
+        ops.small_batch_pack(torch.randn(8, 48).bfloat16())
     with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.small_batch_linear(torch.randn(1, 64), torch.randn(8, 64))
+        ops.small_batch_linear(torch.randn(1, 64), w, 8)
+    with pytest.raises(RuntimeError, match="packed by small_batch_pack"):
+        ops.small_batch_linear(torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16(), 8)
 
 
 def test_module_swap_keeps_parameters_and_tied_weights_and_falls_back():

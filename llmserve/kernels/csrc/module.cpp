@@ -7,7 +7,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                 torch::Tensor context_slots, double scale);
 bool prefill_attention_supported();
-torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor weight);
+torch::Tensor small_batch_pack(torch::Tensor weight);
+torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 bool small_batch_linear_supported();
 torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -21,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)");
   m.def("prefill_attention", &prefill_attention, "Causal attention of a long prompt span over its paged context (bf16)");
   m.def("prefill_attention_supported", &prefill_attention_supported, "Whether prefill_attention was compiled in");
-  m.def("small_batch_linear", &small_batch_linear, "x W^T for 1-8 bfloat16 rows (AVX-512 BF16)");
+  m.def("small_batch_pack", &small_batch_pack, "A bf16 weight [N, K] in the layout small_batch_linear reads");
+  m.def("small_batch_linear", &small_batch_linear, "x W^T for 1-8 bfloat16 rows, W packed (AVX-512 BF16)");
   m.def("small_batch_linear_int8", &small_batch_linear_int8, "(x qweight^T) * scales for 1-8 bfloat16 rows, int8 weights");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32 inside");
   m.def("add_rms_norm", &add_rms_norm, "x += residual in place; returns RMSNorm(x)");
