@@ -26,6 +26,7 @@ _SOURCE_NAMES = (
     "linear.cpp",
     "elementwise.cpp",
     "kv_write.cpp",
+    "decode_stack.cpp",
 )
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name) for name in _SOURCE_NAMES]

@@ -63,6 +63,8 @@ class ModelRunner:
             config.model.attention_backend, self.device, config.cache.kv_cache_dtype
         )
         self.kv_cache = self._allocate_kv_cache()
+        if hasattr(model, "enable_decode_stack"):
+            model.enable_decode_stack(self.attention_backend)
         cache = config.cache
         # Block-granular views for swapping: [layers, 2, blocks, block_size, kv_heads, head_dim].
         self.kv_blocks = self.kv_cache.view(

@@ -1,6 +1,8 @@
 // The compiled CPU kernels, one Python module (kernels/cpu_ops.py builds it).
 #include <torch/extension.h>
 
+#include "decode_stack.h"
+
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                               int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
@@ -30,5 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE of query and key rows, in place");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of a fused [gate | up] projection");
   m.def("write_kv_rows", &write_kv_rows, "cache[slots[i]] = rows[i], a memcpy per token");
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "A model's decoder layers for a small decode batch, one call")
+      .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
+                          int64_t, int64_t, double, double>())
+      .def("forward", &DecodeStack::forward);
   m.def("small_batch_linear_supported", &small_batch_linear_supported, "Whether small_batch_linear was compiled in");
 }

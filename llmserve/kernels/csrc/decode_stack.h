@@ -1,0 +1,28 @@
+// A Llama-family model's decoder layers for a small decode batch, run in one call (decode_stack.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+class DecodeStack {
+ public:
+  // Per layer, in this order: input_norm, qkv (packed), qkv_bias (or an empty tensor), o (packed),
+  // post_norm, gate_up (packed), down (packed), key_cache, value_cache.
+  DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
+              torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              int64_t intermediate_size, double eps, double scale);
+
+  // hidden [T, D] bf16 (the embedded tokens), T <= 8, every sequence a decode or a short span; returns
+  // the final norm of the last layer's output, like LlamaModel.forward.
+  torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
+                        torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+                        int64_t block_size, int64_t sinks, int64_t window) const;
+
+ private:
+  static constexpr int kTensorsPerLayer = 9;
+  std::vector<torch::Tensor> tensors_;
+  torch::Tensor final_norm_, cos_, sin_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_, hidden_size_;
+  double eps_, scale_;
+};

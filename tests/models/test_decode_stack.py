@@ -1,0 +1,72 @@
+"""The fused decode stack (one compiled call for all decoder layers) against the module path."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.kernels.cpu_ops import load_cpu_ops
+from tests.helpers import make_tiny_llama_dir
+
+ops = load_cpu_ops()
+pytestmark = pytest.mark.skipif(
+    ops is None or not ops.small_batch_linear_supported(), reason="needs the AVX-512 BF16 kernel build"
+)
+
+PROMPTS = [[5, 6, 7, 8] * 6, list(range(1000, 1030)), [31, 4159, 2653], [100, 200, 300] * 5 + [9]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    # head_dim 64 takes the attention kernel's bf16 fast path, as SmolLM2 does
+    return make_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny")), hidden_size=128, num_attention_heads=2)
+
+
+class _Counting:
+    def __init__(self, stack) -> None:
+        self.stack, self.calls = stack, 0
+
+    def serves(self, *args) -> bool:
+        return self.stack.serves(*args)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.stack(*args)
+
+
+def _run(llm: LLM, prompts, max_tokens: int = 20):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+@pytest.mark.parametrize("speculative_method", [None, "ngram"])
+def test_bit_identical_to_the_module_path(model_dir, speculative_method):
+    """Same tokens and the very same log-probabilities with and without the stack, for a batch of
+    decodes and for speculative verification spans (k + 1 rows per sequence)."""
+    llm = LLM(
+        model_dir,
+        dtype="bfloat16",
+        kv_cache_memory="8MiB",
+        max_model_len=256,
+        prefix_caching=False,
+        speculative_method=speculative_method,
+        speculative_disable_batch_size=0,
+    )
+    inner = llm.engine.model_runner.model.model
+    stack = inner.decode_stack
+    assert stack is not None
+    inner.decode_stack = counting = _Counting(stack)
+    fused = _run(llm, PROMPTS[:3]) + _run(llm, PROMPTS[3:])
+    assert counting.calls >= 20  # the decode steps of both batches went through it
+    inner.decode_stack = None
+    assert _run(llm, PROMPTS[:3]) + _run(llm, PROMPTS[3:]) == fused
+
+
+def test_not_built_where_it_does_not_apply(model_dir):
+    float32 = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", max_model_len=256)
+    assert float32.engine.model_runner.model.model.decode_stack is None
+    int8_kv = LLM(
+        model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, kv_cache_dtype="int8"
+    )
+    assert int8_kv.engine.model_runner.model.model.decode_stack is None
