@@ -6,8 +6,8 @@ Python: 30 layers x ~12 module calls, argument checks and views. `DecodeStack`
 is bit-identical to the module path (tested) and the model uses it whenever it applies: every
 sequence this step is a decode or a short span (speculative verification), the batch fits the
 small-batch linear kernel, and the model runs in bf16 on the CPU with the in-place paged attention
-backend and a plain KV cache. Anything else (prefill chunks, larger batches, quantized layers,
-8-bit KV caches, CUDA) takes the module path.
+backend and a plain KV cache, its linear layers bf16 or per-channel int8. Anything else (prefill
+chunks, larger batches, other quantized formats, 8-bit KV caches, CUDA) takes the module path.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.small_batch_linear import MAX_ROWS, SmallBatchLinear
+from llmserve.quantization.kernels import Int8PackedKernel
 from llmserve.worker.forward_context import AttentionMetadata
 
 
@@ -46,6 +47,20 @@ class FusedDecodeStack:
         )
 
 
+_EMPTY = torch.empty(0)
+
+
+def _small_batch_weights(module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(packed weight, per-row scales or an empty tensor) of a linear layer the stack can run: bf16
+    (SmallBatchLinear) or per-channel int8 with its small-batch kernel; None for anything else."""
+    if type(module) is SmallBatchLinear:
+        return module.small_batch_weight, _EMPTY
+    kernel = getattr(module, "kernel", None)
+    if isinstance(kernel, Int8PackedKernel) and kernel.small_batch_qweight is not None:
+        return kernel.small_batch_qweight, kernel.scales_float
+    return None
+
+
 def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
     """The fused stack for `model` (a LlamaForCausalLM whose attention layers are bound to their KV
     cache views), or None where it does not apply."""
@@ -64,26 +79,31 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
     ):
         return None
     tensors: list[torch.Tensor] = []
-    empty = torch.empty(0, dtype=torch.bfloat16)
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
-        linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(type(linear) is SmallBatchLinear for linear in linears):
-            return None  # quantized (or never swapped) layers keep the module path
-        if any(linear.bias is not None for linear in linears[1:]) or attention.attn.key_cache is None:
+        linears = [_small_batch_weights(m) for m in (attention.qkv_proj, attention.o_proj)]
+        linears += [_small_batch_weights(m) for m in (mlp.gate_up_proj, mlp.down_proj)]
+        if any(linear is None for linear in linears) or attention.attn.key_cache is None:
+            return None
+        if any(m.bias is not None for m in (attention.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(norm.eps != inner.norm.eps or norm.weight.dtype != torch.bfloat16 for norm in norms):
             return None
+        (qkv, qkv_scales), (o, o_scales), (gate_up, gate_up_scales), (down, down_scales) = linears
         qkv_bias = attention.qkv_proj.bias
         tensors += [
             layer.input_layernorm.weight.detach(),
-            attention.qkv_proj.small_batch_weight,
-            empty if qkv_bias is None else qkv_bias.detach(),
-            attention.o_proj.small_batch_weight,
+            qkv,
+            qkv_scales,
+            _EMPTY if qkv_bias is None else qkv_bias.detach(),
+            o,
+            o_scales,
             layer.post_attention_layernorm.weight.detach(),
-            mlp.gate_up_proj.small_batch_weight,
-            mlp.down_proj.small_batch_weight,
+            gate_up,
+            gate_up_scales,
+            down,
+            down_scales,
             attention.attn.key_cache,
             attention.attn.value_cache,
         ]

@@ -67,15 +67,21 @@ class Int8PackedKernel(LinearKernel):
         super().__init__()
         self.register_buffer("qweight", weight.qweight.clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", weight.scales[:, 0].to(dtype).contiguous())
-        # At 1-8 rows the compiled int8 matrix-vector kernel (kernels/csrc/linear.cpp) streams the
-        # codes at memory speed; it multiplies by the same (bf16-rounded) scales as the packed op.
-        self._small_batch = _small_batch_int8_op(self.qweight.shape[1])
-        self.register_buffer("scales_float", self.scales.float() if self._small_batch is not None else None)
+        # At 1-8 rows the compiled int8 matrix-vector kernel (kernels/csrc/linear_int8.cpp) streams its
+        # own packed copy of the codes at memory speed, rounding the input to 8 bits per 32 columns;
+        # it multiplies by the same (bf16-rounded) scales as the packed op.
+        ops = _small_batch_int8_ops(self.qweight.shape[1])
+        self._small_batch = None if ops is None else ops.small_batch_linear_int8
+        small_batch = (
+            (None, None) if ops is None else (ops.small_batch_pack_int8(self.qweight), self.scales.float())
+        )
+        self.register_buffer("small_batch_qweight", small_batch[0])
+        self.register_buffer("scales_float", small_batch[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if self._small_batch is not None and flat.shape[0] <= SMALL_BATCH_MAX_ROWS:
-            out = self._small_batch(flat.contiguous(), self.qweight, self.scales_float)
+            out = self._small_batch(flat.contiguous(), self.small_batch_qweight, self.scales_float)
         else:
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
         return out.view(*x.shape[:-1], -1)
@@ -141,12 +147,12 @@ class Int4PackedKernel(LinearKernel):
         return self.forward(eye).t().to(dtype)
 
 
-def _small_batch_int8_op(in_features: int) -> Callable | None:
-    """The compiled small-batch int8 kernel, where this build has it and the width suits it."""
+def _small_batch_int8_ops(in_features: int):
+    """The compiled kernels, where this build has the small-batch int8 kernel and the width suits it."""
     ops = load_cpu_ops()
-    if ops is None or not ops.small_batch_linear_supported() or in_features % 32:
+    if ops is None or not ops.small_batch_linear_int8_supported() or in_features % 32:
         return None
-    return ops.small_batch_linear_int8
+    return ops
 
 
 def _packed_cpu(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:

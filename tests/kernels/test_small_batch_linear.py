@@ -93,17 +93,50 @@ def test_packed_weight_gemm_is_bit_identical_to_f_linear(rows):
     assert torch.equal(model["proj"](x), F.linear(x, model["proj"].weight, model["proj"].bias))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 8])
-@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 32), (576, 1536)])
-def test_int8_matches_dequantized_reference(rows, out_features, in_features):
+def _rounded_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 kernel's input, emulated: each row in blocks of 32 columns rounded to 8-bit codes
+    with scale max|x| / 127 (float32 arithmetic, round half to even), back in float64; and each
+    element's rounding step (its block's scale)."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    rounded = (torch.round(blocks * inverse).double() * scale.double()).view(x.shape)
+    return rounded, scale.double().expand_as(blocks).reshape(x.shape)
+
+
+@pytest.mark.skipif(ops is None or not ops.small_batch_linear_int8_supported(), reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 32), (576, 1536), (45, 64)])
+def test_int8_matches_its_rounded_input_reference(rows, out_features, in_features):
+    """Exact int32 block sums of the 8-bit input codes times the weight codes, scaled: within float32
+    accumulation and the final bf16 rounding of the emulated product; and close to the exact one."""
     gen = torch.Generator().manual_seed(rows + out_features)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    x[0, :32] = 0  # an all-zero block has scale 0
     codes = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
     scales = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
-    exact = (x.double() @ codes.double().T) * scales.double()  # the codes are exact in bf16
-    actual = ops.small_batch_linear_int8(x, codes, scales)
+    rounded, step = _rounded_input(x)
+    expected = (rounded @ codes.double().T) * scales.double()
+    actual = ops.small_batch_linear_int8(x, ops.small_batch_pack_int8(codes), scales)
     assert actual.dtype == torch.bfloat16 and actual.shape == (rows, out_features)
     magnitude = (x.double().abs() @ codes.double().abs().T) * scales.double()
-    assert ((actual.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-5 * magnitude).all()
-    packed = torch.ops.aten._weight_int8pack_mm(x, codes, scales.bfloat16())  # what larger batches use
-    torch.testing.assert_close(actual.float(), packed.float(), atol=2e-2, rtol=2e-2)
+    assert ((actual.double() - expected).abs() <= 2**-8 * expected.abs() + 1e-5 * magnitude).all()
+    # without the input rounding: off by at most half a step per input element
+    exact = (x.double() @ codes.double().T) * scales.double()
+    rounding = (step / 2 @ codes.double().abs().T) * scales.double()
+    assert ((actual.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-5 * magnitude + rounding).all()
+    # rows are independent of one another
+    assert torch.equal(
+        ops.small_batch_linear_int8(x[-1:], ops.small_batch_pack_int8(codes), scales)[0], actual[-1]
+    )
+
+
+def test_int8_rejects_what_it_does_not_serve():
+    codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    packed = ops.small_batch_pack_int8(codes)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        ops.small_batch_linear_int8(torch.randn(9, 64).bfloat16(), packed, torch.ones(8))
+    with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
+        ops.small_batch_pack_int8(torch.full((8, 64), -128, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="packed by small_batch_pack_int8"):
+        ops.small_batch_linear_int8(torch.randn(1, 64).bfloat16(), codes, torch.ones(8))

@@ -40,10 +40,12 @@ def _run(llm: LLM, prompts, max_tokens: int = 20):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
-@pytest.mark.parametrize("speculative_method", [None, "ngram"])
-def test_bit_identical_to_the_module_path(model_dir, speculative_method):
+@pytest.mark.parametrize(
+    ("speculative_method", "quantization"), [(None, None), ("ngram", None), (None, "int8-rtn")]
+)
+def test_bit_identical_to_the_module_path(model_dir, speculative_method, quantization):
     """Same tokens and the very same log-probabilities with and without the stack, for a batch of
-    decodes and for speculative verification spans (k + 1 rows per sequence)."""
+    decodes, for speculative verification spans (k + 1 rows per sequence) and with int8 weights."""
     llm = LLM(
         model_dir,
         dtype="bfloat16",
@@ -52,6 +54,7 @@ def test_bit_identical_to_the_module_path(model_dir, speculative_method):
         prefix_caching=False,
         speculative_method=speculative_method,
         speculative_disable_batch_size=0,
+        quantization=quantization,
     )
     inner = llm.engine.model_runner.model.model
     stack = inner.decode_stack
@@ -70,3 +73,5 @@ def test_not_built_where_it_does_not_apply(model_dir):
         model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, kv_cache_dtype="int8"
     )
     assert int8_kv.engine.model_runner.model.model.decode_stack is None
+    int4 = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, quantization="int4")
+    assert int4.engine.model_runner.model.model.decode_stack is None

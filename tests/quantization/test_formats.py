@@ -97,11 +97,21 @@ def test_packed_kernels_multiply_by_the_quantized_weight(weight, make, kernel_cl
     assert type(kernel) is kernel_cls
     # The kernel's weight is the canonical one with scales (and offsets) rounded to bfloat16 once.
     torch.testing.assert_close(kernel.dequantize(torch.float32), q.dequantize(), rtol=0.02, atol=0.02)
-    x = torch.randn(5, 128).to(torch.bfloat16)
+    x = torch.randn(9, 128).to(torch.bfloat16)
     expected = x.double() @ kernel.dequantize(torch.float32).double().t()
     out = kernel(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (5, 96)
+    assert out.dtype == torch.bfloat16 and out.shape == (9, 96)
     torch.testing.assert_close(out.double(), expected, rtol=0.02, atol=0.05)
+    # Up to 8 rows int8 takes the small-batch kernel, whose input is rounded to 8 bits per 32
+    # columns: off by at most half a rounding step per input element on top of that.
+    few = kernel(x[:5]).double()
+    step = (
+        (x[:5].float().view(5, -1, 32).abs().amax(dim=-1, keepdim=True) / 127)
+        .expand(5, 4, 32)
+        .reshape(5, 128)
+    )
+    rounding = step.double() / 2 @ kernel.dequantize(torch.float32).double().abs().t()
+    assert ((few - expected[:5]).abs() <= 0.02 * expected[:5].abs() + 0.05 + rounding).all()
 
 
 def test_int8_packed_kernel_takes_a_weight_at_an_unaligned_address(weight):
@@ -112,7 +122,7 @@ def test_int8_packed_kernel_takes_a_weight_at_an_unaligned_address(weight):
     unaligned.copy_(q.qweight)
     assert unaligned.data_ptr() % 64 != 0
     kernel = select_kernel(Int8Weight(unaligned, q.scales, q.group_size), torch.bfloat16, torch.device("cpu"))
-    x = torch.randn(4, 128).to(torch.bfloat16)
+    x = torch.randn(9, 128).to(torch.bfloat16)  # more rows than the small-batch kernel takes: the packed op
     expected = x.double() @ kernel.dequantize(torch.float32).double().t()
     torch.testing.assert_close(kernel(x).double(), expected, rtol=0.02, atol=0.05)
 

@@ -5,11 +5,13 @@
 // runs the same kernels in the same order on the same tensors as LlamaDecoderLayer.forward does on
 // the CPU (small_batch_linear, rms_norm, rotary_embedding, write_kv_rows, paged_attention,
 // add_rms_norm, silu_and_mul, the residual add), so its output is bit-identical to the Python path
-// (tested); only the dispatch goes. The model uses it when every sequence is a decode or a short
+// (tested); only the dispatch goes. Linear layers may be bf16 or per-channel int8 (`--quantization
+// int8`), each through its small-batch kernel. The model uses it when every sequence is a decode or a short
 // span and the batch fits the small-batch linear kernel (models/fused_decode.py says when).
 #include "decode_stack.h"
 
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos,
@@ -19,6 +21,17 @@ void write_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows)
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                               int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
+
+namespace {
+
+// x W^T through the small-batch kernel of W's format (what SmallBatchLinear or Int8PackedKernel runs).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
+                     int64_t out_features) {
+  if (weight.scalar_type() == torch::kByte) return small_batch_linear_int8(x, weight, scales);
+  return small_batch_linear(x, weight, out_features);
+}
+
+}  // namespace
 
 DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
                          torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -35,7 +48,7 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor
       eps_(eps),
       scale_(scale) {
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kTensorsPerLayer == 0,
-              "DecodeStack takes 9 tensors per layer");
+              "DecodeStack takes 13 tensors per layer");
 }
 
 torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
@@ -47,10 +60,11 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
   const int64_t qkv_size = q_size + 2 * kv_size;
   for (size_t base = 0; base < tensors_.size(); base += kTensorsPerLayer) {
     const torch::Tensor* t = tensors_.data() + base;
-    const auto& [input_norm, qkv_weight, qkv_bias, o_weight, post_norm, gate_up_weight, down_weight, key_cache,
-                 value_cache] = std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8]);
+    const auto& [input_norm, qkv_weight, qkv_scales, qkv_bias, o_weight, o_scales, post_norm, gate_up_weight,
+                 gate_up_scales, down_weight, down_scales, key_cache, value_cache] =
+        std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12]);
     // attention block
-    auto qkv = small_batch_linear(rms_norm(hidden, input_norm, eps_), qkv_weight, qkv_size);
+    auto qkv = linear(rms_norm(hidden, input_norm, eps_), qkv_weight, qkv_scales, qkv_size);
     if (qkv_bias.defined() && qkv_bias.numel()) qkv = qkv + qkv_bias;
     auto query = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
     auto value = qkv.narrow(1, q_size + kv_size, kv_size);
@@ -60,11 +74,11 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
     auto attention = paged_attention(query.view({tokens, num_heads_, head_dim_}).contiguous(), key_cache,
                                      value_cache, block_tables, seq_lens, query_starts, block_size, scale_,
                                      /*kv_format=*/0, sinks, window);
-    auto attention_out = small_batch_linear(attention.view({tokens, q_size}), o_weight, hidden_size_);
+    auto attention_out = linear(attention.view({tokens, q_size}), o_weight, o_scales, hidden_size_);
     // attention_out becomes the residual stream; its norm feeds the MLP
     auto normed = add_rms_norm(attention_out, hidden, post_norm, eps_);
-    auto gate_up = small_batch_linear(normed, gate_up_weight, 2 * intermediate_size_);
-    hidden = attention_out + small_batch_linear(silu_and_mul(gate_up), down_weight, hidden_size_);
+    auto gate_up = linear(normed, gate_up_weight, gate_up_scales, 2 * intermediate_size_);
+    hidden = attention_out + linear(silu_and_mul(gate_up), down_weight, down_scales, hidden_size_);
   }
   return rms_norm(hidden, final_norm_, eps_);
 }

@@ -7,8 +7,10 @@
 
 class DecodeStack {
  public:
-  // Per layer, in this order: input_norm, qkv (packed), qkv_bias (or an empty tensor), o (packed),
-  // post_norm, gate_up (packed), down (packed), key_cache, value_cache.
+  // Per layer, in this order: input_norm, qkv, qkv_scales, qkv_bias (or an empty tensor), o, o_scales,
+  // post_norm, gate_up, gate_up_scales, down, down_scales, key_cache, value_cache. A linear's weight is
+  // packed by small_batch_pack (bf16; its scales an empty tensor) or small_batch_pack_int8 (uint8,
+  // with float32 scales per output row).
   DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
               torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t intermediate_size, double eps, double scale);
@@ -20,7 +22,7 @@ class DecodeStack {
                         int64_t block_size, int64_t sinks, int64_t window) const;
 
  private:
-  static constexpr int kTensorsPerLayer = 9;
+  static constexpr int kTensorsPerLayer = 13;
   std::vector<torch::Tensor> tensors_;
   torch::Tensor final_norm_, cos_, sin_;
   int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_, hidden_size_;

@@ -1,6 +1,5 @@
-// Linear layers at small batch: y = x W^T for bfloat16 x [M, K] with M <= 8 (decode at low
-// concurrency, speculative verification of a few drafts), W in bfloat16 or int8 with one scale per
-// output row (weight-only quantization).
+// Linear layers at small batch: y = x W^T for bfloat16 x [M, K] and W with M <= 8 (decode at low
+// concurrency, speculative verification of a few drafts). int8 weights: linear_int8.cpp.
 //
 // At these sizes a linear layer is a matrix-vector product: every weight is read from memory once and
 // used M times, so the work is bound by memory bandwidth, and the kernel's job is to stream the weights
@@ -15,10 +14,6 @@
 // a decode step's linears got 1.3x faster at one row and 1.6-1.9x at 4-8 rows, where the horizontal sums
 // had made the old kernel compute-bound (docs/benchmarks.md, session 6). A row's result does not depend
 // on M (same products, same order), so verifying drafts gives the bits that decoding gives.
-//
-// int8 codes (row-major) are widened to bf16 in registers, exactly (|q| <= 127 fits bf16's 8-bit
-// significand), and the row's scale multiplies the float32 sum; tiles of R weight rows run on the
-// threads, with the M x R float32 accumulators in registers.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -40,21 +35,6 @@ bool small_batch_linear_supported() {
 namespace {
 
 #ifdef LLMSERVE_BF16_LINEAR
-
-// 32 int8 weights of row `row` from column k, widened to bf16 pairs, and the row's scale.
-struct Int8Weights {
-  const int8_t* w;
-  const float* scales;
-  int64_t k_size;
-  __m512i load(int64_t row, int64_t k) const {
-    const int8_t* codes = w + row * k_size + k;
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
-    const __m512 high =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
-    return (__m512i)_mm512_cvtne2ps_pbh(high, low);  // element i of the pair vector is code i
-  }
-  float scale(int64_t row) const { return scales[row]; }
-};
 
 // -- bf16, packed blocks of 32 rows ---------------------------------------------------------------
 
@@ -116,58 +96,6 @@ void linear_packed(const uint16_t* x, const uint16_t* packed, uint16_t* out, int
   }
 }
 
-// -- int8, row-major with a scale per row -------------------------------------------------------------
-
-// Output rows [row, row + R) for all M inputs: out[m][row + r] = scale(row + r) * sum_k x[m][k] w[row + r][k].
-template <int M, int R, typename Weights>
-inline void linear_tile(const uint16_t* x, const Weights& weights, uint16_t* out, int64_t k_size, int64_t n_size,
-                        int64_t row) {
-  __m512 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_size; k += 32) {
-    __m512i w[R];
-    for (int r = 0; r < R; ++r) w[r] = weights.load(row + r, k);
-    for (int m = 0; m < M; ++m) {
-      const __m512bh input = (__m512bh)_mm512_loadu_si512(x + m * k_size + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], input, (__m512bh)w[r]);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) {
-      const c10::BFloat16 value(_mm512_reduce_add_ps(acc[r][m]) * weights.scale(row + r));  // nearest even
-      out[m * n_size + row + r] = value.x;
-    }
-}
-
-template <int M, typename Weights>
-void linear_rows(const uint16_t* x, const Weights& weights, uint16_t* out, int64_t k_size, int64_t n_size,
-                 int64_t weight_bytes) {
-  constexpr int R = M <= 2 ? 8 : 4;  // R x M accumulators plus R weight registers within 32
-  const int64_t tiles = n_size / R;
-  // Each task covers at least ~64 KiB of weights, so thread start-up is paid on real work.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (weight_bytes * k_size * R));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) linear_tile<M, R>(x, weights, out, k_size, n_size, tile * R);
-  });
-  for (int64_t row = tiles * R; row < n_size; ++row) linear_tile<M, 1>(x, weights, out, k_size, n_size, row);
-}
-
-template <typename Weights>
-void linear(const uint16_t* x, const Weights& weights, uint16_t* out, int64_t m_size, int64_t k_size,
-            int64_t n_size, int64_t weight_bytes) {
-  switch (m_size) {
-    case 1: linear_rows<1>(x, weights, out, k_size, n_size, weight_bytes); break;
-    case 2: linear_rows<2>(x, weights, out, k_size, n_size, weight_bytes); break;
-    case 3: linear_rows<3>(x, weights, out, k_size, n_size, weight_bytes); break;
-    case 4: linear_rows<4>(x, weights, out, k_size, n_size, weight_bytes); break;
-    case 5: linear_rows<5>(x, weights, out, k_size, n_size, weight_bytes); break;
-    case 6: linear_rows<6>(x, weights, out, k_size, n_size, weight_bytes); break;
-    case 7: linear_rows<7>(x, weights, out, k_size, n_size, weight_bytes); break;
-    default: linear_rows<8>(x, weights, out, k_size, n_size, weight_bytes); break;
-  }
-}
-
 #endif  // LLMSERVE_BF16_LINEAR
 
 // Checks shared by the entry points; returns an empty [M, N] bf16 output.
@@ -205,23 +133,6 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   linear_packed(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(0), x.size(1), out_features);
-#endif
-  return out;
-}
-
-// x [M, K] bf16 with 1 <= M <= 8, qweight [N, K] int8, scales [N] float32; K a multiple of 32.
-// Returns [M, N] bf16: (x qweight^T) * scales.
-torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {
-  auto out = checked_output(x, qweight, qweight.size(0));
-  TORCH_CHECK(qweight.scalar_type() == torch::kChar, "small_batch_linear_int8 takes int8 weights");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.dim() == 1 &&
-                  scales.size(0) == qweight.size(0),
-              "scales must be float32 [N]");
-#ifdef LLMSERVE_BF16_LINEAR
-  const int64_t k_size = x.size(1);
-  const Int8Weights weights{qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), k_size};
-  linear(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), weights,
-         reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(0), k_size, qweight.size(0), 1);
 #endif
   return out;
 }

@@ -12,7 +12,9 @@ bool prefill_attention_supported();
 torch::Tensor small_batch_pack(torch::Tensor weight);
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 bool small_batch_linear_supported();
-torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
+torch::Tensor small_batch_pack_int8(torch::Tensor qweight);
+torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
+bool small_batch_linear_int8_supported();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos,
@@ -26,7 +28,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_supported", &prefill_attention_supported, "Whether prefill_attention was compiled in");
   m.def("small_batch_pack", &small_batch_pack, "A bf16 weight [N, K] in the layout small_batch_linear reads");
   m.def("small_batch_linear", &small_batch_linear, "x W^T for 1-8 bfloat16 rows, W packed (AVX-512 BF16)");
-  m.def("small_batch_linear_int8", &small_batch_linear_int8, "(x qweight^T) * scales for 1-8 bfloat16 rows, int8 weights");
+  m.def("small_batch_pack_int8", &small_batch_pack_int8, "int8 codes [N, K] in the layout small_batch_linear_int8 reads");
+  m.def("small_batch_linear_int8", &small_batch_linear_int8,
+        "(x qweight^T) * scales for 1-8 bfloat16 rows (8-bit inputs per 32 columns, AVX-512 VNNI)");
+  m.def("small_batch_linear_int8_supported", &small_batch_linear_int8_supported,
+        "Whether small_batch_linear_int8 was compiled in");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32 inside");
   m.def("add_rms_norm", &add_rms_norm, "x += residual in place; returns RMSNorm(x)");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE of query and key rows, in place");
