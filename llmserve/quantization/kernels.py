@@ -67,7 +67,7 @@ class Int8PackedKernel(LinearKernel):
         super().__init__()
         self.register_buffer("qweight", weight.qweight.clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", weight.scales[:, 0].to(dtype).contiguous())
-        # At 1-8 rows the compiled int8 matrix-vector kernel (kernels/csrc/linear_int8.cpp) streams its
+        # At 1-8 rows the compiled int8 matrix-vector kernel (kernels/csrc/linear_quantized.cpp) streams its
         # own packed copy of the codes at memory speed, rounding the input to 8 bits per 32 columns;
         # it multiplies by the same (bf16-rounded) scales as the packed op.
         ops = _small_batch_int8_ops(self.qweight.shape[1])
@@ -132,9 +132,27 @@ class Int4PackedKernel(LinearKernel):
         scales_and_zeros = torch.stack([weight.scales, zeros], dim=-1).transpose(0, 1).to(dtype)
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
+        # At 1-8 rows the compiled int4 kernel (kernels/csrc/linear_quantized.cpp) streams its own packed
+        # copy of the codes, rounding the input to 8 bits per 32 columns, with the same (rounded) W:
+        # (q - 8) * scale + zero = q * scale + (zero - 8 * scale).
+        ops = _small_batch_int8_ops(weight.shape[1]) if weight.group_size % 32 == 0 else None
+        self._small_batch = None if ops is None else ops.small_batch_linear_int4
+        small_batch = (None, None)
+        if ops is not None:
+            scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(-1)
+            offsets = zeros - _INT4_CENTER * scales
+            small_batch = ops.small_batch_pack_int4(weight.qweight.contiguous(), scales, offsets)
+        self.register_buffer("small_batch_qweight", small_batch[0])
+        self.register_buffer("small_batch_params", small_batch[1])
+        self.out_features = weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
+        if self._small_batch is not None and flat.shape[0] <= SMALL_BATCH_MAX_ROWS:
+            out = self._small_batch(
+                flat, self.small_batch_qweight, self.small_batch_params, self.out_features
+            )
+            return out.view(*x.shape[:-1], -1)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             flat, self.packed, self.group_size, self.scales_and_zeros
         )
@@ -148,7 +166,8 @@ class Int4PackedKernel(LinearKernel):
 
 
 def _small_batch_int8_ops(in_features: int):
-    """The compiled kernels, where this build has the small-batch int8 kernel and the width suits it."""
+    """The compiled kernels, where this build has the small-batch int8/int4 kernels and the width
+    suits them."""
     ops = load_cpu_ops()
     if ops is None or not ops.small_batch_linear_int8_supported() or in_features % 32:
         return None

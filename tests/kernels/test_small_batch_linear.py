@@ -131,6 +131,36 @@ def test_int8_matches_its_rounded_input_reference(rows, out_features, in_feature
     )
 
 
+@pytest.mark.skipif(ops is None or not ops.small_batch_linear_int8_supported(), reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("rows", [1, 4, 6])
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "group_size"),
+    [(960, 576, 64), (7, 64, 32), (576, 1536, 128), (40, 256, 256)],
+)
+def test_int4_matches_its_rounded_input_reference(rows, out_features, in_features, group_size):
+    """W = q * scale + offset per (row, group of columns), times the input rounded to 8 bits per 32
+    columns: within float32 sums and the final bf16 rounding of the emulated product."""
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    codes = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8)
+    groups = in_features // group_size
+    scales = torch.rand(out_features, groups, generator=gen) * 0.02 + 1e-3
+    offsets = -8 * scales + torch.randn(out_features, groups, generator=gen) * 1e-3
+    weight = (
+        codes.double().view(out_features, groups, -1) * scales.double()[..., None]
+        + offsets.double()[..., None]
+    )
+    weight = weight.view(out_features, in_features)
+    packed, params = ops.small_batch_pack_int4(codes, scales, offsets)
+    actual = ops.small_batch_linear_int4(x, packed, params, out_features)
+    assert actual.dtype == torch.bfloat16 and actual.shape == (rows, out_features)
+    rounded, _ = _rounded_input(x)
+    expected = rounded @ weight.T
+    magnitude = rounded.abs() @ weight.abs().T
+    assert ((actual.double() - expected).abs() <= 2**-8 * expected.abs() + 1e-5 * magnitude).all()
+    assert torch.equal(ops.small_batch_linear_int4(x[-1:], packed, params, out_features)[0], actual[-1])
+
+
 def test_int8_rejects_what_it_does_not_serve():
     codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
     packed = ops.small_batch_pack_int8(codes)
@@ -140,3 +170,11 @@ def test_int8_rejects_what_it_does_not_serve():
         ops.small_batch_pack_int8(torch.full((8, 64), -128, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="packed by small_batch_pack_int8"):
         ops.small_batch_linear_int8(torch.randn(1, 64).bfloat16(), codes, torch.ones(8))
+    nibbles = torch.randint(0, 16, (8, 64), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="multiple of 32 columns"):
+        ops.small_batch_pack_int4(nibbles, torch.ones(8, 4), torch.zeros(8, 4))
+    with pytest.raises(RuntimeError, match=r"\[0, 15\]"):
+        ops.small_batch_pack_int4(nibbles + 16, torch.ones(8, 2), torch.zeros(8, 2))
+    packed, params = ops.small_batch_pack_int4(nibbles, torch.ones(8, 2), torch.zeros(8, 2))
+    with pytest.raises(RuntimeError, match="packed by small_batch_pack_int4"):
+        ops.small_batch_linear_int4(torch.randn(1, 64).bfloat16(), packed, params, 40)

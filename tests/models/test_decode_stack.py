@@ -41,11 +41,13 @@ def _run(llm: LLM, prompts, max_tokens: int = 20):
 
 
 @pytest.mark.parametrize(
-    ("speculative_method", "quantization"), [(None, None), ("ngram", None), (None, "int8-rtn")]
+    ("speculative_method", "quantization"),
+    [(None, None), ("ngram", None), (None, "int8-rtn"), ("ngram", "int4")],
 )
 def test_bit_identical_to_the_module_path(model_dir, speculative_method, quantization):
     """Same tokens and the very same log-probabilities with and without the stack, for a batch of
-    decodes, for speculative verification spans (k + 1 rows per sequence) and with int8 weights."""
+    decodes, for speculative verification spans (k + 1 rows per sequence) and with int8 and int4
+    weights."""
     llm = LLM(
         model_dir,
         dtype="bfloat16",
@@ -73,5 +75,3 @@ def test_not_built_where_it_does_not_apply(model_dir):
         model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, kv_cache_dtype="int8"
     )
     assert int8_kv.engine.model_runner.model.model.decode_stack is None
-    int4 = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, quantization="int4")
-    assert int4.engine.model_runner.model.model.decode_stack is None

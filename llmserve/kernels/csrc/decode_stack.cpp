@@ -5,13 +5,14 @@
 // runs the same kernels in the same order on the same tensors as LlamaDecoderLayer.forward does on
 // the CPU (small_batch_linear, rms_norm, rotary_embedding, write_kv_rows, paged_attention,
 // add_rms_norm, silu_and_mul, the residual add), so its output is bit-identical to the Python path
-// (tested); only the dispatch goes. Linear layers may be bf16 or per-channel int8 (`--quantization
-// int8`), each through its small-batch kernel. The model uses it when every sequence is a decode or a short
+// (tested); only the dispatch goes. Linear layers may be bf16, per-channel int8 or group-wise int4,
+// each through its small-batch kernel. The model uses it when every sequence is a decode or a short
 // span and the batch fits the small-batch linear kernel (models/fused_decode.py says when).
 #include "decode_stack.h"
 
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
+torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos,
@@ -24,9 +25,12 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
 
 namespace {
 
-// x W^T through the small-batch kernel of W's format (what SmallBatchLinear or Int8PackedKernel runs).
+// x W^T through the small-batch kernel of W's format (what SmallBatchLinear, Int8PackedKernel or
+// Int4PackedKernel runs): int8 has per-row scales [N], int4 its [blocks, groups, 2, 32] parameters.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                      int64_t out_features) {
+  if (weight.scalar_type() == torch::kByte && scales.dim() == 4)
+    return small_batch_linear_int4(x, weight, scales, out_features);
   if (weight.scalar_type() == torch::kByte) return small_batch_linear_int8(x, weight, scales);
   return small_batch_linear(x, weight, out_features);
 }

@@ -9,8 +9,8 @@ class DecodeStack {
  public:
   // Per layer, in this order: input_norm, qkv, qkv_scales, qkv_bias (or an empty tensor), o, o_scales,
   // post_norm, gate_up, gate_up_scales, down, down_scales, key_cache, value_cache. A linear's weight is
-  // packed by small_batch_pack (bf16; its scales an empty tensor) or small_batch_pack_int8 (uint8,
-  // with float32 scales per output row).
+  // packed by small_batch_pack (bf16; its scales an empty tensor), small_batch_pack_int8 (uint8, with
+  // float32 scales per output row) or small_batch_pack_int4 (uint8, with its 4-D parameters).
   DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
               torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t intermediate_size, double eps, double scale);

@@ -1,5 +1,5 @@
 // Linear layers at small batch: y = x W^T for bfloat16 x [M, K] and W with M <= 8 (decode at low
-// concurrency, speculative verification of a few drafts). int8 weights: linear_int8.cpp.
+// concurrency, speculative verification of a few drafts). int8 and int4 weights: linear_quantized.cpp.
 //
 // At these sizes a linear layer is a matrix-vector product: every weight is read from memory once and
 // used M times, so the work is bound by memory bandwidth, and the kernel's job is to stream the weights

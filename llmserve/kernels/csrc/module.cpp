@@ -15,6 +15,8 @@ bool small_batch_linear_supported();
 torch::Tensor small_batch_pack_int8(torch::Tensor qweight);
 torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
 bool small_batch_linear_int8_supported();
+std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets);
+torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos,
@@ -31,6 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_batch_pack_int8", &small_batch_pack_int8, "int8 codes [N, K] in the layout small_batch_linear_int8 reads");
   m.def("small_batch_linear_int8", &small_batch_linear_int8,
         "(x qweight^T) * scales for 1-8 bfloat16 rows (8-bit inputs per 32 columns, AVX-512 VNNI)");
+  m.def("small_batch_pack_int4", &small_batch_pack_int4, "int4 codes, scales, offsets in the layout small_batch_linear_int4 reads");
+  m.def("small_batch_linear_int4", &small_batch_linear_int4,
+        "x W^T for 1-8 bfloat16 rows, W int4 in groups (8-bit inputs per 32 columns, AVX-512 VNNI)");
   m.def("small_batch_linear_int8_supported", &small_batch_linear_int8_supported,
         "Whether small_batch_linear_int8 was compiled in");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32 inside");
