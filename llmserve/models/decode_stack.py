@@ -6,9 +6,9 @@ Python: 30 layers x ~12 module calls, argument checks and views. `DecodeStack`
 is bit-identical to the module path (tested) and the model uses it whenever it applies: every
 sequence this step is a decode or a short span (speculative verification), the batch fits the
 small-batch linear kernel, and the model runs in bf16 on the CPU with the in-place paged attention
-backend and a plain KV cache, its linear layers bf16, per-channel int8 or group-wise int4 with their
-small-batch kernels. Anything else (prefill chunks, larger batches, other quantized formats, 8-bit KV
-caches, CUDA) takes the module path.
+backend and a plain KV cache, its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise
+int4 with their small-batch kernels. Anything else (prefill chunks, larger batches, other quantized
+formats, 8-bit KV caches, CUDA) takes the module path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.small_batch_linear import MAX_ROWS, SmallBatchLinear
-from llmserve.quantization.kernels import Int4PackedKernel, Int8PackedKernel
+from llmserve.quantization.kernels import Int4PackedKernel, Int8GroupedPackedKernel, Int8PackedKernel
 from llmserve.worker.forward_context import AttentionMetadata
 
 
@@ -52,13 +52,15 @@ _EMPTY = torch.empty(0)
 
 
 def _small_batch_weights(module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(packed weight, its scales: none, per row or int4's parameters) of a linear layer the stack can
-    run: bf16 (SmallBatchLinear), per-channel int8 or int4 with a small-batch kernel; else None."""
+    """(packed weight, its scales: none, per row, per 32 columns or int4's parameters) of a linear
+    layer the stack can run: bf16 (SmallBatchLinear), int8 or int4 with a small-batch kernel; else None."""
     if type(module) is SmallBatchLinear:
         return module.small_batch_weight, _EMPTY
     kernel = getattr(module, "kernel", None)
     if isinstance(kernel, Int8PackedKernel) and kernel.small_batch_qweight is not None:
         return kernel.small_batch_qweight, kernel.scales_float
+    if isinstance(kernel, Int8GroupedPackedKernel) and kernel.small_batch_qweight is not None:
+        return kernel.small_batch_qweight, kernel.small_batch_scales
     if isinstance(kernel, Int4PackedKernel) and kernel.small_batch_qweight is not None:
         return kernel.small_batch_qweight, kernel.small_batch_params
     return None

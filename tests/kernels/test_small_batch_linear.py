@@ -117,7 +117,7 @@ def test_int8_matches_its_rounded_input_reference(rows, out_features, in_feature
     scales = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
     rounded, step = _rounded_input(x)
     expected = (rounded @ codes.double().T) * scales.double()
-    actual = ops.small_batch_linear_int8(x, ops.small_batch_pack_int8(codes), scales)
+    actual = ops.small_batch_linear_int8(x, ops.small_batch_pack_int8(codes), scales, out_features)
     assert actual.dtype == torch.bfloat16 and actual.shape == (rows, out_features)
     magnitude = (x.double().abs() @ codes.double().abs().T) * scales.double()
     assert ((actual.double() - expected).abs() <= 2**-8 * expected.abs() + 1e-5 * magnitude).all()
@@ -127,7 +127,8 @@ def test_int8_matches_its_rounded_input_reference(rows, out_features, in_feature
     assert ((actual.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-5 * magnitude + rounding).all()
     # rows are independent of one another
     assert torch.equal(
-        ops.small_batch_linear_int8(x[-1:], ops.small_batch_pack_int8(codes), scales)[0], actual[-1]
+        ops.small_batch_linear_int8(x[-1:], ops.small_batch_pack_int8(codes), scales, out_features)[0],
+        actual[-1],
     )
 
 
@@ -161,15 +162,35 @@ def test_int4_matches_its_rounded_input_reference(rows, out_features, in_feature
     assert torch.equal(ops.small_batch_linear_int4(x[-1:], packed, params, out_features)[0], actual[-1])
 
 
+@pytest.mark.skipif(ops is None or not ops.small_batch_linear_int8_supported(), reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (45, 64)])
+def test_int8_with_a_scale_per_32_columns(rows, out_features, in_features):
+    """GGUF Q8_0's layout: the rounded input times codes scaled per (row, 32 columns)."""
+    gen = torch.Generator().manual_seed(rows * 3 + out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = torch.rand(out_features, in_features // 32, generator=gen) * 0.01 + 1e-4
+    weight = (codes.double().view(out_features, -1, 32) * scales.double()[..., None]).view(
+        out_features, in_features
+    )
+    packed_scales = ops.small_batch_pack_int8_group_scales(scales)
+    actual = ops.small_batch_linear_int8(x, ops.small_batch_pack_int8(codes), packed_scales, out_features)
+    rounded, _ = _rounded_input(x)
+    expected = rounded @ weight.T
+    magnitude = rounded.abs() @ weight.abs().T
+    assert ((actual.double() - expected).abs() <= 2**-8 * expected.abs() + 1e-5 * magnitude).all()
+
+
 def test_int8_rejects_what_it_does_not_serve():
     codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
     packed = ops.small_batch_pack_int8(codes)
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        ops.small_batch_linear_int8(torch.randn(9, 64).bfloat16(), packed, torch.ones(8))
+        ops.small_batch_linear_int8(torch.randn(9, 64).bfloat16(), packed, torch.ones(8), 8)
     with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
         ops.small_batch_pack_int8(torch.full((8, 64), -128, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="packed by small_batch_pack_int8"):
-        ops.small_batch_linear_int8(torch.randn(1, 64).bfloat16(), codes, torch.ones(8))
+        ops.small_batch_linear_int8(torch.randn(1, 64).bfloat16(), codes, torch.ones(8), 8)
     nibbles = torch.randint(0, 16, (8, 64), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="multiple of 32 columns"):
         ops.small_batch_pack_int4(nibbles, torch.ones(8, 4), torch.zeros(8, 4))

@@ -11,7 +11,7 @@
 #include "decode_stack.h"
 
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
-torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
+torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features);
 torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -26,12 +26,13 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
 namespace {
 
 // x W^T through the small-batch kernel of W's format (what SmallBatchLinear, Int8PackedKernel or
-// Int4PackedKernel runs): int8 has per-row scales [N], int4 its [blocks, groups, 2, 32] parameters.
+// Int4PackedKernel runs): int8 has scales per row [N] or per 32 columns [blocks, groups, 32], int4 its
+// [blocks, groups, 2, 32] parameters.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                      int64_t out_features) {
   if (weight.scalar_type() == torch::kByte && scales.dim() == 4)
     return small_batch_linear_int4(x, weight, scales, out_features);
-  if (weight.scalar_type() == torch::kByte) return small_batch_linear_int8(x, weight, scales);
+  if (weight.scalar_type() == torch::kByte) return small_batch_linear_int8(x, weight, scales, out_features);
   return small_batch_linear(x, weight, out_features);
 }
 

@@ -1,5 +1,6 @@
 // Quantized linear layers at small batch (bfloat16 x [M, K], M <= 8): int8 codes Q [N, K] (|q| <= 127)
-// with one float scale per output row (per-channel weight-only quantization: `int8`), y = (x Q^T) * s;
+// with one float scale per output row (per-channel weight-only quantization: `int8`), y = (x Q^T) * s,
+// or per (row, 32 columns) (GGUF Q8_0);
 // and int4 codes 0..15 in groups of G columns with a scale and an offset per (row, group) (`int4`,
 // AWQ, GPTQ, GGUF Q4_0/Q4_1), y = x W^T with W = q * scale + offset.
 //
@@ -82,9 +83,11 @@ QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size)
 }
 
 // Rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block; rows >= n_size are not written.
-template <int MC>
+// Scales: one per output row (`row_scales`, per-channel), or with Grouped one per (row, 32 columns)
+// (`group_scales`: the block's [K/32][32], GGUF Q8_0).
+template <int MC, bool Grouped>
 inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* row_scales,
-                       uint16_t* out, int64_t k_size, int64_t n_size, int64_t row) {
+                       const float* group_scales, uint16_t* out, int64_t k_size, int64_t n_size, int64_t row) {
   const int64_t blocks = k_size / kInputBlock;
   __m512 acc[2][MC];
   for (int m = 0; m < MC; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
@@ -106,11 +109,19 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
         sums[1][m] = _mm512_dpbusd_epi32(sums[1][m], high, input);
       }
     }
+    __m512 weight_scale[2] = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f)};
+    if constexpr (Grouped) {
+      weight_scale[0] = _mm512_loadu_ps(group_scales + b * kRows);
+      weight_scale[1] = _mm512_loadu_ps(group_scales + b * kRows + 16);
+    }
     for (int m = 0; m < MC; ++m) {
       const __m512i correction = _mm512_set1_epi32(128 * in.sums[(m0 + m) * blocks + b]);  // the + 128
       const __m512 scale = _mm512_set1_ps(in.scales[(m0 + m) * blocks + b]);
-      for (int t = 0; t < 2; ++t)
-        acc[t][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[t][m], correction)), scale, acc[t][m]);
+      for (int t = 0; t < 2; ++t) {
+        const __m512 block_scale = Grouped ? _mm512_mul_ps(scale, weight_scale[t]) : scale;
+        acc[t][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[t][m], correction)), block_scale,
+                                    acc[t][m]);
+      }
     }
   }
   const int64_t valid = std::min<int64_t>(kRows, n_size - row);
@@ -119,15 +130,16 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
                               : valid <= 16 ? (__mmask16)0
                                             : (__mmask16)((1u << (valid - 16)) - 1)};
   for (int t = 0; t < 2; ++t) {
-    const __m512 scales = _mm512_maskz_loadu_ps(masks[t], row_scales + row + 16 * t);
+    const __m512 scales = Grouped ? _mm512_set1_ps(1.0f) : _mm512_maskz_loadu_ps(masks[t], row_scales + row + 16 * t);
     for (int m = 0; m < MC; ++m) {
-      const __m256i bf16 = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[t][m], scales));
+      const __m256i bf16 = (__m256i)_mm512_cvtneps_pbh(Grouped ? acc[t][m] : _mm512_mul_ps(acc[t][m], scales));
       _mm256_mask_storeu_epi16(out + (m0 + m) * n_size + row + 16 * t, masks[t], bf16);
     }
   }
 }
 
-void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* row_scales,
+template <bool Grouped>
+void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* scales,
                  uint16_t* out, int64_t k_size, int64_t n_size) {
   const int64_t blocks = (n_size + kRows - 1) / kRows;
   const int64_t block_bytes = kRows * k_size;
@@ -138,11 +150,13 @@ void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed
       // then re-read from the L2 cache, not from memory.
       for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
         const uint8_t* block = packed + b * block_bytes;
+        const float* group_scales = scales + b * kRows * (k_size / kInputBlock);  // Grouped only
+        const int64_t row = b * kRows;
         switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
-          case 1: int8_block<1>(in, m0, block, row_scales, out, k_size, n_size, b * kRows); break;
-          case 2: int8_block<2>(in, m0, block, row_scales, out, k_size, n_size, b * kRows); break;
-          case 3: int8_block<3>(in, m0, block, row_scales, out, k_size, n_size, b * kRows); break;
-          default: int8_block<4>(in, m0, block, row_scales, out, k_size, n_size, b * kRows); break;
+          case 1: int8_block<1, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
+          case 2: int8_block<2, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
+          case 3: int8_block<3, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
+          default: int8_block<4, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
         }
       }
     }
@@ -262,9 +276,21 @@ torch::Tensor small_batch_pack_int8(torch::Tensor qweight) {
   return rows.view({padded / kRows, kRows, k_size / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({padded, k_size});
 }
 
-// x [M, K] bf16 with 1 <= M <= 8, packed from small_batch_pack_int8, scales [N] float32. Returns [M, N] bf16:
-// (x' Q^T) * scales, x' being x rounded to 8 bits per 32-column block.
-torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
+// scales [N, K / 32] float32 of int8 codes in groups of 32 columns (GGUF Q8_0) -> the layout
+// small_batch_linear_int8 reads them in: [N' / 32, K / 32, 32], zero rows padding N to N'.
+torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales) {
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kFloat, "group scales must be float32 [N, K / 32]");
+  const int64_t n_size = scales.size(0), groups = scales.size(1);
+  const int64_t padded = (n_size + kRows - 1) / kRows * kRows;
+  auto rows = torch::zeros({padded, groups}, scales.options());
+  rows.narrow(0, 0, n_size).copy_(scales);
+  return rows.view({padded / kRows, kRows, groups}).permute({0, 2, 1}).contiguous();
+}
+
+// x [M, K] bf16 with 1 <= M <= 8, packed from small_batch_pack_int8, and scales: [N] float32 per row, or
+// from small_batch_pack_int8_group_scales for groups of 32 columns. Returns [M, N] bf16: x' W^T with W the
+// scaled codes, x' being x rounded to 8 bits per 32-column block.
+torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features) {
   TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int8 needs a CPU with AVX-512 VNNI and BF16");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "small_batch_linear_int8 takes contiguous bfloat16 inputs [M, K]");
@@ -273,15 +299,23 @@ torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, tor
                   packed.is_contiguous(),
               "small_batch_linear_int8 takes weights packed by small_batch_pack_int8");
   TORCH_CHECK(x.size(1) % kInputBlock == 0, "small_batch_linear_int8 needs an input width that is a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.dim() == 1 && scales.is_contiguous() &&
-                  (scales.size(0) + kRows - 1) / kRows * kRows == packed.size(0),
-              "scales must be float32 [N] for the packed weight's N rows");
-  const int64_t n_size = scales.size(0);
+  const int64_t n_size = out_features;
+  TORCH_CHECK(n_size >= 1 && (n_size + kRows - 1) / kRows * kRows == packed.size(0),
+              "small_batch_linear_int8 takes weights packed by small_batch_pack_int8 for out_features rows");
+  const bool grouped = scales.dim() == 3;
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+                  (grouped ? scales.size(0) * kRows == packed.size(0) && scales.size(1) * kInputBlock == x.size(1) &&
+                                 scales.size(2) == kRows
+                           : scales.dim() == 1 && scales.size(0) == n_size),
+              "scales must be float32 [N], or packed by small_batch_pack_int8_group_scales");
   auto out = torch::empty({x.size(0), n_size}, x.options());
 #ifdef LLMSERVE_INT8_LINEAR
   const auto input = quantize_input(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), x.size(0), x.size(1));
-  int8_linear(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-              reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(1), n_size);
+  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  if (grouped)
+    int8_linear<true>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out_ptr, x.size(1), n_size);
+  else
+    int8_linear<false>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out_ptr, x.size(1), n_size);
 #endif
   return out;
 }

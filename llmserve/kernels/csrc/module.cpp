@@ -13,7 +13,8 @@ torch::Tensor small_batch_pack(torch::Tensor weight);
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 bool small_batch_linear_supported();
 torch::Tensor small_batch_pack_int8(torch::Tensor qweight);
-torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales);
+torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales);
+torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features);
 bool small_batch_linear_int8_supported();
 std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets);
 torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features);
@@ -31,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_batch_pack", &small_batch_pack, "A bf16 weight [N, K] in the layout small_batch_linear reads");
   m.def("small_batch_linear", &small_batch_linear, "x W^T for 1-8 bfloat16 rows, W packed (AVX-512 BF16)");
   m.def("small_batch_pack_int8", &small_batch_pack_int8, "int8 codes [N, K] in the layout small_batch_linear_int8 reads");
+  m.def("small_batch_pack_int8_group_scales", &small_batch_pack_int8_group_scales,
+        "int8 scales per (row, 32 columns) in the layout small_batch_linear_int8 reads");
   m.def("small_batch_linear_int8", &small_batch_linear_int8,
         "(x qweight^T) * scales for 1-8 bfloat16 rows (8-bit inputs per 32 columns, AVX-512 VNNI)");
   m.def("small_batch_pack_int4", &small_batch_pack_int4, "int4 codes, scales, offsets in the layout small_batch_linear_int4 reads");
