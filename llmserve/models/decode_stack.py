@@ -22,12 +22,19 @@ from llmserve.worker.forward_context import AttentionMetadata
 
 
 class FusedDecodeStack:
-    def __init__(self, stack) -> None:
+    def __init__(self, stack, attention_layers) -> None:
         self.stack = stack
+        # The caches the stack was built with; a caller that rebinds a layer's cache (the naive
+        # batching baseline does) gets the module path, which reads the layers' current caches.
+        self.bound = [(layer, layer.key_cache, layer.value_cache) for layer in attention_layers]
 
-    @staticmethod
-    def serves(num_tokens: int, metadata: AttentionMetadata) -> bool:
-        return num_tokens <= MAX_ROWS and not metadata.prefills and metadata.decode_block_tables is not None
+    def serves(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
+        return (
+            num_tokens <= MAX_ROWS
+            and not metadata.prefills
+            and metadata.decode_block_tables is not None
+            and all(layer.key_cache is key and layer.value_cache is value for layer, key, value in self.bound)
+        )
 
     def __call__(
         self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
@@ -126,4 +133,4 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         inner.norm.eps,
         first.attn.scale,
     )
-    return FusedDecodeStack(stack)
+    return FusedDecodeStack(stack, [layer.self_attn.attn for layer in layers])

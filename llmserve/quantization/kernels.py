@@ -70,7 +70,7 @@ class Int8PackedKernel(LinearKernel):
         # At 1-8 rows the compiled int8 matrix-vector kernel (kernels/csrc/linear_quantized.cpp) streams its
         # own packed copy of the codes at memory speed, rounding the input to 8 bits per 32 columns;
         # it multiplies by the same (bf16-rounded) scales as the packed op.
-        ops = _small_batch_int8_ops(self.qweight.shape[1])
+        ops = _small_batch_int8_ops(self.qweight)
         self._small_batch = None if ops is None else ops.small_batch_linear_int8
         small_batch = (
             (None, None) if ops is None else (ops.small_batch_pack_int8(self.qweight), self.scales.float())
@@ -106,7 +106,7 @@ class Int8GroupedPackedKernel(LinearKernel):
         grouped = weight.qweight.view(rows, -1, self.group_size).transpose(0, 1).contiguous()
         self.register_buffer("qweight", grouped)  # [groups, out, group_size]
         self.register_buffer("scales", weight.scales.t().to(dtype).contiguous())  # [groups, out]
-        ops = _small_batch_int8_ops(cols) if self.group_size == 32 else None
+        ops = _small_batch_int8_ops(weight.qweight) if self.group_size == 32 else None
         self._small_batch = None if ops is None else ops.small_batch_linear_int8
         small_batch = (None, None)
         if ops is not None:
@@ -152,7 +152,7 @@ class Int4PackedKernel(LinearKernel):
         # At 1-8 rows the compiled int4 kernel (kernels/csrc/linear_quantized.cpp) streams its own packed
         # copy of the codes, rounding the input to 8 bits per 32 columns, with the same (rounded) W:
         # (q - 8) * scale + zero = q * scale + (zero - 8 * scale).
-        ops = _small_batch_int8_ops(weight.shape[1]) if weight.group_size % 32 == 0 else None
+        ops = _small_batch_int8_ops(weight.qweight) if weight.group_size % 32 == 0 else None
         self._small_batch = None if ops is None else ops.small_batch_linear_int4
         small_batch = (None, None)
         if ops is not None:
@@ -182,11 +182,14 @@ class Int4PackedKernel(LinearKernel):
         return self.forward(eye).t().to(dtype)
 
 
-def _small_batch_int8_ops(in_features: int):
-    """The compiled kernels, where this build has the small-batch int8/int4 kernels and the width
-    suits them."""
+def _small_batch_int8_ops(codes: torch.Tensor):
+    """The compiled kernels, where this build has the small-batch int8/int4 kernels and the codes
+    suit them: a width that is a multiple of 32, and int8 codes within [-127, 127] (the kernel
+    stores q + 128 unsigned; a checkpoint's -128 keeps the packed op)."""
     ops = load_cpu_ops()
-    if ops is None or not ops.small_batch_linear_int8_supported() or in_features % 32:
+    if ops is None or not ops.small_batch_linear_int8_supported() or codes.shape[-1] % 32:
+        return None
+    if codes.dtype == torch.int8 and codes.numel() and int(codes.min()) < -127:
         return None
     return ops
 

@@ -182,6 +182,25 @@ def test_int8_with_a_scale_per_32_columns(rows, out_features, in_features):
     assert ((actual.double() - expected).abs() <= 2**-8 * expected.abs() + 1e-5 * magnitude).all()
 
 
+@pytest.mark.skipif(ops is None or not ops.small_batch_linear_int8_supported(), reason="needs AVX-512 VNNI")
+def test_quantized_input_edge_cases_zero_tiny_and_nan_blocks():
+    """An all-zero or denormal-sized input block contributes nothing; a NaN reaches its outputs."""
+    codes = torch.randint(-127, 128, (40, 96), dtype=torch.int8)
+    packed, scales = ops.small_batch_pack_int8(codes), torch.rand(40) + 0.5
+    x = torch.randn(3, 96).bfloat16()
+    x[0, :32] = 0
+    x[1, 32:64] = 1e-38  # a scale of max / 127 would have an infinite inverse
+    x[2, 64] = float("nan")
+    out = ops.small_batch_linear_int8(x, packed, scales, 40).double()
+    rounded, _ = _rounded_input(x[:2])
+    rounded[1, 32:64] = 0
+    expected = (rounded @ codes.double().T) * scales.double()
+    magnitude = (rounded.abs() @ codes.double().abs().T) * scales.double()
+    assert ((out[:2] - expected).abs() <= 2**-8 * expected.abs() + 1e-5 * magnitude).all()
+    assert out[2].isnan().all()
+
+
+@pytest.mark.skipif(ops is None or not ops.small_batch_linear_int8_supported(), reason="needs AVX-512 VNNI")
 def test_int8_rejects_what_it_does_not_serve():
     codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
     packed = ops.small_batch_pack_int8(codes)

@@ -68,6 +68,23 @@ def test_bit_identical_to_the_module_path(model_dir, speculative_method, quantiz
     assert _run(llm, PROMPTS[:3]) + _run(llm, PROMPTS[3:]) == fused
 
 
+def test_rebound_caches_take_the_module_path(model_dir):
+    """The naive-batching baseline points the attention layers at a buffer of its own: the stack,
+    built on the engine's pool, must then step aside, and its tokens equal the engine's."""
+    from llmserve.benchmarks.naive_batching import NaiveBatchRunner
+
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
+    inner = llm.engine.model_runner.model.model
+    inner.decode_stack = counting = _Counting(inner.decode_stack)
+    engine_tokens = [tokens for tokens, _ in _run(llm, PROMPTS[:2], max_tokens=12)]
+    engine_calls = counting.calls
+    assert engine_calls > 0
+    naive = NaiveBatchRunner(llm.engine.model_runner.model, llm.engine.config.cache.block_size)
+    tokens, _ = naive.generate(PROMPTS[:2], [12, 12], batch_size=2)
+    assert tokens == engine_tokens
+    assert counting.calls == engine_calls  # every naive decode step took the module path
+
+
 def test_not_built_where_it_does_not_apply(model_dir):
     float32 = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", max_model_len=256)
     assert float32.engine.model_runner.model.model.decode_stack is None

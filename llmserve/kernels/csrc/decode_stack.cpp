@@ -7,7 +7,7 @@
 // add_rms_norm, silu_and_mul, the residual add), so its output is bit-identical to the Python path
 // (tested); only the dispatch goes. Linear layers may be bf16, per-channel int8 or group-wise int4,
 // each through its small-batch kernel. The model uses it when every sequence is a decode or a short
-// span and the batch fits the small-batch linear kernel (models/fused_decode.py says when).
+// span and the batch fits the small-batch linear kernel (models/decode_stack.py says when).
 #include "decode_stack.h"
 
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);

@@ -18,8 +18,9 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define LLMSERVE_BF16_LINEAR 1
 #endif
@@ -55,7 +56,9 @@ inline void linear_block(const uint16_t* x, const uint16_t* block, uint16_t* out
     const __m512bh low = (__m512bh)_mm512_loadu_si512(weights);
     const __m512bh high = (__m512bh)_mm512_loadu_si512(weights + 32);
     for (int m = 0; m < M; ++m) {
-      const __m512bh input = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * k_size + 2 * pair));
+      int32_t input_pair;  // x[k], x[k + 1] as one lane (memcpy: no aliasing or alignment assumptions)
+      std::memcpy(&input_pair, x + m * k_size + 2 * pair, sizeof(input_pair));
+      const __m512bh input = (__m512bh)_mm512_set1_epi32(input_pair);
       acc[0][m] = _mm512_dpbf16_ps(acc[0][m], input, low);
       acc[1][m] = _mm512_dpbf16_ps(acc[1][m], input, high);
     }

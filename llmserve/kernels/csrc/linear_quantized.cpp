@@ -32,9 +32,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define LLMSERVE_INT8_LINEAR 1
 #endif
@@ -47,6 +49,13 @@ constexpr int kMaxRowsPerPass = 4;
 constexpr int kPrefetchBytes = 32 * 64;  // how far ahead of the loads the weight stream is prefetched
 
 #ifdef LLMSERVE_INT8_LINEAR
+
+// Four input codes as one 32-bit lane value (memcpy: no aliasing or alignment assumptions).
+inline int32_t four_codes(const int8_t* codes) {
+  int32_t value;
+  std::memcpy(&value, codes, sizeof(value));
+  return value;
+}
 
 // x rows -> int8 codes [M, K], a scale per (row, 32-column block) [M, K/32], and the sum of each
 // block's codes [M, K/32].
@@ -67,11 +76,16 @@ QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size)
           _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
       const __m512 high = _mm512_castsi512_ps(_mm512_slli_epi32(
           _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16))), 16));
+      const bool has_nan = _mm512_cmp_ps_mask(low, low, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(high, high, _CMP_UNORD_Q);
       const float max_abs = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
-      const float scale = max_abs / 127.0f;
-      const __m512 inverse = _mm512_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
-      const __m512i low_codes = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));  // nearest even
-      const __m512i high_codes = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
+      // A block that is (nearly) zero, or holds a NaN, gets codes 0: scale 0, or NaN so that the
+      // NaN reaches the output as it would through a float product.
+      const bool usable = !has_nan && max_abs >= 1e-30f;
+      const float scale = has_nan ? std::nanf("") : usable ? max_abs / 127.0f : 0.0f;
+      const __m512 inverse = _mm512_set1_ps(usable ? 1.0f / scale : 0.0f);
+      const __m512i low_codes =
+          usable ? _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse)) : _mm512_setzero_si512();  // nearest even
+      const __m512i high_codes = usable ? _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse)) : _mm512_setzero_si512();
       int8_t* dst = q.codes.data() + m * k_size + b * kInputBlock;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(low_codes));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(high_codes));
@@ -102,9 +116,8 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
       const __m512i low = _mm512_loadu_si512(lines);
       const __m512i high = _mm512_loadu_si512(lines + 64);
       for (int m = 0; m < MC; ++m) {
-        const int32_t four = *reinterpret_cast<const int32_t*>(in.codes.data() + (m0 + m) * k_size +
-                                                                b * kInputBlock + 4 * quad);
-        const __m512i input = _mm512_set1_epi32(four);
+        const __m512i input =
+            _mm512_set1_epi32(four_codes(in.codes.data() + (m0 + m) * k_size + b * kInputBlock + 4 * quad));
         sums[0][m] = _mm512_dpbusd_epi32(sums[0][m], low, input);
         sums[1][m] = _mm512_dpbusd_epi32(sums[1][m], high, input);
       }
@@ -198,8 +211,8 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
         }
         for (int m = 0; m < MC; ++m) {
           const int8_t* codes = in.codes.data() + (m0 + m) * k_size + b * kInputBlock + 8 * chunk;
-          const __m512i first = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(codes));
-          const __m512i second = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(codes + 4));
+          const __m512i first = _mm512_set1_epi32(four_codes(codes));
+          const __m512i second = _mm512_set1_epi32(four_codes(codes + 4));
           for (int t = 0; t < 2; ++t) {
             sums[t][m] = _mm512_dpbusd_epi32(sums[t][m], low[t], first);
             sums[t][m] = _mm512_dpbusd_epi32(sums[t][m], high[t], second);
