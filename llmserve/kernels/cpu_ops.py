@@ -37,12 +37,14 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def _build_directory(root: str) -> str:
-    """One build per distinct source, torch and flags: two checkouts (or versions) on one machine then
-    never rebuild over each other's module, each finds its own build on the next start."""
+    """One build per distinct source, torch, flags and checkout: two checkouts (or versions) on one
+    machine then never rebuild over each other's module, each finds its own build on the next start.
+    The checkout's path counts too, since ninja rebuilds whenever the source paths of its build
+    commands change, even for identical sources."""
     digest = hashlib.sha256()
     for source in sorted(_CSRC.iterdir()):  # the headers too
         digest.update(source.read_bytes())
-    digest.update(f"{torch.__version__} {sys.version_info[:2]} {_CFLAGS}".encode())
+    digest.update(f"{torch.__version__} {sys.version_info[:2]} {_CFLAGS} {_CSRC.resolve()}".encode())
     path = Path(root) / f"llmserve_cpu_ops-{digest.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
