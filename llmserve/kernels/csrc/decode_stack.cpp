@@ -9,19 +9,7 @@
 // each through its small-batch kernel. The model uses it when every sequence is a decode or a short
 // span and the batch fits the small-batch linear kernel (models/decode_stack.py says when).
 #include "decode_stack.h"
-
-torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
-torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features);
-torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos,
-                      torch::Tensor sin, int64_t head_dim);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void write_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows);
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
-                              int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
+#include "kernels.h"
 
 namespace {
 

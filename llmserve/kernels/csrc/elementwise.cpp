@@ -15,6 +15,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "kernels.h"
+
 // No fused multiply-adds where PyTorch rounds twice: a*cos - b*sin must round a*cos and b*sin to
 // float32 first, as the reference's separate multiply and subtract do. A contracted form is more
 // accurate, but on SmolLM2 (outlier activations reach ~2,600, where a bf16 step is 16) its odd bf16

@@ -11,6 +11,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "kernels.h"
+
 #include <cstring>
 
 // cache [num_slots, kv_heads, head_dim] (contiguous), slots [tokens] int64, rows [tokens, kv_heads,

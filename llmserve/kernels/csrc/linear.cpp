@@ -17,6 +17,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "kernels.h"
+
 #include <cstdint>
 #include <cstring>
 

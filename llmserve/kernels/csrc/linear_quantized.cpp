@@ -29,6 +29,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -2,28 +2,7 @@
 #include <torch/extension.h>
 
 #include "decode_stack.h"
-
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
-                              int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
-torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                torch::Tensor context_slots, double scale);
-bool prefill_attention_supported();
-torch::Tensor small_batch_pack(torch::Tensor weight);
-torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
-bool small_batch_linear_supported();
-torch::Tensor small_batch_pack_int8(torch::Tensor qweight);
-torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales);
-torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features);
-bool small_batch_linear_int8_supported();
-std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets);
-torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos,
-                      torch::Tensor sin, int64_t head_dim);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void write_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)");

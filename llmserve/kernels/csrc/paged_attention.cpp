@@ -22,6 +22,7 @@
 #include <omp.h>
 
 #include "bf16_pairs.h"
+#include "kernels.h"
 #include "vector_math.h"
 
 #include <algorithm>

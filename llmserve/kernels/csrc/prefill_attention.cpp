@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <omp.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
