@@ -116,10 +116,10 @@ class Int8GroupedPackedKernel(LinearKernel):
         self.register_buffer("small_batch_scales", small_batch[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._small_batch is not None and x.reshape(-1, x.shape[-1]).shape[0] <= SMALL_BATCH_MAX_ROWS:
-            flat = x.reshape(-1, x.shape[-1]).contiguous()
+        flat = x.reshape(-1, x.shape[-1])
+        if self._small_batch is not None and flat.shape[0] <= SMALL_BATCH_MAX_ROWS:
             out = self._small_batch(
-                flat, self.small_batch_qweight, self.small_batch_scales, self.scales.shape[1]
+                flat.contiguous(), self.small_batch_qweight, self.small_batch_scales, self.scales.shape[1]
             )
             return out.view(*x.shape[:-1], -1)
         groups = x.reshape(-1, self.qweight.shape[0], self.group_size).transpose(0, 1).contiguous()
