@@ -1,12 +1,13 @@
-"""The engine behind the HTTP server: one background loop that every request shares.
+"""The engine behind the HTTP server, as the server's event loop sees it: a stream of outputs per request.
 
-The synchronous engine is built and runs in its own thread (torch releases the GIL in its kernels,
-so the event loop stays responsive). Requests and aborts reach it through a thread-safe command queue, drained
-at the start of every step; outputs come back to each request's asyncio queue, all of a step's
-outputs in one `call_soon_threadsafe` per event loop (one wakeup per step, not one per request:
-each wakeup is a self-pipe write that lets the event loop thread take the GIL and a core from the
-model's threads). A request's stream ends with its finished output, or with an exception if the
-engine failed it.
+The engine runs in its own process (engine_core.py; forked where the platform allows, so it starts
+with this process's imports). This side keeps the tokenizer and validates prompts before anything
+is queued, so bad input fails with a clear error at once. Two threads move messages: a sender
+batches commands into one pipe write (the engine may be mid-step and not reading; the event loop
+must never wait on it), a reader receives each step's output deltas, rebuilds the outputs
+(output_wire.py) and hands them to their asyncio queues with one `call_soon_threadsafe` per event
+loop per step. A request's stream ends with its finished output, or with an exception if the
+engine failed it; if the engine process dies, every stream ends with EngineDeadError.
 """
 
 from __future__ import annotations
@@ -14,65 +15,94 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 
-from llmserve.config import EngineArgs
-from llmserve.engine.llm_engine import LLMEngine
-from llmserve.metrics.stats import StepStats
+from llmserve.config import EngineArgs, EngineConfig
+from llmserve.engine.engine_core import run_engine_core
+from llmserve.engine.llm_engine import LLMEngine, check_prompt
+from llmserve.engine.output_wire import OutputDecoder
+from llmserve.metrics.stats import EngineGauges, StepStats
+from llmserve.model_loader import load_tokenizer, resolve_model_path
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("llmserve")
 
-_IDLE_WAIT_SECONDS = 0.05
+_SHUTDOWN_GRACE_SECONDS = 5.0
 
 
 class EngineDeadError(RuntimeError):
     pass
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    priority: int
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
 class AsyncLLM:
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        fork: bool = False,
+        engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
+    ) -> None:
+        """Start the engine process and wait until its model is loaded.
+
+        `fork=True` starts it with every module already imported (a spawned one re-imports torch,
+        about 1.5 s), but is safe only from a process that has not yet run a parallel torch op:
+        OpenMP's worker threads do not survive a fork and the child's first parallel region hangs.
+        The server forks before anything runs; everything else gets the default, spawn.
+        """
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.gauges = EngineGauges()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopped = threading.Event()
-        self._loaded = threading.Event()
-        self._load_error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._load_and_run, args=(engine_args,), name="llmserve-engine", daemon=True
+        self._decoder = OutputDecoder()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        context = multiprocessing.get_context("fork" if fork else "spawn")
+        engine_commands, self._command_pipe = context.Pipe(duplex=False)
+        self._output_pipe, engine_outputs = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=run_engine_core,
+            args=(engine_args, engine_commands, engine_outputs, engine_factory),
+            name="llmserve-engine",
+            daemon=True,
         )
-        self._thread.start()
-        self._loaded.wait()
-        if self._load_error is not None:  # bad model or flags: the caller reports it, as before
-            raise self._load_error
-        self.tokenizer = self.engine.tokenizer
-        self.config = self.engine.config
+        self._process.start()
+        engine_commands.close()  # the child's ends: closing ours lets each side see the other exit
+        engine_outputs.close()
+        try:
+            # The tokenizer loads here while the engine process loads the model, on the other core.
+            self.tokenizer = load_tokenizer(resolve_model_path(engine_args.model))
+            self.config: EngineConfig = self._wait_until_ready()
+        except BaseException:
+            self._process.kill()
+            self._process.join()
+            raise
+        self._sender = threading.Thread(target=self._send_commands, name="llmserve-engine-send", daemon=True)
+        self._reader = threading.Thread(target=self._read_outputs, name="llmserve-engine-read", daemon=True)
+        self._sender.start()
+        self._reader.start()
+
+    def _wait_until_ready(self) -> EngineConfig:
+        try:
+            kind, payload = self._output_pipe.recv()
+        except EOFError:
+            self._process.join()
+            raise EngineDeadError(
+                f"the engine process exited while loading (exit code {self._process.exitcode})"
+            ) from None
+        if kind == "load_failed":
+            self._process.join()
+            raise payload  # bad model or flags: the caller reports it, as in one process
+        return payload
 
     # -- the API the server calls ------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Tokenize and validate now, so bad input fails before anything is queued."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.engine.validate_prompt(prompt_ids)
+        check_prompt(prompt_ids, self.config)
         return prompt_ids
 
     async def generate(
@@ -84,13 +114,14 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs of one request; cancelling the iteration aborts it."""
         if not self.is_running:
-            raise EngineDeadError("the engine loop has stopped")
-        if request_id in self._streams:
+            raise EngineDeadError("the engine has stopped")
+        if request_id in self._streams or self._decoder.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.encode_prompt(prompt)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(_Add(request_id, prompt_ids, params, time.monotonic(), priority))
+        self._decoder.add_request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids)
+        self._commands.put(("add", request_id, prompt_ids, params, time.monotonic(), priority))
         finished = False
         try:
             while not finished:
@@ -102,95 +133,87 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(_Abort(request_id))
+                self._commands.put(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
         """Abort from outside the stream: its iterator receives the final "abort" output."""
-        self._commands.put(_Abort(request_id))
+        self._commands.put(("abort", request_id))
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the engine may still report on this request."""
+        return self._decoder.has_request(request_id)
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopped.is_set()
+        return self._process.is_alive() and not self._stopping.is_set()
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        self._stopped.set()
-        self._thread.join(timeout)
+    def shutdown(self, timeout: float = _SHUTDOWN_GRACE_SECONDS) -> None:
+        """Ask the engine to fail what is in flight and exit; kill it if it has not within `timeout`."""
+        if not self._stopping.is_set():
+            self._stopping.set()
+            self._commands.put(("shutdown",))
+        if timeout > 0:
+            self._process.join(timeout)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
 
-    # -- the engine thread -------------------------------------------------------------------------
+    # -- the sender and reader threads ---------------------------------------------------------------
 
-    def _load_and_run(self, engine_args: EngineArgs) -> None:
-        # The engine is built on the thread that steps it: stepping a model loaded by another thread
-        # measured about 15% slower per decode step here (docs/benchmarks.md, "HTTP overhead").
-        try:
-            self.engine = LLMEngine(engine_args)
-        except BaseException as error:  # noqa: BLE001 - handed to __init__, which raises it
-            self._load_error = error
-            self._loaded.set()
-            return
-        self._loaded.set()
-        self._run()
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException:  # a bug outside the step: fail every stream rather than leave it hanging
-            logger.exception("the engine loop crashed")
-            self._stopped.set()
-            error = EngineDeadError("the engine loop crashed; see the server log")
-            self._deliver_all([(request_id, error) for request_id in list(self._streams)])
-
-    def _loop(self) -> None:
-        while not self._stopped.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished_requests())
-            if not self.engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as error:  # noqa: BLE001 - one bad step must not kill the server
-                logger.exception("engine step failed; failing the requests in flight")
-                self._fail_all(error)
-                continue
-            self._deliver_all([(output.request_id, output) for output in outputs])
-            if self.engine.last_step is not None:
-                self._notify(self.engine.last_step, outputs)
-        self._fail_all(EngineDeadError("the server is shutting down"))
-
-    def _drain_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=_IDLE_WAIT_SECONDS) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
+    def _send_commands(self) -> None:
+        """Pipe every queued command, all that have piled up in one write."""
         while True:
-            self._apply(command)
+            batch = [self._commands.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batch.append(self._commands.get_nowait())
             try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
+                self._command_pipe.send(batch)
+            except OSError:  # the engine process is gone; the reader fails the streams
+                return
+            if any(command[0] == "shutdown" for command in batch):
                 return
 
-    def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
-            output = self.engine.abort_request(command.request_id)
-            if output is not None:  # its final "abort" output ends a live stream and counts in metrics
-                self._deliver(command.request_id, output)
-                self._notify(None, [output])
-            return
-        if command.request_id not in self._streams:
-            return  # the client left before the request reached the engine
+    def _read_outputs(self) -> None:
         try:
-            self.engine.add_request(
-                command.request_id, command.prompt_ids, command.params, command.arrival_time, command.priority
-            )
-        except ValueError as error:
-            self._deliver(command.request_id, error)
+            while True:
+                self._handle(self._output_pipe.recv())
+        except (EOFError, OSError):
+            pass
+        except BaseException:  # a bug on this side: fail every stream rather than leave it hanging
+            logger.exception("reading the engine's outputs failed")
+        self._process.join(_SHUTDOWN_GRACE_SECONDS)
+        if self._stopping.is_set():
+            message = "the server is shutting down"
+        else:
+            code = self._process.exitcode
+            message = f"the engine process exited unexpectedly (exit code {code}); see the server log"
+            logger.error(message)
+            self._stopping.set()
+        error = EngineDeadError(message)
+        self._deliver_all([(request_id, error) for request_id in list(self._streams)])
 
-    def _fail_all(self, error: BaseException) -> None:
-        request_ids = list(self._streams)
-        for request_id in request_ids:
-            self.engine.abort_request(request_id)
-        self._deliver_all([(request_id, error) for request_id in request_ids])
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        self._deliver_all([(request_id, item)])
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, deltas, stats, self.gauges = message
+            outputs = [output for output in map(self._decoder.decode, deltas) if output is not None]
+            self._deliver_all([(output.request_id, output) for output in outputs])
+            self._notify(stats, outputs)
+        elif kind == "aborted":
+            _, delta, request_id, self.gauges = message
+            output = None if delta is None else self._decoder.decode(delta)
+            self._decoder.forget(request_id)
+            if output is not None:  # its final "abort" output ends a live stream and counts in metrics
+                self._deliver_all([(request_id, output)])
+                self._notify(None, [output])
+        elif kind == "failed":
+            _, request_ids, reason, text = message
+            for request_id in request_ids:
+                self._decoder.forget(request_id)
+            error_type = {"invalid": ValueError, "dead": EngineDeadError}.get(reason, RuntimeError)
+            error = error_type(text)
+            self._deliver_all([(request_id, error) for request_id in request_ids])
 
     def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand items to their streams with one callback per event loop (normally there is one)."""

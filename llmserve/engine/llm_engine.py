@@ -143,24 +143,7 @@ class LLMEngine:
             self.scheduler.add_request(child)
 
     def validate_prompt(self, prompt_ids: list[int]) -> None:
-        max_len = self.config.model.max_model_len
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= max_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens but the maximum context length (max_model_len) "
-                f"is {max_len}, which must leave room for at least one generated token"
-            )
-        if not self.kv_cache_manager.can_ever_fit(len(prompt_ids) + 1):
-            cache = self.config.cache
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens but the whole KV cache holds only "
-                f"{cache.num_blocks * cache.block_size} tokens ({cache.num_blocks} blocks of "
-                f"{cache.block_size}); raise kv_cache_memory"
-            )
-        vocab = self.config.model.arch.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        check_prompt(prompt_ids, self.config)
 
     def _make_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time, priority: int
@@ -225,3 +208,25 @@ class LLMEngine:
             num_draft_tokens=sum(scheduled.num_draft_tokens.values()),
             num_accepted_tokens=num_accepted,
         )
+
+
+def check_prompt(prompt_ids: list[int], config: EngineConfig) -> None:
+    """Raise ValueError (with the limit named) for a prompt the engine could never run."""
+    max_len = config.model.max_model_len
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) >= max_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens but the maximum context length (max_model_len) "
+            f"is {max_len}, which must leave room for at least one generated token"
+        )
+    cache = config.cache
+    if len(prompt_ids) + 1 > cache.num_blocks * cache.block_size:  # the whole pool, one sequence
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens but the whole KV cache holds only "
+            f"{cache.num_blocks * cache.block_size} tokens ({cache.num_blocks} blocks of "
+            f"{cache.block_size}); raise kv_cache_memory"
+        )
+    vocab = config.model.arch.vocab_size
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")

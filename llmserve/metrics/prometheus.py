@@ -1,7 +1,8 @@
 """Prometheus metrics for the server, named `llmserve:*` in vLLM's style, in a private registry.
 
-Fed by an `AsyncLLM` step listener (it runs in the engine thread after every step) plus gauges read
-live at scrape time, so an abort that leaves the engine idle still shows as zero running requests.
+Fed by an `AsyncLLM` step listener (it runs in the server's reader thread as each step's outputs
+arrive) plus gauges read at scrape time from the engine's latest report, which every step and every
+abort refresh, so an abort that leaves the engine idle still shows as zero running requests.
 
 Token counters are exact by construction:
 - `prompt_tokens_total`: the prompt length of every request that produced at least one token, counted
@@ -179,16 +180,14 @@ class PrometheusMetrics:
 
     def attach(self, llm: AsyncLLM) -> None:
         """Listen to the engine's steps and read its queue and cache gauges at scrape time."""
-        engine = llm.engine
-        self.num_requests_running.set_function(lambda: engine.scheduler.num_running)
-        self.num_requests_waiting.set_function(lambda: engine.scheduler.num_waiting)
-        self.kv_cache_usage.set_function(lambda: engine.kv_cache_manager.usage)
+        self.num_requests_running.set_function(lambda: llm.gauges.num_running)
+        self.num_requests_waiting.set_function(lambda: llm.gauges.num_waiting)
+        self.kv_cache_usage.set_function(lambda: llm.gauges.kv_cache_usage)
         # Since start-up, like the counters they are the ratios of (plus the number of drafts).
-        self.spec_decode_acceptance_rate.set_function(lambda: engine.spec_decode_stats.acceptance_rate)
-        self.spec_decode_mean_accepted_length.set_function(
-            lambda: engine.spec_decode_stats.mean_accepted_length
-        )
-        self._is_live = engine.output_processor.has_request  # called in the engine thread only
+        spec_decode = lambda: llm.gauges.spec_decode  # noqa: E731 - read at scrape time
+        self.spec_decode_acceptance_rate.set_function(lambda: spec_decode().acceptance_rate)
+        self.spec_decode_mean_accepted_length.set_function(lambda: spec_decode().mean_accepted_length)
+        self._is_live = llm.has_request
         llm.step_listeners.append(self.on_step)
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:

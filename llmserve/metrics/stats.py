@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from llmserve.spec_decode.metrics import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -17,3 +19,13 @@ class StepStats:
     step_seconds: float
     num_draft_tokens: int = 0  # speculative decoding: drafts verified in the step
     num_accepted_tokens: int = 0  # of which accepted
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """The engine's state after its latest step or abort, as the server process sees it."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # totals since start-up

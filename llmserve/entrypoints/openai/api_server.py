@@ -135,7 +135,7 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
     ctx = _state(raw_request).ctx
     ctx.check_model(request.model)
-    vocab_size = ctx.engine.engine.config.model.arch.vocab_size
+    vocab_size = ctx.engine.config.model.arch.vocab_size
     if any(not 0 <= token < vocab_size for token in request.tokens):
         raise ApiError(f"token ids must be in [0, {vocab_size})", param="tokens")
     text = ctx.engine.tokenizer.decode(request.tokens, skip_special_tokens=False)
@@ -296,12 +296,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 async def _log_stats_periodically(state: AppState, interval: float = STATS_LOG_SECONDS) -> None:
     """Every `interval` seconds while busy: queue sizes, KV usage and token throughput."""
-    metrics, engine = state.metrics, state.ctx.engine.engine
+    metrics, engine = state.metrics, state.ctx.engine
     last = (metrics.total_prompt_tokens, metrics.total_generation_tokens, time.monotonic())
     while True:
         await asyncio.sleep(interval)
         now = (metrics.total_prompt_tokens, metrics.total_generation_tokens, time.monotonic())
-        running, waiting = engine.scheduler.num_running, engine.scheduler.num_waiting
+        gauges = engine.gauges
+        running, waiting = gauges.num_running, gauges.num_waiting
         if running or waiting or now[:2] != last[:2]:
             elapsed = now[2] - last[2]
             logger.info(
@@ -309,7 +310,7 @@ async def _log_stats_periodically(state: AppState, interval: float = STATS_LOG_S
                 "prompt: %.1f tokens/s, generation: %.1f tokens/s",
                 running,
                 waiting,
-                100 * engine.kv_cache_manager.usage,
+                100 * gauges.kv_cache_usage,
                 (now[0] - last[0]) / elapsed,
                 (now[1] - last[1]) / elapsed,
             )
@@ -339,7 +340,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     with _bound_socket(args.host, args.port) as sock:
-        engine = AsyncLLM(engine_args_from(args))
+        engine = AsyncLLM(engine_args_from(args), fork=_can_fork())
         try:
             name = args.served_model_name or default_served_model_name(engine.config.model.path)
             app = build_app(engine, name, api_key, args.max_waiting)
@@ -360,6 +361,14 @@ def run_server(args: argparse.Namespace) -> int:
         finally:
             engine.shutdown()
     return 0
+
+
+def _can_fork() -> bool:
+    """Fork the engine process where the platform has fork: nothing in this process has run a torch op
+    yet (see AsyncLLM), and the child starts with the modules already imported."""
+    import multiprocessing
+
+    return "fork" in multiprocessing.get_all_start_methods()
 
 
 @contextlib.contextmanager

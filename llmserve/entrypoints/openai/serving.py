@@ -77,7 +77,7 @@ class ServerContext:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.config.model.max_model_len
+        return self.engine.config.model.max_model_len
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
