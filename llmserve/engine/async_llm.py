@@ -45,13 +45,16 @@ class AsyncLLM:
         engine_args: EngineArgs,
         fork: bool = False,
         engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
+        fork_closes: Sequence[int] = (),
     ) -> None:
         """Start the engine process and wait until its model is loaded.
 
         `fork=True` starts it with every module already imported (a spawned one re-imports torch,
         about 1.5 s), but is safe only from a process that has not yet run a parallel torch op:
         OpenMP's worker threads do not survive a fork and the child's first parallel region hangs.
-        The server forks before anything runs; everything else gets the default, spawn.
+        The server forks before anything runs; everything else gets the default, spawn. A forked
+        child inherits every descriptor: it closes this side's pipe ends (else it would never see
+        this process exit) and `fork_closes` (the server's listening socket).
         """
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self.gauges = EngineGauges()
@@ -62,9 +65,10 @@ class AsyncLLM:
         context = multiprocessing.get_context("fork" if fork else "spawn")
         engine_commands, self._command_pipe = context.Pipe(duplex=False)
         self._output_pipe, engine_outputs = context.Pipe(duplex=False)
+        inherited = (self._command_pipe.fileno(), self._output_pipe.fileno(), *fork_closes) if fork else ()
         self._process = context.Process(
             target=run_engine_core,
-            args=(engine_args, engine_commands, engine_outputs, engine_factory),
+            args=(engine_args, engine_commands, engine_outputs, engine_factory, inherited),
             name="llmserve-engine",
             daemon=True,
         )

@@ -17,7 +17,9 @@ Messages (tuples, pickled by multiprocessing.connection):
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -35,9 +37,13 @@ def run_engine_core(
     commands: Connection,
     outputs: Connection,
     engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
+    inherited_fds: tuple[int, ...] = (),
 ) -> None:
-    """The engine process's entry point."""
+    """The engine process's entry point; `inherited_fds` are the server's descriptors a fork copied."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
+    for fd in inherited_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
     try:
         engine = engine_factory(engine_args)
     except BaseException as error:  # noqa: BLE001 - the server process raises it in its own

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -132,3 +137,36 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine_ar
 def test_a_model_that_cannot_load_raises_in_the_server_process(tmp_path):
     with pytest.raises(ValueError, match="not-a-model"):
         AsyncLLM(EngineArgs(model=str(tmp_path / "not-a-model")))
+
+
+_ORPHAN_SCRIPT = """
+import os, sys
+from llmserve.config import EngineArgs
+from llmserve.engine.async_llm import AsyncLLM
+llm = AsyncLLM(EngineArgs(model=sys.argv[1], dtype="float32", kv_cache_memory="16MiB"), fork=True)
+with open(sys.argv[2], "w") as out:
+    out.write(str(llm._process.pid))
+os._exit(0)  # no shutdown, no atexit: as if the server were killed
+"""
+
+
+def test_a_forked_engine_process_exits_when_the_server_process_dies(tiny_model_dir, tmp_path):
+    pid_file, log = tmp_path / "engine.pid", tmp_path / "server.log"
+    with open(log, "w") as out:  # a file, not a pipe: an orphaned engine would hold a pipe open
+        command = [sys.executable, "-c", _ORPHAN_SCRIPT, tiny_model_dir, str(pid_file)]
+        assert subprocess.run(command, stdout=out, stderr=out, timeout=300).returncode == 0, log.read_text()
+    engine_pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while _is_alive(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _is_alive(engine_pid):
+        os.kill(engine_pid, signal.SIGKILL)
+        pytest.fail("the engine process outlived the server process")
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -340,7 +340,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     with _bound_socket(args.host, args.port) as sock:
-        engine = AsyncLLM(engine_args_from(args), fork=_can_fork())
+        engine = AsyncLLM(engine_args_from(args), fork=_can_fork(), fork_closes=(sock.fileno(),))
         try:
             name = args.served_model_name or default_served_model_name(engine.config.model.path)
             app = build_app(engine, name, api_key, args.max_waiting)
