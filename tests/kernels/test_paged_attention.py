@@ -135,3 +135,102 @@ def test_kernel_rejects_inconsistent_query_starts():
     tables, lens = torch.zeros(2, 2, dtype=torch.int64), torch.tensor([5, 6])
     with pytest.raises(RuntimeError, match="query_starts"):
         ops.paged_attention(query, cache, cache, tables, lens, torch.tensor([0, 1, 2]), 16, 0.125, 0, 0, 0)
+
+
+# Verification spans (k drafts + 1 queries) alone in a batch of 1 or 2, contexts across block boundaries
+# and long ones: work items of many query rows (6 at a time in the V pass) and, with few (sequence, KV
+# head) pairs for the threads, pairs split by query rows.
+SMALL_BATCH_SPANS = [
+    [(2, 17)],
+    [(3, 3)],
+    [(4, 47)],
+    [(5, 250)],
+    [(8, 16)],
+    [(8, 1000)],
+    [(6, 511)],
+    [(4, 33), (8, 300)],
+    [(2, 1000), (7, 65)],
+    [(8, 800), (8, 801)],
+]
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}threads")
+def threads(request):
+    """The kernel splits work by the number of threads: 1, this machine's 2, and more than it has."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("spans", SMALL_BATCH_SPANS)
+def test_small_batch_verification_spans_match_reference(spans, head_dim, threads):
+    from llmserve.attention.backends.cpu_paged import CPUPagedBackend
+
+    query, key, value, key_cache, value_cache, metadata, tables = random_batch(
+        torch.bfloat16, [], spans, head_dim=head_dim, seed=len(spans) + spans[0][1]
+    )
+    scale = head_dim**-0.5
+    expected = TorchSDPABackend().forward(
+        query, key, value, key_cache.clone(), value_cache.clone(), metadata, scale
+    )
+    in_kernel = with_spans_in_kernel(metadata, [], spans, tables)
+    actual = CPUPagedBackend().forward(
+        query, key, value, key_cache.clone(), value_cache.clone(), in_kernel, scale
+    )
+    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("spans", SMALL_BATCH_SPANS)
+def test_span_rows_equal_the_decodes_they_stand_for(spans, head_dim, threads):
+    """bf16: query i of a span over context n gives bit for bit what a decode of the same query over
+    the first n - q + 1 + i positions gives, however the kernel splits and groups the rows, so a
+    verified draft's attention is what plain decoding would have computed."""
+    ops = load_cpu_ops()
+    gen = torch.Generator().manual_seed(head_dim + len(spans))
+    max_blocks = max(-(-ctx // BLOCK) for _, ctx in spans)
+    num_blocks = len(spans) * max_blocks + 3
+    key_cache, value_cache = (
+        torch.randn(num_blocks * BLOCK, 3, head_dim, generator=gen).bfloat16() for _ in range(2)
+    )
+    tables = torch.randperm(num_blocks, generator=gen)[: len(spans) * max_blocks].view(len(spans), -1)
+    counts = [q for q, _ in spans]
+    query = torch.randn(sum(counts), 9, head_dim, generator=gen).bfloat16()
+    scale = head_dim**-0.5
+    span_out = ops.paged_attention(
+        query, key_cache, value_cache, tables, torch.tensor([ctx for _, ctx in spans]),
+        torch.tensor([0, *counts]).cumsum(0), BLOCK, scale, 0, 0, 0,
+    )  # fmt: skip
+    # every query token as a decode of its own, over the context up to its position
+    owners = [seq for seq, (q, _) in enumerate(spans) for _ in range(q)]
+    decode_lens = [ctx - q + 1 + i for q, ctx in spans for i in range(q)]
+    decode_out = ops.paged_attention(
+        query, key_cache, value_cache, tables[owners].contiguous(), torch.tensor(decode_lens),
+        torch.arange(len(owners) + 1), BLOCK, scale, 0, 0, 0,
+    )  # fmt: skip
+    assert torch.equal(span_out, decode_out)
+
+
+@pytest.mark.parametrize(
+    ("decode_lens", "span", "sinks", "window"), [([120], (8, 90), 4, 16), ([300], (5, 260), 0, 24)]
+)
+def test_split_spans_with_windows_match_dense_reference(decode_lens, span, sinks, window, threads):
+    """bf16 with sinks and a sliding window: the span is the batch's shortest sequence, so with 4 threads
+    (6 (sequence, KV head) pairs) its KV heads are split by query rows; evicted blocks are NaN."""
+    from llmserve.attention.backends.cpu_paged import CPUPagedBackend
+    from tests.attention.test_kv_formats_and_windows import (
+        dense_reference,
+        paged_case,
+        with_short_spans_in_kernel,
+    )
+
+    queries, key, value, caches, metadata, dense, lens, new_counts, tables = paged_case(
+        decode_lens, [span], sinks, window, seed=4, head_dim=64, dtype=torch.bfloat16
+    )
+    backend = CPUPagedBackend()
+    in_kernel = with_short_spans_in_kernel(metadata, tables, lens, new_counts, decode_lens, [span], backend)
+    expected = dense_reference(queries, dense, lens, new_counts, sinks, window, scale=64**-0.5)
+    actual = backend.forward(queries, key, value, caches[0].clone(), caches[1].clone(), in_kernel, 64**-0.5)
+    torch.testing.assert_close(actual.double(), expected, atol=1.5e-2, rtol=1.5e-2)

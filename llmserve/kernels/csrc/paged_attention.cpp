@@ -12,7 +12,10 @@
 // chunks of up to 16 rows of one block: q.k as bf16 pair dot products (vdpbf16ps, exact products,
 // float32 sums) for 16 keys, whose 16 partial-sum vectors one transpose-and-add tree reduces; softmax
 // numerators rounded to bf16 (as PyTorch's flash kernel does) so that P V also runs on vdpbf16ps, two
-// keys per instruction, into accumulators held in registers; one division per row at the end.
+// keys per instruction, into accumulators held in registers; one division per row at the end. Each
+// row's arithmetic is the same whatever else is in its work item, so a verification span's rows equal
+// the decodes they stand for, bit for bit. With fewer (sequence, KV head) pairs than the threads can
+// share evenly (batch 1: 3 KV heads, 2 threads), some pairs are split by query rows.
 // Everything else (float32, float16, 8-bit caches, other head sizes, other CPUs) converts each K/V row to float32 and
 // uses plain loops the compiler vectorizes. 8-bit caches (int8, fp8; kv_format.py) are dequantized row
 // by row as they are read. With a sliding window only the sink positions and the window are visited:
@@ -256,6 +259,7 @@ struct Chunk {
 struct Scratch {
   std::vector<float> scores, queries, acc, row, totals;
   std::vector<uint16_t> probs;  // bf16 softmax numerators (fast path)
+  std::vector<const uint16_t*> query_rows;  // fast path
   std::vector<Chunk> chunks;
   template <typename T>
   T* grow(std::vector<T>& buffer, int64_t size) {
@@ -346,6 +350,17 @@ inline __m512 reduce_16(__m512 v[16]) {
   return _mm512_permutexvar_ps(order, f);
 }
 
+// How many chunks ahead the passes over the context ask for a chunk's rows: blocks are scattered in
+// the pool, so the hardware prefetcher cannot see them coming, and a lead of one chunk left the passes
+// waiting on memory (K/V from DRAM: a batch-1 decode at context 1000 18% faster with three, batch 32
+// 10%; five or eight are no better).
+constexpr int64_t kPrefetchChunks = 3;
+
+template <int D>
+inline void prefetch_chunk(const uint16_t* rows, const Chunk& chunk, int64_t stride) {
+  prefetch_rows(rows + chunk.offset, chunk.count, stride, 2 * D);
+}
+
 // V pass for query rows [first, first + R): acc += P V with the probabilities as bf16 pairs (two keys per
 // vdpbf16ps), accumulators in registers for the whole context.
 template <int D, int R>
@@ -357,9 +372,10 @@ inline void accumulate_values(const std::vector<Chunk>& chunks, const uint16_t* 
     for (int c = 0; c < V; ++c) sum[r][c] = _mm512_setzero_ps();
   const uint16_t* p = probs + first * probs_stride;
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i) prefetch_chunk<D>(values, chunks[i], stride);
   for (int64_t i = 0; i < num_chunks; ++i) {
     const Chunk chunk = chunks[i];
-    if (i + 1 < num_chunks) prefetch_rows(values + chunks[i + 1].offset, chunks[i + 1].count, stride, 2 * D);
+    if (i + kPrefetchChunks < num_chunks) prefetch_chunk<D>(values, chunks[i + kPrefetchChunks], stride);
     const uint16_t* rows = values + chunk.offset;
     for (int64_t k = 0; k < chunk.count; k += 2) {
       __m512i v[V];
@@ -376,35 +392,93 @@ inline void accumulate_values(const std::vector<Chunk>& chunks, const uint16_t* 
     for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + (first + r) * D + 16 * c, sum[r][c]);
 }
 
+// Softmax numerators of query rows [row_begin, row_begin + rows) as bf16 (exp(s - max) <= 1; hidden
+// positions exactly 0), each row padded with zeros to an even length (keys go in pairs), and each row's
+// total; the division by it comes at the end.
+inline void bf16_probabilities(const Span& span, int64_t group, int64_t row_begin, int64_t rows, const float* scores,
+                               uint16_t* probs, int64_t probs_stride, float* totals) {
+  const int64_t context = span.context;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t a, b, c;  // visible score indices: [0, a) and [b, c)
+    span.visible((row_begin + r) / group, a, b, c);
+    const float* s = scores + r * context;
+    uint16_t* p = probs + r * probs_stride;
+    // Lanes i..i+15 that the row sees: all or none but in the vectors across a boundary, whose mask alone
+    // is computed; hidden vectors are skipped (they added exact zeros to the lane sums).
+    auto visible_lanes = [&](int64_t i) -> __mmask16 {
+      if (i + 16 <= a || (i >= b && i + 16 <= c)) return 0xFFFF;
+      if (i >= a && (i + 16 <= b || i >= c)) return 0;
+      const __m512i index = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i)));
+      const __mmask16 low = _mm512_cmplt_epi32_mask(index, _mm512_set1_epi32(static_cast<int>(a)));
+      const __mmask16 high = _mm512_cmpge_epi32_mask(index, _mm512_set1_epi32(static_cast<int>(b))) &
+                             _mm512_cmplt_epi32_mask(index, _mm512_set1_epi32(static_cast<int>(c)));
+      return static_cast<__mmask16>(low | high);
+    };
+    __m512 max_vector = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < context; i += 16) {
+      const __mmask16 visible = visible_lanes(i);
+      if (visible != 0)
+        max_vector = _mm512_mask_max_ps(max_vector, visible, max_vector, _mm512_maskz_loadu_ps(visible, s + i));
+    }
+    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(max_vector));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < context; i += 16) {
+      const __mmask16 visible = visible_lanes(i);
+      __m256i e16 = _mm256_setzero_si256();
+      if (visible != 0) {
+        const __m512 e = _mm512_maskz_mov_ps(visible, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(visible, s + i), row_max)));
+        total = _mm512_add_ps(total, e);
+        e16 = (__m256i)_mm512_cvtneps_pbh(e);
+      }
+      if (i + 16 <= context) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), e16);
+      } else {
+        _mm256_mask_storeu_epi16(p + i, static_cast<__mmask16>((1u << (context - i)) - 1), e16);
+      }
+    }
+    p[context] = p[context + 1] = 0;
+    totals[r] = _mm512_reduce_add_ps(total);
+  }
+}
+
+// Query rows [row_begin, row_end) of (seq, kv_head); row r = (token r / group, head r % group of the group).
 template <int D>
-void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, int64_t kv_head, Scratch& scratch) {
+void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, int64_t kv_head, int64_t row_begin,
+                 int64_t row_end, Scratch& scratch) {
   constexpr int K = D / 32;  // 512-bit registers of bf16 pairs per row
   const int64_t group = batch.group();
   const int64_t num_queries = batch.query_starts[seq + 1] - batch.query_starts[seq];
   const Span span(batch.seq_lens[seq], num_queries, batch.sinks, batch.window);
-  const int64_t rows = num_queries * group, context = span.context;
+  const int64_t rows = row_end - row_begin, context = span.context;
   const int64_t* table = batch.block_tables + seq * batch.max_blocks;
   const int64_t stride = batch.slot_stride();
   float* scores = scratch.grow(scratch.scores, rows * context);
   float* acc = scratch.grow(scratch.acc, rows * D);
   // The query rows are read where they are, as bf16: vdpbf16ps multiplies bf16 pairs exactly and sums
-  // in float32. Row r = (token i, head g of the group) is at queries + i * token_stride + g * D.
+  // in float32. Row r = (token i, head g of the group) is at queries + i * token_stride + g * D, found
+  // once here rather than by two divisions per row in every chunk.
   const auto* queries = reinterpret_cast<const uint16_t*>(batch.query + batch.head_offset(seq, kv_head, 0));
   const int64_t token_stride = batch.num_heads * D;
+  const uint16_t** q_rows = scratch.grow(scratch.query_rows, rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = row_begin + r;
+    q_rows[r] = queries + (row / group) * token_stride + (row % group) * D;
+  }
   const __m512 scale = _mm512_set1_ps(batch.scale);
   const auto* keys = reinterpret_cast<const uint16_t*>(batch.key_cache) + kv_head * batch.row_len;
   std::vector<Chunk>& chunks = scratch.chunks;
   list_chunks(span, table, batch.block_size, stride, chunks);
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i) prefetch_chunk<D>(keys, chunks[i], stride);
   for (int64_t i = 0; i < num_chunks; ++i) {
     const Chunk chunk = chunks[i];
-    if (i + 1 < num_chunks) prefetch_rows(keys + chunks[i + 1].offset, chunks[i + 1].count, stride, 2 * D);
+    if (i + kPrefetchChunks < num_chunks) prefetch_chunk<D>(keys, chunks[i + kPrefetchChunks], stride);
     const uint16_t* key_rows = keys + chunk.offset;
     const int count = static_cast<int>(chunk.count);
     for (int64_t r = 0; r < rows; ++r) {
-      const uint16_t* q = queries + (r / group) * token_stride + (r % group) * D;
       __m512bh qv[K];
-      for (int j = 0; j < K; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+      for (int j = 0; j < K; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q_rows[r] + 32 * j);
       __m512 partial[16];
       for (int k = 0; k < 16; ++k) {  // a short chunk repeats its last row (those lanes are not stored)
         const uint16_t* key = key_rows + std::min(k, count - 1) * stride;
@@ -416,44 +490,18 @@ void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, 
       _mm512_mask_storeu_ps(scores + r * context + chunk.index, static_cast<__mmask16>((1u << count) - 1), dots);
     }
   }
-  // Softmax numerators as bf16 (exp(s - max) <= 1; hidden positions exactly 0), each row padded with
-  // zeros to an even length (keys go in pairs); the division by the row's total comes at the end.
   const int64_t probs_stride = context + 2;
   uint16_t* probs = scratch.grow(scratch.probs, rows * probs_stride);
   float* totals = scratch.grow(scratch.totals, rows);
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t a, b, c;  // visible score indices: [0, a) and [b, c)
-    span.visible(r / group, a, b, c);
-    const float* s = scores + r * context;
-    uint16_t* p = probs + r * probs_stride;
-    auto visible_lanes = [&](int64_t i) {
-      const __m512i index = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i)));
-      const __mmask16 low = _mm512_cmplt_epi32_mask(index, _mm512_set1_epi32(static_cast<int>(a)));
-      const __mmask16 high = _mm512_cmpge_epi32_mask(index, _mm512_set1_epi32(static_cast<int>(b))) &
-                             _mm512_cmplt_epi32_mask(index, _mm512_set1_epi32(static_cast<int>(c)));
-      return static_cast<__mmask16>(low | high);
-    };
-    __m512 max_vector = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < context; i += 16) {
-      const __mmask16 visible = visible_lanes(i);
-      max_vector = _mm512_mask_max_ps(max_vector, visible, max_vector, _mm512_maskz_loadu_ps(visible, s + i));
-    }
-    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(max_vector));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < context; i += 16) {
-      const __mmask16 visible = visible_lanes(i);
-      const __m512 e = _mm512_maskz_mov_ps(visible, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(visible, s + i), row_max)));
-      total = _mm512_add_ps(total, e);
-      const __mmask16 in_row = static_cast<__mmask16>(context - i >= 16 ? 0xFFFF : (1u << (context - i)) - 1);
-      _mm256_mask_storeu_epi16(p + i, in_row, (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    p[context] = p[context + 1] = 0;
-    totals[r] = _mm512_reduce_add_ps(total);
-  }
+  bf16_probabilities(span, group, row_begin, rows, scores, probs, probs_stride, totals);
+  // Query rows per V pass: R * D / 16 accumulators in registers. Each pass after the first reads the
+  // values again (from L2), so spans take 6 rows at a time where head_dim 64 leaves the registers for it.
   const auto* values = reinterpret_cast<const uint16_t*>(batch.value_cache) + kv_head * batch.row_len;
-  constexpr int R = D <= 64 ? 4 : 2;  // query rows per V pass: R * D / 16 accumulators in registers
+  constexpr int R = D <= 64 ? 4 : 2;
   int64_t first = 0;
+  if constexpr (D <= 64)
+    for (; first + 6 <= rows; first += 6)
+      accumulate_values<D, 6>(chunks, values, stride, probs, probs_stride, first, acc);
   for (; first + R <= rows; first += R)
     accumulate_values<D, R>(chunks, values, stride, probs, probs_stride, first, acc);
   switch (rows - first) {
@@ -463,7 +511,7 @@ void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, 
     default: break;
   }
   for (int64_t r = 0; r < rows; ++r) {  // normalize, round to bf16 (nearest even), 16 values at a time
-    auto* o = reinterpret_cast<uint16_t*>(batch.out + batch.head_offset(seq, kv_head, r));
+    auto* o = reinterpret_cast<uint16_t*>(batch.out + batch.head_offset(seq, kv_head, row_begin + r));
     const __m512 inverse = _mm512_set1_ps(1.0f / totals[r]);
     for (int j = 0; j < D / 16; ++j) {
       const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * j), inverse));
@@ -474,28 +522,50 @@ void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, 
 
 #endif  // LLMSERVE_BF16_FAST_PATH
 
-// Runs attend(seq, kv_head, scratch) for every (sequence, KV head), longest contexts first, dealt out
-// to the threads one item at a time so uneven lengths do not leave a thread idle. With enough
-// sequences to keep every thread busy, an item is a whole sequence, its KV heads one after another:
-// a head's rows share their pages (and 64-byte-line neighbours) with the other heads' rows of the same
-// slots, so the later heads find the block's pages in the TLB instead of another core walking them.
+// Runs attend(seq, kv_head, row_begin, row_end, scratch) for every (sequence, KV head), longest contexts
+// first, dealt out to the threads one item at a time so uneven lengths do not leave a thread idle. With
+// enough sequences to keep every thread busy, an item is a whole sequence, its KV heads one after
+// another: a head's rows share their pages (and 64-byte-line neighbours) with the other heads' rows of
+// the same slots, so the later heads find the block's pages in the TLB instead of another core walking
+// them. With split_rows and fewer (sequence, KV head) pairs than twice the threads, the pairs beyond a
+// multiple of the threads (the shortest) are split into up to `threads` parts by query rows, each part
+// over the whole context (nothing to merge, and each row computed as before): at batch 1 the 3 KV heads
+// no longer leave one of 2 threads with two of them, although the split head's blocks are read twice
+// (measured: spans 1.1-1.25x, a decode 1.1x).
 template <typename Attend>
-void for_each_item(int64_t num_seqs, int64_t num_kv_heads, const int64_t* seq_lens, Attend&& attend) {
+void for_each_item(int64_t num_seqs, int64_t num_kv_heads, const int64_t* seq_lens, const int64_t* query_starts,
+                   int64_t group, bool split_rows, Attend&& attend) {
+  struct Item {
+    int64_t seq, first_head, num_heads, row_begin, row_end;
+  };
   std::vector<int64_t> order(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return seq_lens[a] > seq_lens[b]; });
   const int64_t max_threads = at::get_num_threads();
   const int64_t heads_per_item = num_seqs >= 4 * max_threads ? num_kv_heads : 1;
-  const int64_t items_per_seq = num_kv_heads / heads_per_item;
-  const int64_t num_items = num_seqs * items_per_seq;
+  const int64_t pairs = num_seqs * num_kv_heads;
+  const int64_t split_from = split_rows && pairs < 2 * max_threads ? pairs - pairs % max_threads : pairs;
+  std::vector<Item> items;
+  items.reserve(split_from + (pairs - split_from) * max_threads);
+  int64_t pair = 0;
+  for (const int64_t seq : order) {
+    const int64_t rows = (query_starts[seq + 1] - query_starts[seq]) * group;
+    for (int64_t head = 0; head < num_kv_heads; head += heads_per_item, pair += heads_per_item) {
+      const int64_t parts = pair >= split_from ? std::clamp<int64_t>(rows, 1, max_threads) : 1;
+      for (int64_t part = 0; part < parts; ++part)
+        items.push_back({seq, head, heads_per_item, rows * part / parts, rows * (part + 1) / parts});
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
   const int threads = static_cast<int>(std::min<int64_t>(max_threads, num_items));
 #pragma omp parallel num_threads(threads)
   {
     static thread_local Scratch scratch;  // kept across calls: no allocation per layer once grown
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t seq = order[item / items_per_seq], first_head = (item % items_per_seq) * heads_per_item;
-      for (int64_t head = first_head; head < first_head + heads_per_item; ++head) attend(seq, head, scratch);
+    for (int64_t i = 0; i < num_items; ++i) {
+      const Item& item = items[i];
+      for (int64_t head = item.first_head; head < item.first_head + item.num_heads; ++head)
+        attend(item.seq, head, item.row_begin, item.row_end, scratch);
     }
   }
 }
@@ -533,6 +603,8 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   }
   if (num_seqs == 0) return out;
   const int64_t* lens_ptr = lens.data_ptr<int64_t>();
+  const int64_t* starts_ptr = starts.data_ptr<int64_t>();
+  const int64_t group = num_heads / num_kv_heads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
     auto run = [&](auto rows_tag, const auto* keys, const auto* values) {
       using Rows = decltype(rows_tag);
@@ -544,17 +616,25 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
 #ifdef LLMSERVE_BF16_FAST_PATH
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<elem_t, c10::BFloat16>) {
         if (head_dim == 64) {
-          for_each_item(num_seqs, num_kv_heads, lens_ptr, [&](int64_t s, int64_t h, Scratch& x) { attend_bf16<64>(batch, s, h, x); });
+          for_each_item(num_seqs, num_kv_heads, lens_ptr, starts_ptr, group, /*split_rows=*/true,
+                        [&](int64_t s, int64_t h, int64_t first, int64_t end, Scratch& x) {
+                          attend_bf16<64>(batch, s, h, first, end, x);
+                        });
           return;
         }
         if (head_dim == 128) {
-          for_each_item(num_seqs, num_kv_heads, lens_ptr, [&](int64_t s, int64_t h, Scratch& x) { attend_bf16<128>(batch, s, h, x); });
+          for_each_item(num_seqs, num_kv_heads, lens_ptr, starts_ptr, group, /*split_rows=*/true,
+                        [&](int64_t s, int64_t h, int64_t first, int64_t end, Scratch& x) {
+                          attend_bf16<128>(batch, s, h, first, end, x);
+                        });
           return;
         }
       }
 #endif
-      for_each_item(num_seqs, num_kv_heads, lens_ptr,
-                    [&](int64_t s, int64_t h, Scratch& x) { attend_portable<scalar_t, Rows>(batch, s, h, x); });
+      for_each_item(num_seqs, num_kv_heads, lens_ptr, starts_ptr, group, /*split_rows=*/false,
+                    [&](int64_t s, int64_t h, int64_t, int64_t, Scratch& x) {
+                      attend_portable<scalar_t, Rows>(batch, s, h, x);
+                    });
     };
     if (kv_format == 0) {
       run(PlainRows<scalar_t>{}, key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>());
