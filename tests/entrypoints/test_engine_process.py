@@ -119,8 +119,15 @@ def test_a_dying_engine_process_fails_every_stream_instead_of_hanging(engine_arg
 
 
 class _FailingStepEngine(LLMEngine):
+    """Its first step fails; the steps after it work."""
+
+    failed = False
+
     def step(self):
-        raise RuntimeError("out of memory in the step")
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("out of memory in the step")
+        return super().step()
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine_args):
@@ -130,6 +137,8 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine_ar
         with pytest.raises(RuntimeError, match="out of memory in the step"):
             asyncio.run(asyncio.wait_for(_collect(llm, [1, 2, 3], params, "r"), timeout=60))
         assert llm.is_running
+        after = asyncio.run(asyncio.wait_for(_collect(llm, [1, 2, 3], params, "r2"), timeout=60))
+        assert after.finished and len(after.outputs[0].token_ids) == 4
     finally:
         llm.shutdown()
 
