@@ -70,7 +70,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # An explicit (meta) weight skips Embedding's random init, which on the meta device goes through
+        # torch._refs and imports torch._dynamo: 1 s of start-up for a tensor the checkpoint overwrites.
+        self.embed_tokens = nn.Embedding(
+            arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
+        )
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, rotary) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.decode_stack = None  # the layers in one compiled call for small decode batches (decode_stack.py)

@@ -28,6 +28,6 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Mod
         )
     with torch.device("meta"):
         model = model_cls(config.arch, config.max_model_len, config.device)
-    model = model.to_empty(device=config.device).to(config.dtype)
+    model = model.to(config.dtype).to_empty(device=config.device)  # allocated once, in the serving dtype
     model.load_weights(weights)
     return model.eval().requires_grad_(False)
