@@ -24,6 +24,7 @@ from llmserve.sample.metadata import SamplingMetadata
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.spec_decode.verifier import DraftVerifier
 from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
+from llmserve.worker.prefault import populate_in_background
 
 if TYPE_CHECKING:
     from llmserve.spec_decode.proposers.draft_model import DraftModelProposer
@@ -63,6 +64,7 @@ class ModelRunner:
             config.model.attention_backend, self.device, config.cache.kv_cache_dtype
         )
         self.kv_cache = self._allocate_kv_cache()
+        self.kv_prefault = populate_in_background(self.kv_cache)  # CPU: map its pages ahead of use
         if hasattr(model, "enable_decode_stack"):
             model.enable_decode_stack(self.attention_backend)
         cache = config.cache
@@ -85,8 +87,9 @@ class ModelRunner:
         arch, cache = self.config.model.arch, self.config.cache
         layers = self.model.attention_layers()
         # On CPU, torch.empty of a large pool is fresh zero pages from the OS without touching them
-        # all now (torch.zeros of 1 GiB costs 1.5 s at start-up); no backend reads a slot before
-        # it is written except masked padding. Devices get explicit zeros.
+        # all now (torch.zeros of 1 GiB costs 1.5 s at start-up; prefault.py maps them in the
+        # background instead); no backend reads a slot before it is written except masked padding.
+        # Devices get explicit zeros.
         allocate = torch.empty if self.device.type == "cpu" else torch.zeros
         kv_format = self.attention_backend.kv_format  # 8-bit rows carry their scale (kv_format.py)
         kv_cache = allocate(

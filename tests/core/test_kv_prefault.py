@@ -1,0 +1,59 @@
+"""The KV pool's background prefault maps pages without changing what is in them."""
+
+import os
+import platform
+import sys
+
+import pytest
+import torch
+
+from llmserve.worker.prefault import populate, populate_in_background
+
+
+def _kernel_has_populate_write() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    major, minor = (int(part) for part in platform.release().split(".")[:2])
+    return (major, minor) >= (5, 14)
+
+
+pytestmark = pytest.mark.skipif(
+    not _kernel_has_populate_write(), reason="needs Linux 5.14+ (MADV_POPULATE_WRITE)"
+)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_populate_keeps_contents():
+    generator = torch.Generator().manual_seed(0)
+    tensor = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, generator=generator)
+    before = tensor.clone()
+    assert populate(tensor)
+    assert torch.equal(tensor, before)
+
+
+def test_populate_maps_untouched_pages():
+    size = 64 << 20  # above glibc's mmap threshold: fresh, untouched pages
+    tensor = torch.empty(size, dtype=torch.uint8)
+    resident = _resident_bytes()
+    assert populate(tensor)
+    assert _resident_bytes() - resident >= 0.9 * size
+
+
+def test_background_populate_while_writing():
+    """The engine writes KV while the thread populates: every write must survive."""
+    tensor = torch.empty(32 << 20, dtype=torch.uint8)
+    thread = populate_in_background(tensor)
+    assert thread is not None
+    tensor[::4096].fill_(7)
+    thread.join()
+    assert bool((tensor[::4096] == 7).all())
+
+
+def test_populate_off_cpu_tensors_is_a_no_op():
+    meta = torch.empty(1024, device="meta")
+    assert not populate(meta)
+    assert populate_in_background(meta) is None
