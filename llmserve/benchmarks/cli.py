@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -270,8 +271,11 @@ def _serve_once(args: argparse.Namespace, url: str, model: str, requests: list[B
 
     generator = LoadGenerator(url, model, rate, args.max_concurrency, args.seed, args.prompt_format)
     with tqdm(total=len(requests), desc=f"rate {rate:g}/s", unit="req") as progress:
+        cpu = time.process_time()
         request_results, duration = asyncio.run(generator.run(requests, progress))
-    return summarize(request_results, duration, args.slo_ttft_ms, args.slo_tpot_ms), request_results
+        cpu = time.process_time() - cpu
+    metrics = summarize(request_results, duration, args.slo_ttft_ms, args.slo_tpot_ms, client_cpu_seconds=cpu)
+    return metrics, request_results
 
 
 # -- latency ----------------------------------------------------------------------------------------

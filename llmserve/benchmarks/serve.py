@@ -253,13 +253,20 @@ class ServeMetrics:
     slo_tpot_ms: float
     latency_ms: dict[str, Distribution | None]  # ttft, tpot, itl, e2e
     errors: list[str]
+    # CPU the load generator itself used during the run: on a machine with few cores it is taken
+    # from the server, so a reader needs it next to the throughput
+    client_cpu_seconds: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
 def summarize(
-    results: Sequence[RequestResult], duration: float, slo_ttft_ms: float, slo_tpot_ms: float
+    results: Sequence[RequestResult],
+    duration: float,
+    slo_ttft_ms: float,
+    slo_tpot_ms: float,
+    client_cpu_seconds: float | None = None,
 ) -> ServeMetrics:
     ok = [r for r in results if r.ok]
     prompt_tokens = sum(r.prompt_tokens for r in ok)
@@ -286,6 +293,7 @@ def summarize(
         slo_tpot_ms=slo_tpot_ms,
         latency_ms={name: Distribution.of(values) for name, values in samples.items()},
         errors=sorted({r.error for r in results if not r.ok})[:10],
+        client_cpu_seconds=client_cpu_seconds,
     )
 
 
@@ -295,6 +303,11 @@ def format_report(metrics: ServeMetrics, label: str = "") -> str:
         f"{label}{metrics.num_ok}/{metrics.num_requests} requests ok in {metrics.duration:.2f} s",
         f"throughput: {metrics.request_throughput:.2f} req/s, {metrics.output_throughput:,.1f} output tok/s, "
         f"{metrics.total_token_throughput:,.1f} total tok/s",
+        *(
+            [f"load generator CPU: {metrics.client_cpu_seconds:.2f} s"]
+            if metrics.client_cpu_seconds is not None
+            else []
+        ),
         f"goodput (TTFT <= {metrics.slo_ttft_ms:g} ms and TPOT <= {metrics.slo_tpot_ms:g} ms): "
         f"{metrics.goodput:.2f} req/s, {100 * metrics.slo_attainment:.1f}% of requests",
         format_table(rows, ("metric", "mean", "p50", "p90", "p99")) + "\n(latencies in ms)",

@@ -22,7 +22,7 @@ import torch
 
 logger = logging.getLogger("llmserve")
 
-MADV_POPULATE_WRITE = 23 # linux/mman.h, since 5.14
+MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 _PAGE = 4096
 _CHUNK = 64 << 20  # one madvise call per 64 MiB, so a shutdown never waits on a whole pool
 

@@ -82,6 +82,7 @@ def test_text_prompts_and_a_sweep_from_the_command_line(server_url, tiny_model_d
     result = json.loads(output.read_text())
     assert [run["request_rate"] for run in result["runs"]] == [50, "inf"]
     assert all(run["num_ok"] == 3 for run in result["runs"])
+    assert all(run["client_cpu_seconds"] > 0 for run in result["runs"])  # the load generator's own CPU
     assert plot.stat().st_size > 0
     salts = result["cache_bust_salt_token_ids"]
     assert len(salts) == 2 and salts[0] != salts[1]
