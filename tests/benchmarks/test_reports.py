@@ -4,9 +4,11 @@ import asyncio
 import json
 import math
 
-import httpx
+import aiohttp
 import numpy as np
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from llmserve.benchmarks.naive_batching import NaiveBatchStats
 from llmserve.benchmarks.serve import (
@@ -88,8 +90,8 @@ def test_summary_throughput_goodput_and_slo_attainment():
     assert metrics.errors == ["HTTP 500"]
 
 
-def sse(chunk) -> str:
-    return "data: " + (chunk if isinstance(chunk, str) else json.dumps(chunk))
+def sse(chunk) -> bytes:
+    return ("data: " + (chunk if isinstance(chunk, str) else json.dumps(chunk))).encode()
 
 
 def text_chunk(text: str) -> dict:
@@ -100,8 +102,8 @@ def test_stream_tracker_times_chunks_and_prefers_usage_counts():
     tracker = StreamTracker(start=10.0, prompt_tokens=7)
     timeline = [
         (10.3, sse(text_chunk("a"))),
-        (10.3, ""),
-        (10.35, ": keep-alive"),
+        (10.3, b"\n"),
+        (10.35, b": keep-alive\n"),
         (10.4, sse(text_chunk("b"))),
         (10.6, sse(text_chunk("c"))),
         (10.6, sse({"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 4}})),
@@ -128,17 +130,19 @@ def test_stream_tracker_counts_chunks_without_usage_and_fails_empty_streams():
 def test_send_request_posts_a_streaming_completion_and_reports_http_errors():
     seen = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(json.loads(request.content))
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(await request.json())
         if seen[-1]["max_tokens"] == 99:
-            return httpx.Response(400, json={"error": {"message": "too long"}})
-        body = "\n\n".join([sse(text_chunk("hi")), sse(text_chunk("!")), sse("[DONE]")]) + "\n\n"
-        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+            return web.json_response({"error": {"message": "too long"}}, status=400)
+        body = b"\n\n".join([sse(text_chunk("hi")), sse(text_chunk("!")), sse("[DONE]")]) + b"\n\n"
+        return web.Response(body=body, content_type="text/event-stream")
 
     async def send(max_tokens: int) -> RequestResult:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
         payload = completion_payload(BenchRequest("hello", [1, 2, 3], max_tokens), "tiny")
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await send_request(client, "http://test", payload, prompt_tokens=3)
+        async with TestServer(app) as server, aiohttp.ClientSession() as client:
+            return await send_request(client, str(server.make_url("")).rstrip("/"), payload, prompt_tokens=3)
 
     ok, failed = asyncio.run(send(2)), asyncio.run(send(99))
     assert ok.ok and ok.output_tokens == 2 and len(ok.itls) == 1
