@@ -69,10 +69,12 @@ class DraftVerifier:
     ) -> dict[str, list[int]]:
         """Greedy requests with nothing that changes their logits: one argmax over every row and a host
         comparison, instead of the rejection sampler's per-row processing (a float32 copy of the
-        logits, sampling metadata for every row, a dozen small tensor ops: 0.55 ms per batch-1
-        verify step against 0.05 here). Same tokens: the argmax of bf16 logits is the argmax of
-        their exact float32 copy."""
-        argmax = logits.argmax(dim=-1).cpu().numpy()  # the host sync
+        logits plus sampling metadata for every row and a dozen small tensor ops). Same tokens as the
+        rejection sampler's greedy case."""
+        # max(dim).indices is argmax (the first of equal maxima, as in the Sampler's float32 argmax;
+        # bf16 -> float32 is exact), and on the CPU it is the fast one: 8 rows of SmolLM2's 49k
+        # logits take 126 us in bf16 against 745 us for argmax and 260 us for a float32 argmax
+        argmax = logits.max(dim=-1).indices.cpu().numpy()  # the host sync
         counts = np.asarray(num_drafts, dtype=np.int64)
         starts = np.cumsum(counts + 1) - (counts + 1)
         drafts = np.fromiter(
