@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmserve.sample.sampler import greedy_token_ids
 from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
 
 
@@ -131,7 +132,7 @@ class NaiveBatchRunner:
         with set_forward_context(metadata):
             hidden = self.model(input_ids, columns.repeat(batch))
         last_real = torch.arange(batch, device=self.device) * width + lens - 1
-        return self.model.compute_logits(hidden[last_real]).argmax(dim=-1)
+        return greedy_token_ids(self.model.compute_logits(hidden[last_real]))
 
     def _decode(self, first: torch.Tensor, lens: torch.Tensor, row_len: int, steps: int) -> torch.Tensor:
         """Decode every row for `steps - 1` more tokens; returns [batch, steps] token ids."""
@@ -142,7 +143,7 @@ class NaiveBatchRunner:
             metadata = layout.decode_metadata(positions, int(lens.max()) + step + 1, self.gathered_decode)
             with set_forward_context(metadata):
                 hidden = self.model(tokens[-1], positions)
-            tokens.append(self.model.compute_logits(hidden).argmax(dim=-1))
+            tokens.append(greedy_token_ids(self.model.compute_logits(hidden)))
         return torch.stack(tokens, dim=1)
 
 

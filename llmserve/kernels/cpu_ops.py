@@ -1,5 +1,5 @@
 """The compiled CPU kernels (paged decode and prefill attention, small-batch linear, fused
-norm/rotary/SwiGLU, K/V writes), built once per machine with torch's C++ extension loader.
+norm/rotary/SwiGLU, K/V writes, greedy sampling), built once per machine with torch's C++ extension loader.
 
 `make venv` builds them during set-up (so the first `llmserve serve` does not wait for a compiler);
 if compilation fails the engine falls back to the pure-PyTorch reference backend and says so.
@@ -28,6 +28,7 @@ _SOURCE_NAMES = (
     "elementwise.cpp",
     "kv_write.cpp",
     "decode_stack.cpp",
+    "greedy.cpp",
 )
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name) for name in _SOURCE_NAMES]

@@ -20,6 +20,7 @@ from llmserve.sample.sampler import (
     apply_penalties,
     apply_temperature,
     apply_top_k_top_p,
+    greedy_token_ids,
 )
 
 
@@ -58,7 +59,7 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[to
     logits = logits.to(torch.float32, copy=True)
     apply_min_tokens(logits, metadata)
     logits = apply_penalties(logits, metadata)
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = greedy_token_ids(logits)
     if metadata.all_greedy:
         return greedy_ids, logits
     logits = apply_temperature(logits, metadata.temperature)

@@ -32,3 +32,6 @@ void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tenso
                       torch::Tensor sin, int64_t head_dim);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void write_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows);
+
+// greedy.cpp
+torch::Tensor greedy_sample(torch::Tensor logits);

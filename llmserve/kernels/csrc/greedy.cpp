@@ -1,0 +1,128 @@
+// Greedy sampling: the index of each row's largest logit, the first of equal maxima as torch.argmax
+// returns it, in one pass over the row in 16-float vectors, with rows (or parts of a row, when there
+// are fewer rows than threads) shared among torch's threads.
+//
+// torch's CPU argmax reduces each row serially and does not share rows among threads: 100 rows of a
+// 49k vocabulary took 1.9 ms in float32 and 8.8 ms in bf16, and the Sampler first copied the logits
+// to float32 (2.9 ms per step of mixed-100 in all, about 4% of the step). A row holding NaN has no
+// defined answer here (torch would return the NaN's index); finite and infinite logits match torch.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t kMinPart = 8192;  // logits per work item when a row is split among threads
+
+struct Best {
+  float value;
+  int64_t index;  // -1: nothing above -inf seen
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#endif
+
+// The largest value in row[begin, end) and its first index; strict comparisons keep the earliest.
+template <typename scalar_t>
+Best part_max(const scalar_t* row, int64_t begin, int64_t end) {
+  Best best{-INFINITY, -1};
+  int64_t i = begin;
+#ifdef __AVX512F__
+  if (end - begin >= 16) {
+    __m512 lane_max = _mm512_set1_ps(-INFINITY);
+    __m512i lane_index = _mm512_set1_epi32(-1);
+    __m512i index = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(begin)),
+                                     _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i step = _mm512_set1_epi32(16);
+    for (; i + 16 <= end; i += 16) {
+      const __m512 values = load16(row + i);
+      const __mmask16 greater = _mm512_cmp_ps_mask(values, lane_max, _CMP_GT_OQ);
+      lane_max = _mm512_mask_mov_ps(lane_max, greater, values);
+      lane_index = _mm512_mask_mov_epi32(lane_index, greater, index);
+      index = _mm512_add_epi32(index, step);
+    }
+    // each lane holds its first maximum; of the lanes at the overall maximum, the smallest index wins
+    alignas(64) float values[16];
+    alignas(64) int32_t indices[16];
+    _mm512_store_ps(values, lane_max);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(indices), lane_index);
+    for (int lane = 0; lane < 16; ++lane) {
+      if (indices[lane] < 0) continue;
+      if (values[lane] > best.value || (values[lane] == best.value && indices[lane] < best.index)) {
+        best = {values[lane], indices[lane]};
+      }
+    }
+  }
+#endif
+  for (; i < end; ++i) {  // the tail (or everything without AVX-512): later indices win only if greater
+    const float value = to_float(row[i]);
+    if (value > best.value) best = {value, i};
+  }
+  return best;
+}
+
+template <typename scalar_t>
+void greedy_rows(const scalar_t* logits, int64_t* out, int64_t rows, int64_t vocab) {
+  const int64_t threads = at::get_num_threads();
+  // split rows only when there are fewer of them than threads, and never into parts under kMinPart
+  const int64_t parts = rows >= threads ? 1 : std::max<int64_t>(1, std::min((threads + rows - 1) / rows,
+                                                                         vocab / kMinPart));
+  const int64_t part_len = (vocab + parts - 1) / parts;
+  std::vector<Best> found(rows * parts);
+  at::parallel_for(0, rows * parts, 1, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t row = item / parts, part = item % parts;
+      const int64_t begin = part * part_len, end = std::min(vocab, begin + part_len);
+      found[item] = part_max(logits + row * vocab, begin, end);
+    }
+  });
+  for (int64_t row = 0; row < rows; ++row) {
+    Best best = found[row * parts];
+    for (int64_t part = 1; part < parts; ++part) {  // parts in order: a later one must be greater
+      const Best& candidate = found[row * parts + part];
+      if (candidate.index >= 0 && (best.index < 0 || candidate.value > best.value)) best = candidate;
+    }
+    out[row] = best.index < 0 ? 0 : best.index;  // a row of -inf: its first index, as torch
+  }
+}
+
+}  // namespace
+
+torch::Tensor greedy_sample(torch::Tensor logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous(),
+              "greedy_sample takes contiguous 2-D CPU logits");
+  TORCH_CHECK(logits.size(1) < (int64_t{1} << 31), "greedy_sample: vocabulary too large for 32-bit indices");
+  auto out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kInt64));
+  if (logits.size(0) == 0) return out;
+  if (logits.scalar_type() == torch::kBFloat16) {
+    greedy_rows(reinterpret_cast<const c10::BFloat16*>(logits.data_ptr()), out.data_ptr<int64_t>(),
+                logits.size(0), logits.size(1));
+  } else {
+    TORCH_CHECK(logits.scalar_type() == torch::kFloat32, "greedy_sample takes bfloat16 or float32 logits");
+    greedy_rows(logits.data_ptr<float>(), out.data_ptr<int64_t>(), logits.size(0), logits.size(1));
+  }
+  return out;
+}
