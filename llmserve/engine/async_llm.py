@@ -68,7 +68,14 @@ class AsyncLLM:
         inherited = (self._command_pipe.fileno(), self._output_pipe.fileno(), *fork_closes) if fork else ()
         self._process = context.Process(
             target=run_engine_core,
-            args=(engine_args, engine_commands, engine_outputs, engine_factory, inherited),
+            args=(
+                engine_args,
+                engine_commands,
+                engine_outputs,
+                engine_factory,
+                inherited,
+                logger.getEffectiveLevel(),
+            ),
             name="llmserve-engine",
             daemon=True,
         )

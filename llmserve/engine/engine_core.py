@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from llmserve.config import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output_wire import OutputEncoder
+from llmserve.log import configure_logging
 from llmserve.metrics.stats import EngineGauges
 
 logger = logging.getLogger("llmserve")
@@ -38,9 +39,13 @@ def run_engine_core(
     outputs: Connection,
     engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
     inherited_fds: tuple[int, ...] = (),
+    log_level: int = logging.WARNING,
 ) -> None:
-    """The engine process's entry point; `inherited_fds` are the server's descriptors a fork copied."""
+    """The engine process's entry point; `inherited_fds` are the server's descriptors a fork copied,
+    `log_level` the server's level for llmserve's loggers (a spawned process starts without it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
+    configure_logging(log_level)  # a no-op after a fork, which kept the server's handlers
+    logger.setLevel(log_level)
     for fd in inherited_fds:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -16,6 +16,7 @@ import typing
 from collections.abc import Callable, Iterator
 
 from llmserve.config import EngineArgs
+from llmserve.log import configure_logging
 
 EXIT_USAGE = 2
 
@@ -179,10 +180,8 @@ def _extra_commands() -> list[Callable]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if getattr(args, "verbose", False) or args.command == "serve" else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+    configure_logging(
+        logging.INFO if getattr(args, "verbose", False) or args.command == "serve" else logging.WARNING
     )
     try:
         return args.handler(args)

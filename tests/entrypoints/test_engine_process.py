@@ -179,3 +179,18 @@ def _is_alive(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_spawned_engine_process_logs_at_the_servers_level(engine_args, capfd):
+    """A spawned engine process starts with no logging set up: it gets the server's level."""
+    import logging
+
+    llmserve_logger = logging.getLogger("llmserve")
+    level = llmserve_logger.level
+    llmserve_logger.setLevel(logging.INFO)
+    try:
+        llm = AsyncLLM(engine_args)  # spawn: the default outside the server
+        llm.shutdown()
+    finally:
+        llmserve_logger.setLevel(level)
+    assert "ready in" in capfd.readouterr().err  # the engine's start-up line, from the child
