@@ -21,7 +21,8 @@ TokenLogprobs = dict[int, float]
 
 
 def _plain_greedy(request: Request) -> bool:
-    """Greedy, no penalties, past min_tokens, no logprobs: its next token is the plain argmax."""
+    """Greedy, no penalties, past min_tokens, no logprobs: its next token is the plain argmax (the
+    per-request form of `sampler.leaves_logits_unchanged`, decided before any metadata is built)."""
     params = request.sampling_params
     return (
         params.is_greedy

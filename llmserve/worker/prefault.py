@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 import threading
@@ -24,9 +25,10 @@ logger = logging.getLogger("llmserve")
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 _PAGE = 4096
-_CHUNK = 64 << 20  # one madvise call per 64 MiB, so a shutdown never waits on a whole pool
+_CHUNK = 64 << 20  # one madvise call per 64 MiB: a failure stops early, and a call never holds up long
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None

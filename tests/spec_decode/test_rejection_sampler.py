@@ -233,7 +233,7 @@ def test_plain_greedy_verification_equals_the_rejection_sampler(seed):
 
 def test_penalized_greedy_requests_take_the_full_path():
     """A repetition penalty changes the argmax, so the plain path must not serve it."""
-    logits = torch.log(_one_hot_rows(3, 5)) + 0.0
+    logits = torch.log(_one_hot_rows(3, 5))
     penalized = SamplingParams(temperature=0.0, max_tokens=64, repetition_penalty=100.0)
     request = Request("0", [3], penalized)  # token 3 is in the prompt: its logit is penalized
     request.spec_token_ids = [3]
