@@ -159,7 +159,9 @@ class EngineArgs:
     )
     # -- speculative decoding (llmserve/spec_decode, docs/speculative.md) --
     speculative_method: str | None = _arg(
-        None, "ngram (prompt lookup) | draft (a smaller model) | early_exit (the target's first layers)"
+        None,
+        "ngram (prompt lookup) | draft (a smaller model) | early_exit (the target's first layers) | "
+        "draft_head (prompt lookup, else a small head trained on the target's own outputs)",
     )
     num_speculative_tokens: int | None = _arg(
         None, "drafts per step and request at most (K); default 7 for ngram (its drafts adapt), else 3"
@@ -170,8 +172,14 @@ class EngineArgs:
     speculative_draft_layers: int | None = _arg(
         None, "early_exit: target layers in the draft (default: 0.93 of them, see docs/speculative.md)"
     )
-    prompt_lookup_min: int = _arg(2, "ngram: shortest suffix that may match the earlier text")
-    prompt_lookup_max: int = _arg(4, "ngram: longest suffix tried first")
+    speculative_draft_head: str | None = _arg(
+        None, "draft_head: the head's file (`llmserve train-draft-head`); default: the default model's"
+    )
+    speculative_draft_head_tokens: int | None = _arg(
+        None, "draft_head: drafts per step from the head at most (default 3; prompt lookup may propose K)"
+    )
+    prompt_lookup_min: int = _arg(2, "ngram, draft_head: shortest suffix that may match the earlier text")
+    prompt_lookup_max: int = _arg(4, "ngram, draft_head: longest suffix tried first (draft_head: 0 = none)")
     speculative_disable_batch_size: int = _arg(
         4, "propose nothing while more requests than this run (0: always speculate)"
     )
@@ -257,6 +265,8 @@ class EngineArgs:
                 draft_model=self.speculative_draft_model,
                 draft_layers=self.speculative_draft_layers,
                 disable_batch_size=self.speculative_disable_batch_size,
+                draft_head=self.speculative_draft_head,
+                draft_head_tokens=self.speculative_draft_head_tokens,
             ),
         )
 

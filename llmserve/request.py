@@ -12,6 +12,8 @@ from llmserve.spec_decode.metrics import SpecDecodeStats
 if TYPE_CHECKING:
     import torch
 
+    from llmserve.spec_decode.proposers.draft_head import DraftProposal
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -73,8 +75,11 @@ class Request:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         # Speculative decoding (llmserve/spec_decode): drafts to verify in the step being planned (empty
-        # otherwise; never part of all_token_ids), and this request's drafts and accepted tokens so far.
+        # otherwise; never part of all_token_ids) and the q they were drawn from ([k, V]; None: one-hot
+        # q or greedy), a draft head's proposal for the next step, and the drafts and accepted tokens so far.
         self.spec_token_ids: list[int] = []
+        self.spec_token_probs: torch.Tensor | None = None
+        self.draft_proposal: DraftProposal | None = None
         self.spec_decode_stats = SpecDecodeStats()
 
     @property
@@ -95,6 +100,11 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def clear_drafts(self) -> None:
+        """Speculative decoding: nothing to verify (drafts checked, rolled back, or void)."""
+        self.spec_token_ids = []
+        self.spec_token_probs = None
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens past the first `num_output_tokens` (speculative decoding: a stop string hit

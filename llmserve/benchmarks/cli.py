@@ -578,7 +578,11 @@ def _add_spec_decode(commands) -> None:
     parser = commands.add_parser(
         "spec-decode", help="batch-1 ms/token per speculative method; throughput off / on / auto"
     )
-    parser.add_argument("--methods", default="ngram,early_exit", help="besides none: ngram,early_exit,draft")
+    parser.add_argument(
+        "--methods",
+        default="ngram,early_exit",
+        help="besides none: ngram,early_exit,draft,draft_head,draft_head_only",
+    )
     parser.add_argument(
         "--early-exit-layers", type=_positive_ints, default=None, help="early-exit depths, e.g. 8,12,16"
     )

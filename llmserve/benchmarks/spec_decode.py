@@ -59,7 +59,7 @@ THROUGHPUT_COLUMNS = (
 class Method:
     """A speculation setting to measure: its label and the engine arguments that select it."""
 
-    name: str  # "none", "ngram", "early_exit:15", "draft"
+    name: str  # "none", "ngram", "early_exit:15", "draft", "draft_head", "draft_head_only"
     engine_kwargs: dict
 
 
@@ -79,8 +79,16 @@ def methods(names: Sequence[str], early_exit_layers: Sequence[int | None], draft
                 raise ValueError("method draft needs --speculative-draft-model")
             kwargs = {"speculative_method": "draft", "speculative_draft_model": draft_model}
             result.append(Method("draft", kwargs))
+        elif name == "draft_head":
+            result.append(Method("draft_head", {"speculative_method": "draft_head"}))
+        elif name == "draft_head_only":  # the head alone, without prompt lookup
+            kwargs = {"speculative_method": "draft_head", "prompt_lookup_max": 0}
+            result.append(Method("draft_head_only", kwargs))
         elif name != "none":
-            raise ValueError(f"--methods takes none, ngram, early_exit and draft; got {name!r}")
+            raise ValueError(
+                "--methods takes none, ngram, early_exit, draft, draft_head and draft_head_only; "
+                f"got {name!r}"
+            )
     return result
 
 

@@ -50,6 +50,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, dest)
     # speculative decoding: request id -> drafts it verifies this step (counted in num_scheduled_tokens)
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    speculate: bool = False  # speculation is on at this batch size (a draft head proposes for next step)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -136,6 +137,7 @@ class Scheduler:
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         planner = self.draft_planner
         speculate = planner is not None and planner.is_enabled(len(self.running))
+        output.speculate = speculate
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -143,7 +145,8 @@ class Scheduler:
             num_drafts = self._plan_drafts(request, budget) if speculate else 0
             while not self.kv_cache.allocate_slots(request, num_new + num_drafts):
                 if num_drafts:  # no room for the drafts: decode without them rather than preempt
-                    num_drafts, request.spec_token_ids = 0, []
+                    num_drafts = 0
+                    request.clear_drafts()
                     continue
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1:
@@ -165,7 +168,7 @@ class Scheduler:
     def _plan_drafts(self, request: Request, budget: int) -> int:
         """Speculative decoding: drafts a decoding request verifies this step. Every accepted draft is a
         generated token, so k stays within the budget, max_model_len and max_tokens."""
-        request.spec_token_ids = []
+        request.clear_drafts()
         if request.num_tokens - request.num_computed_tokens != 1:
             return 0  # only decodes speculate; prompt chunks and resumed requests catch up first
         room = min(
@@ -263,7 +266,7 @@ class Scheduler:
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Swap the request's KV to CPU, or drop it to re-prefill prompt + output later."""
         self.running.remove(request)
-        request.spec_token_ids = []  # speculative decoding: drafts planned this step are void
+        request.clear_drafts()  # speculative decoding: drafts planned this step are void
         if self._should_swap(request):
             moves = self.kv_cache.swap_out(request)
             output.swap_out.extend(moves)
@@ -325,7 +328,7 @@ class Scheduler:
         held only those drafts go back to the pool."""
         request.num_computed_tokens -= num_drafts - num_accepted
         self.kv_cache.free_excess_blocks(request)
-        request.spec_token_ids = []
+        request.clear_drafts()
         request.spec_decode_stats.observe(num_drafts, num_accepted)
         self.spec_decode_stats.observe(num_drafts, num_accepted)
 

@@ -27,6 +27,7 @@ from llmserve.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.metrics import SpecDecodeStats
 from llmserve.spec_decode.planner import DraftPlanner
+from llmserve.spec_decode.proposers.draft_head import create_head_drafter
 from llmserve.spec_decode.proposers.draft_model import create_drafter, load_draft_arch
 from llmserve.worker.model_runner import ModelRunner
 
@@ -65,6 +66,10 @@ class LLMEngine:
         )
         self.model_runner = ModelRunner(self.config, model, self.kv_cache_manager)
         self.model_runner.drafter = create_drafter(self.config, model, self.model_runner)
+        self.model_runner.head_drafter = create_head_drafter(self.config, model)
+        if self.model_runner.head_drafter is not None:
+            for module in self.model_runner.head_drafter.modules():
+                use_small_batch_linear(module)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
         self.last_step: StepStats | None = None

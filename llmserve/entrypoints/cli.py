@@ -166,7 +166,7 @@ def _extra_commands() -> list[Callable]:
     """Subcommands that live with their feature (server, benchmarks)."""
     registrars = []
     modules = ("llmserve.entrypoints.openai.cli", "llmserve.benchmarks.cli")
-    modules += ("llmserve.evaluation.cli", "llmserve.quantization.cli")
+    modules += ("llmserve.evaluation.cli", "llmserve.quantization.cli", "llmserve.spec_decode.cli")
     for module_name in modules:
         try:
             module = __import__(module_name, fromlist=["register"])

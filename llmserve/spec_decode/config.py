@@ -4,25 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft", "early_exit")
+METHODS = ("ngram", "draft", "early_exit", "draft_head")
 # K when none is given. N-gram drafts are free and adapt to the match (a match of n tokens proposes at
 # most 2 ** n, see proposers/ngram.py), so its K is only a cap: 7 keeps the verify pass at 8 rows, the
-# small-batch linear kernel's limit. A model proposer pays a draft forward per draft, hence 3.
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 3, "early_exit": 3}
+# small-batch linear kernel's limit. A model proposer pays a draft forward per draft, hence 3. The
+# draft head drafts by prompt lookup where the context repeats (K caps those) and with its own
+# network elsewhere, where `draft_head_tokens` caps it.
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 3, "early_exit": 3, "draft_head": 7}
+DEFAULT_DRAFT_HEAD_TOKENS = 3
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How drafts are proposed and how many; `create` returns None when speculation is off."""
 
-    method: (
-        str  # "ngram" (prompt lookup), "draft" (a smaller model) or "early_exit" (the target's first layers)
-    )
+    # "ngram" (prompt lookup), "draft" (a smaller model), "early_exit" (the target's first layers) or
+    # "draft_head" (prompt lookup, else a head trained on the target's outputs)
+    method: str
     num_speculative_tokens: int  # K: drafts proposed per step for a request (SamplingParams may override)
-    prompt_lookup_min: int = 2  # ngram: shortest suffix that may match
-    prompt_lookup_max: int = 4  # ngram: longest suffix tried first
+    prompt_lookup_min: int = 2  # ngram, draft_head: shortest suffix that may match
+    prompt_lookup_max: int = 4  # ngram, draft_head: longest suffix tried first (draft_head: 0 = no lookup)
     draft_model: str | None = None  # draft: GGUF file or HF directory sharing the target's tokenizer
     draft_layers: int | None = None  # early_exit: leading target layers in the draft (None: the default)
+    draft_head: str | None = None  # draft_head: the head's file (None: the one shipped for the default model)
+    draft_head_tokens: int = DEFAULT_DRAFT_HEAD_TOKENS  # draft_head: drafts per step from the head at most
     disable_batch_size: int = 0  # propose nothing while more requests than this run (0: never disable)
 
     @classmethod
@@ -35,6 +40,8 @@ class SpeculativeConfig:
         draft_model: str | None,
         draft_layers: int | None,
         disable_batch_size: int,
+        draft_head: str | None = None,
+        draft_head_tokens: int | None = None,
     ) -> SpeculativeConfig | None:
         """Validate the flags (K None: the method's default); ValueError names the offending one."""
         if method is None or method == "none":
@@ -45,7 +52,8 @@ class SpeculativeConfig:
             num_speculative_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS[method]
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+        lookup_off = method == "draft_head" and prompt_lookup_max == 0
+        if not lookup_off and not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, "
                 f"got {prompt_lookup_min} and {prompt_lookup_max}"
@@ -54,6 +62,13 @@ class SpeculativeConfig:
             raise ValueError("speculative_method draft needs --speculative-draft-model")
         if draft_layers is not None and draft_layers < 1:
             raise ValueError(f"speculative_draft_layers must be >= 1, got {draft_layers}")
+        if draft_head_tokens is None or method != "draft_head":
+            draft_head_tokens = min(DEFAULT_DRAFT_HEAD_TOKENS, num_speculative_tokens)
+        if not 1 <= draft_head_tokens <= num_speculative_tokens:
+            raise ValueError(
+                f"speculative_draft_head_tokens must be in [1, num_speculative_tokens = "
+                f"{num_speculative_tokens}], got {draft_head_tokens}"
+            )
         if disable_batch_size < 0:
             raise ValueError(f"speculative_disable_batch_size must be >= 0, got {disable_batch_size}")
         return cls(
@@ -63,5 +78,7 @@ class SpeculativeConfig:
             prompt_lookup_max=prompt_lookup_max,
             draft_model=draft_model if method == "draft" else None,
             draft_layers=draft_layers if method == "early_exit" else None,
+            draft_head=draft_head if method == "draft_head" else None,
+            draft_head_tokens=draft_head_tokens,
             disable_batch_size=disable_batch_size,
         )

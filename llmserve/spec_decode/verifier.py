@@ -54,7 +54,7 @@ class DraftVerifier:
         draft_ids = [t for r in requests for t in r.spec_token_ids]
         q = None
         if draft_probs:
-            q = torch.cat([draft_probs[r.request_id] for r, k in zip(requests, num_drafts, strict=True) if k])
+            q = torch.cat([self._draft_q(r, draft_probs) for r in requests if r.spec_token_ids])
         output = self.rejection_sampler(
             logits, num_drafts, torch.tensor(draft_ids, dtype=torch.int64, device=self.device), q, metadata
         )
@@ -64,6 +64,15 @@ class DraftVerifier:
         if metadata.max_num_logprobs is None:
             return new_tokens, {}
         return new_tokens, self._logprobs(requests, token_ids, output, metadata.max_num_logprobs)
+
+    def _draft_q(self, request: Request, draft_probs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[k, V] the q of a request's drafts: as proposed, or one-hot (prompt lookup drafts beside a
+        draft head's sampled ones in the same step)."""
+        q = draft_probs.get(request.request_id)
+        if q is not None:
+            return q
+        ids = torch.tensor(request.spec_token_ids, dtype=torch.int64, device=self.device)
+        return torch.nn.functional.one_hot(ids, self.vocab_size).to(torch.float32)
 
     @staticmethod
     def _verify_plain_greedy(

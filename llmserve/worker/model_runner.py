@@ -27,6 +27,7 @@ from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan, set_
 from llmserve.worker.prefault import populate_in_background
 
 if TYPE_CHECKING:
+    from llmserve.spec_decode.proposers.draft_head import DraftHeadProposer
     from llmserve.spec_decode.proposers.draft_model import DraftModelProposer
 
 
@@ -59,6 +60,8 @@ class ModelRunner:
         # Speculative decoding (llmserve/spec_decode): a model drafter, set by the engine, proposes
         # drafts before the forward (n-gram drafts come from the scheduler); the verifier checks them.
         self.drafter: DraftModelProposer | None = None
+        # A draft head (spec_decode/proposers/draft_head.py) proposes after the step, for the next one.
+        self.head_drafter: DraftHeadProposer | None = None
         self.verifier = DraftVerifier(self.vocab_size, self.device)
         self.attention_backend = select_attention_backend(
             config.model.attention_backend, self.device, config.cache.kv_cache_dtype
@@ -129,9 +132,21 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions)
         if not inputs.sample_rows:
             return ModelRunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        sample_hidden = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(sample_hidden)
         sampling_requests = [inputs.requests[row] for row in inputs.sample_rows]
+        output = self._sample_or_verify(logits, sampling_requests, draft_probs)
+        if self.head_drafter is not None and scheduled.speculate:
+            self._propose_with_head(sample_hidden, sampling_requests, output.sampled_token_ids)
+        return output
+
+    def _sample_or_verify(
+        self, logits: torch.Tensor, sampling_requests: list[Request], draft_probs: dict[str, torch.Tensor]
+    ) -> ModelRunnerOutput:
         if any(r.spec_token_ids for r in sampling_requests):  # speculative decoding: verify the drafts
+            for request in sampling_requests:  # a draft head's sampled drafts carry their q
+                if request.spec_token_probs is not None:
+                    draft_probs[request.request_id] = request.spec_token_probs
             return ModelRunnerOutput(*self.verifier(logits, sampling_requests, draft_probs))
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in sampling_requests],
@@ -143,6 +158,17 @@ class ModelRunner:
             device=self.device,
         )
         return self._to_output(sampling_requests, self.sampler(logits, metadata))
+
+    def _propose_with_head(
+        self, sample_hidden: torch.Tensor, requests: list[Request], new_token_ids: dict[str, list[int]]
+    ) -> None:
+        """Speculative decoding with a draft head: drafts for the next step from the hidden state each
+        request's last new token was sampled from (row j of its k + 1 verify rows after j accepted)."""
+        counts = np.array([len(r.spec_token_ids) + 1 for r in requests], dtype=np.int64)
+        new = [new_token_ids[r.request_id] for r in requests]
+        rows = np.cumsum(counts) - counts + np.array([len(ids) for ids in new], dtype=np.int64) - 1
+        features = sample_hidden[self._to_device(rows)] if len(rows) < len(sample_hidden) else sample_hidden
+        self.head_drafter.propose(features, requests, new)
 
     @staticmethod
     def _to_output(requests: list[Request], sampled: SamplerOutput) -> ModelRunnerOutput:

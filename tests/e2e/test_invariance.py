@@ -57,3 +57,21 @@ def test_one_prompt_alone_equals_the_same_prompt_in_a_batch_of_32(llm_fp32, defa
     for index in (0, 13, 31):
         alone = llm_fp32.generate([prompts[index]], GREEDY, use_tqdm=False)
         assert alone[0].outputs[0].token_ids == batched[index].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("lookup_max", [4, 0])
+def test_the_shipped_draft_head_on_the_default_model(prompts_5_to_600, reference, lookup_max):
+    """The head shipped for the default model recognizes it (float32 load of a head trained in bf16),
+    its drafts are often right on these prompts it never saw, and the tokens are plain greedy's."""
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory="256MiB",
+        speculative_method="draft_head",
+        prompt_lookup_max=lookup_max,
+        speculative_disable_batch_size=0,
+    )
+    outputs = llm.generate(prompts_5_to_600, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_draft_tokens > 20
+    assert stats.acceptance_rate > 0.15

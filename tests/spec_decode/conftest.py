@@ -31,17 +31,22 @@ def greedy(max_tokens: int = MAX_TOKENS, k: int | None = None, **kwargs) -> Samp
 def make_llm(model_dir: str, **kwargs) -> LLM:
     """A small float32 engine; speculation never auto-disabled unless the test says so."""
     kwargs.setdefault("speculative_disable_batch_size", 0)
-    return LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", max_model_len=256, **kwargs)
+    kwargs.setdefault("max_model_len", 256)
+    return LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", **kwargs)
 
 
-def spec_kwargs(method: str, target_dir: str, other_draft_dir: str) -> dict:
-    """Engine kwargs per proposer; *_all and *_self are the target drafting for itself."""
+def spec_kwargs(method: str, target_dir: str, other_draft_dir: str, draft_head: str | None = None) -> dict:
+    """Engine kwargs per proposer; *_all and *_self are the target drafting for itself; draft_head_only
+    is the head without prompt lookup."""
+    head = dict(speculative_method="draft_head", speculative_draft_head=draft_head)
     return {
         "ngram": dict(speculative_method="ngram"),
         "early_exit": dict(speculative_method="early_exit"),
         "early_exit_all": dict(speculative_method="early_exit", speculative_draft_layers=TARGET_LAYERS),
         "draft": dict(speculative_method="draft", speculative_draft_model=other_draft_dir),
         "draft_self": dict(speculative_method="draft", speculative_draft_model=target_dir),
+        "draft_head": head,
+        "draft_head_only": dict(head, prompt_lookup_max=0),
     }[method]
 
 
@@ -86,3 +91,20 @@ def other_draft_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def reference_llm(target_dir) -> LLM:
     return make_llm(target_dir)
+
+
+# A draft head for the tiny target, trained by the real command on the target's own outputs (seconds).
+HEAD_TRAINING_FLAGS = [
+    "--num-grounded", "3", "--num-chat", "6", "--num-sampled-chat", "2", "--max-tokens", "32",
+    "--intermediate-size", "256", "--vocab-subset", "512", "--epochs", "40", "--batch-size", "64",
+    "--learning-rate", "0.01", "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "8MiB",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def draft_head(target_dir, tmp_path_factory) -> str:
+    from llmserve.entrypoints.cli import main
+
+    path = str(tmp_path_factory.mktemp("spec") / "head.safetensors")
+    assert main(["train-draft-head", "--model", target_dir, "--output", path, *HEAD_TRAINING_FLAGS]) == 0
+    return path

@@ -18,9 +18,12 @@ def reference(reference_llm) -> list[list[int]]:
     return token_ids(reference_llm.generate(PROMPTS, greedy(), use_tqdm=False))
 
 
-@pytest.fixture(scope="module", params=["ngram", "early_exit", "early_exit_all", "draft", "draft_self"])
-def method(request, target_dir, other_draft_dir):
-    kwargs = spec_kwargs(request.param, target_dir, other_draft_dir)
+@pytest.fixture(
+    scope="module",
+    params=["ngram", "early_exit", "early_exit_all", "draft", "draft_self", "draft_head", "draft_head_only"],
+)
+def method(request, target_dir, other_draft_dir, draft_head):
+    kwargs = spec_kwargs(request.param, target_dir, other_draft_dir, draft_head)
     return request.param, make_llm(target_dir, num_speculative_tokens=3, **kwargs)
 
 
@@ -38,7 +41,7 @@ def test_mixed_batch_with_per_request_k_equals_no_speculation(method, reference)
     if name in ("early_exit_all", "draft_self"):
         assert stats.acceptance_rate >= 0.98
         assert stats.num_accepted_tokens == stats.num_draft_tokens  # float32: exactly the same argmax
-    elif name in ("ngram", "early_exit"):
+    elif name in ("ngram", "early_exit", "draft_head", "draft_head_only"):
         assert stats.num_accepted_tokens > 0
     assert_no_leaks(llm)
 

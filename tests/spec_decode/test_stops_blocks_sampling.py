@@ -97,12 +97,14 @@ def _value(entry) -> float:
 # -- blocks ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft"])
-def test_no_leaks_through_rejections_preemption_and_aborts(target_dir, other_draft_dir, reference, method):
+@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft", "draft_head_only"])
+def test_no_leaks_through_rejections_preemption_and_aborts(
+    target_dir, other_draft_dir, draft_head, reference, method
+):
     """A pool too small for all requests with K = 8 drafts forces preemptions and dropped drafts; the
     draft model rejects nearly everything. Integrity holds after every step; aborted requests free
     their blocks at once; the survivors' tokens are unchanged; everything returns to the pool."""
-    kwargs = spec_kwargs(method, target_dir, other_draft_dir)
+    kwargs = spec_kwargs(method, target_dir, other_draft_dir, draft_head)
     kwargs.update(num_kv_blocks=10, preemption_mode="recompute")
     if method == "ngram":  # 1-token matches: more drafts, and more of them wrong
         kwargs.update(prompt_lookup_min=1)
@@ -139,9 +141,9 @@ def _sampled(seed: int | None, k: int | None = None) -> SamplingParams:
     )
 
 
-@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft"])
-def test_seeded_sampling_is_reproducible_alone_or_batched(target_dir, other_draft_dir, method):
-    kwargs = spec_kwargs(method, target_dir, other_draft_dir)
+@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft", "draft_head"])
+def test_seeded_sampling_is_reproducible_alone_or_batched(target_dir, other_draft_dir, draft_head, method):
+    kwargs = spec_kwargs(method, target_dir, other_draft_dir, draft_head)
     llm = make_llm(target_dir, num_speculative_tokens=4, **kwargs)
     params = [_sampled(seed=i) for i in range(len(PROMPTS))]
     first = token_ids(llm.generate(PROMPTS, params, use_tqdm=False))

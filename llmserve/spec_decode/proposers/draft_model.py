@@ -216,10 +216,10 @@ class DraftModelProposer(ModelRunner):
 def create_drafter(
     config: EngineConfig, target: nn.Module, target_runner: ModelRunner
 ) -> DraftModelProposer | None:
-    """The device-side proposer for the configured method (None for n-gram, which runs in the scheduler)."""
+    """The device-side proposer that drafts before the target's forward (draft model, early exit)."""
     spec = config.speculative
-    if spec is None or spec.method == "ngram":
-        return None
+    if spec is None or spec.method not in ("draft", "early_exit"):
+        return None  # n-gram drafts come from the scheduler, a draft head's from the previous step
     # The draft never swaps (a preempted request's draft KV is recomputed) and takes no drafts itself.
     draft_config = dataclasses.replace(
         config, cache=dataclasses.replace(config.cache, num_swap_blocks=0), speculative=None
