@@ -75,7 +75,7 @@ def cmd_train_draft_head(args: argparse.Namespace) -> int:
     head, report = train_draft_head(
         target, text, features, config, progress=functools.partial(print, flush=True)
     )
-    report["target"] = llm.engine.config.model.path
+    report["target"] = os.path.basename(llm.engine.config.model.path)
     save_draft_head(args.output, head, target, report)
     print(json.dumps(report, indent=1))
     print(f"wrote {args.output}; use: --speculative-method draft_head --speculative-draft-head {args.output}")

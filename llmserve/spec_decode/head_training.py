@@ -11,10 +11,12 @@
 3. **Training.** From f_t and the token x_{t+1} the head predicts f_{t+1}, scored by cross-entropy
    of its logits over the vocabulary subset against y_{t+2} plus a smooth-L1 pull towards the true
    f_{t+1}; the prediction is fed back for `unroll` steps (its second and third drafts start from its
-   own guesses, as at serving time). AdamW with a one-cycle schedule, bf16 autocast on the CPU.
+   own guesses, as at serving time). AdamW with a one-cycle schedule, on the CPU (bf16 autocast
+   where the CPU has native bf16).
 
-Everything is seeded; `llmserve train-draft-head` runs it (about 20 minutes for the shipped head on
-2 CPU cores) and reports the held-out acceptance of each draft position.
+Everything is seeded; `llmserve train-draft-head` runs it and reports the held-out acceptance of each
+draft position. It takes hours on 2 CPU cores, mostly steps 1 and 2 (docs/speculative.md has the
+shipped head's timings); `--text-cache` keeps their result for training other sizes.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmserve.config import cpu_has_native_bf16
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.proposers.draft_head import DraftHead, subset_lm_head_weight
 
@@ -297,7 +300,9 @@ def train_draft_head(
     train = _examples(arrays, [i for i in range(len(arrays)) if i not in held], config.unroll, remap)
     test = _examples(arrays, sorted(held), config.unroll, remap)
 
-    # The head trains on the CPU in float32 (bf16 autocast) whatever device the target serves on.
+    # The head trains on the CPU in float32 whatever device the target serves on, with bf16 autocast
+    # where the CPU computes bf16 natively (elsewhere PyTorch's bf16 matmul falls back to a scalar loop).
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_native_bf16())
     embedding = target.model.embed_tokens.weight.detach().to("cpu", torch.float32)
     subset_weight = subset_lm_head_weight(target, vocab_ids).to("cpu", torch.float32)
     arch = target.arch
@@ -315,7 +320,7 @@ def train_draft_head(
     def run(batch: _Examples) -> tuple[torch.Tensor, torch.Tensor]:
         feature, loss, correct = batch.features, 0.0, []
         for step in range(config.unroll):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with autocast:
                 feature = head(feature, embedding[batch.tokens[:, step]])
                 logits = feature @ subset_weight.T
             feature, logits, labels = feature.float(), logits.float(), batch.labels[:, step]
