@@ -61,7 +61,7 @@ def test_one_prompt_alone_equals_the_same_prompt_in_a_batch_of_32(llm_fp32, defa
 
 @pytest.mark.parametrize("lookup_max", [4, 0])
 def test_the_shipped_draft_head_on_the_default_model(prompts_5_to_600, reference, lookup_max):
-    """The head shipped for the default model recognizes it (float32 load of a head trained in bf16),
+    """The head shipped for the default model recognizes it (in float32),
     its drafts are often right on these prompts it never saw, and the tokens are plain greedy's."""
     llm = LLM(
         dtype="float32",
