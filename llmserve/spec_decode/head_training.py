@@ -102,7 +102,7 @@ class HeadTrainingConfig:
     intermediate_size: int = 1536
     vocab_subset: int = 8192  # the most frequent target tokens the head can propose
     unroll: int = 3  # draft steps trained on the head's own guesses
-    epochs: int = 6
+    epochs: int = 3
     batch_size: int = 512
     learning_rate: float = 2e-3
     feature_loss_weight: float = 0.1
