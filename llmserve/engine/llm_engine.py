@@ -47,7 +47,7 @@ class LLMEngine:
             from llmserve.quantization.methods import quantize_model
 
             quantize_model(model, self.config.model, self.tokenizer)
-        use_small_batch_linear(model)  # bf16 on CPU: the matrix-vector kernel for decode at small batch
+        use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
         cache = self.config.cache
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks,

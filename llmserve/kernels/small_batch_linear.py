@@ -16,6 +16,13 @@ layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU back
 on a plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs; 10-15%
 faster at 64-2,048 rows and about 40% at 9-16 rows on SmolLM2's shapes (docs/benchmarks.md), for a
 second copy of the weights in memory.
+
+float32 weights on the CPU (the default dtype where the CPU has no native bf16) get only the
+oneDNN copy (`PackedLinear`), at every row count: `F.linear` in float32 goes to MKL's sgemm, which
+on a 2-core AVX2 EPYC took 2-4x oneDNN's time at 2-16 rows (SmolLM2's lm_head at 4 rows: 25 ms vs
+6.5 ms; docs/benchmarks.md, "Session 10"), so a speculative verify pass of k + 1 rows cost several
+decode steps. oneDNN's results do not depend on the row count (checked bitwise at 1-16 rows), so
+verification and one-token decoding still compute the same logits.
 """
 
 from __future__ import annotations
@@ -44,6 +51,17 @@ class SmallBatchLinear(nn.Linear):
         return F.linear(input, self.weight, self.bias)
 
 
+class PackedLinear(nn.Linear):
+    """float32 on the CPU: oneDNN's matmul on a copy of the weight packed once (module docstring)."""
+
+    packed_weight: torch.Tensor
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.dtype == torch.float32 and input.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
+        return F.linear(input, self.weight, self.bias)
+
+
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` reordered once into oneDNN's blocked layout, or None where this torch cannot."""
     if not torch.backends.mkldnn.is_available():
@@ -55,26 +73,30 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def use_small_batch_linear(model: nn.Module) -> int:
-    """Swap every plain `nn.Linear` with bf16 weights on the CPU and an input width the kernel takes
-    (a multiple of 32), where this build has the kernel; returns how many were swapped."""
+    """Swap every plain `nn.Linear` on the CPU for its faster layout: bf16 weights with an input width
+    the compiled kernel takes (a multiple of 32) become `SmallBatchLinear`s where this build has the
+    kernel, float32 weights become `PackedLinear`s where oneDNN can pack them; returns how many."""
     ops = load_cpu_ops()
-    if ops is None or not ops.small_batch_linear_supported():
-        return 0
+    has_kernel = ops is not None and ops.small_batch_linear_supported()
     swapped = 0
     # shared weights (tied embeddings) share one copy of each layout
     packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (
-            type(module) is nn.Linear
-            and weight.dtype == torch.bfloat16
-            and weight.device.type == "cpu"
-            and module.in_features % 32 == 0
-        ):
+        if type(module) is not nn.Linear or weight.device.type != "cpu":
+            continue
+        if weight.dtype == torch.bfloat16 and has_kernel and module.in_features % 32 == 0:
             weight.data = weight.data.contiguous()
             module.__class__ = SmallBatchLinear
             if id(weight) not in packed:
                 packed[id(weight)] = (ops.small_batch_pack(weight.detach()), pack_for_onednn(weight))
             module.small_batch_weight, module.packed_weight = packed[id(weight)]
             swapped += 1
+        elif weight.dtype == torch.float32:
+            if id(weight) not in packed:
+                packed[id(weight)] = (weight, pack_for_onednn(weight))
+            if packed[id(weight)][1] is not None:
+                module.__class__ = PackedLinear
+                module.packed_weight = packed[id(weight)][1]
+                swapped += 1
     return swapped
