@@ -55,11 +55,18 @@ class PackedLinear(nn.Linear):
     """float32 on the CPU: oneDNN's matmul on a copy of the weight packed once (module docstring)."""
 
     packed_weight: torch.Tensor
+    packed_from: tuple[int, int]  # (data_ptr, version) of the weight the copy was made from
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dtype == torch.float32 and input.device.type == "cpu":
-            return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(input, self.weight, self.bias)
+        if input.dtype != torch.float32 or input.device.type != "cpu":
+            return F.linear(input, self.weight, self.bias)
+        if self.packed_from != _identity(self.weight):  # written or replaced since: pack it again
+            self.packed_weight, self.packed_from = pack_for_onednn(self.weight), _identity(self.weight)
+        return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
+
+
+def _identity(weight: torch.Tensor) -> tuple[int, int]:
+    return weight.data_ptr(), weight._version
 
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
@@ -97,6 +104,6 @@ def use_small_batch_linear(model: nn.Module) -> int:
                 packed[id(weight)] = (weight, pack_for_onednn(weight))
             if packed[id(weight)][1] is not None:
                 module.__class__ = PackedLinear
-                module.packed_weight = packed[id(weight)][1]
+                module.packed_weight, module.packed_from = packed[id(weight)][1], _identity(weight)
                 swapped += 1
     return swapped
