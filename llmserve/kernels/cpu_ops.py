@@ -24,6 +24,7 @@ _SOURCE_NAMES = (
     "paged_attention.cpp",
     "prefill_attention.cpp",
     "linear.cpp",
+    "linear_f32.cpp",
     "linear_quantized.cpp",
     "elementwise.cpp",
     "kv_write.cpp",

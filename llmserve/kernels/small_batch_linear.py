@@ -17,12 +17,14 @@ on a plain weight repacks it on every call. Same kernel, same sums, bit-identica
 faster at 64-2,048 rows and about 40% at 9-16 rows on SmolLM2's shapes (docs/benchmarks.md), for a
 second copy of the weights in memory.
 
-float32 weights on the CPU (the default dtype where the CPU has no native bf16) get only the
-oneDNN copy (`PackedLinear`), at every row count: `F.linear` in float32 goes to MKL's sgemm, which
-on a 2-core AVX2 EPYC took 2-4x oneDNN's time at 2-16 rows (SmolLM2's lm_head at 4 rows: 25 ms vs
-6.5 ms; docs/benchmarks.md, "Session 10"), so a speculative verify pass of k + 1 rows cost several
-decode steps. oneDNN's results do not depend on the row count (checked bitwise at 1-16 rows), so
-verification and one-token decoding still compute the same logits.
+float32 weights on the CPU (the default dtype where the CPU has no native bf16) become
+`PackedLinear`s: at 1-8 rows the compiled float32 kernel (linear_f32.cpp, AVX2 and FMA) on its own
+packed copy, above that oneDNN on a oneDNN-blocked copy. `F.linear` in float32 goes to MKL's sgemm,
+which on a 2-core AVX2 EPYC took 2-4x oneDNN's time at 2-16 rows (SmolLM2's lm_head at 4 rows: 25
+ms vs 6.5 ms; docs/benchmarks.md, "Session 10"), and oneDNN in turn took 27.5 ms for a step's
+linears at one row and 37-79 ms at 4-8, the kernel 19-20 and 22-33 ("Session 11"). Both give each
+row a result that does not depend on the row count (checked bitwise), so verifying drafts and
+decoding one token compute the same logits.
 """
 
 from __future__ import annotations
@@ -52,17 +54,31 @@ class SmallBatchLinear(nn.Linear):
 
 
 class PackedLinear(nn.Linear):
-    """float32 on the CPU: oneDNN's matmul on a copy of the weight packed once (module docstring)."""
+    """float32 on the CPU: the compiled kernel at few rows, else oneDNN, each on a copy of the weight
+    packed once for it (module docstring)."""
 
-    packed_weight: torch.Tensor
-    packed_from: tuple[int, int]  # (data_ptr, version) of the weight the copy was made from
+    packed_weight: torch.Tensor  # oneDNN-blocked
+    small_batch_weight: torch.Tensor | None  # the float32 kernel's layout (None: no kernel in this build)
+    packed_from: tuple[int, int]  # (data_ptr, version) of the weight the copies were made from
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dtype != torch.float32 or input.device.type != "cpu":
             return F.linear(input, self.weight, self.bias)
         if self.packed_from != _identity(self.weight):  # written or replaced since: pack it again
-            self.packed_weight, self.packed_from = pack_for_onednn(self.weight), _identity(self.weight)
+            small_batch = self.small_batch_weight is not None
+            self.packed_weight, self.small_batch_weight = _pack_float32(self.weight, small_batch)
+            self.packed_from = _identity(self.weight)
+        if self.small_batch_weight is not None and input.dim() == 2 and input.shape[0] <= MAX_ROWS:
+            kernel = load_cpu_ops().small_batch_linear_f32
+            out = kernel(input.contiguous(), self.small_batch_weight, self.out_features)
+            return out if self.bias is None else out + self.bias
         return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
+
+
+def _pack_float32(weight: torch.Tensor, small_batch: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A float32 weight's oneDNN copy and (if `small_batch`) the float32 kernel's."""
+    small_batch_weight = load_cpu_ops().small_batch_pack_f32(weight.detach()) if small_batch else None
+    return pack_for_onednn(weight), small_batch_weight
 
 
 def _identity(weight: torch.Tensor) -> tuple[int, int]:
@@ -85,6 +101,7 @@ def use_small_batch_linear(model: nn.Module) -> int:
     kernel, float32 weights become `PackedLinear`s where oneDNN can pack them; returns how many."""
     ops = load_cpu_ops()
     has_kernel = ops is not None and ops.small_batch_linear_supported()
+    has_float32_kernel = ops is not None and ops.small_batch_linear_f32_supported()
     swapped = 0
     # shared weights (tied embeddings) share one copy of each layout
     packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -101,9 +118,12 @@ def use_small_batch_linear(model: nn.Module) -> int:
             swapped += 1
         elif weight.dtype == torch.float32:
             if id(weight) not in packed:
-                packed[id(weight)] = (weight, pack_for_onednn(weight))
-            if packed[id(weight)][1] is not None:
+                onednn, small_batch = _pack_float32(weight, has_float32_kernel)
+                packed[id(weight)] = (small_batch, onednn)
+            small_batch, onednn = packed[id(weight)]
+            if onednn is not None:
                 module.__class__ = PackedLinear
-                module.packed_weight, module.packed_from = packed[id(weight)][1], _identity(weight)
+                module.packed_weight, module.small_batch_weight = onednn, small_batch
+                module.packed_from = _identity(weight)
                 swapped += 1
     return swapped

@@ -5,9 +5,10 @@ Python: 30 layers x ~12 module calls, argument checks and views. `DecodeStack`
 (kernels/csrc/decode_stack.cpp) runs the same kernels in the same order from C++, so its output
 is bit-identical to the module path (tested) and the model uses it whenever it applies: every
 sequence this step is a decode or a short span (speculative verification), the batch fits the
-small-batch linear kernel, and the model runs in bf16 on the CPU with the in-place paged attention
-backend and a plain KV cache, its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise
-int4 with their small-batch kernels. Anything else (prefill chunks, larger batches, other quantized
+small-batch linear kernel, and the model runs on the CPU with the in-place paged attention backend
+and a plain KV cache, either in bf16 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or
+group-wise int4 with their small-batch kernels, or in float32 with every linear layer on the float32
+kernel (where the CPU has no native bf16). Anything else (prefill chunks, larger batches, other quantized
 formats, 8-bit KV caches, CUDA) takes the module path.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.kernels.small_batch_linear import MAX_ROWS, SmallBatchLinear
+from llmserve.kernels.small_batch_linear import MAX_ROWS, PackedLinear, SmallBatchLinear
 from llmserve.quantization.kernels import Int4PackedKernel, Int8GroupedPackedKernel, Int8PackedKernel
 from llmserve.worker.forward_context import AttentionMetadata
 
@@ -58,9 +59,14 @@ class FusedDecodeStack:
 _EMPTY = torch.empty(0)
 
 
-def _small_batch_weights(module) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _small_batch_weights(module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(packed weight, its scales: none, per row, per 32 columns or int4's parameters) of a linear
-    layer the stack can run: bf16 (SmallBatchLinear), int8 or int4 with a small-batch kernel; else None."""
+    layer the stack can run in a `dtype` model: bf16 (SmallBatchLinear), int8 or int4 with a
+    small-batch kernel; float32 (PackedLinear with the float32 kernel); else None."""
+    if dtype == torch.float32:
+        if type(module) is PackedLinear and module.small_batch_weight is not None:
+            return module.small_batch_weight, _EMPTY
+        return None
     if type(module) is SmallBatchLinear:
         return module.small_batch_weight, _EMPTY
     kernel = getattr(module, "kernel", None)
@@ -86,21 +92,22 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         or not hasattr(ops, "DecodeStack")
         or not isinstance(attention_backend, CPUPagedBackend)
         or attention_backend.kv_format.kernel_code != 0
-        or inner.norm.weight.dtype != torch.bfloat16
+        or inner.norm.weight.dtype not in (torch.bfloat16, torch.float32)
         or inner.norm.weight.device.type != "cpu"
     ):
         return None
+    dtype = inner.norm.weight.dtype
     tensors: list[torch.Tensor] = []
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
-        linears = [_small_batch_weights(m) for m in (attention.qkv_proj, attention.o_proj)]
-        linears += [_small_batch_weights(m) for m in (mlp.gate_up_proj, mlp.down_proj)]
+        linears = [_small_batch_weights(m, dtype) for m in (attention.qkv_proj, attention.o_proj)]
+        linears += [_small_batch_weights(m, dtype) for m in (mlp.gate_up_proj, mlp.down_proj)]
         if any(linear is None for linear in linears) or attention.attn.key_cache is None:
             return None
         if any(m.bias is not None for m in (attention.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(norm.eps != inner.norm.eps or norm.weight.dtype != torch.bfloat16 for norm in norms):
+        if any(norm.eps != inner.norm.eps or norm.weight.dtype != dtype for norm in norms):
             return None
         (qkv, qkv_scales), (o, o_scales), (gate_up, gate_up_scales), (down, down_scales) = linears
         qkv_bias = attention.qkv_proj.bias

@@ -1,13 +1,57 @@
-"""float32 linear layers on the CPU run oneDNN on a packed copy of their weight (PackedLinear)."""
+"""float32 linear layers on the CPU (PackedLinear): the compiled float32 kernel at 1-8 rows, oneDNN on
+a packed copy above."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.kernels.small_batch_linear import PackedLinear, use_small_batch_linear
+from llmserve.kernels.cpu_ops import load_cpu_ops
+from llmserve.kernels.small_batch_linear import MAX_ROWS, PackedLinear, use_small_batch_linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+ops = load_cpu_ops()
+needs_kernel = pytest.mark.skipif(
+    ops is None or not ops.small_batch_linear_f32_supported(), reason="needs the AVX2 float32 kernel build"
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (13, 64), (3, 1536), (1001, 7)])
+def test_kernel_matches_float64_reference(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.05
+    actual = ops.small_batch_linear_f32(x, ops.small_batch_pack_f32(w), out_features)
+    assert actual.dtype == torch.float32 and actual.shape == (rows, out_features)
+    exact = x.double() @ w.double().T
+    # one FMA chain per output: at most ~K float32 roundings of the running sum
+    bound = in_features * 2**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    assert ((actual.double() - exact).abs() <= bound).all()
+
+
+@needs_kernel
+def test_kernel_row_does_not_depend_on_the_others():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(MAX_ROWS, 576, generator=gen)
+    w = ops.small_batch_pack_f32(torch.randn(100, 576, generator=gen))
+    for rows in range(1, MAX_ROWS + 1):
+        together = ops.small_batch_linear_f32(x[:rows].contiguous(), w, 100)
+        for row in range(rows):
+            alone = ops.small_batch_linear_f32(x[row : row + 1].contiguous(), w, 100)
+            assert torch.equal(alone[0], together[row])
+
+
+@needs_kernel
+def test_kernel_rejects_what_it_does_not_serve():
+    w = ops.small_batch_pack_f32(torch.randn(16, 32))
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        ops.small_batch_linear_f32(torch.randn(9, 32), w, 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.small_batch_linear_f32(torch.randn(2, 32).bfloat16(), w, 16)
+    with pytest.raises(RuntimeError, match="packed by small_batch_pack_f32"):
+        ops.small_batch_linear_f32(torch.randn(2, 32), w, 20)
 
 
 def _swapped_model() -> nn.ModuleDict:
@@ -36,12 +80,16 @@ def test_matches_f_linear_and_keeps_tied_weights():
 
 @torch.no_grad()
 def test_a_row_does_not_depend_on_the_others():
-    """Verifying drafts (several rows) must give each row the bits that decoding it alone gives."""
+    """Verifying drafts (several rows) must give each row the bits that decoding it alone gives: up
+    to 8 rows (one kernel), and among 9-16 rows (oneDNN)."""
     proj = _swapped_model()["proj"]
+    if ops is not None and ops.small_batch_linear_f32_supported():
+        assert proj.small_batch_weight is not None
     x = torch.randn(16, 64)
-    together = proj(x)
-    for row in range(16):
+    together = proj(x[:MAX_ROWS])
+    for row in range(MAX_ROWS):
         assert torch.equal(proj(x[row : row + 1])[0], together[row])
+    assert torch.equal(proj(x)[: MAX_ROWS + 1], proj(x[: MAX_ROWS + 1]))
 
 
 @torch.no_grad()

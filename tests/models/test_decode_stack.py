@@ -9,9 +9,12 @@ from llmserve.kernels.cpu_ops import load_cpu_ops
 from tests.helpers import make_tiny_llama_dir
 
 ops = load_cpu_ops()
-pytestmark = pytest.mark.skipif(
-    ops is None or not ops.small_batch_linear_supported(), reason="needs the AVX-512 BF16 kernel build"
-)
+HAS_BF16 = ops is not None and ops.small_batch_linear_supported()
+HAS_FLOAT32 = ops is not None and ops.small_batch_linear_f32_supported()
+pytestmark = pytest.mark.skipif(not (HAS_BF16 or HAS_FLOAT32), reason="needs a small-batch linear kernel")
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="needs the AVX-512 BF16 kernel build")
+needs_float32 = pytest.mark.skipif(not HAS_FLOAT32, reason="needs the AVX2 float32 kernel build")
+DTYPE = "bfloat16" if HAS_BF16 else "float32"  # for the tests that hold for either
 
 PROMPTS = [[5, 6, 7, 8] * 6, list(range(1000, 1030)), [31, 4159, 2653], [100, 200, 300] * 5 + [9]]
 
@@ -41,16 +44,23 @@ def _run(llm: LLM, prompts, max_tokens: int = 20):
 
 
 @pytest.mark.parametrize(
-    ("speculative_method", "quantization"),
-    [(None, None), ("ngram", None), (None, "int8-rtn"), ("ngram", "int4")],
+    ("dtype", "speculative_method", "quantization"),
+    [
+        pytest.param("bfloat16", None, None, marks=needs_bf16),
+        pytest.param("bfloat16", "ngram", None, marks=needs_bf16),
+        pytest.param("bfloat16", None, "int8-rtn", marks=needs_bf16),
+        pytest.param("bfloat16", "ngram", "int4", marks=needs_bf16),
+        pytest.param("float32", None, None, marks=needs_float32),
+        pytest.param("float32", "ngram", None, marks=needs_float32),
+    ],
 )
-def test_bit_identical_to_the_module_path(model_dir, speculative_method, quantization):
+def test_bit_identical_to_the_module_path(model_dir, dtype, speculative_method, quantization):
     """Same tokens and the very same log-probabilities with and without the stack, for a batch of
-    decodes, for speculative verification spans (k + 1 rows per sequence) and with int8 and int4
-    weights."""
+    decodes, for speculative verification spans (k + 1 rows per sequence), with int8 and int4
+    weights and in float32."""
     llm = LLM(
         model_dir,
-        dtype="bfloat16",
+        dtype=dtype,
         kv_cache_memory="8MiB",
         max_model_len=256,
         prefix_caching=False,
@@ -73,7 +83,7 @@ def test_rebound_caches_take_the_module_path(model_dir):
     built on the engine's pool, must then step aside, and its tokens equal the engine's."""
     from llmserve.benchmarks.naive_batching import NaiveBatchRunner
 
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
+    llm = LLM(model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
     inner = llm.engine.model_runner.model.model
     inner.decode_stack = counting = _Counting(inner.decode_stack)
     engine_tokens = [tokens for tokens, _ in _run(llm, PROMPTS[:2], max_tokens=12)]
@@ -86,9 +96,9 @@ def test_rebound_caches_take_the_module_path(model_dir):
 
 
 def test_not_built_where_it_does_not_apply(model_dir):
-    float32 = LLM(model_dir, dtype="float32", kv_cache_memory="8MiB", max_model_len=256)
-    assert float32.engine.model_runner.model.model.decode_stack is None
-    int8_kv = LLM(
-        model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, kv_cache_dtype="int8"
-    )
+    int8_kv = LLM(model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, kv_cache_dtype="int8")
     assert int8_kv.engine.model_runner.model.model.decode_stack is None
+    torch_attention = LLM(
+        model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, attention_backend="torch"
+    )
+    assert torch_attention.engine.model_runner.model.model.decode_stack is None

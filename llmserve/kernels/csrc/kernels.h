@@ -18,6 +18,11 @@ bool prefill_attention_supported();
 torch::Tensor small_batch_pack(torch::Tensor weight);
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 bool small_batch_linear_supported();
+
+// linear_f32.cpp
+torch::Tensor small_batch_pack_f32(torch::Tensor weight);
+torch::Tensor small_batch_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+bool small_batch_linear_f32_supported();
 torch::Tensor small_batch_pack_int8(torch::Tensor qweight);
 torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales);
 torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features);

@@ -1,0 +1,167 @@
+// Linear layers at small batch in float32: y = x W^T for x [M, K] with M <= 8, on CPUs with AVX2 and
+// FMA. float32 is what the engine serves in where the CPU has no native bf16 (AVX2-only machines), and
+// there decode and speculative verification spend most of a step here.
+//
+// Like the bf16 kernel (linear.cpp) this streams the weights once and uses each M times. oneDNN's
+// float32 matmul, the fallback, took 27.5 ms for a SmolLM2 step's linears at one row, 36.6 at four
+// and 79 at eight on a 2-core AVX2 EPYC (weights streamed from DRAM); this kernel 18-19, 21-24 and
+// ~30, so a speculative verify pass of k + 1 rows costs little more than a decode step.
+//
+// Weights are packed once (small_batch_pack_f32) into blocks of 8 output rows stored column by column:
+// [N/8][K][8]. One 32-byte load holds 8 rows' weights for column k, which an FMA with x[m][k] in every
+// lane accumulates into 8 outputs, so no horizontal sums are needed. Each output is one FMA chain over
+// k in order, whatever M is: a row's result does not depend on the batch, so verifying drafts gives
+// the bits that decoding gives. R neighbouring blocks are computed together (R x M independent chains
+// hide the FMA latency), which changes which outputs are interleaved, not any output's arithmetic.
+//
+// The inputs are first spread to 8 lanes each (a scratch [M][K][8], in L1/L2), so the inner loop's input
+// operands are plain loads: broadcasting each from memory in the loop cost 20-30% more at 3-6 rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LLMSERVE_F32_LINEAR 1
+#endif
+
+bool small_batch_linear_f32_supported() {
+#ifdef LLMSERVE_F32_LINEAR
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+constexpr int64_t kBlockRows = 8;  // output rows per packed block: one vector of 8 float32 lanes
+
+#ifdef LLMSERVE_F32_LINEAR
+
+// Outputs of blocks [first, first + R) for M inputs spread to 8 lanes each (`spread`, [M][K][8]); rows
+// >= n_size are not written.
+template <int M, int R>
+inline void linear_blocks(const float* spread, const float* packed, float* out, int64_t k_size, int64_t n_size,
+                          int64_t first) {
+  __m256 acc[R][M];
+  const float* weights[R];
+  for (int r = 0; r < R; ++r) {
+    weights[r] = packed + (first + r) * kBlockRows * k_size;
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_size; ++k) {
+    __m256 column[R];
+    for (int r = 0; r < R; ++r) column[r] = _mm256_loadu_ps(weights[r] + k * kBlockRows);
+    for (int m = 0; m < M; ++m) {
+      const __m256 input = _mm256_loadu_ps(spread + (m * k_size + k) * kBlockRows);
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(column[r], input, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = (first + r) * kBlockRows;
+    const int64_t valid = std::min<int64_t>(kBlockRows, n_size - row);
+    for (int m = 0; m < M; ++m) {
+      float* dst = out + m * n_size + row;
+      if (valid == kBlockRows) {
+        _mm256_storeu_ps(dst, acc[r][m]);
+      } else {
+        alignas(32) float lanes[kBlockRows];
+        _mm256_store_ps(lanes, acc[r][m]);
+        std::copy(lanes, lanes + valid, dst);
+      }
+    }
+  }
+}
+
+// Blocks computed together: R x M accumulators, R weight vectors and one input in 16 registers.
+template <int M>
+constexpr int blocks_together() {
+  return M <= 2 ? 4 : 3;
+}
+
+// Outputs of blocks [first, first + R) for inputs [0, M) (or fewer blocks at the end of the matrix).
+template <int M, int R>
+inline void linear_group(const float* spread, const float* packed, float* out, int64_t k_size, int64_t n_size,
+                         int64_t first, int64_t blocks) {
+  if (first + R <= blocks) {
+    linear_blocks<M, R>(spread, packed, out, k_size, n_size, first);
+  } else {  // the last blocks, one at a time
+    for (int64_t block = first; block < blocks; ++block) linear_blocks<M, 1>(spread, packed, out, k_size, n_size, block);
+  }
+}
+
+// Up to 4 rows in one pass over each group of blocks; 5 to 8 in two (rows 0-3, then the rest), the second
+// reading the group's weights again from L2 rather than from memory (one pass of 5-8 rows fits only two
+// blocks in the registers, which measured slower).
+template <int M>
+void linear_all(const float* x, const float* packed, float* out, int64_t k_size, int64_t n_size) {
+  constexpr int kFirst = M <= 4 ? M : 4, kSecond = M - kFirst;
+  constexpr int R = blocks_together<kFirst>();
+  auto scratch = torch::empty({M * k_size * kBlockRows}, torch::kFloat);
+  float* spread = scratch.data_ptr<float>();
+  for (int64_t i = 0; i < M * k_size; ++i) _mm256_storeu_ps(spread + i * kBlockRows, _mm256_set1_ps(x[i]));
+  const int64_t blocks = (n_size + kBlockRows - 1) / kBlockRows;
+  const int64_t groups = (blocks + R - 1) / R;
+  // Each task covers at least ~64 KiB of weights, so thread start-up is paid on real work.
+  const int64_t group_bytes = R * kBlockRows * k_size * static_cast<int64_t>(sizeof(float));
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / group_bytes);
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group) {
+      linear_group<kFirst, R>(spread, packed, out, k_size, n_size, group * R, blocks);
+      if constexpr (kSecond > 0)
+        linear_group<kSecond, R>(spread + kFirst * k_size * kBlockRows, packed, out + kFirst * n_size, k_size,
+                                 n_size, group * R, blocks);
+    }
+  });
+}
+
+void linear_packed(const float* x, const float* packed, float* out, int64_t m_size, int64_t k_size, int64_t n_size) {
+  switch (m_size) {
+    case 1: linear_all<1>(x, packed, out, k_size, n_size); break;
+    case 2: linear_all<2>(x, packed, out, k_size, n_size); break;
+    case 3: linear_all<3>(x, packed, out, k_size, n_size); break;
+    case 4: linear_all<4>(x, packed, out, k_size, n_size); break;
+    case 5: linear_all<5>(x, packed, out, k_size, n_size); break;
+    case 6: linear_all<6>(x, packed, out, k_size, n_size); break;
+    case 7: linear_all<7>(x, packed, out, k_size, n_size); break;
+    default: linear_all<8>(x, packed, out, k_size, n_size); break;
+  }
+}
+
+#endif  // LLMSERVE_F32_LINEAR
+
+}  // namespace
+
+// weight [N, K] float32 -> the layout small_batch_linear_f32 reads: [N', K] with N' = N rounded up to a
+// multiple of 8 (zero rows), holding blocks of 8 rows column by column.
+torch::Tensor small_batch_pack_f32(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat, "small_batch_pack_f32 takes a 2-D float32 weight");
+  const int64_t n_size = weight.size(0), k_size = weight.size(1);
+  const int64_t padded = (n_size + kBlockRows - 1) / kBlockRows * kBlockRows;
+  auto rows = torch::zeros({padded, k_size}, weight.options());
+  rows.narrow(0, 0, n_size).copy_(weight);
+  return rows.view({padded / kBlockRows, kBlockRows, k_size}).permute({0, 2, 1}).contiguous().view({padded, k_size});
+}
+
+// x [M, K] float32 with 1 <= M <= 8, packed from small_batch_pack_f32 of an [N, K] weight. Returns [M, N].
+torch::Tensor small_batch_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  TORCH_CHECK(small_batch_linear_f32_supported(), "small_batch_linear_f32 needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat,
+              "small_batch_linear_f32 takes float32 inputs and weights");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1), "shapes must be [M, K] and [N, K]");
+  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous(), "small_batch_linear_f32 needs contiguous tensors");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_batch_linear_f32 serves 1 to 8 rows");
+  TORCH_CHECK(out_features >= 1 && packed.size(0) == (out_features + kBlockRows - 1) / kBlockRows * kBlockRows,
+              "small_batch_linear_f32 takes a weight packed by small_batch_pack_f32 for out_features rows");
+  auto out = torch::empty({x.size(0), out_features}, x.options());
+#ifdef LLMSERVE_F32_LINEAR
+  linear_packed(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
+                out_features);
+#endif
+  return out;
+}
