@@ -65,14 +65,23 @@ class PackedLinear(nn.Linear):
         if input.dtype != torch.float32 or input.device.type != "cpu":
             return F.linear(input, self.weight, self.bias)
         if self.packed_from != _identity(self.weight):  # written or replaced since: pack it again
-            small_batch = self.small_batch_weight is not None
-            self.packed_weight, self.small_batch_weight = _pack_float32(self.weight, small_batch)
-            self.packed_from = _identity(self.weight)
+            self._pack_again()
         if self.small_batch_weight is not None and input.dim() == 2 and input.shape[0] <= MAX_ROWS:
             kernel = load_cpu_ops().small_batch_linear_f32
             out = kernel(input.contiguous(), self.small_batch_weight, self.out_features)
             return out if self.bias is None else out + self.bias
         return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
+
+    def _pack_again(self) -> None:
+        """Both copies again from the current weight; the kernel's in place where the shape allows,
+        since the fused decode stack (models/decode_stack.py) holds that tensor too. A prefill runs
+        the modules before any decode does, so the stack never reads a stale copy."""
+        self.packed_weight, small_batch = _pack_float32(self.weight, self.small_batch_weight is not None)
+        if small_batch is not None and small_batch.shape == self.small_batch_weight.shape:
+            self.small_batch_weight.copy_(small_batch)
+        else:
+            self.small_batch_weight = small_batch
+        self.packed_from = _identity(self.weight)
 
 
 def _pack_float32(weight: torch.Tensor, small_batch: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -163,13 +163,14 @@ def threads(request):
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("spans", SMALL_BATCH_SPANS)
-def test_small_batch_verification_spans_match_reference(spans, head_dim, threads):
+def test_small_batch_verification_spans_match_reference(spans, head_dim, threads, dtype, atol):
     from llmserve.attention.backends.cpu_paged import CPUPagedBackend
 
     query, key, value, key_cache, value_cache, metadata, tables = random_batch(
-        torch.bfloat16, [], spans, head_dim=head_dim, seed=len(spans) + spans[0][1]
+        dtype, [], spans, head_dim=head_dim, seed=len(spans) + spans[0][1]
     )
     scale = head_dim**-0.5
     expected = TorchSDPABackend().forward(
@@ -179,25 +180,26 @@ def test_small_batch_verification_spans_match_reference(spans, head_dim, threads
     actual = CPUPagedBackend().forward(
         query, key, value, key_cache.clone(), value_cache.clone(), in_kernel, scale
     )
-    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("spans", SMALL_BATCH_SPANS)
-def test_span_rows_equal_the_decodes_they_stand_for(spans, head_dim, threads):
-    """bf16: query i of a span over context n gives bit for bit what a decode of the same query over
-    the first n - q + 1 + i positions gives, however the kernel splits and groups the rows, so a
+def test_span_rows_equal_the_decodes_they_stand_for(spans, head_dim, threads, dtype):
+    """Query i of a span over context n gives bit for bit what a decode of the same query over the
+    first n - q + 1 + i positions gives, however the kernel splits and groups the rows, so a
     verified draft's attention is what plain decoding would have computed."""
     ops = load_cpu_ops()
     gen = torch.Generator().manual_seed(head_dim + len(spans))
     max_blocks = max(-(-ctx // BLOCK) for _, ctx in spans)
     num_blocks = len(spans) * max_blocks + 3
     key_cache, value_cache = (
-        torch.randn(num_blocks * BLOCK, 3, head_dim, generator=gen).bfloat16() for _ in range(2)
+        torch.randn(num_blocks * BLOCK, 3, head_dim, generator=gen).to(dtype) for _ in range(2)
     )
     tables = torch.randperm(num_blocks, generator=gen)[: len(spans) * max_blocks].view(len(spans), -1)
     counts = [q for q, _ in spans]
-    query = torch.randn(sum(counts), 9, head_dim, generator=gen).bfloat16()
+    query = torch.randn(sum(counts), 9, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
     span_out = ops.paged_attention(
         query, key_cache, value_cache, tables, torch.tensor([ctx for _, ctx in spans]),

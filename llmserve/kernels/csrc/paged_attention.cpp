@@ -16,7 +16,11 @@
 // row's arithmetic is the same whatever else is in its work item, so a verification span's rows equal
 // the decodes they stand for, bit for bit. With fewer (sequence, KV head) pairs than the threads can
 // share evenly (batch 1: 3 KV heads, 2 threads), some pairs are split by query rows.
-// Everything else (float32, float16, 8-bit caches, other head sizes, other CPUs) converts each K/V row to float32 and
+// float32 caches with head_dim 64 or 128 on AVX2 and FMA (the dtype of CPUs without native bf16) take a
+// path of the same shape: q.k for 8 keys at a time as FMA partial sums reduced by one transpose-and-add
+// tree, softmax 8 lanes at a time, and P V with each row's accumulators in registers. It too
+// splits pairs by query rows at batch 1, and a row's arithmetic does not depend on the other rows.
+// Everything else (float16, 8-bit caches, other head sizes, other CPUs) converts each K/V row to float32 and
 // uses plain loops the compiler vectorizes. 8-bit caches (int8, fp8; kv_format.py) are dequantized row
 // by row as they are read. With a sliding window only the sink positions and the window are visited:
 // freed blocks are never touched.
@@ -39,6 +43,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define LLMSERVE_BF16_FAST_PATH 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LLMSERVE_F32_FAST_PATH 1
 #endif
 
 namespace {
@@ -190,39 +198,39 @@ inline void walk_context(const Span& span, const elem_t* cache, const int64_t* t
   walk(span.window_begin, span.length, span.sink_end);
 }
 
-// Softmax of each query row over what it sees, in place; positions it must not see become exactly 0.
-inline void softmax_rows(const Span& span, int64_t group, float* scores) {
-  const int64_t context = span.context;
-  for (int64_t query = 0; query < span.num_queries; ++query) {
-    int64_t a, b, c;
-    span.visible(query, a, b, c);
-    for (int64_t g = 0; g < group; ++g) {
-      float* s = scores + (query * group + g) * context;
-      float max_score = -std::numeric_limits<float>::infinity();
+// Softmax of one row of query `query` over what it sees, in place; positions it must not see become exactly 0.
+inline void softmax_row(const Span& span, int64_t query, float* s) {
+  int64_t a, b, c;
+  span.visible(query, a, b, c);
+  float max_score = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : max_score)
-      for (int64_t i = 0; i < a; ++i) max_score = std::max(max_score, s[i]);
+  for (int64_t i = 0; i < a; ++i) max_score = std::max(max_score, s[i]);
 #pragma omp simd reduction(max : max_score)
-      for (int64_t i = b; i < c; ++i) max_score = std::max(max_score, s[i]);
-      float total = 0.0f;
+  for (int64_t i = b; i < c; ++i) max_score = std::max(max_score, s[i]);
+  float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-      for (int64_t i = 0; i < a; ++i) {
-        s[i] = vexp(s[i] - max_score);
-        total += s[i];
-      }
-#pragma omp simd reduction(+ : total)
-      for (int64_t i = b; i < c; ++i) {
-        s[i] = vexp(s[i] - max_score);
-        total += s[i];
-      }
-      const float inverse = 1.0f / total;
-#pragma omp simd
-      for (int64_t i = 0; i < a; ++i) s[i] *= inverse;
-#pragma omp simd
-      for (int64_t i = b; i < c; ++i) s[i] *= inverse;
-      std::fill(s + a, s + b, 0.0f);
-      std::fill(s + c, s + context, 0.0f);
-    }
+  for (int64_t i = 0; i < a; ++i) {
+    s[i] = vexp(s[i] - max_score);
+    total += s[i];
   }
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = b; i < c; ++i) {
+    s[i] = vexp(s[i] - max_score);
+    total += s[i];
+  }
+  const float inverse = 1.0f / total;
+#pragma omp simd
+  for (int64_t i = 0; i < a; ++i) s[i] *= inverse;
+#pragma omp simd
+  for (int64_t i = b; i < c; ++i) s[i] *= inverse;
+  std::fill(s + a, s + b, 0.0f);
+  std::fill(s + c, s + span.context, 0.0f);
+}
+
+// Softmax of every query row of a span (row (query, g) at (query * group + g) * context).
+inline void softmax_rows(const Span& span, int64_t group, float* scores) {
+  for (int64_t query = 0; query < span.num_queries; ++query)
+    for (int64_t g = 0; g < group; ++g) softmax_row(span, query, scores + (query * group + g) * span.context);
 }
 
 // Everything one work item needs to know about the batch.
@@ -259,7 +267,8 @@ struct Chunk {
 struct Scratch {
   std::vector<float> scores, queries, acc, row, totals;
   std::vector<uint16_t> probs;  // bf16 softmax numerators (fast path)
-  std::vector<const uint16_t*> query_rows;  // fast path
+  std::vector<const uint16_t*> query_rows;  // bf16 fast path
+  std::vector<const float*> query_rows_f32;  // float32 fast path
   std::vector<Chunk> chunks;
   template <typename T>
   T* grow(std::vector<T>& buffer, int64_t size) {
@@ -310,10 +319,6 @@ void attend_portable(const Batch<scalar_t, typename Rows::elem_t>& batch, int64_
   }
 }
 
-// ---- the bfloat16 fast path (AVX-512 BF16) -----------------------------------------------------------
-
-#ifdef LLMSERVE_BF16_FAST_PATH
-
 // The live context as chunks, in score-index order (a list, so that the passes over it are plain loops
 // whose accumulators the compiler keeps in registers).
 inline void list_chunks(const Span& span, const int64_t* table, int64_t block_size, int64_t slot_stride,
@@ -330,6 +335,177 @@ inline void list_chunks(const Span& span, const int64_t* table, int64_t block_si
   walk(0, span.sink_end, 0);
   walk(span.window_begin, span.length, span.sink_end);
 }
+
+// How many chunks ahead the passes over the context ask for a chunk's rows: blocks are scattered in
+// the pool, so the hardware prefetcher cannot see them coming, and a lead of one chunk left the passes
+// waiting on memory (K/V from DRAM: a batch-1 decode at context 1000 18% faster with three, batch 32
+// 10%; five or eight are no better).
+constexpr int64_t kPrefetchChunks = 3;
+
+// ---- the float32 fast path (AVX2, FMA) ----------------------------------------------------------------
+
+#ifdef LLMSERVE_F32_FAST_PATH
+
+// q.k for 8 keys (rows `stride` floats apart; a short run repeats its last key) as one vector: one FMA chain
+// per key over the row, then a transpose-and-add tree, lane k = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6
+// + x7)) of key k's partial sums whatever the other keys hold. The query stays in registers, and keys are
+// reduced in pairs as they come so that it does not spill.
+template <int D>
+inline __m256 dot_8_keys(const __m256 (&q)[D / 8], const float* keys, int64_t stride, int count) {
+  auto dot = [&](int k) {
+    const float* key = keys + std::min(k, count - 1) * stride;
+    __m256 sum = _mm256_mul_ps(q[0], _mm256_loadu_ps(key));
+    for (int j = 1; j < D / 8; ++j) sum = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(key + 8 * j), sum);
+    return sum;
+  };
+  auto four = [&](int k) {  // [k..k+3 partial pairs of the low half | of the high half]
+    const __m256 a = _mm256_hadd_ps(dot(k), dot(k + 1));
+    return _mm256_hadd_ps(a, _mm256_hadd_ps(dot(k + 2), dot(k + 3)));
+  };
+  const __m256 low = four(0), high = four(4);
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// vexp for 8 floats at once: the same range reduction and polynomial (as FMAs).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// softmax_row for the float32 path, 8 lanes at a time over the whole buffer with the hidden lanes masked
+// out (they add exact zeros, so a row's values depend only on what it sees, as in a decode of it).
+inline void softmax_row_f32(const Span& span, int64_t query, float* s) {
+  int64_t a, b, c;
+  span.visible(query, a, b, c);
+  const int64_t context = span.context;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i a_v = _mm256_set1_epi32(static_cast<int>(a)), b_v = _mm256_set1_epi32(static_cast<int>(b));
+  const __m256i c_v = _mm256_set1_epi32(static_cast<int>(c)), end_v = _mm256_set1_epi32(static_cast<int>(context));
+  auto lanes = [&](int64_t i, __m256i& visible, __m256i& stored) {
+    const __m256i index = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(i)));
+    const __m256i low = _mm256_cmpgt_epi32(a_v, index);
+    const __m256i high = _mm256_andnot_si256(_mm256_cmpgt_epi32(b_v, index), _mm256_cmpgt_epi32(c_v, index));
+    stored = _mm256_cmpgt_epi32(end_v, index);
+    visible = _mm256_and_si256(_mm256_or_si256(low, high), stored);
+  };
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 max_vector = minus_inf;
+  for (int64_t i = 0; i < context; i += 8) {
+    __m256i visible, stored;
+    lanes(i, visible, stored);
+    const __m256 x = _mm256_maskload_ps(s + i, visible);
+    max_vector = _mm256_max_ps(max_vector, _mm256_blendv_ps(minus_inf, x, _mm256_castsi256_ps(visible)));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(max_vector), _mm256_extractf128_ps(max_vector, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const __m256 row_max = _mm256_set1_ps(_mm_cvtss_f32(m));
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t i = 0; i < context; i += 8) {
+    __m256i visible, stored;
+    lanes(i, visible, stored);
+    const __m256 x = _mm256_maskload_ps(s + i, visible);
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, row_max)), _mm256_castsi256_ps(visible));
+    total = _mm256_add_ps(total, e);
+    _mm256_maskstore_ps(s + i, stored, e);
+  }
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  t = _mm_add_ss(t, _mm_movehdup_ps(t));
+  const __m256 inverse = _mm256_set1_ps(1.0f / _mm_cvtss_f32(t));
+  for (int64_t i = 0; i < context; i += 8) {
+    __m256i visible, stored;
+    lanes(i, visible, stored);
+    _mm256_maskstore_ps(s + i, stored, _mm256_mul_ps(_mm256_maskload_ps(s + i, stored), inverse));
+  }
+}
+
+// Query rows [row_begin, row_end) of (seq, kv_head) over a float32 cache; row r = (token r / group, head r
+// % group of the group).
+template <int D>
+void attend_f32(const Batch<float, float>& batch, int64_t seq, int64_t kv_head, int64_t row_begin, int64_t row_end,
+                Scratch& scratch) {
+  static_assert(D % 64 == 0, "the V pass takes 64 columns at a time");
+  constexpr int K = D / 8;  // 256-bit vectors per row
+  const int64_t group = batch.group();
+  const int64_t num_queries = batch.query_starts[seq + 1] - batch.query_starts[seq];
+  const Span span(batch.seq_lens[seq], num_queries, batch.sinks, batch.window);
+  const int64_t rows = row_end - row_begin, context = span.context;
+  const int64_t* table = batch.block_tables + seq * batch.max_blocks;
+  const int64_t stride = batch.slot_stride();
+  float* scores = scratch.grow(scratch.scores, rows * context);
+  // Row r's query and output, found once here rather than by divisions in every chunk.
+  const float** q_rows = scratch.grow(scratch.query_rows_f32, rows);
+  for (int64_t r = 0; r < rows; ++r) q_rows[r] = batch.query + batch.head_offset(seq, kv_head, row_begin + r);
+  std::vector<Chunk>& chunks = scratch.chunks;
+  list_chunks(span, table, batch.block_size, stride, chunks);
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  auto prefetch = [&](const float* rows_base, int64_t i) {
+    if (i < num_chunks) prefetch_rows(rows_base + chunks[i].offset, chunks[i].count, stride, 4 * D);
+  };
+  // scores, 8 keys at a time
+  const float* keys = batch.key_cache + kv_head * batch.row_len;
+  const __m256 scale = _mm256_set1_ps(batch.scale);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t i = 0; i < kPrefetchChunks; ++i) prefetch(keys, i);
+  for (int64_t i = 0; i < num_chunks; ++i) {
+    prefetch(keys, i + kPrefetchChunks);
+    const Chunk chunk = chunks[i];
+    for (int64_t first = 0; first < chunk.count; first += 8) {
+      const int count = static_cast<int>(std::min<int64_t>(8, chunk.count - first));
+      const float* key_rows = keys + chunk.offset + first * stride;
+      const __m256i store_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane);
+      for (int64_t r = 0; r < rows; ++r) {
+        __m256 q[K];
+        for (int j = 0; j < K; ++j) q[j] = _mm256_loadu_ps(q_rows[r] + 8 * j);
+        const __m256 dots = dot_8_keys<D>(q, key_rows, stride, count);  // lanes >= count are not stored
+        _mm256_maskstore_ps(scores + r * context + chunk.index + first, store_mask, _mm256_mul_ps(dots, scale));
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) softmax_row_f32(span, (row_begin + r) / group, scores + r * context);
+  // P V: per row and 64 columns, 8 accumulators in registers over the whole context
+  const float* values = batch.value_cache + kv_head * batch.row_len;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = scores + r * context;
+    float* out = batch.out + batch.head_offset(seq, kv_head, row_begin + r);
+    for (int64_t column = 0; column < D; column += 64) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < kPrefetchChunks; ++i) prefetch(values, i);
+      for (int64_t i = 0; i < num_chunks; ++i) {
+        prefetch(values, i + kPrefetchChunks);
+        const Chunk chunk = chunks[i];
+        const float* value_rows = values + chunk.offset + column;
+        for (int64_t t = 0; t < chunk.count; ++t) {
+          const float weight = p[chunk.index + t];
+          if (weight == 0.0f) continue;  // hidden from this row
+          const __m256 w = _mm256_set1_ps(weight);
+          const float* v = value_rows + t * stride;
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
+        }
+      }
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + column + 8 * j, acc[j]);
+    }
+  }
+}
+
+#endif  // LLMSERVE_F32_FAST_PATH
+
+// ---- the bfloat16 fast path (AVX-512 BF16) -----------------------------------------------------------
+
+#ifdef LLMSERVE_BF16_FAST_PATH
 
 // Sixteen vectors of partial sums in, one vector out whose lane k is the sum of all lanes of v[k]: a
 // transpose-and-add tree (45 shuffles and adds for 16 dot products instead of 16 horizontal reductions).
@@ -349,12 +525,6 @@ inline __m512 reduce_16(__m512 v[16]) {
   const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
   return _mm512_permutexvar_ps(order, f);
 }
-
-// How many chunks ahead the passes over the context ask for a chunk's rows: blocks are scattered in
-// the pool, so the hardware prefetcher cannot see them coming, and a lead of one chunk left the passes
-// waiting on memory (K/V from DRAM: a batch-1 decode at context 1000 18% faster with three, batch 32
-// 10%; five or eight are no better).
-constexpr int64_t kPrefetchChunks = 3;
 
 template <int D>
 inline void prefetch_chunk(const uint16_t* rows, const Chunk& chunk, int64_t stride) {
@@ -626,6 +796,18 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
           for_each_item(num_seqs, num_kv_heads, lens_ptr, starts_ptr, group, /*split_rows=*/true,
                         [&](int64_t s, int64_t h, int64_t first, int64_t end, Scratch& x) {
                           attend_bf16<128>(batch, s, h, first, end, x);
+                        });
+          return;
+        }
+      }
+#endif
+#ifdef LLMSERVE_F32_FAST_PATH
+      if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<elem_t, float>) {
+        if (head_dim == 64 || head_dim == 128) {
+          for_each_item(num_seqs, num_kv_heads, lens_ptr, starts_ptr, group, /*split_rows=*/true,
+                        [&](int64_t s, int64_t h, int64_t first, int64_t end, Scratch& x) {
+                          if (head_dim == 64) attend_f32<64>(batch, s, h, first, end, x);
+                          else attend_f32<128>(batch, s, h, first, end, x);
                         });
           return;
         }
