@@ -137,12 +137,14 @@ class Scheduler:
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         planner = self.draft_planner
         speculate = planner is not None and planner.is_enabled(len(self.running))
+        share = planner.drafts_per_request(len(self.running)) if speculate else None
+        speculate = speculate and share != 0
         output.speculate = speculate
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_drafts = self._plan_drafts(request, budget) if speculate else 0
+            num_drafts = self._plan_drafts(request, budget, share) if speculate else 0
             while not self.kv_cache.allocate_slots(request, num_new + num_drafts):
                 if num_drafts:  # no room for the drafts: decode without them rather than preempt
                     num_drafts = 0
@@ -165,9 +167,10 @@ class Scheduler:
                 index += 1
         return budget
 
-    def _plan_drafts(self, request: Request, budget: int) -> int:
+    def _plan_drafts(self, request: Request, budget: int, share: int | None) -> int:
         """Speculative decoding: drafts a decoding request verifies this step. Every accepted draft is a
-        generated token, so k stays within the budget, max_model_len and max_tokens."""
+        generated token, so k stays within the budget, max_model_len and max_tokens (and within the
+        share of auto mode's verify rows, when set)."""
         request.clear_drafts()
         if request.num_tokens - request.num_computed_tokens != 1:
             return 0  # only decodes speculate; prompt chunks and resumed requests catch up first
@@ -175,6 +178,7 @@ class Scheduler:
             budget - 1,
             self.config.max_model_len - request.num_tokens - 1,
             request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            budget if share is None else share,
         )
         return self.draft_planner.plan(request, room) if room > 0 else 0
 

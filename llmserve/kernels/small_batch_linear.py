@@ -1,4 +1,4 @@
-"""Linear layers that switch to the compiled matrix-vector kernel at small batch (bf16 on CPU).
+"""Linear layers that switch to a compiled matrix-vector kernel at small batch (bf16 or float32, CPU).
 
 At 1-8 rows a linear layer reads every weight once and does little else: it is bound by memory
 bandwidth. PyTorch's bf16 GEMM ran at about half this kernel's speed there (a one-thread

@@ -12,6 +12,12 @@ METHODS = ("ngram", "draft", "early_exit", "draft_head")
 # network elsewhere, where `draft_head_tokens` caps it.
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 3, "early_exit": 3, "draft_head": 7}
 DEFAULT_DRAFT_HEAD_TOKENS = 3
+# Auto mode also shares drafts so that a step's decodes verify at most this many rows in all: the
+# small-batch linear kernels' limit, below which a step is bound by reading the weights and extra rows
+# cost little. Past it (4 requests x 4 rows) a float32 step on an AVX2 CPU left the kernels and the fused
+# decode stack, and speculating at 4 requests measured 0.70-0.80x of not speculating (docs/benchmarks.md,
+# "Session 11").
+DEFAULT_MAX_VERIFY_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,7 @@ class SpeculativeConfig:
     draft_head: str | None = None  # draft_head: the head's file (None: the one shipped for the default model)
     draft_head_tokens: int = DEFAULT_DRAFT_HEAD_TOKENS  # draft_head: drafts per step from the head at most
     disable_batch_size: int = 0  # propose nothing while more requests than this run (0: never disable)
+    max_verify_rows: int = DEFAULT_MAX_VERIFY_ROWS  # auto (disable_batch_size > 0): rows of a step's decodes
 
     @classmethod
     def create(

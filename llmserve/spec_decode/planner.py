@@ -32,6 +32,15 @@ class DraftPlanner:
         limit = self.config.disable_batch_size
         return limit == 0 or num_running <= limit
 
+    def drafts_per_request(self, num_running: int) -> int | None:
+        """Auto mode: the drafts each of `num_running` decodes may verify so that the step stays within
+        `max_verify_rows` rows (1 + k each), e.g. 7 for one request, 3 for two, 1 for three or four,
+        none from five; None where speculation is not auto (no cap)."""
+        limit = self.config.max_verify_rows
+        if self.config.disable_batch_size == 0 or limit == 0 or num_running == 0:
+            return None
+        return max(limit - num_running, 0) // num_running
+
     def plan(self, request: Request, max_drafts: int) -> int:
         """Drafts `request` verifies this step (at most `max_drafts`); n-gram drafts are set on it now.
 

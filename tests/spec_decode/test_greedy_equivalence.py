@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import PROMPTS, TARGET_LAYERS, assert_no_leaks, greedy, make_llm, spec_kwargs, token_ids
+from .conftest import (
+    MAX_TOKENS,
+    PROMPTS,
+    TARGET_LAYERS,
+    assert_no_leaks,
+    greedy,
+    make_llm,
+    spec_kwargs,
+    token_ids,
+)
 
 PER_REQUEST_K = [None, 1, 5, 8, 0]  # None: the engine's K (3); 0: this request does not speculate
 
@@ -93,4 +102,26 @@ def test_auto_disable_above_the_batch_size(target_dir, reference):
     outputs = llm.generate(PROMPTS, [greedy(n) for n in lengths], use_tqdm=False)
     assert token_ids(outputs) == [r[:n] for r, n in zip(reference, lengths, strict=True)]
     assert [o.spec_decode is not None for o in outputs] == [False] * 4 + [True] * 2
+    assert_no_leaks(llm)
+
+
+def test_auto_mode_keeps_a_steps_verify_rows_within_the_kernels_limit(target_dir, reference):
+    """Auto mode: two running requests verify at most 3 drafts each (8 rows in all) although K is 7;
+    alone, the last one may verify up to 7. The tokens are the same."""
+    llm = make_llm(target_dir, speculative_method="early_exit", num_speculative_tokens=7,
+                   speculative_disable_batch_size=4)  # fmt: skip
+    counts: list[tuple[int, int]] = []  # (requests running, largest number of drafts) per step
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        output = schedule()
+        counts.append((len(scheduler.running), max(output.num_draft_tokens.values(), default=0)))
+        return output
+
+    scheduler.schedule = recording_schedule
+    outputs = llm.generate(PROMPTS[:2], [greedy(8), greedy(MAX_TOKENS)], use_tqdm=False)
+    assert token_ids(outputs) == [reference[0][:8], reference[1]]
+    assert max(k for running, k in counts if running == 2) == 3
+    assert max(k for running, k in counts if running == 1) > 3
     assert_no_leaks(llm)
