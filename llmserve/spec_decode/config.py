@@ -16,7 +16,7 @@ DEFAULT_DRAFT_HEAD_TOKENS = 3
 # small-batch linear kernels' limit, below which a step is bound by reading the weights and extra rows
 # cost little. Past it (4 requests x 4 rows) a float32 step on an AVX2 CPU left the kernels and the fused
 # decode stack, and speculating at 4 requests measured 0.70-0.80x of not speculating (docs/benchmarks.md,
-# "Session 11").
+# "Session 11"; planner.py drafts nothing where the share is a single draft).
 DEFAULT_MAX_VERIFY_ROWS = 8
 
 

@@ -41,3 +41,11 @@ def test_runs_as_it_is_otherwise(monkeypatch, execve_calls, library, env):
         monkeypatch.setenv(name, value)
     launch.preload_tcmalloc()
     assert execve_calls == []
+
+
+def test_glibc_mmap_threshold_is_fixed_only_without_tcmalloc(monkeypatch):
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4")
+    assert launch.fix_glibc_mmap_threshold() is False
+    monkeypatch.delenv("LD_PRELOAD")
+    if sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION"):
+        assert launch.fix_glibc_mmap_threshold() is True

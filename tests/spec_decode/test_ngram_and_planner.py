@@ -107,10 +107,10 @@ def test_auto_disable_above_the_batch_size():
 
 
 def test_auto_mode_shares_the_verify_rows_among_the_decodes():
-    """Auto mode keeps a step's decodes within 8 rows (1 + k each), the small-batch kernels' limit;
-    with speculation always on there is no cap."""
+    """Auto mode keeps a step's decodes within 8 rows (1 + k each), the small-batch kernels' limit,
+    and drafts nothing where that leaves a single draft each; always-on speculation has no cap."""
     planner = DraftPlanner(_config(k=7, disable=4))
-    assert [planner.drafts_per_request(n) for n in (1, 2, 3, 4, 5, 8)] == [7, 3, 1, 1, 0, 0]
+    assert [planner.drafts_per_request(n) for n in (1, 2, 3, 4, 5, 8)] == [7, 3, 0, 0, 0, 0]
     assert DraftPlanner(_config(k=7, disable=0)).drafts_per_request(2) is None
 
 
