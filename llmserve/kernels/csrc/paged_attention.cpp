@@ -366,23 +366,6 @@ inline __m256 dot_8_keys(const __m256 (&q)[D / 8], const float* keys, int64_t st
   return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
 }
 
-// vexp for 8 floats at once: the same range reduction and polynomial (as FMAs).
-inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 // softmax_row for the float32 path, 8 lanes at a time over the whole buffer with the hidden lanes masked
 // out (they add exact zeros, so a row's values depend only on what it sees, as in a decode of it).
 inline void softmax_row_f32(const Span& span, int64_t query, float* s) {
