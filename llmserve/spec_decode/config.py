@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmserve.kernels.small_batch_linear import MAX_ROWS
+
 METHODS = ("ngram", "draft", "early_exit", "draft_head")
 # K when none is given. N-gram drafts are free and adapt to the match (a match of n tokens proposes at
 # most 2 ** n, see proposers/ngram.py), so its K is only a cap: 7 keeps the verify pass at 8 rows, the
@@ -17,7 +19,7 @@ DEFAULT_DRAFT_HEAD_TOKENS = 3
 # cost little. Past it (4 requests x 4 rows) a float32 step on an AVX2 CPU left the kernels and the fused
 # decode stack, and speculating at 4 requests measured 0.70-0.80x of not speculating (docs/benchmarks.md,
 # "Session 11"; planner.py drafts nothing where the share is a single draft).
-DEFAULT_MAX_VERIFY_ROWS = 8
+DEFAULT_MAX_VERIFY_ROWS = MAX_ROWS
 
 
 @dataclass(frozen=True)

@@ -6,16 +6,17 @@
 // the CPU (small_batch_linear, rms_norm, rotary_embedding, write_kv_rows, paged_attention,
 // add_rms_norm, silu_and_mul, the residual add), so its output is bit-identical to the Python path
 // (tested); only the dispatch goes. Linear layers may be bf16, per-channel int8 or group-wise int4,
-// each through its small-batch kernel, or float32 in a float32 model (linear_f32.cpp). The model uses it when every sequence is a decode or a short
-// span and the batch fits the small-batch linear kernel (models/decode_stack.py says when).
+// each through its small-batch kernel, or float32 in a float32 model (linear_f32.cpp). The model uses
+// it when every sequence is a decode or a short span and the batch fits the small-batch linear kernel
+// (models/decode_stack.py says when).
 #include "decode_stack.h"
 #include "kernels.h"
 
 namespace {
 
-// x W^T through the small-batch kernel of W's format (what SmallBatchLinear, PackedLinear, Int8PackedKernel
-// or Int4PackedKernel runs): int8 has scales per row [N] or per 32 columns [blocks, groups, 32], int4 its
-// [blocks, groups, 2, 32] parameters.
+// x W^T through the small-batch kernel of W's format (what SmallBatchLinear, PackedLinear,
+// Int8PackedKernel or Int4PackedKernel runs): int8 has scales per row [N] or per 32 columns [blocks,
+// groups, 32], int4 its [blocks, groups, 2, 32] parameters.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                      int64_t out_features) {
   if (weight.scalar_type() == torch::kFloat) return small_batch_linear_f32(x, weight, out_features);

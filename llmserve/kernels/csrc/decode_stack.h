@@ -9,15 +9,15 @@ class DecodeStack {
  public:
   // Per layer, in this order: input_norm, qkv, qkv_scales, qkv_bias (or an empty tensor), o, o_scales,
   // post_norm, gate_up, gate_up_scales, down, down_scales, key_cache, value_cache. A linear's weight is
-  // packed by small_batch_pack (bf16; its scales an empty tensor), small_batch_pack_f32 (float32, in a float32
-  // model; scales empty), small_batch_pack_int8 (uint8, with float32 scales per output row) or
+  // packed by small_batch_pack (bf16; its scales an empty tensor), small_batch_pack_f32 (float32, in a
+  // float32 model; scales empty), small_batch_pack_int8 (uint8, with float32 scales per output row) or
   // small_batch_pack_int4 (uint8, with its 4-D parameters).
   DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
               torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t intermediate_size, double eps, double scale);
 
-  // hidden [T, D] in the model's dtype (the embedded tokens), T <= 8, every sequence a decode or a short span; returns
-  // the final norm of the last layer's output, like LlamaModel.forward.
+  // hidden [T, D] in the model's dtype (the embedded tokens), T <= 8, every sequence a decode or a short
+  // span; returns the final norm of the last layer's output, like LlamaModel.forward.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                         int64_t block_size, int64_t sinks, int64_t window) const;

@@ -4,8 +4,9 @@
 //
 // Like the bf16 kernel (linear.cpp) this streams the weights once and uses each M times. oneDNN's
 // float32 matmul, the fallback, took 27.5 ms for a SmolLM2 step's linears at one row, 36.6 at four
-// and 79 at eight on a 2-core AVX2 EPYC (weights streamed from DRAM); this kernel 18-19, 21-24 and
-// ~30, so a speculative verify pass of k + 1 rows costs little more than a decode step.
+// and 79 at eight on a 2-core AVX2 EPYC (weights streamed from DRAM); this kernel about 19, 21-26 and
+// 25-35 (a noisy VM; docs/benchmarks.md "Session 11"), so a verify pass of k + 1 rows stays close to a
+// decode step.
 //
 // Weights are packed once (small_batch_pack_f32) into blocks of 8 output rows stored column by column:
 // [N/8][K][8]. One 32-byte load holds 8 rows' weights for column k, which an FMA with x[m][k] in every
@@ -23,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -102,8 +104,10 @@ template <int M>
 void linear_all(const float* x, const float* packed, float* out, int64_t k_size, int64_t n_size) {
   constexpr int kFirst = M <= 4 ? M : 4, kSecond = M - kFirst;
   constexpr int R = blocks_together<kFirst>();
-  auto scratch = torch::empty({M * k_size * kBlockRows}, torch::kFloat);
-  float* spread = scratch.data_ptr<float>();
+  // Kept per calling thread across calls: 121 linears a step need no allocation once it has grown.
+  static thread_local std::vector<float> scratch;
+  if (scratch.size() < static_cast<size_t>(M * k_size * kBlockRows)) scratch.resize(M * k_size * kBlockRows);
+  float* spread = scratch.data();
   for (int64_t i = 0; i < M * k_size; ++i) _mm256_storeu_ps(spread + i * kBlockRows, _mm256_set1_ps(x[i]));
   const int64_t blocks = (n_size + kBlockRows - 1) / kBlockRows;
   const int64_t groups = (blocks + R - 1) / R;
