@@ -83,7 +83,9 @@ def test_scales_move_with_blocks_through_swap_and_copy_on_write(tiny):
 def test_speculative_decoding_over_an_int8_cache_keeps_greedy_output(tiny, method):
     plain, _ = generate(tiny, kv_cache_dtype="int8")
     draft = dict(speculative_draft_model=tiny) if method == "draft" else dict(speculative_draft_layers=1)
-    speculated, llm = generate(tiny, kv_cache_dtype="int8", speculative_method=method, **draft)
+    speculated, llm = generate(
+        tiny, kv_cache_dtype="int8", speculative_method=method, speculative_disable_batch_size=0, **draft
+    )
     assert llm.engine.spec_decode_stats.num_draft_tokens > 0
     assert speculated == plain
 
