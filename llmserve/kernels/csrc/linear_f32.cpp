@@ -2,21 +2,18 @@
 // FMA. float32 is what the engine serves in where the CPU has no native bf16 (AVX2-only machines), and
 // there decode and speculative verification spend most of a step here.
 //
-// Like the bf16 kernel (linear.cpp) this streams the weights once and uses each M times. oneDNN's
-// float32 matmul, the fallback, took 27.5 ms for a SmolLM2 step's linears at one row, 36.6 at four
-// and 79 at eight on a 2-core AVX2 EPYC (weights streamed from DRAM); this kernel about 19, 21-26 and
-// 25-35 (a noisy VM; docs/benchmarks.md "Session 11"), so a verify pass of k + 1 rows stays close to a
-// decode step.
+// Like the bf16 kernel (linear.cpp) this streams the weights once and uses each M times. For a SmolLM2
+// step's linears on a 2-core AVX2 EPYC (weights from DRAM), oneDNN's float32 matmul, the fallback, took
+// 27.5 ms at one row, 36.6 at four and 79 at eight; this kernel about 16, 18 and 23 (docs/benchmarks.md,
+// sessions 11 and 12), so a verify pass of k + 1 rows costs little more than a decode step.
 //
 // Weights are packed once (small_batch_pack_f32) into blocks of 8 output rows stored column by column:
-// [N/8][K][8]. One 32-byte load holds 8 rows' weights for column k, which an FMA with x[m][k] in every
-// lane accumulates into 8 outputs, so no horizontal sums are needed. Each output is one FMA chain over
-// k in order, whatever M is: a row's result does not depend on the batch, so verifying drafts gives
-// the bits that decoding gives. R neighbouring blocks are computed together (R x M independent chains
-// hide the FMA latency), which changes which outputs are interleaved, not any output's arithmetic.
-//
-// The inputs are first spread to 8 lanes each (a scratch [M][K][8], in L1/L2), so the inner loop's input
-// operands are plain loads: broadcasting each from memory in the loop cost 20-30% more at 3-6 rows.
+// [N/8][K][8]. One 32-byte load holds 8 rows' weights for column k, which an FMA with x[m][k] broadcast
+// to every lane accumulates into 8 outputs, so no horizontal sums are needed. Each output is one FMA
+// chain over k in order, whatever M is: a row's result does not depend on the batch, so verifying
+// drafts gives the bits that decoding gives. R neighbouring blocks are computed together (R x M
+// independent chains hide the FMA latency), which changes which outputs are interleaved, not any
+// output's arithmetic.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,11 +21,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LLMSERVE_F32_LINEAR 1
+#define LLMSERVE_UNROLL _Pragma("GCC unroll 16")
 #endif
 
 bool small_batch_linear_f32_supported() {
@@ -45,70 +42,59 @@ constexpr int64_t kBlockRows = 8;  // output rows per packed block: one vector o
 
 #ifdef LLMSERVE_F32_LINEAR
 
-// Outputs of blocks [first, first + R) for M inputs spread to 8 lanes each (`spread`, [M][K][8]); rows
-// >= n_size are not written.
+// Outputs of blocks [first, first + R) for inputs x [M][K]; rows >= n_size are not written. The loops over
+// r and m must be unrolled before register allocation: otherwise GCC 12 keeps `acc` in memory and stores
+// all R x M accumulators every k, which capped the kernel at a third of the FMA rate.
 template <int M, int R>
-inline void linear_blocks(const float* spread, const float* packed, float* out, int64_t k_size, int64_t n_size,
+inline void linear_blocks(const float* x, const float* packed, float* out, int64_t k_size, int64_t n_size,
                           int64_t first) {
   __m256 acc[R][M];
   const float* weights[R];
-  for (int r = 0; r < R; ++r) {
+  LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
     weights[r] = packed + (first + r) * kBlockRows * k_size;
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    LLMSERVE_UNROLL for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < k_size; ++k) {
     __m256 column[R];
-    for (int r = 0; r < R; ++r) column[r] = _mm256_loadu_ps(weights[r] + k * kBlockRows);
-    for (int m = 0; m < M; ++m) {
-      const __m256 input = _mm256_loadu_ps(spread + (m * k_size + k) * kBlockRows);
-      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(column[r], input, acc[r][m]);
+    LLMSERVE_UNROLL for (int r = 0; r < R; ++r) column[r] = _mm256_loadu_ps(weights[r] + k * kBlockRows);
+    LLMSERVE_UNROLL for (int m = 0; m < M; ++m) {
+      const __m256 input = _mm256_broadcast_ss(x + m * k_size + k);
+      LLMSERVE_UNROLL for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(column[r], input, acc[r][m]);
     }
   }
-  for (int r = 0; r < R; ++r) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
     const int64_t row = (first + r) * kBlockRows;
-    const int64_t valid = std::min<int64_t>(kBlockRows, n_size - row);
-    for (int m = 0; m < M; ++m) {
-      float* dst = out + m * n_size + row;
-      if (valid == kBlockRows) {
-        _mm256_storeu_ps(dst, acc[r][m]);
-      } else {
-        alignas(32) float lanes[kBlockRows];
-        _mm256_store_ps(lanes, acc[r][m]);
-        std::copy(lanes, lanes + valid, dst);
-      }
-    }
+    const int valid = static_cast<int>(std::min<int64_t>(kBlockRows, n_size - row));
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane);
+    LLMSERVE_UNROLL for (int m = 0; m < M; ++m) _mm256_maskstore_ps(out + m * n_size + row, mask, acc[r][m]);
   }
 }
 
-// Blocks computed together: R x M accumulators, R weight vectors and one input in 16 registers.
+// Blocks computed together for M rows: R x M accumulators, R weight vectors and the broadcast input in
+// (about) 16 registers, each k's FMAs outnumbering its loads. Rows past 6 leave too few registers for
+// two blocks; those batches take two passes (4 rows, then the rest) over each group of blocks, the second
+// reading the group's weights from L2 rather than from memory.
 template <int M>
 constexpr int blocks_together() {
-  return M <= 2 ? 4 : 3;
+  return M == 1 ? 4 : M == 2 ? 5 : M == 3 ? 4 : M == 4 ? 3 : M <= 6 ? 2 : 3;
 }
 
 // Outputs of blocks [first, first + R) for inputs [0, M) (or fewer blocks at the end of the matrix).
 template <int M, int R>
-inline void linear_group(const float* spread, const float* packed, float* out, int64_t k_size, int64_t n_size,
+inline void linear_group(const float* x, const float* packed, float* out, int64_t k_size, int64_t n_size,
                          int64_t first, int64_t blocks) {
   if (first + R <= blocks) {
-    linear_blocks<M, R>(spread, packed, out, k_size, n_size, first);
+    linear_blocks<M, R>(x, packed, out, k_size, n_size, first);
   } else {  // the last blocks, one at a time
-    for (int64_t block = first; block < blocks; ++block) linear_blocks<M, 1>(spread, packed, out, k_size, n_size, block);
+    for (int64_t block = first; block < blocks; ++block) linear_blocks<M, 1>(x, packed, out, k_size, n_size, block);
   }
 }
 
-// Up to 4 rows in one pass over each group of blocks; 5 to 8 in two (rows 0-3, then the rest), the second
-// reading the group's weights again from L2 rather than from memory (one pass of 5-8 rows fits only two
-// blocks in the registers, which measured slower).
 template <int M>
 void linear_all(const float* x, const float* packed, float* out, int64_t k_size, int64_t n_size) {
-  constexpr int kFirst = M <= 4 ? M : 4, kSecond = M - kFirst;
-  constexpr int R = blocks_together<kFirst>();
-  // Kept per calling thread across calls: 121 linears a step need no allocation once it has grown.
-  static thread_local std::vector<float> scratch;
-  if (scratch.size() < static_cast<size_t>(M * k_size * kBlockRows)) scratch.resize(M * k_size * kBlockRows);
-  float* spread = scratch.data();
-  for (int64_t i = 0; i < M * k_size; ++i) _mm256_storeu_ps(spread + i * kBlockRows, _mm256_set1_ps(x[i]));
+  constexpr int kFirst = M <= 6 ? M : 4, kSecond = M - kFirst;
+  constexpr int R = blocks_together<M>();
   const int64_t blocks = (n_size + kBlockRows - 1) / kBlockRows;
   const int64_t groups = (blocks + R - 1) / R;
   // Each task covers at least ~64 KiB of weights, so thread start-up is paid on real work.
@@ -116,10 +102,9 @@ void linear_all(const float* x, const float* packed, float* out, int64_t k_size,
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / group_bytes);
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t group = begin; group < end; ++group) {
-      linear_group<kFirst, R>(spread, packed, out, k_size, n_size, group * R, blocks);
+      linear_group<kFirst, R>(x, packed, out, k_size, n_size, group * R, blocks);
       if constexpr (kSecond > 0)
-        linear_group<kSecond, R>(spread + kFirst * k_size * kBlockRows, packed, out + kFirst * n_size, k_size,
-                                 n_size, group * R, blocks);
+        linear_group<kSecond, R>(x + kFirst * k_size, packed, out + kFirst * n_size, k_size, n_size, group * R, blocks);
     }
   });
 }
