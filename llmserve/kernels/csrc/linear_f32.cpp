@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include "kernels.h"
+#include "vector_math.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -25,7 +26,6 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LLMSERVE_F32_LINEAR 1
-#define LLMSERVE_UNROLL _Pragma("GCC unroll 16")
 #endif
 
 bool small_batch_linear_f32_supported() {
@@ -42,9 +42,9 @@ constexpr int64_t kBlockRows = 8;  // output rows per packed block: one vector o
 
 #ifdef LLMSERVE_F32_LINEAR
 
-// Outputs of blocks [first, first + R) for inputs x [M][K]; rows >= n_size are not written. The loops over
-// r and m must be unrolled before register allocation: otherwise GCC 12 keeps `acc` in memory and stores
-// all R x M accumulators every k, which capped the kernel at a third of the FMA rate.
+// Outputs of blocks [first, first + R) for inputs x [M][K]; rows >= n_size are not written. (Without
+// LLMSERVE_UNROLL, GCC kept `acc` in memory and stored all R x M accumulators every k: a third of the
+// FMA rate.)
 template <int M, int R>
 inline void linear_blocks(const float* x, const float* packed, float* out, int64_t k_size, int64_t n_size,
                           int64_t first) {
@@ -67,7 +67,10 @@ inline void linear_blocks(const float* x, const float* packed, float* out, int64
     const int64_t row = (first + r) * kBlockRows;
     const int valid = static_cast<int>(std::min<int64_t>(kBlockRows, n_size - row));
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), lane);
-    LLMSERVE_UNROLL for (int m = 0; m < M; ++m) _mm256_maskstore_ps(out + m * n_size + row, mask, acc[r][m]);
+    LLMSERVE_UNROLL for (int m = 0; m < M; ++m) {
+      if (valid == kBlockRows) _mm256_storeu_ps(out + m * n_size + row, acc[r][m]);
+      else _mm256_maskstore_ps(out + m * n_size + row, mask, acc[r][m]);  // microcoded on AMD: the last block only
+    }
   }
 }
 

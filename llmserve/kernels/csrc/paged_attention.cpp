@@ -268,7 +268,8 @@ struct Scratch {
   std::vector<float> scores, queries, acc, row, totals;
   std::vector<uint16_t> probs;  // bf16 softmax numerators (fast path)
   std::vector<const uint16_t*> query_rows;  // bf16 fast path
-  std::vector<const float*> query_rows_f32;  // float32 fast path
+  std::vector<const float*> query_rows_f32;  // float32 fast path: queries, then score rows
+  std::vector<float*> out_rows_f32;          // float32 fast path
   std::vector<Chunk> chunks;
   template <typename T>
   T* grow(std::vector<T>& buffer, int64_t size) {
@@ -346,140 +347,185 @@ constexpr int64_t kPrefetchChunks = 3;
 
 #ifdef LLMSERVE_F32_FAST_PATH
 
-// q.k for 8 keys (rows `stride` floats apart; a short run repeats its last key) as one vector: one FMA chain
-// per key over the row, then a transpose-and-add tree, lane k = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6
-// + x7)) of key k's partial sums whatever the other keys hold. The query stays in registers, and keys are
-// reduced in pairs as they come so that it does not spill.
-template <int D>
-inline __m256 dot_8_keys(const __m256 (&q)[D / 8], const float* keys, int64_t stride, int count) {
-  auto dot = [&](int k) {
-    const float* key = keys + std::min(k, count - 1) * stride;
-    __m256 sum = _mm256_mul_ps(q[0], _mm256_loadu_ps(key));
-    for (int j = 1; j < D / 8; ++j) sum = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(key + 8 * j), sum);
-    return sum;
-  };
-  auto four = [&](int k) {  // [k..k+3 partial pairs of the low half | of the high half]
-    const __m256 a = _mm256_hadd_ps(dot(k), dot(k + 1));
-    return _mm256_hadd_ps(a, _mm256_hadd_ps(dot(k + 2), dot(k + 3)));
-  };
-  const __m256 low = four(0), high = four(4);
-  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+// q.k for 8 keys (rows `stride` floats apart; a short run repeats its last key) and R query rows at once,
+// one vector per row: per key one FMA chain over the row (a multiply, then FMAs in column order), then a
+// transpose-and-add tree, lane k = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) of key k's partial
+// sums whatever the other keys and rows hold. Four keys at a time keep R x 4 chains in registers, and each
+// key vector loaded serves all R rows (their queries are read from L1 as FMA operands).
+template <int D, int R>
+inline void dot_8_keys(const float* const* q, const float* keys, int64_t stride, int count, __m256 (&out)[R]) {
+  __m256 low[R];
+  LLMSERVE_UNROLL for (int half = 0; half < 2; ++half) {
+    const float* key[4];
+    LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) key[j] = keys + std::min(4 * half + j, count - 1) * stride;
+    __m256 acc[R][4];
+    LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) {
+      const __m256 k = _mm256_loadu_ps(key[j]);
+      LLMSERVE_UNROLL for (int r = 0; r < R; ++r) acc[r][j] = _mm256_mul_ps(_mm256_loadu_ps(q[r]), k);
+    }
+    LLMSERVE_UNROLL for (int piece = 1; piece < D / 8; ++piece) {
+      LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) {
+        const __m256 k = _mm256_loadu_ps(key[j] + 8 * piece);
+        LLMSERVE_UNROLL for (int r = 0; r < R; ++r)
+          acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + 8 * piece), k, acc[r][j]);
+      }
+    }
+    LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {  // [keys' partial pairs of the low 128 bits | of the high]
+      const __m256 four = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+      if (half == 0) {
+        low[r] = four;
+      } else {
+        out[r] = _mm256_add_ps(_mm256_permute2f128_ps(low[r], four, 0x20), _mm256_permute2f128_ps(low[r], four, 0x31));
+      }
+    }
+  }
 }
 
-// softmax_row for the float32 path, 8 lanes at a time over the whole buffer with the hidden lanes masked
-// out (they add exact zeros, so a row's values depend only on what it sees, as in a decode of it).
+// P V for R rows over 32 columns from `column`: R x 4 accumulators in registers over the whole context,
+// each one FMA per position in order (a hidden position has p = 0 and adds nothing). The first pass over
+// the values prefetches whole rows (`prefetch_bytes`) ahead of itself; the later ones find them in L2.
+template <int R>
+inline void weighted_values(const float* const* p, const float* values, int64_t stride, int64_t column,
+                            const std::vector<Chunk>& chunks, float* const* out, int64_t prefetch_bytes) {
+  __m256 acc[R][4];
+  LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
+    LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  }
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  for (int64_t i = 0; i < num_chunks; ++i) {
+    if (prefetch_bytes > 0 && i + kPrefetchChunks < num_chunks) {
+      const Chunk& ahead = chunks[i + kPrefetchChunks];
+      prefetch_rows(values + ahead.offset, ahead.count, stride, prefetch_bytes);
+    }
+    const Chunk chunk = chunks[i];
+    const float* value_rows = values + chunk.offset + column;
+    for (int64_t t = 0; t < chunk.count; ++t) {
+      __m256 w[R];
+      LLMSERVE_UNROLL for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(p[r] + chunk.index + t);
+      const float* v = value_rows + t * stride;
+      LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) {
+        const __m256 value = _mm256_loadu_ps(v + 8 * j);
+        LLMSERVE_UNROLL for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(w[r], value, acc[r][j]);
+      }
+    }
+  }
+  LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
+    LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out[r] + column + 8 * j, acc[r][j]);
+  }
+}
+
+// softmax_row for the float32 path, 8 lanes at a time over the whole buffer (which has room for whole
+// vectors past `context`) with the hidden lanes zeroed: they add exact zeros, so a row's values depend
+// only on what it sees, as in a decode of it. Plain loads and stores: AVX2's masked stores are microcoded
+// on AMD Zen and took a third of this kernel's time there.
 inline void softmax_row_f32(const Span& span, int64_t query, float* s) {
   int64_t a, b, c;
   span.visible(query, a, b, c);
   const int64_t context = span.context;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i a_v = _mm256_set1_epi32(static_cast<int>(a)), b_v = _mm256_set1_epi32(static_cast<int>(b));
-  const __m256i c_v = _mm256_set1_epi32(static_cast<int>(c)), end_v = _mm256_set1_epi32(static_cast<int>(context));
-  auto lanes = [&](int64_t i, __m256i& visible, __m256i& stored) {
+  const __m256i c_v = _mm256_set1_epi32(static_cast<int>(c));
+  auto visible = [&](int64_t i) {  // lanes below `context` that this query sees
     const __m256i index = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(i)));
     const __m256i low = _mm256_cmpgt_epi32(a_v, index);
     const __m256i high = _mm256_andnot_si256(_mm256_cmpgt_epi32(b_v, index), _mm256_cmpgt_epi32(c_v, index));
-    stored = _mm256_cmpgt_epi32(end_v, index);
-    visible = _mm256_and_si256(_mm256_or_si256(low, high), stored);
+    return _mm256_castsi256_ps(_mm256_or_si256(low, high));
   };
   const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 max_vector = minus_inf;
-  for (int64_t i = 0; i < context; i += 8) {
-    __m256i visible, stored;
-    lanes(i, visible, stored);
-    const __m256 x = _mm256_maskload_ps(s + i, visible);
-    max_vector = _mm256_max_ps(max_vector, _mm256_blendv_ps(minus_inf, x, _mm256_castsi256_ps(visible)));
-  }
+  for (int64_t i = 0; i < context; i += 8)
+    max_vector = _mm256_max_ps(max_vector, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(s + i), visible(i)));
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(max_vector), _mm256_extractf128_ps(max_vector, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
   const __m256 row_max = _mm256_set1_ps(_mm_cvtss_f32(m));
   __m256 total = _mm256_setzero_ps();
   for (int64_t i = 0; i < context; i += 8) {
-    __m256i visible, stored;
-    lanes(i, visible, stored);
-    const __m256 x = _mm256_maskload_ps(s + i, visible);
-    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, row_max)), _mm256_castsi256_ps(visible));
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), row_max)), visible(i));
     total = _mm256_add_ps(total, e);
-    _mm256_maskstore_ps(s + i, stored, e);
+    _mm256_storeu_ps(s + i, e);
   }
   __m128 t = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
   t = _mm_add_ps(t, _mm_movehl_ps(t, t));
   t = _mm_add_ss(t, _mm_movehdup_ps(t));
   const __m256 inverse = _mm256_set1_ps(1.0f / _mm_cvtss_f32(t));
-  for (int64_t i = 0; i < context; i += 8) {
-    __m256i visible, stored;
-    lanes(i, visible, stored);
-    _mm256_maskstore_ps(s + i, stored, _mm256_mul_ps(_mm256_maskload_ps(s + i, stored), inverse));
-  }
+  for (int64_t i = 0; i < context; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inverse));
 }
 
 // Query rows [row_begin, row_end) of (seq, kv_head) over a float32 cache; row r = (token r / group, head r
-// % group of the group).
+// % group of the group). Rows go three at a time (a remainder of one or two at the end) through the q.k
+// and P V loops, so each K and V vector read from L1/L2 serves three rows: verification spans and GQA
+// groups cost a fraction of a pass per row.
 template <int D>
 void attend_f32(const Batch<float, float>& batch, int64_t seq, int64_t kv_head, int64_t row_begin, int64_t row_end,
                 Scratch& scratch) {
-  static_assert(D % 64 == 0, "the V pass takes 64 columns at a time");
-  constexpr int K = D / 8;  // 256-bit vectors per row
+  static_assert(D % 32 == 0, "the V pass takes 32 columns at a time");
   const int64_t group = batch.group();
   const int64_t num_queries = batch.query_starts[seq + 1] - batch.query_starts[seq];
   const Span span(batch.seq_lens[seq], num_queries, batch.sinks, batch.window);
   const int64_t rows = row_end - row_begin, context = span.context;
   const int64_t* table = batch.block_tables + seq * batch.max_blocks;
   const int64_t stride = batch.slot_stride();
-  float* scores = scratch.grow(scratch.scores, rows * context);
-  // Row r's query and output, found once here rather than by divisions in every chunk.
-  const float** q_rows = scratch.grow(scratch.query_rows_f32, rows);
-  for (int64_t r = 0; r < rows; ++r) q_rows[r] = batch.query + batch.head_offset(seq, kv_head, row_begin + r);
+  // Score rows `pitch` apart, with room for a whole vector past the context: stores of 8 dots write the
+  // lanes past a chunk's last key too (the next chunk's stores overwrite them).
+  const int64_t pitch = (context + 7) / 8 * 8 + 8;
+  float* scores = scratch.grow(scratch.scores, rows * pitch);
+  // Row r's query, scores and output, found once here rather than by divisions in every chunk.
+  const float** q_rows = scratch.grow(scratch.query_rows_f32, 2 * rows);
+  const float** p_rows = q_rows + rows;
+  float** out_rows = scratch.grow(scratch.out_rows_f32, rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    q_rows[r] = batch.query + batch.head_offset(seq, kv_head, row_begin + r);
+    p_rows[r] = scores + r * pitch;
+    out_rows[r] = batch.out + batch.head_offset(seq, kv_head, row_begin + r);
+  }
   std::vector<Chunk>& chunks = scratch.chunks;
   list_chunks(span, table, batch.block_size, stride, chunks);
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
-  auto prefetch = [&](const float* rows_base, int64_t i) {
-    if (i < num_chunks) prefetch_rows(rows_base + chunks[i].offset, chunks[i].count, stride, 4 * D);
-  };
   // scores, 8 keys at a time
   const float* keys = batch.key_cache + kv_head * batch.row_len;
   const __m256 scale = _mm256_set1_ps(batch.scale);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t i = 0; i < kPrefetchChunks; ++i) prefetch(keys, i);
+  for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i)
+    prefetch_rows(keys + chunks[i].offset, chunks[i].count, stride, 4 * D);
   for (int64_t i = 0; i < num_chunks; ++i) {
-    prefetch(keys, i + kPrefetchChunks);
+    if (i + kPrefetchChunks < num_chunks)
+      prefetch_rows(keys + chunks[i + kPrefetchChunks].offset, chunks[i + kPrefetchChunks].count, stride, 4 * D);
     const Chunk chunk = chunks[i];
     for (int64_t first = 0; first < chunk.count; first += 8) {
       const int count = static_cast<int>(std::min<int64_t>(8, chunk.count - first));
       const float* key_rows = keys + chunk.offset + first * stride;
-      const __m256i store_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane);
-      for (int64_t r = 0; r < rows; ++r) {
-        __m256 q[K];
-        for (int j = 0; j < K; ++j) q[j] = _mm256_loadu_ps(q_rows[r] + 8 * j);
-        const __m256 dots = dot_8_keys<D>(q, key_rows, stride, count);  // lanes >= count are not stored
-        _mm256_maskstore_ps(scores + r * context + chunk.index + first, store_mask, _mm256_mul_ps(dots, scale));
+      auto store = [&](int64_t r, __m256 dots) {
+        _mm256_storeu_ps(scores + r * pitch + chunk.index + first, _mm256_mul_ps(dots, scale));
+      };
+      int64_t r = 0;
+      for (; r + 3 <= rows; r += 3) {
+        __m256 dots[3];
+        dot_8_keys<D, 3>(q_rows + r, key_rows, stride, count, dots);
+        for (int j = 0; j < 3; ++j) store(r + j, dots[j]);
+      }
+      if (rows - r == 2) {
+        __m256 dots[2];
+        dot_8_keys<D, 2>(q_rows + r, key_rows, stride, count, dots);
+        store(r, dots[0]);
+        store(r + 1, dots[1]);
+      } else if (rows - r == 1) {
+        __m256 dots[1];
+        dot_8_keys<D, 1>(q_rows + r, key_rows, stride, count, dots);
+        store(r, dots[0]);
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) softmax_row_f32(span, (row_begin + r) / group, scores + r * context);
-  // P V: per row and 64 columns, 8 accumulators in registers over the whole context
+  for (int64_t r = 0; r < rows; ++r) softmax_row_f32(span, (row_begin + r) / group, scores + r * pitch);
+  // P V, 32 columns at a time
   const float* values = batch.value_cache + kv_head * batch.row_len;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* p = scores + r * context;
-    float* out = batch.out + batch.head_offset(seq, kv_head, row_begin + r);
-    for (int64_t column = 0; column < D; column += 64) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < kPrefetchChunks; ++i) prefetch(values, i);
-      for (int64_t i = 0; i < num_chunks; ++i) {
-        prefetch(values, i + kPrefetchChunks);
-        const Chunk chunk = chunks[i];
-        const float* value_rows = values + chunk.offset + column;
-        for (int64_t t = 0; t < chunk.count; ++t) {
-          const float weight = p[chunk.index + t];
-          if (weight == 0.0f) continue;  // hidden from this row
-          const __m256 w = _mm256_set1_ps(weight);
-          const float* v = value_rows + t * stride;
-          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), acc[j]);
-        }
-      }
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + column + 8 * j, acc[j]);
+  for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i)
+    prefetch_rows(values + chunks[i].offset, chunks[i].count, stride, 4 * D);
+  for (int64_t column = 0; column < D; column += 32) {
+    for (int64_t r = 0; r < rows; r += 3) {
+      const int64_t prefetch_bytes = column == 0 && r == 0 ? 4 * D : 0;
+      if (rows - r >= 3) weighted_values<3>(p_rows + r, values, stride, column, chunks, out_rows + r, prefetch_bytes);
+      else if (rows - r == 2) weighted_values<2>(p_rows + r, values, stride, column, chunks, out_rows + r, prefetch_bytes);
+      else weighted_values<1>(p_rows + r, values, stride, column, chunks, out_rows + r, prefetch_bytes);
     }
   }
 }

@@ -7,6 +7,11 @@
 #include <cstdint>
 #include <cstring>
 
+// Fully unrolls the loop that follows before register allocation. Loops over a kernel's arrays of vector
+// accumulators need it: GCC 12 otherwise keeps such an array in memory and stores every element on
+// each iteration of the enclosing loop.
+#define LLMSERVE_UNROLL _Pragma("GCC unroll 16")
+
 // exp(x) = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its degree-6 Taylor polynomial
 // (relative error ~1e-7); x is clamped to [-87, 88], where the result stays a normal float.
 inline float vexp(float x) {
