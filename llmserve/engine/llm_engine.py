@@ -68,8 +68,8 @@ class LLMEngine:
         self.model_runner.drafter = create_drafter(self.config, model, self.model_runner)
         self.model_runner.head_drafter = create_head_drafter(self.config, model)
         if self.model_runner.head_drafter is not None:
-            for module in self.model_runner.head_drafter.modules():
-                use_small_batch_linear(module)
+            for module in self.model_runner.head_drafter.modules():  # drafts need not be exact: bf16 reads
+                use_small_batch_linear(module, float32_kernel_weights=torch.bfloat16)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
         self.last_step: StepStats | None = None

@@ -24,7 +24,9 @@ which on a 2-core AVX2 EPYC took 2-4x oneDNN's time at 2-16 rows (SmolLM2's lm_h
 ms vs 6.5 ms; docs/benchmarks.md, "Session 10"), and oneDNN in turn took 27.5 ms for a step's
 linears at one row and 37-79 ms at 4-8, the kernel about 19 and 21-35 ("Session 11"). Both give each
 row a result that does not depend on the row count (checked bitwise), so verifying drafts and
-decoding one token compute the same logits.
+decoding one token compute the same logits. A module whose weights' low bits matter less than their
+bytes (a draft head: its drafts are verified anyway) can keep the kernel's copy in bf16
+(`use_small_batch_linear(..., float32_kernel_weights=torch.bfloat16)`), read at half the bandwidth.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class PackedLinear(nn.Linear):
     packed once for it (module docstring)."""
 
     packed_weight: torch.Tensor  # oneDNN-blocked
-    small_batch_weight: torch.Tensor | None  # the float32 kernel's layout (None: no kernel in this build)
+    small_batch_weight: torch.Tensor | None  # the float32 kernel's layout, float32 or bf16 (None: no kernel)
     packed_from: tuple[int, int]  # (data_ptr, version) of the weight the copies were made from
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -76,7 +78,8 @@ class PackedLinear(nn.Linear):
         """Both copies again from the current weight; the kernel's in place where the shape allows,
         since the fused decode stack (models/decode_stack.py) holds that tensor too. A prefill runs
         the modules before any decode does, so the stack never reads a stale copy."""
-        self.packed_weight, small_batch = _pack_float32(self.weight, self.small_batch_weight is not None)
+        kernel_dtype = self.small_batch_weight.dtype if self.small_batch_weight is not None else None
+        self.packed_weight, small_batch = _pack_float32(self.weight, kernel_dtype)
         if small_batch is not None and small_batch.shape == self.small_batch_weight.shape:
             self.small_batch_weight.copy_(small_batch)
         else:
@@ -84,9 +87,14 @@ class PackedLinear(nn.Linear):
         self.packed_from = _identity(self.weight)
 
 
-def _pack_float32(weight: torch.Tensor, small_batch: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A float32 weight's oneDNN copy and (if `small_batch`) the float32 kernel's."""
-    small_batch_weight = load_cpu_ops().small_batch_pack_f32(weight.detach()) if small_batch else None
+def _pack_float32(
+    weight: torch.Tensor, kernel_dtype: torch.dtype | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A float32 weight's oneDNN copy and (unless `kernel_dtype` is None) the float32 kernel's, whose
+    weights are stored in `kernel_dtype` (float32 or bf16)."""
+    if kernel_dtype is None:
+        return pack_for_onednn(weight), None
+    small_batch_weight = load_cpu_ops().small_batch_pack_f32(weight.detach().to(kernel_dtype))
     return pack_for_onednn(weight), small_batch_weight
 
 
@@ -104,10 +112,11 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def use_small_batch_linear(model: nn.Module) -> int:
+def use_small_batch_linear(model: nn.Module, float32_kernel_weights: torch.dtype = torch.float32) -> int:
     """Swap every plain `nn.Linear` on the CPU for its faster layout: bf16 weights with an input width
     the compiled kernel takes (a multiple of 32) become `SmallBatchLinear`s where this build has the
-    kernel, float32 weights become `PackedLinear`s where oneDNN can pack them; returns how many."""
+    kernel, float32 weights become `PackedLinear`s where oneDNN can pack them, their kernel copy in
+    `float32_kernel_weights` (float32; bf16 for a draft head); returns how many."""
     ops = load_cpu_ops()
     has_kernel = ops is not None and ops.small_batch_linear_supported()
     has_float32_kernel = ops is not None and ops.small_batch_linear_f32_supported()
@@ -127,7 +136,8 @@ def use_small_batch_linear(model: nn.Module) -> int:
             swapped += 1
         elif weight.dtype == torch.float32:
             if id(weight) not in packed:
-                onednn, small_batch = _pack_float32(weight, has_float32_kernel)
+                kernel_dtype = float32_kernel_weights if has_float32_kernel else None
+                onednn, small_batch = _pack_float32(weight, kernel_dtype)
                 packed[id(weight)] = (small_batch, onednn)
             small_batch, onednn = packed[id(weight)]
             if onednn is not None:

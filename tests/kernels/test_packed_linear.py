@@ -44,6 +44,36 @@ def test_kernel_row_does_not_depend_on_the_others():
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 5, 8])
+def test_bf16_weights_give_the_float32_result_of_their_values(rows):
+    """bf16 -> float32 is exact, so the kernel on a bf16 copy computes what it computes on the same
+    values stored as float32, bit for bit; only the bytes read halve."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen)
+    w = (torch.randn(1001, 576, generator=gen) * 0.05).bfloat16()
+    packed = ops.small_batch_pack_f32(w)
+    assert packed.dtype == torch.bfloat16
+    actual = ops.small_batch_linear_f32(x, packed, 1001)
+    assert actual.dtype == torch.float32
+    assert torch.equal(actual, ops.small_batch_linear_f32(x, ops.small_batch_pack_f32(w.float()), 1001))
+
+
+@torch.no_grad()
+def test_a_module_may_keep_its_kernel_weights_in_bf16():
+    model = nn.ModuleDict({"proj": nn.Linear(64, 96)})
+    use_small_batch_linear(model, float32_kernel_weights=torch.bfloat16)
+    proj, x = model["proj"], torch.randn(3, 64)
+    if proj.small_batch_weight is None:
+        pytest.skip("needs the AVX2 float32 kernel build")
+    assert proj.small_batch_weight.dtype == torch.bfloat16
+    expected = F.linear(x, proj.weight.bfloat16().float(), proj.bias)
+    torch.testing.assert_close(proj(x), expected, atol=1e-5, rtol=1e-5)
+    proj.weight.mul_(2)  # packed again, still in bf16
+    torch.testing.assert_close(proj(x), F.linear(x, proj.weight.bfloat16().float(), proj.bias), atol=1e-5, rtol=1e-5)
+    assert proj.small_batch_weight.dtype == torch.bfloat16
+
+
+@needs_kernel
 def test_kernel_rejects_what_it_does_not_serve():
     w = ops.small_batch_pack_f32(torch.randn(16, 32))
     with pytest.raises(RuntimeError, match="1 to 8 rows"):

@@ -42,21 +42,28 @@ constexpr int64_t kBlockRows = 8;  // output rows per packed block: one vector o
 
 #ifdef LLMSERVE_F32_LINEAR
 
+// 8 weights as float32: stored so, or as bf16 (the high half of a float32: widen and shift).
+inline __m256 load_weights(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load_weights(const c10::BFloat16* w) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 // Outputs of blocks [first, first + R) for inputs x [M][K]; rows >= n_size are not written. (Without
 // LLMSERVE_UNROLL, GCC kept `acc` in memory and stored all R x M accumulators every k: a third of the
 // FMA rate.)
-template <int M, int R>
-inline void linear_blocks(const float* x, const float* packed, float* out, int64_t k_size, int64_t n_size,
+template <int M, int R, typename W>
+inline void linear_blocks(const float* x, const W* packed, float* out, int64_t k_size, int64_t n_size,
                           int64_t first) {
   __m256 acc[R][M];
-  const float* weights[R];
+  const W* weights[R];
   LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
     weights[r] = packed + (first + r) * kBlockRows * k_size;
     LLMSERVE_UNROLL for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < k_size; ++k) {
     __m256 column[R];
-    LLMSERVE_UNROLL for (int r = 0; r < R; ++r) column[r] = _mm256_loadu_ps(weights[r] + k * kBlockRows);
+    LLMSERVE_UNROLL for (int r = 0; r < R; ++r) column[r] = load_weights(weights[r] + k * kBlockRows);
     LLMSERVE_UNROLL for (int m = 0; m < M; ++m) {
       const __m256 input = _mm256_broadcast_ss(x + m * k_size + k);
       LLMSERVE_UNROLL for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(column[r], input, acc[r][m]);
@@ -84,8 +91,8 @@ constexpr int blocks_together() {
 }
 
 // Outputs of blocks [first, first + R) for inputs [0, M) (or fewer blocks at the end of the matrix).
-template <int M, int R>
-inline void linear_group(const float* x, const float* packed, float* out, int64_t k_size, int64_t n_size,
+template <int M, int R, typename W>
+inline void linear_group(const float* x, const W* packed, float* out, int64_t k_size, int64_t n_size,
                          int64_t first, int64_t blocks) {
   if (first + R <= blocks) {
     linear_blocks<M, R>(x, packed, out, k_size, n_size, first);
@@ -94,14 +101,14 @@ inline void linear_group(const float* x, const float* packed, float* out, int64_
   }
 }
 
-template <int M>
-void linear_all(const float* x, const float* packed, float* out, int64_t k_size, int64_t n_size) {
+template <int M, typename W>
+void linear_all(const float* x, const W* packed, float* out, int64_t k_size, int64_t n_size) {
   constexpr int kFirst = M <= 6 ? M : 4, kSecond = M - kFirst;
   constexpr int R = blocks_together<M>();
   const int64_t blocks = (n_size + kBlockRows - 1) / kBlockRows;
   const int64_t groups = (blocks + R - 1) / R;
   // Each task covers at least ~64 KiB of weights, so thread start-up is paid on real work.
-  const int64_t group_bytes = R * kBlockRows * k_size * static_cast<int64_t>(sizeof(float));
+  const int64_t group_bytes = R * kBlockRows * k_size * static_cast<int64_t>(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / group_bytes);
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t group = begin; group < end; ++group) {
@@ -112,16 +119,17 @@ void linear_all(const float* x, const float* packed, float* out, int64_t k_size,
   });
 }
 
-void linear_packed(const float* x, const float* packed, float* out, int64_t m_size, int64_t k_size, int64_t n_size) {
+template <typename W>
+void linear_packed(const float* x, const W* packed, float* out, int64_t m_size, int64_t k_size, int64_t n_size) {
   switch (m_size) {
-    case 1: linear_all<1>(x, packed, out, k_size, n_size); break;
-    case 2: linear_all<2>(x, packed, out, k_size, n_size); break;
-    case 3: linear_all<3>(x, packed, out, k_size, n_size); break;
-    case 4: linear_all<4>(x, packed, out, k_size, n_size); break;
-    case 5: linear_all<5>(x, packed, out, k_size, n_size); break;
-    case 6: linear_all<6>(x, packed, out, k_size, n_size); break;
-    case 7: linear_all<7>(x, packed, out, k_size, n_size); break;
-    default: linear_all<8>(x, packed, out, k_size, n_size); break;
+    case 1: linear_all<1, W>(x, packed, out, k_size, n_size); break;
+    case 2: linear_all<2, W>(x, packed, out, k_size, n_size); break;
+    case 3: linear_all<3, W>(x, packed, out, k_size, n_size); break;
+    case 4: linear_all<4, W>(x, packed, out, k_size, n_size); break;
+    case 5: linear_all<5, W>(x, packed, out, k_size, n_size); break;
+    case 6: linear_all<6, W>(x, packed, out, k_size, n_size); break;
+    case 7: linear_all<7, W>(x, packed, out, k_size, n_size); break;
+    default: linear_all<8, W>(x, packed, out, k_size, n_size); break;
   }
 }
 
@@ -129,10 +137,11 @@ void linear_packed(const float* x, const float* packed, float* out, int64_t m_si
 
 }  // namespace
 
-// weight [N, K] float32 -> the layout small_batch_linear_f32 reads: [N', K] with N' = N rounded up to a
-// multiple of 8 (zero rows), holding blocks of 8 rows column by column.
+// weight [N, K] float32 or bf16 -> the layout small_batch_linear_f32 reads, in the weight's dtype: [N', K]
+// with N' = N rounded up to a multiple of 8 (zero rows), holding blocks of 8 rows column by column.
 torch::Tensor small_batch_pack_f32(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat, "small_batch_pack_f32 takes a 2-D float32 weight");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16),
+              "small_batch_pack_f32 takes a 2-D float32 or bf16 weight");
   const int64_t n_size = weight.size(0), k_size = weight.size(1);
   const int64_t padded = (n_size + kBlockRows - 1) / kBlockRows * kBlockRows;
   auto rows = torch::zeros({padded, k_size}, weight.options());
@@ -140,11 +149,13 @@ torch::Tensor small_batch_pack_f32(torch::Tensor weight) {
   return rows.view({padded / kBlockRows, kBlockRows, k_size}).permute({0, 2, 1}).contiguous().view({padded, k_size});
 }
 
-// x [M, K] float32 with 1 <= M <= 8, packed from small_batch_pack_f32 of an [N, K] weight. Returns [M, N].
+// x [M, K] float32 with 1 <= M <= 8, packed from small_batch_pack_f32 of an [N, K] weight (float32, or
+// bf16 where half the bytes matter more than the weights' low bits: a draft head). Returns [M, N] float32.
 torch::Tensor small_batch_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   TORCH_CHECK(small_batch_linear_f32_supported(), "small_batch_linear_f32 needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat,
-              "small_batch_linear_f32 takes float32 inputs and weights");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat &&
+                  (packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16),
+              "small_batch_linear_f32 takes float32 inputs and float32 or bf16 weights");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1), "shapes must be [M, K] and [N, K]");
   TORCH_CHECK(x.is_contiguous() && packed.is_contiguous(), "small_batch_linear_f32 needs contiguous tensors");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_batch_linear_f32 serves 1 to 8 rows");
@@ -152,8 +163,12 @@ torch::Tensor small_batch_linear_f32(torch::Tensor x, torch::Tensor packed, int6
               "small_batch_linear_f32 takes a weight packed by small_batch_pack_f32 for out_features rows");
   auto out = torch::empty({x.size(0), out_features}, x.options());
 #ifdef LLMSERVE_F32_LINEAR
-  linear_packed(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
-                out_features);
+  if (packed.scalar_type() == torch::kFloat)
+    linear_packed(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
+                  out_features);
+  else
+    linear_packed(x.data_ptr<float>(), packed.data_ptr<c10::BFloat16>(), out.data_ptr<float>(), x.size(0),
+                  x.size(1), out_features);
 #endif
   return out;
 }
