@@ -22,7 +22,7 @@ float32 weights on the CPU (the default dtype where the CPU has no native bf16) 
 packed copy, above that oneDNN on a oneDNN-blocked copy. `F.linear` in float32 goes to MKL's sgemm,
 which on a 2-core AVX2 EPYC took 2-4x oneDNN's time at 2-16 rows (SmolLM2's lm_head at 4 rows: 25
 ms vs 6.5 ms; docs/benchmarks.md, "Session 10"), and oneDNN in turn took 27.5 ms for a step's
-linears at one row and 37-79 ms at 4-8, the kernel about 19 and 21-35 ("Session 11"). Both give each
+linears at one row and 37-79 ms at 4-8, the kernel about 16 and 18-23 ("Session 12"). Both give each
 row a result that does not depend on the row count (checked bitwise), so verifying drafts and
 decoding one token compute the same logits. A module whose weights' low bits matter less than their
 bytes (a draft head: its drafts are verified anyway) can keep the kernel's copy in bf16

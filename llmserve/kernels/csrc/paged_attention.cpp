@@ -18,8 +18,9 @@
 // share evenly (batch 1: 3 KV heads, 2 threads), some pairs are split by query rows.
 // float32 caches with head_dim 64 or 128 on AVX2 and FMA (the dtype of CPUs without native bf16) take a
 // path of the same shape: q.k for 8 keys at a time as FMA partial sums reduced by one transpose-and-add
-// tree, softmax 8 lanes at a time, and P V with each row's accumulators in registers. It too
-// splits pairs by query rows at batch 1, and a row's arithmetic does not depend on the other rows.
+// tree, softmax 8 lanes at a time, and P V with the accumulators in registers, three query rows at a
+// time so that each K and V vector loaded serves three rows. It too splits pairs by query rows at
+// batch 1, and a row's arithmetic does not depend on the other rows.
 // Everything else (float16, 8-bit caches, other head sizes, other CPUs) converts each K/V row to float32 and
 // uses plain loops the compiler vectorizes. 8-bit caches (int8, fp8; kv_format.py) are dequantized row
 // by row as they are read. With a sliding window only the sink positions and the window are visited:
