@@ -92,9 +92,9 @@ def _pack_float32(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A float32 weight's oneDNN copy and (unless `kernel_dtype` is None) the float32 kernel's, whose
     weights are stored in `kernel_dtype` (float32 or bf16)."""
-    if kernel_dtype is None:
-        return pack_for_onednn(weight), None
-    small_batch_weight = load_cpu_ops().small_batch_pack_f32(weight.detach().to(kernel_dtype))
+    small_batch_weight = None
+    if kernel_dtype is not None:  # the kernel is in this build (use_small_batch_linear checked)
+        small_batch_weight = load_cpu_ops().small_batch_pack_f32(weight.detach().to(kernel_dtype))
     return pack_for_onednn(weight), small_batch_weight
 
 
