@@ -98,3 +98,16 @@ def test_silu_and_mul_at_extremes():
     actual = ops.silu_and_mul(gate_up)[0]
     assert torch.isfinite(actual).all()
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_is_the_same_function_at_every_position(dtype):
+    """The vector body and a row's tail compute alike: an element's result does not depend on where in
+    the row it stands (decodes and verify spans of the same tokens must agree bitwise)."""
+    gen = torch.Generator().manual_seed(7)
+    gate, up = (torch.randn(2, 45, generator=gen) * 4).to(dtype)
+    gate[3], up[4] = float("nan"), float("inf")
+    for shift in (1, 3, 8):
+        shifted = ops.silu_and_mul(torch.cat([gate.roll(shift), up.roll(shift)]).view(1, -1))[0]
+        plain = ops.silu_and_mul(torch.cat([gate, up]).view(1, -1))[0]
+        torch.testing.assert_close(shifted.roll(-shift), plain, rtol=0, atol=0, equal_nan=True)

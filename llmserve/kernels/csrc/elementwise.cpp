@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "vector_math.h"
 
@@ -218,6 +219,58 @@ void swiglu_row(const scalar_t* gate, const scalar_t* up, scalar_t* dst, int64_t
     dst[i] = Convert<scalar_t>::store(silu * Convert<scalar_t>::load(up[i]));
   }
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The same, 8 lanes at a time with exp256. The compiler left the loop above scalar (a call per element
+// for the rounding in vexp): at 4 rows it took 31-47 us of each layer, serial, while the other thread
+// waited. A row's tail goes through a zero-padded vector, so every element sees the same arithmetic.
+inline __m256 swiglu8(__m256 gate, __m256 up, bool bf16) {
+  const __m256 exp_minus = exp256(_mm256_xor_ps(gate, _mm256_set1_ps(-0.0f)));
+  __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_minus));
+  if (bf16) silu = round_to_bf16_8(silu);
+  return _mm256_mul_ps(silu, up);
+}
+
+template <typename scalar_t>
+inline __m256 load8(const scalar_t* x);
+template <>
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+template <>
+inline __m256 load8(const c10::BFloat16* x) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline void store8(float* dst, __m256 x) { _mm256_storeu_ps(dst, x); }
+inline void store8(c10::BFloat16* dst, __m256 x) {
+  const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_to_bf16_8(x)), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+}
+
+template <typename scalar_t>
+void swiglu_row_avx2(const scalar_t* gate, const scalar_t* up, scalar_t* dst, int64_t n) {
+  constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(dst + i, swiglu8(load8(gate + i), load8(up + i), bf16));
+  if (i < n) {
+    scalar_t g[8] = {}, u[8] = {}, out[8];
+    std::copy(gate + i, gate + n, g);
+    std::copy(up + i, up + n, u);
+    store8(out, swiglu8(load8(g), load8(u), bf16));
+    std::copy(out, out + (n - i), dst + i);
+  }
+}
+
+template <>
+void swiglu_row(const float* gate, const float* up, float* dst, int64_t n) {
+  swiglu_row_avx2(gate, up, dst, n);
+}
+template <>
+void swiglu_row(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* dst, int64_t n) {
+  swiglu_row_avx2(gate, up, dst, n);
+}
+#endif
 
 }  // namespace
 

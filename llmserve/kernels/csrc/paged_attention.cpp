@@ -354,7 +354,14 @@ constexpr int64_t kPrefetchChunks = 3;
 // sums whatever the other keys and rows hold. Four keys at a time keep R x 4 chains in registers, and each
 // key vector loaded serves all R rows (their queries are read from L1 as FMA operands).
 template <int D, int R>
-inline void dot_8_keys(const float* const* q, const float* keys, int64_t stride, int count, __m256 (&out)[R]) {
+inline void dot_8_keys(const float* const* q_rows, const float* keys, int64_t stride, int count, __m256 (&out)[R]) {
+  // The query pointers made opaque here, in the loop that calls this: otherwise GCC hoists all R rows'
+  // query vectors (8R registers) out of the loop over keys and spills the accumulators around them.
+  const float* q[R];
+  LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
+    q[r] = q_rows[r];
+    asm volatile("" : "+r"(q[r]));
+  }
   __m256 low[R];
   LLMSERVE_UNROLL for (int half = 0; half < 2; ++half) {
     const float* key[4];
@@ -382,36 +389,29 @@ inline void dot_8_keys(const float* const* q, const float* keys, int64_t stride,
   }
 }
 
-// P V for R rows over 32 columns from `column`: R x 4 accumulators in registers over the whole context,
-// each one FMA per position in order (a hidden position has p = 0 and adds nothing). The first pass over
-// the values prefetches whole rows (`prefetch_bytes`) ahead of itself; the later ones find them in L2.
+// Adds one chunk's P V to R rows' 32 columns from `column`: R x 4 accumulators in registers, loaded from
+// the rows' outputs (zeros at the first chunk) and stored back, each one FMA per position in order (a
+// hidden position has p = 0 and adds nothing), so a row's sums are those of one pass over its context.
+// Chunk by chunk, every row of the item reads a chunk's values from L1 while it is there, instead of
+// each row group walking the whole context again from L2.
 template <int R>
-inline void weighted_values(const float* const* p, const float* values, int64_t stride, int64_t column,
-                            const std::vector<Chunk>& chunks, float* const* out, int64_t prefetch_bytes) {
+inline void add_chunk_values(const float* const* p, const float* value_rows, int64_t stride, int64_t count,
+                             int64_t index, bool first, float* const* out) {
   __m256 acc[R][4];
   LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
-    LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out[r] + 8 * j);
   }
-  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
-  for (int64_t i = 0; i < num_chunks; ++i) {
-    if (prefetch_bytes > 0 && i + kPrefetchChunks < num_chunks) {
-      const Chunk& ahead = chunks[i + kPrefetchChunks];
-      prefetch_rows(values + ahead.offset, ahead.count, stride, prefetch_bytes);
-    }
-    const Chunk chunk = chunks[i];
-    const float* value_rows = values + chunk.offset + column;
-    for (int64_t t = 0; t < chunk.count; ++t) {
-      __m256 w[R];
-      LLMSERVE_UNROLL for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(p[r] + chunk.index + t);
-      const float* v = value_rows + t * stride;
-      LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) {
-        const __m256 value = _mm256_loadu_ps(v + 8 * j);
-        LLMSERVE_UNROLL for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(w[r], value, acc[r][j]);
-      }
+  for (int64_t t = 0; t < count; ++t) {
+    __m256 w[R];
+    LLMSERVE_UNROLL for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(p[r] + index + t);
+    const float* v = value_rows + t * stride;
+    LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) {
+      const __m256 value = _mm256_loadu_ps(v + 8 * j);
+      LLMSERVE_UNROLL for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(w[r], value, acc[r][j]);
     }
   }
   LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
-    LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out[r] + column + 8 * j, acc[r][j]);
+    LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out[r] + 8 * j, acc[r][j]);
   }
 }
 
@@ -517,16 +517,27 @@ void attend_f32(const Batch<float, float>& batch, int64_t seq, int64_t kv_head, 
     }
   }
   for (int64_t r = 0; r < rows; ++r) softmax_row_f32(span, (row_begin + r) / group, scores + r * pitch);
-  // P V, 32 columns at a time
+  // P V, chunk by chunk (all rows, 32 columns at a time), accumulating in the rows' outputs
   const float* values = batch.value_cache + kv_head * batch.row_len;
   for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i)
     prefetch_rows(values + chunks[i].offset, chunks[i].count, stride, 4 * D);
-  for (int64_t column = 0; column < D; column += 32) {
-    for (int64_t r = 0; r < rows; r += 3) {
-      const int64_t prefetch_bytes = column == 0 && r == 0 ? 4 * D : 0;
-      if (rows - r >= 3) weighted_values<3>(p_rows + r, values, stride, column, chunks, out_rows + r, prefetch_bytes);
-      else if (rows - r == 2) weighted_values<2>(p_rows + r, values, stride, column, chunks, out_rows + r, prefetch_bytes);
-      else weighted_values<1>(p_rows + r, values, stride, column, chunks, out_rows + r, prefetch_bytes);
+  if (num_chunks == 0) {  // nothing visible (cannot happen for a real query, which sees itself)
+    for (int64_t r = 0; r < rows; ++r) std::fill(out_rows[r], out_rows[r] + D, 0.0f);
+  }
+  float* out_at[3];
+  for (int64_t i = 0; i < num_chunks; ++i) {
+    if (i + kPrefetchChunks < num_chunks)
+      prefetch_rows(values + chunks[i + kPrefetchChunks].offset, chunks[i + kPrefetchChunks].count, stride, 4 * D);
+    const Chunk chunk = chunks[i];
+    for (int64_t column = 0; column < D; column += 32) {
+      const float* value_rows = values + chunk.offset + column;
+      for (int64_t r = 0; r < rows; r += 3) {
+        const int64_t n = std::min<int64_t>(3, rows - r);
+        for (int64_t j = 0; j < n; ++j) out_at[j] = out_rows[r + j] + column;
+        if (n == 3) add_chunk_values<3>(p_rows + r, value_rows, stride, chunk.count, chunk.index, i == 0, out_at);
+        else if (n == 2) add_chunk_values<2>(p_rows + r, value_rows, stride, chunk.count, chunk.index, i == 0, out_at);
+        else add_chunk_values<1>(p_rows + r, value_rows, stride, chunk.count, chunk.index, i == 0, out_at);
+      }
     }
   }
 }

@@ -64,4 +64,15 @@ inline __m256 exp256(__m256 x) {
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
+
+// x rounded to the nearest bfloat16 (ties to even; NaN to the quiet NaN 0x7FC0), still as float32: what
+// a store to a bf16 tensor and a load back give, 8 lanes at a time.
+inline __m256 round_to_bf16_8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd));
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  const __m256 kept = _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return _mm256_blendv_ps(kept, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+}
 #endif
