@@ -48,3 +48,12 @@ def test_rejects_bad_input():
         ops.greedy_sample(torch.randn(3, 4, 5))
     with pytest.raises(RuntimeError):
         ops.greedy_sample(torch.randn(3, 4).to(torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_many_equal_maxima_keep_the_first(dtype):
+    """Logits of three values: every row has its maximum in many lanes and vector sets at once."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randint(0, 3, (40, 4099), generator=generator).to(dtype)
+    logits[:, :200] = 0  # the first maximum is past the first vectors
+    assert torch.equal(ops.greedy_sample(logits), logits.argmax(dim=-1))

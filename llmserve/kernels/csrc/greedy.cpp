@@ -1,6 +1,6 @@
 // Greedy sampling: the index of each row's largest logit, the first of equal maxima as torch.argmax
-// returns it, in one pass over the row in 16-float vectors, with rows (or parts of a row, when there
-// are fewer rows than threads) shared among torch's threads.
+// returns it, in one pass over the row in 16-float vectors (AVX-512) or 4 x 8 (AVX2), with rows (or parts
+// of a row, when there are fewer rows than threads) shared among torch's threads.
 //
 // torch's CPU argmax reduces each row serially and does not share rows among threads: 100 rows of a
 // 49k vocabulary took 1.9 ms in float32 and 8.8 ms in bf16, and the Sampler first copied the logits
@@ -15,7 +15,7 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -43,6 +43,49 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#elif defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
+// AVX2: four independent sets of 8 lanes over 32 logits at a time (one compare-and-blend chain would
+// wait on its own latency), each lane keeping its first maximum, as in the AVX-512 loop.
+template <typename scalar_t>
+inline void lanes_max(const scalar_t* row, int64_t& i, int64_t end, Best& best) {
+  constexpr int kSets = 4;
+  __m256 lane_max[kSets];
+  __m256i lane_index[kSets], index[kSets];
+  for (int s = 0; s < kSets; ++s) {
+    lane_max[s] = _mm256_set1_ps(-INFINITY);
+    lane_index[s] = _mm256_set1_epi32(-1);
+    index[s] = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i + 8 * s)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  const __m256i step = _mm256_set1_epi32(8 * kSets);
+  for (; i + 8 * kSets <= end; i += 8 * kSets) {
+    for (int s = 0; s < kSets; ++s) {
+      const __m256 values = load8(row + i + 8 * s);
+      const __m256 greater = _mm256_cmp_ps(values, lane_max[s], _CMP_GT_OQ);
+      lane_max[s] = _mm256_blendv_ps(lane_max[s], values, greater);
+      lane_index[s] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(lane_index[s]), _mm256_castsi256_ps(index[s]), greater));
+      index[s] = _mm256_add_epi32(index[s], step);
+    }
+  }
+  // each lane holds its first maximum; of the lanes at the overall maximum, the smallest index wins
+  alignas(32) float values[8 * kSets];
+  alignas(32) int32_t indices[8 * kSets];
+  for (int s = 0; s < kSets; ++s) {
+    _mm256_store_ps(values + 8 * s, lane_max[s]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(indices + 8 * s), lane_index[s]);
+  }
+  for (int lane = 0; lane < 8 * kSets; ++lane) {
+    if (indices[lane] < 0) continue;
+    if (values[lane] > best.value || (values[lane] == best.value && indices[lane] < best.index)) {
+      best = {values[lane], indices[lane]};
+    }
+  }
 }
 #endif
 
@@ -77,8 +120,10 @@ Best part_max(const scalar_t* row, int64_t begin, int64_t end) {
       }
     }
   }
+#elif defined(__AVX2__)
+  if (end - begin >= 32) lanes_max(row, i, end, best);
 #endif
-  for (; i < end; ++i) {  // the tail (or everything without AVX-512): later indices win only if greater
+  for (; i < end; ++i) {  // the tail (or everything without vectors): later indices win only if greater
     const float value = to_float(row[i]);
     if (value > best.value) best = {value, i};
   }
