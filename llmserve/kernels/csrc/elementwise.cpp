@@ -231,16 +231,6 @@ inline __m256 swiglu8(__m256 gate, __m256 up, bool bf16) {
   return _mm256_mul_ps(silu, up);
 }
 
-template <typename scalar_t>
-inline __m256 load8(const scalar_t* x);
-template <>
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-template <>
-inline __m256 load8(const c10::BFloat16* x) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 inline void store8(float* dst, __m256 x) { _mm256_storeu_ps(dst, x); }
 inline void store8(c10::BFloat16* dst, __m256 x) {
   const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_to_bf16_8(x)), 16);

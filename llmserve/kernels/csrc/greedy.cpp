@@ -20,6 +20,7 @@
 #endif
 
 #include "kernels.h"
+#include "vector_math.h"
 
 namespace {
 
@@ -45,12 +46,6 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 #elif defined(__AVX2__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
 // AVX2: four independent sets of 8 lanes over 32 logits at a time (one compare-and-blend chain would
 // wait on its own latency), each lane keeping its first maximum, as in the AVX-512 loop.
 template <typename scalar_t>

@@ -42,13 +42,6 @@ constexpr int64_t kBlockRows = 8;  // output rows per packed block: one vector o
 
 #ifdef LLMSERVE_F32_LINEAR
 
-// 8 weights as float32: stored so, or as bf16 (the high half of a float32: widen and shift).
-inline __m256 load_weights(const float* w) { return _mm256_loadu_ps(w); }
-inline __m256 load_weights(const c10::BFloat16* w) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 // Outputs of blocks [first, first + R) for inputs x [M][K]; rows >= n_size are not written. (Without
 // LLMSERVE_UNROLL, GCC kept `acc` in memory and stored all R x M accumulators every k: a third of the
 // FMA rate.)
@@ -63,7 +56,7 @@ inline void linear_blocks(const float* x, const W* packed, float* out, int64_t k
   }
   for (int64_t k = 0; k < k_size; ++k) {
     __m256 column[R];
-    LLMSERVE_UNROLL for (int r = 0; r < R; ++r) column[r] = load_weights(weights[r] + k * kBlockRows);
+    LLMSERVE_UNROLL for (int r = 0; r < R; ++r) column[r] = load8(weights[r] + k * kBlockRows);
     LLMSERVE_UNROLL for (int m = 0; m < M; ++m) {
       const __m256 input = _mm256_broadcast_ss(x + m * k_size + k);
       LLMSERVE_UNROLL for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(column[r], input, acc[r][m]);

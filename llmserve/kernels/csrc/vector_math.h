@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <c10/util/BFloat16.h>
+
 // Fully unrolls the loop that follows before register allocation. Loops over a kernel's arrays of vector
 // accumulators need it: GCC 12 otherwise keeps such an array in memory and stores every element on
 // each iteration of the enclosing loop.
@@ -74,5 +76,16 @@ inline __m256 round_to_bf16_8(__m256 x) {
   const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
   const __m256 kept = _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   return _mm256_blendv_ps(kept, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+}
+#endif
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+// 8 values as float32 lanes: stored so, or as bf16 (the high half of a float32: widen and shift, exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 #endif
