@@ -29,6 +29,7 @@ _SOURCE_NAMES = (
     "elementwise.cpp",
     "kv_write.cpp",
     "decode_stack.cpp",
+    "draft_head.cpp",
     "greedy.cpp",
 )
 _CSRC = Path(__file__).parent / "csrc"

@@ -253,6 +253,32 @@ def test_drafts_end_where_the_chained_confidence_drops(head_llm, monkeypatch):
     assert len(request.draft_proposal.token_ids) == 3
 
 
+@pytest.mark.parametrize("min_confidence", [0.0, 0.05, 1.01])
+def test_the_compiled_chain_drafts_exactly_what_the_head_does_op_by_op(head_llm, min_confidence, monkeypatch):
+    """Greedy batches of up to 8 rows draft through kernels/csrc/draft_head.cpp in one call; its drafts
+    and per-step confidence flags equal the Python loop's bit for bit, including where the chain
+    stops early (most rows unsure) or at once (no row sure)."""
+    proposer = head_llm.engine.model_runner.head_drafter
+    chain = proposer._compiled_chain()
+    if chain is None:
+        pytest.skip("no compiled kernels for the head here")
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 3, 8):
+        features = torch.randn(rows, 64, generator=generator) * 3
+        tokens = proposer.head.vocab_ids[torch.randint(0, 512, (rows,), generator=generator)]
+        counts = [3] * rows
+        monkeypatch.setattr(proposer, "min_confidence", min_confidence)
+        with torch.inference_mode():
+            drafts, confident = chain.greedy(features, tokens, 3, min_confidence)
+            expected_drafts, expected_confident, _ = proposer._run(
+                features, tokens, [None] * rows, [[0]] * rows, counts, sampling=False
+            )
+        assert torch.equal(drafts, expected_drafts)
+        assert torch.equal(confident, expected_confident)
+        if min_confidence > 1:
+            assert drafts.shape == (rows, 1) and not confident.any()
+
+
 def test_requests_that_prompt_lookup_continues_get_no_head_proposal(target_dir, other_draft_dir, draft_head):
     llm = make_llm(target_dir, **spec_kwargs("draft_head", target_dir, other_draft_dir, draft_head))
     proposer = llm.engine.model_runner.head_drafter

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "decode_stack.h"
+#include "draft_head.h"
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -34,5 +35,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
                           int64_t, int64_t, double, double>())
       .def("forward", &DecodeStack::forward);
+  pybind11::class_<DraftHeadChain>(m, "DraftHeadChain", "A draft head's greedy drafting steps, one call")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                          torch::Tensor, torch::Tensor, torch::Tensor, int64_t, double>())
+      .def("greedy", &DraftHeadChain::greedy);
   m.def("small_batch_linear_supported", &small_batch_linear_supported, "Whether small_batch_linear was compiled in");
 }

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
+from llmserve.kernels.cpu_ops import cpu_ops_for
+from llmserve.kernels.small_batch_linear import MAX_ROWS
 from llmserve.models.layers.norm import RMSNorm
 from llmserve.request import Request
 from llmserve.sample.sampler import greedy_token_ids
@@ -181,6 +183,7 @@ class DraftHeadProposer:
         self.vocab_size = vocab_size
         self.lookup = lookup  # the planner's prompt lookup, whose drafts win where it finds a match
         self.min_confidence = min_confidence
+        self._chain = None  # the compiled greedy chain once built (False: none here), see _compiled_chain
         # The lm_head rows of the vocabulary subset: logits for the tokens the head can propose.
         weight = subset_lm_head_weight(target, head.vocab_ids).to(head.fc_in.weight.dtype)
         self.subset_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
@@ -212,6 +215,33 @@ class DraftHeadProposer:
         feature = features[rows] if len(rows) < len(features) else features
         tokens = torch.tensor([ids[-1] for ids in new_token_ids], dtype=torch.int64, device=feature.device)
         sampling = not all(r.sampling_params.is_greedy for r in requests)
+        chain = None if sampling or len(requests) > MAX_ROWS else self._compiled_chain()
+        if chain is not None:
+            drafts, confident = chain.greedy(feature, tokens, max(counts), self.min_confidence)
+            probs = []
+        else:
+            drafts, confident, probs = self._run(feature, tokens, requests, new_token_ids, counts, sampling)
+        lengths = confident.cumprod(dim=1).sum(dim=1).tolist()
+        draft_ids = drafts.tolist()  # the host sync
+        for i, (request, count, length) in enumerate(zip(requests, counts, lengths, strict=True)):
+            k = min(count, length)
+            q = None
+            if k and sampling and not request.sampling_params.is_greedy:
+                q = torch.stack([step_probs[i] for step_probs in probs[:k]])
+            num_tokens = request.num_tokens + len(new_token_ids[i])
+            request.draft_proposal = DraftProposal(num_tokens, draft_ids[i][:k], q)
+
+    def _run(
+        self,
+        feature: torch.Tensor,
+        tokens: torch.Tensor,
+        requests: list[Request],
+        new_token_ids: list[list[int]],
+        counts: list[int],
+        sampling: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The head's steps op by op: drafts [B, steps], whether each row's chained confidence held
+        there [B, steps], and when some request samples the q of each step ([B, V] per step)."""
         drafts: list[torch.Tensor] = []  # [B] per draft position
         probs: list[torch.Tensor] = []  # [B, V] per draft position, when some request samples
         confident: list[torch.Tensor] = []  # [B] per draft position: the chained confidence holds
@@ -224,7 +254,9 @@ class DraftHeadProposer:
                 # draws do not depend on how long the others in the batch draft.
                 still = (chained >= self.min_confidence).tolist()
                 drafting = [step < k and c for k, c in zip(counts, still, strict=True)]
-                tokens_before = [ids + d for ids, d in zip(new_token_ids, _so_far(drafts, rows), strict=True)]
+                tokens_before = [
+                    ids + d for ids, d in zip(new_token_ids, _so_far(drafts, len(requests)), strict=True)
+                ]
                 tokens, step_probs = self._sample(logits, requests, tokens_before, drafting)
                 probs.append(step_probs)
             else:
@@ -234,15 +266,32 @@ class DraftHeadProposer:
             confident.append(chained >= self.min_confidence)
             if not bool(confident[-1].any()):  # a host sync per draft position, cheap next to a step
                 break
-        lengths = torch.stack(confident, dim=1).cumprod(dim=1).sum(dim=1).tolist()
-        draft_ids = torch.stack(drafts, dim=1).tolist()  # the host sync
-        for i, (request, count, length) in enumerate(zip(requests, counts, lengths, strict=True)):
-            k = min(count, length)
-            q = None
-            if k and sampling and not request.sampling_params.is_greedy:
-                q = torch.stack([step_probs[i] for step_probs in probs[:k]])
-            num_tokens = request.num_tokens + len(new_token_ids[i])
-            request.draft_proposal = DraftProposal(num_tokens, draft_ids[i][:k], q)
+        return torch.stack(drafts, dim=1), torch.stack(confident, dim=1), probs
+
+    def _compiled_chain(self):
+        """The compiled greedy chain (kernels/csrc/draft_head.cpp) over this head's kernel-packed
+        weights, or None where the head's linears are not on the small-batch kernels (no compiled
+        kernels, not a CPU, a dtype they do not take)."""
+        if self._chain is None:
+            self._chain = False
+            linears = (self.head.fc_in, self.head.fc_out, self.subset_head)
+            packed = [getattr(module, "small_batch_weight", None) for module in linears]
+            ops = cpu_ops_for(self.subset_head.weight)
+            if ops is not None and all(weight is not None for weight in packed):
+                self._chain = ops.DraftHeadChain(
+                    self.embed_tokens.weight.detach(),
+                    self.head.token_norm.weight.detach(),
+                    packed[0],
+                    self.head.fc_in.bias.detach(),
+                    packed[1],
+                    self.head.fc_out.bias.detach(),
+                    self.head.out_norm.weight.detach(),
+                    packed[2],
+                    self.head.vocab_ids,
+                    self.head.intermediate_size,
+                    self.head.out_norm.eps,
+                )
+        return self._chain or None
 
     def _num_drafts(self, request: Request, new_token_ids: list[int]) -> int:
         k = request.sampling_params.num_speculative_tokens
@@ -276,10 +325,10 @@ class DraftHeadProposer:
         return torch.where(greedy, greedy_ids, exponential_race(probs, noise)), probs
 
 
-def _so_far(drafts: list[torch.Tensor], rows: list[int]) -> list[list[int]]:
+def _so_far(drafts: list[torch.Tensor], num_rows: int) -> list[list[int]]:
     """Per row, the drafts proposed so far (`drafts`: one [B] tensor per draft position)."""
     if not drafts:
-        return [[] for _ in rows]
+        return [[] for _ in range(num_rows)]
     return torch.stack(drafts, dim=1).tolist()
 
 

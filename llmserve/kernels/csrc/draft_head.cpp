@@ -1,0 +1,71 @@
+// A draft head's greedy drafts (spec_decode/proposers/draft_head.py), every step in one call.
+//
+// A head step is a dozen small ops on one to eight rows (embedding, two norms, two linears, SiLU, the
+// subset logits, the argmax and the chained confidence); from Python they cost about 1 ms of dispatch
+// per three drafts, as much as their kernels. This runs the same kernels in the same order as
+// DraftHead.forward and DraftHeadProposer.propose's greedy loop (rms_norm, small_batch_linear[_f32]
+// plus the bias, silu, the residual add, greedy_sample, softmax and amax in float32), so its drafts
+// and confidences are bit-identical to that loop (tested); only the dispatch goes.
+#include "draft_head.h"
+
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+// x W^T + b through the small-batch kernel of x's dtype (what PackedLinear or SmallBatchLinear runs).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias,
+                     int64_t out_features) {
+  auto out = x.scalar_type() == torch::kFloat ? small_batch_linear_f32(x, packed, out_features)
+                                              : small_batch_linear(x, packed, out_features);
+  return bias.defined() && bias.numel() ? out + bias : out;
+}
+
+}  // namespace
+
+DraftHeadChain::DraftHeadChain(torch::Tensor embed_weight, torch::Tensor token_norm, torch::Tensor fc_in,
+                               torch::Tensor fc_in_bias, torch::Tensor fc_out, torch::Tensor fc_out_bias,
+                               torch::Tensor out_norm, torch::Tensor subset_head, torch::Tensor vocab_ids,
+                               int64_t intermediate_size, double eps)
+    : embed_weight_(std::move(embed_weight)),
+      token_norm_(std::move(token_norm)),
+      fc_in_(std::move(fc_in)),
+      fc_in_bias_(std::move(fc_in_bias)),
+      fc_out_(std::move(fc_out)),
+      fc_out_bias_(std::move(fc_out_bias)),
+      out_norm_(std::move(out_norm)),
+      subset_head_(std::move(subset_head)),
+      vocab_ids_(std::move(vocab_ids)),
+      intermediate_size_(intermediate_size),
+      hidden_size_(out_norm_.numel()),
+      subset_size_(vocab_ids_.numel()),
+      eps_(eps) {
+  TORCH_CHECK(embed_weight_.dim() == 2 && embed_weight_.size(1) == hidden_size_,
+              "DraftHeadChain: the embedding must be [vocab, hidden_size]");
+  TORCH_CHECK(vocab_ids_.scalar_type() == torch::kLong, "DraftHeadChain: vocab_ids must be int64");
+}
+
+std::tuple<torch::Tensor, torch::Tensor> DraftHeadChain::greedy(torch::Tensor feature, torch::Tensor tokens,
+                                                                int64_t max_steps, double min_confidence) const {
+  TORCH_CHECK(feature.dim() == 2 && feature.size(1) == hidden_size_ && feature.size(0) >= 1 && feature.size(0) <= 8,
+              "DraftHeadChain.greedy: feature must be [1-8, hidden_size]");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == feature.size(0) && tokens.scalar_type() == torch::kLong,
+              "DraftHeadChain.greedy: tokens must be [rows] int64");
+  TORCH_CHECK(max_steps >= 1, "DraftHeadChain.greedy: max_steps must be >= 1");
+  feature = feature.contiguous();
+  std::vector<torch::Tensor> drafts, confident;
+  auto chained = torch::ones({feature.size(0)}, feature.options().dtype(torch::kFloat));
+  for (int64_t step = 0; step < max_steps; ++step) {
+    auto embedded = rms_norm(embed_weight_.index_select(0, tokens), token_norm_, eps_);
+    auto hidden = torch::silu(linear(torch::cat({feature, embedded}, 1), fc_in_, fc_in_bias_, intermediate_size_));
+    feature = rms_norm(feature + linear(hidden, fc_out_, fc_out_bias_, hidden_size_), out_norm_, eps_);
+    auto logits = linear(feature, subset_head_, torch::Tensor(), subset_size_);
+    tokens = vocab_ids_.index_select(0, greedy_sample(logits));
+    chained = chained * torch::softmax(logits.to(torch::kFloat), -1).amax(-1);
+    drafts.push_back(tokens);
+    confident.push_back(chained >= min_confidence);
+    if (!confident.back().any().item<bool>()) break;
+  }
+  return {torch::stack(drafts, 1), torch::stack(confident, 1)};
+}
