@@ -268,7 +268,7 @@ class DraftHeadProposer:
                 break
         return torch.stack(drafts, dim=1), torch.stack(confident, dim=1), probs
 
-    def _compiled_chain(self):
+    def _compiled_chain(self) -> object | None:
         """The compiled greedy chain (kernels/csrc/draft_head.cpp) over this head's kernel-packed
         weights, or None where the head's linears are not on the small-batch kernels (no compiled
         kernels, not a CPU, a dtype they do not take)."""
