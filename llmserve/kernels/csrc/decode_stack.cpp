@@ -12,21 +12,14 @@
 #include "decode_stack.h"
 #include "kernels.h"
 
-namespace {
-
-// x W^T through the small-batch kernel of W's format (what SmallBatchLinear, PackedLinear,
-// Int8PackedKernel or Int4PackedKernel runs): int8 has scales per row [N] or per 32 columns [blocks,
-// groups, 32], int4 its [blocks, groups, 2, 32] parameters.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
-                     int64_t out_features) {
-  if (weight.scalar_type() == torch::kFloat) return small_batch_linear_f32(x, weight, out_features);
+torch::Tensor small_batch_linear_packed(const torch::Tensor& x, const torch::Tensor& weight,
+                                        const torch::Tensor& scales, int64_t out_features) {
+  if (x.scalar_type() == torch::kFloat) return small_batch_linear_f32(x, weight, out_features);
   if (weight.scalar_type() == torch::kByte && scales.dim() == 4)
     return small_batch_linear_int4(x, weight, scales, out_features);
   if (weight.scalar_type() == torch::kByte) return small_batch_linear_int8(x, weight, scales, out_features);
   return small_batch_linear(x, weight, out_features);
 }
-
-}  // namespace
 
 DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
                          torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -59,7 +52,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
                  gate_up_scales, down_weight, down_scales, key_cache, value_cache] =
         std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12]);
     // attention block
-    auto qkv = linear(rms_norm(hidden, input_norm, eps_), qkv_weight, qkv_scales, qkv_size);
+    auto qkv = small_batch_linear_packed(rms_norm(hidden, input_norm, eps_), qkv_weight, qkv_scales, qkv_size);
     if (qkv_bias.defined() && qkv_bias.numel()) qkv = qkv + qkv_bias;
     auto query = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
     auto value = qkv.narrow(1, q_size + kv_size, kv_size);
@@ -69,11 +62,11 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
     auto attention = paged_attention(query.view({tokens, num_heads_, head_dim_}).contiguous(), key_cache,
                                      value_cache, block_tables, seq_lens, query_starts, block_size, scale_,
                                      /*kv_format=*/0, sinks, window);
-    auto attention_out = linear(attention.view({tokens, q_size}), o_weight, o_scales, hidden_size_);
+    auto attention_out = small_batch_linear_packed(attention.view({tokens, q_size}), o_weight, o_scales, hidden_size_);
     // attention_out becomes the residual stream; its norm feeds the MLP
     auto normed = add_rms_norm(attention_out, hidden, post_norm, eps_);
-    auto gate_up = linear(normed, gate_up_weight, gate_up_scales, 2 * intermediate_size_);
-    hidden = attention_out + linear(silu_and_mul(gate_up), down_weight, down_scales, hidden_size_);
+    auto gate_up = small_batch_linear_packed(normed, gate_up_weight, gate_up_scales, 2 * intermediate_size_);
+    hidden = attention_out + small_batch_linear_packed(silu_and_mul(gate_up), down_weight, down_scales, hidden_size_);
   }
   return rms_norm(hidden, final_norm_, eps_);
 }

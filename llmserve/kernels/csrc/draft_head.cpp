@@ -14,12 +14,11 @@
 
 namespace {
 
-// x W^T + b through the small-batch kernel of x's dtype (what PackedLinear or SmallBatchLinear runs).
+// x W^T + b (a head's linears have biases; the subset logits pass an empty one).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias,
                      int64_t out_features) {
-  auto out = x.scalar_type() == torch::kFloat ? small_batch_linear_f32(x, packed, out_features)
-                                              : small_batch_linear(x, packed, out_features);
-  return bias.defined() && bias.numel() ? out + bias : out;
+  auto out = small_batch_linear_packed(x, packed, torch::Tensor(), out_features);
+  return bias.defined() ? out + bias : out;
 }
 
 }  // namespace
