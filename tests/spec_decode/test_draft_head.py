@@ -257,12 +257,14 @@ def test_drafts_end_where_the_chained_confidence_drops(head_llm, monkeypatch):
 def test_the_compiled_chain_drafts_exactly_what_the_head_does_op_by_op(head_llm, min_confidence, monkeypatch):
     """Greedy batches of up to 8 rows draft through kernels/csrc/draft_head.cpp in one call; its drafts
     and per-step confidence flags equal the Python loop's bit for bit, including where the chain
-    stops early (most rows unsure) or at once (no row sure)."""
+    stops early (no row sure any more), where some rows stop while others go on, and where it stops
+    at once (no row sure)."""
     proposer = head_llm.engine.model_runner.head_drafter
-    chain = proposer._compiled_chain()
+    chain = proposer.compiled_chain
     if chain is None:
         pytest.skip("no compiled kernels for the head here")
     generator = torch.Generator().manual_seed(0)
+    stopped_early = mixed = False
     for rows in (1, 3, 8):
         features = torch.randn(rows, 64, generator=generator) * 3
         tokens = proposer.head.vocab_ids[torch.randint(0, 512, (rows,), generator=generator)]
@@ -277,6 +279,10 @@ def test_the_compiled_chain_drafts_exactly_what_the_head_does_op_by_op(head_llm,
         assert torch.equal(confident, expected_confident)
         if min_confidence > 1:
             assert drafts.shape == (rows, 1) and not confident.any()
+        stopped_early |= drafts.shape[1] < 3
+        mixed |= bool(confident[:, -1].any()) and not bool(confident.all())
+    if min_confidence == 0.05:  # the cases the docstring names were met, not just the trivial ones
+        assert stopped_early and mixed
 
 
 def test_requests_that_prompt_lookup_continues_get_no_head_proposal(target_dir, other_draft_dir, draft_head):

@@ -20,6 +20,7 @@ one for the default model (spec_decode/heads/).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -183,7 +184,6 @@ class DraftHeadProposer:
         self.vocab_size = vocab_size
         self.lookup = lookup  # the planner's prompt lookup, whose drafts win where it finds a match
         self.min_confidence = min_confidence
-        self._chain = None  # the compiled greedy chain once built (False: none here), see _compiled_chain
         # The lm_head rows of the vocabulary subset: logits for the tokens the head can propose.
         weight = subset_lm_head_weight(target, head.vocab_ids).to(head.fc_in.weight.dtype)
         self.subset_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
@@ -215,7 +215,7 @@ class DraftHeadProposer:
         feature = features[rows] if len(rows) < len(features) else features
         tokens = torch.tensor([ids[-1] for ids in new_token_ids], dtype=torch.int64, device=feature.device)
         sampling = not all(r.sampling_params.is_greedy for r in requests)
-        chain = None if sampling or len(requests) > MAX_ROWS else self._compiled_chain()
+        chain = None if sampling or len(requests) > MAX_ROWS else self.compiled_chain
         if chain is not None:
             drafts, confident = chain.greedy(feature, tokens, max(counts), self.min_confidence)
             probs = []
@@ -268,30 +268,30 @@ class DraftHeadProposer:
                 break
         return torch.stack(drafts, dim=1), torch.stack(confident, dim=1), probs
 
-    def _compiled_chain(self) -> object | None:
+    @functools.cached_property
+    def compiled_chain(self) -> object | None:
         """The compiled greedy chain (kernels/csrc/draft_head.cpp) over this head's kernel-packed
         weights, or None where the head's linears are not on the small-batch kernels (no compiled
-        kernels, not a CPU, a dtype they do not take)."""
-        if self._chain is None:
-            self._chain = False
-            linears = (self.head.fc_in, self.head.fc_out, self.subset_head)
-            packed = [getattr(module, "small_batch_weight", None) for module in linears]
-            ops = cpu_ops_for(self.subset_head.weight)
-            if ops is not None and all(weight is not None for weight in packed):
-                self._chain = ops.DraftHeadChain(
-                    self.embed_tokens.weight.detach(),
-                    self.head.token_norm.weight.detach(),
-                    packed[0],
-                    self.head.fc_in.bias.detach(),
-                    packed[1],
-                    self.head.fc_out.bias.detach(),
-                    self.head.out_norm.weight.detach(),
-                    packed[2],
-                    self.head.vocab_ids,
-                    self.head.intermediate_size,
-                    self.head.out_norm.eps,
-                )
-        return self._chain or None
+        kernels, not a CPU, a dtype they do not take). Built on first use: the engine swaps the
+        head's linears to their kernels after creating this proposer."""
+        linears = (self.head.fc_in, self.head.fc_out, self.subset_head)
+        packed = [getattr(module, "small_batch_weight", None) for module in linears]
+        ops = cpu_ops_for(self.subset_head.weight)
+        if ops is None or any(weight is None for weight in packed):
+            return None
+        return ops.DraftHeadChain(
+            self.embed_tokens.weight.detach(),
+            self.head.token_norm.weight.detach(),
+            packed[0],
+            self.head.fc_in.bias.detach(),
+            packed[1],
+            self.head.fc_out.bias.detach(),
+            self.head.out_norm.weight.detach(),
+            packed[2],
+            self.head.vocab_ids,
+            self.head.intermediate_size,
+            self.head.out_norm.eps,
+        )
 
     def _num_drafts(self, request: Request, new_token_ids: list[int]) -> int:
         k = request.sampling_params.num_speculative_tokens
