@@ -179,7 +179,7 @@ class EngineArgs:
         None, "draft_head: drafts per step from the head at most (default 3; prompt lookup may propose K)"
     )
     prompt_lookup_min: int = _arg(2, "ngram, draft_head: shortest suffix that may match the earlier text")
-    prompt_lookup_max: int = _arg(4, "ngram, draft_head: longest suffix tried first (draft_head: 0 = none)")
+    prompt_lookup_max: int = _arg(6, "ngram, draft_head: longest suffix tried first (draft_head: 0 = none)")
     speculative_disable_batch_size: int = _arg(
         4, "propose nothing while more requests than this run (0: always speculate)"
     )

@@ -586,7 +586,7 @@ def _add_spec_decode(commands) -> None:
     parser.add_argument(
         "--early-exit-layers", type=_positive_ints, default=None, help="early-exit depths, e.g. 8,12,16"
     )
-    parser.add_argument("--num-prompts", type=int, default=8, help="prompts per latency workload")
+    parser.add_argument("--num-prompts", type=int, default=32, help="prompts per latency workload")
     parser.add_argument("--document-len", type=int, default=400, help="tokens of each grounded document")
     parser.add_argument("--max-tokens", type=int, default=128, help="latency: tokens at most (EOS ends)")
     parser.add_argument("--batch-sizes", type=_positive_ints, default=[1, 4, 16, 64])

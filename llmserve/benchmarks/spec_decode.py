@@ -44,6 +44,30 @@ CHAT_PROMPTS = (
     "Describe your ideal weekend.",
     "How do I make a simple tomato sauce?",
     "Write a poem about autumn leaves.",
+    "What is a good routine for studying for exams?",
+    "Write a letter to a friend who moved to another country.",
+    "How does a lock and key actually work?",
+    "Invent three new flavours of ice cream and describe them.",
+    "Should I repair my old laptop or buy a new one?",
+    "Invent a legend about how the moon got its craters.",
+    "How can I be more patient with my children?",
+    "Explain how a sailboat can move against the wind.",
+    "How do I choose a good flat to rent in a new city?",
+    "Compose a toast for my sister's wedding.",
+    "Why does bread go stale?",
+    "What are some easy houseplants for a dark apartment?",
+    "Describe the view from the top of a lighthouse at dawn.",
+    "How do I ask my manager for a raise?",
+    "Write a short fable about a fox and a crow who share a secret.",
+    "How do I teach a teenager to cook five simple meals?",
+    "Why do some people find mathematics beautiful?",
+    "Give me advice for my first day at university.",
+    "Write a speech for a retiring school bus driver.",
+    "How do I keep my bicycle in good shape?",
+    "What are some fun things to do on a snowy day?",
+    "Write a diary entry from the point of view of an old tree.",
+    "How can a small town attract more visitors?",
+    "What should I think about before adopting a dog?",
 )
 LATENCY_COLUMNS = (
     "workload", "method", "ms_per_token", "speedup", "acceptance_rate", "mean_accepted_length",
@@ -318,7 +342,7 @@ def warm_up(llm, prompt: Sequence[int]) -> None:
 class SpecBenchConfig:
     methods: tuple[Method, ...]  # "none" first
     throughput_method: str  # the method measured on / auto in the throughput part ("" skips it)
-    num_prompts: int = 8  # per latency workload
+    num_prompts: int = 32  # per latency workload (per-prompt speedups spread widely: 8 is too few)
     document_len: int = 400  # tokens of each grounded prompt's document
     max_tokens: int = 128  # latency: at most this many tokens (EOS ends earlier)
     batch_sizes: tuple[int, ...] = (1, 4, 16, 64)

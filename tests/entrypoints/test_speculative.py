@@ -134,5 +134,5 @@ def test_bad_speculative_flags_are_one_line_errors(tiny_model_dir, capsys):
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        "llmserve: error: need 1 <= prompt_lookup_min <= prompt_lookup_max, got 9 and 4"
+        "llmserve: error: need 1 <= prompt_lookup_min <= prompt_lookup_max, got 9 and 6"
     ]
