@@ -95,7 +95,9 @@ def positions(record: dict, max_n: int, horizon: int = 7) -> list[tuple]:
     return result
 
 
-def modelled_speedup(answers: list[list[tuple]], row_cost: float, min_n: int = 2, use_head: bool = True) -> float:
+def modelled_speedup(
+    answers: list[list[tuple]], row_cost: float, min_n: int = 2, use_head: bool = True
+) -> float:
     """Tokens per plain-step cost, walking each answer with lookup (2 ** n drafts after an n-token
     match, at most 7) where it matches and the head elsewhere."""
     tokens = cost = 0.0
@@ -131,7 +133,8 @@ def main() -> None:
     for max_n in (4, 5, 6, 8, 12):
         answers = [positions(record, max_n) for record in records]
         cells = [
-            f"row {row}: {modelled_speedup(answers, row):.3f} / {modelled_speedup(answers, row, use_head=False):.3f}"
+            f"row {row}: {modelled_speedup(answers, row):.3f} / "
+            f"{modelled_speedup(answers, row, use_head=False):.3f}"
             for row in row_costs
         ]
         print(f"max n {max_n:2d}  " + "  ".join(cells))
