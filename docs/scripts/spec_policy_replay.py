@@ -25,6 +25,7 @@ from llmserve.benchmarks.spec_decode import grounded_prompts
 from llmserve.benchmarks.workload import TokenCorpus
 from llmserve.spec_decode.head_training import TrainingText, collect_features
 from llmserve.spec_decode.proposers.draft_head import load_draft_head, packaged_draft_head
+from llmserve.spec_decode.proposers.ngram import NgramProposer
 
 HEAD_DEPTH, HEAD_TAU = 3, 0.2
 HEAD_FIXED, HEAD_PER_STEP = 0.022, 0.019  # a head chain's cost in plain steps
@@ -61,30 +62,15 @@ def collect(llm: LLM, seed: int, count: int) -> list[dict]:
     return records
 
 
-def longest_match(tokens: np.ndarray, max_n: int) -> tuple[int, int]:
-    """Prompt lookup's match (NgramProposer._longest_match): length and the latest end."""
-    last = len(tokens) - 1
-    ends = np.flatnonzero(tokens[:last] == tokens[last])
-    if len(ends) == 0:
-        return 0, -1
-    length = 1
-    while length < max_n:
-        before = ends - length
-        longer = ends[(before >= 0) & (tokens[np.maximum(before, 0)] == tokens[last - length])]
-        if len(longer) == 0:
-            break
-        ends, length = longer, length + 1
-    return length, int(ends[-1])
-
-
 def positions(record: dict, max_n: int, horizon: int = 7) -> list[tuple]:
     """From each position: lookup's match length and how many of its drafts are right, the head's
     confidences and how many of its drafts are right, and the tokens left in the answer."""
     sequence, start = record["sequence"], record["start"]
+    lookup = NgramProposer(1, max_n)
     result = []
     for p in range(start, len(sequence)):
         truth = sequence[p + 1 : p + 1 + horizon]
-        length, end = longest_match(sequence[: p + 1], max_n)
+        length, end = lookup._longest_match(sequence[: p + 1])
         right = 0
         if length:
             continuation = sequence[end + 1 + np.arange(horizon) % (p - end)]
@@ -144,7 +130,8 @@ def main() -> None:
     for size in (8, 16):
         blocks = [answers[i : i + size] for i in range(0, len(answers) - size + 1, size)]
         pooled = [modelled_speedup(block, row_costs[len(row_costs) // 2]) for block in blocks]
-        print(f"blocks of {size} prompts:", " ".join(f"{s:.3f}" for s in pooled))
+        if pooled:
+            print(f"blocks of {size} prompts:", " ".join(f"{s:.3f}" for s in pooled))
 
 
 if __name__ == "__main__":
