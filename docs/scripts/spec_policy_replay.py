@@ -19,6 +19,7 @@ import argparse
 
 import numpy as np
 import torch
+from draft_head_simulation import chains  # this folder's script (the head's greedy chain)
 
 from llmserve import LLM, SamplingParams
 from llmserve.benchmarks.spec_decode import grounded_prompts
@@ -41,24 +42,14 @@ def collect(llm: LLM, seed: int, count: int) -> list[dict]:
     features = collect_features(llm, text)
     target = llm.engine.model_runner.model
     head = load_draft_head(packaged_draft_head(), target, torch.float32, torch.device("cpu"))
-    subset = target.lm_head.weight[head.vocab_ids].float()
     records = []
     for sequence, start, feature in zip(sequences, text.num_prompt_tokens, features, strict=True):
         sequence = np.asarray(sequence)
-        positions = np.arange(start, len(sequence))  # the last known token's index
-        hidden, tokens = feature[positions - 1].float(), torch.from_numpy(sequence[positions])
-        drafts, confidence, chained = [], [], torch.ones(len(positions))
-        for _ in range(HEAD_DEPTH):
-            hidden = head(hidden, target.model.embed_tokens(tokens))
-            top, index = (hidden @ subset.T).softmax(dim=-1).max(dim=-1)
-            chained = chained * top
-            tokens = head.vocab_ids[index]
-            drafts.append(tokens)
-            confidence.append(chained.clone())
-        records.append({
-            "sequence": sequence, "start": start,
-            "drafts": torch.stack(drafts, 1).numpy(), "confidence": torch.stack(confidence, 1).numpy(),
-        })  # fmt: skip
+        known = np.arange(start, len(sequence))  # the last known token's index at each decode step
+        drafts, confidence = chains(
+            head, target, feature[known - 1].float(), torch.from_numpy(sequence[known]), HEAD_DEPTH
+        )
+        records.append({"sequence": sequence, "start": start, "drafts": drafts, "confidence": confidence})
     return records
 
 
@@ -92,7 +83,7 @@ def modelled_speedup(
         while p < len(answer):
             length, right, confidence, head_right, remaining = answer[p]
             if length >= min_n:
-                drafts = min(2**length, 7)
+                drafts = min(2**length, 7)  # NgramProposer's rule, written out here to be varied
                 accepted = min(right, drafts)
             elif use_head:
                 drafts = int(np.cumprod(confidence >= HEAD_TAU).sum())
