@@ -46,6 +46,7 @@ class AsyncLLM:
         fork: bool = False,
         engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
         fork_closes: Sequence[int] = (),
+        while_loading: Callable[[], None] | None = None,
     ) -> None:
         """Start the engine process and wait until its model is loaded.
 
@@ -54,7 +55,8 @@ class AsyncLLM:
         OpenMP's worker threads do not survive a fork and the child's first parallel region hangs.
         The server forks before anything runs; everything else gets the default, spawn. A forked
         child inherits every descriptor: it closes this side's pipe ends (else it would never see
-        this process exit) and `fork_closes` (the server's listening socket).
+        this process exit) and `fork_closes` (the server's listening socket). `while_loading` is
+        this process's own start-up work (the server's imports), run while the model loads.
         """
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self.gauges = EngineGauges()
@@ -83,8 +85,12 @@ class AsyncLLM:
         engine_commands.close()  # the child's ends: closing ours lets each side see the other exit
         engine_outputs.close()
         try:
-            # The tokenizer loads here while the engine process loads the model, on the other core.
+            if while_loading is not None:
+                while_loading()
+            # The tokenizer loads here while the engine process loads the model, on the other core,
+            # with what renders chat templates (not left to the first chat request).
             self.tokenizer = load_tokenizer(resolve_model_path(engine_args.model))
+            self.tokenizer.load_chat_template()
             self.config: EngineConfig = self._wait_until_ready()
         except BaseException:
             self._process.kill()

@@ -2,14 +2,20 @@
 
 For a GGUF, transformers builds the tokenizer from the vocabulary and merges in its metadata, which
 takes seconds; the result is saved in the model cache (keyed like the weights) and loaded from there
-on later starts in a fraction of a second.
+on later starts. That saved `tokenizer.json` is the very `tokenizers` object transformers built, so
+a cached tokenizer encodes and decodes on it directly and transformers loads only when `.hf` is
+first needed (the chat template): importing it and building its tokenizer costs 1.5-2 s on the
+2-core machine, and the engine process, which only decodes, would pay that on the start-up's
+critical path (docs/benchmarks.md, "Session 16").
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmserve.model_loader import weights_cache
@@ -18,6 +24,7 @@ from llmserve.model_loader.errors import ModelLoadError, describe
 from llmserve.model_loader.weights import load_arch_config
 
 if TYPE_CHECKING:
+    import tokenizers
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -26,22 +33,56 @@ _TOKENIZER_DIR = "tokenizer"
 
 
 class Tokenizer:
-    """The tokenizer calls the engine makes; `.hf` is the underlying transformers tokenizer."""
+    """The tokenizer calls the engine makes; `.hf` is the underlying transformers tokenizer.
 
-    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...]) -> None:
-        self.hf = hf
+    With a `backend` (a cached tokenizer: module docstring) encode, decode and token lookups run on
+    it, and `.hf` is built by `load_hf` on first use; without one every call goes to `.hf`.
+    """
+
+    def __init__(
+        self,
+        eos_token_ids: tuple[int, ...],
+        bos_token_id: int | None,
+        vocab_size: int,
+        load_hf: Callable[[], PreTrainedTokenizerBase],
+        backend: tokenizers.Tokenizer | None = None,
+    ) -> None:
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
-        self.bos_token_id: int | None = hf.bos_token_id
-        self.vocab_size: int = len(hf)  # includes added tokens, unlike hf.vocab_size
-        self.all_special_ids: tuple[int, ...] = tuple(hf.all_special_ids)
+        self.bos_token_id = bos_token_id
+        self.vocab_size = vocab_size  # includes added tokens, unlike hf.vocab_size
+        self._load_hf = load_hf
+        self._hf: PreTrainedTokenizerBase | None = None
+        self._backend = backend
+
+    @classmethod
+    def from_hf(cls, hf: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...]) -> Tokenizer:
+        tokenizer = cls(eos_token_ids, hf.bos_token_id, len(hf), lambda: hf)
+        tokenizer._hf = hf
+        return tokenizer
+
+    @property
+    def hf(self) -> PreTrainedTokenizerBase:
+        if self._hf is None:
+            self._hf = self._load_hf()
+        return self._hf
+
+    def load_chat_template(self) -> None:
+        """Build `.hf` (which renders the chat template) now, if it is not built yet."""
+        _ = self.hf
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        if self._backend is not None:
+            return [self._backend.id_to_token(token_id) for token_id in ids]
         return self.hf.convert_ids_to_tokens(list(ids))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -82,12 +123,57 @@ def load_tokenizer(path: str, eos_token_ids: tuple[int, ...] | None = None) -> T
     over config.json), then to the tokenizer's eos token.
     """
     path = resolve_model_path(path)
-    hf = _load_hf_tokenizer(path)
     if eos_token_ids is None:
         eos_token_ids = load_arch_config(path).eos_token_ids
+    if is_gguf(path) and (tokenizer := _cached_gguf_tokenizer(path, eos_token_ids)) is not None:
+        return tokenizer
+    hf = _load_hf_tokenizer(path)
     if not eos_token_ids and hf.eos_token_id is not None:
         eos_token_ids = (hf.eos_token_id,)
-    return Tokenizer(hf, tuple(eos_token_ids))
+    return Tokenizer.from_hf(hf, tuple(eos_token_ids))
+
+
+def _cached_gguf_tokenizer(path: str, eos_token_ids: tuple[int, ...]) -> Tokenizer | None:
+    """The cached conversion on the `tokenizers` backend, or None (a miss, or an entry that does
+    not hold one fast tokenizer with transformers' default decoding)."""
+    import tokenizers
+
+    cached = weights_cache.cached_dir(path, _TOKENIZER_DIR)
+    if cached is None:
+        return None
+    try:
+        config = json.loads((cached / "tokenizer_config.json").read_text())
+        if config.get("tokenizer_class") != "TokenizersBackend" or config.get("clean_up_tokenization_spaces"):
+            return None
+        backend = tokenizers.Tokenizer.from_file(str(cached / "tokenizer.json"))
+    except Exception as error:  # a damaged entry: transformers' path converts again and replaces it
+        logger.warning("ignoring the unreadable cached tokenizer %s (%s)", cached, describe(error))
+        return None
+    special = {
+        name: backend.token_to_id(token["content"] if isinstance(token, dict) else token)
+        for name, token in config.items()
+        if name.endswith("_token") and isinstance(token, str | dict)
+    }
+    if not eos_token_ids and special.get("eos_token") is not None:
+        eos_token_ids = (special["eos_token"],)
+    return Tokenizer(
+        tuple(eos_token_ids),
+        special.get("bos_token"),
+        backend.get_vocab_size(with_added_tokens=True),
+        lambda: _load_cached_hf_tokenizer(path, cached),
+        backend,
+    )
+
+
+def _load_cached_hf_tokenizer(path: str, cached: Path) -> PreTrainedTokenizerBase:
+    """transformers' class for the cached entry, named directly: AutoTokenizer would import the
+    registry of every model transformers knows (0.6 s more here) to find the same class."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(cached, local_files_only=True)
+    except Exception as error:  # transformers raises many kinds for a bad tokenizer
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({describe(error)})") from None
 
 
 def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -104,20 +106,50 @@ def test_bfloat16_weights_are_the_float32_weights_rounded(default_path):
 
 
 @pytest.mark.slow
-def test_tokenizer_matches_transformers(default_path, hf_gguf_tokenizer):
+@pytest.mark.parametrize("start", ["first", "cached"])
+def test_tokenizer_matches_transformers(default_path, hf_gguf_tokenizer, start, tmp_path, monkeypatch):
+    """Both ways a GGUF's tokenizer loads: converted by transformers (a first start, an empty cache)
+    and from the cached conversion on the `tokenizers` backend alone."""
+    if start == "first":
+        monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path))
+    else:
+        load_tokenizer(default_path)  # make sure the conversion is cached
     ours = load_tokenizer(default_path)
-    assert isinstance(ours, Tokenizer) and isinstance(ours.hf, transformers.PreTrainedTokenizerFast)
-    for text in TEXTS:
+    assert isinstance(ours, Tokenizer)
+    texts = [*TEXTS, "".join(map(chr, range(32, 2000, 7))), " ".join(map(str, range(-50, 300, 13)))]
+    for text in texts:
         assert ours.encode(text) == hf_gguf_tokenizer.encode(text), text
         ids = ours.encode(text, add_special_tokens=False)
         assert ids == hf_gguf_tokenizer.encode(text, add_special_tokens=False), text
         assert ours.decode(ids, skip_special_tokens=False) == text
         assert ours.decode(ids) == hf_gguf_tokenizer.decode(ids, skip_special_tokens=True)
-    assert ours.vocab_size == 49152 and ours.bos_token_id == 1
-    assert set(ours.all_special_ids) >= {0, 1, 2}
+    rng = np.random.default_rng(0)
+    for ids in rng.integers(0, 49152, size=(20, 12)).tolist() + [[0, 1, 2, 3], [2, 2]]:
+        for skip in (True, False):
+            assert ours.decode(ids, skip) == hf_gguf_tokenizer.decode(ids, skip_special_tokens=skip), ids
+        assert ours.convert_ids_to_tokens(ids) == hf_gguf_tokenizer.convert_ids_to_tokens(ids)
+    assert ours.vocab_size == len(hf_gguf_tokenizer) == 49152 and ours.bos_token_id == 1
     # Generation stops at id 2, which is the chat turn terminator of SmolLM2-Instruct.
     assert ours.eos_token_ids == (2,)
     assert ours.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert isinstance(ours.hf, transformers.PreTrainedTokenizerFast)
+
+
+def test_cached_tokenizer_decodes_without_importing_transformers(default_path):
+    """The engine process's start-up: encoding and decoding a cached GGUF tokenizer leave
+    transformers unimported (it costs 1-2 s there; module docstring of model_loader/tokenizer.py)."""
+    load_tokenizer(default_path)  # make sure the conversion is cached
+    script = (
+        "import sys\n"
+        "from llmserve.model_loader import load_tokenizer\n"
+        f"tokenizer = load_tokenizer({default_path!r})\n"
+        "assert tokenizer.decode(tokenizer.encode('Hello world')) == 'Hello world'\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+        "tokenizer.load_chat_template()\n"
+        "assert 'transformers' in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.slow

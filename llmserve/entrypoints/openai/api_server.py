@@ -1,23 +1,20 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over one `AsyncLLM`, run by uvicorn.
 
 Every error a client can cause is a 4xx with OpenAI's body `{"error": {message, type, param, code}}`;
-an internal failure is a 500 with the same body and never a traceback. The port is bound before the
-model loads (a busy port fails at once) but only listens once it has loaded, so /health answering
+an internal failure is a 500 with the same body and never a traceback. serve.py binds the port before
+the model loads (a busy port fails at once); uvicorn listens once it has loaded, so /health answering
 means ready. SIGTERM or Ctrl-C stops the engine, which ends every in-flight request (streams get a
 final chunk with finish_reason "abort"), then uvicorn drains the connections and the process exits 0.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import secrets
 import signal
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -332,62 +329,7 @@ def default_served_model_name(model_path: str) -> str:
     return _QUANT_SUFFIX.sub("", path.stem) or path.stem
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """`llmserve serve`: load the model, serve until SIGTERM/Ctrl-C, exit 0."""
-    from llmserve.entrypoints.cli import engine_args_from
-
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if args.max_waiting < 1:
-        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    with _bound_socket(args.host, args.port) as sock:
-        engine = AsyncLLM(engine_args_from(args), fork=_can_fork(), fork_closes=(sock.fileno(),))
-        try:
-            name = args.served_model_name or default_served_model_name(engine.config.model.path)
-            app = build_app(engine, name, api_key, args.max_waiting)
-            config = uvicorn.Config(
-                app,
-                host=args.host,
-                port=args.port,
-                log_config=None,
-                access_log=False,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-            )
-            server = _Server(config, on_exit=lambda: engine.shutdown(timeout=0))
-            host, port = sock.getsockname()[:2]
-            logger.info(
-                "serving %r on http://%s:%d%s", name, host, port, " (API key required)" if api_key else ""
-            )
-            server.run(sockets=[sock])
-        finally:
-            engine.shutdown()
-    return 0
-
-
-def _can_fork() -> bool:
-    """Fork the engine process where the platform has fork: nothing in this process has run a torch op
-    yet (see AsyncLLM), and the child starts with the modules already imported."""
-    import multiprocessing
-
-    return "fork" in multiprocessing.get_all_start_methods()
-
-
-@contextlib.contextmanager
-def _bound_socket(host: str, port: int) -> Iterator[socket.socket]:
-    """Bind now so a busy port fails before the model loads; uvicorn starts listening later."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as error:
-            raise OSError(f"cannot bind {host}:{port}: {error.strerror}") from error
-        yield sock
-    finally:
-        sock.close()
-
-
-class _Server(uvicorn.Server):
+class UvicornServer(uvicorn.Server):
     """uvicorn with a hook on the first exit signal, and no re-raising of it afterwards.
 
     uvicorn re-raises a caught SIGTERM once it has shut down, which would kill the process with

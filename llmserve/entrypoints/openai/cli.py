@@ -39,6 +39,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from llmserve.entrypoints.openai.api_server import run_server  # FastAPI and uvicorn load only here
+    from llmserve.entrypoints.openai.serve import run_server  # torch, FastAPI and uvicorn load only here
 
     return run_server(args)

@@ -137,9 +137,15 @@ torch::Tensor small_batch_pack_f32(torch::Tensor weight) {
               "small_batch_pack_f32 takes a 2-D float32 or bf16 weight");
   const int64_t n_size = weight.size(0), k_size = weight.size(1);
   const int64_t padded = (n_size + kBlockRows - 1) / kBlockRows * kBlockRows;
-  auto rows = torch::zeros({padded, k_size}, weight.options());
-  rows.narrow(0, 0, n_size).copy_(weight);
-  return rows.view({padded / kBlockRows, kBlockRows, k_size}).permute({0, 2, 1}).contiguous().view({padded, k_size});
+  auto rows = weight.contiguous();
+  if (padded != n_size) {  // the zero rows need a copy; without them the transpose is the only pass
+    rows = torch::zeros({padded, k_size}, weight.options());
+    rows.narrow(0, 0, n_size).copy_(weight);
+  }
+  return rows.view({padded / kBlockRows, kBlockRows, k_size})
+      .permute({0, 2, 1})
+      .clone(at::MemoryFormat::Contiguous)  // a copy even where the permuted view is contiguous (K == 1)
+      .view({padded, k_size});
 }
 
 // x [M, K] float32 with 1 <= M <= 8, packed from small_batch_pack_f32 of an [N, K] weight (float32, or

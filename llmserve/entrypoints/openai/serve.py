@@ -1,0 +1,85 @@
+"""`llmserve serve` from launch to shutdown, in the order that makes start-up short.
+
+The port is bound first (a busy port fails at once), then the engine process is forked with torch
+already imported; FastAPI, uvicorn and the app's modules (0.4-0.5 s of imports on the 2-core
+machine) load in this process while the engine process loads the model, so they are off the
+start-up's critical path (docs/benchmarks.md, "Session 16").
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import multiprocessing
+import os
+import socket
+from collections.abc import Iterator
+
+from llmserve.engine.async_llm import AsyncLLM
+from llmserve.entrypoints.cli import engine_args_from
+
+logger = logging.getLogger("llmserve.server")
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the model, serve until SIGTERM/Ctrl-C, exit 0."""
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    with _bound_socket(args.host, args.port) as sock:
+        engine = AsyncLLM(
+            engine_args_from(args), fork=_can_fork(), fork_closes=(sock.fileno(),), while_loading=_import_app
+        )
+        try:
+            return _serve(engine, sock, args)
+        finally:
+            engine.shutdown()
+
+
+def _import_app() -> None:
+    import llmserve.entrypoints.openai.api_server  # noqa: F401 - imported now, beside the model's loading
+
+
+def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from llmserve.entrypoints.openai import api_server
+
+    api_key = args.api_key or os.environ.get(api_server.API_KEY_ENV) or None
+    name = args.served_model_name or api_server.default_served_model_name(engine.config.model.path)
+    app = api_server.build_app(engine, name, api_key, args.max_waiting)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=api_server.GRACEFUL_SHUTDOWN_SECONDS,
+    )
+    server = api_server.UvicornServer(config, on_exit=lambda: engine.shutdown(timeout=0))
+    host, port = sock.getsockname()[:2]
+    logger.info("serving %r on http://%s:%d%s", name, host, port, " (API key required)" if api_key else "")
+    server.run(sockets=[sock])
+    return 0
+
+
+def _can_fork() -> bool:
+    """Fork the engine process where the platform has fork: nothing in this process has run a torch op
+    yet (see AsyncLLM), and the child starts with the modules already imported."""
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+@contextlib.contextmanager
+def _bound_socket(host: str, port: int) -> Iterator[socket.socket]:
+    """Bind now so a busy port fails before the model loads; uvicorn starts listening later."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            raise OSError(f"cannot bind {host}:{port}: {error.strerror}") from error
+        yield sock
+    finally:
+        sock.close()
