@@ -57,7 +57,8 @@ def instrument(engine) -> None:
     small_batch_linear.F = type("F", (), {"linear": staticmethod(linear)})
     packed_gemm = timed("packed GEMM", torch.ops.mkldnn._linear_pointwise)
     for layer in engine.model_runner.model.modules():
-        if isinstance(layer, small_batch_linear.SmallBatchLinear) and layer.packed_weight is not None:
+        packed_types = (small_batch_linear.SmallBatchLinear, small_batch_linear.PackedLinear)
+        if isinstance(layer, packed_types) and layer.packed_weight is not None:
             layer.forward = _timed_forward(layer, packed_gemm)
     for module in engine.model_runner.model.modules():
         if hasattr(getattr(module, "backend", None), "ops"):
@@ -70,7 +71,7 @@ def _timed_forward(layer, packed_gemm):
 
     def forward(input):
         many_rows = input.dim() == 2 and input.shape[0] > small_batch_linear.MAX_ROWS
-        if many_rows and input.dtype == torch.bfloat16:
+        if many_rows and input.dtype in (torch.bfloat16, torch.float32):
             return packed_gemm(input, layer.packed_weight, layer.bias, "none", [], "")
         return plain_forward(input)
 

@@ -25,7 +25,11 @@ logger = logging.getLogger("llmserve")
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 _PAGE = 4096
-_CHUNK = 64 << 20  # one madvise call per 64 MiB: a failure stops early, and a call never holds up long
+# One madvise call per 2 MiB. The call holds the process's memory-map lock while it faults its range
+# in, and the engine's own mmap/munmap calls (large temporaries) wait for it: with 64 MiB calls and a
+# 4 GiB pool, each of the first requests after /health took 0.8-3.7 s instead of 0.4 s; with 2 MiB
+# calls 0.5-1.1 s, and the whole pool takes as long as before (docs/benchmarks.md, "Session 16").
+_CHUNK = 2 << 20
 
 
 @functools.cache
