@@ -18,14 +18,17 @@ faster at 64-2,048 rows and about 40% at 9-16 rows on SmolLM2's shapes (docs/ben
 second copy of the weights in memory.
 
 float32 weights on the CPU (the default dtype where the CPU has no native bf16) become
-`PackedLinear`s: at 1-8 rows the compiled float32 kernel (linear_f32.cpp, AVX2 and FMA) on its own
-packed copy, above that oneDNN on a oneDNN-blocked copy. `F.linear` in float32 goes to MKL's sgemm,
-which on a 2-core AVX2 EPYC took 2-4x oneDNN's time at 2-16 rows (SmolLM2's lm_head at 4 rows: 25
-ms vs 6.5 ms; docs/benchmarks.md, "Session 10"), and oneDNN in turn took 27.5 ms for a step's
-linears at one row and 37-79 ms at 4-8, the kernel about 16 and 18-23 ("Session 12"). Both give each
-row a result that does not depend on the row count (checked bitwise), so verifying drafts and
-decoding one token compute the same logits. A module whose weights' low bits matter less than their
-bytes (a draft head: its drafts are verified anyway) can keep the kernel's copy in bf16
+`PackedLinear`s: the compiled float32 kernel (linear_f32.cpp, AVX2 and FMA) on its own packed copy
+at every row count, oneDNN on a oneDNN-blocked copy where the build has no kernel. `F.linear` in
+float32 goes to MKL's sgemm, which on a 2-core AVX2 EPYC took 2-4x oneDNN's time at 2-16 rows
+(SmolLM2's lm_head at 4 rows: 25 ms vs 6.5 ms; docs/benchmarks.md, "Session 10"); oneDNN took 27.5
+ms for a step's linears at one row and 37-79 ms at 4-8, the kernel about 16 and 18-23 ("Session
+12"), and above 8 rows, where the kernel runs the rows through each group of outputs in tiles of 4,
+oneDNN reached 80-130 GFLOP/s at 16-256 rows against the kernel's 130-180, and mixed-100 offline
+ran 369-394 -> 438-460 tokens/s ("Session 16"). Each row's result does not depend on the row
+count (the same FMA chain whatever the batch; checked bitwise), so verifying drafts, decoding one
+token and a prefill compute the same logits. A module whose weights' low bits matter less than
+their bytes (a draft head: its drafts are verified anyway) can keep the kernel's copy in bf16
 (`use_small_batch_linear(..., float32_kernel_weights=torch.bfloat16)`), read at half the bandwidth.
 """
 
@@ -56,26 +59,27 @@ class SmallBatchLinear(nn.Linear):
 
 
 class PackedLinear(nn.Linear):
-    """float32 on the CPU: the compiled kernel at few rows, else oneDNN, each on a copy of the weight
-    packed once for it (module docstring)."""
+    """float32 on the CPU: the compiled kernel at every row count where this build has it, else oneDNN,
+    on a copy of the weight packed once for it (module docstring)."""
 
-    packed_weight: torch.Tensor  # oneDNN-blocked
+    packed_weight: torch.Tensor | None  # oneDNN-blocked (None where the kernel serves every row count)
     small_batch_weight: torch.Tensor | None  # the float32 kernel's layout, float32 or bf16 (None: no kernel)
-    packed_from: tuple[int, int]  # (data_ptr, version) of the weight the copies were made from
+    packed_from: tuple[int, int]  # (data_ptr, version) of the weight the copy was made from
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dtype != torch.float32 or input.device.type != "cpu":
             return F.linear(input, self.weight, self.bias)
         if self.packed_from != _identity(self.weight):  # written or replaced since: pack it again
             self._pack_again()
-        if self.small_batch_weight is not None and input.dim() == 2 and input.shape[0] <= MAX_ROWS:
-            kernel = load_cpu_ops().small_batch_linear_f32
-            out = kernel(input.contiguous(), self.small_batch_weight, self.out_features)
+        if self.small_batch_weight is not None:
+            rows = input.reshape(-1, self.in_features).contiguous()
+            out = load_cpu_ops().small_batch_linear_f32(rows, self.small_batch_weight, self.out_features)
+            out = out.view(*input.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
         return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
 
     def _pack_again(self) -> None:
-        """Both copies again from the current weight; the kernel's in place where the shape allows,
+        """The copy again from the current weight; the kernel's in place where the shape allows,
         since the fused decode stack (models/decode_stack.py) holds that tensor too. A prefill runs
         the modules before any decode does, so the stack never reads a stale copy."""
         kernel_dtype = self.small_batch_weight.dtype if self.small_batch_weight is not None else None
@@ -90,12 +94,11 @@ class PackedLinear(nn.Linear):
 def _pack_float32(
     weight: torch.Tensor, kernel_dtype: torch.dtype | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A float32 weight's oneDNN copy and (unless `kernel_dtype` is None) the float32 kernel's, whose
-    weights are stored in `kernel_dtype` (float32 or bf16)."""
-    small_batch_weight = None
+    """A float32 weight's (oneDNN copy, kernel copy): the kernel's in `kernel_dtype` (float32 or bf16),
+    or with `kernel_dtype` None (no kernel in this build) oneDNN's."""
     if kernel_dtype is not None:  # the kernel is in this build (use_small_batch_linear checked)
-        small_batch_weight = load_cpu_ops().small_batch_pack_f32(weight.detach().to(kernel_dtype))
-    return pack_for_onednn(weight), small_batch_weight
+        return None, load_cpu_ops().small_batch_pack_f32(weight.detach().to(kernel_dtype))
+    return pack_for_onednn(weight), None
 
 
 def _identity(weight: torch.Tensor) -> tuple[int, int]:
@@ -115,8 +118,9 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
 def use_small_batch_linear(model: nn.Module, float32_kernel_weights: torch.dtype = torch.float32) -> int:
     """Swap every plain `nn.Linear` on the CPU for its faster layout: bf16 weights with an input width
     the compiled kernel takes (a multiple of 32) become `SmallBatchLinear`s where this build has the
-    kernel, float32 weights become `PackedLinear`s where oneDNN can pack them, their kernel copy in
-    `float32_kernel_weights` (float32; bf16 for a draft head); returns how many."""
+    kernel, float32 weights become `PackedLinear`s where this build has the float32 kernel or oneDNN
+    can pack them, their kernel copy in `float32_kernel_weights` (float32; bf16 for a draft head);
+    returns how many."""
     ops = load_cpu_ops()
     has_kernel = ops is not None and ops.small_batch_linear_supported()
     has_float32_kernel = ops is not None and ops.small_batch_linear_f32_supported()
@@ -140,7 +144,7 @@ def use_small_batch_linear(model: nn.Module, float32_kernel_weights: torch.dtype
                 onednn, small_batch = _pack_float32(weight, kernel_dtype)
                 packed[id(weight)] = (small_batch, onednn)
             small_batch, onednn = packed[id(weight)]
-            if onednn is not None:
+            if onednn is not None or small_batch is not None:
                 module.__class__ = PackedLinear
                 module.packed_weight, module.small_batch_weight = onednn, small_batch
                 module.packed_from = _identity(weight)

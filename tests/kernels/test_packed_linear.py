@@ -1,5 +1,5 @@
-"""float32 linear layers on the CPU (PackedLinear): the compiled float32 kernel at 1-8 rows, oneDNN on
-a packed copy above."""
+"""float32 linear layers on the CPU (PackedLinear): the compiled float32 kernel at every row count
+(1-8 rows in one pass, more in row tiles), oneDNN on a packed copy where the build has no kernel."""
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ needs_kernel = pytest.mark.skipif(
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", [*range(1, MAX_ROWS + 1), 9, 13, 43, 130])  # 130: several row panels
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (13, 64), (3, 1536), (1001, 7)])
 def test_kernel_matches_float64_reference(rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * 7 + out_features)
@@ -76,8 +76,8 @@ def test_a_module_may_keep_its_kernel_weights_in_bf16():
 @needs_kernel
 def test_kernel_rejects_what_it_does_not_serve():
     w = ops.small_batch_pack_f32(torch.randn(16, 32))
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        ops.small_batch_linear_f32(torch.randn(9, 32), w, 16)
+    with pytest.raises(RuntimeError, match="at least one row"):
+        ops.small_batch_linear_f32(torch.randn(0, 32), w, 16)
     with pytest.raises(RuntimeError, match="float32"):
         ops.small_batch_linear_f32(torch.randn(2, 32).bfloat16(), w, 16)
     with pytest.raises(RuntimeError, match="packed by small_batch_pack_f32"):
@@ -110,16 +110,26 @@ def test_matches_f_linear_and_keeps_tied_weights():
 
 @torch.no_grad()
 def test_a_row_does_not_depend_on_the_others():
-    """Verifying drafts (several rows) must give each row the bits that decoding it alone gives: up
-    to 8 rows (one kernel), and among 9-16 rows (oneDNN)."""
+    """Verifying drafts (several rows) and a prefill must give each row the bits that decoding it
+    alone gives, at every row count (one kernel pass up to 8 rows, row tiles and panels above)."""
     proj = _swapped_model()["proj"]
-    if ops is not None and ops.small_batch_linear_f32_supported():
-        assert proj.small_batch_weight is not None
-    x = torch.randn(16, 64)
-    together = proj(x[:MAX_ROWS])
-    for row in range(MAX_ROWS):
-        assert torch.equal(proj(x[row : row + 1])[0], together[row])
-    assert torch.equal(proj(x)[: MAX_ROWS + 1], proj(x[: MAX_ROWS + 1]))
+    if ops is None or not ops.small_batch_linear_f32_supported():
+        pytest.skip("needs the AVX2 float32 kernel build")
+    assert proj.small_batch_weight is not None and proj.packed_weight is None
+    x = torch.randn(1100, 64)  # panels of 1024 rows at in_features 64: the last row is in a second
+    together = proj(x)
+    for rows in (2, MAX_ROWS, MAX_ROWS + 1, 13, 100):
+        assert torch.equal(proj(x[:rows]), together[:rows])
+    for row in (0, 5, 8, 9, 12, 13, 99, 1023, 1024, 1099):
+        assert torch.equal(proj(x[row : row + 1])[0], together[row]), row
+
+
+@needs_kernel
+@torch.no_grad()
+def test_inputs_with_leading_dimensions():
+    proj = _swapped_model()["proj"]
+    x = torch.randn(3, 7, 64)
+    torch.testing.assert_close(proj(x), F.linear(x, proj.weight, proj.bias), atol=1e-5, rtol=1e-5)
 
 
 @torch.no_grad()

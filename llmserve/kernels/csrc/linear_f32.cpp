@@ -112,8 +112,49 @@ void linear_all(const float* x, const W* packed, float* out, int64_t k_size, int
   });
 }
 
+// More than 8 rows, in panels of rows whose inputs fit in L2 (linear_tiled): each task takes groups of 3
+// blocks (24 outputs) and runs every row of the panel through them, 4 rows at a time (the last 1-3
+// together), so a group's weights are read from memory once per panel and then from L2 for each further
+// tile. A row's arithmetic is that of linear_blocks as above whatever M is (the same FMA chain over k),
+// so its outputs are those of a decode of that row alone.
+template <typename W>
+void linear_panel(const float* x, const W* packed, float* out, int64_t m_size, int64_t k_size, int64_t n_size) {
+  constexpr int R = 3, kTile = 4;
+  const int64_t blocks = (n_size + kBlockRows - 1) / kBlockRows;
+  const int64_t groups = (blocks + R - 1) / R;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group) {
+      int64_t m = 0;
+      for (; m + kTile <= m_size; m += kTile)
+        linear_group<kTile, R>(x + m * k_size, packed, out + m * n_size, k_size, n_size, group * R, blocks);
+      const float* x_rest = x + m * k_size;
+      float* out_rest = out + m * n_size;
+      switch (m_size - m) {
+        case 3: linear_group<3, R>(x_rest, packed, out_rest, k_size, n_size, group * R, blocks); break;
+        case 2: linear_group<2, R>(x_rest, packed, out_rest, k_size, n_size, group * R, blocks); break;
+        case 1: linear_group<1, R>(x_rest, packed, out_rest, k_size, n_size, group * R, blocks); break;
+        default: break;
+      }
+    }
+  });
+}
+
+template <typename W>
+void linear_tiled(const float* x, const W* packed, float* out, int64_t m_size, int64_t k_size, int64_t n_size) {
+  // Up to ~256 KiB of inputs at a time, so that the rows a group runs through stay in L2.
+  const int64_t panel = std::max<int64_t>(16, (256 * 1024 / 4) / k_size) / 4 * 4;
+  for (int64_t m0 = 0; m0 < m_size; m0 += panel) {
+    const int64_t rows = std::min(panel, m_size - m0);
+    linear_panel(x + m0 * k_size, packed, out + m0 * n_size, rows, k_size, n_size);
+  }
+}
+
 template <typename W>
 void linear_packed(const float* x, const W* packed, float* out, int64_t m_size, int64_t k_size, int64_t n_size) {
+  if (m_size > 8) {
+    linear_tiled(x, packed, out, m_size, k_size, n_size);
+    return;
+  }
   switch (m_size) {
     case 1: linear_all<1, W>(x, packed, out, k_size, n_size); break;
     case 2: linear_all<2, W>(x, packed, out, k_size, n_size); break;
@@ -148,7 +189,7 @@ torch::Tensor small_batch_pack_f32(torch::Tensor weight) {
       .view({padded, k_size});
 }
 
-// x [M, K] float32 with 1 <= M <= 8, packed from small_batch_pack_f32 of an [N, K] weight (float32, or
+// x [M, K] float32 (M >= 1; more than 8 rows take linear_tiled), packed from small_batch_pack_f32 of an [N, K] weight (float32, or
 // bf16 where half the bytes matter more than the weights' low bits: a draft head). Returns [M, N] float32.
 torch::Tensor small_batch_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   TORCH_CHECK(small_batch_linear_f32_supported(), "small_batch_linear_f32 needs a CPU with AVX2 and FMA");
@@ -157,7 +198,7 @@ torch::Tensor small_batch_linear_f32(torch::Tensor x, torch::Tensor packed, int6
               "small_batch_linear_f32 takes float32 inputs and float32 or bf16 weights");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1), "shapes must be [M, K] and [N, K]");
   TORCH_CHECK(x.is_contiguous() && packed.is_contiguous(), "small_batch_linear_f32 needs contiguous tensors");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_batch_linear_f32 serves 1 to 8 rows");
+  TORCH_CHECK(x.size(0) >= 1, "small_batch_linear_f32 needs at least one row");
   TORCH_CHECK(out_features >= 1 && packed.size(0) == (out_features + kBlockRows - 1) / kBlockRows * kBlockRows,
               "small_batch_linear_f32 takes a weight packed by small_batch_pack_f32 for out_features rows");
   auto out = torch::empty({x.size(0), out_features}, x.options());
