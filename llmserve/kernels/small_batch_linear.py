@@ -19,7 +19,8 @@ second copy of the weights in memory.
 
 float32 weights on the CPU (the default dtype where the CPU has no native bf16) become
 `PackedLinear`s: the compiled float32 kernel (linear_f32.cpp, AVX2 and FMA) on its own packed copy
-at every row count, oneDNN on a oneDNN-blocked copy where the build has no kernel. `F.linear` in
+at every row count where AVX2 is the CPU's best (above 8 rows on AVX-512 CPUs, oneDNN on a
+oneDNN-blocked copy), oneDNN alone where the build has no kernel. `F.linear` in
 float32 goes to MKL's sgemm, which on a 2-core AVX2 EPYC took 2-4x oneDNN's time at 2-16 rows
 (SmolLM2's lm_head at 4 rows: 25 ms vs 6.5 ms; docs/benchmarks.md, "Session 10"); oneDNN took 27.5
 ms for a step's linears at one row and 37-79 ms at 4-8, the kernel about 16 and 18-23 ("Session
@@ -62,7 +63,7 @@ class PackedLinear(nn.Linear):
     """float32 on the CPU: the compiled kernel at every row count where this build has it, else oneDNN,
     on a copy of the weight packed once for it (module docstring)."""
 
-    packed_weight: torch.Tensor | None  # oneDNN-blocked (None where the kernel serves every row count)
+    packed_weight: torch.Tensor | None  # oneDNN-blocked, for rows above 8 (None: the kernel takes them)
     small_batch_weight: torch.Tensor | None  # the float32 kernel's layout, float32 or bf16 (None: no kernel)
     packed_from: tuple[int, int]  # (data_ptr, version) of the weight the copy was made from
 
@@ -71,7 +72,8 @@ class PackedLinear(nn.Linear):
             return F.linear(input, self.weight, self.bias)
         if self.packed_from != _identity(self.weight):  # written or replaced since: pack it again
             self._pack_again()
-        if self.small_batch_weight is not None:
+        few_rows = input.numel() <= MAX_ROWS * self.in_features
+        if self.small_batch_weight is not None and (self.packed_weight is None or few_rows):
             rows = input.reshape(-1, self.in_features).contiguous()
             out = load_cpu_ops().small_batch_linear_f32(rows, self.small_batch_weight, self.out_features)
             out = out.view(*input.shape[:-1], self.out_features)
@@ -94,11 +96,21 @@ class PackedLinear(nn.Linear):
 def _pack_float32(
     weight: torch.Tensor, kernel_dtype: torch.dtype | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A float32 weight's (oneDNN copy, kernel copy): the kernel's in `kernel_dtype` (float32 or bf16),
-    or with `kernel_dtype` None (no kernel in this build) oneDNN's."""
+    """A float32 weight's (oneDNN copy, kernel copy): the kernel's in `kernel_dtype` (float32 or bf16;
+    None: no kernel in this build), oneDNN's where the kernel does not take every row count."""
+    kernel = None
     if kernel_dtype is not None:  # the kernel is in this build (use_small_batch_linear checked)
-        return None, load_cpu_ops().small_batch_pack_f32(weight.detach().to(kernel_dtype))
-    return pack_for_onednn(weight), None
+        kernel = load_cpu_ops().small_batch_pack_f32(weight.detach().to(kernel_dtype))
+        if kernel_takes_every_row_count():
+            return None, kernel
+    return pack_for_onednn(weight), kernel
+
+
+def kernel_takes_every_row_count() -> bool:
+    """Whether the float32 kernel also serves more than 8 rows: where the CPU's best vector unit is
+    AVX2 (measured there: module docstring). With AVX-512, oneDNN's GEMM uses it and the kernel
+    (AVX2) was not measured against it, so oneDNN keeps the rows above 8."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 def _identity(weight: torch.Tensor) -> tuple[int, int]:

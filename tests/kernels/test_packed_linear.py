@@ -6,8 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmserve.kernels import small_batch_linear
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.kernels.small_batch_linear import MAX_ROWS, PackedLinear, use_small_batch_linear
+from llmserve.kernels.small_batch_linear import (
+    MAX_ROWS,
+    PackedLinear,
+    kernel_takes_every_row_count,
+    use_small_batch_linear,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 ops = load_cpu_ops()
@@ -113,8 +119,8 @@ def test_a_row_does_not_depend_on_the_others():
     """Verifying drafts (several rows) and a prefill must give each row the bits that decoding it
     alone gives, at every row count (one kernel pass up to 8 rows, row tiles and panels above)."""
     proj = _swapped_model()["proj"]
-    if ops is None or not ops.small_batch_linear_f32_supported():
-        pytest.skip("needs the AVX2 float32 kernel build")
+    if ops is None or not ops.small_batch_linear_f32_supported() or not kernel_takes_every_row_count():
+        pytest.skip("needs the AVX2 float32 kernel build serving every row count (an AVX2 CPU)")
     assert proj.small_batch_weight is not None and proj.packed_weight is None
     x = torch.randn(1100, 64)  # panels of 1024 rows at in_features 64: the last row is in a second
     together = proj(x)
@@ -122,6 +128,19 @@ def test_a_row_does_not_depend_on_the_others():
         assert torch.equal(proj(x[:rows]), together[:rows])
     for row in (0, 5, 8, 9, 12, 13, 99, 1023, 1024, 1099):
         assert torch.equal(proj(x[row : row + 1])[0], together[row]), row
+
+
+@needs_kernel
+@torch.no_grad()
+def test_above_8_rows_onednn_where_the_kernel_does_not_take_them(monkeypatch):
+    """An AVX-512 CPU: the kernel up to 8 rows, oneDNN's copy above (both give each row its own bits
+    up to 8; above, the result is F.linear's)."""
+    monkeypatch.setattr(small_batch_linear, "kernel_takes_every_row_count", lambda: False)
+    proj = _swapped_model()["proj"]
+    assert proj.small_batch_weight is not None and proj.packed_weight is not None
+    x = torch.randn(40, 64)
+    torch.testing.assert_close(proj(x), F.linear(x, proj.weight, proj.bias), atol=1e-5, rtol=1e-5)
+    assert torch.equal(proj(x[:3])[1], proj(x[1:2])[0])
 
 
 @needs_kernel
