@@ -72,7 +72,7 @@ class PackedLinear(nn.Linear):
             return F.linear(input, self.weight, self.bias)
         if self.packed_from != _identity(self.weight):  # written or replaced since: pack it again
             self._pack_again()
-        few_rows = input.numel() <= MAX_ROWS * self.in_features
+        few_rows = input.numel() <= MAX_ROWS * self.in_features  # oneDNN, where it has a copy, takes more
         if self.small_batch_weight is not None and (self.packed_weight is None or few_rows):
             rows = input.reshape(-1, self.in_features).contiguous()
             out = load_cpu_ops().small_batch_linear_f32(rows, self.small_batch_weight, self.out_features)

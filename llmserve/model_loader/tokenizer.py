@@ -56,9 +56,7 @@ class Tokenizer:
 
     @classmethod
     def from_hf(cls, hf: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...]) -> Tokenizer:
-        tokenizer = cls(eos_token_ids, hf.bos_token_id, len(hf), lambda: hf)
-        tokenizer._hf = hf
-        return tokenizer
+        return cls(eos_token_ids, hf.bos_token_id, len(hf), lambda: hf)
 
     @property
     def hf(self) -> PreTrainedTokenizerBase:

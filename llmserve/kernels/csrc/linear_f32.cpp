@@ -189,8 +189,9 @@ torch::Tensor small_batch_pack_f32(torch::Tensor weight) {
       .view({padded, k_size});
 }
 
-// x [M, K] float32 (M >= 1; more than 8 rows take linear_tiled), packed from small_batch_pack_f32 of an [N, K] weight (float32, or
-// bf16 where half the bytes matter more than the weights' low bits: a draft head). Returns [M, N] float32.
+// x [M, K] float32 (M >= 1; more than 8 rows take linear_tiled), packed from small_batch_pack_f32 of an
+// [N, K] weight (float32, or bf16 where half the bytes matter more than the weights' low bits: a draft
+// head). Returns [M, N] float32.
 torch::Tensor small_batch_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   TORCH_CHECK(small_batch_linear_f32_supported(), "small_batch_linear_f32 needs a CPU with AVX2 and FMA");
   TORCH_CHECK(x.scalar_type() == torch::kFloat &&
