@@ -3,7 +3,8 @@
   python docs/scripts/op_breakdown.py workload   # mixed-100 offline, twice on one LLM (cold, then warm pages)
   python docs/scripts/op_breakdown.py step N     # decode steps of N mixed-100 requests (20 steps)
 
-Every compiled op (llmserve_cpu_ops) and every F.linear / oneDNN-packed GEMM call is wrapped in a
+Every compiled op (llmserve_cpu_ops), every F.linear / oneDNN-packed GEMM call and each layer's
+prefill attention (the compiled kernel or PyTorch's SDPA, whichever the backend picks) is wrapped in a
 perf_counter pair; the timers cost a few us per call, so "rest" (Python, scheduling, sampling
 outside the wrapped ops) is an upper bound. Needs bench_results/mixed-100.jsonl.
 """
@@ -44,7 +45,8 @@ class TimedOps:
 
     def __getattr__(self, name):
         attribute = getattr(self.ops, name)
-        wrap = callable(attribute) and not name.endswith("_supported")
+        # prefill_attention runs inside the backend's _prefill, timed as a whole below
+        wrap = callable(attribute) and not name.endswith("_supported") and name != "prefill_attention"
         return timed(name, attribute) if wrap else attribute
 
 
@@ -61,8 +63,11 @@ def instrument(engine) -> None:
         if isinstance(layer, packed_types) and layer.packed_weight is not None:
             layer.forward = _timed_forward(layer, packed_gemm)
     for module in engine.model_runner.model.modules():
-        if hasattr(getattr(module, "backend", None), "ops"):
-            module.backend.ops = ops
+        backend = getattr(module, "backend", None)
+        if hasattr(backend, "ops"):
+            backend.ops = ops
+        if backend is not None and "_prefill" not in vars(backend):  # once per shared backend
+            backend._prefill = timed("prefill attention", backend._prefill)
 
 
 def _timed_forward(layer, packed_gemm):

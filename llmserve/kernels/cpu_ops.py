@@ -23,6 +23,7 @@ _SOURCE_NAMES = (
     "module.cpp",
     "paged_attention.cpp",
     "prefill_attention.cpp",
+    "prefill_attention_f32.cpp",
     "linear.cpp",
     "linear_f32.cpp",
     "linear_quantized.cpp",

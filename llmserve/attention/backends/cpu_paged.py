@@ -6,10 +6,10 @@ sequence's block table directly; no padded copy of any context is gathered, and 
 It dequantizes 8-bit caches row by row and visits only the sinks and the window when a sliding
 window is on.
 
-Longer prefill spans are compute-bound: with a bfloat16 cache on an AVX-512 BF16 CPU they go to
-`prefill_attention`, a blocked causal kernel that also reads the context in place (3-5x PyTorch's
-CPU flash attention here); anything else (float32, 8-bit caches, a sliding window) keeps the
-reference SDPA path.
+Longer prefill spans are compute-bound: with a bfloat16 cache on an AVX-512 BF16 CPU, or a float32
+cache on an AVX2 CPU, they go to `prefill_attention`, a blocked causal kernel that reads the context
+through its slots (no gathered copy); anything else (8-bit caches, a sliding window, other dtypes)
+keeps the reference SDPA path.
 """
 
 from __future__ import annotations
@@ -32,8 +32,12 @@ class CPUPagedBackend(TorchSDPABackend):
         self.ops = load_cpu_ops()
         if self.ops is None:
             raise RuntimeError("the compiled CPU attention kernel could not be built")
-        fast_prefill = self.ops.prefill_attention_supported() and self.kv_format.kernel_code == 0
-        self.fast_prefill_dtypes = {torch.bfloat16} if fast_prefill else set()
+        plain_cache = self.kv_format.kernel_code == 0
+        self.fast_prefill_dtypes = {
+            dtype
+            for dtype in (torch.bfloat16, torch.float32)
+            if plain_cache and self.ops.prefill_attention_supported(dtype)
+        }
 
     def _decode(
         self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float

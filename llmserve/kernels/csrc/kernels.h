@@ -6,13 +6,18 @@
 
 #include <vector>
 
-// paged_attention.cpp, prefill_attention.cpp
+// paged_attention.cpp, prefill_attention.cpp, prefill_attention_f32.cpp
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                               int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                 torch::Tensor context_slots, double scale);
-bool prefill_attention_supported();
+bool prefill_attention_supported(at::ScalarType dtype);
+bool prefill_attention_f32_supported();
+// the float32 body of prefill_attention, after its checks: out [Q, H, D] is filled
+void prefill_attention_f32(const torch::Tensor& query, const torch::Tensor& key_cache,
+                           const torch::Tensor& value_cache, const int64_t* slots, int64_t context, double scale,
+                           torch::Tensor& out);
 
 // linear.cpp, linear_quantized.cpp
 torch::Tensor small_batch_pack(torch::Tensor weight);

@@ -7,8 +7,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)");
-  m.def("prefill_attention", &prefill_attention, "Causal attention of a long prompt span over its paged context (bf16)");
-  m.def("prefill_attention_supported", &prefill_attention_supported, "Whether prefill_attention was compiled in");
+  m.def("prefill_attention", &prefill_attention, "Causal attention of a long prompt span over its paged context (bf16 or float32)");
+  m.def("prefill_attention_supported", &prefill_attention_supported, "Whether prefill_attention takes this dtype here");
   m.def("small_batch_pack", &small_batch_pack, "A bf16 weight [N, K] in the layout small_batch_linear reads");
   m.def("small_batch_linear", &small_batch_linear, "x W^T for 1-8 bfloat16 rows, W packed (AVX-512 BF16)");
   m.def("small_batch_pack_f32", &small_batch_pack_f32, "A float32 weight [N, K] in the layout small_batch_linear_f32 reads");

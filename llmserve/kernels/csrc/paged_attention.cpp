@@ -419,52 +419,19 @@ inline void add_chunk_values(const float* const* p, const float* value_rows, int
 // vectors past `context`) with the hidden lanes zeroed: they add exact zeros, so a row's values depend
 // only on what it sees, as in a decode of it. Plain loads and stores: AVX2's masked stores are microcoded
 // on AMD Zen and took a third of this kernel's time there.
-// A row that sees one run [0, a) (no window in reach: every row without a sliding window) skips the
-// per-vector masks: unmasked whole vectors, one masked vector at a, zeros after it; the same lanes add
-// the same values in the same order, so its result is bit-identical to the masked loop's.
+// A row that sees one run [0, a) (no window in reach: every row without a sliding window) takes
+// softmax_prefix_f32, which masks only the vector holding a; the same lanes add the same values in the
+// same order, so its result is bit-identical to the masked loop's.
 inline void softmax_row_f32(const Span& span, int64_t query, float* s) {
   int64_t a, b, c;
   span.visible(query, a, b, c);
   const int64_t context = span.context;
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  auto horizontal_max = [](__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  };
-  auto horizontal_sum = [](__m256 v) {
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-  };
   if (b >= c) {
-    // One visible run [0, a) (no window in reach): whole vectors up to `full` need no mask, the one
-    // vector holding a's boundary is masked, and the rest of the row is zeroed.
-    const int64_t full = a / 8 * 8;
-    const __m256 tail_mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(a - full)), lane));
-    __m256 max_vector = minus_inf;
-    for (int64_t i = 0; i < full; i += 8) max_vector = _mm256_max_ps(max_vector, _mm256_loadu_ps(s + i));
-    if (full < a) max_vector = _mm256_max_ps(max_vector, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(s + full), tail_mask));
-    const __m256 row_max = _mm256_set1_ps(horizontal_max(max_vector));
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t i = 0; i < full; i += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), row_max));
-      total = _mm256_add_ps(total, e);
-      _mm256_storeu_ps(s + i, e);
-    }
-    int64_t end = full;
-    if (full < a) {
-      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + full), row_max)), tail_mask);
-      total = _mm256_add_ps(total, e);
-      _mm256_storeu_ps(s + full, e);
-      end += 8;
-    }
-    for (int64_t i = end; i < context; i += 8) _mm256_storeu_ps(s + i, _mm256_setzero_ps());
-    const __m256 inverse = _mm256_set1_ps(1.0f / horizontal_sum(total));
-    for (int64_t i = 0; i < end; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inverse));
+    softmax_prefix_f32(s, a, context);
     return;
   }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256i a_v = _mm256_set1_epi32(static_cast<int>(a)), b_v = _mm256_set1_epi32(static_cast<int>(b));
   const __m256i c_v = _mm256_set1_epi32(static_cast<int>(c));
   auto visible = [&](int64_t i) {  // lanes below `context` that this query sees
@@ -476,14 +443,14 @@ inline void softmax_row_f32(const Span& span, int64_t query, float* s) {
   __m256 max_vector = minus_inf;
   for (int64_t i = 0; i < context; i += 8)
     max_vector = _mm256_max_ps(max_vector, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(s + i), visible(i)));
-  const __m256 row_max = _mm256_set1_ps(horizontal_max(max_vector));
+  const __m256 row_max = _mm256_set1_ps(horizontal_max8(max_vector));
   __m256 total = _mm256_setzero_ps();
   for (int64_t i = 0; i < context; i += 8) {
     const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), row_max)), visible(i));
     total = _mm256_add_ps(total, e);
     _mm256_storeu_ps(s + i, e);
   }
-  const __m256 inverse = _mm256_set1_ps(1.0f / horizontal_sum(total));
+  const __m256 inverse = _mm256_set1_ps(1.0f / horizontal_sum8(total));
   for (int64_t i = 0; i < context; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inverse));
 }
 

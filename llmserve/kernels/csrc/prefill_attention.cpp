@@ -198,23 +198,26 @@ void run(const Problem& pb) {
 }  // namespace
 #endif  // LLMSERVE_PREFILL_FAST_PATH
 
-bool prefill_attention_supported() {
+bool prefill_attention_supported(at::ScalarType dtype) {
+  if (dtype == torch::kFloat) return prefill_attention_f32_supported();
 #ifdef LLMSERVE_PREFILL_FAST_PATH
-  return true;
+  return dtype == torch::kBFloat16;
 #else
   return false;
 #endif
 }
 
-// query [Q, H, D] bf16 (rows of a token contiguous; any token stride); key_cache, value_cache
-// [slots, KVH, D] bf16, contiguous; context_slots [C] int64 with C >= Q: the slots of positions
-// 0..C-1, the queries being positions C-Q..C-1. Returns the causal attention output [Q, H, D].
+// query [Q, H, D] bf16 or float32 (rows of a token contiguous; any token stride); key_cache, value_cache
+// [slots, KVH, D] of the query's dtype, contiguous; context_slots [C] int64 with C >= Q: the slots of
+// positions 0..C-1, the queries being positions C-Q..C-1. Returns the causal attention output [Q, H, D].
+// float32 goes to prefill_attention_f32.cpp.
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                 torch::Tensor context_slots, double scale) {
-  TORCH_CHECK(prefill_attention_supported(), "prefill_attention needs a CPU with AVX-512 BF16");
-  TORCH_CHECK(query.scalar_type() == torch::kBFloat16 && key_cache.scalar_type() == torch::kBFloat16 &&
-                  value_cache.scalar_type() == torch::kBFloat16,
-              "prefill_attention takes bfloat16 queries and caches");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "prefill_attention takes queries and caches of one dtype");
+  TORCH_CHECK(prefill_attention_supported(dtype),
+              "prefill_attention takes bfloat16 (on a CPU with AVX-512 BF16) or float32 (AVX2 and FMA)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [tokens, heads, head_dim] with each token's heads contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes(),
@@ -234,6 +237,10 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, to
     TORCH_CHECK(slot_data[j] >= 0 && slot_data[j] < num_slots, "context slot out of range");
   auto out = torch::empty({num_queries, num_heads, head_dim}, query.options());
   if (num_queries == 0) return out;
+  if (dtype == torch::kFloat) {
+    prefill_attention_f32(query, key_cache, value_cache, slot_data, context, scale, out);
+    return out;
+  }
 #ifdef LLMSERVE_PREFILL_FAST_PATH
   const Problem pb{reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()),
                    reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>()),

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include <c10/util/BFloat16.h>
 
@@ -76,6 +77,49 @@ inline __m256 round_to_bf16_8(__m256 x) {
   const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
   const __m256 kept = _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   return _mm256_blendv_ps(kept, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+}
+
+inline float horizontal_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float horizontal_sum8(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Softmax of s[0, visible) in place, 8 lanes at a time, and zeros in [visible, length): the buffer has
+// room for whole vectors up to `length` rounded up to 8. Whole vectors need no mask, the one vector
+// holding the boundary is masked, so a row's values depend only on the `visible` scores (as in a decode
+// of it). Plain loads and stores: AVX2's masked stores are microcoded on AMD Zen.
+inline void softmax_prefix_f32(float* s, int64_t visible, int64_t length) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t full = visible / 8 * 8;
+  const __m256 tail_mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(visible - full)), lane));
+  __m256 max_vector = minus_inf;
+  for (int64_t i = 0; i < full; i += 8) max_vector = _mm256_max_ps(max_vector, _mm256_loadu_ps(s + i));
+  if (full < visible) max_vector = _mm256_max_ps(max_vector, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(s + full), tail_mask));
+  const __m256 row_max = _mm256_set1_ps(horizontal_max8(max_vector));
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t i = 0; i < full; i += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), row_max));
+    total = _mm256_add_ps(total, e);
+    _mm256_storeu_ps(s + i, e);
+  }
+  int64_t end = full;
+  if (full < visible) {
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + full), row_max)), tail_mask);
+    total = _mm256_add_ps(total, e);
+    _mm256_storeu_ps(s + full, e);
+    end += 8;
+  }
+  for (int64_t i = end; i < length; i += 8) _mm256_storeu_ps(s + i, _mm256_setzero_ps());
+  const __m256 inverse = _mm256_set1_ps(1.0f / horizontal_sum8(total));
+  for (int64_t i = 0; i < end; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inverse));
 }
 #endif
 
