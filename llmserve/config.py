@@ -101,6 +101,16 @@ def _arg(default, help_text: str):
     return field(default=default, metadata={"help": help_text})
 
 
+def default_kv_cache_memory(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """The pool's default size: 1 GiB for 16-bit (or 8-bit) K/V entries, 2 GiB for float32 ones, so
+    that the default holds as many tokens whatever the dtype (about 46,000 for SmolLM2). With 1 GiB
+    in float32 the mixed-100 workload did not fit at once, and at rate inf its last prompts waited
+    for others to finish (TTFT p99 71-75 s against 42-46 s with 2 GiB, docs/benchmarks.md
+    "Session 17")."""
+    entry_bytes = get_kv_cache_format(kv_cache_dtype).storage_dtype(dtype).itemsize
+    return 2 << 30 if entry_bytes >= 4 else 1 << 30
+
+
 @dataclass
 class EngineArgs:
     """User-facing engine options (CLI flags and `LLM(...)` keyword arguments).
@@ -119,7 +129,11 @@ class EngineArgs:
         None, "longest prompt + output; default: the model's context, at most 4096"
     )
     block_size: int = _arg(16, "tokens per KV-cache block")
-    kv_cache_memory: int | str = _arg("1GiB", "KV-cache pool size: bytes or with a unit (512MiB, 2GiB)")
+    kv_cache_memory: int | str | None = _arg(
+        None,
+        "KV-cache pool size: bytes or with a unit (512MiB, 2GiB); default 1GiB, or 2GiB where K/V are "
+        "stored in float32 (the same number of tokens)",
+    )
     num_kv_blocks: int | None = _arg(None, "exact KV pool size in blocks (overrides kv_cache_memory)")
     max_num_batched_tokens: int = _arg(2048, "token budget of one engine step (prefill chunks + decodes)")
     max_num_seqs: int = _arg(128, "most requests running at once")
@@ -204,7 +218,10 @@ class EngineArgs:
         if self.num_kv_blocks is not None:
             num_blocks = self.num_kv_blocks
         else:
-            num_blocks = parse_bytes(self.kv_cache_memory) // (pool_bytes_per_token * self.block_size)
+            memory = self.kv_cache_memory
+            if memory is None:
+                memory = default_kv_cache_memory(dtype, self.kv_cache_dtype)
+            num_blocks = parse_bytes(memory) // (pool_bytes_per_token * self.block_size)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={self.kv_cache_memory} holds no block of {self.block_size} tokens "

@@ -2,6 +2,7 @@
 scales that move with their blocks (swap, copy-on-write, speculative drafts), real-model perplexity."""
 
 import pytest
+import torch
 
 from llmserve.config import EngineArgs
 from llmserve.entrypoints.llm import LLM
@@ -28,6 +29,23 @@ def test_8bit_pool_holds_1_94x_the_tokens_of_bf16_scales_included(kv_dtype, smol
     assert quantized.num_blocks == 2**30 // (2 * 30 * 3 * (64 + 2) * 16)  # codes + a float16 scale per row
     assert 1.93 <= quantized.num_blocks / bf16.num_blocks < 1.94  # 128 / 66
     assert quantized.kv_cache_memory <= 2**30 and quantized.kv_cache_dtype == kv_dtype
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "pool_bytes"),
+    [("float32", "auto", 2 << 30), ("bfloat16", "auto", 1 << 30), ("float32", "int8", 1 << 30)],
+)
+def test_default_pool_holds_the_same_tokens_in_float32_and_bf16(dtype, kv_dtype, pool_bytes, smollm2_arch):
+    """Without --kv-cache-memory the pool is 1 GiB for 16- and 8-bit entries and 2 GiB for float32
+    ones; an explicit size always wins."""
+    args = EngineArgs(dtype=dtype, device="cpu", kv_cache_dtype=kv_dtype)
+    cache = args.create_config(smollm2_arch, "x").cache
+    bytes_per_token = smollm2_arch.kv_bytes_per_token(getattr(torch, dtype), kv_dtype)
+    assert cache.num_blocks == pool_bytes // (bytes_per_token * 16)
+    if kv_dtype == "auto":
+        assert cache.num_blocks == 2**30 // (2 * 30 * 3 * 64 * 2 * 16)  # 2,912 blocks either way
+    explicit = EngineArgs(dtype=dtype, device="cpu", kv_cache_dtype=kv_dtype, kv_cache_memory="64MiB")
+    assert explicit.create_config(smollm2_arch, "x").cache.num_blocks == (64 << 20) // (bytes_per_token * 16)
 
 
 def test_unknown_kv_cache_dtype_is_a_one_line_error(smollm2_arch):
