@@ -1,10 +1,12 @@
 """Prefill attention alone: the compiled kernel vs PyTorch's SDPA (flash) at 128-2,048 tokens.
 
-9 query heads, 3 KV heads, head_dim 64, bf16, the whole prompt causal; prints ms per call (one layer)
-and GFLOP/s counting the causal half. Usage: python docs/scripts/prefill_attention_micro.py
+9 query heads, 3 KV heads, head_dim 64, the whole prompt causal; prints ms per call (one layer) and
+GFLOP/s counting the causal half. Usage: python docs/scripts/prefill_attention_micro.py [DTYPE]
+(bfloat16, the default, needs AVX-512 BF16; float32 needs AVX2).
 """
 
 import functools
+import sys
 import time
 
 import torch
@@ -23,11 +25,12 @@ def per_call_ms(function, repeats: int = 10) -> float:
 
 def main() -> None:
     ops = load_cpu_ops()
+    dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
     heads, kv_heads, head_dim = 9, 3, 64
     for length in (128, 512, 1024, 2048):
-        query = torch.randn(length, heads, head_dim).bfloat16()
-        keys = torch.randn(length, kv_heads, head_dim).bfloat16()
-        values = torch.randn(length, kv_heads, head_dim).bfloat16()
+        query = torch.randn(length, heads, head_dim).to(dtype)
+        keys = torch.randn(length, kv_heads, head_dim).to(dtype)
+        values = torch.randn(length, kv_heads, head_dim).to(dtype)
         slots = torch.arange(length)
         ours = per_call_ms(functools.partial(ops.prefill_attention, query, keys, values, slots, 0.125))
         q, k, v = (t.transpose(0, 1)[None] for t in (query, keys, values))

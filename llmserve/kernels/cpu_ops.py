@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -54,6 +55,25 @@ def _build_directory(root: str) -> str:
     return str(path)
 
 
+# A build takes about 4 minutes on 2 cores; a lock this old was left by a build that was killed.
+_STALE_LOCK_SECONDS = 30 * 60
+
+
+def remove_stale_lock(build_directory: str, now: float | None = None) -> bool:
+    """Remove the build lock a killed build left behind; whether one was removed. torch's loader
+    waits for `lock` to disappear, so a lock whose build died would make every later start hang."""
+    lock = Path(build_directory) / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < _STALE_LOCK_SECONDS:
+        return False  # a build may still be running: wait for it as torch does
+    logger.warning("removing a stale kernel build lock (%.0f minutes old): %s", age / 60, lock)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.cache
 def load_cpu_ops() -> ModuleType | None:
     """The compiled module, or None (with a warning) if it cannot be built here."""
@@ -67,12 +87,14 @@ def load_cpu_ops() -> ModuleType | None:
         build_root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
             Path.home() / ".cache" / "llmserve" / "torch_extensions"
         )
+        build_directory = _build_directory(build_root)
+        remove_stale_lock(build_directory)
         return load(
             name="llmserve_cpu_ops",
             sources=_SOURCES,
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
-            build_directory=_build_directory(build_root),
+            build_directory=build_directory,
             verbose=False,
         )
     except Exception as error:  # noqa: BLE001 - any build failure means "use the fallback"
