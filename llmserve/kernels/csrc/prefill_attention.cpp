@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include "kernels.h"
+#include "prefill_problem.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -34,17 +35,7 @@ namespace {
 
 constexpr int kTile = 32;  // keys per tile: two registers of 16 float scores per query row
 
-struct Problem {
-  const uint16_t* query;  // row (token i, head h) at query + i * query_stride + h * D
-  const uint16_t* key_cache;
-  const uint16_t* value_cache;
-  const int64_t* slots;
-  uint16_t* out;  // [num_queries, num_heads, D]
-  int64_t query_stride, num_queries, context, num_heads, num_kv_heads, slot_stride, num_tiles;
-  float scale;
-  int64_t group() const { return num_heads / num_kv_heads; }
-  int64_t first_position() const { return context - num_queries; }
-};
+using Problem = PrefillProblem<uint16_t>;
 
 // Packs tile `tile` of KV head `kv_head`: keys as [D/2][32] pairs, values as [16][D][2]; keys past the
 // context are zero (their scores are masked; zero values keep 0 * garbage out of the sums).

@@ -15,6 +15,7 @@
 #include <omp.h>
 
 #include "kernels.h"
+#include "prefill_problem.h"
 #include "vector_math.h"
 
 #include <algorithm>
@@ -30,17 +31,7 @@ namespace {
 constexpr int kTile = 16;  // keys per packed tile: two vectors of scores per query row
 constexpr int R = 6;       // query rows per block: 12 score (or output) accumulators in registers
 
-struct Problem {
-  const float* query;  // row (token i, head h) at query + i * query_stride + h * D
-  const float* key_cache;
-  const float* value_cache;
-  const int64_t* slots;
-  float* out;  // [num_queries, num_heads, D]
-  int64_t query_stride, num_queries, context, num_heads, num_kv_heads, slot_stride, num_tiles;
-  float scale;
-  int64_t group() const { return num_heads / num_kv_heads; }
-  int64_t first_position() const { return context - num_queries; }
-};
+using Problem = PrefillProblem<float>;
 
 // Tile `tile` of KV head `kv_head`: keys as [D][16], values as [16][D]; keys past the context are zero
 // (never visible, so their probability is 0, and zero values keep 0 * garbage out of the sums).
