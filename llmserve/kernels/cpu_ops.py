@@ -59,12 +59,12 @@ def _build_directory(root: str) -> str:
 _STALE_LOCK_SECONDS = 30 * 60
 
 
-def remove_stale_lock(build_directory: str, now: float | None = None) -> bool:
+def remove_stale_lock(build_directory: str) -> bool:
     """Remove the build lock a killed build left behind; whether one was removed. torch's loader
     waits for `lock` to disappear, so a lock whose build died would make every later start hang."""
     lock = Path(build_directory) / "lock"
     try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
+        age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return False
     if age < _STALE_LOCK_SECONDS:

@@ -10,6 +10,7 @@
 //   keys   [tile][D/2 pairs][32 keys] (the pair p of each key, so one register holds one pair of 16 keys)
 //   values [tile][16 key pairs][D][2] (values of keys 2m and 2m+1 side by side for each of D columns)
 // and the probabilities are rounded to bf16 before the second product, as PyTorch's flash kernel does.
+// The entry point at the end checks a call for both dtypes and hands float32 to prefill_attention_f32.cpp.
 #include <torch/extension.h>
 #include <omp.h>
 
