@@ -26,7 +26,7 @@ float32 goes to MKL's sgemm, which on a 2-core AVX2 EPYC took 2-4x oneDNN's time
 ms for a step's linears at one row and 37-79 ms at 4-8, the kernel about 16 and 18-23 ("Session
 12"), and above 8 rows, where the kernel runs the rows through each group of outputs in tiles of 4,
 oneDNN reached 80-130 GFLOP/s at 16-256 rows against the kernel's 130-180, and mixed-100 offline
-ran 369-394 -> 438-460 tokens/s ("Session 16"). Each row's result does not depend on the row
+ran 369-394 -> 427-460 tokens/s ("Session 16"). Each row's result does not depend on the row
 count (the same FMA chain whatever the batch; checked bitwise), so verifying drafts, decoding one
 token and a prefill compute the same logits. A module whose weights' low bits matter less than
 their bytes (a draft head: its drafts are verified anyway) can keep the kernel's copy in bf16

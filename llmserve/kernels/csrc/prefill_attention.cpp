@@ -234,19 +234,7 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, to
     return out;
   }
 #ifdef LLMSERVE_PREFILL_FAST_PATH
-  const Problem pb{reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>()),
-                   reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>()),
-                   reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>()),
-                   slot_data,
-                   reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                   query.stride(0),
-                   num_queries,
-                   context,
-                   num_heads,
-                   num_kv_heads,
-                   num_kv_heads * head_dim,
-                   (context + kTile - 1) / kTile,
-                   static_cast<float>(scale)};
+  const Problem pb = prefill_problem<uint16_t>(query, key_cache, value_cache, slot_data, context, out, kTile, scale);
   if (head_dim == 64) run<64>(pb);
   else run<128>(pb);
 #endif

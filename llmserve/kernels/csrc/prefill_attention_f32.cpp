@@ -153,20 +153,8 @@ bool prefill_attention_f32_supported() { return true; }
 void prefill_attention_f32(const torch::Tensor& query, const torch::Tensor& key_cache,
                            const torch::Tensor& value_cache, const int64_t* slots, int64_t context, double scale,
                            torch::Tensor& out) {
-  const int64_t head_dim = query.size(2), num_kv_heads = key_cache.size(1);
-  const Problem pb{query.data_ptr<float>(),
-                   key_cache.data_ptr<float>(),
-                   value_cache.data_ptr<float>(),
-                   slots,
-                   out.data_ptr<float>(),
-                   query.stride(0),
-                   query.size(0),
-                   context,
-                   query.size(1),
-                   num_kv_heads,
-                   num_kv_heads * head_dim,
-                   (context + kTile - 1) / kTile,
-                   static_cast<float>(scale)};
+  const Problem pb = prefill_problem<float>(query, key_cache, value_cache, slots, context, out, kTile, scale);
+  const int64_t head_dim = query.size(2);
   if (head_dim == 64) run<64>(pb);
   else run<128>(pb);
 }

@@ -2,6 +2,8 @@
 // uint16_t bits; prefill_attention_f32.cpp in float32).
 #pragma once
 
+#include <torch/extension.h>
+
 #include <cstdint>
 
 template <typename T>
@@ -17,3 +19,25 @@ struct PrefillProblem {
   // the queries are the context's last positions
   int64_t first_position() const { return context - num_queries; }
 };
+
+// The problem over tensors prefill_attention has checked: query [Q, H, D] (any token stride), caches
+// [slots, KVH, D] contiguous, out [Q, H, D]; T is the element type as the kernel reads it.
+template <typename T>
+PrefillProblem<T> prefill_problem(const torch::Tensor& query, const torch::Tensor& key_cache,
+                                  const torch::Tensor& value_cache, const int64_t* slots, int64_t context,
+                                  torch::Tensor& out, int64_t tile, double scale) {
+  const int64_t num_kv_heads = key_cache.size(1), head_dim = query.size(2);
+  return {static_cast<const T*>(query.data_ptr()),
+          static_cast<const T*>(key_cache.data_ptr()),
+          static_cast<const T*>(value_cache.data_ptr()),
+          slots,
+          static_cast<T*>(out.data_ptr()),
+          query.stride(0),
+          query.size(0),
+          context,
+          query.size(1),
+          num_kv_heads,
+          num_kv_heads * head_dim,
+          (context + tile - 1) / tile,
+          static_cast<float>(scale)};
+}
