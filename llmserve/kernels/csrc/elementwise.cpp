@@ -252,13 +252,56 @@ void swiglu_row_avx2(const scalar_t* gate, const scalar_t* up, scalar_t* dst, in
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// The same arithmetic 16 lanes at a time (exp512 is exp256's polynomial; its scalef by 2^n is exact, as
+// exp256's exponent bits are), for bf16 rows on CPUs with AVX-512 BF16: half the instructions per element
+// (mixed-100 spent 0.76 s of 18.5 in the 8-lane form on the Zen 5 machine).
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+// x rounded to the nearest bf16 (ties to even; NaN to 0x7FC0, as Convert::store), as its 16-bit patterns.
+inline __m256i to_bf16_16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+inline __m512 from_bf16_16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+void swiglu_row_avx512(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* dst, int64_t n) {
+  auto swiglu16 = [](__m512 g, __m512 u) {
+    const __m512 exp_minus = exp512(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
+    const __m512 silu = from_bf16_16(to_bf16_16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_minus))));
+    return to_bf16_16(_mm512_mul_ps(silu, u));
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), swiglu16(load16(gate + i), load16(up + i)));
+  if (i < n) {
+    c10::BFloat16 g[16] = {}, u[16] = {}, out[16];
+    std::copy(gate + i, gate + n, g);
+    std::copy(up + i, up + n, u);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), swiglu16(load16(g), load16(u)));
+    std::copy(out, out + (n - i), dst + i);
+  }
+}
+#endif
+
 template <>
 void swiglu_row(const float* gate, const float* up, float* dst, int64_t n) {
   swiglu_row_avx2(gate, up, dst, n);
 }
 template <>
 void swiglu_row(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* dst, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  swiglu_row_avx512(gate, up, dst, n);
+#else
   swiglu_row_avx2(gate, up, dst, n);
+#endif
 }
 #endif
 
