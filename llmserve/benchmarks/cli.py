@@ -167,6 +167,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
     engine_args = engine_args_from(args)
     llm = LLM(**dataclasses.asdict(engine_args))
+    llm.engine.model_runner.wait_for_kv_prefault()
     requests = load_workload(args, lambda: llm.tokenizer)
     run = in_thread if args.engine_thread else _call
     continuous, naive = run(run_throughput, llm, requests, args.naive_batch_sizes)
@@ -301,6 +302,7 @@ def cmd_latency(args: argparse.Namespace) -> int:
     # Prefix caching off: repeated runs must compute their whole prompt.
     engine_args = dataclasses.replace(engine_args_from(args), prefix_caching=False)
     engine = LLMEngine(engine_args)
+    engine.model_runner.wait_for_kv_prefault()
     max_model_len = engine.config.model.max_model_len
     lengths = [n for n in args.prompt_lengths if n + args.decode_tokens + 1 <= max_model_len]
     skipped = sorted(set(args.prompt_lengths) - set(lengths))
@@ -402,6 +404,7 @@ def _measure_live(engine_args, requests: list[BenchRequest]) -> dict:
     from llmserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(live_engine_args(engine_args, len(requests)))
+    engine.model_runner.wait_for_kv_prefault()
     with tqdm(total=len(requests), desc="live", unit="req") as progress:
         live = measure_live(engine, requests, progress)
     print(
@@ -460,6 +463,7 @@ def cmd_prefix_cache(args: argparse.Namespace) -> int:
 
     engine_args = engine_args_from(args)
     cached = LLM(**{**dataclasses.asdict(engine_args), "prefix_caching": True})
+    cached.engine.model_runner.wait_for_kv_prefault()
     corpus = TokenCorpus(cached.tokenizer)
     ttft = measure_ttft(cached, corpus, args.prefix_len, args.repeats, args.seed)
     summary = ttft.to_json()
@@ -478,6 +482,7 @@ def cmd_prefix_cache(args: argparse.Namespace) -> int:
     with_cache = measure_throughput(cached, requests)
     del cached
     uncached = LLM(**{**dataclasses.asdict(engine_args), "prefix_caching": False})
+    uncached.engine.model_runner.wait_for_kv_prefault()
     without_cache = measure_throughput(uncached, requests)
     rows = [r.to_json() for r in (without_cache, with_cache)]
     print(
@@ -523,6 +528,7 @@ def cmd_priority(args: argparse.Namespace) -> int:
     rows = []
     for policy in ("fcfs", "priority"):
         engine = LLMEngine(dataclasses.replace(engine_args, scheduling_policy=policy))
+        engine.model_runner.wait_for_kv_prefault()
         batch = build_workload(
             WorkloadSpec(
                 num_requests=args.batch_requests,

@@ -331,7 +331,8 @@ def summarize_throughput(results: Sequence[ThroughputResult]) -> list[Throughput
 
 
 def warm_up(llm, prompt: Sequence[int]) -> None:
-    """First-call costs (allocations, kernel selection) are nobody's speculation."""
+    """First-call costs (allocations, kernel selection, the KV pool's prefault) are nobody's speculation."""
+    llm.engine.model_runner.wait_for_kv_prefault()
     llm.generate([list(prompt)[:32]], greedy_params(8), use_tqdm=False)
 
 

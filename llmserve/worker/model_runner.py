@@ -110,6 +110,13 @@ class ModelRunner:
         return kv_cache
 
     @torch.inference_mode()
+    def wait_for_kv_prefault(self) -> None:
+        """Block until the KV pool's pages are mapped. Benchmarks call it before timing anything: the
+        background prefault (a second of one core for a 1 GiB pool) would otherwise share the cores
+        with the first measurements (`bench latency`'s first prompt length read 2x slow prefills)."""
+        if self.kv_prefault is not None:
+            self.kv_prefault.join()
+
     def move_blocks(self, scheduled: SchedulerOutput) -> None:
         """Copy preempted requests' blocks to the swap space, resumed ones back, and shared blocks
         about to be written (copy-on-write), before the step's forward writes into any of them."""

@@ -1,5 +1,8 @@
 """The benchmarks' engine paths on a tiny random Llama: same greedy tokens, exact token accounting."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -104,3 +107,13 @@ def test_live_memory_sampling_counts_blocks_and_computed_tokens(tiny_model_dir, 
     live = measure_live(engine, workload)
     assert 1 <= live.max_running <= len(workload) and 0.0 <= live.mean_waste < 1.0
     assert not engine.has_unfinished_requests()
+
+
+def test_waiting_for_the_kv_prefault_joins_the_thread(tiny_llm, monkeypatch):
+    """Benchmarks time nothing while the background prefault still runs (it would take a core)."""
+    runner = tiny_llm.engine.model_runner
+    slow_prefault = threading.Thread(target=time.sleep, args=(0.3,))  # a pool that takes a while
+    slow_prefault.start()
+    monkeypatch.setattr(runner, "kv_prefault", slow_prefault)
+    runner.wait_for_kv_prefault()
+    assert not slow_prefault.is_alive()
