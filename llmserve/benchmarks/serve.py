@@ -45,6 +45,7 @@ class RequestResult:
     e2e: float | None = None
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    sent_at: float | None = None  # seconds from the run's start to this request's send
 
     @property
     def tpot(self) -> float | None:
@@ -191,7 +192,7 @@ class LoadGenerator:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             start = time.perf_counter()
             sends = [
-                self._send_at(client, request, start + offset, limit, progress)
+                self._send_at(client, request, start, offset, limit, progress)
                 for request, offset in zip(requests, offsets.tolist(), strict=True)
             ]
             results = await asyncio.gather(*sends)
@@ -201,14 +202,17 @@ class LoadGenerator:
         self,
         client: aiohttp.ClientSession,
         request: BenchRequest,
-        send_time: float,
+        run_start: float,
+        offset: float,
         limit: asyncio.Semaphore | None,
         progress,
     ) -> RequestResult:
-        await asyncio.sleep(max(0.0, send_time - time.perf_counter()))
+        await asyncio.sleep(max(0.0, run_start + offset - time.perf_counter()))
         payload = completion_payload(request, self.model, self.prompt_format)
         async with limit or contextlib.nullcontext():
+            sent = time.perf_counter()
             result = await send_request(client, self.url, payload, request.prompt_len)
+        result.sent_at = sent - run_start
         if progress is not None:
             progress.update(1)
         return result
@@ -261,6 +265,9 @@ class ServeMetrics:
     # CPU the load generator itself used during the run: on a machine with few cores it is taken
     # from the server, so a reader needs it next to the throughput
     client_cpu_seconds: float | None = None
+    # Every request in workload order (send time, lengths, TTFT / TPOT / e2e in ms), so that a p99 can
+    # be traced to the requests behind it
+    per_request: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -299,7 +306,23 @@ def summarize(
         latency_ms={name: Distribution.of(values) for name, values in samples.items()},
         errors=sorted({r.error for r in results if not r.ok})[:10],
         client_cpu_seconds=client_cpu_seconds,
+        per_request=[request_record(r) for r in results],
     )
+
+
+def request_record(result: RequestResult) -> dict:
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else round(seconds * 1e3, 2)
+
+    return {
+        "ok": result.ok,
+        "sent_s": None if result.sent_at is None else round(result.sent_at, 4),
+        "prompt_tokens": result.prompt_tokens,
+        "output_tokens": result.output_tokens,
+        "ttft_ms": ms(result.ttft),
+        "tpot_ms": ms(result.tpot),
+        "e2e_ms": ms(result.e2e),
+    }
 
 
 def format_report(metrics: ServeMetrics, label: str = "") -> str:
@@ -317,6 +340,14 @@ def format_report(metrics: ServeMetrics, label: str = "") -> str:
         f"{metrics.goodput:.2f} req/s, {100 * metrics.slo_attainment:.1f}% of requests",
         format_table(rows, ("metric", "mean", "p50", "p90", "p99")) + "\n(latencies in ms)",
     ]
+    timed = [(index, r) for index, r in enumerate(metrics.per_request) if r["ttft_ms"] is not None]
+    if timed:
+        index, slowest = max(timed, key=lambda item: item[1]["ttft_ms"])
+        sent = "" if slowest["sent_s"] is None else f", sent at {slowest['sent_s']:.2f} s"
+        lines.append(
+            f"slowest TTFT: request {index} ({slowest['prompt_tokens']} prompt tokens{sent}): "
+            f"{slowest['ttft_ms']:,.1f} ms"
+        )
     lines += [f"error: {error}" for error in metrics.errors]
     return "\n".join(lines)
 

@@ -20,6 +20,7 @@ from llmserve.benchmarks.serve import (
     send_request,
     summarize,
 )
+from llmserve.benchmarks.serve import format_report as serve_report
 from llmserve.benchmarks.throughput import (
     ThroughputResult,
     check_fits,
@@ -88,6 +89,10 @@ def test_summary_throughput_goodput_and_slo_attainment():
     assert metrics.latency_ms["tpot"].mean == pytest.approx((50 + 50 + 200) / 3)
     assert metrics.latency_ms["itl"].mean == pytest.approx(1e3 * (20 * 0.05 + 4 * 0.2) / 24)
     assert metrics.errors == ["HTTP 500"]
+    assert [r["ttft_ms"] for r in metrics.per_request] == [100, 500, 200, 200, None]  # workload order
+    assert metrics.per_request[2]["tpot_ms"] == pytest.approx(200)
+    assert metrics.per_request[3]["tpot_ms"] is None  # one token: no TPOT
+    assert "slowest TTFT: request 1 (10 prompt tokens): 500.0 ms" in serve_report(metrics)
 
 
 def sse(chunk) -> bytes:

@@ -71,6 +71,9 @@ def test_streamed_completions_are_timed_and_counted(server_url):
         assert len(result.itls) <= result.output_tokens - 1
     metrics = summarize(results, duration, slo_ttft_ms=1e6, slo_tpot_ms=1e6)
     assert metrics.output_tokens == 11 and metrics.slo_attainment == 1.0
+    assert [r["prompt_tokens"] for r in metrics.per_request] == [5, 9, 3]
+    sent = [r["sent_s"] for r in metrics.per_request]
+    assert all(0 <= s <= duration for s in sent) and max(sent) > min(sent)  # the third waited for a slot
 
 
 def test_text_prompts_and_a_sweep_from_the_command_line(server_url, tiny_model_dir, tmp_path):
