@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from llmserve.worker.prefault import populate, populate_in_background
+from llmserve.worker.prefault import advise_huge_pages, populate, populate_in_background
 
 
 def _kernel_has_populate_write() -> bool:
@@ -66,3 +66,41 @@ def test_populate_off_cpu_tensors_is_a_no_op():
     meta = torch.empty(1024, device="meta")
     assert not populate(meta)
     assert populate_in_background(meta) is None
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _thp_available() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            return "[never]" not in setting.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _thp_available(), reason="transparent huge pages are off")
+def test_the_pool_is_advised_into_huge_pages_and_keeps_its_contents():
+    tensor = torch.empty(16 << 20, dtype=torch.uint8)
+    tensor[::4096] = 3  # written before the advice: must survive it and the prefault
+    assert advise_huge_pages(tensor)
+    aligned = -(-tensor.data_ptr() // (2 << 20)) * (2 << 20)
+    assert "hg" in _vm_flags(aligned)  # MADV_HUGEPAGE set on the mapping
+    assert populate(tensor)
+    assert bool((tensor[::4096] == 3).all())
+
+
+def test_huge_page_advice_skips_tensors_without_a_whole_huge_page():
+    assert not advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # no aligned 2 MiB inside
+    assert not advise_huge_pages(torch.empty(1024, device="meta"))
