@@ -50,14 +50,23 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+def _whole_pages(tensor: torch.Tensor, page: int) -> tuple[int, int] | None:
+    """[start, end) of the `page`-aligned part of a contiguous CPU tensor's memory; None where there is
+    no such part or no libc to advise it."""
+    if _libc() is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    address = tensor.data_ptr()
+    start = -(-address // page) * page
+    end = (address + tensor.numel() * tensor.element_size()) // page * page
+    return (start, end) if end > start else None
+
+
 def populate(tensor: torch.Tensor) -> bool:
     """Map every whole page of a CPU tensor's memory writable now; False where the OS cannot."""
-    libc = _libc()
-    if libc is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+    pages = _whole_pages(tensor, _PAGE)
+    if pages is None:
         return False
-    address = tensor.data_ptr()
-    start = -(-address // _PAGE) * _PAGE
-    end = (address + tensor.numel() * tensor.element_size()) // _PAGE * _PAGE
+    libc, (start, end) = _libc(), pages
     for chunk in range(start, end, _CHUNK):
         length = min(_CHUNK, end - chunk)
         if libc.madvise(ctypes.c_void_p(chunk), ctypes.c_size_t(length), MADV_POPULATE_WRITE) != 0:
@@ -69,14 +78,10 @@ def populate(tensor: torch.Tensor) -> bool:
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask for transparent huge pages over the 2 MiB-aligned part of a CPU tensor's memory, before
     anything touches it; False where the OS declines (THP off, or not Linux)."""
-    libc = _libc()
-    if libc is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+    pages = _whole_pages(tensor, _HUGE_PAGE)
+    if pages is None:
         return False
-    address = tensor.data_ptr()
-    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
-    end = (address + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-    if end <= start:
-        return False
+    libc, (start, end) = _libc(), pages
     if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) != 0:
         logger.debug("KV pool: no transparent huge pages (madvise errno %d)", ctypes.get_errno())
         return False
