@@ -49,11 +49,19 @@ class HardwareBounds:
     weight_bytes: int
     copy_bandwidth: float  # bytes/s, read and write both counted
     matmul_flops: float  # FLOP/s of a square matmul in the model dtype
+    # bytes/s of a streaming read (a sum): decode only reads its weights, and on some machines the copy
+    # above swings (45 vs 77 GB/s on one VM within the hour) while reads and decode do not
+    read_bandwidth: float | None = None
 
     @property
     def floor_ms_per_token(self) -> float:
         """Batch-1 decode cannot be faster than reading all the weights once."""
         return 1e3 * self.weight_bytes / self.copy_bandwidth
+
+    @property
+    def read_floor_ms_per_token(self) -> float | None:
+        """The same floor at the streaming-read bandwidth."""
+        return None if not self.read_bandwidth else 1e3 * self.weight_bytes / self.read_bandwidth
 
     @property
     def compute_ceiling_tok_s(self) -> float:
@@ -66,6 +74,7 @@ class HardwareBounds:
             "copy_bandwidth_gb_s": self.copy_bandwidth / 1e9,
             "matmul_gflop_s": self.matmul_flops / 1e9,
             "floor_ms_per_token": self.floor_ms_per_token,
+            "read_floor_ms_per_token": self.read_floor_ms_per_token,
             "compute_ceiling_tok_s": self.compute_ceiling_tok_s,
         }
 
@@ -96,6 +105,13 @@ def measure_copy_bandwidth(device: torch.device, num_bytes: int = 512 * 2**20, r
     return 2 * source.numel() * source.element_size() / seconds
 
 
+def measure_read_bandwidth(device: torch.device, num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a streaming read of a large buffer (a sum, whose result is one number)."""
+    source = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    seconds = best_seconds(lambda: source.sum(), device, repeats)
+    return source.numel() * source.element_size() / seconds
+
+
 def measure_matmul_flops(
     dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5
 ) -> float:
@@ -121,6 +137,7 @@ def measure_bounds(
         weight_bytes=weight_bytes,
         copy_bandwidth=measure_copy_bandwidth(device, copy_bytes, repeats),
         matmul_flops=measure_matmul_flops(dtype, device, matmul_size, repeats),
+        read_bandwidth=measure_read_bandwidth(device, copy_bytes, repeats),
     )
 
 
@@ -173,6 +190,16 @@ def format_report(points: Sequence[LatencyPoint], bounds: HardwareBounds) -> str
         f"{bounds.floor_ms_per_token:.3f} ms/token; measured decode is "
         f"{1e3 * fastest_decode / bounds.floor_ms_per_token:.1f}x-"
         f"{1e3 * slowest_decode / bounds.floor_ms_per_token:.1f}x the floor",
+        *(
+            [
+                f"read bandwidth {bounds.read_bandwidth / 1e9:.1f} GB/s -> read floor "
+                f"{bounds.read_floor_ms_per_token:.3f} ms/token; measured decode is "
+                f"{1e3 * fastest_decode / bounds.read_floor_ms_per_token:.1f}x-"
+                f"{1e3 * slowest_decode / bounds.read_floor_ms_per_token:.1f}x of it"
+            ]
+            if bounds.read_bandwidth
+            else []
+        ),
         f"matmul {bounds.matmul_flops / 1e9:.1f} GFLOP/s -> compute ceiling "
         f"{bounds.compute_ceiling_tok_s:,.0f} tokens/s at any batch size",
     ])  # fmt: skip

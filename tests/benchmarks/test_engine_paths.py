@@ -84,6 +84,7 @@ def test_latency_runs_leave_the_engine_empty_and_bounds_count_the_weights(tiny_l
     assert num_parameters == sum(p.numel() for p in model.parameters())
     assert (bounds.num_parameters, bounds.weight_bytes) == (num_parameters, 4 * num_parameters)  # float32
     assert bounds.floor_ms_per_token == pytest.approx(1e3 * weight_bytes / bounds.copy_bandwidth)
+    assert bounds.read_floor_ms_per_token == pytest.approx(1e3 * weight_bytes / bounds.read_bandwidth)
     assert bounds.compute_ceiling_tok_s == pytest.approx(bounds.matmul_flops / (2 * num_parameters))
 
 
