@@ -109,7 +109,6 @@ class ModelRunner:
             layer.backend = self.attention_backend
         return kv_cache
 
-    @torch.inference_mode()
     def wait_for_kv_prefault(self) -> None:
         """Block until the KV pool's pages are mapped. Benchmarks call it before timing anything: the
         background prefault (a second of one core for a 1 GiB pool) would otherwise share the cores
@@ -117,6 +116,7 @@ class ModelRunner:
         if self.kv_prefault is not None:
             self.kv_prefault.join()
 
+    @torch.inference_mode()
     def move_blocks(self, scheduled: SchedulerOutput) -> None:
         """Copy preempted requests' blocks to the swap space, resumed ones back, and shared blocks
         about to be written (copy-on-write), before the step's forward writes into any of them."""
