@@ -1,15 +1,17 @@
-"""A Llama model's decoder layers for a small decode batch in one compiled call.
+"""A Llama model's decoder layers for a decode step in one compiled call.
 
 At batch 1 a SmolLM2 decode step spent about 3 ms of its 12 ms calling the compiled kernels from
-Python: 30 layers x ~12 module calls, argument checks and views. `DecodeStack`
-(kernels/csrc/decode_stack.cpp) runs the same kernels in the same order from C++, so its output
-is bit-identical to the module path (tested) and the model uses it whenever it applies: every
-sequence this step is a decode or a short span (speculative verification), the batch fits the
-small-batch linear kernel, and the model runs on the CPU with the in-place paged attention backend
-and a plain KV cache, either in bf16 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or
-group-wise int4 with their small-batch kernels, or in float32 with every linear layer on the float32
-kernel (where the CPU has no native bf16). Anything else (prefill chunks, larger batches, other quantized
-formats, 8-bit KV caches, CUDA) takes the module path.
+Python: 30 layers x ~12 module calls, argument checks and views; at 86 sequences the same calls
+cost about as much again. `DecodeStack` (kernels/csrc/decode_stack.cpp) runs the same kernels in
+the same order from C++, so its output is bit-identical to the module path (tested) and the model
+uses it whenever it applies: every sequence this step is a decode or a short span (speculative
+verification), and the model runs on the CPU with the in-place paged attention backend and a plain
+KV cache, either in bf16 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise
+int4 with their small-batch kernels, or in float32 with every linear layer on the float32 kernel
+(where the CPU has no native bf16). Above the small-batch kernel's 8 rows the stack takes oneDNN's
+GEMM on each layer's blocked copy, as the modules do, where every layer has one (bf16) or is
+float32; with int8 or int4 layers it serves up to 8 rows. Anything else (prefill chunks, other
+quantized formats, 8-bit KV caches, CUDA) takes the module path.
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ from llmserve.worker.forward_context import AttentionMetadata
 
 
 class FusedDecodeStack:
-    def __init__(self, stack, attention_layers) -> None:
+    def __init__(self, stack, attention_layers, max_rows: float) -> None:
         self.stack = stack
+        self.max_rows = max_rows  # MAX_ROWS, or unbounded where every layer runs any row count
         # The caches the stack was built with; a caller that rebinds a layer's cache (the naive
         # batching baseline does) gets the module path, which reads the layers' current caches.
         self.bound = [(layer, layer.key_cache, layer.value_cache) for layer in attention_layers]
 
     def serves(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         return (
-            num_tokens <= MAX_ROWS
+            num_tokens <= self.max_rows
             and not metadata.prefills
             and metadata.decode_block_tables is not None
             and all(layer.key_cache is key and layer.value_cache is value for layer, key, value in self.bound)
@@ -59,23 +62,28 @@ class FusedDecodeStack:
 _EMPTY = torch.empty(0)
 
 
-def _small_batch_weights(module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(packed weight, its scales: none, per row, per 32 columns or int4's parameters) of a linear
-    layer the stack can run in a `dtype` model: bf16 (SmallBatchLinear), int8 or int4 with a
-    small-batch kernel; float32 (PackedLinear with the float32 kernel); else None."""
+StackWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _small_batch_weights(module, dtype: torch.dtype) -> StackWeights | None:
+    """(packed weight, its scales: none, per row, per 32 columns or int4's parameters, the oneDNN copy
+    for more than 8 rows or None) of a linear layer the stack can run in a `dtype` model: bf16
+    (SmallBatchLinear), int8 or int4 with a small-batch kernel; float32 (PackedLinear with the float32
+    kernel, whose oneDNN copy is replaced when the weight changes: the stack keeps it to 8 rows);
+    else None."""
     if dtype == torch.float32:
         if type(module) is PackedLinear and module.small_batch_weight is not None:
-            return module.small_batch_weight, _EMPTY
+            return module.small_batch_weight, _EMPTY, None
         return None
     if type(module) is SmallBatchLinear:
-        return module.small_batch_weight, _EMPTY
+        return module.small_batch_weight, _EMPTY, module.packed_weight
     kernel = getattr(module, "kernel", None)
     if isinstance(kernel, Int8PackedKernel) and kernel.small_batch_qweight is not None:
-        return kernel.small_batch_qweight, kernel.scales_float
+        return kernel.small_batch_qweight, kernel.scales_float, None
     if isinstance(kernel, Int8GroupedPackedKernel) and kernel.small_batch_qweight is not None:
-        return kernel.small_batch_qweight, kernel.small_batch_scales
+        return kernel.small_batch_qweight, kernel.small_batch_scales, None
     if isinstance(kernel, Int4PackedKernel) and kernel.small_batch_qweight is not None:
-        return kernel.small_batch_qweight, kernel.small_batch_params
+        return kernel.small_batch_qweight, kernel.small_batch_params, None
     return None
 
 
@@ -98,6 +106,7 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         return None
     dtype = inner.norm.weight.dtype
     tensors: list[torch.Tensor] = []
+    any_rows = True  # every layer can run more than MAX_ROWS rows
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         linears = [_small_batch_weights(m, dtype) for m in (attention.qkv_proj, attention.o_proj)]
@@ -109,7 +118,8 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if any(norm.eps != inner.norm.eps or norm.weight.dtype != dtype for norm in norms):
             return None
-        (qkv, qkv_scales), (o, o_scales), (gate_up, gate_up_scales), (down, down_scales) = linears
+        (qkv, qkv_scales, _), (o, o_scales, _), (gate_up, gate_up_scales, _), (down, down_scales, _) = linears
+        any_rows = any_rows and all(linear[2] is not None for linear in linears)
         qkv_bias = attention.qkv_proj.bias
         tensors += [
             layer.input_layernorm.weight.detach(),
@@ -125,6 +135,7 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
             down_scales,
             attention.attn.key_cache,
             attention.attn.value_cache,
+            *(_EMPTY if linear[2] is None else linear[2] for linear in linears),
         ]
     first = layers[0].self_attn
     arch = model.arch
@@ -140,4 +151,5 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         inner.norm.eps,
         first.attn.scale,
     )
-    return FusedDecodeStack(stack, [layer.self_attn.attn for layer in layers])
+    max_rows = float("inf") if any_rows else MAX_ROWS
+    return FusedDecodeStack(stack, [layer.self_attn.attn for layer in layers], max_rows)

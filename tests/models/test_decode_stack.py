@@ -27,14 +27,15 @@ def model_dir(tmp_path_factory) -> str:
 
 class _Counting:
     def __init__(self, stack) -> None:
-        self.stack, self.calls = stack, 0
+        self.stack, self.calls, self.max_rows_seen = stack, 0, 0
 
     def serves(self, *args) -> bool:
         return self.stack.serves(*args)
 
-    def __call__(self, *args):
+    def __call__(self, hidden, *args):
         self.calls += 1
-        return self.stack(*args)
+        self.max_rows_seen = max(self.max_rows_seen, hidden.shape[0])
+        return self.stack(hidden, *args)
 
 
 def _run(llm: LLM, prompts, max_tokens: int = 20):
@@ -78,6 +79,30 @@ def test_bit_identical_to_the_module_path(model_dir, dtype, speculative_method, 
     assert _run(llm, PROMPTS[:3]) + _run(llm, PROMPTS[3:]) == fused
 
 
+@needs_bf16
+def test_batches_above_the_small_batch_kernel_bit_identical(model_dir):
+    """Above 8 rows the stack runs oneDNN's GEMM on the layers' blocked copies, as the modules do: a
+    batch of 13 decodes (rows 13 down to 1 as they finish at different lengths) gives the very same
+    tokens and log-probabilities with the stack and without it."""
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
+    inner = llm.engine.model_runner.model.model
+    assert inner.decode_stack.max_rows > 8
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(13)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=3) for i in range(13)
+    ]
+
+    def run():
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    inner.decode_stack = counting = _Counting(inner.decode_stack)
+    fused = run()
+    assert counting.max_rows_seen == 13 and counting.calls >= 20
+    inner.decode_stack = None
+    assert run() == fused
+
+
 def test_rebound_caches_take_the_module_path(model_dir):
     """The naive-batching baseline points the attention layers at a buffer of its own: the stack,
     built on the engine's pool, must then step aside, and its tokens equal the engine's."""
@@ -93,6 +118,13 @@ def test_rebound_caches_take_the_module_path(model_dir):
     tokens, _ = naive.generate(PROMPTS[:2], [12, 12], batch_size=2)
     assert tokens == engine_tokens
     assert counting.calls == engine_calls  # every naive decode step took the module path
+
+
+@needs_bf16
+def test_quantized_layers_keep_the_stack_to_the_small_batch_kernel(model_dir):
+    """int8 layers have no oneDNN copy: their larger batches take the module path."""
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, quantization="int8-rtn")
+    assert llm.engine.model_runner.model.model.decode_stack.max_rows == 8
 
 
 def test_not_built_where_it_does_not_apply(model_dir):

@@ -1,14 +1,16 @@
-// The decoder layers of a decode step at small batch, one call from Python instead of ~12 per layer.
+// The decoder layers of a decode step, one call from Python instead of ~12 per layer.
 //
 // At batch 1 the kernels of a SmolLM2 step take about 8 ms, and calling them from Python (module
 // calls, argument checks, views, pybind conversions: ~100 us per layer) added about 3 ms more. This
 // runs the same kernels in the same order on the same tensors as LlamaDecoderLayer.forward does on
-// the CPU (small_batch_linear, rms_norm, rotary_embedding, write_kv_rows, paged_attention,
-// add_rms_norm, silu_and_mul, the residual add), so its output is bit-identical to the Python path
-// (tested); only the dispatch goes. Linear layers may be bf16, per-channel int8 or group-wise int4,
-// each through its small-batch kernel, or float32 in a float32 model (linear_f32.cpp). The model uses
-// it when every sequence is a decode or a short span and the batch fits the small-batch linear kernel
-// (models/decode_stack.py says when).
+// the CPU (small_batch_linear or oneDNN's GEMM on the packed copy, rms_norm, rotary_embedding,
+// write_kv_rows, paged_attention, add_rms_norm, silu_and_mul, the residual add), so its output is
+// bit-identical to the Python path (tested); only the dispatch goes. Linear layers may be bf16,
+// per-channel int8 or group-wise int4, each through its small-batch kernel, or float32 in a float32
+// model (linear_f32.cpp); above 8 rows, bf16 ones go to oneDNN's GEMM on their blocked copy. The model
+// uses it when every sequence is a decode or a short span (models/decode_stack.py says when).
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include "decode_stack.h"
 #include "kernels.h"
 
@@ -20,6 +22,33 @@ torch::Tensor small_batch_linear_packed(const torch::Tensor& x, const torch::Ten
   if (weight.scalar_type() == torch::kByte) return small_batch_linear_int8(x, weight, scales, out_features);
   return small_batch_linear(x, weight, out_features);
 }
+
+namespace {
+
+// torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""): the call SmallBatchLinear makes
+// above 8 rows, through the dispatcher (a boxed call: a few microseconds, 4 per layer).
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias.defined() && bias.numel() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
+                          c10::List<std::optional<c10::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel for up to
+// 8 rows (the bias added after), oneDNN on its blocked copy above that.
+torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
+                           const torch::Tensor& onednn_weight, const torch::Tensor& bias, int64_t out_features) {
+  if (x.size(0) > 8) {
+    TORCH_CHECK(onednn_weight.numel(), "DecodeStack: more than 8 rows need the layers' oneDNN copies");
+    return onednn_linear(x, onednn_weight, bias);
+  }
+  auto out = small_batch_linear_packed(x, weight, scales, out_features);
+  return bias.defined() && bias.numel() ? out + bias : out;
+}
+
+}  // namespace
 
 DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
                          torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -36,7 +65,7 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor
       eps_(eps),
       scale_(scale) {
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kTensorsPerLayer == 0,
-              "DecodeStack takes 13 tensors per layer");
+              "DecodeStack takes 17 tensors per layer");
 }
 
 torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
@@ -46,14 +75,15 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
   const int64_t tokens = hidden.size(0);
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t qkv_size = q_size + 2 * kv_size;
+  const torch::Tensor kNone;  // o, gate_up and down have no bias (models/decode_stack.py checks)
   for (size_t base = 0; base < tensors_.size(); base += kTensorsPerLayer) {
     const torch::Tensor* t = tensors_.data() + base;
     const auto& [input_norm, qkv_weight, qkv_scales, qkv_bias, o_weight, o_scales, post_norm, gate_up_weight,
                  gate_up_scales, down_weight, down_scales, key_cache, value_cache] =
         std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12]);
+    const auto& [qkv_onednn, o_onednn, gate_up_onednn, down_onednn] = std::tie(t[13], t[14], t[15], t[16]);
     // attention block
-    auto qkv = small_batch_linear_packed(rms_norm(hidden, input_norm, eps_), qkv_weight, qkv_scales, qkv_size);
-    if (qkv_bias.defined() && qkv_bias.numel()) qkv = qkv + qkv_bias;
+    auto qkv = stack_linear(rms_norm(hidden, input_norm, eps_), qkv_weight, qkv_scales, qkv_onednn, qkv_bias, qkv_size);
     auto query = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
     auto value = qkv.narrow(1, q_size + kv_size, kv_size);
     rotary_embedding(positions, query, key, cos_, sin_, head_dim_);
@@ -62,11 +92,11 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
     auto attention = paged_attention(query.view({tokens, num_heads_, head_dim_}).contiguous(), key_cache,
                                      value_cache, block_tables, seq_lens, query_starts, block_size, scale_,
                                      /*kv_format=*/0, sinks, window);
-    auto attention_out = small_batch_linear_packed(attention.view({tokens, q_size}), o_weight, o_scales, hidden_size_);
+    auto attention_out = stack_linear(attention.view({tokens, q_size}), o_weight, o_scales, o_onednn, kNone, hidden_size_);
     // attention_out becomes the residual stream; its norm feeds the MLP
     auto normed = add_rms_norm(attention_out, hidden, post_norm, eps_);
-    auto gate_up = small_batch_linear_packed(normed, gate_up_weight, gate_up_scales, 2 * intermediate_size_);
-    hidden = attention_out + small_batch_linear_packed(silu_and_mul(gate_up), down_weight, down_scales, hidden_size_);
+    auto gate_up = stack_linear(normed, gate_up_weight, gate_up_scales, gate_up_onednn, kNone, 2 * intermediate_size_);
+    hidden = attention_out + stack_linear(silu_and_mul(gate_up), down_weight, down_scales, down_onednn, kNone, hidden_size_);
   }
   return rms_norm(hidden, final_norm_, eps_);
 }

@@ -8,22 +8,26 @@
 class DecodeStack {
  public:
   // Per layer, in this order: input_norm, qkv, qkv_scales, qkv_bias (or an empty tensor), o, o_scales,
-  // post_norm, gate_up, gate_up_scales, down, down_scales, key_cache, value_cache. A linear's weight is
-  // packed by small_batch_pack (bf16; its scales an empty tensor), small_batch_pack_f32 (float32, in a
-  // float32 model; scales empty), small_batch_pack_int8 (uint8, with float32 scales per output row) or
-  // small_batch_pack_int4 (uint8, with its 4-D parameters).
+  // post_norm, gate_up, gate_up_scales, down, down_scales, key_cache, value_cache, then the oneDNN-blocked
+  // copies of the qkv, o, gate_up and down weights (or empty tensors). A linear's weight is packed by
+  // small_batch_pack (bf16; its scales an empty tensor), small_batch_pack_f32 (float32, in a float32
+  // model; scales empty), small_batch_pack_int8 (uint8, with float32 scales per output row) or
+  // small_batch_pack_int4 (uint8, with its 4-D parameters); the oneDNN copies are those of
+  // SmallBatchLinear.packed_weight (torch.ops.mkldnn._reorder_linear_weight).
   DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
               torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t intermediate_size, double eps, double scale);
 
-  // hidden [T, D] in the model's dtype (the embedded tokens), T <= 8, every sequence a decode or a short
-  // span; returns the final norm of the last layer's output, like LlamaModel.forward.
+  // hidden [T, D] in the model's dtype (the embedded tokens), every sequence a decode or a short span;
+  // T <= 8, or more where every linear layer has its oneDNN copy (more than 8 rows take oneDNN's GEMM,
+  // as SmallBatchLinear.forward does); returns the final norm of the last layer's output, like
+  // LlamaModel.forward.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                         int64_t block_size, int64_t sinks, int64_t window) const;
 
  private:
-  static constexpr int kTensorsPerLayer = 13;
+  static constexpr int kTensorsPerLayer = 17;
   std::vector<torch::Tensor> tensors_;
   torch::Tensor final_norm_, cos_, sin_;
   int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_, hidden_size_;
