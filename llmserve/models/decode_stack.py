@@ -8,10 +8,11 @@ uses it whenever it applies: every sequence this step is a decode or a short spa
 verification), and the model runs on the CPU with the in-place paged attention backend and a plain
 KV cache, either in bf16 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise
 int4 with their small-batch kernels, or in float32 with every linear layer on the float32 kernel
-(where the CPU has no native bf16). Above the small-batch kernel's 8 rows the stack takes oneDNN's
-GEMM on each layer's blocked copy, as the modules do, where every layer has one (bf16) or is
-float32; with int8 or int4 layers it serves up to 8 rows. Anything else (prefill chunks, other
-quantized formats, 8-bit KV caches, CUDA) takes the module path.
+(where the CPU has no native bf16). Above the small-batch kernel's 8 rows it takes oneDNN's GEMM on
+each layer's blocked copy, as the modules do, where every layer is a bf16 `SmallBatchLinear` with
+one (a decode step of 86 sequences: 54.7 -> 51.5 ms); with int8, int4 or float32 layers it serves up
+to 8 rows. Anything else (prefill chunks, other quantized formats, 8-bit KV caches, CUDA) takes the
+module path.
 """
 
 from __future__ import annotations
