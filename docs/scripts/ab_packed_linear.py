@@ -21,6 +21,7 @@ def main() -> None:
     with open("bench_results/mixed-100.jsonl") as file:
         requests = [json.loads(line) for line in file]
     llm = LLM(prefix_caching=False)
+    llm.engine.model_runner.model.model.decode_stack = None  # it holds the packed copies itself
     layers = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, SmallBatchLinear)]
     packed = {id(layer): layer.packed_weight for layer in layers}
     assert all(w is not None for w in packed.values()), "no packed weights in this build"

@@ -77,7 +77,7 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, rotary) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.decode_stack = None  # the layers in one compiled call for small decode batches (decode_stack.py)
+        self.decode_stack = None  # the layers in one compiled call for decode-only steps (decode_stack.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -115,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def enable_decode_stack(self, attention_backend) -> bool:
-        """Run small decode batches through the fused stack where it applies (after the attention
+        """Run decode-only steps through the fused stack where it applies (after the attention
         layers are bound to the KV cache); returns whether it does."""
         from llmserve.models.decode_stack import build_decode_stack
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers
 
 from llmserve import LLM, SamplingParams
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from tests.helpers import make_tiny_llama_dir
+from llmserve.model_loader import default_model_path, load_tokenizer
+from tests.helpers import TINY_LLAMA_CONFIG, make_tiny_llama_dir
 
 ops = load_cpu_ops()
 HAS_BF16 = ops is not None and ops.small_batch_linear_supported()
@@ -79,14 +82,36 @@ def test_bit_identical_to_the_module_path(model_dir, dtype, speculative_method, 
     assert _run(llm, PROMPTS[:3]) + _run(llm, PROMPTS[3:]) == fused
 
 
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> str:
+    """A tiny Qwen2: a q/k/v bias (non-zero, drawn large), which above 8 rows goes into oneDNN's GEMM
+    (fused there, not added after: different bits) as the module path does."""
+    path = str(tmp_path_factory.mktemp("tiny-qwen2"))
+    torch.manual_seed(1)
+    config = transformers.Qwen2Config(**{**TINY_LLAMA_CONFIG, "hidden_size": 128, "num_attention_heads": 2})
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.2)
+            elif "bias" in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    load_tokenizer(default_model_path()).hf.save_pretrained(path)
+    return path
+
+
 @needs_bf16
-def test_batches_above_the_small_batch_kernel_bit_identical(model_dir):
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_batches_above_the_small_batch_kernel_bit_identical(model_dir, qwen2_dir, architecture):
     """Above 8 rows the stack runs oneDNN's GEMM on the layers' blocked copies, as the modules do: a
     batch of 13 decodes (rows 13 down to 1 as they finish at different lengths) gives the very same
-    tokens and log-probabilities with the stack and without it."""
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
+    tokens and log-probabilities with the stack and without it, with and without a q/k/v bias."""
+    path = model_dir if architecture == "llama" else qwen2_dir
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
     inner = llm.engine.model_runner.model.model
     assert inner.decode_stack.max_rows > 8
+    assert (inner.layers[0].self_attn.qkv_proj.bias is not None) == (architecture == "qwen2")
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(13)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=3) for i in range(13)
