@@ -41,7 +41,8 @@ from torch import nn
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
 
-MAX_ROWS = 8  # above this the GEMM in F.linear is compute-bound and faster
+# Above this the GEMM in F.linear is compute-bound and faster (kSmallBatchRows in decode_stack.cpp).
+MAX_ROWS = 8
 
 
 class SmallBatchLinear(nn.Linear):

@@ -25,6 +25,10 @@ torch::Tensor small_batch_linear_packed(const torch::Tensor& x, const torch::Ten
 
 namespace {
 
+// The small-batch kernels' row limit (MAX_ROWS in small_batch_linear.py, where the modules switch to
+// oneDNN); FusedDecodeStack.max_rows says whether the stack may be handed more.
+constexpr int64_t kSmallBatchRows = 8;
+
 // torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""): the call SmallBatchLinear makes
 // above 8 rows, through the dispatcher (a boxed call: a few microseconds, 4 per layer).
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
@@ -36,12 +40,12 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return stack[0].toTensor();
 }
 
-// x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel for up to
-// 8 rows (the bias added after), oneDNN on its blocked copy above that.
+// x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel up to
+// kSmallBatchRows (the bias added after), oneDNN on its blocked copy above that.
 torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                            const torch::Tensor& onednn_weight, const torch::Tensor& bias, int64_t out_features) {
-  if (x.size(0) > 8) {
-    TORCH_CHECK(onednn_weight.numel(), "DecodeStack: more than 8 rows need the layers' oneDNN copies");
+  if (x.size(0) > kSmallBatchRows) {
+    TORCH_CHECK(onednn_weight.numel(), "DecodeStack: more rows than the small-batch kernels take need the layers' oneDNN copies");
     return onednn_linear(x, onednn_weight, bias);
   }
   auto out = small_batch_linear_packed(x, weight, scales, out_features);
