@@ -29,6 +29,7 @@ from llmserve.metrics.stats import EngineGauges, StepStats
 from llmserve.model_loader import load_tokenizer, resolve_model_path
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.worker.cpu_binding import keep_process_off
 
 logger = logging.getLogger("llmserve")
 
@@ -47,6 +48,7 @@ class AsyncLLM:
         engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
         fork_closes: Sequence[int] = (),
         while_loading: Callable[[], None] | None = None,
+        bind_cpus: bool = False,
     ) -> None:
         """Start the engine process and wait until its model is loaded.
 
@@ -57,6 +59,8 @@ class AsyncLLM:
         child inherits every descriptor: it closes this side's pipe ends (else it would never see
         this process exit) and `fork_closes` (the server's listening socket). `while_loading` is
         this process's own start-up work (the server's imports), run while the model loads.
+        `bind_cpus` pins a CPU engine's threads one per CPU and keeps this process's threads off the
+        engine's main thread's CPU (worker/cpu_binding.py).
         """
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self.gauges = EngineGauges()
@@ -77,6 +81,7 @@ class AsyncLLM:
                 engine_factory,
                 inherited,
                 logger.getEffectiveLevel(),
+                bind_cpus,
             ),
             name="llmserve-engine",
             daemon=True,
@@ -91,17 +96,20 @@ class AsyncLLM:
             # with what renders chat templates (not left to the first chat request).
             self.tokenizer = load_tokenizer(resolve_model_path(engine_args.model))
             self.tokenizer.load_chat_template()
-            self.config: EngineConfig = self._wait_until_ready()
+            self.config: EngineConfig
+            self.config, engine_main_cpu = self._wait_until_ready()
         except BaseException:
             self._process.kill()
             self._process.join()
             raise
+        if engine_main_cpu is not None:  # before the threads below start: they inherit it
+            keep_process_off(engine_main_cpu)
         self._sender = threading.Thread(target=self._send_commands, name="llmserve-engine-send", daemon=True)
         self._reader = threading.Thread(target=self._read_outputs, name="llmserve-engine-read", daemon=True)
         self._sender.start()
         self._reader.start()
 
-    def _wait_until_ready(self) -> EngineConfig:
+    def _wait_until_ready(self) -> tuple[EngineConfig, int | None]:
         try:
             kind, payload = self._output_pipe.recv()
         except EOFError:

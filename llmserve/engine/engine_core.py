@@ -8,7 +8,8 @@ interpreter; the server keeps tokenization, validation and streaming.
 Messages (tuples, pickled by multiprocessing.connection):
   server -> engine, a list per send: ("add", request_id, prompt_ids, params, arrival_time, priority),
       ("abort", request_id), ("shutdown",).
-  engine -> server: ("ready", config) or ("load_failed", exception) once; then
+  engine -> server: ("ready", (config, CPU of the engine's main thread or None)) or
+      ("load_failed", exception) once; then
       ("step", output deltas, StepStats, EngineGauges) after every step,
       ("aborted", output delta or None, request_id, EngineGauges) for every abort command,
       ("failed", request_ids, kind, message) for requests the engine gave up on
@@ -29,6 +30,7 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output_wire import OutputEncoder
 from llmserve.log import configure_logging
 from llmserve.metrics.stats import EngineGauges
+from llmserve.worker.cpu_binding import bind_engine_threads
 
 logger = logging.getLogger("llmserve")
 
@@ -40,9 +42,11 @@ def run_engine_core(
     engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
     inherited_fds: tuple[int, ...] = (),
     log_level: int = logging.WARNING,
+    bind_cpus: bool = False,
 ) -> None:
     """The engine process's entry point; `inherited_fds` are the server's descriptors a fork copied,
-    `log_level` the server's level for llmserve's loggers (a spawned process starts without it)."""
+    `log_level` the server's level for llmserve's loggers (a spawned process starts without it),
+    `bind_cpus` pins a CPU engine's threads one per CPU (worker/cpu_binding.py)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
     configure_logging(log_level)  # a no-op after a fork, which kept the server's handlers
     logger.setLevel(log_level)
@@ -54,7 +58,10 @@ def run_engine_core(
     except BaseException as error:  # noqa: BLE001 - the server process raises it in its own
         outputs.send(("load_failed", _picklable(error)))
         return
-    outputs.send(("ready", engine.config))
+    main_cpu = None
+    if bind_cpus and engine.config.model.device.type == "cpu":
+        main_cpu = bind_engine_threads()
+    outputs.send(("ready", (engine.config, main_cpu)))
     EngineCore(engine, commands, outputs).run()
 
 

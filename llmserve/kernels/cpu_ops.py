@@ -33,6 +33,7 @@ _SOURCE_NAMES = (
     "decode_stack.cpp",
     "draft_head.cpp",
     "greedy.cpp",
+    "threads.cpp",
 )
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name) for name in _SOURCE_NAMES]

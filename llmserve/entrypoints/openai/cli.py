@@ -34,6 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=256,
         help="requests in flight (running + waiting) before the server answers 429",
     )
+    group.add_argument(
+        "--cpu-binding",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU engine: pin its threads one per CPU and keep the server's threads off the CPU of its "
+        "main thread (default on)",
+    )
     add_engine_arguments(serve)
     serve.set_defaults(handler=_serve)
 

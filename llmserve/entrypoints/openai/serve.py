@@ -28,7 +28,11 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     with _bound_socket(args.host, args.port) as sock:
         engine = AsyncLLM(
-            engine_args_from(args), fork=_can_fork(), fork_closes=(sock.fileno(),), while_loading=_import_app
+            engine_args_from(args),
+            fork=_can_fork(),
+            fork_closes=(sock.fileno(),),
+            while_loading=_import_app,
+            bind_cpus=args.cpu_binding,
         )
         try:
             return _serve(engine, sock, args)

@@ -53,3 +53,5 @@ void write_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows)
 
 // greedy.cpp
 torch::Tensor greedy_sample(torch::Tensor logits);
+// threads.cpp
+bool set_omp_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_per_thread);

@@ -31,6 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of a fused [gate | up] projection");
   m.def("write_kv_rows", &write_kv_rows, "cache[slots[i]] = rows[i], a memcpy per token");
   m.def("greedy_sample", &greedy_sample, "Each row's argmax (the first of equal maxima), rows shared among threads");
+  m.def("set_omp_thread_cpus", &set_omp_thread_cpus, "OpenMP thread t may run only on the CPUs of entry t");
   pybind11::class_<DecodeStack>(m, "DecodeStack", "A model's decoder layers for a decode-only step, one call")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
                           int64_t, int64_t, double, double>())
