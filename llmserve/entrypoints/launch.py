@@ -10,10 +10,11 @@ Python start-up, about 50 ms). Set `LLMSERVE_TCMALLOC=0` to keep the system allo
 with `apt-get install libtcmalloc-minimal4` (Debian/Ubuntu).
 
 `llmserve serve` also shortens how long an idle OpenMP worker spins before it sleeps (libgomp's
-GOMP_SPINCOUNT, read when torch loads it: 10,000 spins, about 0.2 ms here, instead of 300,000, several
-ms). The server's own threads share the workers' cores (worker/cpu_binding.py); a worker that spun
-through the engine's serial part of each step would keep them off that core just when they can run
-without stalling the engine. An explicit GOMP_SPINCOUNT wins; other commands keep libgomp's default.
+GOMP_SPINCOUNT, read when torch loads it: 10,000 spins instead of 300,000, so well under a
+millisecond instead of several). The server's own threads share the workers' cores
+(worker/cpu_binding.py); a worker that spun through the engine's serial part of each step would keep
+them off that core just when they can run without stalling the engine. An explicit GOMP_SPINCOUNT
+wins; other commands keep libgomp's default.
 
 Where it runs on glibc's malloc after all, the mmap threshold is fixed at 1 MiB: by default glibc
 raises it as large blocks are freed, so whether a step's large temporaries (oneDNN's buffers for
