@@ -29,22 +29,44 @@ logger = logging.getLogger("llmserve")
 
 
 def engine_cpus() -> list[int]:
-    """The CPUs of the engine's OpenMP threads, thread t on entry t: the first of the CPUs this process
-    may use, one per thread."""
-    return sorted(os.sched_getaffinity(0))[: torch.get_num_threads()]
+    """The CPUs of the engine's OpenMP threads, thread t on entry t: of the CPUs this process may use,
+    one per physical core first (torch runs one thread per core; two on the SMT siblings of one core
+    would share it), then the siblings; as many as torch has threads."""
+    allowed = sorted(os.sched_getaffinity(0))
+    first_of_core, siblings, cores = [], [], set()
+    for cpu in allowed:
+        core = _core_of(cpu)
+        if core is None or core not in cores:
+            first_of_core.append(cpu)
+            cores.add(core)
+        else:
+            siblings.append(cpu)
+    return (first_of_core + siblings)[: torch.get_num_threads()]
+
+
+def _core_of(cpu: int) -> tuple[str, str] | None:
+    """(package, core) of a CPU from sysfs; None where the topology cannot be read."""
+    topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+    try:
+        package = (topology / "physical_package_id").read_text().strip()
+        return package, (topology / "core_id").read_text().strip()
+    except OSError:
+        return None
 
 
 def bind_engine_threads() -> int | None:
     """Pin this process's OpenMP threads one per CPU; the CPU of the calling (main) thread, or None
-    where nothing was pinned (not Linux, fewer than two CPUs, no compiled kernels, a refusal)."""
+    where nothing was pinned (not Linux, fewer than two CPUs or more threads than CPUs, no compiled
+    kernels, a refusal)."""
     if not hasattr(os, "sched_getaffinity"):
         return None
+    allowed = sorted(os.sched_getaffinity(0))
     cpus = engine_cpus()
     ops = load_cpu_ops()
-    if len(cpus) < 2 or ops is None:
+    if len(cpus) < 2 or len(cpus) < torch.get_num_threads() or ops is None:
         return None
     if not ops.set_omp_thread_cpus([[cpu] for cpu in cpus]):
-        ops.set_omp_thread_cpus([cpus] * len(cpus))  # undo a partial binding
+        ops.set_omp_thread_cpus([allowed] * len(cpus))  # undo a partial binding
         logger.warning("could not pin the engine's threads to CPUs %s; running unpinned", cpus)
         return None
     return cpus[0]

@@ -12,6 +12,7 @@ import pytest
 
 from llmserve.entrypoints import launch
 from llmserve.kernels.cpu_ops import load_cpu_ops
+from llmserve.worker import cpu_binding
 
 _SCRIPT = """
 import asyncio, json, os, sys
@@ -57,12 +58,12 @@ def _run(tiny_model_dir: str, bind: bool) -> dict:
 def test_the_engine_threads_are_pinned_and_the_server_keeps_off_the_engines_main_cpu(tiny_model_dir):
     if load_cpu_ops() is None:
         pytest.skip("the compiled kernels (which pin the OpenMP threads) are unavailable here")
-    allowed = sorted(os.sched_getaffinity(0))
+    expected = cpu_binding.engine_cpus()  # the child has this process's CPUs and thread count
     result = _run(tiny_model_dir, bind=True)
     engine = {int(tid): cpus for tid, cpus in result["engine"].items()}
-    main_cpu = allowed[0]
+    main_cpu = expected[0]
     assert engine[result["engine_pid"]] == [main_cpu]  # the main thread is OpenMP thread 0
-    assert [allowed[1]] in engine.values()  # an OpenMP worker, on the next CPU
+    assert [expected[1]] in engine.values()  # an OpenMP worker, on the next CPU
     for cpus in result["server"].values():  # every server thread (event loop, sender, reader)
         assert main_cpu not in cpus and cpus
     assert len(result["tokens"]) == 4
@@ -74,6 +75,16 @@ def test_without_binding_nothing_is_pinned(tiny_model_dir):
     result = _run(tiny_model_dir, bind=False)
     assert result["engine"][str(result["engine_pid"])] == allowed
     assert all(cpus == allowed for cpus in result["server"].values())
+
+
+def test_the_engine_takes_one_cpu_per_physical_core_before_any_smt_sibling(monkeypatch):
+    cores = {0: ("0", "0"), 1: ("0", "0"), 2: ("0", "1"), 3: ("0", "1"), 4: ("1", "0"), 5: ("1", "0")}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cores), raising=False)
+    monkeypatch.setattr(cpu_binding, "_core_of", cores.get)
+    monkeypatch.setattr(cpu_binding.torch, "get_num_threads", lambda: 3)
+    assert cpu_binding.engine_cpus() == [0, 2, 4]  # core 0 of package 1 is not core 0 of package 0
+    monkeypatch.setattr(cpu_binding.torch, "get_num_threads", lambda: 5)
+    assert cpu_binding.engine_cpus() == [0, 2, 4, 1, 3]
 
 
 def test_serve_gets_a_short_openmp_spin_unless_one_is_set(monkeypatch):

@@ -1,10 +1,16 @@
-// Sets the CPUs each OpenMP thread of this process may run on (worker/cpu_binding.py says why).
+// Sets the CPUs each OpenMP thread of this process may run on (worker/cpu_binding.py says why). Linux
+// only: elsewhere it sets nothing and says so.
 #include <omp.h>
+#ifdef __linux__
 #include <sched.h>
+#endif
 
 #include "kernels.h"
 
 bool set_omp_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_per_thread) {
+#ifndef __linux__
+  return false;
+#else
   const int num_threads = static_cast<int>(cpus_per_thread.size());
   if (num_threads == 0) {
     return false;
@@ -28,4 +34,5 @@ bool set_omp_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_per_threa
     }
   }
   return true;
+#endif
 }
