@@ -4,7 +4,7 @@ scales that move with their blocks (swap, copy-on-write, speculative drafts), re
 import pytest
 import torch
 
-from llmserve.config import EngineArgs
+from llmserve.config import EngineArgs, default_block_size
 from llmserve.entrypoints.llm import LLM
 from llmserve.model_loader import default_model_path, load_arch_config
 from llmserve.sampling_params import SamplingParams
@@ -25,10 +25,20 @@ def test_8bit_pool_holds_1_94x_the_tokens_of_bf16_scales_included(kv_dtype, smol
         return args.create_config(smollm2_arch, "unused").cache
 
     bf16, quantized = blocks("auto"), blocks(kv_dtype)
-    assert bf16.num_blocks == 2**30 // (2 * 30 * 3 * 64 * 2 * 16)
-    assert quantized.num_blocks == 2**30 // (2 * 30 * 3 * (64 + 2) * 16)  # codes + a float16 scale per row
+    assert bf16.block_size == 32  # the CPU default
+    assert bf16.num_blocks == 2**30 // (2 * 30 * 3 * 64 * 2 * 32)
+    assert quantized.num_blocks == 2**30 // (2 * 30 * 3 * (64 + 2) * 32)  # codes + a float16 scale per row
     assert 1.93 <= quantized.num_blocks / bf16.num_blocks < 1.94  # 128 / 66
     assert quantized.kv_cache_memory <= 2**30 and quantized.kv_cache_dtype == kv_dtype
+
+
+def test_block_size_defaults_to_32_tokens_on_a_cpu_16_on_a_gpu_and_a_given_one_wins(smollm2_arch):
+    assert default_block_size(torch.device("cpu")) == 32
+    assert default_block_size(torch.device("cuda")) == 16
+    given = EngineArgs(dtype="bfloat16", device="cpu", block_size=16).create_config(smollm2_arch, "x").cache
+    assert given.block_size == 16 and given.num_blocks == 2**30 // (2 * 30 * 3 * 64 * 2 * 16)
+    with pytest.raises(ValueError, match="power of two"):
+        EngineArgs(device="cpu", block_size=24).create_config(smollm2_arch, "x")
 
 
 @pytest.mark.parametrize(
@@ -41,11 +51,11 @@ def test_default_pool_holds_the_same_tokens_in_float32_and_bf16(dtype, kv_dtype,
     args = EngineArgs(dtype=dtype, device="cpu", kv_cache_dtype=kv_dtype)
     cache = args.create_config(smollm2_arch, "x").cache
     bytes_per_token = smollm2_arch.kv_bytes_per_token(getattr(torch, dtype), kv_dtype)
-    assert cache.num_blocks == pool_bytes // (bytes_per_token * 16)
+    assert cache.num_blocks == pool_bytes // (bytes_per_token * 32)
     if kv_dtype == "auto":
-        assert cache.num_blocks == 2**30 // (2 * 30 * 3 * 64 * 2 * 16)  # 2,912 blocks either way
+        assert cache.num_blocks == 2**30 // (2 * 30 * 3 * 64 * 2 * 32)  # 1,456 blocks either way
     explicit = EngineArgs(dtype=dtype, device="cpu", kv_cache_dtype=kv_dtype, kv_cache_memory="64MiB")
-    assert explicit.create_config(smollm2_arch, "x").cache.num_blocks == (64 << 20) // (bytes_per_token * 16)
+    assert explicit.create_config(smollm2_arch, "x").cache.num_blocks == (64 << 20) // (bytes_per_token * 32)
 
 
 def test_unknown_kv_cache_dtype_is_a_one_line_error(smollm2_arch):

@@ -41,8 +41,14 @@ def test_preemption_forced_by_a_tiny_kv_pool(llm_fp32, default_tokenizer):
     """A pool that admits every prompt at once but cannot hold their growth forces preemptions."""
     prompts = [default_tokenizer.encode(long_text(60 + 17 * i)) for i in range(6)]
     expected = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, GREEDY, use_tqdm=False)]
-    num_blocks = sum(-(-(len(p) + 1) // 16) for p in prompts) + 1
-    llm = LLM(dtype="float32", num_kv_blocks=num_blocks, prefix_caching=False, preemption_mode="recompute")
+    num_blocks = sum(-(-(len(p) + 1) // 16) for p in prompts) + 1  # of 16 tokens
+    llm = LLM(
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=num_blocks,
+        prefix_caching=False,
+        preemption_mode="recompute",
+    )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert sum(o.metrics.num_preemptions for o in outputs) > 0

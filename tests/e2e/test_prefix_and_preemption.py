@@ -43,7 +43,8 @@ def test_multi_turn_chat_reuses_the_first_turn(default_tokenizer):
     hits_before = llm.engine.kv_cache_manager.prefix_cache_hits
     llm.chat(turn2, GREEDY, use_tqdm=False)
     first_turn_tokens = len(default_tokenizer.apply_chat_template(turn1))
-    assert llm.engine.kv_cache_manager.prefix_cache_hits - hits_before >= (first_turn_tokens // 16) * 16
+    block = llm.engine.config.cache.block_size
+    assert llm.engine.kv_cache_manager.prefix_cache_hits - hits_before >= (first_turn_tokens // block) * block
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -53,7 +54,9 @@ def test_forced_preemption_in_each_mode_gives_the_same_tokens(mode, default_toke
     roomy = LLM(dtype="float32", kv_cache_memory="128MiB", prefix_caching=False)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     num_blocks = sum(-(-(len(p) + 1) // 16) for p in prompts) + 1  # all admitted; growth won't fit
-    tight = LLM(dtype="float32", num_kv_blocks=num_blocks, prefix_caching=False, preemption_mode=mode)
+    tight = LLM(
+        dtype="float32", block_size=16, num_kv_blocks=num_blocks, prefix_caching=False, preemption_mode=mode
+    )
     outputs = tight.generate(prompts, params, use_tqdm=False)
     scheduler = tight.engine.scheduler
     assert scheduler.preemptions_by_mode[mode] > 0

@@ -25,7 +25,7 @@ GROUP = 64
 def activations():
     path = default_model_path()
     arch = load_arch_config(path)
-    config = EngineArgs(dtype="float32", kv_cache_memory="1MiB").create_config(arch, path).model
+    config = EngineArgs(dtype="float32", kv_cache_memory="4MiB").create_config(arch, path).model
     model = build_model(config, load_weights(path, torch.float32))
     tokenizer = load_tokenizer(path, arch.eos_token_ids)
     spec = calibration.CalibrationSpec(num_sequences=4, sequence_len=256)
