@@ -69,9 +69,15 @@ class Tokenizer:
         _ = self.hf
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        """Token ids of `text`; ValueError for text the tokenizer cannot take (a lone surrogate)."""
+        try:
+            if self._backend is not None:
+                return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        except TypeError as error:  # `tokenizers` takes only text that encodes to UTF-8
+            if not isinstance(text, str):
+                raise
+            raise ValueError(_unencodable(text)) from error
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._backend is not None:
@@ -98,10 +104,20 @@ class Tokenizer:
             text = self.hf.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False
             )
-        except jinja2.TemplateError as error:
+        except (jinja2.TemplateError, TypeError, LookupError) as error:  # the template's own checks and slips
             raise ValueError(f"the chat template rejected the messages: {error}") from error
         # The template writes any BOS itself; encoding must not add a second one.
         return self.encode(text, add_special_tokens=False)
+
+
+def _unencodable(text: str) -> str:
+    """Why `text` cannot be tokenized, without quoting it (a surrogate would break the JSON reply)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        char = text[error.start]
+        return f"the text is not valid Unicode: it holds a lone UTF-16 surrogate (U+{ord(char):04X})"
+    return "the tokenizer cannot encode the text"
 
 
 def _check_messages(messages: object) -> None:

@@ -122,7 +122,7 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
         messages = [m.to_template_message() for m in request.messages]
         tokens = state.chat.render(messages, request.add_generation_prompt)
     else:
-        tokens = list(state.ctx.engine.tokenizer.encode(request.prompt or ""))
+        tokens = state.ctx.encode_text(request.prompt or "")
     return json_response(
         TokenizeResponse(count=len(tokens), max_model_len=state.ctx.max_model_len, tokens=tokens)
     )

@@ -1,12 +1,14 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
-Requests are validated strictly (a string where a number belongs is a 400, not silently coerced)
-but unknown fields are ignored, as OpenAI does. Value ranges that only make sense together with the
-model (max_tokens against the context length) are checked by the serving code.
+Requests are validated strictly (a string where a number belongs is a 400, not silently coerced,
+and so is a non-finite number) but unknown fields are ignored, as OpenAI does. Value ranges that
+only make sense together with the model (max_tokens against the context length) are checked by the
+serving code.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -19,12 +21,15 @@ MAX_N = 16  # choices per prompt
 MAX_STOP_SEQUENCES = 16
 MAX_SPECULATIVE_TOKENS = 15  # a verify span of K + 1 stays within the in-place attention kernel
 MAX_SEED = 2**63 - 1 - MAX_N  # parallel samples use seed + index, which must stay an int64
+MAX_PRIORITY = 2**63 - 1  # an int64: the scheduler adds it to a float, which a huger int overflows
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Python's JSON parser takes Infinity and NaN literals; they must fail as the field they are in
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -79,7 +84,8 @@ class _SamplingRequest(_Request):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    priority: int = 0  # lower runs first when the server uses --scheduling-policy priority
+    # lower runs first when the server uses --scheduling-policy priority
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     # drafts per step for this request when the server speculates (None: the server's K; 0: off)
     num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
     user: str | None = None
@@ -94,6 +100,8 @@ class _SamplingRequest(_Request):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
         if not all(stops):
             raise ValueError("stop sequences must not be empty")
+        if any(_LONE_SURROGATE.search(stop) for stop in stops):  # generated text never holds one
+            raise ValueError("stop sequences must be valid Unicode (no lone UTF-16 surrogates)")
         return stops
 
     @field_validator("stream_options")

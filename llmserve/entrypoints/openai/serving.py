@@ -48,6 +48,7 @@ class ApiError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = escape_surrogates(message)  # a message quoting user text must still encode as JSON
         super().__init__(message)
         self.message = message
         self.status = status
@@ -60,6 +61,11 @@ class ApiError(Exception):
         return ErrorResponse(
             error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         )
+
+
+def escape_surrogates(text: str) -> str:
+    """`text` with each lone UTF-16 surrogate as a backslash escape, which UTF-8 (and JSON) can carry."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ClientDisconnected(Exception):
@@ -123,6 +129,13 @@ class ServerContext:
     def encode_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         try:
             return self.engine.encode_prompt(prompt)
+        except ValueError as error:
+            raise ApiError(str(error), param=param) from error
+
+    def encode_text(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of any text, unchecked against the context (/tokenize counts long texts too)."""
+        try:
+            return self.engine.tokenizer.encode(text)
         except ValueError as error:
             raise ApiError(str(error), param=param) from error
 
