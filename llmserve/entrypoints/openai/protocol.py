@@ -1,18 +1,30 @@
 """Request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Requests are validated strictly (a string where a number belongs is a 400, not silently coerced,
-and so is a non-finite number) but unknown fields are ignored, as OpenAI does. Value ranges that
-only make sense together with the model (max_tokens against the context length) are checked by the
-serving code.
+and so is a non-finite number) but unknown fields are ignored, as OpenAI does. A field OpenAI defines
+that this server does not implement is declared `Unsupported`, so setting it is a 400 naming it
+rather than silently ignored (docs/server.md classes every such field). Value ranges that only make
+sense together with the model (max_tokens against the context length) are checked by the serving
+code.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
+from pydantic_core import CoreSchema, core_schema
 
 from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from llmserve.spec_decode.metrics import SpecDecodeStats
@@ -39,6 +51,34 @@ class _Request(BaseModel):
             field = cls.model_fields[info.field_name]
             if not field.is_required():
                 return field.get_default(call_default_factory=True)
+        return value
+
+    @classmethod
+    def unsupported_fields(cls) -> set[str]:
+        return {
+            name
+            for name, field in cls.model_fields.items()
+            if any(isinstance(meta, Unsupported) for meta in field.metadata)
+        }
+
+
+class Unsupported:
+    """Marks a field OpenAI defines that this server does not implement (`Annotated[Any, Unsupported()]`).
+
+    Null, or one of the `off` values (those that ask for nothing, like `tool_choice: "none"`), is
+    accepted; any other value is a 400 naming the field.
+    """
+
+    def __init__(self, *off: Any) -> None:
+        self.off = off
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def _check(self, value: Any) -> Any:
+        if value is not None and value not in self.off:
+            accepted = " or ".join(["null", *(json.dumps(off) for off in self.off)])
+            raise ValueError(f"is not supported by this server (only {accepted} is accepted)")
         return value
 
 
@@ -91,6 +131,7 @@ class _SamplingRequest(_Request):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: Annotated[Any, Unsupported({})] = None
 
     @field_validator("stop")
     @classmethod
@@ -159,6 +200,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    best_of: Annotated[Any, Unsupported(1)] = None
+    suffix: Annotated[Any, Unsupported("")] = None
 
     @field_validator("prompt")
     @classmethod
@@ -267,6 +310,18 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    response_format: Annotated[Any, Unsupported({"type": "text"})] = None
+    tools: Annotated[Any, Unsupported([])] = None
+    tool_choice: Annotated[Any, Unsupported("none")] = None
+    functions: Annotated[Any, Unsupported([])] = None
+    function_call: Annotated[Any, Unsupported("none")] = None
+    modalities: Annotated[Any, Unsupported(["text"])] = None
+    audio: Annotated[Any, Unsupported()] = None
+    prediction: Annotated[Any, Unsupported()] = None
+    web_search_options: Annotated[Any, Unsupported()] = None
+    moderation: Annotated[Any, Unsupported()] = None
+    reasoning_effort: Annotated[Any, Unsupported()] = None
+    verbosity: Annotated[Any, Unsupported()] = None
 
     @field_validator("top_logprobs")
     @classmethod
