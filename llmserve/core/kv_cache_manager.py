@@ -71,7 +71,7 @@ class KVCacheManager:
         self.swapped_tables: dict[str, list[int]] = {}  # request id -> its blocks in the swap space
         self._block_hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks
         self._num_registered: dict[str, int] = {}  # request id -> leading blocks already in the cache
-        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_queries = 0  # prompt tokens looked up (first admissions only)
         self.prefix_cache_hits = 0  # of which found in the cache
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) blocks
 
@@ -119,7 +119,8 @@ class KVCacheManager:
         return hits
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admitted request's lookup (not retries of a request that did not fit)."""
+        """Count a request's lookup at its first admission (not retries of a request that did not fit,
+        nor the lookup of a preempted request's recompute: it would count its own blocks as hits)."""
         if self.enable_prefix_caching:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_tokens

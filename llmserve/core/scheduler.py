@@ -229,10 +229,10 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
                 break
             self.waiting.pop()
-            self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached
-            if request.num_cached_tokens is None:
+            if request.num_cached_tokens is None:  # a recompute's lookup is not counted again (as vLLM)
                 request.num_cached_tokens = num_cached
+                self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.add(request, num_new)

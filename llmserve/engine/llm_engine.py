@@ -73,6 +73,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
         self.last_step: StepStats | None = None
+        self._prefix_cache_reported = (0, 0)  # the cache manager's (queries, hits) in StepStats so far
         torch.manual_seed(self.config.model.seed)
         self.startup_seconds = time.monotonic() - start
         self._log_startup()
@@ -197,6 +198,7 @@ class LLMEngine:
     def _step_stats(
         self, scheduled: SchedulerOutput, num_sampled: int, num_accepted: int, seconds: float
     ) -> StepStats:
+        prefix_cache_queries, prefix_cache_hits = self._prefix_cache_delta()
         return StepStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -212,7 +214,17 @@ class LLMEngine:
             step_seconds=seconds,
             num_draft_tokens=sum(scheduled.num_draft_tokens.values()),
             num_accepted_tokens=num_accepted,
+            num_prefix_cache_queries=prefix_cache_queries,
+            num_prefix_cache_hits=prefix_cache_hits,
         )
+
+    def _prefix_cache_delta(self) -> tuple[int, int]:
+        """Prefix-cache (queries, hits) in tokens since the last StepStats; taken from the running totals
+        so that lookups of a step that raised are reported with the next one."""
+        kv = self.kv_cache_manager
+        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
+        (queries, hits), self._prefix_cache_reported = self._prefix_cache_reported, totals
+        return totals[0] - queries, totals[1] - hits
 
 
 def check_prompt(prompt_ids: list[int], config: EngineConfig) -> None:

@@ -10,6 +10,11 @@ Token counters are exact by construction:
   equal to the sum of `usage.prompt_tokens` the server reported for those requests.
 - `generation_tokens_total`: output tokens delivered, all n samples included; equal to the sum of
   `usage.completion_tokens`.
+- `prefix_cache_queries_total`, `prefix_cache_hits_total` (vLLM's `prefix_cache_queries`/`_hits`): the
+  prompt tokens of each engine request looked up in the prefix cache when it is first scheduled, and
+  of those the tokens found cached (its `usage.prompt_tokens_details.cached_tokens`). A parallel
+  sample that shares its sibling's prompt blocks does no lookup; a preempted request's recompute
+  looks up again but is not counted again (as vLLM, which counts it apart).
 
 To add a metric, create it with `counter`/`gauge`/`histogram` (which prefix the name and register it
 here) and update it from a step listener of your own or from `on_step`.
@@ -118,6 +123,12 @@ class PrometheusMetrics:
             ["finished_reason"],
         )
         self.num_preemptions = self.counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.prefix_cache_queries = self.counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache when first scheduled."
+        )
+        self.prefix_cache_hits = self.counter(
+            "prefix_cache_hits", "Prompt tokens of prefix_cache_queries found in the prefix cache."
+        )
         self.spec_decode_num_draft_tokens = self.counter(
             "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed and verified."
         )
@@ -209,6 +220,9 @@ class PrometheusMetrics:
         self.iteration_batch_size.observe(stats.num_batched_seqs)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
+        if stats.num_prefix_cache_queries:
+            self.prefix_cache_queries.inc(stats.num_prefix_cache_queries)
+            self.prefix_cache_hits.inc(stats.num_prefix_cache_hits)
         if stats.num_draft_tokens:
             self.spec_decode_num_draft_tokens.inc(stats.num_draft_tokens)
             self.spec_decode_num_accepted_tokens.inc(stats.num_accepted_tokens)

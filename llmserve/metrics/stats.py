@@ -19,6 +19,8 @@ class StepStats:
     step_seconds: float
     num_draft_tokens: int = 0  # speculative decoding: drafts verified in the step
     num_accepted_tokens: int = 0  # of which accepted
+    num_prefix_cache_queries: int = 0  # prompt tokens of requests admitted in the step, looked up
+    num_prefix_cache_hits: int = 0  # of which found in the prefix cache
 
 
 @dataclass(frozen=True)

@@ -147,10 +147,10 @@ def test_metrics_listener_counts_exactly():
 
 def test_metrics_registry_is_private_and_extensible():
     first, second = PrometheusMetrics(), PrometheusMetrics()  # no duplicate-name clash: separate registries
-    hits = second.counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
-    hits.inc(3)
-    assert _samples(second)["llmserve:prefix_cache_hits_total"] == 3
-    assert "llmserve:prefix_cache_hits_total" not in _samples(first)
+    evictions = second.counter("kv_block_evictions", "Cached KV blocks evicted for reuse.")
+    evictions.inc(3)
+    assert _samples(second)["llmserve:kv_block_evictions_total"] == 3
+    assert "llmserve:kv_block_evictions_total" not in _samples(first)
 
 
 @pytest.mark.parametrize(

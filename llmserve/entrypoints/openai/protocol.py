@@ -255,20 +255,30 @@ class SpeculativeUsage(_Response):
         )
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at first scheduling
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     speculative: SpeculativeUsage | None = Field(default=None, exclude_if=lambda value: value is None)
 
     @classmethod
     def of(
-        cls, prompt_tokens: int, completion_tokens: int, speculative: SpecDecodeStats | None = None
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int = 0,
+        speculative: SpecDecodeStats | None = None,
     ) -> UsageInfo:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
             speculative=SpeculativeUsage.of(speculative) if speculative and speculative.num_drafts else None,
         )
 

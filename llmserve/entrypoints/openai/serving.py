@@ -244,12 +244,13 @@ class EngineRequests:
         return [output for output in self.latest if output is not None]
 
     def usage(self) -> UsageInfo:
-        """Every prompt once, plus the tokens of all its completions so far (summed over n), and the
-        speculative decoding counts of all of them."""
+        """Every prompt once (and its prefix-cache hit once), plus the tokens of all its completions so
+        far (summed over n), and the speculative decoding counts of all of them."""
         outputs = [o for o in self.latest if o is not None]
         generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in outputs)
         speculative = sum((o.spec_decode for o in outputs if o.spec_decode), SpecDecodeStats())
-        return UsageInfo.of(sum(map(len, self.prompts)), generated, speculative)
+        return UsageInfo.of(sum(map(len, self.prompts)), generated, cached, speculative)
 
 
 @dataclass
