@@ -60,6 +60,21 @@ class SmallBatchLinear(nn.Linear):
         return F.linear(input, self.weight, self.bias)
 
 
+class LogitsLinear(nn.Linear):
+    """A bf16 output projection (a module with `float_logits`, models/layers/lm_head.py): the kernel at
+    every row count with float32 out, on the kernel's layout alone (each tile of 8 rows reuses a block
+    of weights from cache, so they are read once: no oneDNN copy)."""
+
+    float_logits = True
+    small_batch_weight: torch.Tensor
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rows = input.reshape(-1, self.in_features).contiguous()
+        out = load_cpu_ops().small_batch_linear_float_out(rows, self.small_batch_weight, self.out_features)
+        out = out.view(*input.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias.float()
+
+
 class PackedLinear(nn.Linear):
     """float32 on the CPU: the compiled kernel at every row count where this build has it, else oneDNN,
     on a copy of the weight packed once for it (module docstring)."""
@@ -131,25 +146,35 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
 def use_small_batch_linear(model: nn.Module, float32_kernel_weights: torch.dtype = torch.float32) -> int:
     """Swap every plain `nn.Linear` on the CPU for its faster layout: bf16 weights with an input width
     the compiled kernel takes (a multiple of 32) become `SmallBatchLinear`s where this build has the
-    kernel, float32 weights become `PackedLinear`s where this build has the float32 kernel or oneDNN
-    can pack them, their kernel copy in `float32_kernel_weights` (float32; bf16 for a draft head);
+    kernel (an output projection, `float_logits`, a `LogitsLinear`), float32 weights become
+    `PackedLinear`s where this build has the float32 kernel or oneDNN can pack them, their kernel copy
+    in `float32_kernel_weights` (float32; bf16 for a draft head);
     returns how many."""
     ops = load_cpu_ops()
     has_kernel = ops is not None and ops.small_batch_linear_supported()
     has_float32_kernel = ops is not None and ops.small_batch_linear_f32_supported()
     swapped = 0
     # shared weights (tied embeddings) share one copy of each layout
-    packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # float32
+    kernel_copies: dict[int, torch.Tensor] = {}  # bf16
+    onednn_copies: dict[int, torch.Tensor | None] = {}  # bf16
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if type(module) is not nn.Linear or weight.device.type != "cpu":
+        head = getattr(module, "float_logits", False)  # an output projection: float32 logits
+        if (type(module) is not nn.Linear and not head) or weight.device.type != "cpu":
             continue
         if weight.dtype == torch.bfloat16 and has_kernel and module.in_features % 32 == 0:
             weight.data = weight.data.contiguous()
-            module.__class__ = SmallBatchLinear
-            if id(weight) not in packed:
-                packed[id(weight)] = (ops.small_batch_pack(weight.detach()), pack_for_onednn(weight))
-            module.small_batch_weight, module.packed_weight = packed[id(weight)]
+            if id(weight) not in kernel_copies:
+                kernel_copies[id(weight)] = ops.small_batch_pack(weight.detach())
+            module.small_batch_weight = kernel_copies[id(weight)]
+            if head:  # the kernel takes every row count: no oneDNN copy
+                module.__class__ = LogitsLinear
+            else:
+                if id(weight) not in onednn_copies:
+                    onednn_copies[id(weight)] = pack_for_onednn(weight)
+                module.__class__ = SmallBatchLinear
+                module.packed_weight = onednn_copies[id(weight)]
             swapped += 1
         elif weight.dtype == torch.float32:
             if id(weight) not in packed:

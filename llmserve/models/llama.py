@@ -15,6 +15,7 @@ from torch import nn
 from llmserve.attention.layer import Attention
 from llmserve.config import ModelArchConfig
 from llmserve.kernels.cpu_ops import cpu_ops_for
+from llmserve.models.layers.lm_head import LMHead
 from llmserve.models.layers.norm import RMSNorm
 from llmserve.models.layers.rotary import RotaryEmbedding
 from llmserve.worker.forward_context import get_attention_metadata
@@ -102,14 +103,16 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device)
         self.model = LlamaModel(arch, rotary)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] for a flat batch of tokens."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """float32 logits [rows, vocab] (models/layers/lm_head.py says why float32)."""
+        logits = self.lm_head(hidden)
+        return logits if logits.dtype == torch.float32 else logits.float()  # a quantized head
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -6,7 +6,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.kernels.small_batch_linear import MAX_ROWS, SmallBatchLinear, use_small_batch_linear
+from llmserve.kernels.small_batch_linear import (
+    MAX_ROWS,
+    LogitsLinear,
+    SmallBatchLinear,
+    use_small_batch_linear,
+)
+from llmserve.models.layers.lm_head import LMHead
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.skipif(
@@ -71,6 +77,55 @@ def test_module_swap_keeps_parameters_and_tied_weights_and_falls_back():
     torch.testing.assert_close(model["proj"](x).float(), before.float(), atol=3e-2, rtol=2e-2)
     many = torch.randn(MAX_ROWS + 1, 64).bfloat16()  # more rows: F.linear, bit for bit
     assert torch.equal(model["proj"](many), F.linear(many, model["proj"].weight, model["proj"].bias))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 64, 130])
+@pytest.mark.parametrize(("out_features", "in_features"), [(49152, 576), (13, 64), (100, 1536)])
+def test_float_out_keeps_the_float32_sums_at_any_row_count(rows, out_features, in_features):
+    """The logits variant: the same products and float32 sums, not rounded to bf16, for any rows."""
+    gen = torch.Generator().manual_seed(rows * 5 + out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = (torch.randn(out_features, in_features, generator=gen) * 0.05).bfloat16()
+    actual = ops.small_batch_linear_float_out(x, ops.small_batch_pack(w), out_features)
+    assert actual.dtype == torch.float32 and actual.shape == (rows, out_features)
+    exact = x.double() @ w.double().T
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T)  # float32 summation error only
+    assert ((actual.double() - exact).abs() <= bound).all()
+
+
+def test_float_out_rows_do_not_depend_on_the_others_and_round_to_the_bf16_kernel():
+    """Decode (1 row), verification (a few) and a batch (tiles of 8) give a row the same logits, and
+    up to 8 rows those logits rounded are the bf16 kernel's output."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(37, 576, generator=gen).bfloat16()
+    w = ops.small_batch_pack((torch.randn(300, 576, generator=gen) * 0.05).bfloat16())
+    together = ops.small_batch_linear_float_out(x, w, 300)
+    for first, count in [(0, 1), (3, 5), (8, 8), (13, 24), (36, 1)]:
+        part = ops.small_batch_linear_float_out(x[first : first + count].contiguous(), w, 300)
+        assert torch.equal(part, together[first : first + count])
+    assert torch.equal(ops.small_batch_linear(x[:8].contiguous(), w, 300), together[:8].bfloat16())
+
+
+def test_output_projection_becomes_logits_linear_and_writes_float32():
+    torch.manual_seed(1)
+    model = nn.ModuleDict({"embed": nn.Embedding(100, 64), "proj": nn.Linear(64, 96)}).bfloat16()
+    head = LMHead(64, 100, bias=False).bfloat16()
+    head.weight = model["embed"].weight  # tied
+    model["head"] = head
+    odd = LMHead(40, 10, bias=False).bfloat16()  # an input width the kernel does not take
+    model["odd"] = odd
+    assert use_small_batch_linear(model) == 2
+    assert type(model["head"]) is LogitsLinear and model["head"].weight is model["embed"].weight
+    assert getattr(model["head"], "packed_weight", None) is None  # no oneDNN copy for the head
+    assert type(model["odd"]) is LMHead
+    for rows in (1, 8, 9, 50):
+        x = torch.randn(rows, 64).bfloat16()
+        logits = model["head"](x)
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, x.float() @ model["embed"].weight.float().T, atol=1e-5, rtol=1e-5)
+    x = torch.randn(3, 40).bfloat16()
+    assert model["odd"](x).dtype == torch.float32  # the fallback multiplies in float32
+    torch.testing.assert_close(model["odd"](x), x.float() @ odd.weight.float().T)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")

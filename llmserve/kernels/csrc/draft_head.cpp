@@ -14,11 +14,17 @@
 
 namespace {
 
-// x W^T + b (a head's linears have biases; the subset logits pass an empty one).
+// x W^T + b (a head's linears have biases).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias,
                      int64_t out_features) {
   auto out = small_batch_linear_packed(x, packed, torch::Tensor(), out_features);
   return bias.defined() ? out + bias : out;
+}
+
+// The subset logits in float32, as the head's LogitsLinear computes them (kernels/small_batch_linear.py).
+torch::Tensor subset_logits(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
+  if (x.scalar_type() == torch::kBFloat16) return small_batch_linear_float_out(x, packed, out_features);
+  return small_batch_linear_packed(x, packed, torch::Tensor(), out_features);
 }
 
 }  // namespace
@@ -59,7 +65,7 @@ std::tuple<torch::Tensor, torch::Tensor> DraftHeadChain::greedy(torch::Tensor fe
     auto embedded = rms_norm(embed_weight_.index_select(0, tokens), token_norm_, eps_);
     auto hidden = torch::silu(linear(torch::cat({feature, embedded}, 1), fc_in_, fc_in_bias_, intermediate_size_));
     feature = rms_norm(feature + linear(hidden, fc_out_, fc_out_bias_, hidden_size_), out_norm_, eps_);
-    auto logits = linear(feature, subset_head_, torch::Tensor(), subset_size_);
+    auto logits = subset_logits(feature, subset_head_, subset_size_);
     tokens = vocab_ids_.index_select(0, greedy_sample(logits));
     chained = chained * torch::softmax(logits.to(torch::kFloat), -1).amax(-1);
     drafts.push_back(tokens);

@@ -22,6 +22,7 @@ void prefill_attention_f32(const torch::Tensor& query, const torch::Tensor& key_
 // linear.cpp, linear_quantized.cpp
 torch::Tensor small_batch_pack(torch::Tensor weight);
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
+torch::Tensor small_batch_linear_float_out(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 bool small_batch_linear_supported();
 
 // linear_f32.cpp

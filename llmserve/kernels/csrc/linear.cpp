@@ -21,6 +21,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -45,8 +47,9 @@ constexpr int kBlockRows = 32;           // output rows per packed block (two ve
 constexpr int kPrefetchBytes = 32 * 64;  // how far ahead of the loads the stream is prefetched
 
 // Output rows [row, row + 32) of all M inputs from one packed block; rows >= n_size are not written.
-template <int M>
-inline void linear_block(const uint16_t* x, const uint16_t* block, uint16_t* out, int64_t k_size, int64_t n_size,
+// Out is uint16_t (bf16, rounded from the float32 sums) or float (the sums as they are: logits).
+template <int M, typename Out>
+inline void linear_block(const uint16_t* x, const uint16_t* block, Out* out, int64_t k_size, int64_t n_size,
                          int64_t row) {
   __m512 acc[2][M];
   for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
@@ -69,49 +72,65 @@ inline void linear_block(const uint16_t* x, const uint16_t* block, uint16_t* out
   const __mmask16 first = valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1);
   const __mmask16 second = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
   for (int m = 0; m < M; ++m) {
-    uint16_t* dst = out + m * n_size + row;
-    _mm256_mask_storeu_epi16(dst, first, (__m256i)_mm512_cvtneps_pbh(acc[0][m]));
-    _mm256_mask_storeu_epi16(dst + 16, second, (__m256i)_mm512_cvtneps_pbh(acc[1][m]));
+    Out* dst = out + m * n_size + row;
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm512_mask_storeu_ps(dst, first, acc[0][m]);
+      _mm512_mask_storeu_ps(dst + 16, second, acc[1][m]);
+    } else {
+      _mm256_mask_storeu_epi16(dst, first, (__m256i)_mm512_cvtneps_pbh(acc[0][m]));
+      _mm256_mask_storeu_epi16(dst + 16, second, (__m256i)_mm512_cvtneps_pbh(acc[1][m]));
+    }
   }
 }
 
-template <int M>
-void linear_blocks(const uint16_t* x, const uint16_t* packed, uint16_t* out, int64_t k_size, int64_t n_size) {
+// One packed block for `m_size` rows, in tiles of up to 8: the block (32 x K weights) stays in cache
+// while every tile passes over it, so the weights are read from memory once whatever the row count.
+template <typename Out>
+void linear_block_rows(const uint16_t* x, const uint16_t* block, Out* out, int64_t m_size, int64_t k_size,
+                       int64_t n_size, int64_t row) {
+  for (int64_t first = 0; first < m_size; first += 8) {
+    const uint16_t* tile = x + first * k_size;
+    Out* tile_out = out + first * n_size;
+    switch (std::min<int64_t>(8, m_size - first)) {
+      case 1: linear_block<1>(tile, block, tile_out, k_size, n_size, row); break;
+      case 2: linear_block<2>(tile, block, tile_out, k_size, n_size, row); break;
+      case 3: linear_block<3>(tile, block, tile_out, k_size, n_size, row); break;
+      case 4: linear_block<4>(tile, block, tile_out, k_size, n_size, row); break;
+      case 5: linear_block<5>(tile, block, tile_out, k_size, n_size, row); break;
+      case 6: linear_block<6>(tile, block, tile_out, k_size, n_size, row); break;
+      case 7: linear_block<7>(tile, block, tile_out, k_size, n_size, row); break;
+      default: linear_block<8>(tile, block, tile_out, k_size, n_size, row); break;
+    }
+  }
+}
+
+// A row's result does not depend on m_size: each tile runs the same products in the same order.
+template <typename Out>
+void linear_packed(const uint16_t* x, const uint16_t* packed, Out* out, int64_t m_size, int64_t k_size,
+                   int64_t n_size) {
   const int64_t blocks = (n_size + kBlockRows - 1) / kBlockRows;
   const int64_t block_elements = kBlockRows * k_size;
   // Each task covers at least ~64 KiB of weights, so thread start-up is paid on real work.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (2 * block_elements));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      linear_block<M>(x, packed + b * block_elements, out, k_size, n_size, b * kBlockRows);
+      linear_block_rows(x, packed + b * block_elements, out, m_size, k_size, n_size, b * kBlockRows);
   });
-}
-
-void linear_packed(const uint16_t* x, const uint16_t* packed, uint16_t* out, int64_t m_size, int64_t k_size,
-                   int64_t n_size) {
-  switch (m_size) {
-    case 1: linear_blocks<1>(x, packed, out, k_size, n_size); break;
-    case 2: linear_blocks<2>(x, packed, out, k_size, n_size); break;
-    case 3: linear_blocks<3>(x, packed, out, k_size, n_size); break;
-    case 4: linear_blocks<4>(x, packed, out, k_size, n_size); break;
-    case 5: linear_blocks<5>(x, packed, out, k_size, n_size); break;
-    case 6: linear_blocks<6>(x, packed, out, k_size, n_size); break;
-    case 7: linear_blocks<7>(x, packed, out, k_size, n_size); break;
-    default: linear_blocks<8>(x, packed, out, k_size, n_size); break;
-  }
 }
 
 #endif  // LLMSERVE_BF16_LINEAR
 
-// Checks shared by the entry points; returns an empty [M, N] bf16 output.
-torch::Tensor checked_output(const torch::Tensor& x, const torch::Tensor& weight, int64_t n_size) {
+// Checks shared by the entry points (max_rows: the most rows the entry point serves).
+void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_size, int64_t max_rows) {
   TORCH_CHECK(small_batch_linear_supported(), "small_batch_linear needs a CPU with AVX-512 BF16");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "small_batch_linear takes bfloat16 inputs");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes must be [M, K] and [N, K]");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "small_batch_linear needs contiguous tensors");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_batch_linear serves 1 to 8 rows");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
+              "small_batch_linear takes bfloat16 inputs and weights");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1), "shapes must be [M, K] and [N, K]");
+  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous(), "small_batch_linear needs contiguous tensors");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, "small_batch_linear serves 1 to ", max_rows, " rows");
   TORCH_CHECK(x.size(1) % 32 == 0, "small_batch_linear needs an input width that is a multiple of 32");
-  return torch::empty({x.size(0), n_size}, x.options());
+  TORCH_CHECK(n_size >= 1 && packed.size(0) == (n_size + 31) / 32 * 32,
+              "small_batch_linear takes a weight packed by small_batch_pack for out_features rows");
 }
 
 }  // namespace
@@ -128,16 +147,27 @@ torch::Tensor small_batch_pack(torch::Tensor weight) {
   return rows.view({padded / 32, 32, k_size / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({padded, k_size});
 }
 
-// x [M, K] bf16 with 1 <= M <= 8, packed from small_batch_pack of an [N, K] weight. Returns [M, N].
+// x [M, K] bf16 with 1 <= M <= 8, packed from small_batch_pack of an [N, K] weight. Returns [M, N] bf16.
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16, "small_batch_linear takes bfloat16 weights");
-  TORCH_CHECK(out_features >= 1 && packed.size(0) == (out_features + 31) / 32 * 32,
-              "small_batch_linear takes a weight packed by small_batch_pack for out_features rows");
-  auto out = checked_output(x, packed, out_features);
+  check_inputs(x, packed, out_features, 8);
+  auto out = torch::empty({x.size(0), out_features}, x.options());
 #ifdef LLMSERVE_BF16_LINEAR
   linear_packed(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(0), x.size(1), out_features);
+#endif
+  return out;
+}
+
+// x [M, K] bf16 with any M >= 1, the same packed weight. Returns [M, N] float32: the sums unrounded,
+// so logits keep the float32 gaps between near-tied tokens that a bf16 output would erase.
+torch::Tensor small_batch_linear_float_out(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+  check_inputs(x, packed, out_features, std::numeric_limits<int64_t>::max());
+  auto out = torch::empty({x.size(0), out_features}, x.options().dtype(torch::kFloat));
+#ifdef LLMSERVE_BF16_LINEAR
+  linear_packed(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), out.data_ptr<float>(),
+                x.size(0), x.size(1), out_features);
 #endif
   return out;
 }

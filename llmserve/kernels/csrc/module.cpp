@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_supported", &prefill_attention_supported, "Whether prefill_attention takes this dtype here");
   m.def("small_batch_pack", &small_batch_pack, "A bf16 weight [N, K] in the layout small_batch_linear reads");
   m.def("small_batch_linear", &small_batch_linear, "x W^T for 1-8 bfloat16 rows, W packed (AVX-512 BF16)");
+  m.def("small_batch_linear_float_out", &small_batch_linear_float_out,
+        "x W^T for any number of bfloat16 rows, W packed, float32 out (the logits)");
   m.def("small_batch_pack_f32", &small_batch_pack_f32, "A float32 weight [N, K] in the layout small_batch_linear_f32 reads");
   m.def("small_batch_linear_f32", &small_batch_linear_f32, "x W^T for 1-8 float32 rows, W packed (AVX2 and FMA)");
   m.def("small_batch_linear_f32_supported", &small_batch_linear_f32_supported,

@@ -35,6 +35,7 @@ from torch import nn
 
 from llmserve.kernels.cpu_ops import cpu_ops_for
 from llmserve.kernels.small_batch_linear import MAX_ROWS
+from llmserve.models.layers.lm_head import LMHead
 from llmserve.models.layers.norm import RMSNorm
 from llmserve.request import Request
 from llmserve.sample.sampler import greedy_token_ids
@@ -186,7 +187,7 @@ class DraftHeadProposer:
         self.min_confidence = min_confidence
         # The lm_head rows of the vocabulary subset: logits for the tokens the head can propose.
         weight = subset_lm_head_weight(target, head.vocab_ids).to(head.fc_in.weight.dtype)
-        self.subset_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
+        self.subset_head = LMHead(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
         self.subset_head.weight = nn.Parameter(weight, requires_grad=False)
 
     def modules(self) -> list[nn.Module]:
