@@ -30,12 +30,12 @@ chat: venv
 	$(BIN)/llmserve chat
 
 lint: venv
-	$(BIN)/ruff check llmserve tests docs/scripts
-	$(BIN)/ruff format --check llmserve tests docs/scripts
+	$(BIN)/ruff check llmserve tests
+	$(BIN)/ruff format --check llmserve tests
 
 format: venv
-	$(BIN)/ruff format llmserve tests docs/scripts
-	$(BIN)/ruff check --fix llmserve tests docs/scripts
+	$(BIN)/ruff format llmserve tests
+	$(BIN)/ruff check --fix llmserve tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

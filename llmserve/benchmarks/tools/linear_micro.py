@@ -1,0 +1,114 @@
+"""The small-batch linear kernels over one decode step's shapes: ms per step and the GB/s they stream.
+
+    python -m llmserve.benchmarks.tools.linear_micro [--rows 1,4,8] [--layers 30] [--repeats 5]
+
+Every layer gets its own weights (qkv, o, gate_up, down of SmolLM2-135M, then the lm_head), so they
+come from memory as in a real step, for each format this build has (bf16; int8 per channel and int4
+in groups of 64 on AVX-512 VNNI). Next to it, the machine's copy bandwidth (read + write of 512 MiB):
+a kernel near that rate is bound by memory, not by its arithmetic. Median of --repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from llmserve.kernels.cpu_ops import load_cpu_ops
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
+VOCAB = 49152
+INT4_GROUP = 64
+
+
+def copy_bandwidth(mebibytes: int = 512, repeats: int = 3) -> float:
+    """GB/s of a large tensor copy, read and write counted, best of `repeats`."""
+    source = torch.ones(mebibytes * 2**20, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() / best / 1e9
+
+
+def packed_layers(ops, shapes: Sequence[tuple[int, int]], fmt: str) -> list[tuple[Callable, int]]:
+    """Per weight: a call taking the input, and the bytes of weight it reads."""
+    layers = []
+    for out_features, in_features in shapes:
+        if fmt == "bf16":
+            packed = ops.small_batch_pack(torch.randn(out_features, in_features).bfloat16())
+            call = _bind(ops.small_batch_linear, packed, out_features)
+            layers.append((call, out_features * in_features * 2))
+        elif fmt == "int8":
+            codes = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+            packed, scales = ops.small_batch_pack_int8(codes), torch.rand(out_features)
+            layers.append((_bind(ops.small_batch_linear_int8, packed, scales, out_features), codes.numel()))
+        else:
+            nibbles = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+            groups = in_features // INT4_GROUP
+            scales, offsets = torch.rand(out_features, groups), torch.rand(out_features, groups)
+            packed, params = ops.small_batch_pack_int4(nibbles, scales, offsets)
+            call = _bind(ops.small_batch_linear_int4, packed, params, out_features)
+            layers.append((call, nibbles.numel() // 2))
+    return layers
+
+
+def _bind(kernel: Callable, *weights) -> Callable:
+    return lambda x: kernel(x, *weights)
+
+
+def formats(ops) -> list[str]:
+    """The formats whose kernels this build has on this CPU."""
+    available = ["bf16"] if ops.small_batch_linear_supported() else []
+    return available + (["int8", "int4"] if ops.small_batch_linear_int8_supported() else [])
+
+
+def time_step(layers: Sequence[tuple[Callable, int]], shapes, rows: int, repeats: int) -> tuple[float, float]:
+    """Median seconds for one pass over every layer at `rows` rows, and the GB/s of weight read."""
+    inputs = {width: torch.randn(rows, width).bfloat16() for _, width in shapes}
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for (call, _), (_, width) in zip(layers, shapes, strict=True):
+            call(inputs[width])
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return seconds, sum(size for _, size in layers) / seconds / 1e9
+
+
+def run(rows: Sequence[int], num_layers: int, vocab: int, repeats: int, copy_mib: int) -> list[dict]:
+    ops = load_cpu_ops()
+    if ops is None:
+        raise SystemExit("the compiled CPU kernels did not build here")
+    torch.manual_seed(0)
+    print(f"copy bandwidth (read + write) {copy_bandwidth(copy_mib):.1f} GB/s")
+    shapes = LAYER_SHAPES * num_layers + [(vocab, LAYER_SHAPES[0][1])]
+    results = []
+    for fmt in formats(ops):
+        layers = packed_layers(ops, shapes, fmt)
+        for count in rows:
+            seconds, rate = time_step(layers, shapes, count, repeats)
+            results.append({"format": fmt, "rows": count, "ms": 1e3 * seconds, "GB/s": rate})
+            print(f"{fmt:5s} {count} rows: {1e3 * seconds:7.2f} ms per step, {rate:5.1f} GB/s", flush=True)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,4,8", help="comma-separated row counts (at most 8)")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="lm_head rows")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--copy-mib", type=int, default=512)
+    args = parser.parse_args(argv)
+    rows = [int(item) for item in args.rows.split(",") if item]
+    run(rows, args.layers, args.vocab, args.repeats, args.copy_mib)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Smoke tests of llmserve/benchmarks/tools: each tool's measurement runs on something tiny; no timing
+is asserted, only that the figures are there and the plumbing (worktrees, steps, health checks) works."""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from llmserve.benchmarks.tools import ab_checkouts, linear_micro, side_by_side
+from llmserve.benchmarks.workload import WorkloadSpec, build_workload
+
+SPEC = WorkloadSpec(num_requests=5, seed=0, prompt_len_median=12, output_len_median=4,
+                    prompt_len_range=(6, 24), output_len_range=(2, 6))  # fmt: skip
+
+
+# -- ab_checkouts -----------------------------------------------------------------------------------
+
+
+def test_ab_measure_runs_on_a_tiny_model(tiny_model_dir):
+    from llmserve import LLM
+
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB")
+    requests = build_workload(SPEC, llm.tokenizer)
+    result = ab_checkouts.measure(
+        llm, requests, passes=2, decode_prompt_tokens=4, decode_tokens=5, decode_repeats=2
+    )
+    assert len(result["passes"]) == 2 and result["tok_s"] == pytest.approx(max(result["passes"]), abs=0.1)
+    assert len(result["b1_all"]) == 2 and result["b1_ms"] > 0
+
+
+def test_ab_rounds_alternate_and_summarize_per_side():
+    assert ab_checkouts.round_orders(3) == [("base", "new"), ("new", "base"), ("base", "new")]
+    runs = [
+        {"tag": "base", "tok_s": 100.0, "b1_ms": 10.0},
+        {"tag": "new", "tok_s": 90.0, "b1_ms": 9.0},
+        {"tag": "new", "tok_s": 110.0, "b1_ms": 8.0},
+        {"tag": "base", "tok_s": 80.0, "b1_ms": 12.0},
+        {"tag": "base", "tok_s": 120.0, "b1_ms": 11.0},
+        {"tag": "new", "tok_s": 105.0, "b1_ms": 7.0},
+    ]
+    summary = ab_checkouts.summarize(runs)
+    assert summary["base"] == {"runs": 3, "tok_s": 100.0, "b1_ms": 11.0}
+    assert summary["new"] == {"runs": 3, "tok_s": 105.0, "b1_ms": 8.0}
+    assert summary["new_vs_base"]["tok_s"] == pytest.approx(0.05)
+
+
+def _git(*args: str, cwd: Path) -> str:
+    command = ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args]
+    return subprocess.run(command, cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_ab_checkout_is_a_worktree_added_once(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git("init", "-q", cwd=repo)
+    (repo / "file.txt").write_text("one\n")
+    _git("add", "file.txt", cwd=repo)
+    _git("commit", "-q", "-m", "one", cwd=repo)
+    commit = _git("rev-parse", "HEAD", cwd=repo)
+    path, resolved = ab_checkouts.ensure_checkout(repo, "HEAD", tmp_path / "worktrees")
+    assert resolved == commit and (path / "file.txt").read_text() == "one\n"
+    assert ab_checkouts.ensure_checkout(repo, commit[:7], tmp_path / "worktrees") == (path, commit)
+    assert ab_checkouts.ensure_checkout(repo, str(repo), tmp_path / "worktrees") == (repo.resolve(), commit)
+    (repo / "file.txt").write_text("two\n")
+    assert ab_checkouts.ensure_checkout(repo, str(repo), tmp_path / "worktrees")[1] == commit + "-dirty"
+
+
+def test_ab_child_imports_the_checkout_it_measures():
+    argv, env = ab_checkouts.child_command(Path("/checkouts/base"), "base", Path("/w.jsonl"), 3)
+    assert env["PYTHONPATH"] == "/checkouts/base"
+    assert Path(argv[1]).name == "ab_checkouts.py" and argv[2:4] == ["--measure", "/w.jsonl"]
+
+
+# -- side_by_side -----------------------------------------------------------------------------------
+
+
+def test_side_by_side_times_each_system_alone_in_order(tmp_path):
+    args = side_by_side.parse_args(["t1", "--results", str(tmp_path), "--peer-command", "vllm serve X"])
+    steps = side_by_side.plan(args)
+    assert [step.name for step in steps] == ["offline-1", "sweep", "inf1", "peer", "inf2", "offline-2"]
+    assert steps[0].server is None and "--naive-batch-sizes" in steps[0].bench
+    assert steps[1].bench[-1] == str(tmp_path / "serve-t1-sweep.json")
+    assert steps[3].server == ["bash", "-c", "exec vllm serve X"] and steps[3].url == "http://127.0.0.1:8092"
+    no_peer = side_by_side.plan(side_by_side.parse_args(["t2"]))
+    assert "peer" not in [step.name for step in no_peer]
+
+
+def test_side_by_side_dry_run_prints_the_steps(capsys):
+    side_by_side.main(["t3", "--dry-run"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5 and lines[0].startswith("offline-1: ") and "[server: " in lines[1]
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (the handler's name is http.server's)
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_side_by_side_waits_for_health():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert side_by_side.wait_for_health(url, None, timeout=10) >= 0
+    finally:
+        server.shutdown()
+    with pytest.raises(TimeoutError):
+        side_by_side.wait_for_health(url, None, timeout=0.5)
+
+
+# -- linear_micro -----------------------------------------------------------------------------------
+
+
+@pytest.mark.cpu_kernels("avx512_bf16")
+def test_linear_micro_times_every_format_this_build_has():
+    results = linear_micro.run(rows=[1, 2], num_layers=1, vocab=64, repeats=1, copy_mib=1)
+    assert {result["format"] for result in results} >= {"bf16"}
+    assert all(result["ms"] > 0 and result["GB/s"] > 0 for result in results)
