@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "from llmserve.kernels.cpu_ops import load_cpu_ops; load_cpu_ops()"
 	touch $(STAMP)
 
+# -rs: the reason for any skip (tests/conftest.py: a failed kernel build fails, never skips).
 test: venv
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -rs --durations=15
 
 serve: venv
 	$(BIN)/llmserve serve

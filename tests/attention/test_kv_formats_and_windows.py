@@ -11,14 +11,11 @@ import torch
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
 from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.attention.window import decode_context_positions, prefill_context_positions
-from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 
 BLOCK = 8
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 32
 SCALE = HEAD_DIM**-0.5
-
-needs_kernel = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler for the CPU kernel")
 
 
 def paged_case(
@@ -158,7 +155,7 @@ def test_torch_backend_matches_dense_masked_reference(kv_dtype, decode_lens, pre
     torch.testing.assert_close(actual.double(), expected, atol=2e-5, rtol=2e-5)
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize(("decode_lens", "prefills", "sinks", "window"), CASES)
 def test_kernel_matches_torch_backend(kv_dtype, decode_lens, prefills, sinks, window):
@@ -200,7 +197,7 @@ def test_quantize_round_trip_bounds(kv_dtype):
     assert torch.equal(zeros, torch.zeros(3, 1, 8))
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize(("decode_lens", "prefills", "sinks", "window"), CASES)
 def test_kernel_spans_match_dense_reference(kv_dtype, decode_lens, prefills, sinks, window):
@@ -218,7 +215,7 @@ def test_kernel_spans_match_dense_reference(kv_dtype, decode_lens, prefills, sin
     torch.testing.assert_close(actual.double(), expected, atol=2e-5, rtol=2e-5)
 
 
-@needs_kernel
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize(("decode_lens", "prefills", "sinks", "window"), CASES)
 def test_bf16_fast_path_with_windows_matches_dense_reference(decode_lens, prefills, sinks, window):
     """bfloat16 and head_dim 64: decodes and short spans in the AVX-512 BF16 path of the kernel (where

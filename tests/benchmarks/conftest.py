@@ -25,8 +25,6 @@ def byte_tokenizer() -> ByteTokenizer:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama with the real tokenizer (peaked logits: greedy has no near-ties)."""
-    try:
-        from tests.helpers import make_tiny_llama_dir
-    except ImportError:
-        pytest.skip("tests/helpers.py (make_tiny_llama_dir) is not written yet")
+    from tests.helpers import make_tiny_llama_dir
+
     return make_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny-llama")))

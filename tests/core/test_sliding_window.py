@@ -105,14 +105,11 @@ def tiny_short_context(tmp_path_factory):
     return make_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny_ctx64")), max_position_embeddings=64)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu_paged"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu_paged", marks=pytest.mark.cpu_kernels)])
 def test_engine_generates_past_the_trained_length_with_bounded_memory(tiny_short_context, backend):
     from llmserve.entrypoints.llm import LLM
-    from llmserve.kernels.cpu_ops import load_cpu_ops
     from llmserve.sampling_params import SamplingParams
 
-    if backend == "cpu_paged" and load_cpu_ops() is None:
-        pytest.skip("no C++ compiler for the CPU kernel")
     llm = LLM(
         model=tiny_short_context,  # trained on 64 positions
         dtype="float32",

@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from llmserve.entrypoints import launch
-from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.worker import cpu_binding
 
 _SCRIPT = """
@@ -55,9 +54,8 @@ def _run(tiny_model_dir: str, bind: bool) -> dict:
 
 
 @needs_two_cpus
+@pytest.mark.cpu_kernels  # they pin the OpenMP threads
 def test_the_engine_threads_are_pinned_and_the_server_keeps_off_the_engines_main_cpu(tiny_model_dir):
-    if load_cpu_ops() is None:
-        pytest.skip("the compiled kernels (which pin the OpenMP threads) are unavailable here")
     expected = cpu_binding.engine_cpus()  # the child has this process's CPUs and thread count
     result = _run(tiny_model_dir, bind=True)
     engine = {int(tid): cpus for tid, cpus in result["engine"].items()}

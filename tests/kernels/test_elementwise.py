@@ -9,7 +9,7 @@ from llmserve.models.layers.norm import RMSNorm
 from llmserve.models.layers.rotary import RotaryEmbedding
 
 ops = load_cpu_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="needs the compiled CPU kernels")
+pytestmark = pytest.mark.cpu_kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

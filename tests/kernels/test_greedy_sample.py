@@ -7,7 +7,7 @@ from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.sample.sampler import greedy_token_ids
 
 ops = load_cpu_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="the CPU kernels did not build here")
+pytestmark = pytest.mark.cpu_kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

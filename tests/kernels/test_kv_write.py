@@ -7,7 +7,7 @@ from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.kernels.cpu_ops import load_cpu_ops
 
 ops = load_cpu_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="needs the compiled CPU kernels")
+pytestmark = pytest.mark.cpu_kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,7 +7,7 @@ from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 
-pytestmark = pytest.mark.skipif(load_cpu_ops() is None, reason="no C++ compiler for the CPU kernel")
+pytestmark = pytest.mark.cpu_kernels
 
 BLOCK = 16
 

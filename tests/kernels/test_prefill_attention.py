@@ -10,22 +10,12 @@ from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 
 ops = load_cpu_ops()
-needs_bf16 = pytest.mark.skipif(
-    ops is None or not ops.prefill_attention_supported(torch.bfloat16),
-    reason="needs the compiled kernel on an AVX-512 BF16 CPU",
-)
-needs_f32 = pytest.mark.skipif(
-    ops is None or not ops.prefill_attention_supported(torch.float32),
-    reason="needs the compiled kernel on an AVX2 CPU",
-)
-needs_any = pytest.mark.skipif(
-    ops is None or not any(ops.prefill_attention_supported(d) for d in (torch.bfloat16, torch.float32)),
-    reason="needs the compiled kernel on an AVX2 or AVX-512 BF16 CPU",
-)
+pytestmark = pytest.mark.cpu_kernels("avx2")  # every AVX-512 BF16 CPU has AVX2 and FMA too
+needs_bf16 = pytest.mark.cpu_kernels("avx512_bf16")
 # float32 is held to float32 rounding of sums over a few hundred terms; bf16 to what rounding the output
 # and the probabilities to bf16 allows (PyTorch's own bf16 SDPA is held to the same bound).
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 1.2e-2, "rtol": 1.6e-2}}
-DTYPES = [pytest.param(torch.bfloat16, marks=needs_bf16), pytest.param(torch.float32, marks=needs_f32)]
+DTYPES = [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32]
 
 
 def random_problem(num_queries, context, heads=9, kv_heads=3, head_dim=64, seed=0, dtype=torch.bfloat16):
@@ -135,7 +125,6 @@ def test_backend_sends_long_spans_to_the_kernel(dtype):
     torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCE[dtype])
 
 
-@needs_any
 def test_rejects_bad_input():
     dtype = next(d for d in (torch.float32, torch.bfloat16) if ops.prefill_attention_supported(d))
     query, key_cache, value_cache, slots = random_problem(4, 10, dtype=dtype)

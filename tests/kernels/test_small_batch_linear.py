@@ -15,9 +15,7 @@ from llmserve.kernels.small_batch_linear import (
 from llmserve.models.layers.lm_head import LMHead
 
 ops = load_cpu_ops()
-pytestmark = pytest.mark.skipif(
-    ops is None or not ops.small_batch_linear_supported(), reason="needs the AVX-512 BF16 kernel build"
-)
+pytestmark = pytest.mark.cpu_kernels("avx512_bf16")
 
 
 @pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
@@ -128,7 +126,6 @@ def test_output_projection_becomes_logits_linear_and_writes_float32():
     torch.testing.assert_close(model["odd"](x), x.float() @ odd.weight.float().T)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 @pytest.mark.parametrize("rows", [9, 16, 64, 300])
 def test_packed_weight_gemm_is_bit_identical_to_f_linear(rows):
     """Above MAX_ROWS the swapped layer multiplies by its oneDNN-packed weight copy: one copy per
@@ -159,7 +156,7 @@ def _rounded_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rounded, scale.double().expand_as(blocks).reshape(x.shape)
 
 
-@pytest.mark.skipif(ops is None or not ops.small_batch_linear_int8_supported(), reason="needs AVX-512 VNNI")
+@pytest.mark.cpu_kernels("avx512_vnni")
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 32), (576, 1536), (45, 64)])
 def test_int8_matches_its_rounded_input_reference(rows, out_features, in_features):
@@ -187,7 +184,7 @@ def test_int8_matches_its_rounded_input_reference(rows, out_features, in_feature
     )
 
 
-@pytest.mark.skipif(ops is None or not ops.small_batch_linear_int8_supported(), reason="needs AVX-512 VNNI")
+@pytest.mark.cpu_kernels("avx512_vnni")
 @pytest.mark.parametrize("rows", [1, 4, 6])
 @pytest.mark.parametrize(
     ("out_features", "in_features", "group_size"),
@@ -217,7 +214,7 @@ def test_int4_matches_its_rounded_input_reference(rows, out_features, in_feature
     assert torch.equal(ops.small_batch_linear_int4(x[-1:], packed, params, out_features)[0], actual[-1])
 
 
-@pytest.mark.skipif(ops is None or not ops.small_batch_linear_int8_supported(), reason="needs AVX-512 VNNI")
+@pytest.mark.cpu_kernels("avx512_vnni")
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (45, 64)])
 def test_int8_with_a_scale_per_32_columns(rows, out_features, in_features):
@@ -237,7 +234,7 @@ def test_int8_with_a_scale_per_32_columns(rows, out_features, in_features):
     assert ((actual.double() - expected).abs() <= 2**-8 * expected.abs() + 1e-5 * magnitude).all()
 
 
-@pytest.mark.skipif(ops is None or not ops.small_batch_linear_int8_supported(), reason="needs AVX-512 VNNI")
+@pytest.mark.cpu_kernels("avx512_vnni")
 def test_quantized_input_edge_cases_zero_tiny_and_nan_blocks():
     """An all-zero or denormal-sized input block contributes nothing; a NaN reaches its outputs."""
     codes = torch.randint(-127, 128, (40, 96), dtype=torch.int8)
@@ -255,7 +252,7 @@ def test_quantized_input_edge_cases_zero_tiny_and_nan_blocks():
     assert out[2].isnan().all()
 
 
-@pytest.mark.skipif(ops is None or not ops.small_batch_linear_int8_supported(), reason="needs AVX-512 VNNI")
+@pytest.mark.cpu_kernels("avx512_vnni")
 def test_int8_rejects_what_it_does_not_serve():
     codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
     packed = ops.small_batch_pack_int8(codes)

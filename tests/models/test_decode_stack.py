@@ -13,10 +13,8 @@ from tests.helpers import TINY_LLAMA_CONFIG, make_tiny_llama_dir
 
 ops = load_cpu_ops()
 HAS_BF16 = ops is not None and ops.small_batch_linear_supported()
-HAS_FLOAT32 = ops is not None and ops.small_batch_linear_f32_supported()
-pytestmark = pytest.mark.skipif(not (HAS_BF16 or HAS_FLOAT32), reason="needs a small-batch linear kernel")
-needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="needs the AVX-512 BF16 kernel build")
-needs_float32 = pytest.mark.skipif(not HAS_FLOAT32, reason="needs the AVX2 float32 kernel build")
+pytestmark = pytest.mark.cpu_kernels("avx2")  # the float32 kernel; every AVX-512 BF16 CPU has AVX2 too
+needs_bf16 = pytest.mark.cpu_kernels("avx512_bf16")
 DTYPE = "bfloat16" if HAS_BF16 else "float32"  # for the tests that hold for either
 
 PROMPTS = [[5, 6, 7, 8] * 6, list(range(1000, 1030)), [31, 4159, 2653], [100, 200, 300] * 5 + [9]]
@@ -54,8 +52,8 @@ def _run(llm: LLM, prompts, max_tokens: int = 20):
         pytest.param("bfloat16", "ngram", None, marks=needs_bf16),
         pytest.param("bfloat16", None, "int8-rtn", marks=needs_bf16),
         pytest.param("bfloat16", "ngram", "int4", marks=needs_bf16),
-        pytest.param("float32", None, None, marks=needs_float32),
-        pytest.param("float32", "ngram", None, marks=needs_float32),
+        ("float32", None, None),
+        ("float32", "ngram", None),
     ],
 )
 def test_bit_identical_to_the_module_path(model_dir, dtype, speculative_method, quantization):

