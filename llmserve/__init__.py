@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "llmserve.entrypoints.llm",
     "EngineArgs": "llmserve.config",
     "SamplingParams": "llmserve.sampling_params",
+    "RequestOutputKind": "llmserve.sampling_params",
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
 }

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the previous output (streams)
+    FINAL_ONLY = 2  # one output, when the request finishes, with everything
 
 
 @dataclass
@@ -29,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None  # return the top-N log-probabilities for each generated token
     skip_special_tokens: bool = True  # leave special tokens out of the text
     num_speculative_tokens: int | None = None  # drafts per step if the engine speculates; None: its K; 0: off
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each output holds
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +78,9 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
 
+    def with_output_kind(self, kind: RequestOutputKind) -> SamplingParams:
+        return self if self.output_kind is kind else replace(self, output_kind=kind)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
@@ -78,7 +91,5 @@ class SamplingParams:
 
     def child(self, index: int) -> SamplingParams:
         """Parameters for the index-th of n parallel samples: n=1 and a distinct derived seed."""
-        from dataclasses import replace
-
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)

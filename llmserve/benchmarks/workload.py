@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 # Stdlib modules whose docstrings join the language reference in the corpus (fixed, sorted order).
 CORPUS_MODULES = (
@@ -62,7 +62,9 @@ class BenchRequest:
 
 def greedy_params(max_tokens: int) -> SamplingParams:
     """Greedy and exactly `max_tokens` (EOS ignored), so every system does the same work."""
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
 
 
 @dataclass(frozen=True)

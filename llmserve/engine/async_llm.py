@@ -2,11 +2,12 @@
 
 The engine runs in its own process (engine_core.py; forked where the platform allows, so it starts
 with this process's imports). This side keeps the tokenizer and validates prompts before anything
-is queued, so bad input fails with a clear error at once. Two threads move messages: a sender
-batches commands into one pipe write (the engine may be mid-step and not reading; the event loop
-must never wait on it), a reader receives each step's output deltas, rebuilds the outputs
-(output_wire.py) and hands them to their asyncio queues with one `call_soon_threadsafe` per event
-loop per step. A request's stream ends with its finished output, or with an exception if the
+is queued, so bad input fails with a clear error at once (and only here). Two threads move the
+typed messages of messages.py: a sender batches commands into one pipe write (the engine may be
+mid-step and not reading; the event loop must never wait on it), a reader receives each step's
+output deltas, gives each request the kind of output it asked for (output_kinds.py; a DELTA stream
+gets them as they are) and hands them to their asyncio queues with one `call_soon_threadsafe` per
+event loop per step. A request's stream ends with its finished output, or with an exception if the
 engine failed it; if the engine process dies, every stream ends with EngineDeadError.
 """
 
@@ -24,11 +25,22 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.engine_core import run_engine_core
 from llmserve.engine.llm_engine import LLMEngine, check_prompt
-from llmserve.engine.output_wire import OutputDecoder
+from llmserve.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineLoadFailed,
+    EngineMessage,
+    FailureKind,
+    RequestAborted,
+    RequestsFailed,
+    Shutdown,
+    StepOutputs,
+)
+from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.metrics.stats import EngineGauges, StepStats
 from llmserve.model_loader import load_tokenizer, resolve_model_path
 from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.worker.cpu_binding import keep_process_off
 
 logger = logging.getLogger("llmserve")
@@ -65,7 +77,8 @@ class AsyncLLM:
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self.gauges = EngineGauges()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._decoder = OutputDecoder()
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # requests the engine may report on
+        self._output_kinds = OutputAccumulator()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = threading.Event()
         context = multiprocessing.get_context("fork" if fork else "spawn")
@@ -111,16 +124,16 @@ class AsyncLLM:
 
     def _wait_until_ready(self) -> tuple[EngineConfig, int | None]:
         try:
-            kind, payload = self._output_pipe.recv()
+            message = self._output_pipe.recv()
         except EOFError:
             self._process.join()
             raise EngineDeadError(
                 f"the engine process exited while loading (exit code {self._process.exitcode})"
             ) from None
-        if kind == "load_failed":
+        if isinstance(message, EngineLoadFailed):
             self._process.join()
-            raise payload  # bad model or flags: the caller reports it, as in one process
-        return payload
+            raise message.error  # bad model or flags: the caller reports it, as in one process
+        return message.config, message.main_cpu
 
     # -- the API the server calls ------------------------------------------------------------------
 
@@ -132,21 +145,24 @@ class AsyncLLM:
 
     async def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt_ids: list[int],
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs of one request; cancelling the iteration aborts it."""
+        """Stream one request's outputs, each as `params.output_kind` asks (DELTA: only what is new);
+        cancelling the iteration aborts it. `prompt_ids` come from `encode_prompt`, the one place a
+        prompt is validated: nothing after it checks again."""
         if not self.is_running:
             raise EngineDeadError("the engine has stopped")
-        if request_id in self._streams or self._decoder.has_request(request_id):
+        if request_id in self._streams or request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.encode_prompt(prompt)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._decoder.add_request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids)
-        self._commands.put(("add", request_id, prompt_ids, params, time.monotonic(), priority))
+        self._prompts[request_id] = (None, prompt_ids)
+        self._output_kinds.add_request(request_id, params.output_kind)
+        wire_params = params.with_output_kind(RequestOutputKind.DELTA)  # the kind is applied here
+        self._commands.put(AddRequest(request_id, prompt_ids, wire_params, time.monotonic(), priority))
         finished = False
         try:
             while not finished:
@@ -158,15 +174,15 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._commands.put(AbortRequest(request_id))
 
     def abort(self, request_id: str) -> None:
         """Abort from outside the stream: its iterator receives the final "abort" output."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
 
     def has_request(self, request_id: str) -> bool:
         """Whether the engine may still report on this request."""
-        return self._decoder.has_request(request_id)
+        return request_id in self._prompts
 
     @property
     def is_running(self) -> bool:
@@ -176,7 +192,7 @@ class AsyncLLM:
         """Ask the engine to fail what is in flight and exit; kill it if it has not within `timeout`."""
         if not self._stopping.is_set():
             self._stopping.set()
-            self._commands.put(("shutdown",))
+            self._commands.put(Shutdown())
         if timeout > 0:
             self._process.join(timeout)
             if self._process.is_alive():
@@ -196,7 +212,7 @@ class AsyncLLM:
                 self._command_pipe.send(batch)
             except OSError:  # the engine process is gone; the reader fails the streams
                 return
-            if any(command[0] == "shutdown" for command in batch):
+            if any(isinstance(command, Shutdown) for command in batch):
                 return
 
     def _read_outputs(self) -> None:
@@ -218,27 +234,45 @@ class AsyncLLM:
         error = EngineDeadError(message)
         self._deliver_all([(request_id, error) for request_id in list(self._streams)])
 
-    def _handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "step":
-            _, deltas, stats, self.gauges = message
-            outputs = [output for output in map(self._decoder.decode, deltas) if output is not None]
-            self._deliver_all([(output.request_id, output) for output in outputs])
-            self._notify(stats, outputs)
-        elif kind == "aborted":
-            _, delta, request_id, self.gauges = message
-            output = None if delta is None else self._decoder.decode(delta)
-            self._decoder.forget(request_id)
+    def _handle(self, message: EngineMessage) -> None:
+        if isinstance(message, StepOutputs):
+            self.gauges = message.gauges
+            deltas = [output for output in map(self._request_output, message.outputs) if output is not None]
+            self._deliver_all(self._for_callers(deltas))
+            self._notify(message.stats, deltas)
+        elif isinstance(message, RequestAborted):
+            self.gauges = message.gauges
+            output = None if message.output is None else self._request_output(message.output)
             if output is not None:  # its final "abort" output ends a live stream and counts in metrics
-                self._deliver_all([(request_id, output)])
+                self._deliver_all(self._for_callers([output]))
                 self._notify(None, [output])
-        elif kind == "failed":
-            _, request_ids, reason, text = message
-            for request_id in request_ids:
-                self._decoder.forget(request_id)
-            error_type = {"invalid": ValueError, "dead": EngineDeadError}.get(reason, RuntimeError)
-            error = error_type(text)
-            self._deliver_all([(request_id, error) for request_id in request_ids])
+            self._forget(message.request_id)
+        elif isinstance(message, RequestsFailed):
+            for request_id in message.request_ids:
+                self._forget(request_id)
+            error_type = {FailureKind.INVALID: ValueError, FailureKind.DEAD: EngineDeadError}.get(
+                message.kind, RuntimeError
+            )
+            error = error_type(message.message)
+            self._deliver_all([(request_id, error) for request_id in message.request_ids])
+
+    def _request_output(self, wire) -> RequestOutput | None:
+        """The delta as a RequestOutput with its prompt; None for a request this side forgot."""
+        prompt = self._prompts.get(wire.request_id)
+        if prompt is None:
+            return None
+        if wire.finished:
+            del self._prompts[wire.request_id]
+        return wire.to_request_output(*prompt)
+
+    def _for_callers(self, deltas: list[RequestOutput]) -> list[tuple[str, RequestOutput]]:
+        """Each request's output of the kind it asked for (none yet for FINAL_ONLY before its end)."""
+        outputs = map(self._output_kinds.apply, deltas)
+        return [(output.request_id, output) for output in outputs if output is not None]
+
+    def _forget(self, request_id: str) -> None:
+        self._prompts.pop(request_id, None)
+        self._output_kinds.forget(request_id)
 
     def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
         """Hand items to their streams with one callback per event loop (normally there is one)."""

@@ -3,17 +3,8 @@
 Why a process: in a thread of the server, the engine shared the GIL with the event loop (the SSE
 work, request parsing) and stepped torch from a non-main thread, and HTTP throughput trailed the
 offline engine by 3-18% (docs/benchmarks.md). Here the engine owns its process's main thread and
-interpreter; the server keeps tokenization, validation and streaming.
-
-Messages (tuples, pickled by multiprocessing.connection):
-  server -> engine, a list per send: ("add", request_id, prompt_ids, params, arrival_time, priority),
-      ("abort", request_id), ("shutdown",).
-  engine -> server: ("ready", (config, CPU of the engine's main thread or None)) or
-      ("load_failed", exception) once; then
-      ("step", output deltas, StepStats, EngineGauges) after every step,
-      ("aborted", output delta or None, request_id, EngineGauges) for every abort command,
-      ("failed", request_ids, kind, message) for requests the engine gave up on
-      (kind "invalid": add_request refused it; "step": a step raised; "dead": the engine is stopping).
+interpreter; the server keeps tokenization, validation and streaming. The messages both ways are
+the typed structs of messages.py; outputs cross as deltas.
 """
 
 from __future__ import annotations
@@ -27,7 +18,18 @@ from multiprocessing.connection import Connection
 
 from llmserve.config import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.output_wire import OutputEncoder
+from llmserve.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineLoadFailed,
+    EngineOutput,
+    EngineReady,
+    FailureKind,
+    RequestAborted,
+    RequestsFailed,
+    Shutdown,
+    StepOutputs,
+)
 from llmserve.log import configure_logging
 from llmserve.metrics.stats import EngineGauges
 from llmserve.worker.cpu_binding import bind_engine_threads
@@ -56,12 +58,12 @@ def run_engine_core(
     try:
         engine = engine_factory(engine_args)
     except BaseException as error:  # noqa: BLE001 - the server process raises it in its own
-        outputs.send(("load_failed", _picklable(error)))
+        outputs.send(EngineLoadFailed(_picklable(error)))
         return
     main_cpu = None
     if bind_cpus and engine.config.model.device.type == "cpu":
         main_cpu = bind_engine_threads()
-    outputs.send(("ready", (engine.config, main_cpu)))
+    outputs.send(EngineReady(engine.config, main_cpu))
     EngineCore(engine, commands, outputs).run()
 
 
@@ -70,14 +72,13 @@ class EngineCore:
         self.engine = engine
         self.commands = commands
         self.outputs = outputs
-        self.encoder = OutputEncoder()
 
     def run(self) -> None:
         try:
             while self._receive(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._step()
-            self._fail_all("dead", "the server is shutting down")
+            self._fail_all(FailureKind.DEAD, "the server is shutting down")
         except (BrokenPipeError, EOFError):
             pass  # the server process is gone: nobody is left to tell
 
@@ -87,7 +88,7 @@ class EngineCore:
         try:
             while self.commands.poll(timeout):
                 for command in self.commands.recv():
-                    if command[0] == "shutdown":
+                    if isinstance(command, Shutdown):
                         return False
                     self._apply(command)
                 timeout = 0.0
@@ -95,35 +96,38 @@ class EngineCore:
             return False  # the server process closed its end
         return True
 
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "abort":
-            request_id = command[1]
-            output = self.engine.abort_request(request_id)
-            delta = None if output is None else self.encoder.encode(output)
-            self.outputs.send(("aborted", delta, request_id, self._gauges()))
+    def _apply(self, command: AddRequest | AbortRequest) -> None:
+        if isinstance(command, AbortRequest):
+            output = self.engine.abort_request(command.request_id)
+            wire = None if output is None else EngineOutput.of(output)
+            self.outputs.send(RequestAborted(command.request_id, wire, self._gauges()))
             return
-        _, request_id, prompt_ids, params, arrival_time, priority = command
         try:
-            self.engine.add_request(request_id, prompt_ids, params, arrival_time, priority)
+            self.engine.add_tokenized_request(
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                command.arrival_time,
+                command.priority,
+            )
         except ValueError as error:
-            self.outputs.send(("failed", [request_id], "invalid", str(error)))
+            self.outputs.send(RequestsFailed([command.request_id], FailureKind.INVALID, str(error)))
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step()  # deltas: the server sends every request as DELTA
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
             logger.exception("engine step failed; failing the requests in flight")
-            self._fail_all("step", f"{type(error).__name__}: {error}")
+            self._fail_all(FailureKind.STEP, f"{type(error).__name__}: {error}")
             return
-        deltas = [self.encoder.encode(output) for output in outputs]
-        self.outputs.send(("step", deltas, self.engine.last_step, self._gauges()))
+        wire = [EngineOutput.of(output) for output in outputs]
+        self.outputs.send(StepOutputs(wire, self.engine.last_step, self._gauges()))
 
-    def _fail_all(self, kind: str, message: str) -> None:
+    def _fail_all(self, kind: FailureKind, message: str) -> None:
         request_ids = list(self.engine.output_processor.parents)
         for request_id in request_ids:
             self.engine.abort_request(request_id)
-            self.encoder.forget(request_id)
-        self.outputs.send(("failed", request_ids, kind, message))
+        self.outputs.send(RequestsFailed(request_ids, kind, message))
 
     def _gauges(self) -> EngineGauges:
         scheduler = self.engine.scheduler

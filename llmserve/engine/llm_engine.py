@@ -17,6 +17,7 @@ from llmserve.config import EngineArgs, EngineConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.metrics.stats import StepStats
@@ -71,6 +72,7 @@ class LLMEngine:
             for module in self.model_runner.head_drafter.modules():  # drafts need not be exact: bf16 reads
                 use_small_batch_linear(module, float32_kernel_weights=torch.bfloat16)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_kinds = OutputAccumulator()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
         self.last_step: StepStats | None = None
         self._prefix_cache_reported = (0, 0)  # the cache manager's (queries, hits) in StepStats so far
@@ -127,11 +129,23 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises ValueError (with the limits named) if it can never run."""
         params = params or SamplingParams()
-        if self.output_processor.has_request(request_id):
-            raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(prompt_ids)
+        self.add_tokenized_request(request_id, prompt_ids, params, arrival_time, priority, text)
+
+    def add_tokenized_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        prompt: str | None = None,
+    ) -> None:
+        """Queue a prompt already tokenized and validated (the server did both: engine_core.py)."""
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
         children = [
             self._make_request(
                 request_id if params.n == 1 else f"{request_id}#{index}",
@@ -144,7 +158,8 @@ class LLMEngine:
         ]
         for child in children[1:]:
             child.fork_source = children[0]  # parallel samples share the prompt's KV blocks
-        self.output_processor.add_request(request_id, text, children)
+        self.output_processor.add_request(request_id, prompt, children)
+        self.output_kinds.add_request(request_id, params.output_kind)
         for child in children:
             self.scheduler.add_request(child)
 
@@ -164,7 +179,10 @@ class LLMEngine:
         children = self.output_processor.children_of(request_id)
         for child in children:
             self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.abort(request_id) if children else None
+        if not children:
+            self.output_kinds.forget(request_id)
+            return None
+        return self.output_kinds.apply(self.output_processor.abort(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -193,7 +211,7 @@ class LLMEngine:
             updated = self.scheduler.update_from_output(scheduled, sampled)
             outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)
         self.last_step = self._step_stats(scheduled, num_sampled, num_accepted, time.monotonic() - start)
-        return outputs
+        return [output for output in map(self.output_kinds.apply, outputs) if output is not None]
 
     def _step_stats(
         self, scheduled: SchedulerOutput, num_sampled: int, num_accepted: int, seconds: float

@@ -1,7 +1,9 @@
 """Turns engine requests into user-facing outputs: detokenization, stop strings, n > 1 grouping.
 
 A user request with n > 1 becomes n engine requests (children) that share nothing but the prompt;
-this module folds their progress back into one RequestOutput with n completions.
+this module folds their progress back into one RequestOutput. Outputs are deltas
+(`RequestOutputKind.DELTA`): each holds, per completion that changed, only its new tokens, text and
+log-probs (output_kinds.py turns them into what each request asked for).
 """
 
 from __future__ import annotations
@@ -15,6 +17,15 @@ from llmserve.spec_decode.metrics import SpecDecodeStats
 
 
 @dataclass
+class _Sent:
+    """How much of one child's completion earlier outputs carried."""
+
+    num_tokens: int = 0
+    text_len: int = 0
+    finished: bool = False
+
+
+@dataclass
 class _ParentState:
     request_id: str
     prompt: str | None
@@ -22,6 +33,7 @@ class _ParentState:
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
     num_detokenized: list[int]  # output tokens of each child fed to its detokenizer so far
+    sent: list[_Sent]
 
 
 class OutputProcessor:
@@ -36,7 +48,13 @@ class OutputProcessor:
             for child in children
         ]
         self.parents[request_id] = _ParentState(
-            request_id, prompt, children[0].prompt_token_ids, children, detokenizers, [0] * len(children)
+            request_id,
+            prompt,
+            children[0].prompt_token_ids,
+            children,
+            detokenizers,
+            [0] * len(children),
+            [_Sent() for _ in children],
         )
         for index, child in enumerate(children):
             self.child_index[child.request_id] = (request_id, index)
@@ -112,8 +130,9 @@ class OutputProcessor:
 
     def _make_output(self, state: _ParentState) -> RequestOutput:
         completions = [
-            self._completion(index, child, detok)
-            for index, (child, detok) in enumerate(zip(state.children, state.detokenizers, strict=True))
+            completion
+            for index, child in enumerate(state.children)
+            if (completion := self._new_part(index, child, state)) is not None
         ]
         finished = all(child.is_finished for child in state.children)
         if finished:
@@ -139,15 +158,26 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def _completion(index: int, child: Request, detok: IncrementalDetokenizer) -> CompletionOutput:
+    def _new_part(index: int, child: Request, state: _ParentState) -> CompletionOutput | None:
+        """What child `index` gained since the last output, None if nothing: tokens and their log-probs,
+        text (a tail that may still become a stop string is held back), and its finish once."""
+        sent = state.sent[index]
         finished = child.is_finished
+        text = state.detokenizers[index].get_text(finished)[sent.text_len :]
+        token_ids = child.output_token_ids[sent.num_tokens :]
+        if not token_ids and not text and (not finished or sent.finished):
+            return None
+        logprobs = None if child.logprobs is None else child.logprobs[sent.num_tokens :]
+        sent.num_tokens += len(token_ids)
+        sent.text_len += len(text)
+        sent.finished = finished
         return CompletionOutput(
             index=index,
-            text=detok.get_text(finished),
-            token_ids=child.output_token_ids,
+            text=text,
+            token_ids=token_ids,
             finish_reason=child.status.finish_reason,
             stop_reason=child.stop_reason,
-            logprobs=None if child.logprobs is None else list(child.logprobs),
+            logprobs=logprobs,
             cumulative_logprob=None if child.logprobs is None else child.cumulative_logprob,
         )
 

@@ -82,14 +82,14 @@ def sampling_params_from(namespace: argparse.Namespace):
 
 def stream_text(engine, request_id: str, prompt, params) -> Iterator[str]:
     """Run one request to completion on a synchronous engine, yielding new text as it appears."""
-    engine.add_request(request_id, prompt, params)
-    shown = 0
+    from llmserve.sampling_params import RequestOutputKind
+
+    engine.add_request(request_id, prompt, params.with_output_kind(RequestOutputKind.DELTA))
     while engine.has_unfinished_requests():
         for output in engine.step():
-            text = output.outputs[0].text
-            if len(text) > shown:
-                yield text[shown:]
-                shown = len(text)
+            for completion in output.outputs:
+                if completion.text:
+                    yield completion.text
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

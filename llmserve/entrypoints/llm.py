@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from llmserve.config import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -41,7 +41,9 @@ class LLM:
         request_ids = []
         for prompt, param, prio in zip(prompts, params, priorities, strict=True):
             request_ids.append(str(next(self._ids)))
-            self.engine.add_request(request_ids[-1], prompt, param, priority=prio)
+            # only finished outputs are returned: one per request, built once
+            final = param.with_output_kind(RequestOutputKind.FINAL_ONLY)
+            self.engine.add_request(request_ids[-1], prompt, final, priority=prio)
         return self._run(request_ids, use_tqdm)
 
     def chat(

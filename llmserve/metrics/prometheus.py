@@ -228,17 +228,22 @@ class PrometheusMetrics:
             self.spec_decode_num_accepted_tokens.inc(stats.num_accepted_tokens)
 
     def _observe_output(self, output: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        progress = self._requests.get(output.request_id)
-        if progress is None and num_tokens > 0:
-            progress = self._requests[output.request_id] = _Progress(0, now)
-            self._observe_first_token(output, now)
-        if progress is not None and num_tokens > progress.num_tokens:
-            if progress.num_tokens > 0:
+        """`output` is a delta (RequestOutputKind.DELTA): its tokens and finish reasons are new."""
+        num_new = sum(len(c.token_ids) for c in output.outputs)
+        if num_new:
+            progress = self._requests.get(output.request_id)
+            if progress is None:
+                progress = self._requests[output.request_id] = _Progress(0, now)
+                self._observe_first_token(output, now)
+            else:
                 self.inter_token_latency.observe(now - progress.last_token_time)
-            self.generation_tokens.inc(num_tokens - progress.num_tokens)
-            self.total_generation_tokens += num_tokens - progress.num_tokens
-            progress.num_tokens, progress.last_token_time = num_tokens, now
+            self.generation_tokens.inc(num_new)
+            self.total_generation_tokens += num_new
+            progress.num_tokens += num_new
+            progress.last_token_time = now
+        for completion in output.outputs:
+            if completion.finish_reason is not None:
+                self.request_success.labels(finished_reason=_reason(completion)).inc()
         if output.finished:
             self._requests.pop(output.request_id, None)
             self._observe_finished(output)
@@ -252,8 +257,6 @@ class PrometheusMetrics:
             self.time_to_first_token.observe(first_token_time - metrics.arrival_time)
 
     def _observe_finished(self, output: RequestOutput) -> None:
-        for completion in output.outputs:
-            self.request_success.labels(finished_reason=_reason(completion)).inc()
         metrics = output.metrics
         if metrics is None or metrics.finished_time is None:
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -11,21 +12,42 @@ import time
 
 import pytest
 
-from llmserve import LLM, SamplingParams
+from llmserve import LLM, RequestOutputKind, SamplingParams
 from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM, EngineDeadError
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.output_wire import OutputDecoder, OutputEncoder
+from llmserve.engine.messages import AddRequest, EngineOutput, FailureKind, RequestsFailed, StepOutputs
+from llmserve.engine.output_kinds import OutputAccumulator
+from llmserve.metrics.stats import EngineGauges, StepStats
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmserve.spec_decode.metrics import SpecDecodeStats
 
-# -- the wire format ---------------------------------------------------------------------------------
+# -- the wire format and output kinds ---------------------------------------------------------------
 
 
-def _cumulative(step: int, finished: bool, text_rewrite: bool = False) -> RequestOutput:
-    """Step `step` of a two-sample request: sample 0 grows one token per step (with log-probs),
-    sample 1 two tokens; `text_rewrite` makes sample 1's text not extend its previous text."""
+def _delta(step: int, finished: bool) -> RequestOutput:
+    """Step `step` of a two-sample request as the engine sends it: sample 0 gains one token (with its
+    log-prob), sample 1 two tokens and no log-probs; each carries only its new part."""
     completions = [
+        CompletionOutput(
+            0,
+            "a",
+            [step - 1],
+            "length" if finished else None,
+            logprobs=[{step - 1: -0.5 * (step - 1)}],
+            cumulative_logprob=-0.25 * step,
+        ),
+        CompletionOutput(1, "bb", [7, 7], "stop" if finished else None, 7),
+    ]
+    metrics = RequestMetrics(1.0, 1.5, 2.0, 9.0 if finished else None, step // 2)
+    return RequestOutput(
+        "r", None, [3, 4, 5], completions, finished, metrics, num_cached_tokens=16,
+        spec_decode=SpecDecodeStats(step, 2 * step, step),
+    )  # fmt: skip
+
+
+def _expected_cumulative(step: int, finished: bool) -> list[CompletionOutput]:
+    return [
         CompletionOutput(
             0,
             "a" * step,
@@ -34,32 +56,39 @@ def _cumulative(step: int, finished: bool, text_rewrite: bool = False) -> Reques
             logprobs=[{t: -0.5 * t} for t in range(step)],
             cumulative_logprob=-0.25 * step,
         ),
-        CompletionOutput(
-            1, ("z" if text_rewrite else "b") * (2 * step), [7] * (2 * step), "stop" if finished else None, 7
-        ),
+        CompletionOutput(1, "b" * (2 * step), [7] * (2 * step), "stop" if finished else None, 7),
     ]
-    metrics = RequestMetrics(1.0, 1.5, 2.0 if step else None, 9.0 if finished else None, step // 2)
-    return RequestOutput(
-        "r", "hello", [3, 4, 5], completions, finished, metrics, num_cached_tokens=16,
-        spec_decode=SpecDecodeStats(step, 2 * step, step) if step else None,
-    )  # fmt: skip
 
 
-def test_deltas_rebuild_every_cumulative_output_and_send_only_what_is_new():
-    encoder, decoder = OutputEncoder(), OutputDecoder()
-    decoder.add_request("r", "hello", [3, 4, 5])
-    received = []
-    for step in range(1, 6):
-        sent = _cumulative(step, finished=step == 5, text_rewrite=step == 4)
-        delta = encoder.encode(sent)
-        if step > 1:  # only the step's new token ids cross, not the whole list
-            assert delta[5][0][1] == [step - 1] and delta[5][1][1] == [7, 7]
-            assert len(delta[5][0][6]) == 1  # one new log-prob entry
-        received.append(decoder.decode(delta))
-        assert received[-1] == sent
-    assert received[2].outputs[0].token_ids == [0, 1, 2]  # earlier outputs are snapshots, not views
-    assert not decoder.has_request("r") and "r" not in encoder._sent  # a finished request is forgotten
-    assert decoder.decode(encoder.encode(_cumulative(1, False))) is None  # unknown: dropped
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_each_output_kind_from_the_engines_deltas(kind):
+    accumulator = OutputAccumulator()
+    accumulator.add_request("r", kind)
+    received = [accumulator.apply(_delta(step, finished=step == 5)) for step in range(1, 6)]
+    if kind is RequestOutputKind.DELTA:  # passed through untouched
+        assert received == [_delta(step, finished=step == 5) for step in range(1, 6)]
+    elif kind is RequestOutputKind.FINAL_ONLY:
+        assert received[:4] == [None] * 4
+        assert received[4].outputs == _expected_cumulative(5, True) and received[4].finished
+    else:
+        for step, output in enumerate(received, start=1):
+            assert output.outputs == _expected_cumulative(step, step == 5)
+        assert received[1].outputs[0].token_ids == [0, 1]  # earlier outputs are snapshots, not views
+    assert received[4].metrics.finished_time == 9.0 and received[4].num_cached_tokens == 16
+    assert accumulator.apply(_delta(1, False)) == _delta(1, False)  # finished: forgotten, passed through
+
+
+def test_engine_messages_survive_the_pipe():
+    params = SamplingParams(max_tokens=3, output_kind=RequestOutputKind.DELTA)
+    wire = EngineOutput.of(_delta(2, False))
+    stats, gauges = StepStats(1, 0, 0.5, 1, 0, 1, 0, 0.01), EngineGauges(num_running=1)
+    for message in (
+        AddRequest("r", [1, 2, 3], params, 12.5, priority=-1),
+        StepOutputs([wire], stats, gauges),
+        RequestsFailed(["r"], FailureKind.STEP, "boom"),
+    ):
+        assert pickle.loads(pickle.dumps(message)) == message
+    assert wire.to_request_output(None, [3, 4, 5]) == _delta(2, False)
 
 
 # -- the engine process ------------------------------------------------------------------------------
@@ -77,6 +106,18 @@ async def _collect(llm: AsyncLLM, prompt: list[int], params: SamplingParams, req
     return last
 
 
+async def _joined_deltas(llm: AsyncLLM, prompt: list[int], params: SamplingParams, request_id: str):
+    """A DELTA stream's outputs concatenated: (token ids, text, log-prob entries, outputs received)."""
+    token_ids, text, logprobs, count = [], "", [], 0
+    async for output in llm.generate(prompt, params.with_output_kind(RequestOutputKind.DELTA), request_id):
+        count += 1
+        for completion in output.outputs:
+            token_ids += completion.token_ids
+            text += completion.text
+            logprobs += completion.logprobs or []
+    return token_ids, text, logprobs, count
+
+
 def test_async_llm_streams_the_offline_engines_outputs(engine_args):
     prompts = [[1, 5, 9, 14], [2, 30, 31, 32, 33, 34, 35], [7] * 40]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -88,7 +129,12 @@ def test_async_llm_streams_the_offline_engines_outputs(engine_args):
             jobs = [_collect(llm, p, params, f"r{i}") for i, p in enumerate(prompts)]
             return await asyncio.gather(*jobs)
 
+        async def run_all_as_deltas() -> list[tuple]:
+            jobs = [_joined_deltas(llm, p, params, f"d{i}") for i, p in enumerate(prompts)]
+            return await asyncio.gather(*jobs)
+
         served = asyncio.run(run_all())
+        streamed = asyncio.run(run_all_as_deltas())
         with pytest.raises(ValueError, match="prompt token ids"):  # checked here, before it is queued
             llm.encode_prompt([10**9])
     finally:
@@ -99,11 +145,15 @@ def test_async_llm_streams_the_offline_engines_outputs(engine_args):
         for got_entry, want_entry in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
             assert got_entry.keys() == want_entry.keys()
             assert list(got_entry.values()) == pytest.approx(list(want_entry.values()), abs=1e-4)
+    for (token_ids, text, logprobs, count), want in zip(streamed, offline, strict=True):
+        assert token_ids == want.outputs[0].token_ids and text == want.outputs[0].text
+        assert [entry.keys() for entry in logprobs] == [entry.keys() for entry in want.outputs[0].logprobs]
+        assert count > 1  # one output per step, not one at the end
     assert llm.gauges.num_running == 0 and not llm.is_running
 
 
 class _CrashingEngine(LLMEngine):
-    def add_request(self, *args, **kwargs):
+    def add_tokenized_request(self, *args, **kwargs):
         raise AssertionError("a bug outside the step")
 
 

@@ -154,9 +154,8 @@ def test_default_model_smoke(tmp_path):
         assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
         reply = client.chat.completions.create(
             model="SmolLM2-135M-Instruct",
-            # Not "What is the capital of France?": there HF float32 itself puts "The" only 0.08 nats
-            # above "L" (then "L'Étoile, ..."), a tie at bf16 logit resolution that any kernel change flips.
-            messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+            # float32 logits keep "The" 0.08 nats above "L" here (tests/e2e/test_logits_precision.py)
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=16,
             temperature=0.0,
         )

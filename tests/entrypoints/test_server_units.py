@@ -17,7 +17,7 @@ from llmserve.entrypoints.openai.serving import merge_streams, raw_token_bytes
 from llmserve.metrics.prometheus import PrometheusMetrics
 from llmserve.metrics.stats import EngineGauges, StepStats
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class _Tokenizer:
@@ -52,12 +52,16 @@ class FailingEngine:
         self, prompt, params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator:
         prompt_ids = self.encode_prompt(prompt)
+        kind = params.output_kind
         for count in range(1, params.max_tokens + 1):
             await asyncio.sleep(0)
             if self.fail_after is not None and count > self.fail_after:
                 raise RuntimeError("the engine step failed")
             done = count == params.max_tokens
-            completion = CompletionOutput(0, "x" * count, [120] * count, "length" if done else None)
+            if kind is RequestOutputKind.FINAL_ONLY and not done:
+                continue
+            new = 1 if kind is RequestOutputKind.DELTA else count
+            completion = CompletionOutput(0, "x" * new, [120] * new, "length" if done else None)
             yield RequestOutput(request_id, None, prompt_ids, [completion], finished=done)
 
 
@@ -117,13 +121,14 @@ def _samples(metrics: PrometheusMetrics) -> dict[str, float]:
 
 
 def test_metrics_listener_counts_exactly():
+    """The listener gets each step's deltas: the tokens an output carries are new."""
     metrics = PrometheusMetrics()
     steps = [
         (StepStats(1, 1, 0.1, 1, 7, 1, 0, 0.01), [_output("a", 7, [5])]),
-        (StepStats(2, 0, 0.2, 2, 3, 2, 1, 0.01), [_output("a", 7, [5, 6]), _output("b", 3, [9])]),
+        (StepStats(2, 0, 0.2, 2, 3, 2, 1, 0.01), [_output("a", 7, [6]), _output("b", 3, [9])]),
         (
             StepStats(1, 0, 0.1, 2, 0, 2, 0, 0.01),
-            [_output("a", 7, [5, 6, 7], "length"), _output("b", 3, [9, 4])],
+            [_output("a", 7, [7], "length"), _output("b", 3, [4])],
         ),
     ]
     for stats, outputs in steps:

@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo, _SamplingRequest
 from llmserve.outputs import CompletionOutput, RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger("llmserve.server")
@@ -203,7 +203,9 @@ async def merge_streams(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIter
 
 
 class EngineRequests:
-    """The engine requests behind one HTTP request (one per prompt), iterated, aborted and logged together."""
+    """The engine requests behind one HTTP request (one per prompt), iterated, aborted and logged together.
+
+    A stream gets each request's outputs as deltas, a plain response only its final output."""
 
     def __init__(
         self,
@@ -212,6 +214,7 @@ class EngineRequests:
         prompts: Sequence[list[int]],
         params: SamplingParams,
         priority: int = 0,
+        stream: bool = False,
     ) -> None:
         self.id = request_id
         self.request_ids = [
@@ -219,22 +222,30 @@ class EngineRequests:
         ]
         self.prompts = list(prompts)
         self.latest: list[RequestOutput | None] = [None] * len(prompts)
+        self.num_generated = [0] * len(prompts)  # tokens so far, over the prompt's n completions
+        self.finish_reasons: list[set[str]] = [set() for _ in prompts]
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        params = params.with_output_kind(kind)
         self._streams = [
             engine.generate(ids, params, rid, priority)
             for ids, rid in zip(prompts, self.request_ids, strict=True)
         ]
 
     async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """Yield (prompt index, cumulative output); engine failures raise; each request is logged."""
+        """Yield (prompt index, output); engine failures raise; each request is logged."""
         try:
             async for index, output in merge_streams(self._streams):
                 if output.error is not None:
                     raise RuntimeError(f"request {output.request_id} failed: {output.error}")
                 self.latest[index] = output
+                self.num_generated[index] += sum(len(c.token_ids) for c in output.outputs)
+                self.finish_reasons[index].update(c.finish_reason for c in output.outputs if c.finish_reason)
                 yield index, output
         finally:
-            for request_id, output in zip(self.request_ids, self.latest, strict=True):
-                log_finished(request_id, output)
+            for index, request_id in enumerate(self.request_ids):
+                log_finished(
+                    request_id, self.latest[index], self.num_generated[index], self.finish_reasons[index]
+                )
 
     async def final(self) -> list[RequestOutput]:
         """Run every request to its finished output, in prompt order."""
@@ -247,10 +258,9 @@ class EngineRequests:
         """Every prompt once (and its prefix-cache hit once), plus the tokens of all its completions so
         far (summed over n), and the speculative decoding counts of all of them."""
         outputs = [o for o in self.latest if o is not None]
-        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in outputs)
         speculative = sum((o.spec_decode for o in outputs if o.spec_decode), SpecDecodeStats())
-        return UsageInfo.of(sum(map(len, self.prompts)), generated, cached, speculative)
+        return UsageInfo.of(sum(map(len, self.prompts)), sum(self.num_generated), cached, speculative)
 
 
 @dataclass
@@ -265,26 +275,20 @@ class Delta:
 
 @dataclass
 class ChoiceProgress:
-    """How much of one choice a stream has sent, so each chunk carries only the new part."""
+    """Whether a choice has finished, so that a stream sends its finish once and ends open choices."""
 
-    text_len: int = 0
-    num_tokens: int = 0
     finished: bool = False
 
     def advance(self, completion: CompletionOutput, with_logprobs: bool) -> Delta | None:
-        """The unsent part, or None when there is nothing worth a chunk (tokens without text)."""
+        """A chunk's content from a completion's delta (or a whole final completion), or None when there
+        is nothing worth a chunk (tokens without text: held back or mid-character)."""
         if self.finished:
             return None
-        text = completion.text[self.text_len :]
-        token_ids = completion.token_ids[self.num_tokens :]
         finish = completion.finish_reason
-        if not text and finish is None and not (with_logprobs and token_ids):
+        if not completion.text and finish is None and not (with_logprobs and completion.token_ids):
             return None
-        logprobs = None if completion.logprobs is None else completion.logprobs[self.num_tokens :]
-        self.text_len += len(text)
-        self.num_tokens += len(token_ids)
         self.finished = finish is not None
-        return Delta(text, list(token_ids), logprobs, finish)
+        return Delta(completion.text, list(completion.token_ids), completion.logprobs, finish)
 
 
 async def until_disconnected(raw_request: Request, work: Awaitable[T]) -> T:
@@ -419,7 +423,7 @@ def top_entries(entry: dict[int, float], count: int) -> list[tuple[int, float]]:
 # -- logging ----------------------------------------------------------------------------------------
 
 
-def log_finished(request_id: str, output: RequestOutput | None) -> None:
+def log_finished(request_id: str, output: RequestOutput | None, num_tokens: int, reasons: set[str]) -> None:
     """One line per engine request: tokens, TTFT, end-to-end latency and why it ended."""
     if output is None:
         logger.info("request %s ended before its first token", request_id)
@@ -427,16 +431,15 @@ def log_finished(request_id: str, output: RequestOutput | None) -> None:
     metrics = output.metrics
     ttft = metrics.time_to_first_token if metrics else None
     e2e = (metrics.e2e_latency or time.monotonic() - metrics.arrival_time) if metrics else None
-    reasons = ",".join(sorted({c.finish_reason or "abort" for c in output.outputs})) or "abort"
     logger.info(
         "request %s %s: prompt %d tokens, output %d tokens, ttft %s, e2e %s, finish %s",
         request_id,
         "finished" if output.finished else "aborted",
         len(output.prompt_token_ids),
-        sum(len(c.token_ids) for c in output.outputs),
+        num_tokens,
         _seconds(ttft),
         _seconds(e2e),
-        reasons,
+        ",".join(sorted(reasons)) or "abort",
     )
 
 

@@ -60,7 +60,7 @@ class ChatHandler:
         params = ctx.sampling_params(request, [len(prompt_ids)], default_max=None)
         release = ctx.admit(1)
         requests = EngineRequests(
-            ctx.engine, ctx.new_request_id("chatcmpl"), [prompt_ids], params, request.priority
+            ctx.engine, ctx.new_request_id("chatcmpl"), [prompt_ids], params, request.priority, request.stream
         )
         if request.stream:
             return SSEResponse(self._stream(request, requests), on_close=release)

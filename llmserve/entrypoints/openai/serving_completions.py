@@ -60,7 +60,7 @@ class CompletionHandler:
         ]
         release = ctx.admit(len(prompts))
         requests = EngineRequests(
-            ctx.engine, ctx.new_request_id("cmpl"), prompt_ids, params, request.priority
+            ctx.engine, ctx.new_request_id("cmpl"), prompt_ids, params, request.priority, request.stream
         )
         if request.stream:
             return SSEResponse(self._stream(request, requests, echoes), on_close=release)

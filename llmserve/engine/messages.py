@@ -1,0 +1,121 @@
+"""The messages between the server process and the engine process, one typed struct per kind.
+
+They travel pickled over multiprocessing pipes (msgspec structs pickle as compactly as tuples). A
+request's outputs cross as deltas (`RequestOutputKind.DELTA`): each `EngineOutput` holds only what
+is new since the previous one, and the prompt never crosses back (the server tokenized it).
+
+  server -> engine, a list per send: AddRequest, AbortRequest, Shutdown.
+  engine -> server: EngineReady or EngineLoadFailed once; then StepOutputs after every step,
+      RequestAborted for every AbortRequest, RequestsFailed for requests the engine gave up on.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from llmserve.metrics.stats import EngineGauges, StepStats
+from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.metrics import SpecDecodeStats
+
+
+class _Message(msgspec.Struct, array_like=True, gc=False):
+    pass
+
+
+# -- server -> engine ------------------------------------------------------------------------------
+
+
+class AddRequest(_Message):
+    request_id: str
+    prompt_token_ids: list[int]  # tokenized and validated by the server
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+
+
+class AbortRequest(_Message):
+    request_id: str
+
+
+class Shutdown(_Message):
+    pass
+
+
+EngineCommand = AddRequest | AbortRequest | Shutdown
+
+
+# -- engine -> server ------------------------------------------------------------------------------
+
+
+class FailureKind(enum.Enum):
+    INVALID = "invalid"  # add_request refused the request
+    STEP = "step"  # a step raised: every request in flight is failed
+    DEAD = "dead"  # the engine is stopping
+
+
+class EngineReady(_Message):
+    config: Any  # EngineConfig
+    main_cpu: int | None  # the CPU the engine's main thread is pinned to, if any
+
+
+class EngineLoadFailed(_Message):
+    error: BaseException
+
+
+class EngineOutput(_Message):
+    """A RequestOutput without its prompt, in delta form."""
+
+    request_id: str
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics | None
+    spec_decode: SpecDecodeStats | None
+    completions: list[CompletionOutput]
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> EngineOutput:
+        return cls(
+            output.request_id,
+            output.finished,
+            output.num_cached_tokens,
+            output.metrics,
+            output.spec_decode,
+            output.outputs,
+        )
+
+    def to_request_output(self, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            outputs=self.completions,
+            finished=self.finished,
+            metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+            spec_decode=self.spec_decode,
+        )
+
+
+class StepOutputs(_Message):
+    outputs: list[EngineOutput]
+    stats: StepStats
+    gauges: EngineGauges
+
+
+class RequestAborted(_Message):
+    request_id: str
+    output: EngineOutput | None  # its final output, None if the engine no longer knew it
+    gauges: EngineGauges
+
+
+class RequestsFailed(_Message):
+    request_ids: list[str]
+    kind: FailureKind
+    message: str
+
+
+EngineMessage = EngineReady | EngineLoadFailed | StepOutputs | RequestAborted | RequestsFailed
