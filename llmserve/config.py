@@ -103,10 +103,9 @@ def _arg(default, help_text: str):
 
 def default_kv_cache_memory(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """The pool's default size: 1 GiB for 16-bit (or 8-bit) K/V entries, 2 GiB for float32 ones, so
-    that the default holds as many tokens whatever the dtype (about 46,000 for SmolLM2). With 1 GiB
-    in float32 the mixed-100 workload did not fit at once, and at rate inf its last prompts waited
-    for others to finish (TTFT p99 71-75 s against 42-46 s with 2 GiB, docs/benchmarks.md
-    "Session 17")."""
+    that the default holds as many tokens whatever the dtype (about 46,000 for SmolLM2): a smaller
+    float32 pool did not hold the mixed-100 workload at once, and its last prompts waited for others
+    to finish."""
     entry_bytes = get_kv_cache_format(kv_cache_dtype).storage_dtype(dtype).itemsize
     return 2 << 30 if entry_bytes >= 4 else 1 << 30
 
@@ -115,8 +114,8 @@ def default_block_size(device: torch.device) -> int:
     """Tokens per KV block where none is given: 32 on a CPU, 16 elsewhere (as vLLM, which takes 128 on
     a CPU). Once a server has run a while its free blocks come back in no useful order, so a sequence's
     blocks lie scattered over the pool; a CPU reads each block's rows from DRAM as one run, and longer
-    runs read faster: at 32 tokens mixed-100 through HTTP ran 2% faster in that state than at 16, and
-    offline 3% (docs/benchmarks.md "Session 21"). Prefix caching then shares prompts in steps of 32."""
+    runs read faster (32 beat 16 through HTTP and offline in that state). Prefix caching then shares
+    prompts in steps of 32."""
     return 32 if device.type == "cpu" else 16
 
 
@@ -323,7 +322,7 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto`: bfloat16 where the hardware computes it natively (CUDA, or a CPU with AVX-512 BF16 or
-    AMX, where bf16 matmuls run ~5x faster than float32), float32 otherwise."""
+    AMX, where bf16 matmuls run several times faster than float32), float32 otherwise."""
     if dtype == "auto":
         native = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
         return torch.bfloat16 if native else torch.float32

@@ -50,7 +50,7 @@ class HardwareBounds:
     copy_bandwidth: float  # bytes/s, read and write both counted
     matmul_flops: float  # FLOP/s of a square matmul in the model dtype
     # bytes/s of a streaming read (a sum): decode only reads its weights, and on some machines the copy
-    # above swings (45 vs 77 GB/s on one VM within the hour) while reads and decode do not
+    # above swings from run to run while reads and decode do not
     read_bandwidth: float | None = None
 
     @property

@@ -5,9 +5,9 @@ at Poisson arrival times (or all at once), optionally capped at C in flight. Lat
 client from the SSE chunks as they arrive, so the numbers include the server's HTTP and detokenizing
 path, which is what a user sees; the same file of requests can be replayed against llmserve, vLLM
 or llama.cpp. The client is aiohttp (as in vLLM's benchmark): on a 2-core machine every CPU second
-the load generator spends is taken from the server under test, and with aiohttp's C parser and line
-reader a mixed-100 run costs the client 0.5 s of CPU against 1.2-1.3 s with httpx (docs/benchmarks.md,
-session 8). The run reports that CPU time next to its throughput.
+the load generator spends is taken from the server under test, and aiohttp's C parser and line
+reader cost the client a fraction of httpx's CPU. The run reports that CPU time next to its
+throughput.
 
 Metrics per request: TTFT (send -> first chunk with a token), TPOT ((e2e - TTFT) / (tokens - 1)),
 inter-token latency (gaps between chunks) and e2e. Goodput counts only requests meeting both the TTFT

@@ -65,7 +65,7 @@ class AsyncLLM:
         """Start the engine process and wait until its model is loaded.
 
         `fork=True` starts it with every module already imported (a spawned one re-imports torch,
-        about 1.5 s), but is safe only from a process that has not yet run a parallel torch op:
+        which takes seconds), but is safe only from a process that has not yet run a parallel torch op:
         OpenMP's worker threads do not survive a fork and the child's first parallel region hangs.
         The server forks before anything runs; everything else gets the default, spawn. A forked
         child inherits every descriptor: it closes this side's pipe ends (else it would never see

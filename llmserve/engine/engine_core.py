@@ -2,7 +2,7 @@
 
 Why a process: in a thread of the server, the engine shared the GIL with the event loop (the SSE
 work, request parsing) and stepped torch from a non-main thread, and HTTP throughput trailed the
-offline engine by 3-18% (docs/benchmarks.md). Here the engine owns its process's main thread and
+offline engine. Here the engine owns its process's main thread and
 interpreter; the server keeps tokenization, validation and streaming. The messages both ways are
 the typed structs of messages.py; outputs cross as deltas.
 """

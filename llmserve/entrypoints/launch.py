@@ -2,26 +2,23 @@
 the CLI.
 
 glibc's malloc is slow for the engine's pattern (thousands of short-lived tensors per step, freed on
-another thread than the one that allocated some of them): with tcmalloc preloaded a batch-64 decode
-step took 68.5 ms instead of 89.7 ms on the project's machine (docs/benchmarks.md), and vLLM's CPU
-backend asks for the same preload. A preload must be in place before the process starts, so the
-script re-executes itself once with `LD_PRELOAD` set, before torch is imported (the cost is a
-Python start-up, about 50 ms). Set `LLMSERVE_TCMALLOC=0` to keep the system allocator; install it
-with `apt-get install libtcmalloc-minimal4` (Debian/Ubuntu).
+another thread than the one that allocated some of them): tcmalloc makes decode steps markedly
+faster, and vLLM's CPU backend asks for the same preload. A preload must be in place before the
+process starts, so the script re-executes itself once with `LD_PRELOAD` set, before torch is
+imported (the cost is one more Python start-up). Set `LLMSERVE_TCMALLOC=0` to keep the system
+allocator; install it with `apt-get install libtcmalloc-minimal4` (Debian/Ubuntu).
 
 `llmserve serve` also shortens how long an idle OpenMP worker spins before it sleeps (libgomp's
-GOMP_SPINCOUNT, read when torch loads it: 10,000 spins instead of 300,000, so well under a
-millisecond instead of several). The server's own threads share the workers' cores
-(worker/cpu_binding.py); a worker that spun through the engine's serial part of each step would keep
-them off that core just when they can run without stalling the engine. An explicit GOMP_SPINCOUNT
-wins; other commands keep libgomp's default.
+GOMP_SPINCOUNT, read when torch loads it: 10,000 spins instead of libgomp's 300,000). The server's
+own threads share the workers' cores (worker/cpu_binding.py); a worker that spun through the engine's
+serial part of each step would keep them off that core just when they can run without stalling the
+engine. An explicit GOMP_SPINCOUNT wins; other commands keep libgomp's default.
 
 Where it runs on glibc's malloc after all, the mmap threshold is fixed at 1 MiB: by default glibc
 raises it as large blocks are freed, so whether a step's large temporaries (oneDNN's buffers for
-varying row counts) are mapped afresh or kept on the heap depends on the process's history. On the
-AVX2 machine of docs/benchmarks.md "Session 11" that history made an engine that had speculated at
-small batches read 0.70-0.93x of an identical one at 16 requests; with the fixed threshold the same
-comparison read 1.00-1.04x, and in session 10 RSS stayed at 1.3 GB instead of growing to 3.1 GB.
+varying row counts) are mapped afresh or kept on the heap depends on the process's history: an
+engine that had speculated at small batches ran slower than an identical fresh one, and RSS grew;
+with the fixed threshold neither happens.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def _build_directory(root: str) -> str:
     return str(path)
 
 
-# A build takes about 4 minutes on 2 cores; a lock this old was left by a build that was killed.
+# A build takes minutes on a small machine; a lock this old was left by a build that was killed.
 _STALE_LOCK_SECONDS = 30 * 60
 
 

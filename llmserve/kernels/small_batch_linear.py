@@ -1,10 +1,9 @@
 """Linear layers that switch to a compiled matrix-vector kernel at small batch (bf16 or float32, CPU).
 
 At 1-8 rows a linear layer reads every weight once and does little else: it is bound by memory
-bandwidth. PyTorch's bf16 GEMM ran at about half this kernel's speed there (a one-thread
-microbenchmark over SmolLM2's shapes; the end-to-end effect, batch-1 decode 18.6 -> 14.5 ms/token,
-is in docs/benchmarks.md), and decode at low concurrency and speculative verification spend most
-of their time in it. `use_small_batch_linear` turns the model's plain `nn.Linear`s into
+bandwidth, which PyTorch's bf16 GEMM does not reach there, and decode at low concurrency and
+speculative verification spend most of their time in it (`llmserve.benchmarks.tools.linear_micro`
+measures the kernels' GB/s). `use_small_batch_linear` turns the model's plain `nn.Linear`s into
 `SmallBatchLinear`s (same parameters, shared weights stay shared) whose forward takes the kernel
 for few rows and `F.linear` otherwise; quantized layers keep their own kernels. Like quantization,
 this is a transform of the loaded model: the model file does not change. The kernel reads its own
@@ -13,24 +12,20 @@ so that it streams sequentially and needs no horizontal sums.
 
 Above 8 rows the layer runs oneDNN's GEMM on a copy of its weight packed once into oneDNN's blocked
 layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does): `F.linear`
-on a plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs; 10-15%
-faster at 64-2,048 rows and about 40% at 9-16 rows on SmolLM2's shapes (docs/benchmarks.md), for a
-second copy of the weights in memory.
+on a plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs, faster
+at every row count above 8, for a second copy of the weights in memory.
 
 float32 weights on the CPU (the default dtype where the CPU has no native bf16) become
 `PackedLinear`s: the compiled float32 kernel (linear_f32.cpp, AVX2 and FMA) on its own packed copy
 at every row count where AVX2 is the CPU's best (above 8 rows on AVX-512 CPUs, oneDNN on a
-oneDNN-blocked copy), oneDNN alone where the build has no kernel. `F.linear` in
-float32 goes to MKL's sgemm, which on a 2-core AVX2 EPYC took 2-4x oneDNN's time at 2-16 rows
-(SmolLM2's lm_head at 4 rows: 25 ms vs 6.5 ms; docs/benchmarks.md, "Session 10"); oneDNN took 27.5
-ms for a step's linears at one row and 37-79 ms at 4-8, the kernel about 16 and 18-23 ("Session
-12"), and above 8 rows, where the kernel runs the rows through each group of outputs in tiles of 4,
-oneDNN reached 80-130 GFLOP/s at 16-256 rows against the kernel's 130-180, and mixed-100 offline
-ran 369-394 -> 427-460 tokens/s ("Session 16"). Each row's result does not depend on the row
-count (the same FMA chain whatever the batch; checked bitwise), so verifying drafts, decoding one
-token and a prefill compute the same logits. A module whose weights' low bits matter less than
-their bytes (a draft head: its drafts are verified anyway) can keep the kernel's copy in bf16
-(`use_small_batch_linear(..., float32_kernel_weights=torch.bfloat16)`), read at half the bandwidth.
+oneDNN-blocked copy), oneDNN alone where the build has no kernel. `F.linear` in float32 goes to
+MKL's sgemm, which is slow at the few rows a verify pass has; on an AVX2 CPU the kernel beat oneDNN
+at every row count too (above 8 rows it runs the rows through each group of outputs in tiles of 4).
+Each row's result does not depend on the row count (the same FMA chain whatever the batch; checked
+bitwise), so verifying drafts, decoding one token and a prefill compute the same logits. A module
+whose weights' low bits matter less than their bytes (a draft head: its drafts are verified anyway)
+can keep the kernel's copy in bf16 (`use_small_batch_linear(..., float32_kernel_weights=torch.bfloat16)`),
+read at half the bandwidth.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ For a GGUF, transformers builds the tokenizer from the vocabulary and merges in 
 takes seconds; the result is saved in the model cache (keyed like the weights) and loaded from there
 on later starts. That saved `tokenizer.json` is the very `tokenizers` object transformers built, so
 a cached tokenizer encodes and decodes on it directly and transformers loads only when `.hf` is
-first needed (the chat template): importing it and building its tokenizer costs 1.5-2 s on the
-2-core machine, and the engine process, which only decodes, would pay that on the start-up's
-critical path (docs/benchmarks.md, "Session 16").
+first needed (the chat template): importing it and building its tokenizer takes seconds, and the
+engine process, which only decodes, would pay that on the start-up's critical path
+(docs/benchmarks.md, "Start-up").
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def _cached_gguf_tokenizer(path: str, eos_token_ids: tuple[int, ...]) -> Tokeniz
 
 def _load_cached_hf_tokenizer(path: str, cached: Path) -> PreTrainedTokenizerBase:
     """transformers' class for the cached entry, named directly: AutoTokenizer would import the
-    registry of every model transformers knows (0.6 s more here) to find the same class."""
+    registry of every model transformers knows to find the same class."""
     from transformers import PreTrainedTokenizerFast
 
     try:

@@ -1,18 +1,17 @@
 """A Llama model's decoder layers for a decode step in one compiled call.
 
-At batch 1 a SmolLM2 decode step spent about 3 ms of its 12 ms calling the compiled kernels from
-Python: 30 layers x ~12 module calls, argument checks and views; at 86 sequences the same calls
-cost about as much again. `DecodeStack` (kernels/csrc/decode_stack.cpp) runs the same kernels in
-the same order from C++, so its output is bit-identical to the module path (tested) and the model
-uses it whenever it applies: every sequence this step is a decode or a short span (speculative
-verification), and the model runs on the CPU with the in-place paged attention backend and a plain
-KV cache, either in bf16 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise
-int4 with their small-batch kernels, or in float32 with every linear layer on the float32 kernel
-(where the CPU has no native bf16). Above the small-batch kernel's 8 rows it takes oneDNN's GEMM on
-each layer's blocked copy, as the modules do, where every layer is a bf16 `SmallBatchLinear` with
-one (a decode step of 86 sequences: 54.7 -> 51.5 ms); with int8, int4 or float32 layers it serves up
-to 8 rows. Anything else (prefill chunks, other quantized formats, 8-bit KV caches, CUDA) takes the
-module path.
+At small batch a decode step spent a large share of its time calling the compiled kernels from
+Python: ~12 module calls per layer, argument checks and views, a cost that does not shrink with the
+batch. `DecodeStack` (kernels/csrc/decode_stack.cpp) runs the same kernels in the same order from
+C++, so its output is bit-identical to the module path (tested) and the model uses it whenever it
+applies: every sequence this step is a decode or a short span (speculative verification), and the
+model runs on the CPU with the in-place paged attention backend and a plain KV cache, either in bf16
+with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise int4 with their
+small-batch kernels, or in float32 with every linear layer on the float32 kernel (where the CPU has
+no native bf16). Above the small-batch kernel's 8 rows it takes oneDNN's GEMM on each layer's
+blocked copy, as the modules do, where every layer is a bf16 `SmallBatchLinear` with one; with int8,
+int4 or float32 layers it serves up to 8 rows. Anything else (prefill chunks, other quantized
+formats, 8-bit KV caches, CUDA) takes the module path.
 """
 
 from __future__ import annotations

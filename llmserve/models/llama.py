@@ -72,7 +72,7 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         # An explicit (meta) weight skips Embedding's random init, which on the meta device goes through
-        # torch._refs and imports torch._dynamo: 1 s of start-up for a tensor the checkpoint overwrites.
+        # torch._refs and imports torch._dynamo: start-up time for a tensor the checkpoint overwrites.
         self.embed_tokens = nn.Embedding(
             arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
         )

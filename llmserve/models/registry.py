@@ -35,5 +35,5 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Mod
 
 def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
     """`model.to_empty(device)` without its cost: `empty_like` of a meta tensor runs a Python
-    reference implementation that imports sympy (0.6 s of start-up on the 2-core machine)."""
+    reference implementation that imports sympy, on the start-up's critical path."""
     return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))

@@ -107,8 +107,7 @@ def one_thread() -> Iterator[None]:
     """Run calibration and GPTQ on one intra-op thread. Their ops are small (GPTQ's column loop is
     thousands of ops on vectors of `out` floats; layer forwards over 512-token windows of a small
     model), so extra threads mostly add synchronization, which is ruinous when another process holds
-    a core: on the 2-core machine with the other core busy, GPTQ-int8 of SmolLM2's first 3 layers took
-    3.9 s on one thread and 33 s on two (a 3072 x 576 column loop 0.18 s against 1.2-5.6 s)."""
+    a core: with the other core busy, two threads made GPTQ several times slower than one."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

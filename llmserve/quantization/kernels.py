@@ -1,10 +1,9 @@
 """Matmul kernels for quantized weights, chosen per (format, device, activation dtype).
 
 Chosen by measurement (docs/quantization.md has the table): on a CPU with bfloat16 activations
-PyTorch's packed ops beat a bf16 `F.linear` on every SmolLM2 decode shape (batch 1: int8 2.1-2.8x,
-int4 2.4-5.3x), while dequantizing on the fly is 3-12x slower than `F.linear`. With float32
-activations the packed ops have no fast path (10x slower than `F.linear`), so float32 and other
-devices dequantize on the fly: correct everywhere, a memory saving but not a speed-up.
+PyTorch's packed ops beat a bf16 `F.linear` on every SmolLM2 decode shape, while dequantizing on the
+fly is slower than `F.linear`. With float32 activations the packed ops have no fast path, so float32
+and other devices dequantize on the fly: correct everywhere, a memory saving but not a speed-up.
 
 Contract: a kernel maps x [..., in] to x @ W.T [..., out] in x's dtype, and `dequantize()` returns
 the W it multiplies by (what the tests compare a float run against).
@@ -95,8 +94,8 @@ class Int8PackedKernel(LinearKernel):
 class Int8GroupedPackedKernel(LinearKernel):
     """Group-wise int8 (GGUF Q8_0): one `_weight_int8pack_mm` per input group, summed in float32.
 
-    A loop over the few groups (in / 32), never over tokens; about as fast as a bf16 `F.linear`
-    (measured 5.2 vs 5.8 ms on SmolLM2's lm_head), at half its memory. Groups of 32 columns at 1-8
+    A loop over the few groups (in / 32), never over tokens; about as fast as a bf16 `F.linear` on
+    SmolLM2's lm_head, at half its memory. Groups of 32 columns at 1-8
     rows take the compiled int8 kernel with its per-group scales instead (same rounded scales)."""
 
     def __init__(self, weight: Int8Weight, dtype: torch.dtype) -> None:

@@ -61,8 +61,7 @@ def leaves_logits_unchanged(metadata: SamplingMetadata) -> bool:
 def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
     """[B] int64 argmax of each row (the first of equal maxima). On the CPU the compiled kernel
     (kernels/csrc/greedy.cpp) reads bf16 or float32 rows in place, several threads and vectors at a
-    time: 0.36 ms for 100 rows of a 49k vocabulary against 2.6 ms for a float32 copy and torch's
-    argmax, which reduces each row on one thread."""
+    time, where torch's argmax needs a float32 copy and reduces each row on one thread."""
     if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float32):
         ops = load_cpu_ops()
         if ops is not None:

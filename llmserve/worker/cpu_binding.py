@@ -4,9 +4,9 @@ The engine process's main thread runs every step's serial part (scheduling, inpu
 sampling, output processing, the pipe write of the step's outputs) while its OpenMP workers wait,
 and it is OpenMP thread 0 of every parallel region. Whatever preempts it stalls the whole engine. The
 server process's output reader is what did: the engine's pipe write wakes it with a "sync" wakeup,
-which the kernel places on the writer's own core, so the reader's unpickling and delivery (about
-0.5 ms a step) ran in the engine's place, and the engine's pipe writes took 0.28-0.44 s per mixed-100
-run instead of 0.045 s (docs/benchmarks.md, "Session 20").
+which the kernel places on the writer's own core, so the reader's unpickling and delivery ran in
+the engine's place, and the engine's pipe writes took several times longer than they do with the
+server's threads elsewhere.
 
 So, on a CPU engine with at least two CPUs, the engine process pins its OpenMP threads one per CPU
 (thread 0, the main thread, on the first; vLLM's CPU worker pins its threads the same way) and the

@@ -90,7 +90,7 @@ class ModelRunner:
         arch, cache = self.config.model.arch, self.config.cache
         layers = self.model.attention_layers()
         # On CPU, torch.empty of a large pool is fresh zero pages from the OS without touching them
-        # all now (torch.zeros of 1 GiB costs 1.5 s at start-up; prefault.py maps them in the
+        # all now (torch.zeros of a pool would cost start-up time; prefault.py maps them in the
         # background instead); no backend reads a slot before it is written except masked padding.
         # Devices get explicit zeros.
         allocate = torch.empty if self.device.type == "cpu" else torch.zeros
@@ -111,8 +111,8 @@ class ModelRunner:
 
     def wait_for_kv_prefault(self) -> None:
         """Block until the KV pool's pages are mapped. Benchmarks call it before timing anything: the
-        background prefault (a second of one core for a 1 GiB pool) would otherwise share the cores
-        with the first measurements (`bench latency`'s first prompt length read 2x slow prefills)."""
+        background prefault (one core, for a while) would otherwise share the cores with the first
+        measurements."""
         if self.kv_prefault is not None:
             self.kv_prefault.join()
 

@@ -2,18 +2,16 @@
 
 On the CPU the pool is `torch.empty`: the OS maps each 4 KiB page on its first write. Left to the
 forward pass, that first write lands in the attention kernel's K/V stores, one fault at a time
-inside a parallel region where the other thread waits: on mixed-100 (0.9 GiB of KV written) the
-first pass of a fresh engine took 23.1 s against 21.1 s for the same pass again, and faulting the
-pool beforehand removed the difference (docs/benchmarks.md, session 8). Writing zeros up front
+inside a parallel region where the other thread waits, so a fresh engine's first pass was slower
+than the same pass again until the pool was faulted in beforehand. Writing zeros up front
 would cost start-up time; `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) maps the pages writable
 without changing a byte, so it can run on a background thread while the engine already serves:
 a page the engine writes first is simply one fault fewer for the thread.
 
 Before that the pool is advised into transparent huge pages (`MADV_HUGEPAGE`; most distributions
 enable THP only where advised): a decode step reads blocks scattered over the whole pool, and with
-4 KiB pages nearly every 6 KiB block (SmolLM2, block 16, bf16) costs a TLB miss of its own. Offline
-mixed-100 on the Zen 5 machine, alternated: 2,065-2,237 tok/s with 4 KiB pages, 2,203-2,267 with 2 MiB
-pages (+3% on the means; docs/benchmarks.md, "Session 18").
+4 KiB pages nearly every block of one layer's K or V costs a TLB miss of its own (offline
+throughput was higher with 2 MiB pages in alternated runs).
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 _PAGE = 4096
 _HUGE_PAGE = 2 << 20
 # One madvise call per 2 MiB. The call holds the process's memory-map lock while it faults its range
-# in, and the engine's own mmap/munmap calls (large temporaries) wait for it: with 64 MiB calls and a
-# 4 GiB pool, each of the first requests after /health took 0.8-3.7 s instead of 0.4 s; with 2 MiB
-# calls 0.5-1.1 s, and the whole pool takes as long as before (docs/benchmarks.md, "Session 16").
+# in, and the engine's own mmap/munmap calls (large temporaries) wait for it: small calls keep the
+# first requests after /health from waiting behind a long one, and the whole pool takes as long.
 _CHUNK = 2 << 20
 
 

@@ -137,7 +137,8 @@ def test_tokenizer_matches_transformers(default_path, hf_gguf_tokenizer, start, 
 
 def test_cached_tokenizer_decodes_without_importing_transformers(default_path):
     """The engine process's start-up: encoding and decoding a cached GGUF tokenizer leave
-    transformers unimported (it costs 1-2 s there; module docstring of model_loader/tokenizer.py)."""
+    transformers unimported (its import is on the start-up's critical path there; module docstring of
+    model_loader/tokenizer.py)."""
     load_tokenizer(default_path)  # make sure the conversion is cached
     script = (
         "import sys\n"

@@ -1,9 +1,9 @@
 """`llmserve serve` from launch to shutdown, in the order that makes start-up short.
 
 The port is bound first (a busy port fails at once), then the engine process is forked with torch
-already imported; FastAPI, uvicorn and the app's modules (0.4-0.5 s of imports on the 2-core
-machine) load in this process while the engine process loads the model, so they are off the
-start-up's critical path (docs/benchmarks.md, "Session 16").
+already imported; FastAPI, uvicorn and the app's modules load in this process while the engine
+process loads the model, so their imports are off the start-up's critical path (docs/benchmarks.md,
+"Start-up").
 """
 
 from __future__ import annotations

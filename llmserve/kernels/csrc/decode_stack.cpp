@@ -1,7 +1,7 @@
 // The decoder layers of a decode step, one call from Python instead of ~12 per layer.
 //
-// At batch 1 the kernels of a SmolLM2 step take about 8 ms, and calling them from Python (module
-// calls, argument checks, views, pybind conversions: ~100 us per layer) added about 3 ms more. This
+// At small batch the kernels of a step are fast enough that calling them from Python (module calls,
+// argument checks, views, pybind conversions, per layer) is a large share of the step. This
 // runs the same kernels in the same order on the same tensors as LlamaDecoderLayer.forward does on
 // the CPU (small_batch_linear or oneDNN's GEMM on the packed copy, rms_norm, rotary_embedding,
 // write_kv_rows, paged_attention, add_rms_norm, silu_and_mul, the residual add), so its output is

@@ -1,8 +1,8 @@
 // A draft head's greedy drafts (spec_decode/proposers/draft_head.py), every step in one call.
 //
 // A head step is a dozen small ops on one to eight rows (embedding, two norms, two linears, SiLU, the
-// subset logits, the argmax and the chained confidence); from Python they cost about 1 ms of dispatch
-// per three drafts, as much as their kernels. This runs the same kernels in the same order as
+// subset logits, the argmax and the chained confidence); from Python their dispatch costs as much as
+// their kernels. This runs the same kernels in the same order as
 // DraftHead.forward and DraftHeadProposer.propose's greedy loop (rms_norm, small_batch_linear[_f32]
 // plus the bias, silu, the residual add, greedy_sample, softmax and amax in float32), so its drafts
 // and confidences are bit-identical to that loop (tested); only the dispatch goes.

@@ -222,8 +222,8 @@ void swiglu_row(const scalar_t* gate, const scalar_t* up, scalar_t* dst, int64_t
 
 #if defined(__AVX2__) && defined(__FMA__)
 // The same, 8 lanes at a time with exp256. The compiler left the loop above scalar (a call per element
-// for the rounding in vexp): at 4 rows it took 31-47 us of each layer, serial, while the other thread
-// waited. A row's tail goes through a zero-padded vector, so every element sees the same arithmetic.
+// for the rounding in vexp), slow enough at small batch to keep the other thread waiting. A row's tail
+// goes through a zero-padded vector, so every element sees the same arithmetic.
 inline __m256 swiglu8(__m256 gate, __m256 up, bool bf16) {
   const __m256 exp_minus = exp256(_mm256_xor_ps(gate, _mm256_set1_ps(-0.0f)));
   __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_minus));
@@ -254,8 +254,7 @@ void swiglu_row_avx2(const scalar_t* gate, const scalar_t* up, scalar_t* dst, in
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // The same arithmetic 16 lanes at a time (exp512 is exp256's polynomial; its scalef by 2^n is exact, as
-// exp256's exponent bits are), for bf16 rows on CPUs with AVX-512 BF16: half the instructions per element
-// (mixed-100 spent 0.76 s of 18.5 in the 8-lane form on the Zen 5 machine).
+// exp256's exponent bits are), for bf16 rows on CPUs with AVX-512 BF16: half the instructions per element.
 inline __m512 load16(const c10::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));

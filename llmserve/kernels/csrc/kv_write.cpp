@@ -1,13 +1,12 @@
 // Writing this step's K (or V) rows into their slots of the paged pool.
 //
-// `index_copy_` does this through a generic indexed-copy loop: about 100 us per call for 64 decode
-// rows of SmolLM2 (24 KB), twice per layer. A row per token is one contiguous run of
-// kv_heads * head_dim elements in the pool, so the write is one memcpy per token.
+// `index_copy_` does this through a generic indexed-copy loop, slow for a few KB twice per layer. A
+// row per token is one contiguous run of kv_heads * head_dim elements in the pool, so the write is one
+// memcpy per token.
 //
-// Decode rows land in 64 different blocks scattered over the pool, so each memcpy waited for its
-// destination lines to come from memory, one row after another (about 96 us per call at batch 64,
-// 6 ms of a 60 ms step). Prefetching every destination line for writing first lets those misses
-// overlap; the copies then hit the cache.
+// Decode rows land in different blocks scattered over the pool, so each memcpy would wait for its
+// destination lines to come from memory, one row after another. Prefetching every destination line
+// for writing first lets those misses overlap; the copies then hit the cache.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -10,9 +10,8 @@
 // k+1, exactly the operand vdpbf16ps pairs with the input's (x[k], x[k+1]) broadcast to every lane, so
 // each lane accumulates one output row and no horizontal sums are needed; the packed matrix is read as
 // one sequential stream per thread (prefetched ahead), and each input pair is used 32 x M times per
-// load. Against the row-major kernel this replaced (one vector per row, a horizontal sum per output),
-// a decode step's linears got 1.3x faster at one row and 1.6-1.9x at 4-8 rows, where the horizontal sums
-// had made the old kernel compute-bound (docs/benchmarks.md, session 6). A row's result does not depend
+// load. A row-major layout (one vector per row, a horizontal sum per output) is compute-bound at 4-8
+// rows because of those sums. A row's result does not depend
 // on M (same products, same order), so verifying drafts gives the bits that decoding gives.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -2,10 +2,9 @@
 // FMA. float32 is what the engine serves in where the CPU has no native bf16 (AVX2-only machines), and
 // there decode and speculative verification spend most of a step here.
 //
-// Like the bf16 kernel (linear.cpp) this streams the weights once and uses each M times. For a SmolLM2
-// step's linears on a 2-core AVX2 EPYC (weights from DRAM), oneDNN's float32 matmul, the fallback, took
-// 27.5 ms at one row, 36.6 at four and 79 at eight; this kernel about 16, 18 and 23 (docs/benchmarks.md,
-// sessions 11 and 12), so a verify pass of k + 1 rows costs little more than a decode step.
+// Like the bf16 kernel (linear.cpp) this streams the weights once and uses each M times, so a verify
+// pass of k + 1 rows costs little more than a decode step, where oneDNN's float32 matmul (the fallback)
+// grows with the row count.
 //
 // Weights are packed once (small_batch_pack_f32) into blocks of 8 output rows stored column by column:
 // [N/8][K][8]. One 32-byte load holds 8 rows' weights for column k, which an FMA with x[m][k] broadcast

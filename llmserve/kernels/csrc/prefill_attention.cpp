@@ -1,5 +1,5 @@
 // Causal attention of one long prompt span over its paged context (bfloat16, AVX-512 BF16): the
-// compute-bound half of a prefill, which PyTorch's CPU flash attention runs at about 30-60 GFLOP/s here.
+// compute-bound half of a prefill, which PyTorch's CPU flash attention runs far below the matmul rate.
 //
 // The span's queries are the last `num_queries` of `context` positions; position j's K/V row is at
 // slot context_slots[j] of the pool, read in place. Blocked in the flash-attention way: keys in tiles of

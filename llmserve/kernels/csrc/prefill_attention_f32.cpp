@@ -1,7 +1,6 @@
 // Causal attention of one long prompt span over its paged context in float32 (AVX2 and FMA): the
 // counterpart of prefill_attention.cpp's bf16 kernel for CPUs without native bf16, where PyTorch's CPU
-// flash attention (after a gather of the context) ran the mixed workload's prompt spans at about
-// 40 GFLOP/s.
+// flash attention (after a gather of the context) runs prompt spans far below the matmul rate.
 //
 // The span's queries are the last `num_queries` of `context` positions; position j's K/V row is at slot
 // context_slots[j] of the pool. Each KV head's context is first copied once per call into tiles of 16
