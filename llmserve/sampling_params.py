@@ -39,6 +39,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     num_speculative_tokens: int | None = None  # drafts per step if the engine speculates; None: its K; 0: off
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each output holds
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +48,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
         self._validate()
 
     def _validate(self) -> None:
@@ -68,6 +70,11 @@ class SamplingParams:
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
+            (
+                "logit_bias",
+                all(t >= 0 and -100.0 <= b <= 100.0 for t, b in (self.logit_bias or {}).items()),
+                "must map token ids >= 0 to biases in [-100, 100]",
+            ),
             (
                 "num_speculative_tokens",
                 self.num_speculative_tokens is None or self.num_speculative_tokens >= 0,

@@ -132,6 +132,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(prompt_ids)
+        check_params(params, self.config)
         self.add_tokenized_request(request_id, prompt_ids, params, arrival_time, priority, text)
 
     def add_tokenized_request(
@@ -243,6 +244,14 @@ class LLMEngine:
         totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
         (queries, hits), self._prefix_cache_reported = self._prefix_cache_reported, totals
         return totals[0] - queries, totals[1] - hits
+
+
+def check_params(params: SamplingParams, config: EngineConfig) -> None:
+    """Raise ValueError for parameters this model cannot honour (token ids past its vocabulary)."""
+    vocab_size = config.model.arch.vocab_size
+    past = [token for token in params.logit_bias or {} if token >= vocab_size]
+    if past:
+        raise ValueError(f"logit_bias has token id {past[0]}, but the vocabulary has {vocab_size} tokens")
 
 
 def check_prompt(prompt_ids: list[int], config: EngineConfig) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from llmserve.sample.logits_processors import LogitsProcessing
 from llmserve.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class SamplingMetadata:
     has_unseeded_random: bool  # some random row draws from the shared (global) generator
     max_num_logprobs: int | None  # None when no row asked for logprobs
     vocab_size: int
+    logits_processing: LogitsProcessing | None = None  # the logits processors rows need (None: none)
 
     @classmethod
     def build(
@@ -79,6 +81,7 @@ class SamplingMetadata:
             has_unseeded_random=len(seeded_rows) < len(random_params),
             max_num_logprobs=max(logprobs, default=None),
             vocab_size=vocab_size,
+            logits_processing=LogitsProcessing.build(params, output_token_ids),
         )
 
 

@@ -36,6 +36,7 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)  # compute in float32; never touch the caller's
         apply_min_tokens(logits, metadata)
         logits = apply_penalties(logits, metadata)
+        apply_logits_processors(logits, metadata)
         if metadata.all_greedy:
             return _output(logits, greedy_token_ids(logits), metadata)
         greedy_ids = greedy_token_ids(logits) if metadata.greedy_mask is not None else None
@@ -49,9 +50,11 @@ class Sampler:
 
 
 def leaves_logits_unchanged(metadata: SamplingMetadata) -> bool:
-    """No min_tokens masking, no penalties and no logprobs: a greedy row's token is its raw argmax."""
+    """No min_tokens masking, no penalties, no logits processors and no logprobs: a greedy row's token
+    is its raw argmax."""
     return (
-        metadata.max_num_logprobs is None
+        metadata.logits_processing is None
+        and metadata.max_num_logprobs is None
         and metadata.min_tokens_rows is None
         and metadata.repetition_penalties is None
         and metadata.output_token_counts is None
@@ -73,6 +76,12 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     """In place: rows short of min_tokens cannot pick their EOS or stop token ids."""
     if metadata.min_tokens_rows is not None:
         logits[metadata.min_tokens_rows, metadata.min_tokens_token_ids] = _NEG_INF
+
+
+def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """In place: the logits processors rows need (sample/logits_processors.py)."""
+    if metadata.logits_processing is not None:
+        metadata.logits_processing.apply(logits)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

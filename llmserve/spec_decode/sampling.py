@@ -15,6 +15,7 @@ import torch
 from llmserve.request import Request
 from llmserve.sample.metadata import SamplingMetadata
 from llmserve.sample.sampler import (
+    apply_logits_processors,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
@@ -55,10 +56,12 @@ def expand_rows(
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """(greedy token per row, processed float32 logits), in the Sampler's order: min_tokens, penalties,
-    argmax for greedy rows, then temperature, top-k/top-p and min-p (neutral on greedy rows)."""
+    logits processors, argmax for greedy rows, then temperature, top-k/top-p and min-p (neutral on
+    greedy rows)."""
     logits = logits.to(torch.float32, copy=True)
     apply_min_tokens(logits, metadata)
     logits = apply_penalties(logits, metadata)
+    apply_logits_processors(logits, metadata)
     greedy_ids = greedy_token_ids(logits)
     if metadata.all_greedy:
         return greedy_ids, logits

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from llmserve.request import Request
+from llmserve.sample.logits_processors import needs_processing
 from llmserve.sample.sampler import greedy_token_ids
 from llmserve.spec_decode.rejection_sampler import RejectionSampler, RejectionSamplerOutput
 from llmserve.spec_decode.sampling import build_row_metadata, expand_rows
@@ -21,12 +22,14 @@ TokenLogprobs = dict[int, float]
 
 
 def _plain_greedy(request: Request) -> bool:
-    """Greedy, no penalties, past min_tokens, no logprobs: its next token is the plain argmax (the
-    per-request form of `sampler.leaves_logits_unchanged`, decided before any metadata is built)."""
+    """Greedy, no penalties, past min_tokens, no logits processor, no logprobs: its next token is the
+    plain argmax (the per-request form of `sampler.leaves_logits_unchanged`, decided before any
+    metadata is built)."""
     params = request.sampling_params
     return (
         params.is_greedy
         and not params.has_penalties
+        and not needs_processing(params)
         and params.logprobs is None
         and len(request.output_token_ids) >= params.min_tokens
     )

@@ -253,3 +253,19 @@ def test_32_concurrent_streams_match_one_by_one(client, server):
             return await asyncio.gather(*(one(p) for p in prompts))
 
     assert asyncio.run(run_all()) == alone
+
+
+def test_logit_bias_bans_and_forces_tokens(client, tokenizer):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.0, logprobs=1, extra_body=NO_EOS)
+    plain = client.completions.create(**kwargs)
+    first = tokenizer.encode(plain.choices[0].logprobs.tokens[0])[0]
+    banned = client.completions.create(logit_bias={str(first): -100}, **kwargs)
+    assert tokenizer.encode(banned.choices[0].logprobs.tokens[0])[0] != first
+    forced = tokenizer.encode(" fox")[0]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0.0, logit_bias={str(forced): 100}
+    )
+    assert chat.choices[0].message.content == " fox" * 3
+    with pytest.raises(openai.BadRequestError) as error:  # past the vocabulary
+        client.completions.create(logit_bias={"10000000": 1}, **kwargs)
+    assert error.value.body["param"] == "logit_bias"

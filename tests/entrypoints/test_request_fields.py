@@ -45,7 +45,6 @@ SAMPLES = {
     "parallel_tool_calls": False,
     "best_of": 3,
     "suffix": " and that was it.",
-    "logit_bias": {"1": 5},
     "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "get_weather"}}],
     "tool_choice": "auto",

@@ -131,7 +131,17 @@ class _SamplingRequest(_Request):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: Annotated[Any, Unsupported({})] = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys must be token ids, got {token[:20]!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {value} for token {token}")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -188,6 +198,7 @@ class _SamplingRequest(_Request):
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
             num_speculative_tokens=self.num_speculative_tokens,
+            logit_bias=self.logit_bias,  # keys become ints in SamplingParams
         )
 
 

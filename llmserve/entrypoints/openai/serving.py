@@ -23,6 +23,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.llm_engine import check_params
 from llmserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo, _SamplingRequest
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
@@ -154,9 +155,11 @@ class ServerContext:
                 param=request.max_tokens_param,
             )
         try:
-            return request.to_sampling_params(max_tokens)
+            params = request.to_sampling_params(max_tokens)
+            check_params(params, self.engine.config)
         except ValueError as error:  # SamplingParams messages start with the field's name
             raise ApiError(str(error), param=str(error).split(" ", 1)[0]) from error
+        return params
 
 
 # -- engine streams ---------------------------------------------------------------------------------

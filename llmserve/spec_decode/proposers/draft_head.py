@@ -38,7 +38,9 @@ from llmserve.kernels.small_batch_linear import MAX_ROWS
 from llmserve.models.layers.lm_head import LMHead
 from llmserve.models.layers.norm import RMSNorm
 from llmserve.request import Request
+from llmserve.sample.logits_processors import needs_processing
 from llmserve.sample.sampler import greedy_token_ids
+from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.proposers.ngram import NgramProposer
 from llmserve.spec_decode.sampling import (
     build_row_metadata,
@@ -215,7 +217,8 @@ class DraftHeadProposer:
         counts = [counts[i] for i in rows]
         feature = features[rows] if len(rows) < len(features) else features
         tokens = torch.tensor([ids[-1] for ids in new_token_ids], dtype=torch.int64, device=feature.device)
-        sampling = not all(r.sampling_params.is_greedy for r in requests)
+        # the full processing (q over the vocabulary) where a row samples or has a logits processor
+        sampling = any(not _plain_greedy(r.sampling_params) for r in requests)
         chain = None if sampling or len(requests) > MAX_ROWS else self.compiled_chain
         if chain is not None:
             drafts, confident = chain.greedy(feature, tokens, max(counts), self.min_confidence)
@@ -324,6 +327,10 @@ class DraftHeadProposer:
             [1] * len(requests), metadata.generators, is_random, full.device, probs.shape[-1]
         )
         return torch.where(greedy, greedy_ids, exponential_race(probs, noise)), probs
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    return params.is_greedy and not needs_processing(params)
 
 
 def _so_far(drafts: list[torch.Tensor], num_rows: int) -> list[list[int]]:

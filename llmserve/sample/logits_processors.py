@@ -1,0 +1,84 @@
+"""The one hook that changes logits before sampling: logits processors.
+
+A processor is engine-wide (as vLLM v1's): each step it gets the batch's float32 logits and, for the
+rows it applies to, their requests' parameters and the tokens each row follows (a speculative verify
+row j follows the output plus the first j drafts), and changes those rows in place. Every path that
+picks a token from logits calls `LogitsProcessing.apply` at the same point of the Sampler's order
+(after min_tokens and penalties, before the greedy argmax): the sampler, its greedy fast path (which
+steps aside when a row has a processor), the speculative verifier and the draft head. A new kind of
+constraint (a grammar's token mask) is one more class in `PROCESSORS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from llmserve.sampling_params import SamplingParams
+
+
+class LogitsProcessor(Protocol):
+    def applies_to(self, params: SamplingParams) -> bool:
+        """Whether rows of a request with these parameters need this processor."""
+        ...
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[int],
+        params: Sequence[SamplingParams],
+        output_token_ids: Sequence[Sequence[int]],
+    ) -> None:
+        """Change logits[rows[i]] in place for the request with params[i] after output_token_ids[i]."""
+        ...
+
+
+class LogitBias:
+    """OpenAI's `logit_bias`: a per-request bias added to chosen tokens' logits (-100 bans, 100 forces)."""
+
+    def applies_to(self, params: SamplingParams) -> bool:
+        return bool(params.logit_bias)
+
+    def apply(self, logits, rows, params, output_token_ids) -> None:
+        row_ids = [row for row, p in zip(rows, params, strict=True) for _ in p.logit_bias]
+        token_ids = [token for p in params for token in p.logit_bias]
+        biases = [bias for p in params for bias in p.logit_bias.values()]
+        device = logits.device
+        index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+
+
+PROCESSORS: tuple[LogitsProcessor, ...] = (LogitBias(),)
+
+
+def needs_processing(params: SamplingParams) -> bool:
+    return any(processor.applies_to(params) for processor in PROCESSORS)
+
+
+@dataclass
+class LogitsProcessing:
+    """The processors a batch needs and the rows each applies to (None from `build`: no row needs any)."""
+
+    work: list[tuple[LogitsProcessor, list[int]]]
+    params: list[SamplingParams]
+    output_token_ids: list[list[int]]
+
+    @classmethod
+    def build(
+        cls, params: Sequence[SamplingParams], output_token_ids: Sequence[list[int]]
+    ) -> LogitsProcessing | None:
+        work = []
+        for processor in PROCESSORS:
+            rows = [row for row, p in enumerate(params) if processor.applies_to(p)]
+            if rows:
+                work.append((processor, rows))
+        return cls(work, list(params), list(output_token_ids)) if work else None
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place, on float32 logits whose rows are the batch's rows."""
+        for processor, rows in self.work:
+            params = [self.params[row] for row in rows]
+            processor.apply(logits, rows, params, [self.output_token_ids[row] for row in rows])
