@@ -9,12 +9,11 @@ into one matmul each and filled shard by shard at load time.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmserve.attention.layer import Attention
 from llmserve.config import ModelArchConfig
-from llmserve.kernels.cpu_ops import cpu_ops_for
+from llmserve.models.layers.activation import SiluAndMul
 from llmserve.models.layers.lm_head import LMHead
 from llmserve.models.layers.norm import RMSNorm
 from llmserve.models.layers.rotary import RotaryEmbedding
@@ -43,14 +42,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(hidden)
-        ops = cpu_ops_for(gate_up) if gate_up.dim() == 2 else None
-        if ops is not None:
-            return self.down_proj(ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from llmserve.config import ModelConfig
+from llmserve.models.layers.custom_op import bind_kernels
 from llmserve.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -30,6 +31,7 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> nn.Mod
         model = model_cls(config.arch, config.max_model_len, config.device)
     model = _materialize(model.to(config.dtype), config.device)  # allocated once, in the serving dtype
     model.load_weights(weights)
+    bind_kernels(model, config.device)
     return model.eval().requires_grad_(False)
 
 

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
+from llmserve.models.layers.custom_op import bind_kernels
 from llmserve.models.layers.norm import RMSNorm
 from llmserve.models.layers.rotary import RotaryEmbedding
 
@@ -36,6 +37,7 @@ def rows_with_stride(tokens: int, width: int, dtype: torch.dtype, seed: int) -> 
 @pytest.mark.parametrize(("tokens", "hidden"), [(1, 576), (7, 100), (300, 64)])
 def test_rms_norm_matches_reference(dtype, tokens, hidden):
     norm = RMSNorm(hidden, 1e-5).to(dtype)
+    bind_kernels(norm, torch.device("cpu"))
     norm.weight.data.normal_(generator=torch.Generator().manual_seed(1))
     x = rows_with_stride(tokens, hidden, dtype, seed=tokens)
     assert_within_rounding(ops.rms_norm(x, norm.weight, 1e-5), norm.reference(x))
@@ -46,6 +48,7 @@ def test_rms_norm_matches_reference(dtype, tokens, hidden):
 @pytest.mark.parametrize("tokens", [1, 5, 200])
 def test_add_rms_norm_adds_in_place_and_normalizes_the_sum(dtype, tokens):
     norm = RMSNorm(576, 1e-6).to(dtype)
+    bind_kernels(norm, torch.device("cpu"))
     norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
     sublayer_out = rows_with_stride(tokens, 576, dtype, seed=3).contiguous()
     residual = rows_with_stride(tokens, 576, dtype, seed=4)
@@ -61,6 +64,7 @@ def test_add_rms_norm_adds_in_place_and_normalizes_the_sum(dtype, tokens):
 @pytest.mark.parametrize(("head_dim", "heads", "kv_heads"), [(64, 9, 3), (32, 4, 4), (128, 2, 1)])
 def test_rotary_rotates_query_and_key_views_in_place(dtype, head_dim, heads, kv_heads):
     rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, torch.device("cpu"))
+    bind_kernels(rotary, torch.device("cpu"))
     tokens = 23
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     gen = torch.Generator().manual_seed(head_dim)
@@ -111,3 +115,19 @@ def test_silu_and_mul_is_the_same_function_at_every_position(dtype):
         shifted = ops.silu_and_mul(torch.cat([gate.roll(shift), up.roll(shift)]).view(1, -1))[0]
         plain = ops.silu_and_mul(torch.cat([gate, up]).view(1, -1))[0]
         torch.testing.assert_close(shifted.roll(-shift), plain, rtol=0, atol=0, equal_nan=True)
+
+
+def test_layers_choose_their_kernels_once_when_bound():
+    """Unbound (or bound to a device without the kernels) a layer runs its PyTorch formulation; bound
+    to the CPU it runs the compiled kernel, chosen once: forward asks nothing about the device."""
+    from llmserve.models.layers.activation import SiluAndMul
+
+    norm, act = RMSNorm(64, 1e-5), SiluAndMul()
+    assert norm._forward_method == norm.forward_native and act._forward_method == act.forward_native
+    bind_kernels(torch.nn.ModuleList([norm, act]), torch.device("cpu"))
+    assert norm._forward_method == norm.forward_cpu and act._forward_method == act.forward_cpu
+    assert norm.ops is ops
+    bind_kernels(norm, torch.device("meta"))  # any other device: the PyTorch formulation
+    assert norm._forward_method == norm.forward_native and norm.ops is None
+    gate_up = torch.randn(3, 64)
+    torch.testing.assert_close(act(gate_up), act.forward_native(gate_up))

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
-from llmserve.kernels.cpu_ops import cpu_ops_for
+from llmserve.models.layers.custom_op import CustomOp
 
 
 def rope_inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -36,7 +35,7 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(wavelen < old_len / high, inv_freq, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     def __init__(
         self, head_dim: int, max_positions: int, base: float, scaling: dict | None, device: torch.device
     ) -> None:
@@ -47,16 +46,21 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos()
         self.sin = freqs.sin()
 
-    def forward(
+    def forward_native(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_dim: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated (query, key) [tokens, heads * head_dim]. On the CPU they are rotated in place by one
-        compiled call (they are views of the fresh qkv projection, so nothing else sees them change)."""
-        ops = cpu_ops_for(query) if query.dim() == 2 else None
-        if ops is not None:
-            ops.rotary_embedding(positions, query, key, self.cos, self.sin, head_dim)
-            return query, key
+        """Rotated (query, key) [tokens, heads * head_dim]."""
         return self.reference(positions, query, key, head_dim)
+
+    def forward_cpu(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated in place by one compiled call (query and key are views of the fresh qkv projection,
+        so nothing else sees them change)."""
+        if query.dim() != 2:
+            return self.reference(positions, query, key, head_dim)
+        self.ops.rotary_embedding(positions, query, key, self.cos, self.sin, head_dim)
+        return query, key
 
     def reference(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_dim: int

@@ -35,6 +35,7 @@ from torch import nn
 
 from llmserve.kernels.cpu_ops import cpu_ops_for
 from llmserve.kernels.small_batch_linear import MAX_ROWS
+from llmserve.models.layers.custom_op import bind_kernels
 from llmserve.models.layers.lm_head import LMHead
 from llmserve.models.layers.norm import RMSNorm
 from llmserve.request import Request
@@ -160,7 +161,9 @@ def load_draft_head(
         raise
     except Exception as error:  # noqa: BLE001 - unreadable, truncated or inconsistent: one user error
         raise ValueError(f"cannot read draft head {path}: {error}") from error
-    return head.to(device=device, dtype=dtype).eval()
+    head = head.to(device=device, dtype=dtype).eval()
+    bind_kernels(head, device)
+    return head
 
 
 def packaged_draft_head() -> Path:

@@ -1,0 +1,19 @@
+"""SwiGLU's activation on a fused [gate | up] projection: SiLU(gate) * up."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.models.layers.custom_op import CustomOp
+
+
+class SiluAndMul(CustomOp):
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def forward_cpu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() != 2:
+            return self.forward_native(gate_up)
+        return self.ops.silu_and_mul(gate_up)
