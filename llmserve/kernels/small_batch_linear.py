@@ -155,7 +155,8 @@ def use_small_batch_linear(model: nn.Module, float32_kernel_weights: torch.dtype
     onednn_copies: dict[int, torch.Tensor | None] = {}  # bf16
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        head = getattr(module, "float_logits", False)  # an output projection: float32 logits
+        # an output projection (models/layers/lm_head.py): float32 logits
+        head = isinstance(module, nn.Linear) and getattr(module, "float_logits", False)
         if (type(module) is not nn.Linear and not head) or weight.device.type != "cpu":
             continue
         if weight.dtype == torch.bfloat16 and has_kernel and module.in_features % 32 == 0:

@@ -34,6 +34,12 @@ class LinearKernel(nn.Module):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T in float32, for an output projection (models/layers/lm_head.py says why)."""
+        if x.dtype == torch.float32:
+            return self(x)
+        return F.linear(x.float(), self.dequantize(torch.float32))
+
 
 class DequantizeKernel(LinearKernel):
     """Any format, any device: rebuild the float weight, then `F.linear`."""
@@ -71,6 +77,7 @@ class Int8PackedKernel(LinearKernel):
         # it multiplies by the same (bf16-rounded) scales as the packed op.
         ops = _small_batch_int8_ops(self.qweight)
         self._small_batch = None if ops is None else ops.small_batch_linear_int8
+        self._float_out = None if ops is None else ops.small_batch_linear_int8_float_out
         small_batch = (
             (None, None) if ops is None else (ops.small_batch_pack_int8(self.qweight), self.scales.float())
         )
@@ -90,6 +97,14 @@ class Int8PackedKernel(LinearKernel):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The compiled kernel at any row count with float32 out, where it serves x."""
+        if self._float_out is None or x.dtype != torch.bfloat16:
+            return super().logits(x)
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = self._float_out(flat, self.small_batch_qweight, self.scales_float, len(self.scales))
+        return out.view(*x.shape[:-1], -1)
+
 
 class Int8GroupedPackedKernel(LinearKernel):
     """Group-wise int8 (GGUF Q8_0): one `_weight_int8pack_mm` per input group, summed in float32.
@@ -107,6 +122,7 @@ class Int8GroupedPackedKernel(LinearKernel):
         self.register_buffer("scales", weight.scales.t().to(dtype).contiguous())  # [groups, out]
         ops = _small_batch_int8_ops(weight.qweight) if self.group_size == 32 else None
         self._small_batch = None if ops is None else ops.small_batch_linear_int8
+        self._float_out = None if ops is None else ops.small_batch_linear_int8_float_out
         small_batch = (None, None)
         if ops is not None:
             group_scales = ops.small_batch_pack_int8_group_scales(self.scales.float().t().contiguous())
@@ -130,6 +146,14 @@ class Int8GroupedPackedKernel(LinearKernel):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         grouped = self.qweight.to(dtype) * self.scales.to(dtype)[..., None]
         return grouped.transpose(0, 1).reshape(self.qweight.shape[1], -1)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The compiled kernel at any row count with float32 out, where it serves x."""
+        if self._float_out is None or x.dtype != torch.bfloat16:
+            return super().logits(x)
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = self._float_out(flat, self.small_batch_qweight, self.small_batch_scales, self.scales.shape[1])
+        return out.view(*x.shape[:-1], -1)
 
 
 class Int4PackedKernel(LinearKernel):
@@ -228,15 +252,21 @@ class QuantizedLinear(nn.Module):
     """Drop-in for `nn.Linear` (no grad) whose weight lives in a quantized kernel."""
 
     def __init__(
-        self, weight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype, device
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        device,
+        float_logits: bool = False,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernel = select_kernel(weight, dtype, torch.device(device))
         self.register_buffer("bias", None if bias is None else bias.detach().to(device, dtype))
+        self.float_logits = float_logits  # an output projection: float32 out, unrounded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.kernel(x)
+        out = self.kernel.logits(x) if self.float_logits else self.kernel(x)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

@@ -70,7 +70,12 @@ def apply_quantization(model: nn.Module, result: QuantizationResult, config: Mod
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
-        setattr(parent, child, QuantizedLinear(weight, linear.bias, config.dtype, config.device))
+        head = name == LM_HEAD
+        setattr(
+            parent,
+            child,
+            QuantizedLinear(weight, linear.bias, config.dtype, config.device, float_logits=head),
+        )
 
 
 def quantize_model(model: nn.Module, config: ModelConfig, tokenizer=None) -> QuantizationResult:

@@ -270,3 +270,28 @@ def test_int8_rejects_what_it_does_not_serve():
     packed, params = ops.small_batch_pack_int4(nibbles, torch.ones(8, 2), torch.zeros(8, 2))
     with pytest.raises(RuntimeError, match="packed by small_batch_pack_int4"):
         ops.small_batch_linear_int4(torch.randn(1, 64).bfloat16(), packed, params, 40)
+
+
+@pytest.mark.cpu_kernels("avx512_vnni")
+@pytest.mark.parametrize("grouped", [False, True])
+def test_int8_float_out_serves_any_rows_and_rounds_to_the_bf16_kernel(grouped):
+    """A quantized output projection's logits: the int8 kernel's float32 sums at any row count, each
+    row independent of the others, and up to 8 rows its bf16 output is those sums rounded."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(21, 96, generator=gen).bfloat16()
+    codes = torch.randint(-127, 128, (70, 96), generator=gen, dtype=torch.int8)
+    packed = ops.small_batch_pack_int8(codes)
+    if grouped:
+        scales = ops.small_batch_pack_int8_group_scales(torch.rand(70, 3, generator=gen) * 0.01 + 1e-4)
+    else:
+        scales = torch.rand(70, generator=gen) * 0.01 + 1e-4
+    together = ops.small_batch_linear_int8_float_out(x, packed, scales, 70)
+    assert together.dtype == torch.float32 and together.shape == (21, 70)
+    for first, count in [(0, 1), (2, 7), (9, 12)]:
+        part = ops.small_batch_linear_int8_float_out(
+            x[first : first + count].contiguous(), packed, scales, 70
+        )
+        assert torch.equal(part, together[first : first + count])
+    assert torch.equal(
+        ops.small_batch_linear_int8(x[:8].contiguous(), packed, scales, 70), together[:8].bfloat16()
+    )

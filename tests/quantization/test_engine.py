@@ -81,3 +81,21 @@ def test_saved_checkpoint_reloads_the_same_weights(tiny_dir, tmp_path):
         LLMEngine(EngineArgs(**args, quantization=output)),
     )
     assert _greedy(saved) == _greedy(direct)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_output_projection_writes_float32_logits(tiny_dir, method):
+    """bf16 model, int8 lm_head: its logits are float32 at any row count, not rounded to bf16."""
+    engine = LLMEngine(
+        EngineArgs(model=tiny_dir, dtype="bfloat16", kv_cache_memory="4MiB", quantization=method)
+    )
+    model = engine.model_runner.model
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.float_logits
+    reference = model.lm_head.kernel.dequantize(torch.float32)
+    for rows in (1, 8, 30):
+        hidden = torch.randn(rows, reference.shape[1]).bfloat16()
+        logits = model.compute_logits(hidden)
+        assert logits.dtype == torch.float32
+        assert not torch.equal(logits, logits.bfloat16().float())  # not bf16 values
+        # within the int8 kernel's input rounding of the exact float32 product
+        torch.testing.assert_close(logits, hidden.float() @ reference.T, atol=0.05, rtol=0.05)

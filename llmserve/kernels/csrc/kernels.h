@@ -32,6 +32,8 @@ bool small_batch_linear_f32_supported();
 torch::Tensor small_batch_pack_int8(torch::Tensor qweight);
 torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales);
 torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features);
+torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                                                int64_t out_features);
 bool small_batch_linear_int8_supported();
 std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets);
 torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features);

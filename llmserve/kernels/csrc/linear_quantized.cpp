@@ -29,6 +29,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <limits>
+#include <type_traits>
+
 #include "kernels.h"
 
 #include <algorithm>
@@ -101,9 +104,9 @@ QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size)
 // Rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block; rows >= n_size are not written.
 // Scales: one per output row (`row_scales`, per-channel), or with Grouped one per (row, 32 columns)
 // (`group_scales`: the block's [K/32][32], GGUF Q8_0).
-template <int MC, bool Grouped>
+template <int MC, bool Grouped, typename Out>
 inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* row_scales,
-                       const float* group_scales, uint16_t* out, int64_t k_size, int64_t n_size, int64_t row) {
+                       const float* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row) {
   const int64_t blocks = k_size / kInputBlock;
   __m512 acc[2][MC];
   for (int m = 0; m < MC; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
@@ -147,15 +150,20 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
   for (int t = 0; t < 2; ++t) {
     const __m512 scales = Grouped ? _mm512_set1_ps(1.0f) : _mm512_maskz_loadu_ps(masks[t], row_scales + row + 16 * t);
     for (int m = 0; m < MC; ++m) {
-      const __m256i bf16 = (__m256i)_mm512_cvtneps_pbh(Grouped ? acc[t][m] : _mm512_mul_ps(acc[t][m], scales));
-      _mm256_mask_storeu_epi16(out + (m0 + m) * n_size + row + 16 * t, masks[t], bf16);
+      const __m512 sums = Grouped ? acc[t][m] : _mm512_mul_ps(acc[t][m], scales);
+      Out* dst = out + (m0 + m) * n_size + row + 16 * t;
+      if constexpr (std::is_same_v<Out, float>) {
+        _mm512_mask_storeu_ps(dst, masks[t], sums);  // logits: the float32 sums unrounded
+      } else {
+        _mm256_mask_storeu_epi16(dst, masks[t], (__m256i)_mm512_cvtneps_pbh(sums));
+      }
     }
   }
 }
 
-template <bool Grouped>
+template <bool Grouped, typename Out>
 void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* scales,
-                 uint16_t* out, int64_t k_size, int64_t n_size) {
+                 Out* out, int64_t k_size, int64_t n_size) {
   const int64_t blocks = (n_size + kRows - 1) / kRows;
   const int64_t block_bytes = kRows * k_size;
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
@@ -168,10 +176,10 @@ void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed
         const float* group_scales = scales + b * kRows * (k_size / kInputBlock);  // Grouped only
         const int64_t row = b * kRows;
         switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
-          case 1: int8_block<1, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
-          case 2: int8_block<2, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
-          case 3: int8_block<3, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
-          default: int8_block<4, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
+          case 1: int8_block<1, Grouped, Out>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
+          case 2: int8_block<2, Grouped, Out>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
+          case 3: int8_block<3, Grouped, Out>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
+          default: int8_block<4, Grouped, Out>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
         }
       }
     }
@@ -302,19 +310,19 @@ torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales) {
   return rows.view({padded / kRows, kRows, groups}).permute({0, 2, 1}).contiguous();
 }
 
-// x [M, K] bf16 with 1 <= M <= 8, packed from small_batch_pack_int8, and scales: [N] float32 per row, or
-// from small_batch_pack_int8_group_scales for groups of 32 columns. Returns [M, N] bf16: x' W^T with W the
-// scaled codes, x' being x rounded to 8 bits per 32-column block.
-torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features) {
+namespace {
+
+// The int8 entry points' checks (max_rows: the most rows the entry point serves).
+void check_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t n_size,
+                int64_t max_rows) {
   TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int8 needs a CPU with AVX-512 VNNI and BF16");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "small_batch_linear_int8 takes contiguous bfloat16 inputs [M, K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_batch_linear_int8 serves 1 to 8 rows");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, "small_batch_linear_int8 serves 1 to ", max_rows, " rows");
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.size(1) == x.size(1) &&
                   packed.is_contiguous(),
               "small_batch_linear_int8 takes weights packed by small_batch_pack_int8");
   TORCH_CHECK(x.size(1) % kInputBlock == 0, "small_batch_linear_int8 needs an input width that is a multiple of 32");
-  const int64_t n_size = out_features;
   TORCH_CHECK(n_size >= 1 && (n_size + kRows - 1) / kRows * kRows == packed.size(0),
               "small_batch_linear_int8 takes weights packed by small_batch_pack_int8 for out_features rows");
   const bool grouped = scales.dim() == 3;
@@ -323,15 +331,39 @@ torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, tor
                                  scales.size(2) == kRows
                            : scales.dim() == 1 && scales.size(0) == n_size),
               "scales must be float32 [N], or packed by small_batch_pack_int8_group_scales");
-  auto out = torch::empty({x.size(0), n_size}, x.options());
+}
+
+template <typename Out>
+void run_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, Out* out,
+              int64_t n_size) {
 #ifdef LLMSERVE_INT8_LINEAR
   const auto input = quantize_input(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), x.size(0), x.size(1));
-  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  if (grouped)
-    int8_linear<true>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out_ptr, x.size(1), n_size);
+  if (scales.dim() == 3)
+    int8_linear<true>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out, x.size(1), n_size);
   else
-    int8_linear<false>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out_ptr, x.size(1), n_size);
+    int8_linear<false>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out, x.size(1), n_size);
 #endif
+}
+
+}  // namespace
+
+// x [M, K] bf16 with 1 <= M <= 8, packed from small_batch_pack_int8, and scales: [N] float32 per row, or
+// from small_batch_pack_int8_group_scales for groups of 32 columns. Returns [M, N] bf16: x' W^T with W the
+// scaled codes, x' being x rounded to 8 bits per 32-column block.
+torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features) {
+  check_int8(x, packed, scales, out_features, 8);
+  auto out = torch::empty({x.size(0), out_features}, x.options());
+  run_int8(x, packed, scales, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out_features);
+  return out;
+}
+
+// The same for any M >= 1 (each block's weights are re-read from cache by every pass of 4 rows),
+// returning [M, N] float32: the logits of a quantized output projection, unrounded.
+torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                                                int64_t out_features) {
+  check_int8(x, packed, scales, out_features, std::numeric_limits<int64_t>::max());
+  auto out = torch::empty({x.size(0), out_features}, x.options().dtype(torch::kFloat));
+  run_int8(x, packed, scales, out.data_ptr<float>(), out_features);
   return out;
 }
 

@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8 scales per (row, 32 columns) in the layout small_batch_linear_int8 reads");
   m.def("small_batch_linear_int8", &small_batch_linear_int8,
         "(x qweight^T) * scales for 1-8 bfloat16 rows (8-bit inputs per 32 columns, AVX-512 VNNI)");
+  m.def("small_batch_linear_int8_float_out", &small_batch_linear_int8_float_out,
+        "small_batch_linear_int8 for any number of rows, float32 out (a quantized output projection)");
   m.def("small_batch_pack_int4", &small_batch_pack_int4, "int4 codes, scales, offsets in the layout small_batch_linear_int4 reads");
   m.def("small_batch_linear_int4", &small_batch_linear_int4,
         "x W^T for 1-8 bfloat16 rows, W int4 in groups (8-bit inputs per 32 columns, AVX-512 VNNI)");
