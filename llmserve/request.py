@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmserve.sampling_params import SamplingParams
@@ -11,8 +12,6 @@ from llmserve.spec_decode.metrics import SpecDecodeStats
 
 if TYPE_CHECKING:
     import torch
-
-    from llmserve.spec_decode.proposers.draft_head import DraftProposal
 
 
 class RequestStatus(enum.IntEnum):
@@ -34,6 +33,18 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
         }.get(self)
+
+
+@dataclass
+class DraftProposal:
+    """Speculative decoding: drafts a proposer (spec_decode/proposer.py) left after a step, to follow the
+    request's first `num_tokens` tokens, for the scheduler to take some of at the next step; and the q
+    they were drawn from ([k, V]; None when the request is greedy or the q is one-hot, as for n-gram
+    drafts)."""
+
+    num_tokens: int
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
 
 
 class Request:
@@ -76,7 +87,7 @@ class Request:
         self.finished_time: float | None = None
         # Speculative decoding (llmserve/spec_decode): drafts to verify in the step being planned (empty
         # otherwise; never part of all_token_ids) and the q they were drawn from ([k, V]; None: one-hot
-        # q or greedy), a draft head's proposal for the next step, and the drafts and accepted tokens so far.
+        # q or greedy), the proposal made after the last step, and the drafts and accepted tokens so far.
         self.spec_token_ids: list[int] = []
         self.spec_token_probs: torch.Tensor | None = None
         self.draft_proposal: DraftProposal | None = None

@@ -223,8 +223,9 @@ class KVCacheManager:
 
     def free_excess_blocks(self, request: Request) -> None:
         """Speculative decoding: return the blocks past the request's computed tokens to the pool, i.e.
-        blocks that held only rejected drafts. They are never in the prefix cache (only full blocks of
-        computed tokens are registered) and never shared (allocated for this request's drafts)."""
+        blocks that held only rejected drafts or a proposer's lookahead (core/draft_planner.py). They
+        are never in the prefix cache (only full blocks of computed tokens are registered) and never
+        shared (allocated for this request's drafts)."""
         table = self.block_tables.get(request.request_id)
         keep = self.blocks_for(request.num_computed_tokens)
         if table is not None and len(table) > keep:

@@ -12,7 +12,9 @@ tokens gets a sampled token.
 
 Speculative decoding (llmserve/spec_decode) extends "catch up": a decoding request with k drafts
 catches up by 1 + k tokens under the same budget, receives 1..k+1 tokens back, and only the verified
-ones count as computed; the slots of rejected drafts are rolled back.
+ones count as computed; the slots of rejected drafts are rolled back. The drafts were proposed after
+the previous step (core/draft_planner.py takes them); a proposer with a KV cache of its own writes it
+right after this step, into lookahead slots reserved here past the step's tokens.
 
 When the KV pool cannot hold a running request's next tokens, the least urgent running request
 (FCFS: the most recently admitted) is preempted (its blocks freed, recomputed later) rather than
@@ -24,17 +26,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from llmserve.config import SchedulerConfig
+from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.request_queue import PriorityQueue, create_request_queue
 from llmserve.request import Request, RequestStatus
 from llmserve.spec_decode.metrics import SpecDecodeStats
-
-if TYPE_CHECKING:
-    from llmserve.spec_decode.planner import DraftPlanner
 
 
 @dataclass
@@ -50,7 +49,10 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, dest)
     # speculative decoding: request id -> drafts it verifies this step (counted in num_scheduled_tokens)
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
-    speculate: bool = False  # speculation is on at this batch size (a draft head proposes for next step)
+    # speculative decoding: whether to propose drafts after this step (speculation is on at the batch
+    # size the step leaves running), and auto mode's cap on each request's drafts there (None: no cap)
+    speculate: bool = False
+    max_drafts: int | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -127,6 +129,7 @@ class Scheduler:
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if len(output.preempted) == num_preempted_before:  # no KV pressure from running requests
             self._schedule_waiting(output, budget)
+        output.speculate, output.max_drafts = self._speculation(len(self.running))
         output.block_copies = self.kv_cache.take_pending_copies()
         now = time.monotonic()
         for request in output.requests:
@@ -136,16 +139,18 @@ class Scheduler:
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         planner = self.draft_planner
-        speculate = planner is not None and planner.is_enabled(len(self.running))
-        share = planner.drafts_per_request(len(self.running)) if speculate else None
-        speculate = speculate and share != 0
-        output.speculate = speculate
+        speculate, share = self._speculation(len(self.running))
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_drafts = self._plan_drafts(request, budget, share) if speculate else 0
-            while not self.kv_cache.allocate_slots(request, num_new + num_drafts):
+            samples = num_new == request.num_tokens - request.num_computed_tokens
+            lookahead = planner.num_lookahead_tokens(request, share) if speculate and samples else 0
+            while not self.kv_cache.allocate_slots(request, num_new + num_drafts + lookahead):
+                if lookahead:  # the next step's draft KV is a bonus: never preempt for it
+                    lookahead = 0
+                    continue
                 if num_drafts:  # no room for the drafts: decode without them rather than preempt
                     num_drafts = 0
                     request.clear_drafts()
@@ -166,6 +171,14 @@ class Scheduler:
                 budget -= num_new + num_drafts
                 index += 1
         return budget
+
+    def _speculation(self, num_running: int) -> tuple[bool, int | None]:
+        """Whether `num_running` requests speculate, and auto mode's drafts per request (None: no cap)."""
+        planner = self.draft_planner
+        if planner is None or not planner.is_enabled(num_running):
+            return False, None
+        share = planner.drafts_per_request(num_running)
+        return share != 0, share
 
     def _plan_drafts(self, request: Request, budget: int, share: int | None) -> int:
         """Speculative decoding: drafts a decoding request verifies this step. Every accepted draft is a

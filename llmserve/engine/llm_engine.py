@@ -1,7 +1,8 @@
 """The synchronous engine: add requests at any time, call `step()` until they finish.
 
 One step is three moves: the scheduler plans which requests catch up by how many tokens, the model
-runner executes that plan and samples, and the results update the requests and become outputs.
+runner executes that plan and samples, and the results update the requests and become outputs. With
+speculative decoding a proposer drafts for the next step in between (spec_decode/proposer.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from llmserve.config import EngineArgs, EngineConfig
+from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.scheduler import Scheduler, SchedulerOutput
@@ -27,9 +29,9 @@ from llmserve.outputs import RequestOutput
 from llmserve.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.metrics import SpecDecodeStats
-from llmserve.spec_decode.planner import DraftPlanner
-from llmserve.spec_decode.proposers.draft_head import create_head_drafter
-from llmserve.spec_decode.proposers.draft_model import create_drafter, load_draft_arch
+from llmserve.spec_decode.proposer import SampledBatch
+from llmserve.spec_decode.proposers.draft_model import load_draft_arch
+from llmserve.spec_decode.registry import create_proposer
 from llmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("llmserve")
@@ -66,11 +68,7 @@ class LLMEngine:
             DraftPlanner(spec) if spec is not None else None,
         )
         self.model_runner = ModelRunner(self.config, model, self.kv_cache_manager)
-        self.model_runner.drafter = create_drafter(self.config, model, self.model_runner)
-        self.model_runner.head_drafter = create_head_drafter(self.config, model)
-        if self.model_runner.head_drafter is not None:
-            for module in self.model_runner.head_drafter.modules():  # drafts need not be exact: bf16 reads
-                use_small_batch_linear(module, float32_kernel_weights=torch.bfloat16)
+        self.proposer = create_proposer(self.config, model, self.model_runner)  # speculative decoding
         self.output_processor = OutputProcessor(self.tokenizer)
         self.output_kinds = OutputAccumulator()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
@@ -206,6 +204,8 @@ class LLMEngine:
         num_sampled = num_accepted = 0
         if scheduled.requests:
             result = self.model_runner.execute(scheduled)
+            if self.proposer is not None and scheduled.speculate:  # drafts for the next step
+                self.proposer.propose(SampledBatch.from_step(scheduled, result))
             sampled = result.sampled_token_ids
             num_sampled = sum(map(len, sampled.values()))
             num_accepted = sum(len(sampled[r]) - 1 for r in scheduled.num_draft_tokens)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llmserve.kernels.small_batch_linear import MAX_ROWS
+
+if TYPE_CHECKING:
+    from llmserve.sampling_params import SamplingParams
 
 METHODS = ("ngram", "draft", "early_exit", "draft_head")
 # K when none is given. N-gram drafts are free and adapt to the match (a match of n tokens proposes at
@@ -37,6 +41,18 @@ class SpeculativeConfig:
     draft_head_tokens: int = DEFAULT_DRAFT_HEAD_TOKENS  # draft_head: drafts per step from the head at most
     disable_batch_size: int = 0  # propose nothing while more requests than this run (0: never disable)
     max_verify_rows: int = DEFAULT_MAX_VERIFY_ROWS  # auto (disable_batch_size > 0): rows of a step's decodes
+
+    @property
+    def writes_draft_kv(self) -> bool:
+        """Whether the proposer runs a model with a KV cache (draft, early_exit), which needs KV slots
+        for the drafts it proposes after a step (the scheduler reserves them: lookahead)."""
+        return self.method in ("draft", "early_exit")
+
+    def drafts_for(self, params: SamplingParams) -> int:
+        """K for one request: its `num_speculative_tokens` when set (0: it does not speculate), else
+        the engine's."""
+        k = params.num_speculative_tokens
+        return self.num_speculative_tokens if k is None else k
 
     @classmethod
     def create(

@@ -7,8 +7,7 @@ loops are over requests (gathering their new token ids and block tables), never 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,16 +25,16 @@ from llmserve.spec_decode.verifier import DraftVerifier
 from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
 from llmserve.worker.prefault import populate_in_background
 
-if TYPE_CHECKING:
-    from llmserve.spec_decode.proposers.draft_head import DraftHeadProposer
-    from llmserve.spec_decode.proposers.draft_model import DraftModelProposer
-
 
 @dataclass
 class ModelRunnerOutput:
     # request id -> new tokens, for requests that caught up: one, or 1..k+1 after verifying k drafts
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, float]]]  # request id -> per new token: top-N and its own log-probs
+    # For drafting the next step (spec_decode/proposer.py): the requests that sampled, in row order, and
+    # the final hidden state of each of their logits rows (k + 1 rows for a request verifying k drafts)
+    sampled_requests: list[Request] = field(default_factory=list)
+    sample_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -57,11 +56,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.arch.vocab_size
         self.sampler = Sampler()
-        # Speculative decoding (llmserve/spec_decode): a model drafter, set by the engine, proposes
-        # drafts before the forward (n-gram drafts come from the scheduler); the verifier checks them.
-        self.drafter: DraftModelProposer | None = None
-        # A draft head (spec_decode/proposers/draft_head.py) proposes after the step, for the next one.
-        self.head_drafter: DraftHeadProposer | None = None
+        # Speculative decoding: the verifier checks the drafts a proposer made after the previous step.
         self.verifier = DraftVerifier(self.vocab_size, self.device)
         self.attention_backend = select_attention_backend(
             config.model.attention_backend, self.device, config.cache.kv_cache_dtype
@@ -133,7 +128,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
-        draft_probs = self.drafter.propose(scheduled) if self.drafter is not None else {}
         inputs = self._prepare_inputs(scheduled)
         with set_forward_context(inputs.attention):
             hidden = self.model(inputs.input_ids, inputs.positions)
@@ -142,18 +136,15 @@ class ModelRunner:
         sample_hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(sample_hidden)
         sampling_requests = [inputs.requests[row] for row in inputs.sample_rows]
-        output = self._sample_or_verify(logits, sampling_requests, draft_probs)
-        if self.head_drafter is not None and scheduled.speculate:
-            self._propose_with_head(sample_hidden, sampling_requests, output.sampled_token_ids)
+        output = self._sample_or_verify(logits, sampling_requests)
+        output.sampled_requests, output.sample_hidden = sampling_requests, sample_hidden
         return output
 
-    def _sample_or_verify(
-        self, logits: torch.Tensor, sampling_requests: list[Request], draft_probs: dict[str, torch.Tensor]
-    ) -> ModelRunnerOutput:
+    def _sample_or_verify(self, logits: torch.Tensor, sampling_requests: list[Request]) -> ModelRunnerOutput:
         if any(r.spec_token_ids for r in sampling_requests):  # speculative decoding: verify the drafts
-            for request in sampling_requests:  # a draft head's sampled drafts carry their q
-                if request.spec_token_probs is not None:
-                    draft_probs[request.request_id] = request.spec_token_probs
+            draft_probs = {  # sampled drafts carry their q
+                r.request_id: r.spec_token_probs for r in sampling_requests if r.spec_token_probs is not None
+            }
             return ModelRunnerOutput(*self.verifier(logits, sampling_requests, draft_probs))
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in sampling_requests],
@@ -165,17 +156,6 @@ class ModelRunner:
             device=self.device,
         )
         return self._to_output(sampling_requests, self.sampler(logits, metadata))
-
-    def _propose_with_head(
-        self, sample_hidden: torch.Tensor, requests: list[Request], new_token_ids: dict[str, list[int]]
-    ) -> None:
-        """Speculative decoding with a draft head: drafts for the next step from the hidden state each
-        request's last new token was sampled from (row j of its k + 1 verify rows after j accepted)."""
-        counts = np.array([len(r.spec_token_ids) + 1 for r in requests], dtype=np.int64)
-        new = [new_token_ids[r.request_id] for r in requests]
-        rows = np.cumsum(counts) - counts + np.array([len(ids) for ids in new], dtype=np.int64) - 1
-        features = sample_hidden[self._to_device(rows)] if len(rows) < len(sample_hidden) else sample_hidden
-        self.head_drafter.propose(features, requests, new)
 
     @staticmethod
     def _to_output(requests: list[Request], sampled: SamplerOutput) -> ModelRunnerOutput:

@@ -1,6 +1,6 @@
 """The draft head (proposers/draft_head.py): trained by `llmserve train-draft-head` on the target's own
-outputs, tied to that target, proposing after each step for the next one; the planner takes prompt
-lookup first. Greedy equality with no speculation, leaks and seeded sampling are in the shared
+outputs, tied to that target, proposing after each step for the next one where prompt lookup finds
+no match. Greedy equality with no speculation, leaks and seeded sampling are in the shared
 parametrized tests (test_greedy_equivalence.py, test_stops_blocks_sampling.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from llmserve.request import Request
+from llmserve.core.draft_planner import DraftPlanner
+from llmserve.request import DraftProposal, Request
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.config import SpeculativeConfig
 from llmserve.spec_decode.head_training import (
@@ -22,8 +23,8 @@ from llmserve.spec_decode.head_training import (
     collect_features,
     training_requests,
 )
-from llmserve.spec_decode.planner import DraftPlanner
-from llmserve.spec_decode.proposers.draft_head import FORMAT, DraftProposal, is_head_target, target_sample
+from llmserve.spec_decode.proposer import SampledBatch
+from llmserve.spec_decode.proposers.draft_head import FORMAT, is_head_target, target_sample
 
 from .conftest import HEAD_TRAINING_FLAGS, make_llm, spec_kwargs
 
@@ -42,7 +43,7 @@ def test_training_writes_a_head_tied_to_its_target(draft_head, head_llm):
     assert metadata["format"] == FORMAT
     assert metadata["intermediate_size"] == "256"
     assert len(vocab_ids) == 512 and len(set(vocab_ids.tolist())) == 512
-    head = head_llm.engine.model_runner.head_drafter.head
+    head = head_llm.engine.proposer.head
     assert head.vocab_ids.tolist() == vocab_ids.tolist()
     assert head.fc_in.weight.shape == (256, 2 * 64)
 
@@ -98,7 +99,7 @@ def test_each_proposal_is_the_head_run_on_the_feature_of_the_last_token(target_d
     plain = make_llm(target_dir, max_model_len=1024, prefix_caching=False)
     sequences = [list(r.all_token_ids) for r in requests.values()]
     text = TrainingText(sequences, [r.num_prompt_tokens for r in requests.values()], [True] * len(requests))
-    proposer = engine.model_runner.head_drafter
+    proposer = engine.proposer
     checked = matches = 0
     with torch.inference_mode():
         for sequence, features, by_length in zip(
@@ -171,7 +172,7 @@ def _request(request_id: str, tokens: list[int], **params) -> Request:
 
 
 def test_proposals_follow_the_new_tokens_per_request_k_and_carry_q_when_sampling(head_llm, monkeypatch):
-    proposer = head_llm.engine.model_runner.head_drafter  # at most 3 drafts (the default)
+    proposer = head_llm.engine.proposer  # at most 3 drafts (the default)
     monkeypatch.setattr(proposer, "min_confidence", 0.0)  # every draft, however unsure
     requests = [
         _request("greedy", [5, 6, 7], temperature=0.0),
@@ -179,9 +180,10 @@ def test_proposals_follow_the_new_tokens_per_request_k_and_carry_q_when_sampling
         _request("one", [5, 6, 7], temperature=0.0, num_speculative_tokens=1),
         _request("off", [5, 6, 7], temperature=0.0, num_speculative_tokens=0),
     ]
+    requests[1].spec_token_ids = [8]  # it verified one draft, accepted it and drew 9: two rows
     new_tokens = [[8], [8, 9], [8], [8]]
-    features = torch.randn(len(requests), 64)
-    proposer.propose(features, requests, new_tokens)
+    features = torch.randn(len(requests) + 1, 64)
+    proposer.propose(SampledBatch(requests, new_tokens, features))
     greedy_proposal, sampled_proposal, one, off = (r.draft_proposal for r in requests)
     assert off is None
     assert greedy_proposal.num_tokens == 4 and sampled_proposal.num_tokens == 5
@@ -199,16 +201,12 @@ def test_proposals_follow_the_new_tokens_per_request_k_and_carry_q_when_sampling
     assert ((q > 0).sum(dim=-1) <= 20).all()  # top-k applies to q as to the target's p
 
 
-def _head_config(lookup_max: int = 4) -> SpeculativeConfig:
-    return SpeculativeConfig.create("draft_head", None, 2, lookup_max, None, None, 0)
+def _head_config() -> SpeculativeConfig:
+    return SpeculativeConfig.create("draft_head", None, 2, 4, None, None, 0)
 
 
-def test_planner_takes_prompt_lookup_first_and_the_heads_proposal_elsewhere():
+def test_planner_takes_a_proposal_and_its_q_within_the_room():
     planner = DraftPlanner(_head_config())
-    repeating = _request("r", [5, 1, 2, 1, 2, 1, 2], temperature=0.0)
-    repeating.draft_proposal = DraftProposal(repeating.num_tokens, [9, 9, 9], None)
-    assert planner.plan(repeating, max_drafts=8) == 7  # a 4-token match: K = 7 drafts
-    assert repeating.spec_token_ids == [1, 2, 1, 2, 1, 2, 1]
     fresh = _request("f", [1, 2, 3, 4], temperature=0.9)
     q = torch.full((3, 10), 0.1)
     fresh.draft_proposal = DraftProposal(fresh.num_tokens, [7, 8, 9], q)
@@ -219,17 +217,12 @@ def test_planner_takes_prompt_lookup_first_and_the_heads_proposal_elsewhere():
     assert fresh.spec_token_ids == [] and fresh.spec_token_probs is None
 
 
-def test_planner_ignores_a_proposal_for_another_context_and_lookup_can_be_off():
+def test_planner_ignores_a_proposal_for_another_context():
     planner = DraftPlanner(_head_config())
     stale = _request("s", [1, 2, 3, 4], temperature=0.0)
     stale.draft_proposal = DraftProposal(stale.num_tokens - 1, [7, 8, 9], None)  # before the last token
     assert planner.plan(stale, max_drafts=8) == 0
     assert planner.plan(_request("n", [1, 2, 3], temperature=0.0), max_drafts=8) == 0  # none yet
-    head_only = DraftPlanner(_head_config(lookup_max=0))
-    repeating = _request("r", [5, 1, 2, 1, 2, 1, 2], temperature=0.0)
-    repeating.draft_proposal = DraftProposal(repeating.num_tokens, [9, 9, 9], None)
-    assert head_only.plan(repeating, max_drafts=8) == 3
-    assert repeating.spec_token_ids == [9, 9, 9]
 
 
 def test_config_defaults_and_bad_head_token_counts():
@@ -242,14 +235,14 @@ def test_config_defaults_and_bad_head_token_counts():
 
 
 def test_drafts_end_where_the_chained_confidence_drops(head_llm, monkeypatch):
-    proposer = head_llm.engine.model_runner.head_drafter
+    proposer = head_llm.engine.proposer
     request = _request("c", [5, 6, 7], temperature=0.0)
     features = torch.randn(1, 64)
     monkeypatch.setattr(proposer, "min_confidence", 1.01)  # no chain is that sure
-    proposer.propose(features, [request], [[8]])
+    proposer.propose(SampledBatch([request], [[8]], features))
     assert request.draft_proposal.token_ids == []
     monkeypatch.setattr(proposer, "min_confidence", 0.0)
-    proposer.propose(features, [request], [[8]])
+    proposer.propose(SampledBatch([request], [[8]], features))
     assert len(request.draft_proposal.token_ids) == 3
 
 
@@ -260,7 +253,7 @@ def test_the_compiled_chain_drafts_exactly_what_the_head_does_op_by_op(head_llm,
     and per-step confidence flags equal the Python loop's bit for bit, including where the chain
     stops early (no row sure any more), where some rows stop while others go on, and where it stops
     at once (no row sure)."""
-    proposer = head_llm.engine.model_runner.head_drafter
+    proposer = head_llm.engine.proposer
     chain = proposer.compiled_chain
     assert chain is not None
     generator = torch.Generator().manual_seed(0)
@@ -285,14 +278,21 @@ def test_the_compiled_chain_drafts_exactly_what_the_head_does_op_by_op(head_llm,
         assert stopped_early and mixed
 
 
-def test_requests_that_prompt_lookup_continues_get_no_head_proposal(target_dir, other_draft_dir, draft_head):
+def test_prompt_lookup_proposes_where_it_finds_a_match_and_the_head_elsewhere(
+    target_dir, other_draft_dir, draft_head, head_llm, monkeypatch
+):
     llm = make_llm(target_dir, **spec_kwargs("draft_head", target_dir, other_draft_dir, draft_head))
-    proposer = llm.engine.model_runner.head_drafter
+    proposer = llm.engine.proposer
     repeating, fresh = (
         _request("r", [5, 1, 2, 1, 2, 1], temperature=0.0),
         _request("f", [1, 2, 3], temperature=0.0),
     )
     proposer.min_confidence = 0.0
-    proposer.propose(torch.randn(2, 64), [repeating, fresh], [[2], [4]])
-    assert repeating.draft_proposal is None
+    proposer.propose(SampledBatch([repeating, fresh], [[2], [4]], torch.randn(2, 64)))
+    # [5, 1, 2, 1, 2, 1, 2]: a 4-token match, so up to K = 7 drafts (the head drafts at most 3)
+    assert repeating.draft_proposal == DraftProposal(7, [1, 2, 1, 2, 1, 2, 1])
     assert len(fresh.draft_proposal.token_ids) == 3
+    head_only = head_llm.engine.proposer  # prompt_lookup_max 0: the head everywhere
+    monkeypatch.setattr(head_only, "min_confidence", 0.0)
+    head_only.propose(SampledBatch([repeating], [[2]], torch.randn(1, 64)))
+    assert len(repeating.draft_proposal.token_ids) == 3

@@ -1,19 +1,25 @@
-"""N-gram prompt lookup (exact proposals) and the scheduler-side draft planner."""
+"""N-gram prompt lookup (exact proposals, proposed after a step) and the scheduler-side draft planner
+(taking proposals, reserving lookahead slots for model drafts)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from llmserve.request import Request
+from llmserve.config import SchedulerConfig
+from llmserve.core.draft_planner import DraftPlanner
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.scheduler import Scheduler
+from llmserve.request import DraftProposal, Request
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.config import SpeculativeConfig
-from llmserve.spec_decode.planner import DraftPlanner
-from llmserve.spec_decode.proposers.ngram import NgramProposer
+from llmserve.spec_decode.proposer import SampledBatch
+from llmserve.spec_decode.proposers.ngram import NgramProposer, PromptLookup
 
 
 def propose(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
-    return NgramProposer(min_n, max_n).propose(np.array(tokens, dtype=np.int64), k).tolist()
+    return PromptLookup(min_n, max_n).drafts(np.array(tokens, dtype=np.int64), k).tolist()
 
 
 def test_longest_match_wins_over_a_later_shorter_one():
@@ -74,30 +80,73 @@ def _request(tokens: list[int], **params) -> Request:
     return Request("r", tokens, SamplingParams(**params))
 
 
-def test_planner_sets_ngram_drafts_within_the_room_given():
+def _proposed(tokens: list[int], drafts: list[int], **params) -> Request:
+    request = _request(tokens, **params)
+    request.draft_proposal = DraftProposal(request.num_tokens, drafts)
+    return request
+
+
+def test_ngram_proposes_after_the_step_from_the_tokens_including_the_new_ones():
+    proposer = NgramProposer(_config(k=3))
+    requests = [
+        _request([5, 1, 2, 1, 2, 1]),
+        _request([1, 2, 3]),  # no match
+        _request([5, 1, 2, 1, 2, 1], num_speculative_tokens=0),  # does not speculate
+        _request([5, 1, 2, 1, 2, 1], max_tokens=3),  # room for one draft before max_tokens
+    ]
+    proposer.propose(SampledBatch(requests, [[2], [4], [2], [2]], torch.zeros(4, 1)))
+    assert requests[0].draft_proposal == DraftProposal(7, [1, 2, 1])
+    assert requests[1].draft_proposal is None and requests[2].draft_proposal is None
+    assert requests[3].draft_proposal == DraftProposal(7, [1])
+    proposer.propose(SampledBatch(requests[:1], [[2]], torch.zeros(1, 1), max_drafts=2))  # auto mode's share
+    assert requests[0].draft_proposal == DraftProposal(7, [1, 2])
+
+
+def test_planner_takes_the_proposal_within_the_room_given():
     planner = DraftPlanner(_config(k=3))
-    request = _request([5, 1, 2, 1, 2, 1, 2])
+    request = _proposed([5, 1, 2, 1, 2, 1, 2], [1, 2, 1, 2, 1])
     assert planner.plan(request, max_drafts=8) == 3
-    assert request.spec_token_ids == [1, 2, 1]
+    assert request.spec_token_ids == [1, 2, 1] and request.spec_token_probs is None
     assert planner.plan(request, max_drafts=2) == 2
     assert request.spec_token_ids == [1, 2]
-    assert planner.plan(_request([1, 2, 3]), max_drafts=8) == 0
+    assert planner.plan(_request([1, 2, 3]), max_drafts=8) == 0  # no proposal
+    stale = _request([1, 2, 3])
+    stale.draft_proposal = DraftProposal(2, [3, 4])  # made before the last token
+    assert planner.plan(stale, max_drafts=8) == 0
 
 
 def test_per_request_k_overrides_the_engine_and_zero_turns_it_off():
     planner = DraftPlanner(_config(k=3))
-    assert planner.plan(_request([5, 1, 2, 1, 2, 1, 2], num_speculative_tokens=5), 8) == 5
-    off = _request([5, 1, 2, 1, 2, 1, 2], num_speculative_tokens=0)
+    assert planner.plan(_proposed([5, 1, 2, 1, 2, 1, 2], [1] * 7, num_speculative_tokens=5), 8) == 5
+    off = _proposed([5, 1, 2, 1, 2, 1, 2], [1] * 7, num_speculative_tokens=0)
     assert planner.plan(off, 8) == 0
     assert off.spec_token_ids == []
 
 
-def test_model_methods_plan_k_slots_and_leave_drafts_to_the_proposer():
+def test_model_methods_reserve_lookahead_slots_for_the_next_drafts():
     planner = DraftPlanner(_config(method="early_exit", k=4))
-    request = _request([1, 2, 3])
-    assert planner.plan(request, max_drafts=8) == 4
-    assert planner.plan(request, max_drafts=2) == 2
-    assert request.spec_token_ids == []
+    assert planner.num_lookahead_tokens(_request([1, 2, 3]), share=None) == 4
+    assert planner.num_lookahead_tokens(_request([1, 2, 3]), share=2) == 2
+    assert planner.num_lookahead_tokens(_request([1, 2, 3], num_speculative_tokens=1), share=None) == 1
+    assert DraftPlanner(_config(k=4)).num_lookahead_tokens(_request([1, 2, 3]), share=None) == 0
+
+
+def test_lookahead_is_allocated_past_the_step_and_never_preempts():
+    """A decode verifying 2 drafts with K = 4 takes slots for its 3 tokens and 4 lookahead ones (the
+    new token's and 3 drafts'): 10 + 3 + 4 positions = 5 blocks of 4. In a pool of 4 blocks the
+    lookahead is dropped instead of preempting anything."""
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    for num_blocks, expected_blocks in ((8, 5), (4, 4)):
+        kv = KVCacheManager(num_blocks, block_size=4, enable_prefix_caching=False)
+        scheduler = Scheduler(config, kv, draft_planner=DraftPlanner(_config("early_exit", k=4, disable=0)))
+        request = _request(list(range(10, 20)), max_tokens=32)
+        scheduler.add_request(request)
+        scheduler.update_from_output(scheduler.schedule(), {"r": [7]})  # prefill: 10 tokens, 1 sampled
+        request.draft_proposal = DraftProposal(request.num_tokens, [8, 9])
+        output = scheduler.schedule()
+        assert output.num_scheduled_tokens == [3] and output.num_draft_tokens == {"r": 2}
+        assert len(kv.get_block_table("r")) == expected_blocks
+        assert scheduler.num_preemptions == 0
 
 
 def test_auto_disable_above_the_batch_size():

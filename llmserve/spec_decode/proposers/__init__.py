@@ -1,1 +1,2 @@
-"""Draft proposers: n-gram prompt lookup (host only) and models (a draft model, the target's first layers)."""
+"""Proposers (see ../proposer.py): n-gram prompt lookup (host only), models (a draft model, the target's
+first layers) and a draft head on the target's hidden states."""

@@ -9,9 +9,10 @@ and EAGLE's feature-level drafting, without EAGLE's attention layer, so it keeps
     f_{t+1} = out_norm(f_t + W_out silu(W_in [f_t ; token_norm(e_{x_{t+1}})] + b_in) + b_out)
 
 Drafts are proposed right after the step that sampled x_{t+1}, for the next step to verify, so the
-head adds no target forward and needs no catch-up. Only logits over a fixed vocabulary subset are
-computed (the tokens the target actually emits in the training text: 8,192 of SmolLM2's 49,152 cover
-99.9% of them), which keeps a draft step to a few MB of weights.
+head adds no target forward and needs no catch-up; where prompt lookup finds a match it proposes
+instead (its drafts are then right more often than the head's). Only logits over a fixed vocabulary
+subset are computed (the tokens the target actually emits in the training text: 8,192 of SmolLM2's
+49,152 cover 99.9% of them), which keeps a draft step to a few MB of weights.
 
 The head is trained by `llmserve train-draft-head` (spec_decode/head_training.py) on text the target
 itself generates, and is tied to that target by a sample of its embedding rows. The package ships
@@ -23,26 +24,26 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
 from llmserve.kernels.cpu_ops import cpu_ops_for
-from llmserve.kernels.small_batch_linear import MAX_ROWS
+from llmserve.kernels.small_batch_linear import MAX_ROWS, use_small_batch_linear
 from llmserve.models.layers.custom_op import bind_kernels
 from llmserve.models.layers.lm_head import LMHead
 from llmserve.models.layers.norm import RMSNorm
-from llmserve.request import Request
+from llmserve.request import DraftProposal, Request
 from llmserve.sample.logits_processors import needs_processing
 from llmserve.sample.sampler import greedy_token_ids
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.proposers.ngram import NgramProposer
+from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.spec_decode.proposer import SampledBatch
+from llmserve.spec_decode.proposers.ngram import PromptLookup
 from llmserve.spec_decode.sampling import (
     build_row_metadata,
     exponential_race,
@@ -59,16 +60,6 @@ _SAMPLE_ROWS = 64
 # A request's drafts end where the head's chained confidence (product of its top probabilities) drops
 # below this; docs/speculative.md has the measurement that chose it.
 DEFAULT_MIN_CONFIDENCE = 0.2
-
-
-@dataclass
-class DraftProposal:
-    """Drafts the head proposed to follow a request's first `num_tokens` tokens, and the q they were
-    drawn from ([k, V], None for greedy requests, whose drafts are the head's argmax)."""
-
-    num_tokens: int
-    token_ids: list[int]
-    probs: torch.Tensor | None
 
 
 class DraftHead(nn.Module):
@@ -172,23 +163,25 @@ def packaged_draft_head() -> Path:
 
 
 class DraftHeadProposer:
-    """Runs the head after each step for the requests that sampled, leaving a `DraftProposal` on each
-    for the scheduler to plan with at the next step."""
+    """The Proposer of `--speculative-method draft_head`: after each step, prompt lookup where it finds
+    a match and the head elsewhere, for the requests that sampled (the head's drafts as q over the
+    vocabulary where the request samples, its argmax where it is greedy)."""
 
     def __init__(
         self,
         head: DraftHead,
         target: nn.Module,
-        max_drafts: int,
+        config: SpeculativeConfig,
         vocab_size: int,
-        lookup: NgramProposer | None = None,
         min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     ) -> None:
         self.head = head
         self.embed_tokens = target.model.embed_tokens
-        self.max_drafts = max_drafts
+        self.config = config
+        self.max_drafts = config.draft_head_tokens
         self.vocab_size = vocab_size
-        self.lookup = lookup  # the planner's prompt lookup, whose drafts win where it finds a match
+        lookup = config.prompt_lookup_max  # 0: the head alone
+        self.lookup = PromptLookup(config.prompt_lookup_min, lookup) if lookup else None
         self.min_confidence = min_confidence
         # The lm_head rows of the vocabulary subset: logits for the tokens the head can propose.
         weight = subset_lm_head_weight(target, head.vocab_ids).to(head.fc_in.weight.dtype)
@@ -200,28 +193,28 @@ class DraftHeadProposer:
         return [self.head, self.subset_head]
 
     @torch.inference_mode()
-    def propose(
-        self, features: torch.Tensor, requests: list[Request], new_token_ids: list[list[int]]
-    ) -> None:
-        """features[i]: the final hidden state that request i's last new token was sampled from;
-        new_token_ids[i]: the tokens it got this step (not yet appended to it).
+    def propose(self, batch: SampledBatch) -> None:
+        """Prompt lookup's drafts where it finds a match, else the head's from the final hidden state
+        each request's last new token was sampled from.
 
-        A request's drafts stop where the head's confidence that all of them are right (the product
-        of its top probabilities) falls below `min_confidence`: a wrong draft costs a verify row and
-        a head step, a right one saves a whole step. Requests whose context prompt lookup will
-        continue next step are skipped: the planner takes its drafts first.
+        A request's head drafts stop where the head's confidence that all of them are right (the
+        product of its top probabilities) falls below `min_confidence`: a wrong draft costs a verify
+        row and a head step, a right one saves a whole step.
         """
-        counts = [self._num_drafts(r, ids) for r, ids in zip(requests, new_token_ids, strict=True)]
+        counts = [self._lookup_or_head(batch, index) for index in range(len(batch.requests))]
         rows = [i for i, k in enumerate(counts) if k > 0]
         if not rows:
             return
-        requests = [requests[i] for i in rows]
-        new_token_ids = [new_token_ids[i] for i in rows]
+        features = batch.last_hidden()
+        requests = [batch.requests[i] for i in rows]
+        new_token_ids = [batch.new_token_ids[i] for i in rows]
         counts = [counts[i] for i in rows]
         feature = features[rows] if len(rows) < len(features) else features
         tokens = torch.tensor([ids[-1] for ids in new_token_ids], dtype=torch.int64, device=feature.device)
         # the full processing (q over the vocabulary) where a row samples or has a logits processor
-        sampling = any(not _plain_greedy(r.sampling_params) for r in requests)
+        sampling = not all(
+            r.sampling_params.is_greedy and not needs_processing(r.sampling_params) for r in requests
+        )
         chain = None if sampling or len(requests) > MAX_ROWS else self.compiled_chain
         if chain is not None:
             drafts, confident = chain.greedy(feature, tokens, max(counts), self.min_confidence)
@@ -279,8 +272,8 @@ class DraftHeadProposer:
     def compiled_chain(self) -> object | None:
         """The compiled greedy chain (kernels/csrc/draft_head.cpp) over this head's kernel-packed
         weights, or None where the head's linears are not on the small-batch kernels (no compiled
-        kernels, not a CPU, a dtype they do not take). Built on first use: the engine swaps the
-        head's linears to their kernels after creating this proposer."""
+        kernels, not a CPU, a dtype they do not take). Built on first use: `create_draft_head_proposer`
+        swaps the head's linears to their kernels after creating this proposer."""
         linears = (self.head.fc_in, self.head.fc_out, self.subset_head)
         packed = [getattr(module, "small_batch_weight", None) for module in linears]
         ops = cpu_ops_for(self.subset_head.weight)
@@ -300,14 +293,18 @@ class DraftHeadProposer:
             self.head.out_norm.eps,
         )
 
-    def _num_drafts(self, request: Request, new_token_ids: list[int]) -> int:
-        k = request.sampling_params.num_speculative_tokens
-        k = min(self.max_drafts if k is None else k, self.max_drafts)
-        if k and self.lookup is not None:
-            context = np.asarray(request.all_token_ids + new_token_ids, dtype=np.int64)
-            if len(self.lookup.propose(context, 1)):
+    def _lookup_or_head(self, batch: SampledBatch, index: int) -> int:
+        """Set prompt lookup's proposal on request `index` where it finds a match (and return 0), else
+        clear it and return how many drafts the head may propose."""
+        request = batch.requests[index]
+        request.draft_proposal = None
+        if self.lookup is not None:
+            k = batch.draft_limit(index, self.config.drafts_for(request.sampling_params))
+            request.draft_proposal = self.lookup.proposal(batch, index, k)
+            if request.draft_proposal is not None:
                 return 0
-        return k
+        k = request.sampling_params.num_speculative_tokens
+        return batch.draft_limit(index, min(self.max_drafts if k is None else k, self.max_drafts))
 
     def _sample(
         self,
@@ -343,11 +340,10 @@ def _so_far(drafts: list[torch.Tensor], num_rows: int) -> list[list[int]]:
     return torch.stack(drafts, dim=1).tolist()
 
 
-def create_head_drafter(config, target: nn.Module) -> DraftHeadProposer | None:
-    """The draft head proposer when `--speculative-method draft_head` is configured."""
+def create_draft_head_proposer(config, target: nn.Module) -> DraftHeadProposer:
+    """`--speculative-method draft_head`: the head at `--speculative-draft-head` (default: the one
+    shipped for the default model), its linears on the small-batch kernels with bf16 weights."""
     spec = config.speculative
-    if spec is None or spec.method != "draft_head":
-        return None
     path = spec.draft_head or packaged_draft_head()
     head = load_draft_head(path, target, config.model.dtype, config.model.device)
     logger.info(
@@ -357,5 +353,7 @@ def create_head_drafter(config, target: nn.Module) -> DraftHeadProposer | None:
         len(head.vocab_ids),
         spec.draft_head_tokens,
     )
-    lookup = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.prompt_lookup_max else None
-    return DraftHeadProposer(head, target, spec.draft_head_tokens, config.model.arch.vocab_size, lookup)
+    proposer = DraftHeadProposer(head, target, spec, config.model.arch.vocab_size)
+    for module in proposer.modules():  # drafts need not be exact: bf16 reads
+        use_small_batch_linear(module, float32_kernel_weights=torch.bfloat16)
+    return proposer

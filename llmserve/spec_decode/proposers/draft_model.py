@@ -1,18 +1,22 @@
 """Model drafts: a smaller model with the target's tokenizer, or the target's own first layers.
 
-The proposer runs between the scheduler and the target's forward, for the requests the scheduler gave
-k draft slots: one forward catches the draft up to the request's last sampled token, then k - 1
-single-token forwards propose the rest (batched across requests; greedy for greedy requests, sampled
-from the processed draft distribution q, which is recorded for the rejection sampler, otherwise).
+The proposer runs after each step's sampling, for the next step, for the requests that got new
+tokens: one forward catches the draft up to the request's newest token, then k - 1 single-token
+forwards propose the rest (batched across requests; greedy for greedy requests, sampled from the
+processed draft distribution q, which the proposal carries for the rejection sampler, otherwise).
 
 Its paged KV pool has as many blocks as the target's and is addressed through the target's block
 tables, so allocation, rollback of rejected drafts, preemption and freeing need no bookkeeping of
-their own: the draft writes its KV at positions the scheduler has just given slots for (the verify
-step then overwrites the target's KV there). The proposer only tracks how much of each request's draft
-KV is valid, and copies blocks when the target copies on write.
+their own: the draft writes its KV at positions the scheduler has given slots for, the new token's
+and its drafts' in lookahead slots reserved past the step's tokens (core/draft_planner.py); a
+request gets only as many drafts as those slots hold. The proposer tracks how much of each request's
+draft KV is valid: KV written past the request's computed tokens may sit in blocks that the
+scheduler frees after the step (rejected drafts, lookahead) and hands out again, so only the blocks
+the step keeps count, and only while the request's block table still holds them (a copy on write
+replaces a block).
 
 The early-exit draft (`early_exit`) shares even the KV: its layers are the target's first L layers, so
-their KV at verified positions is the target's own and it never catches up on anything.
+their KV at verified positions is the target's own and it catches up on the new token only.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ import torch
 from torch import nn
 
 from llmserve.config import EngineArgs, EngineConfig, ModelArchConfig
-from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.kv_cache_manager import KVCacheManager, cdiv
 from llmserve.core.scheduler import SchedulerOutput
 from llmserve.model_loader import load_arch_config, load_weights, resolve_model_path
 from llmserve.models.registry import build_model
-from llmserve.request import Request
+from llmserve.request import DraftProposal, Request
+from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.spec_decode.sampling import (
     build_row_metadata,
     exponential_race,
@@ -67,11 +73,13 @@ class _DraftSequence:
 
 @dataclass
 class _DraftKV:
-    """Draft KV held for one request: its first `num_tokens` tokens, then `drafts` (maybe rejected)."""
+    """Draft KV held for one request: its first `num_tokens` tokens, then `drafts` (maybe rejected);
+    only the positions in `blocks` (the leading table entries the step kept) survive for certain."""
 
     num_tokens: int
     drafts: list[int]
     num_preemptions: int
+    blocks: tuple[int, ...]
 
 
 class EarlyExitModel(nn.Module):
@@ -100,17 +108,20 @@ class EarlyExitModel(nn.Module):
 
 
 class DraftModelProposer(ModelRunner):
-    """A model runner for the draft model whose job is `propose` (its inherited `execute` is unused)."""
+    """The Proposer of `draft` and `early_exit`: a model runner for the draft model whose job is
+    `propose` (its inherited `execute` is unused)."""
 
     def __init__(
         self,
         config: EngineConfig,
         model: nn.Module,
         kv_cache_manager: KVCacheManager,
+        spec: SpeculativeConfig,
         shared_kv_cache: torch.Tensor | None = None,
     ) -> None:
         self._shared_kv_cache = shared_kv_cache  # read by _allocate_kv_cache during super().__init__
         super().__init__(config, model, kv_cache_manager)
+        self.spec = spec
         self._draft_kv: dict[str, _DraftKV] = {}
 
     @property
@@ -123,63 +134,90 @@ class DraftModelProposer(ModelRunner):
         return super()._allocate_kv_cache()
 
     @torch.inference_mode()
-    def propose(self, scheduled: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """Set `spec_token_ids` of every request given draft slots; returns each one's [k, V] draft
-        distributions when some request samples (greedy-only batches need no q)."""
-        if not self.shares_target_kv:
-            self._follow_target(scheduled)
-        batch = [(r, k) for r in scheduled.requests if (k := scheduled.num_draft_tokens.get(r.request_id, 0))]
-        if not batch:
-            return {}
-        requests, counts = [r for r, _ in batch], [k for _, k in batch]
-        sequences = [self._sequence(r) for r in requests]
-        drafts: list[list[int]] = [[] for _ in batch]
+    def propose(self, batch: SampledBatch) -> None:
+        """Draft for every request of the batch with K > 0 and lookahead slots; the proposal carries
+        each sampling request's [k, V] q (greedy requests need none)."""
+        self._forget_finished()
+        counts = [self._num_drafts(batch, index) for index in range(len(batch.requests))]
+        chosen = [i for i, k in enumerate(counts) if k > 0]
+        for index in (i for i, k in enumerate(counts) if k == 0):
+            batch.requests[index].draft_proposal = None
+        if not chosen:
+            return
+        requests, counts = [batch.requests[i] for i in chosen], [counts[i] for i in chosen]
+        new_token_ids = [batch.new_token_ids[i] for i in chosen]
+        sequences = [self._sequence(r, ids) for r, ids in zip(requests, new_token_ids, strict=True)]
+        drafts: list[list[int]] = [[] for _ in chosen]
         probs = None
         for step in range(max(counts)):
             rows = [i for i, k in enumerate(counts) if k > step]
             logits = self._forward([sequences[i] for i in rows])
-            tokens, step_probs = self._sample(logits, [requests[i] for i in rows], [drafts[i] for i in rows])
+            tokens_before = [new_token_ids[i] + drafts[i] for i in rows]
+            tokens, step_probs = self._sample(logits, [requests[i] for i in rows], tokens_before)
             if step_probs is not None:
                 if probs is None:
-                    probs = torch.zeros(len(batch), max(counts), step_probs.shape[-1], device=self.device)
+                    probs = torch.zeros(len(chosen), max(counts), step_probs.shape[-1], device=self.device)
                 probs[rows, step] = step_probs
             for i, token in zip(rows, tokens, strict=True):
                 drafts[i].append(token)
                 sequences[i].all_token_ids.append(token)
-        for request, request_drafts in zip(requests, drafts, strict=True):
-            request.spec_token_ids = request_drafts
-            # KV now covers the known tokens and every draft but the last (never fed back).
-            self._draft_kv[request.request_id] = _DraftKV(
-                request.num_tokens, request_drafts[:-1], request.num_preemptions
+        for i, (request, request_drafts) in enumerate(zip(requests, drafts, strict=True)):
+            samples = probs is not None and not request.sampling_params.is_greedy
+            num_tokens = request.num_tokens + len(new_token_ids[i])
+            request.draft_proposal = DraftProposal(
+                num_tokens, request_drafts, probs[i, : len(request_drafts)] if samples else None
             )
-        if probs is None:
-            return {}
-        return {r.request_id: probs[i, :k] for i, (r, k) in enumerate(batch)}
+            # KV now covers the known tokens and every draft but the last (never fed back); the step
+            # keeps the blocks of the tokens computed once this step's are appended (num_tokens - 1).
+            table = self.kv_cache_manager.get_block_table(request.request_id)
+            kept = table[: cdiv(num_tokens - 1, self.block_size)]
+            self._draft_kv[request.request_id] = _DraftKV(
+                num_tokens, request_drafts[:-1], request.num_preemptions, tuple(kept)
+            )
 
-    def _follow_target(self, scheduled: SchedulerOutput) -> None:
-        """Mirror the target's copy-on-write copies, and forget requests whose blocks are gone."""
-        if scheduled.block_copies:
-            sources, destinations = map(list, zip(*scheduled.block_copies, strict=True))
-            self.kv_blocks[:, :, destinations] = self.kv_blocks[:, :, sources]
+    def _num_drafts(self, batch: SampledBatch, index: int) -> int:
+        """K for request `index`, within the slots its block table holds past its newest token (the
+        new token's KV and k - 1 drafts' go there)."""
+        request = batch.requests[index]
+        k = batch.draft_limit(index, self.spec.drafts_for(request.sampling_params))
+        if k == 0:
+            return 0
+        slots = len(self.kv_cache_manager.get_block_table(request.request_id)) * self.block_size
+        return max(0, min(k, slots - (batch.num_tokens(index) - 1)))
+
+    def _forget_finished(self) -> None:
+        """Forget requests whose blocks are gone (finished, aborted, preempted)."""
         live = self.kv_cache_manager.block_tables
         for request_id in [r for r in self._draft_kv if r not in live]:
             del self._draft_kv[request_id]
 
-    def _sequence(self, request: Request) -> _DraftSequence:
-        return _DraftSequence(request.request_id, list(request.all_token_ids), self._num_valid_kv(request))
+    def _sequence(self, request: Request, new_token_ids: list[int]) -> _DraftSequence:
+        tokens = request.all_token_ids + new_token_ids
+        return _DraftSequence(request.request_id, tokens, self._num_valid_kv(request, tokens))
 
-    def _num_valid_kv(self, request: Request) -> int:
-        """Leading positions whose draft KV holds the request's actual tokens (never past the target's)."""
+    def _num_valid_kv(self, request: Request, tokens: list[int]) -> int:
+        """Leading positions whose draft KV holds the request's actual `tokens` (never the newest one,
+        which no forward has seen yet)."""
         if self.shares_target_kv:
-            return request.num_computed_tokens
+            return len(tokens) - 1  # the target's own KV, computed up to the newest token
         held = self._draft_kv.get(request.request_id)
         if held is None or held.num_preemptions != request.num_preemptions:
             return 0  # new, or preempted since (its blocks were freed or moved)
-        actual = request.all_token_ids[held.num_tokens : held.num_tokens + len(held.drafts)]
+        actual = tokens[held.num_tokens : held.num_tokens + len(held.drafts)]
         matched = next(
             (i for i, (a, b) in enumerate(zip(held.drafts, actual, strict=False)) if a != b), len(actual)
         )
-        return min(held.num_tokens + matched, request.num_computed_tokens)
+        return min(held.num_tokens + matched, self._num_kept_slots(request, held), len(tokens) - 1)
+
+    def _num_kept_slots(self, request: Request, held: _DraftKV) -> int:
+        """Positions in the leading blocks that the request's table still holds as they were when the
+        draft last wrote them (a copy on write replaces a block)."""
+        table = self.kv_cache_manager.get_block_table(request.request_id)
+        if tuple(table[: len(held.blocks)]) == held.blocks:
+            return len(held.blocks) * self.block_size
+        pairs = zip(held.blocks, table, strict=False)
+        same = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(held.blocks), len(table)))
+        return same * self.block_size
 
     def _forward(self, sequences: list[_DraftSequence]) -> torch.Tensor:
         """Catch each sequence up to its last token; [len(sequences), V] logits there, in that order."""
@@ -213,27 +251,33 @@ class DraftModelProposer(ModelRunner):
         return torch.where(greedy, greedy_ids, exponential_race(probs, noise)).tolist(), probs
 
 
-def create_drafter(
+def _draft_config(config: EngineConfig) -> EngineConfig:
+    """The draft never swaps (a preempted request's draft KV is recomputed) and takes no drafts itself."""
+    cache = dataclasses.replace(config.cache, num_swap_blocks=0)
+    return dataclasses.replace(config, cache=cache, speculative=None)
+
+
+def create_early_exit_proposer(
     config: EngineConfig, target: nn.Module, target_runner: ModelRunner
-) -> DraftModelProposer | None:
-    """The device-side proposer that drafts before the target's forward (draft model, early exit)."""
+) -> DraftModelProposer:
+    """`--speculative-method early_exit`: the target's first layers, on the target's own KV."""
     spec = config.speculative
-    if spec is None or spec.method not in ("draft", "early_exit"):
-        return None  # n-gram drafts come from the scheduler, a draft head's from the previous step
-    # The draft never swaps (a preempted request's draft KV is recomputed) and takes no drafts itself.
-    draft_config = dataclasses.replace(
-        config, cache=dataclasses.replace(config.cache, num_swap_blocks=0), speculative=None
+    layers = spec.draft_layers or default_early_exit_layers(config.model.arch.num_hidden_layers)
+    logger.info("speculative decoding: early-exit draft of %d target layers", layers)
+    return DraftModelProposer(
+        _draft_config(config),
+        EarlyExitModel(target, layers),
+        target_runner.kv_cache_manager,
+        spec,
+        shared_kv_cache=target_runner.kv_cache[:layers],
     )
-    if spec.method == "early_exit":
-        layers = spec.draft_layers or default_early_exit_layers(config.model.arch.num_hidden_layers)
-        logger.info("speculative decoding: early-exit draft of %d target layers", layers)
-        model = EarlyExitModel(target, layers)
-        return DraftModelProposer(
-            draft_config,
-            model,
-            target_runner.kv_cache_manager,
-            shared_kv_cache=target_runner.kv_cache[:layers],
-        )
+
+
+def create_draft_model_proposer(
+    config: EngineConfig, target: nn.Module, target_runner: ModelRunner
+) -> DraftModelProposer:
+    """`--speculative-method draft`: `--speculative-draft-model`, with a KV pool of its own."""
+    spec = config.speculative
     if config.cache.sliding_window:
         # The draft catches up on a request's whole context after the target's prefill, by when the
         # window has freed the oldest blocks; early exit shares the target's KV and has no such gap.
@@ -250,9 +294,8 @@ def create_drafter(
     model_config = dataclasses.replace(config.model, path=path, arch=arch)
     model = build_model(model_config, load_weights(path, model_config.dtype))
     logger.info("speculative decoding: draft model %s (%d layers)", path, arch.num_hidden_layers)
-    return DraftModelProposer(
-        dataclasses.replace(draft_config, model=model_config), model, target_runner.kv_cache_manager
-    )
+    draft_config = dataclasses.replace(_draft_config(config), model=model_config)
+    return DraftModelProposer(draft_config, model, target_runner.kv_cache_manager, spec)
 
 
 def load_draft_arch(args: EngineArgs) -> ModelArchConfig | None:

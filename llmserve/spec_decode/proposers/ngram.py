@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmserve.request import DraftProposal
+from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.spec_decode.proposer import SampledBatch
+
 # Drafts a match of n tokens may propose: 2 ** n. How often draft j is accepted depends mostly on how
 # long the matched suffix is (docs/speculative.md), while every draft costs the verify pass a row.
 # Short matches therefore propose few drafts.
@@ -14,11 +18,31 @@ _DRAFTS_PER_MATCH_BASE = 2
 
 
 class NgramProposer:
+    """The Proposer of `--speculative-method ngram`: prompt lookup over each request's tokens."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.lookup = PromptLookup(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, batch: SampledBatch) -> None:
+        for index, request in enumerate(batch.requests):
+            k = batch.draft_limit(index, self.config.drafts_for(request.sampling_params))
+            request.draft_proposal = self.lookup.proposal(batch, index, k)
+
+
+class PromptLookup:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: np.ndarray, num_drafts: int) -> np.ndarray:
+    def proposal(self, batch: SampledBatch, index: int, k: int) -> DraftProposal | None:
+        """Up to k drafts continuing request `index` of `batch` (one-hot q), or None without a match."""
+        if k <= 0:
+            return None
+        drafts = self.drafts(np.asarray(batch.context(index), dtype=np.int64), k)
+        return DraftProposal(batch.num_tokens(index), drafts.tolist()) if len(drafts) else None
+
+    def drafts(self, token_ids: np.ndarray, num_drafts: int) -> np.ndarray:
         """Up to `num_drafts` tokens (none without a match of at least `min_n`), at most 2 ** n after
         a match of n tokens.
 

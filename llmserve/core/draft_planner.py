@@ -1,0 +1,63 @@
+"""The scheduler's side of speculative decoding: whether a step speculates, and how many drafts each
+decoding request verifies.
+
+Drafts are proposed after each step, for the next one (spec_decode/proposer.py), and wait on the
+request as a `DraftProposal`. A request verifying k of them catches up by 1 + k tokens (its last
+sampled token and the drafts) under the same token budget as everything else, so the budget and the
+KV slots reserved are exactly what is verified. A proposer that runs a model with a KV cache (draft,
+early exit) writes the KV of the new token and of its drafts right after the step, so a speculating
+step also reserves slots for that past its own tokens (`num_lookahead_tokens`).
+"""
+
+from __future__ import annotations
+
+from llmserve.request import Request
+from llmserve.spec_decode.config import SpeculativeConfig
+
+
+class DraftPlanner:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def is_enabled(self, num_running: int) -> bool:
+        """Auto-disable: verifying 1 + k tokens per request costs little while a step is bound by reading
+        the weights (small batches) but adds real compute once the batch is large, where rejected
+        drafts then cost more than accepted ones save."""
+        limit = self.config.disable_batch_size
+        return limit == 0 or num_running <= limit
+
+    def drafts_per_request(self, num_running: int) -> int | None:
+        """Auto mode: the drafts each of `num_running` decodes may verify so that the step stays within
+        `max_verify_rows` rows (1 + k each): 7 for one request, 3 for two, none from three, since a
+        share of one draft (three or four requests) lost to not speculating (a head step and a
+        verify row each for half a token); None where speculation is not auto (no cap)."""
+        limit = self.config.max_verify_rows
+        if self.config.disable_batch_size == 0 or limit == 0 or num_running == 0:
+            return None
+        share = max(limit - num_running, 0) // num_running
+        return share if share >= 2 else 0
+
+    def plan(self, request: Request, max_drafts: int) -> int:
+        """Drafts `request` verifies this step (at most `max_drafts`), taken from the proposal made for
+        exactly its current tokens and set on it as `spec_token_ids` (and their q).
+
+        K is the request's `SamplingParams.num_speculative_tokens` when set (0 turns speculation off
+        for it), else the engine's `--num-speculative-tokens`.
+        """
+        k = min(self.config.drafts_for(request.sampling_params), max_drafts)
+        proposal = request.draft_proposal
+        if k <= 0 or proposal is None or proposal.num_tokens != request.num_tokens:
+            return 0  # none yet (the prompt is still being computed), or for an earlier context
+        k = min(k, len(proposal.token_ids))
+        request.spec_token_ids = proposal.token_ids[:k]
+        request.spec_token_probs = None if proposal.probs is None else proposal.probs[:k]
+        return k
+
+    def num_lookahead_tokens(self, request: Request, share: int | None) -> int:
+        """KV slots to reserve past a sampling request's tokens for a proposer that writes draft KV
+        after the step (draft, early exit): its new token and up to k - 1 drafts land there (k at
+        most the auto-mode `share`). Zero for proposers without a KV cache."""
+        if not self.config.writes_draft_kv:
+            return 0
+        k = self.config.drafts_for(request.sampling_params)
+        return k if share is None else min(k, share)

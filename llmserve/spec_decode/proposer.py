@@ -1,0 +1,85 @@
+"""The one drafting interface: after each step's sampling, a proposer drafts for the next step.
+
+    schedule (DraftPlanner takes proposals) -> execute (forward, sample or verify)
+        -> Proposer.propose(SampledBatch) -> the scheduler appends the new tokens
+
+The engine calls `propose` once per step in which speculation is on, after the model runner sampled
+(or verified drafts) and before the scheduler appends the new tokens. The proposer leaves a
+`DraftProposal` (request.py) for each request it drafts for: drafts to follow the request's tokens
+plus the ones this step gave it, and the q they were drawn from where the request samples. At the
+next step the scheduler's `DraftPlanner` (core/draft_planner.py) takes as many of them as the token
+budget and the request's limits allow, and the model runner verifies them (spec_decode/verifier.py).
+
+Proposers, by `--speculative-method` (registry.py):
+- ngram (proposers/ngram.py): prompt lookup on the host, no model;
+- draft, early_exit (proposers/draft_model.py): a smaller model, or the target's first layers; they
+  write draft KV into slots the scheduler reserved past the step's tokens (lookahead);
+- draft_head (proposers/draft_head.py): prompt lookup, else a head run on the target's last hidden
+  state (`SampledBatch.last_hidden`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from llmserve.core.scheduler import SchedulerOutput
+from llmserve.request import Request
+from llmserve.worker.model_runner import ModelRunnerOutput
+
+
+@dataclass
+class SampledBatch:
+    """The requests a step gave new tokens, in the model runner's sampling order."""
+
+    requests: list[Request]
+    new_token_ids: list[list[int]]  # per request: the tokens this step gave it (not yet appended to it)
+    # [rows, H]: the target's final hidden state at each sampling row, k + 1 rows for a request that
+    # verified k drafts (row j judged the token after its first j drafts), one row otherwise
+    hidden: torch.Tensor
+    max_drafts: int | None = None  # auto mode: drafts per request at most at this batch size
+
+    @classmethod
+    def from_step(cls, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> SampledBatch:
+        requests = output.sampled_requests
+        new_token_ids = [output.sampled_token_ids[r.request_id] for r in requests]
+        return cls(requests, new_token_ids, output.sample_hidden, scheduled.max_drafts)
+
+    def num_tokens(self, index: int) -> int:
+        """Request `index`'s tokens once this step's are appended: the length its drafts follow."""
+        return self.requests[index].num_tokens + len(self.new_token_ids[index])
+
+    def context(self, index: int) -> list[int]:
+        """Request `index`'s tokens including this step's."""
+        return self.requests[index].all_token_ids + self.new_token_ids[index]
+
+    def draft_limit(self, index: int, k: int) -> int:
+        """Drafts worth proposing for request `index`, at most `k`: within the auto-mode share and
+        short of its max_tokens (verifying k drafts yields up to k + 1 tokens)."""
+        request = self.requests[index]
+        left = request.sampling_params.max_tokens - request.num_output_tokens - len(self.new_token_ids[index])
+        cap = k if self.max_drafts is None else min(k, self.max_drafts)
+        return max(0, min(cap, left - 1))
+
+    def last_hidden(self) -> torch.Tensor:
+        """[len(requests), H]: for each request, the hidden state its last new token was sampled from
+        (row j of its k + 1 verify rows after j accepted drafts)."""
+        counts = np.array([len(r.spec_token_ids) + 1 for r in self.requests], dtype=np.int64)
+        num_new = np.array([len(ids) for ids in self.new_token_ids], dtype=np.int64)
+        rows = np.cumsum(counts) - counts + num_new - 1
+        if len(rows) == len(self.hidden):
+            return self.hidden
+        return self.hidden[torch.from_numpy(rows).to(self.hidden.device, non_blocking=True)]
+
+
+class Proposer(Protocol):
+    """Drafts for the next step, from a step's sampled batch."""
+
+    def propose(self, batch: SampledBatch) -> None:
+        """Set `draft_proposal` on each request of `batch`: a `DraftProposal` for
+        `batch.num_tokens(i)` tokens with at most `batch.draft_limit(i, k)` drafts, or None where it
+        proposes nothing. Host syncs only to read drafts back, no loop over a request's tokens."""
+        ...
