@@ -151,7 +151,7 @@ class DraftModelProposer(ModelRunner):
         probs = None
         for step in range(max(counts)):
             rows = [i for i, k in enumerate(counts) if k > step]
-            logits = self._forward([sequences[i] for i in rows])
+            logits = self._draft_logits([sequences[i] for i in rows])
             tokens_before = [new_token_ids[i] + drafts[i] for i in rows]
             tokens, step_probs = self._sample(logits, [requests[i] for i in rows], tokens_before)
             if step_probs is not None:
@@ -219,7 +219,7 @@ class DraftModelProposer(ModelRunner):
         same = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(held.blocks), len(table)))
         return same * self.block_size
 
-    def _forward(self, sequences: list[_DraftSequence]) -> torch.Tensor:
+    def _draft_logits(self, sequences: list[_DraftSequence]) -> torch.Tensor:
         """Catch each sequence up to its last token; [len(sequences), V] logits there, in that order."""
         plan = SchedulerOutput(
             requests=sequences,  # duck-typed: _prepare_inputs reads ids, tokens and computed counts
