@@ -25,8 +25,9 @@ from llmserve.worker.forward_context import AttentionMetadata
 
 
 class FusedDecodeStack:
-    def __init__(self, stack, attention_layers, max_rows: float) -> None:
+    def __init__(self, stack, embed_tokens, attention_layers, max_rows: float) -> None:
         self.stack = stack
+        self.embed_tokens = embed_tokens
         self.max_rows = max_rows  # MAX_ROWS, or unbounded where every layer runs any row count
         # The caches the stack was built with; a caller that rebinds a layer's cache (the naive
         # batching baseline does) gets the module path, which reads the layers' current caches.
@@ -41,13 +42,14 @@ class FusedDecodeStack:
         )
 
     def __call__(
-        self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
+        """The model's final hidden states for a decode step (what the model's forward returns)."""
         query_starts = metadata.decode_query_starts
         if query_starts is None:  # one query row per sequence
-            query_starts = torch.arange(hidden.shape[0] + 1)
+            query_starts = torch.arange(input_ids.shape[0] + 1)
         return self.stack.forward(
-            hidden,
+            self.embed_tokens(input_ids),
             positions,
             metadata.slot_mapping,
             metadata.decode_block_tables,
@@ -91,7 +93,10 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
     """The fused stack for `model` (a LlamaForCausalLM whose attention layers are bound to their KV
     cache views), or None where it does not apply."""
     from llmserve.attention.backends.cpu_paged import CPUPagedBackend
+    from llmserve.models.llama import LlamaForCausalLM
 
+    if not isinstance(model, LlamaForCausalLM):
+        return None
     ops = load_cpu_ops()
     inner = model.model
     layers = list(inner.layers)
@@ -152,4 +157,4 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         first.attn.scale,
     )
     max_rows = float("inf") if any_rows else MAX_ROWS
-    return FusedDecodeStack(stack, [layer.self_attn.attn for layer in layers], max_rows)
+    return FusedDecodeStack(stack, inner.embed_tokens, [layer.self_attn.attn for layer in layers], max_rows)

@@ -17,7 +17,6 @@ from llmserve.models.layers.activation import SiluAndMul
 from llmserve.models.layers.lm_head import LMHead
 from llmserve.models.layers.norm import RMSNorm
 from llmserve.models.layers.rotary import RotaryEmbedding
-from llmserve.worker.forward_context import get_attention_metadata
 
 
 class LlamaAttention(nn.Module):
@@ -73,14 +72,9 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, rotary) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.decode_stack = None  # the layers in one compiled call for decode-only steps (decode_stack.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.decode_stack is not None:
-            metadata = get_attention_metadata()
-            if self.decode_stack.serves(hidden.shape[0], metadata):
-                return self.decode_stack(hidden, positions, metadata)
         for layer in self.layers:
             hidden = layer(positions, hidden)
         return self.norm(hidden)
@@ -111,14 +105,6 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
-
-    def enable_decode_stack(self, attention_backend) -> bool:
-        """Run decode-only steps through the fused stack where it applies (after the attention
-        layers are bound to the KV cache); returns whether it does."""
-        from llmserve.models.decode_stack import build_decode_stack
-
-        self.model.decode_stack = build_decode_stack(self, attention_backend)
-        return self.model.decode_stack is not None
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters, filling fused ones by shard."""

@@ -18,6 +18,7 @@ from llmserve.attention.window import decode_context_positions, prefill_context_
 from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import SchedulerOutput
+from llmserve.models.decode_stack import build_decode_stack
 from llmserve.request import Request
 from llmserve.sample.metadata import SamplingMetadata
 from llmserve.sample.sampler import Sampler, SamplerOutput
@@ -63,8 +64,8 @@ class ModelRunner:
         )
         self.kv_cache = self._allocate_kv_cache()
         self.kv_prefault = populate_in_background(self.kv_cache)  # CPU: map its pages ahead of use
-        if hasattr(model, "enable_decode_stack"):
-            model.enable_decode_stack(self.attention_backend)
+        # decode-only steps run every decoder layer in one compiled call where it applies (CPU)
+        self.decode_stack = build_decode_stack(model, self.attention_backend)
         cache = config.cache
         # Block-granular views for swapping: [layers, 2, blocks, block_size, kv_heads, head_dim].
         self.kv_blocks = self.kv_cache.view(
@@ -129,8 +130,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         inputs = self._prepare_inputs(scheduled)
-        with set_forward_context(inputs.attention):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+        hidden = self._forward(inputs)
         if not inputs.sample_rows:
             return ModelRunnerOutput({}, {})
         sample_hidden = hidden[inputs.logits_indices]
@@ -139,6 +139,15 @@ class ModelRunner:
         output = self._sample_or_verify(logits, sampling_requests)
         output.sampled_requests, output.sample_hidden = sampling_requests, sample_hidden
         return output
+
+    def _forward(self, inputs: _StepInputs) -> torch.Tensor:
+        """The model's final hidden states for the step's flat batch; a decode-only step takes the
+        fused stack where it applies (the same kernels in one call: bit-identical)."""
+        with set_forward_context(inputs.attention):
+            stack = self.decode_stack
+            if stack is not None and stack.serves(len(inputs.input_ids), inputs.attention):
+                return stack(inputs.input_ids, inputs.positions, inputs.attention)
+            return self.model(inputs.input_ids, inputs.positions)
 
     def _sample_or_verify(self, logits: torch.Tensor, sampling_requests: list[Request]) -> ModelRunnerOutput:
         if any(r.spec_token_ids for r in sampling_requests):  # speculative decoding: verify the drafts

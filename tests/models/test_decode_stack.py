@@ -70,13 +70,13 @@ def test_bit_identical_to_the_module_path(model_dir, dtype, speculative_method, 
         speculative_disable_batch_size=0,
         quantization=quantization,
     )
-    inner = llm.engine.model_runner.model.model
-    stack = inner.decode_stack
+    runner = llm.engine.model_runner
+    stack = runner.decode_stack
     assert stack is not None
-    inner.decode_stack = counting = _Counting(stack)
+    runner.decode_stack = counting = _Counting(stack)
     fused = _run(llm, PROMPTS[:3]) + _run(llm, PROMPTS[3:])
     assert counting.calls >= 20  # the decode steps of both batches went through it
-    inner.decode_stack = None
+    runner.decode_stack = None
     assert _run(llm, PROMPTS[:3]) + _run(llm, PROMPTS[3:]) == fused
 
 
@@ -107,8 +107,8 @@ def test_batches_above_the_small_batch_kernel_bit_identical(model_dir, qwen2_dir
     tokens and log-probabilities with the stack and without it, with and without a q/k/v bias."""
     path = model_dir if architecture == "llama" else qwen2_dir
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
-    inner = llm.engine.model_runner.model.model
-    assert inner.decode_stack.max_rows > 8
+    runner, inner = llm.engine.model_runner, llm.engine.model_runner.model.model
+    assert runner.decode_stack.max_rows > 8
     assert (inner.layers[0].self_attn.qkv_proj.bias is not None) == (architecture == "qwen2")
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(13)]
     params = [
@@ -119,10 +119,10 @@ def test_batches_above_the_small_batch_kernel_bit_identical(model_dir, qwen2_dir
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
-    inner.decode_stack = counting = _Counting(inner.decode_stack)
+    runner.decode_stack = counting = _Counting(runner.decode_stack)
     fused = run()
     assert counting.max_rows_seen == 13 and counting.calls >= 20
-    inner.decode_stack = None
+    runner.decode_stack = None
     assert run() == fused
 
 
@@ -132,8 +132,8 @@ def test_rebound_caches_take_the_module_path(model_dir):
     from llmserve.benchmarks.naive_batching import NaiveBatchRunner
 
     llm = LLM(model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
-    inner = llm.engine.model_runner.model.model
-    inner.decode_stack = counting = _Counting(inner.decode_stack)
+    runner = llm.engine.model_runner
+    runner.decode_stack = counting = _Counting(runner.decode_stack)
     engine_tokens = [tokens for tokens, _ in _run(llm, PROMPTS[:2], max_tokens=12)]
     engine_calls = counting.calls
     assert engine_calls > 0
@@ -147,13 +147,13 @@ def test_rebound_caches_take_the_module_path(model_dir):
 def test_quantized_layers_keep_the_stack_to_the_small_batch_kernel(model_dir):
     """int8 layers have no oneDNN copy: their larger batches take the module path."""
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, quantization="int8-rtn")
-    assert llm.engine.model_runner.model.model.decode_stack.max_rows == 8
+    assert llm.engine.model_runner.decode_stack.max_rows == 8
 
 
 def test_not_built_where_it_does_not_apply(model_dir):
     int8_kv = LLM(model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, kv_cache_dtype="int8")
-    assert int8_kv.engine.model_runner.model.model.decode_stack is None
+    assert int8_kv.engine.model_runner.decode_stack is None
     torch_attention = LLM(
         model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, attention_backend="torch"
     )
-    assert torch_attention.engine.model_runner.model.model.decode_stack is None
+    assert torch_attention.engine.model_runner.decode_stack is None

@@ -43,7 +43,6 @@ from llmserve.spec_decode.sampling import (
     process_logits,
     uniform_rows,
 )
-from llmserve.worker.forward_context import set_forward_context
 from llmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("llmserve")
@@ -226,8 +225,7 @@ class DraftModelProposer(ModelRunner):
             num_scheduled_tokens=[s.num_tokens - s.num_computed_tokens for s in sequences],
         )
         inputs = self._prepare_inputs(plan)
-        with set_forward_context(inputs.attention):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+        hidden = self._forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         row_of = {id(inputs.requests[row]): i for i, row in enumerate(inputs.sample_rows)}
         for sequence in sequences:
