@@ -6,7 +6,11 @@ resolved by `EngineConfig.create` before freezing and never mutated later.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
+import types
+import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -206,6 +210,24 @@ class EngineArgs:
         4, "propose nothing while more requests than this run (0: always speculate)"
     )
 
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field (`--kv-cache-memory` for kv_cache_memory), help text from its metadata."""
+        group = parser.add_argument_group("engine")
+        hints = typing.get_type_hints(cls)
+        for spec in dataclasses.fields(cls):
+            flag = "--" + spec.name.replace("_", "-")
+            kind = _flag_type(hints[spec.name])
+            if kind is bool:
+                action = argparse.BooleanOptionalAction
+                group.add_argument(flag, action=action, default=spec.default, help=spec.metadata["help"])
+            else:
+                group.add_argument(flag, type=kind, default=spec.default, help=spec.metadata["help"])
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
     def create_config(
         self, arch: ModelArchConfig, model_path: str, draft_arch: ModelArchConfig | None = None
     ) -> EngineConfig:
@@ -310,6 +332,14 @@ class EngineArgs:
         if self.prefix_caching:
             logger.info("prefix caching is off: it does not combine with a sliding window")
         return window, self.attention_sinks
+
+
+def _flag_type(hint) -> type:
+    """`int | None` -> int, `int | str` -> str (parsed later), `bool` -> bool."""
+    if isinstance(hint, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return str if str in args else args[0]
+    return hint
 
 
 def resolve_device(device: str) -> torch.device:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from llmserve.entrypoints.cli import main
+from llmserve.cli.main import main
 
 WORKLOAD = ["--num-requests", "4", "--prompt-len-median", "10", "--output-len-median", "4",
             "--prompt-len-range", "2,30", "--output-len-range", "1,8"]  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 
 from llmserve.benchmarks.serve import LoadGenerator, pick_salts, salt_requests, served_model_name, summarize
 from llmserve.benchmarks.workload import BenchRequest
-from llmserve.entrypoints.cli import main
+from llmserve.cli.main import main
 
 STARTUP_SECONDS = 120
 
@@ -26,7 +26,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir):
     port = free_port()
-    command = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--model", tiny_model_dir,
+    command = [sys.executable, "-m", "llmserve.cli", "serve", "--model", tiny_model_dir,
                "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "16MiB"]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -8,7 +8,7 @@ import pytest
 
 from llmserve.benchmarks.spec_decode import GROUNDED_TASKS, grounded_prompts, methods
 from llmserve.benchmarks.workload import TokenCorpus
-from llmserve.entrypoints.cli import main
+from llmserve.cli.main import main
 
 # The tiny model has 2 layers: early_exit:2 is the target drafting for itself (accepts everything).
 FLAGS = ["--dtype", "float32", "--kv-cache-memory", "8MiB", "--num-prompts", "2", "--document-len", "32",

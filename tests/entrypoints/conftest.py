@@ -26,14 +26,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """One `python -m llmserve.entrypoints.cli serve` child; output goes to a log file."""
+    """One `python -m llmserve.cli serve` child; output goes to a log file."""
 
     def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--port", str(self.port), *args]
+        command = [sys.executable, "-m", "llmserve.cli", "serve", "--port", str(self.port), *args]
         if api_key:
             command += ["--api-key", api_key]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

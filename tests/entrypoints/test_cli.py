@@ -11,7 +11,7 @@ from ..helpers import make_tiny_llama_dir
 
 def llmserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "llmserve.entrypoints.cli", *args],
+        [sys.executable, "-m", "llmserve.cli", *args],
         input=stdin,
         capture_output=True,
         text=True,

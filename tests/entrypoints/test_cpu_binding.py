@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from llmserve.entrypoints import launch
+from llmserve.cli import launch
 from llmserve.worker import cpu_binding
 
 _SCRIPT = """

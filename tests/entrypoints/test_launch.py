@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from llmserve.entrypoints import launch
+from llmserve.cli import launch
 
 
 @pytest.fixture

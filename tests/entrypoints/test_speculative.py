@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.entrypoints.cli import main
+from llmserve.cli.main import main
 from tests.entrypoints.conftest import API_KEY, ServerProcess, start_server, tiny_server_args
 from tests.entrypoints.test_server_lifecycle import delta, scrape
 
@@ -110,7 +110,7 @@ def test_metrics_count_drafts_and_expose_rates(spec_server, client):
 
 
 def llmserve(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "llmserve.entrypoints.cli", *args]
+    command = [sys.executable, "-m", "llmserve.cli", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 

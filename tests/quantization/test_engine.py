@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmserve.cli.main import main
 from llmserve.config import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.entrypoints.cli import main
 from llmserve.quantization.kernels import QuantizedLinear
 from llmserve.sampling_params import SamplingParams
 from tests.helpers import make_tiny_llama_dir

@@ -103,7 +103,7 @@ HEAD_TRAINING_FLAGS = [
 
 @pytest.fixture(scope="session")
 def draft_head(target_dir, tmp_path_factory) -> str:
-    from llmserve.entrypoints.cli import main
+    from llmserve.cli.main import main
 
     path = str(tmp_path_factory.mktemp("spec") / "head.safetensors")
     assert main(["train-draft-head", "--model", target_dir, "--output", path, *HEAD_TRAINING_FLAGS]) == 0

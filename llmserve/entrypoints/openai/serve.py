@@ -16,8 +16,8 @@ import os
 import socket
 from collections.abc import Iterator
 
+from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
-from llmserve.entrypoints.cli import engine_args_from
 
 logger = logging.getLogger("llmserve.server")
 
@@ -28,7 +28,7 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     with _bound_socket(args.host, args.port) as sock:
         engine = AsyncLLM(
-            engine_args_from(args),
+            EngineArgs.from_cli_args(args),
             fork=_can_fork(),
             fork_closes=(sock.fileno(),),
             while_loading=_import_app,

@@ -84,6 +84,6 @@ def main() -> int:
     shorten_openmp_spin_for_serve(sys.argv)
     preload_tcmalloc()
     fix_glibc_mmap_threshold()
-    from llmserve.entrypoints.cli import main as cli_main
+    from llmserve.cli.main import main as cli_main
 
     return cli_main()

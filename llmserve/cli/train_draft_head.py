@@ -8,7 +8,7 @@ import functools
 import json
 import os
 
-from llmserve.entrypoints.cli import add_engine_arguments, engine_args_from
+from llmserve.config import EngineArgs
 
 
 def register(subparsers) -> None:
@@ -27,7 +27,7 @@ def register(subparsers) -> None:
     for name, default in defaults.items():
         if name not in ("feature_loss_weight", "held_out", "seed"):  # --seed is the engine's, used for both
             group.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
-    add_engine_arguments(train)
+    EngineArgs.add_cli_args(train)
     train.set_defaults(handler=cmd_train_draft_head)
 
 
@@ -51,7 +51,8 @@ def cmd_train_draft_head(args: argparse.Namespace) -> int:
     from llmserve.spec_decode.proposers.draft_head import is_head_target, save_draft_head, target_sample
 
     config = HeadTrainingConfig(**{k: getattr(args, k) for k in _training_defaults() if hasattr(args, k)})
-    engine_args = dataclasses.replace(engine_args_from(args), prefix_caching=False, speculative_method=None)
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = dataclasses.replace(engine_args, prefix_caching=False, speculative_method=None)
     llm = LLM(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)})
     target = llm.engine.model_runner.model
     if args.text_cache and os.path.exists(args.text_cache):

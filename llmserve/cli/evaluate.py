@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from llmserve.entrypoints.cli import add_engine_arguments, engine_args_from
+from llmserve.config import EngineArgs
 
 
 def register(subparsers) -> None:
@@ -16,7 +16,7 @@ def register(subparsers) -> None:
     ppl.add_argument("--max-tokens", type=int, default=2048, help="score the text's first N tokens")
     ppl.add_argument("--context", type=int, default=512, help="tokens per window (each scored from scratch)")
     ppl.add_argument("--decode-tokens", type=int, default=64, help="tokens of the timed decode (0: skip)")
-    add_engine_arguments(ppl)
+    EngineArgs.add_cli_args(ppl)
     ppl.set_defaults(handler=cmd_ppl)
 
 
@@ -29,7 +29,8 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     path = args.text or default_text_path()
     with open(path, encoding="utf-8") as file:  # OSError / UnicodeDecodeError (a ValueError): one line
         text = file.read()
-    engine_args = dataclasses.replace(engine_args_from(args), prefix_caching=False)  # compute every window
+    # prefix caching off: every window is computed
+    engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), prefix_caching=False)
     engine = LLMEngine(engine_args)
     token_ids = engine.tokenizer.encode(text)[: args.max_tokens]
     if len(token_ids) < 2:

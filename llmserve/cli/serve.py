@@ -1,10 +1,10 @@
-"""`llmserve serve`: the OpenAI-compatible HTTP server (registered by `llmserve.entrypoints.cli`)."""
+"""`llmserve serve`: the OpenAI-compatible HTTP server (llmserve/entrypoints/openai/)."""
 
 from __future__ import annotations
 
 import argparse
 
-from llmserve.entrypoints.cli import add_engine_arguments
+from llmserve.config import EngineArgs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="CPU engine: pin its threads one per CPU and keep the server's threads off the CPU of its "
         "main thread (default on)",
     )
-    add_engine_arguments(serve)
+    EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=_serve)
 
 

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import os
 
-from llmserve.entrypoints.cli import add_engine_arguments, engine_args_from
+from llmserve.config import EngineArgs
 
 SAVABLE = ("int8", "int8-rtn", "int4", "awq", "gptq")
 
@@ -16,7 +16,7 @@ def register(subparsers) -> None:
         "quantize", help="quantize a model (int8, int8-rtn, int4, awq, gptq) and save a checkpoint directory"
     )
     quantize.add_argument("--output", required=True, help="directory to write (created if missing)")
-    add_engine_arguments(quantize)
+    EngineArgs.add_cli_args(quantize)
     quantize.set_defaults(handler=cmd_quantize)
 
 
@@ -32,7 +32,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         )
     path = resolve_model_path(args.model)
     # Quantize from float32 weights whatever the serving dtype; no KV pool is built.
-    engine_args = dataclasses.replace(engine_args_from(args), dtype="float32", kv_cache_memory="1MiB")
+    engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), dtype="float32", kv_cache_memory="1MiB")
     config = engine_args.create_config(load_arch_config(path), path).model
     tokenizer = load_tokenizer(path, None if os.path.isdir(path) else config.arch.eos_token_ids)
     model = build_model(config, load_weights(path, config.dtype))

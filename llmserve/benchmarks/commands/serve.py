@@ -1,0 +1,103 @@
+"""`llmserve bench serve`: load an OpenAI-compatible server at a request rate (or a sweep of rates)
+and measure what a user sees: TTFT, time per output token, goodput under SLOs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import time
+
+from tqdm.auto import tqdm
+
+from llmserve.benchmarks.commands.common import (
+    add_output_arguments,
+    add_workload_arguments,
+    load_tokenizer_for,
+    load_workload,
+    save,
+)
+from llmserve.benchmarks.workload import BenchRequest, describe
+
+
+def register(commands) -> None:
+    parser = commands.add_parser("serve", help="online: load an OpenAI-compatible server, measure latency")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    parser.add_argument("--tokenizer", default=None, help="model dir/GGUF whose tokenizer draws the workload")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson rate, req/s (inf: all)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    parser.add_argument("--sweep", type=rate_list, default=None, help="several rates, e.g. 1,2,4,8,inf")
+    parser.add_argument("--slo-ttft-ms", type=float, default=300.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    parser.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                        help="send token ids (exact lengths, same tokenizer) or the prompt text")  # fmt: skip
+    parser.add_argument("--cache-bust", action=argparse.BooleanOptionalAction, default=True,
+                        help="put a random run-specific token before every prompt, so that no run "
+                        "finds an earlier run's prompts in the server's prefix cache")  # fmt: skip
+    add_workload_arguments(parser, with_seed=True)
+    add_output_arguments(parser)
+    parser.set_defaults(handler=cmd_serve)
+
+
+def rate_list(text: str) -> list[float]:
+    return [float(item) for item in text.split(",") if item]  # float("inf") parses "inf"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import httpx
+
+    from llmserve.benchmarks.serve import (
+        format_report,
+        pick_salts,
+        plot_distributions,
+        plot_sweep,
+        salt_requests,
+        served_model_name,
+    )
+
+    url = args.url.rstrip("/")
+    try:
+        model = args.model or served_model_name(url)
+    except httpx.HTTPError as error:
+        raise ValueError(f"cannot reach an OpenAI-compatible server at {url}: {error}") from error
+    requests = load_workload(args, lambda: load_tokenizer_for(args.tokenizer))
+    rates = args.sweep or [args.request_rate]
+    salts = pick_salts(requests, len(rates)) if args.cache_bust else [None] * len(rates)
+    runs = [
+        _serve_once(
+            args, url, model, requests if salt is None else salt_requests(requests, salt, f"{salt} "), rate
+        )
+        for rate, salt in zip(rates, salts, strict=True)
+    ]
+    for rate, (metrics, _) in zip(rates, runs, strict=True):
+        print(format_report(metrics, label=f"[rate {rate:g}/s] "), end="\n\n")
+    payload = {
+        "url": url,
+        "model": model,
+        "workload": {"file": args.workload, **describe(requests)},
+        "max_concurrency": args.max_concurrency,
+        "cache_bust_salt_token_ids": salts if args.cache_bust else None,
+        "runs": [
+            {"request_rate": rate if math.isfinite(rate) else "inf", **metrics.to_json()}  # JSON has no inf
+            for rate, (metrics, _) in zip(rates, runs, strict=True)
+        ],
+    }
+    save(args, "serve", payload)
+    if args.plot and len(runs) > 1:
+        plot_sweep(rates, [metrics for metrics, _ in runs], args.plot)
+    elif args.plot:
+        plot_distributions(runs[0][1], args.plot)
+    return 0
+
+
+def _serve_once(args: argparse.Namespace, url: str, model: str, requests: list[BenchRequest], rate: float):
+    from llmserve.benchmarks.serve import LoadGenerator, summarize
+
+    generator = LoadGenerator(url, model, rate, args.max_concurrency, args.seed, args.prompt_format)
+    with tqdm(total=len(requests), desc=f"rate {rate:g}/s", unit="req") as progress:
+        cpu = time.process_time()
+        request_results, duration = asyncio.run(generator.run(requests, progress))
+        cpu = time.process_time() - cpu
+    metrics = summarize(request_results, duration, args.slo_ttft_ms, args.slo_tpot_ms, client_cpu_seconds=cpu)
+    return metrics, request_results

@@ -1,0 +1,57 @@
+"""The `llmserve` command's parser and entry point.
+
+Every user error (bad flags, a missing or corrupt model, an unsupported architecture, a prompt too
+long) is one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+import typing
+
+from llmserve.benchmarks import cli as bench
+from llmserve.cli import chat, evaluate, generate, quantize, serve, train_draft_head
+from llmserve.log import configure_logging
+
+EXIT_USAGE = 2
+
+# Each module's `register(subparsers)` adds its subcommand and sets `handler`; `llmserve --help`
+# lists them in this order.
+SUBCOMMANDS = (generate, chat, serve, bench, evaluate, quantize, train_draft_head)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="llmserve", description="Serve and run large language models.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands.add_parser = functools.partial(commands.add_parser, parents=[common])
+    for subcommand in SUBCOMMANDS:
+        subcommand.register(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(
+        logging.INFO if getattr(args, "verbose", False) or args.command == "serve" else logging.WARNING
+    )
+    try:
+        return args.handler(args)
+    except (ValueError, OSError) as error:  # ModelLoadError is a ValueError
+        print(f"llmserve: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
