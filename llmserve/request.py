@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from llmserve.outputs import SpecDecodeStats
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.metrics import SpecDecodeStats
 
 if TYPE_CHECKING:
     import torch

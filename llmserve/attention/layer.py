@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from llmserve.attention.registry import get_attention_backend
-from llmserve.worker.forward_context import get_attention_metadata
+from llmserve.forward_context import get_attention_metadata
 
 
 class Attention(nn.Module):

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from llmserve.config import EngineArgs
 from llmserve.core.scheduler import SchedulerOutput
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.forward_context import set_forward_context
 from llmserve.request import Request
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.forward_context import set_forward_context
 
 
 @torch.inference_mode()
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 kv_cache_memory="512MiB",
             )
         )
-        from llmserve.benchmarks.workload import corpus_text
+        from llmserve.corpus import corpus_text
 
         ids = engine.tokenizer.encode(corpus_text()[: 6 * (args.skip + args.tokens)])[args.skip :]
         if len(ids) < args.tokens:

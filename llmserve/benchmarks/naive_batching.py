@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmserve.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
 from llmserve.sample.sampler import greedy_token_ids
-from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
 
 
 @dataclass

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from llmserve.benchmarks.workload import TokenCorpus, greedy_params
+from llmserve.outputs import SpecDecodeStats
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.metrics import SpecDecodeStats
 
 GROUNDED_TASKS = (
     "Summarize the document above in a few sentences.",

@@ -14,26 +14,17 @@ is the same whichever system runs the file.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
+from llmserve.corpus import corpus_text
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
-
-# Stdlib modules whose docstrings join the language reference in the corpus (fixed, sorted order).
-CORPUS_MODULES = (
-    "argparse", "asyncio", "collections", "contextlib", "dataclasses", "datetime", "email", "functools",
-    "http.client", "inspect", "itertools", "json", "logging", "os", "pathlib", "re", "sqlite3",
-    "subprocess", "threading", "typing", "unittest", "urllib.request", "zipfile",
-)  # fmt: skip
 
 
 class Tokenizer(Protocol):
@@ -82,27 +73,6 @@ class WorkloadSpec:
     fixed_output_len: int | None = None
     shared_prefixes: int = 0  # K system prompts shared by the requests (0: none)
     prefix_len: int = 500  # tokens of each shared system prompt
-
-
-@cache
-def corpus_text() -> str:
-    """The Python language reference topics plus docstrings of common stdlib modules."""
-    from pydoc_data.topics import topics
-
-    parts = [topics[key] for key in sorted(topics)]
-    for name in CORPUS_MODULES:
-        parts.extend(_module_docs(name))
-    return "\n\n".join(part for part in parts if part)
-
-
-def _module_docs(name: str) -> list[str]:
-    module = importlib.import_module(name)
-    docs = [inspect.getdoc(module) or ""]
-    for attr in sorted(getattr(module, "__all__", None) or dir(module)):
-        member = getattr(module, attr, None)
-        if not attr.startswith("_") and (inspect.isclass(member) or inspect.isfunction(member)):
-            docs.append(inspect.getdoc(member) or "")
-    return docs
 
 
 class TokenCorpus:

@@ -11,8 +11,8 @@ step also reserves slots for that past its own tokens (`num_lookahead_tokens`).
 
 from __future__ import annotations
 
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.request import Request
-from llmserve.spec_decode.config import SpeculativeConfig
 
 
 class DraftPlanner:

@@ -32,8 +32,8 @@ from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.request_queue import PriorityQueue, create_request_queue
+from llmserve.outputs import SpecDecodeStats
 from llmserve.request import Request, RequestStatus
-from llmserve.spec_decode.metrics import SpecDecodeStats
 
 
 @dataclass

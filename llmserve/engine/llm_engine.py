@@ -25,10 +25,9 @@ from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.metrics.stats import StepStats
 from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
 from llmserve.models.registry import build_model
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import RequestOutput, SpecDecodeStats
 from llmserve.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.metrics import SpecDecodeStats
 from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.spec_decode.proposers.draft_model import load_draft_arch
 from llmserve.spec_decode.registry import create_proposer

@@ -17,9 +17,8 @@ from typing import Any
 import msgspec
 
 from llmserve.metrics.stats import EngineGauges, StepStats
-from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.metrics import SpecDecodeStats
 
 
 class _Message(msgspec.Struct, array_like=True, gc=False):

@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
-from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
 from llmserve.request import Request, RequestStatus
-from llmserve.spec_decode.metrics import SpecDecodeStats
 
 
 @dataclass

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -36,11 +36,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from llmserve.metrics.stats import StepStats
+from llmserve.metrics.stats import EngineGauges, StepStats
 from llmserve.outputs import CompletionOutput, RequestOutput
-
-if TYPE_CHECKING:
-    from llmserve.engine.async_llm import AsyncLLM
 
 PREFIX = "llmserve:"
 _PRUNE_EVERY_STEPS = 256
@@ -99,6 +96,16 @@ class _Progress:
 
     num_tokens: int
     last_token_time: float
+
+
+class MetricsSource(Protocol):
+    """What the metrics read from the engine's client (engine/async_llm.py:AsyncLLM): the latest
+    gauges, whether a request is still live, and the list of step listeners to join."""
+
+    gauges: EngineGauges
+    step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]]
+
+    def has_request(self, request_id: str) -> bool: ...
 
 
 class PrometheusMetrics:
@@ -189,7 +196,7 @@ class PrometheusMetrics:
 
     # -- feeding them ----------------------------------------------------------------------------
 
-    def attach(self, llm: AsyncLLM) -> None:
+    def attach(self, llm: MetricsSource) -> None:
         """Listen to the engine's steps and read its queue and cache gauges at scrape time."""
         self.num_requests_running.set_function(lambda: llm.gauges.num_running)
         self.num_requests_waiting.set_function(lambda: llm.gauges.num_waiting)

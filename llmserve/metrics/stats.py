@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmserve.spec_decode.metrics import SpecDecodeStats
+from llmserve.outputs import SpecDecodeStats
 
 
 @dataclass(frozen=True)

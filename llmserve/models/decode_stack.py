@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from llmserve.forward_context import AttentionMetadata
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.small_batch_linear import MAX_ROWS, PackedLinear, SmallBatchLinear
 from llmserve.quantization.kernels import Int4PackedKernel, Int8GroupedPackedKernel, Int8PackedKernel
-from llmserve.worker.forward_context import AttentionMetadata
 
 
 class FusedDecodeStack:

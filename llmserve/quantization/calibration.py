@@ -1,7 +1,7 @@
 """Calibration for AWQ and GPTQ: real text, and the model run one decoder layer at a time.
 
 The text is the benchmark corpus (the Python language reference and stdlib docstrings shipped with
-the interpreter, `benchmarks.workload.corpus_text`), cut into fixed windows; `llmserve eval ppl`
+the interpreter, `llmserve.corpus.corpus_text`), cut into fixed windows; `llmserve eval ppl`
 scores a different text (the interpreter's LICENSE), so calibration never sees the evaluation text.
 
 Calibration runs outside the engine: each layer's attention is temporarily swapped for plain causal
@@ -29,7 +29,7 @@ class CalibrationSpec:
 
 def calibration_batches(tokenizer, spec: CalibrationSpec, device: torch.device) -> list[torch.Tensor]:
     """`num_sequences` windows of `sequence_len` token ids, spread evenly over the corpus's start."""
-    from llmserve.benchmarks.workload import corpus_text
+    from llmserve.corpus import corpus_text
 
     ids = tokenizer.encode(corpus_text()[:CALIBRATION_CHARS])
     needed = spec.num_sequences * spec.sequence_len

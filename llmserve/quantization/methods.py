@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from llmserve.config import ModelConfig
+from llmserve.config.quantization import CHECKPOINT
 from llmserve.quantization import awq, calibration, checkpoint, gguf_native
-from llmserve.quantization.config import CHECKPOINT
 from llmserve.quantization.formats import QuantizedWeight, concat_rows, quantize_int4, quantize_int8
 from llmserve.quantization.gptq import HessianAccumulator, gptq_quantize
 from llmserve.quantization.kernels import QuantizedLinear

@@ -36,12 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.config import cpu_has_native_bf16
+from llmserve.corpus import CORPUS_MODULES
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.proposers.draft_head import DraftHead, subset_lm_head_weight
 
 logger = logging.getLogger("llmserve")
 
-# The benchmark corpus (benchmarks/workload.py) is left out of the documents, so the benchmarks measure
+# The benchmark corpus (llmserve/corpus.py) is left out of the documents, so the benchmarks measure
 # the head on text it was not trained on; so are modules whose import has side effects.
 _SKIPPED_MODULES = frozenset({
     "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3", "ensurepip", "venv",
@@ -137,8 +138,6 @@ def chat_prompts() -> list[str]:
 def documents() -> list[str]:
     """Distinct docstrings (over 200 characters) of standard-library modules and their public classes
     and functions, the benchmark corpus's modules left out."""
-    from llmserve.benchmarks.workload import CORPUS_MODULES
-
     skipped = _SKIPPED_MODULES | set(CORPUS_MODULES)
     docs: dict[str, None] = {}
     for name in sorted(m for m in sys.stdlib_module_names if not m.startswith("_") and m not in skipped):

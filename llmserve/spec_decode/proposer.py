@@ -8,7 +8,7 @@ The engine calls `propose` once per step in which speculation is on, after the m
 `DraftProposal` (request.py) for each request it drafts for: drafts to follow the request's tokens
 plus the ones this step gave it, and the q they were drawn from where the request samples. At the
 next step the scheduler's `DraftPlanner` (core/draft_planner.py) takes as many of them as the token
-budget and the request's limits allow, and the model runner verifies them (spec_decode/verifier.py).
+budget and the request's limits allow, and the model runner verifies them (sample/verifier.py).
 
 Proposers, by `--speculative-method` (registry.py):
 - ngram (proposers/ngram.py): prompt lookup on the host, no model;

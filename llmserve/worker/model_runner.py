@@ -18,12 +18,12 @@ from llmserve.attention.window import decode_context_positions, prefill_context_
 from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import SchedulerOutput
+from llmserve.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
 from llmserve.models.decode_stack import build_decode_stack
 from llmserve.request import Request
 from llmserve.sample.metadata import SamplingMetadata
 from llmserve.sample.sampler import Sampler, SamplerOutput
-from llmserve.spec_decode.verifier import DraftVerifier
-from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
+from llmserve.sample.verifier import DraftVerifier
 from llmserve.worker.prefault import populate_in_background
 
 

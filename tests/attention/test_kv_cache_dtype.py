@@ -120,7 +120,7 @@ def test_speculative_decoding_over_an_int8_cache_keeps_greedy_output(tiny, metho
 
 def test_real_model_perplexity_with_int8_kv_within_2_percent():
     from llmserve.benchmarks.kv_cache_ppl import perplexity
-    from llmserve.benchmarks.workload import corpus_text
+    from llmserve.corpus import corpus_text
     from llmserve.engine.llm_engine import LLMEngine
 
     results = {}

@@ -11,7 +11,7 @@ import torch
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
 from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.attention.window import decode_context_positions, prefill_context_positions
-from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
+from llmserve.forward_context import AttentionMetadata, PrefillSpan
 
 BLOCK = 8
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 32

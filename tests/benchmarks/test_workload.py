@@ -8,11 +8,11 @@ from llmserve.benchmarks.workload import (
     TokenCorpus,
     WorkloadSpec,
     build_workload,
-    corpus_text,
     load_jsonl,
     lognormal_lengths,
     save_jsonl,
 )
+from llmserve.corpus import corpus_text
 
 
 @pytest.fixture(scope="module")

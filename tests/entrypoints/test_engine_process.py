@@ -19,8 +19,7 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.messages import AddRequest, EngineOutput, FailureKind, RequestsFailed, StepOutputs
 from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.metrics.stats import EngineGauges, StepStats
-from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from llmserve.spec_decode.metrics import SpecDecodeStats
+from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
 
 # -- the wire format and output kinds ---------------------------------------------------------------
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
+from llmserve.forward_context import AttentionMetadata, PrefillSpan
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 
 pytestmark = pytest.mark.cpu_kernels
 

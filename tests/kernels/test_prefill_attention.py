@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
+from llmserve.forward_context import AttentionMetadata, PrefillSpan
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.cpu_kernels("avx2")  # every AVX-512 BF16 CPU has AVX2 and FMA too

@@ -7,10 +7,10 @@ import transformers
 from llmserve.config import CacheConfig, EngineConfig, ModelArchConfig, ModelConfig, SchedulerConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import SchedulerOutput
+from llmserve.forward_context import set_forward_context
 from llmserve.models.registry import build_model
 from llmserve.request import Request
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.forward_context import set_forward_context
 from llmserve.worker.model_runner import ModelRunner
 
 VOCAB = 97

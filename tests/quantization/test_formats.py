@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmserve.config.quantization import QuantizationConfig, resolve_group_size
 from llmserve.quantization.checkpoint import load_quantized, save_quantized
-from llmserve.quantization.config import QuantizationConfig, resolve_group_size
 from llmserve.quantization.formats import Int8Weight, concat_rows, quantize_int4, quantize_int8
 from llmserve.quantization.gptq import gptq_quantize
 from llmserve.quantization.kernels import (

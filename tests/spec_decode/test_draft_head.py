@@ -13,10 +13,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.core.draft_planner import DraftPlanner
 from llmserve.request import DraftProposal, Request
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.config import SpeculativeConfig
 from llmserve.spec_decode.head_training import (
     HeadTrainingConfig,
     TrainingText,

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from llmserve.config import SchedulerConfig
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler
 from llmserve.request import DraftProposal, Request
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.config import SpeculativeConfig
 from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.spec_decode.proposers.ngram import NgramProposer, PromptLookup
 

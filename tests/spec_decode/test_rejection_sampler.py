@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from llmserve.request import Request
+from llmserve.sample.rejection_sampler import RejectionSampler, rejection_sample_reference
+from llmserve.sample.speculative import build_row_metadata, expand_rows
+from llmserve.sample.verifier import DraftVerifier
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.rejection_sampler import RejectionSampler, rejection_sample_reference
-from llmserve.spec_decode.sampling import build_row_metadata, expand_rows
-from llmserve.spec_decode.verifier import DraftVerifier
 
 V = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)

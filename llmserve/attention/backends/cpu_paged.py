@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
+from llmserve.forward_context import AttentionMetadata, PrefillSpan
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
 
 
 class CPUPagedBackend(TorchSDPABackend):

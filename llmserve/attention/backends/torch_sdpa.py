@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.attention.kv_format import KVCacheFormat, get_kv_cache_format
-from llmserve.worker.forward_context import AttentionMetadata, PrefillSpan
+from llmserve.forward_context import AttentionMetadata, PrefillSpan
 
 
 class TorchSDPABackend:

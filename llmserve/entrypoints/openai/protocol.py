@@ -26,8 +26,8 @@ from pydantic import (
 )
 from pydantic_core import CoreSchema, core_schema
 
+from llmserve.outputs import SpecDecodeStats
 from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
-from llmserve.spec_decode.metrics import SpecDecodeStats
 
 MAX_N = 16  # choices per prompt
 MAX_STOP_SEQUENCES = 16

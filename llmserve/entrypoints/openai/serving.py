@@ -25,9 +25,8 @@ from starlette.types import Receive, Scope, Send
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.llm_engine import check_params
 from llmserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo, _SamplingRequest
-from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
-from llmserve.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger("llmserve.server")
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.kernels.cpu_ops import cpu_ops_for
 from llmserve.kernels.small_batch_linear import MAX_ROWS, use_small_batch_linear
 from llmserve.models.layers.custom_op import bind_kernels
@@ -40,17 +41,16 @@ from llmserve.models.layers.norm import RMSNorm
 from llmserve.request import DraftProposal, Request
 from llmserve.sample.logits_processors import needs_processing
 from llmserve.sample.sampler import greedy_token_ids
-from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.config import SpeculativeConfig
-from llmserve.spec_decode.proposer import SampledBatch
-from llmserve.spec_decode.proposers.ngram import PromptLookup
-from llmserve.spec_decode.sampling import (
+from llmserve.sample.speculative import (
     build_row_metadata,
     exponential_race,
     greedy_rows,
     process_logits,
     uniform_rows,
 )
+from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.proposer import SampledBatch
+from llmserve.spec_decode.proposers.ngram import PromptLookup
 
 logger = logging.getLogger("llmserve")
 

@@ -29,20 +29,20 @@ import torch
 from torch import nn
 
 from llmserve.config import EngineArgs, EngineConfig, ModelArchConfig
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager, cdiv
 from llmserve.core.scheduler import SchedulerOutput
 from llmserve.model_loader import load_arch_config, load_weights, resolve_model_path
 from llmserve.models.registry import build_model
 from llmserve.request import DraftProposal, Request
-from llmserve.spec_decode.config import SpeculativeConfig
-from llmserve.spec_decode.proposer import SampledBatch
-from llmserve.spec_decode.sampling import (
+from llmserve.sample.speculative import (
     build_row_metadata,
     exponential_race,
     greedy_rows,
     process_logits,
     uniform_rows,
 )
+from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("llmserve")

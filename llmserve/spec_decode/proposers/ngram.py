@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmserve.config.speculative import SpeculativeConfig
 from llmserve.request import DraftProposal
-from llmserve.spec_decode.config import SpeculativeConfig
 from llmserve.spec_decode.proposer import SampledBatch
 
 # Drafts a match of n tokens may propose: 2 ** n. How often draft j is accepted depends mostly on how

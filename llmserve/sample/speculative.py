@@ -1,4 +1,5 @@
-"""The sampler's processing, applied per draft position, for the target's p and the draft's q alike.
+"""Speculative decoding's sampling: the sampler's processing applied per draft position, for the
+target's p and the draft's q alike.
 
 A request verifying k drafts has k + 1 target rows; row j judges the token that follows the first j
 drafts, so its penalties and min_tokens see the output plus those j drafts, exactly as if the drafts

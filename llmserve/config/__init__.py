@@ -1,4 +1,5 @@
-"""Engine configuration: one frozen dataclass per concern.
+"""Engine configuration: one frozen dataclass per concern (speculative.py: SpeculativeConfig,
+quantization.py: QuantizationConfig; the rest here), the lowest layer every package may import.
 
 Every field carries a one-line docstring-style comment that doubles as CLI help. "auto" values are
 resolved by `EngineConfig.create` before freezing and never mutated later.
@@ -16,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from llmserve.attention.kv_format import get_kv_cache_format
-from llmserve.quantization.config import QuantizationConfig
-from llmserve.spec_decode.config import SpeculativeConfig
+from llmserve.config.quantization import QuantizationConfig
+from llmserve.config.speculative import SpeculativeConfig
 
 logger = logging.getLogger("llmserve")
 

@@ -14,9 +14,9 @@ import torch
 
 from llmserve.request import Request
 from llmserve.sample.logits_processors import needs_processing
+from llmserve.sample.rejection_sampler import RejectionSampler, RejectionSamplerOutput
 from llmserve.sample.sampler import greedy_token_ids
-from llmserve.spec_decode.rejection_sampler import RejectionSampler, RejectionSamplerOutput
-from llmserve.spec_decode.sampling import build_row_metadata, expand_rows
+from llmserve.sample.speculative import build_row_metadata, expand_rows
 
 TokenLogprobs = dict[int, float]
 

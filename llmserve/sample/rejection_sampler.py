@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from llmserve.sample.metadata import SamplingMetadata
-from llmserve.spec_decode.sampling import exponential_race, greedy_rows, process_logits, uniform_rows
+from llmserve.sample.speculative import exponential_race, greedy_rows, process_logits, uniform_rows
 
 
 @dataclass
@@ -88,7 +88,7 @@ class RejectionSampler:
     ) -> RejectionSamplerOutput:
         """target_logits: [N, V] rows per request: one per draft, then the bonus row (N = sum(k_i + 1));
         draft_token_ids: [D] (D = sum(k_i)); draft_probs: [D, V] the q each draft was drawn from, or None
-        for one-hot q; metadata: one row per target row (see sampling.expand_rows)."""
+        for one-hot q; metadata: one row per target row (see speculative.expand_rows)."""
         layout = _Layout.build(num_drafts, target_logits.device)
         greedy_ids, logits = process_logits(target_logits, metadata)
         greedy_request = greedy_rows(metadata, len(logits), logits.device)[layout.starts]
