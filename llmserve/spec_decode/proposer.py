@@ -21,7 +21,7 @@ Proposers, by `--speculative-method` (registry.py):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -75,6 +75,7 @@ class SampledBatch:
         return self.hidden[torch.from_numpy(rows).to(self.hidden.device, non_blocking=True)]
 
 
+@runtime_checkable
 class Proposer(Protocol):
     """Drafts for the next step, from a step's sampled batch."""
 

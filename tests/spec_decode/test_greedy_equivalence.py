@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from llmserve.spec_decode.proposer import Proposer
+
 from .conftest import (
     MAX_TOKENS,
     PROMPTS,
@@ -38,6 +40,7 @@ def method(request, target_dir, other_draft_dir, draft_head):
 
 def test_mixed_batch_with_per_request_k_equals_no_speculation(method, reference):
     name, llm = method
+    assert isinstance(llm.engine.proposer, Proposer)  # every method drafts through the one interface
     prompts = [p for p in PROMPTS for _ in PER_REQUEST_K]
     params = [greedy(k=k) for _ in PROMPTS for k in PER_REQUEST_K]
     outputs = llm.generate(prompts, params, use_tqdm=False)
