@@ -5,7 +5,10 @@ top-level module (``llmserve.config``, ``llmserve.request``, ...); the package i
 (``llmserve/__init__.py``) is left out, as it only re-exports. Every import in every ``.py``
 file under ``llmserve`` counts, wherever it stands: at module level, inside a function, or under
 ``if TYPE_CHECKING``. An import deferred into a function still makes its package depend on the
-other one; deferring it only hides the cycle from the interpreter, not from the reader.
+other one; deferring it only hides the cycle from the interpreter, not from the reader. For the
+same reason ``from llmserve import LLM`` counts as importing the module that defines ``LLM`` (the
+package's lazy ``_EXPORTS``), and ``importlib.import_module("llmserve....")`` with a literal name
+counts as an import.
 
 An edge ``a -> b`` means some module of ``a`` imports some module of ``b``. The test finds the
 strongly connected components of that graph and fails on any with more than one node, naming
