@@ -212,9 +212,7 @@ class DraftHeadProposer:
         feature = features[rows] if len(rows) < len(features) else features
         tokens = torch.tensor([ids[-1] for ids in new_token_ids], dtype=torch.int64, device=feature.device)
         # the full processing (q over the vocabulary) where a row samples or has a logits processor
-        sampling = not all(
-            r.sampling_params.is_greedy and not needs_processing(r.sampling_params) for r in requests
-        )
+        sampling = any(not _plain_greedy(r.sampling_params) for r in requests)
         chain = None if sampling or len(requests) > MAX_ROWS else self.compiled_chain
         if chain is not None:
             drafts, confident = chain.greedy(feature, tokens, max(counts), self.min_confidence)
