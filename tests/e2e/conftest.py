@@ -67,3 +67,21 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=2,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def teacher_forced_logits(llm, token_ids: list[int]) -> torch.Tensor:
+    """The float32 logits the engine computes at every position of `token_ids` in one prefill (the
+    model's final hidden states, caught by a hook, through its output projection)."""
+    from llmserve import SamplingParams
+
+    model = llm.engine.model_runner.model
+    hidden: list[torch.Tensor] = []
+    handle = model.register_forward_hook(lambda _m, _a, out: hidden.append(out.clone()))
+    try:
+        llm.generate([token_ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    finally:
+        handle.remove()
+    with torch.inference_mode():
+        return model.compute_logits(
+            torch.cat(hidden)[: len(token_ids)]
+        )  # the prompt's rows, chunk after chunk

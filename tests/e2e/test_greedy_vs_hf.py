@@ -7,7 +7,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 
-from .conftest import hf_greedy
+from .conftest import hf_greedy, teacher_forced_logits
 
 pytestmark = pytest.mark.slow
 
@@ -71,16 +71,7 @@ def test_bfloat16_is_as_close_to_float32_as_hf_bfloat16(hf_model_fp32, prompts_5
         reference = next_token_logprobs(hf_model_fp32(ids).logits[0, :-1])
         hf_bf16 = next_token_logprobs(copy.deepcopy(hf_model_fp32).to(torch.bfloat16)(ids).logits[0, :-1])
     llm = LLM(dtype="bfloat16", kv_cache_memory="256MiB", prefix_caching=False)
-    model = llm.engine.model_runner.model
-    hidden_rows: list[torch.Tensor] = []
-    handle = model.register_forward_hook(lambda _m, _a, hidden: hidden_rows.append(hidden.clone()))
-    try:
-        llm.generate([text], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    finally:
-        handle.remove()
-    hidden = torch.cat(hidden_rows)[: len(text) - 1]  # the prompt's rows, chunk after chunk
-    with torch.inference_mode():
-        ours = next_token_logprobs(model.compute_logits(hidden))
+    ours = next_token_logprobs(teacher_forced_logits(llm, text)[:-1])
     our_error = (ours - reference).abs().mean().item()
     hf_error = (hf_bf16 - reference).abs().mean().item()
     assert our_error <= 1.2 * hf_error, (our_error, hf_error)

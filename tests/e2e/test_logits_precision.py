@@ -7,6 +7,8 @@ import torch
 
 from llmserve import LLM, SamplingParams
 
+from .conftest import teacher_forced_logits
+
 pytestmark = pytest.mark.slow
 
 QUESTIONS = [
@@ -52,19 +54,6 @@ def _chat(question: str) -> list[dict]:
 def test_the_france_question_is_answered_in_bfloat16(llm_bf16):
     reply = llm_bf16.chat(_chat(QUESTIONS[0]), SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert reply[0].outputs[0].text.startswith("The capital of France is Paris")
-
-
-def teacher_forced_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """The logits the engine computes at every position of `token_ids` in one prefill."""
-    model = llm.engine.model_runner.model
-    hidden: list[torch.Tensor] = []
-    handle = model.register_forward_hook(lambda _m, _a, out: hidden.append(out.clone()))
-    try:
-        llm.generate([token_ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    finally:
-        handle.remove()
-    with torch.inference_mode():
-        return model.compute_logits(torch.cat(hidden)[: len(token_ids)])
 
 
 def test_bfloat16_argmax_agrees_with_float32_wherever_float32_is_clear(llm_bf16, llm_fp32_uncached):
