@@ -55,7 +55,8 @@ def windows(token_ids: list[int], context: int) -> list[list[int]]:
 
 
 class _Scorer:
-    """Forward hook: sums the log-likelihood of each next token of the window being prefilled."""
+    """A model runner hidden-state hook: sums the log-likelihood of each next token of the window
+    being prefilled."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -66,7 +67,7 @@ class _Scorer:
     def start(self, window: list[int]) -> None:
         self.window, self.offset = torch.tensor(window), 0
 
-    def __call__(self, _module, _args, hidden: torch.Tensor) -> None:
+    def __call__(self, hidden: torch.Tensor) -> None:
         if self.window is None or self.offset >= len(self.window):
             return  # a step after the prompt (the sampled token): nothing to score
         rows = hidden.shape[0]
@@ -82,16 +83,16 @@ class _Scorer:
 @torch.inference_mode()
 def evaluate_perplexity(engine, token_ids: list[int], context: int, decode_tokens: int) -> PerplexityResult:
     """Score `token_ids` in windows of `context`, then time a batch-1 greedy decode."""
-    model = engine.model_runner.model
-    scorer = _Scorer(model)
-    handle = model.register_forward_hook(scorer)
+    runner = engine.model_runner
+    scorer = _Scorer(runner.model)
+    runner.hidden_hooks.append(scorer)
     parts = windows(token_ids, context)
     try:
         for index, window in enumerate(parts):
             scorer.start(window)
             _run(engine, f"ppl-{index}", window, 1)
     finally:
-        handle.remove()
+        runner.hidden_hooks.remove(scorer)
     scored = sum(len(window) - 1 for window in parts)
     decode = decode_ms_per_token(engine, token_ids[:16], decode_tokens) if decode_tokens > 1 else None
     return PerplexityResult(scored, len(parts), scorer.nll / scored, decode)

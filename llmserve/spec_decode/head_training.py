@@ -199,22 +199,16 @@ def generate_text(llm, config: HeadTrainingConfig) -> TrainingText:
 
 @torch.inference_mode()
 def collect_features(llm, text: TrainingText) -> list[torch.Tensor]:
-    """Each sequence's final hidden states [len, H] on the CPU from one prefill (step 2): a hook on
-    the model's last norm while the engine computes the sequence as a prompt (prefix caching must be
-    off)."""
+    """Each sequence's final hidden states [len, H] on the CPU from one prefill (step 2), caught by the
+    model runner while the engine computes the sequence as a prompt (prefix caching must be off)."""
     if llm.engine.config.cache.enable_prefix_caching:
         raise ValueError("collect_features needs an engine without prefix caching")
-    inner = llm.engine.model_runner.model.model
-    captured: list[torch.Tensor] = []
-    hook = inner.register_forward_hook(lambda module, inputs, output: captured.append(output.to("cpu")))
     features = []
-    try:
+    with llm.engine.model_runner.capture_hidden_states() as captured:
         for sequence in text.sequences:
             captured.clear()
             llm.generate([sequence], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-            features.append(torch.cat(captured)[: len(sequence)])
-    finally:
-        hook.remove()
+            features.append(torch.cat(captured)[: len(sequence)].to("cpu"))
     return features
 
 

@@ -7,6 +7,8 @@ loops are over requests (gathering their new token ids and block tables), never 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +68,9 @@ class ModelRunner:
         self.kv_prefault = populate_in_background(self.kv_cache)  # CPU: map its pages ahead of use
         # decode-only steps run every decoder layer in one compiled call where it applies (CPU)
         self.decode_stack = build_decode_stack(model, self.attention_backend)
+        # Called with each step's final hidden states, whichever path made them (evaluation and
+        # draft-head training read them here: the fused stack runs no module hooks).
+        self.hidden_hooks: list[Callable[[torch.Tensor], None]] = []
         cache = config.cache
         # Block-granular views for swapping: [layers, 2, blocks, block_size, kv_heads, head_dim].
         self.kv_blocks = self.kv_cache.view(
@@ -146,8 +151,22 @@ class ModelRunner:
         with set_forward_context(inputs.attention):
             stack = self.decode_stack
             if stack is not None and stack.serves(len(inputs.input_ids), inputs.attention):
-                return stack(inputs.input_ids, inputs.positions, inputs.attention)
-            return self.model(inputs.input_ids, inputs.positions)
+                hidden = stack(inputs.input_ids, inputs.positions, inputs.attention)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions)
+        for hook in self.hidden_hooks:
+            hook(hidden)
+        return hidden
+
+    @contextlib.contextmanager
+    def capture_hidden_states(self) -> Iterator[list[torch.Tensor]]:
+        """Within the block, every step's final hidden states are appended to the yielded list."""
+        captured: list[torch.Tensor] = []
+        self.hidden_hooks.append(captured.append)
+        try:
+            yield captured
+        finally:
+            self.hidden_hooks.remove(captured.append)
 
     def _sample_or_verify(self, logits: torch.Tensor, sampling_requests: list[Request]) -> ModelRunnerOutput:
         if any(r.spec_token_ids for r in sampling_requests):  # speculative decoding: verify the drafts

@@ -71,17 +71,11 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 def teacher_forced_logits(llm, token_ids: list[int]) -> torch.Tensor:
     """The float32 logits the engine computes at every position of `token_ids` in one prefill (the
-    model's final hidden states, caught by a hook, through its output projection)."""
+    model runner's final hidden states, the prompt's rows in order, through the output projection)."""
     from llmserve import SamplingParams
 
-    model = llm.engine.model_runner.model
-    hidden: list[torch.Tensor] = []
-    handle = model.register_forward_hook(lambda _m, _a, out: hidden.append(out.clone()))
-    try:
+    runner = llm.engine.model_runner
+    with runner.capture_hidden_states() as hidden:
         llm.generate([token_ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    finally:
-        handle.remove()
     with torch.inference_mode():
-        return model.compute_logits(
-            torch.cat(hidden)[: len(token_ids)]
-        )  # the prompt's rows, chunk after chunk
+        return runner.model.compute_logits(torch.cat(hidden)[: len(token_ids)])

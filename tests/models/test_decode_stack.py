@@ -157,3 +157,19 @@ def test_not_built_where_it_does_not_apply(model_dir):
         model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, attention_backend="torch"
     )
     assert torch_attention.engine.model_runner.decode_stack is None
+
+
+def test_hidden_state_hooks_see_the_steps_the_stack_runs(model_dir):
+    """Evaluation reads each step's hidden states from the model runner: windows short enough for
+    the stack (it runs no module hooks) are scored as the module path scores them."""
+    from llmserve.evaluation.perplexity import evaluate_perplexity
+
+    llm = LLM(model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
+    runner = llm.engine.model_runner
+    token_ids = [(11 * i) % 700 + 3 for i in range(40)]
+    runner.decode_stack = counting = _Counting(runner.decode_stack)
+    fused = evaluate_perplexity(llm.engine, token_ids, context=8, decode_tokens=0)
+    assert counting.calls >= 5 and fused.nll > 0  # the windows went through the stack and were scored
+    runner.decode_stack = None
+    plain = evaluate_perplexity(llm.engine, token_ids, context=8, decode_tokens=0)
+    assert fused.tokens == plain.tokens and fused.nll == pytest.approx(plain.nll, rel=1e-5)
