@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
+from llmserve.kernels.logits import float32_logits
 from llmserve.kernels.small_batch_linear import MAX_ROWS as SMALL_BATCH_MAX_ROWS
 from llmserve.quantization.formats import Int4Weight, Int8Weight, QuantizedWeight
 
@@ -35,10 +36,11 @@ class LinearKernel(nn.Module):
         raise NotImplementedError
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T in float32, for an output projection (models/layers/lm_head.py says why)."""
+        """x @ W.T in float32, for an output projection (models/layers/lm_head.py says why); kernels
+        with a float32-output path of their own override it."""
         if x.dtype == torch.float32:
             return self(x)
-        return F.linear(x.float(), self.dequantize(torch.float32))
+        return float32_logits(x, self.dequantize(x.dtype))
 
 
 class DequantizeKernel(LinearKernel):
