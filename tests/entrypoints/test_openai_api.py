@@ -269,3 +269,7 @@ def test_logit_bias_bans_and_forces_tokens(client, tokenizer):
     with pytest.raises(openai.BadRequestError) as error:  # past the vocabulary
         client.completions.create(logit_bias={"10000000": 1}, **kwargs)
     assert error.value.body["param"] == "logit_bias"
+    for key in ("²", "٣", "x", "-1"):  # only ASCII digits name a token
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(logit_bias={key: 1}, **kwargs)
+        assert error.value.body["param"] == "logit_bias"

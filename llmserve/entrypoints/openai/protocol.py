@@ -137,7 +137,7 @@ class _SamplingRequest(_Request):
     @classmethod
     def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for token, value in (bias or {}).items():
-            if not token.isdigit():
+            if not (token.isascii() and token.isdigit()):  # "²".isdigit() is true too
                 raise ValueError(f"keys must be token ids, got {token[:20]!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"biases must be in [-100, 100], got {value} for token {token}")
