@@ -41,7 +41,7 @@ def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int = 256) -> flo
             inputs = runner._prepare_inputs(SchedulerOutput(requests=[request], num_scheduled_tokens=[count]))
             with set_forward_context(inputs.attention):
                 hidden = runner.model(inputs.input_ids, inputs.positions)
-            logits = runner.model.compute_logits(hidden).float()
+            logits = runner.model.compute_logits(hidden)
             targets = torch.tensor(token_ids[start + 1 : start + count + 1], device=logits.device)
             total += F.cross_entropy(logits, targets, reduction="sum").item()
             request.num_computed_tokens += count

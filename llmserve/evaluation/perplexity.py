@@ -74,7 +74,7 @@ class _Scorer:
         targets = self.window[self.offset + 1 : self.offset + 1 + rows].to(hidden.device)
         for first in range(0, len(targets), _LOGIT_ROWS):
             part = targets[first : first + _LOGIT_ROWS]
-            logits = self.model.compute_logits(hidden[first : first + len(part)]).float()
+            logits = self.model.compute_logits(hidden[first : first + len(part)])
             picked = logits.gather(-1, part[:, None])[:, 0]
             self.nll -= (picked - torch.logsumexp(logits, dim=-1)).sum().item()
         self.offset += rows

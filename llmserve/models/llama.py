@@ -100,8 +100,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] (models/layers/lm_head.py says why float32)."""
-        logits = self.lm_head(hidden)
-        return logits if logits.dtype == torch.float32 else logits.float()  # a quantized head
+        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
