@@ -63,7 +63,6 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         eos_token_ids: tuple[int, ...] = (),
-        generator: torch.Generator | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -73,7 +72,6 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
-        self.generator = generator
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache on admission
@@ -86,10 +84,9 @@ class Request:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         # Speculative decoding (llmserve/spec_decode): drafts to verify in the step being planned (empty
-        # otherwise; never part of all_token_ids) and the q they were drawn from ([k, V]; None: one-hot
-        # q or greedy), the proposal made after the last step, and the drafts and accepted tokens so far.
+        # otherwise; never part of all_token_ids), the proposal made after the last step, and the
+        # drafts and accepted tokens so far.
         self.spec_token_ids: list[int] = []
-        self.spec_token_probs: torch.Tensor | None = None
         self.draft_proposal: DraftProposal | None = None
         self.spec_decode_stats = SpecDecodeStats()
 
@@ -115,7 +112,6 @@ class Request:
     def clear_drafts(self) -> None:
         """Speculative decoding: nothing to verify (drafts checked, rolled back, or void)."""
         self.spec_token_ids = []
-        self.spec_token_probs = None
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens past the first `num_output_tokens` (speculative decoding: a stop string hit

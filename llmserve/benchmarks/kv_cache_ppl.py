@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.config import EngineArgs
-from llmserve.core.scheduler import SchedulerOutput
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.forward_context import set_forward_context
 from llmserve.request import Request
 from llmserve.sampling_params import SamplingParams
+from llmserve.worker.request_state import CachedRequestState
 
 
 @torch.inference_mode()
@@ -38,7 +38,11 @@ def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int = 256) -> flo
             count = min(chunk, len(token_ids) - 1 - start)  # predicts tokens start+1 .. start+count
             if not kv.allocate_slots(request, count):
                 raise ValueError("the KV pool cannot hold one chunk and its context; raise kv_cache_memory")
-            inputs = runner._prepare_inputs(SchedulerOutput(requests=[request], num_scheduled_tokens=[count]))
+            table = kv.get_block_table("ppl")
+            row = CachedRequestState(
+                "ppl", token_ids, token_ids, request.sampling_params, (), None, table, start
+            )
+            inputs = runner._prepare_inputs([(row, count)])
             with set_forward_context(inputs.attention):
                 hidden = runner.model(inputs.input_ids, inputs.positions)
             logits = runner.model.compute_logits(hidden)

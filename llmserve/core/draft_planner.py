@@ -39,7 +39,8 @@ class DraftPlanner:
 
     def plan(self, request: Request, max_drafts: int) -> int:
         """Drafts `request` verifies this step (at most `max_drafts`), taken from the proposal made for
-        exactly its current tokens and set on it as `spec_token_ids` (and their q).
+        exactly its current tokens and set on it as `spec_token_ids` (their q stays with the model
+        runner that drafted them).
 
         K is the request's `SamplingParams.num_speculative_tokens` when set (0 turns speculation off
         for it), else the engine's `--num-speculative-tokens`.
@@ -50,7 +51,6 @@ class DraftPlanner:
             return 0  # none yet (the prompt is still being computed), or for an earlier context
         k = min(k, len(proposal.token_ids))
         request.spec_token_ids = proposal.token_ids[:k]
-        request.spec_token_probs = None if proposal.probs is None else proposal.probs[:k]
         return k
 
     def num_lookahead_tokens(self, request: Request, share: int | None) -> int:

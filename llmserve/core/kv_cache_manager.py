@@ -74,6 +74,9 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # prompt tokens looked up (first admissions only)
         self.prefix_cache_hits = 0  # of which found in the cache
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) blocks
+        # requests whose table changed other than by appending (copy on write, window, rollback): the
+        # scheduler sends the model runner their whole table next time (core/step_plan.py)
+        self.rewritten_tables: set[str] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -173,6 +176,7 @@ class KVCacheManager:
             self.pending_copies.append((table[write_index], private))
             self.pool.free([table[write_index]])
             table[write_index] = private
+            self.rewritten_tables.add(request.request_id)
         if computed_blocks:
             self.pool.incref(computed_blocks)
             table.extend(computed_blocks)
@@ -192,6 +196,7 @@ class KVCacheManager:
         dead = [block for block in table[start:end] if block != NULL_BLOCK]
         self.pool.free(dead)
         table[start:end] = [NULL_BLOCK] * (end - start)
+        self.rewritten_tables.add(request.request_id)
         self._window_start[request.request_id] = end
         self.num_window_evicted_blocks += len(dead)
 
@@ -205,6 +210,10 @@ class KVCacheManager:
         if source.request_id in self._window_start:
             self._window_start[child.request_id] = self._window_start[source.request_id]
         self._num_registered[child.request_id] = num_tokens // self.block_size
+
+    def take_rewritten_tables(self) -> set[str]:
+        rewritten, self.rewritten_tables = self.rewritten_tables, set()
+        return rewritten
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -231,6 +240,7 @@ class KVCacheManager:
         if table is not None and len(table) > keep:
             self.pool.free(reversed(table[keep:]))
             del table[keep:]
+            self.rewritten_tables.add(request.request_id)
 
     def forget(self, request: Request) -> None:
         """Drop the request's cached hashes once it is finished for good."""

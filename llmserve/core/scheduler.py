@@ -32,39 +32,41 @@ from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.request_queue import PriorityQueue, create_request_queue
+from llmserve.core.step_plan import CachedRequestData, NewRequestData, StepPlan
 from llmserve.outputs import SpecDecodeStats
-from llmserve.request import Request, RequestStatus
+from llmserve.request import DraftProposal, Request, RequestStatus
 
 
 @dataclass
 class SchedulerOutput:
-    """The plan for one step: which requests run and by how many tokens each catches up."""
+    """One step's schedule: the plan the model runner executes (by id, as deltas), and the
+    scheduler's own record of it (its Request objects, for updating them and for the step's stats)."""
 
-    requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
+    plan: StepPlan = field(default_factory=StepPlan)
+    requests: list[Request] = field(default_factory=list)  # the plan's, in its order
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # ended while planning (outgrew the pool)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, swap block) copies
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (swap block, device block) copies
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, dest)
-    # speculative decoding: request id -> drafts it verifies this step (counted in num_scheduled_tokens)
-    num_draft_tokens: dict[str, int] = field(default_factory=dict)
-    # speculative decoding: whether to propose drafts after this step (speculation is on at the batch
-    # size the step leaves running), and auto mode's cap on each request's drafts there (None: no cap)
-    speculate: bool = False
-    max_drafts: int | None = None
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
+    num_prompt_tokens: int = 0  # prompt tokens among the scheduled ones (drafts and outputs are not)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.requests or self.finished or self.swap_out or self.swap_in or self.block_copies)
+        plan = self.plan
+        return not (self.requests or self.finished or plan.swap_out or plan.swap_in or plan.block_copies)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.requests.append(request)
-        self.num_scheduled_tokens.append(num_tokens)
+        self.plan.num_scheduled_tokens[request.request_id] = num_tokens
+
+
+@dataclass
+class _SentState:
+    """What the model runner holds of a request: the plans so far gave it this many tokens and
+    table entries, and whether its table has changed since other than by appending."""
+
+    num_tokens: int
+    num_blocks: int
+    table_rewritten: bool = False
+    resumed: bool = False
 
 
 class Scheduler:
@@ -83,6 +85,8 @@ class Scheduler:
         self.waiting = create_request_queue(config.scheduling_policy, config.priority_aging_seconds)
         self.running: list[Request] = []  # admission order (FCFS) or most urgent first (priority)
         self.requests: dict[str, Request] = {}
+        self._sent: dict[str, _SentState] = {}  # request id -> what the model runner holds of it
+        self._finished_sent: list[str] = []  # finished requests the runner still holds
         self.num_preemptions = 0
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.num_swapped_out_blocks = 0
@@ -106,6 +110,8 @@ class Scheduler:
         self.kv_cache.free(request)
         self.kv_cache.forget(request)
         del self.requests[request.request_id]
+        if self._sent.pop(request.request_id, None) is not None:
+            self._finished_sent.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -129,13 +135,62 @@ class Scheduler:
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if len(output.preempted) == num_preempted_before:  # no KV pressure from running requests
             self._schedule_waiting(output, budget)
-        output.speculate, output.max_drafts = self._speculation(len(self.running))
-        output.block_copies = self.kv_cache.take_pending_copies()
+        plan = output.plan
+        plan.speculate, plan.max_drafts = self._speculation(len(self.running))
+        plan.block_copies = self.kv_cache.take_pending_copies()
+        self._describe_requests(output)
         now = time.monotonic()
         for request in output.requests:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         return output
+
+    def _describe_requests(self, output: SchedulerOutput) -> None:
+        """Fill the plan's request data: in full for a request the runner does not hold, else what
+        changed since the runner last saw it."""
+        plan, kv = output.plan, self.kv_cache
+        for request_id in kv.take_rewritten_tables():
+            sent = self._sent.get(request_id)
+            if sent is not None:
+                sent.table_rewritten = True
+        for request in output.requests:
+            request_id, table = request.request_id, kv.get_block_table(request.request_id)
+            num_new = plan.num_scheduled_tokens[request_id]
+            output.num_prompt_tokens += max(
+                0,
+                min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
+                - request.num_computed_tokens,
+            )
+            sent = self._sent.get(request_id)
+            if sent is None:
+                plan.new_requests.append(
+                    NewRequestData(
+                        request_id,
+                        request.prompt_token_ids,
+                        request.output_token_ids,
+                        request.sampling_params,
+                        request.eos_token_ids,
+                        list(table),
+                        request.num_computed_tokens,
+                    )
+                )
+                self._sent[request_id] = _SentState(request.num_tokens, len(table))
+                continue
+            replace = sent.table_rewritten or sent.resumed
+            plan.cached_requests.append(
+                CachedRequestData(
+                    request_id,
+                    request.all_token_ids[sent.num_tokens :],
+                    list(table) if replace else table[sent.num_blocks :],
+                    replace,
+                    sent.resumed,
+                    request.num_computed_tokens,
+                )
+            )
+            sent.num_tokens, sent.num_blocks = request.num_tokens, len(table)
+            sent.table_rewritten = sent.resumed = False
+        if output.requests:  # finished requests reach the runner with the next step it runs
+            plan.finished_request_ids, self._finished_sent = self._finished_sent, []
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         planner = self.draft_planner
@@ -167,7 +222,7 @@ class Scheduler:
             else:
                 output.add(request, num_new + num_drafts)
                 if num_drafts:
-                    output.num_draft_tokens[request.request_id] = num_drafts
+                    output.plan.spec_token_ids[request.request_id] = request.spec_token_ids
                 budget -= num_new + num_drafts
                 index += 1
         return budget
@@ -222,7 +277,7 @@ class Scheduler:
             if self.kv_cache.is_swapped(request):
                 if not self._swap_in(request, output, budget):
                     break
-                budget -= output.num_scheduled_tokens[-1]
+                budget -= output.plan.num_scheduled_tokens[request.request_id]
                 continue
             source = request.fork_source
             if source is not None and source.status == RequestStatus.RUNNING:
@@ -230,7 +285,7 @@ class Scheduler:
                     request, output, budget
                 ):
                     break  # wait for the sibling computing the shared prompt, or for room
-                budget -= output.num_scheduled_tokens[-1]
+                budget -= output.plan.num_scheduled_tokens[request.request_id]
                 continue
             cached_blocks = self.kv_cache.get_computed_blocks(request)
             num_cached = len(cached_blocks) * self.kv_cache.block_size
@@ -273,7 +328,7 @@ class Scheduler:
         moves = self.kv_cache.swap_in(request, num_new)
         if moves is None:
             return False
-        output.swap_in.extend(moves)
+        output.plan.swap_in.extend(moves)
         self.waiting.pop()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -286,7 +341,7 @@ class Scheduler:
         request.clear_drafts()  # speculative decoding: drafts planned this step are void
         if self._should_swap(request):
             moves = self.kv_cache.swap_out(request)
-            output.swap_out.extend(moves)
+            output.plan.swap_out.extend(moves)
             self.num_swapped_out_blocks += len(moves)
             self.preemptions_by_mode["swap"] += 1
         else:
@@ -294,6 +349,9 @@ class Scheduler:
             request.num_computed_tokens = 0
             self.preemptions_by_mode["recompute"] += 1
         request.status = RequestStatus.PREEMPTED
+        sent = self._sent.get(request.request_id)
+        if sent is not None:
+            sent.resumed = True  # its table is new when it comes back
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -310,24 +368,30 @@ class Scheduler:
     # -- after the model ran -------------------------------------------------------------------
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: dict[str, list[int]],
+        proposals: dict[str, DraftProposal | None] | None = None,
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests that hit a stop rule.
 
         A request gets one new token, or 1..k+1 after verifying k drafts (the accepted drafts, then the
         recovered or bonus token); stop rules apply to each in order and drop the ones after a stop.
+        Speculative decoding: `proposals` are the drafts made after this step, for the next.
 
         Returns the requests that received new tokens this step (finished ones included).
         """
         now = time.monotonic()
         updated = []
-        for request, num_tokens in zip(output.requests, output.num_scheduled_tokens, strict=True):
-            request.num_computed_tokens += num_tokens
+        plan, proposals = output.plan, proposals or {}
+        for request in output.requests:
+            request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
             token_ids = sampled_token_ids.get(request.request_id)
             if token_ids is None:
                 self.kv_cache.cache_computed_blocks(request)
                 continue  # a prefill chunk that has not reached the end of the known tokens
-            num_drafts = output.num_draft_tokens.get(request.request_id, 0)
+            request.draft_proposal = proposals.get(request.request_id)
+            num_drafts = len(plan.spec_token_ids.get(request.request_id, ()))
             if num_drafts:
                 self._roll_back_rejected(request, num_drafts, num_accepted=len(token_ids) - 1)
             status = self._append_tokens(request, token_ids)

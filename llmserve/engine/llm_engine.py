@@ -66,7 +66,7 @@ class LLMEngine:
             self._preemption_costs(model),
             DraftPlanner(spec) if spec is not None else None,
         )
-        self.model_runner = ModelRunner(self.config, model, self.kv_cache_manager)
+        self.model_runner = ModelRunner(self.config, model)
         self.proposer = create_proposer(self.config, model, self.model_runner)  # speculative decoding
         self.output_processor = OutputProcessor(self.tokenizer)
         self.output_kinds = OutputAccumulator()
@@ -167,10 +167,7 @@ class LLMEngine:
     def _make_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time, priority: int
     ) -> Request:
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.config.model.device).manual_seed(params.seed)
-        return Request(request_id, prompt_ids, params, arrival_time, priority, self.eos_token_ids, generator)
+        return Request(request_id, prompt_ids, params, arrival_time, priority, self.eos_token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish every unfinished child of the request and free its blocks; returns its last output."""
@@ -199,16 +196,17 @@ class LLMEngine:
             self.last_step = None
             return []
         outputs = self.output_processor.outputs_for(scheduled.finished)
-        self.model_runner.move_blocks(scheduled)
-        num_sampled = num_accepted = 0
+        plan = scheduled.plan
+        result = self.model_runner.execute(plan)
+        proposals = None
+        if self.proposer is not None and plan.speculate and scheduled.requests:  # drafts for the next step
+            proposals = self.proposer.propose(SampledBatch.from_step(plan, result))
+            self.model_runner.keep_draft_probs(proposals)
+        sampled = result.sampled_token_ids
+        num_sampled = sum(map(len, sampled.values()))
+        num_accepted = sum(len(sampled[r]) - 1 for r in plan.spec_token_ids)
         if scheduled.requests:
-            result = self.model_runner.execute(scheduled)
-            if self.proposer is not None and scheduled.speculate:  # drafts for the next step
-                self.proposer.propose(SampledBatch.from_step(scheduled, result))
-            sampled = result.sampled_token_ids
-            num_sampled = sum(map(len, sampled.values()))
-            num_accepted = sum(len(sampled[r]) - 1 for r in scheduled.num_draft_tokens)
-            updated = self.scheduler.update_from_output(scheduled, sampled)
+            updated = self.scheduler.update_from_output(scheduled, sampled, proposals)
             outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)
         self.last_step = self._step_stats(scheduled, num_sampled, num_accepted, time.monotonic() - start)
         return [output for output in map(self.output_kinds.apply, outputs) if output is not None]
@@ -222,15 +220,11 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv_cache_manager.usage,
             num_batched_seqs=len(scheduled.requests),
-            num_prompt_tokens=sum(
-                max(0, min(r.num_computed_tokens, r.num_prompt_tokens) - (r.num_computed_tokens - n))
-                for r, n in zip(scheduled.requests, scheduled.num_scheduled_tokens, strict=True)
-                if r.request_id not in scheduled.num_draft_tokens  # speculating requests are decoding
-            ),
+            num_prompt_tokens=scheduled.num_prompt_tokens,
             num_generation_tokens=num_sampled,
             num_preemptions=len(scheduled.preempted),
             step_seconds=seconds,
-            num_draft_tokens=sum(scheduled.num_draft_tokens.values()),
+            num_draft_tokens=sum(map(len, scheduled.plan.spec_token_ids.values())),
             num_accepted_tokens=num_accepted,
             num_prefix_cache_queries=prefix_cache_queries,
             num_prefix_cache_hits=prefix_cache_hits,

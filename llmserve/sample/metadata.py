@@ -10,12 +10,27 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from llmserve.sample.logits_processors import LogitsProcessing
 from llmserve.sampling_params import SamplingParams
+
+
+class SamplingRequest(Protocol):
+    """What sampling and verification read of a request (the model runner's CachedRequestState)."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+    generator: torch.Generator | None
+    spec_token_ids: list[int]  # the drafts it verifies this step
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
 
 
 @dataclass

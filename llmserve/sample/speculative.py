@@ -13,8 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llmserve.request import Request
-from llmserve.sample.metadata import SamplingMetadata
+from llmserve.sample.metadata import SamplingMetadata, SamplingRequest
 from llmserve.sample.sampler import (
     apply_logits_processors,
     apply_min_p,
@@ -27,7 +26,10 @@ from llmserve.sample.sampler import (
 
 
 def build_row_metadata(
-    requests: Sequence[Request], drafts_before: Sequence[list[int]], vocab_size: int, device: torch.device
+    requests: Sequence[SamplingRequest],
+    drafts_before: Sequence[list[int]],
+    vocab_size: int,
+    device: torch.device,
 ) -> SamplingMetadata:
     """One row per (request, position): `drafts_before[i]` are the drafts that precede row i."""
     return SamplingMetadata.build(
@@ -44,10 +46,10 @@ def build_row_metadata(
 
 
 def expand_rows(
-    requests: Sequence[Request], num_rows: Sequence[int]
-) -> tuple[list[Request], list[list[int]]]:
+    requests: Sequence[SamplingRequest], num_rows: Sequence[int]
+) -> tuple[list[SamplingRequest], list[list[int]]]:
     """Request i repeated num_rows[i] times, with the drafts before each of its rows (row j: the first j)."""
-    rows: list[Request] = []
+    rows: list[SamplingRequest] = []
     drafts_before: list[list[int]] = []
     for request, count in zip(requests, num_rows, strict=True):
         rows.extend([request] * count)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from llmserve.request import Request
 from llmserve.sample.logits_processors import needs_processing
+from llmserve.sample.metadata import SamplingRequest
 from llmserve.sample.rejection_sampler import RejectionSampler, RejectionSamplerOutput
 from llmserve.sample.sampler import greedy_token_ids
 from llmserve.sample.speculative import build_row_metadata, expand_rows
@@ -21,7 +21,7 @@ from llmserve.sample.speculative import build_row_metadata, expand_rows
 TokenLogprobs = dict[int, float]
 
 
-def _plain_greedy(request: Request) -> bool:
+def _plain_greedy(request: SamplingRequest) -> bool:
     """Greedy, no penalties, past min_tokens, no logits processor, no logprobs: its next token is the
     plain argmax (the per-request form of `sampler.leaves_logits_unchanged`, decided before any
     metadata is built)."""
@@ -42,7 +42,7 @@ class DraftVerifier:
         self.rejection_sampler = RejectionSampler()
 
     def __call__(
-        self, logits: torch.Tensor, requests: Sequence[Request], draft_probs: dict[str, torch.Tensor]
+        self, logits: torch.Tensor, requests: Sequence[SamplingRequest], draft_probs: dict[str, torch.Tensor]
     ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         """New tokens per request (accepted drafts, then the recovered or bonus token) and their logprobs.
 
@@ -68,7 +68,7 @@ class DraftVerifier:
             return new_tokens, {}
         return new_tokens, self._logprobs(requests, token_ids, output, metadata.max_num_logprobs)
 
-    def _draft_q(self, request: Request, draft_probs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _draft_q(self, request: SamplingRequest, draft_probs: dict[str, torch.Tensor]) -> torch.Tensor:
         """[k, V] the q of a request's drafts: as proposed, or one-hot (prompt lookup drafts beside a
         draft head's sampled ones in the same step)."""
         q = draft_probs.get(request.request_id)
@@ -79,7 +79,7 @@ class DraftVerifier:
 
     @staticmethod
     def _verify_plain_greedy(
-        logits: torch.Tensor, requests: Sequence[Request], num_drafts: list[int]
+        logits: torch.Tensor, requests: Sequence[SamplingRequest], num_drafts: list[int]
     ) -> dict[str, list[int]]:
         """Greedy requests with nothing that changes their logits: one argmax over every row and a host
         comparison, instead of the rejection sampler's per-row processing (a float32 copy of the
@@ -105,7 +105,7 @@ class DraftVerifier:
 
     def _logprobs(
         self,
-        requests: Sequence[Request],
+        requests: Sequence[SamplingRequest],
         token_ids: list[list[int]],
         output: RejectionSamplerOutput,
         max_num: int,

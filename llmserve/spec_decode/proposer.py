@@ -4,11 +4,12 @@
         -> Proposer.propose(SampledBatch) -> the scheduler appends the new tokens
 
 The engine calls `propose` once per step in which speculation is on, after the model runner sampled
-(or verified drafts) and before the scheduler appends the new tokens. The proposer leaves a
+(or verified drafts) and before the scheduler appends the new tokens. The proposer returns a
 `DraftProposal` (request.py) for each request it drafts for: drafts to follow the request's tokens
-plus the ones this step gave it, and the q they were drawn from where the request samples. At the
-next step the scheduler's `DraftPlanner` (core/draft_planner.py) takes as many of them as the token
-budget and the request's limits allow, and the model runner verifies them (sample/verifier.py).
+plus the ones this step gave it, and the q they were drawn from where the request samples. The
+scheduler keeps the drafts and the model runner the q; at the next step the scheduler's
+`DraftPlanner` (core/draft_planner.py) takes as many drafts as the token budget and the request's
+limits allow, and the model runner verifies them (sample/verifier.py).
 
 Proposers, by `--speculative-method` (registry.py):
 - ngram (proposers/ngram.py): prompt lookup on the host, no model;
@@ -26,16 +27,17 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from llmserve.core.scheduler import SchedulerOutput
-from llmserve.request import Request
+from llmserve.core.step_plan import StepPlan
+from llmserve.request import DraftProposal
 from llmserve.worker.model_runner import ModelRunnerOutput
+from llmserve.worker.request_state import CachedRequestState
 
 
 @dataclass
 class SampledBatch:
     """The requests a step gave new tokens, in the model runner's sampling order."""
 
-    requests: list[Request]
+    requests: list[CachedRequestState]
     new_token_ids: list[list[int]]  # per request: the tokens this step gave it (not yet appended to it)
     # [rows, H]: the target's final hidden state at each sampling row, k + 1 rows for a request that
     # verified k drafts (row j judged the token after its first j drafts), one row otherwise
@@ -43,10 +45,10 @@ class SampledBatch:
     max_drafts: int | None = None  # auto mode: drafts per request at most at this batch size
 
     @classmethod
-    def from_step(cls, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> SampledBatch:
+    def from_step(cls, plan: StepPlan, output: ModelRunnerOutput) -> SampledBatch:
         requests = output.sampled_requests
         new_token_ids = [output.sampled_token_ids[r.request_id] for r in requests]
-        return cls(requests, new_token_ids, output.sample_hidden, scheduled.max_drafts)
+        return cls(requests, new_token_ids, output.sample_hidden, plan.max_drafts)
 
     def num_tokens(self, index: int) -> int:
         """Request `index`'s tokens once this step's are appended: the length its drafts follow."""
@@ -79,8 +81,8 @@ class SampledBatch:
 class Proposer(Protocol):
     """Drafts for the next step, from a step's sampled batch."""
 
-    def propose(self, batch: SampledBatch) -> None:
-        """Set `draft_proposal` on each request of `batch`: a `DraftProposal` for
-        `batch.num_tokens(i)` tokens with at most `batch.draft_limit(i, k)` drafts, or None where it
-        proposes nothing. Host syncs only to read drafts back, no loop over a request's tokens."""
+    def propose(self, batch: SampledBatch) -> dict[str, DraftProposal | None]:
+        """For each request of `batch`, by id: a `DraftProposal` for `batch.num_tokens(i)` tokens with
+        at most `batch.draft_limit(i, k)` drafts, or None where it proposes nothing. Host syncs only
+        to read drafts back, no loop over a request's tokens."""
         ...

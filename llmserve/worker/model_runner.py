@@ -1,8 +1,10 @@
 """Runs one engine step on the device: flat inputs from the scheduler's plan, forward, sample.
 
-The KV pool is one preallocated tensor [layers, 2, num_slots, kv_heads, head_dim]; each attention
-layer gets views of its K and V slices. Input bookkeeping is vectorized with numpy; the only Python
-loops are over requests (gathering their new token ids and block tables), never over tokens.
+The runner holds each request it runs (worker/request_state.py), updated from the step plan's deltas
+(core/step_plan.py): it never reads the scheduler's objects. The KV pool is one preallocated tensor
+[layers, 2, num_slots, kv_heads, head_dim]; each attention layer gets views of its K and V slices.
+Input bookkeeping is vectorized with numpy; the only Python loops are over requests (gathering their
+new token ids and block tables), never over tokens.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -18,15 +21,15 @@ from torch import nn
 from llmserve.attention.registry import select_attention_backend
 from llmserve.attention.window import decode_context_positions, prefill_context_positions
 from llmserve.config import EngineConfig
-from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.core.scheduler import SchedulerOutput
+from llmserve.core.step_plan import StepPlan
 from llmserve.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
 from llmserve.models.decode_stack import build_decode_stack
-from llmserve.request import Request
+from llmserve.request import DraftProposal
 from llmserve.sample.metadata import SamplingMetadata
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.sample.verifier import DraftVerifier
 from llmserve.worker.prefault import populate_in_background
+from llmserve.worker.request_state import CachedRequestState, apply_plan
 
 
 @dataclass
@@ -36,13 +39,26 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[dict[int, float]]]  # request id -> per new token: top-N and its own log-probs
     # For drafting the next step (spec_decode/proposer.py): the requests that sampled, in row order, and
     # the final hidden state of each of their logits rows (k + 1 rows for a request verifying k drafts)
-    sampled_requests: list[Request] = field(default_factory=list)
+    sampled_requests: list[CachedRequestState] = field(default_factory=list)
     sample_hidden: torch.Tensor | None = None
+
+
+class BatchRow(Protocol):
+    """What input preparation reads of a request: a runner's CachedRequestState, or a draft model's
+    view of one (spec_decode/proposers/draft_model.py)."""
+
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    spec_token_ids: list[int]
+    block_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 @dataclass
 class _StepInputs:
-    requests: list[Request]  # in batch order (decodes first)
+    requests: list[BatchRow]  # in batch order (decodes first)
     input_ids: torch.Tensor
     positions: torch.Tensor
     attention: AttentionMetadata
@@ -51,10 +67,10 @@ class _StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module) -> None:
         self.config = config
         self.model = model
-        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, CachedRequestState] = {}  # every unfinished request the plans named
         self.device = config.model.device
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.arch.vocab_size
@@ -117,11 +133,18 @@ class ModelRunner:
         if self.kv_prefault is not None:
             self.kv_prefault.join()
 
+    def keep_draft_probs(self, proposals: dict[str, DraftProposal | None]) -> None:
+        """Hold the q of each new proposal for the step that verifies (a prefix of) its drafts."""
+        for request_id, proposal in proposals.items():
+            state = self.requests.get(request_id)
+            if state is not None:
+                state.draft_probs = None if proposal is None else proposal.probs
+
     @torch.inference_mode()
-    def move_blocks(self, scheduled: SchedulerOutput) -> None:
+    def move_blocks(self, plan: StepPlan) -> None:
         """Copy preempted requests' blocks to the swap space, resumed ones back, and shared blocks
         about to be written (copy-on-write), before the step's forward writes into any of them."""
-        swap_out, swap_in, copies = scheduled.swap_out, scheduled.swap_in, scheduled.block_copies
+        swap_out, swap_in, copies = plan.swap_out, plan.swap_in, plan.block_copies
         if swap_out:
             device_blocks, swap_blocks = map(list, zip(*swap_out, strict=True))
             self.swap_space[:, :, swap_blocks] = self.kv_blocks[:, :, device_blocks].to("cpu")
@@ -133,8 +156,14 @@ class ModelRunner:
             self.kv_blocks[:, :, destinations] = self.kv_blocks[:, :, sources]
 
     @torch.inference_mode()
-    def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
-        inputs = self._prepare_inputs(scheduled)
+    def execute(self, plan: StepPlan) -> ModelRunnerOutput:
+        """Apply the plan, then run its requests' new tokens and sample those that caught up."""
+        apply_plan(self.requests, plan, self.device)
+        self.move_blocks(plan)
+        if not plan.num_scheduled_tokens:
+            return ModelRunnerOutput({}, {})
+        rows = [(self.requests[rid], count) for rid, count in plan.num_scheduled_tokens.items()]
+        inputs = self._prepare_inputs(rows)
         hidden = self._forward(inputs)
         if not inputs.sample_rows:
             return ModelRunnerOutput({}, {})
@@ -168,7 +197,9 @@ class ModelRunner:
         finally:
             self.hidden_hooks.remove(captured.append)
 
-    def _sample_or_verify(self, logits: torch.Tensor, sampling_requests: list[Request]) -> ModelRunnerOutput:
+    def _sample_or_verify(
+        self, logits: torch.Tensor, sampling_requests: list[CachedRequestState]
+    ) -> ModelRunnerOutput:
         if any(r.spec_token_ids for r in sampling_requests):  # speculative decoding: verify the drafts
             draft_probs = {  # sampled drafts carry their q
                 r.request_id: r.spec_token_probs for r in sampling_requests if r.spec_token_probs is not None
@@ -186,7 +217,7 @@ class ModelRunner:
         return self._to_output(sampling_requests, self.sampler(logits, metadata))
 
     @staticmethod
-    def _to_output(requests: list[Request], sampled: SamplerOutput) -> ModelRunnerOutput:
+    def _to_output(requests: list[CachedRequestState], sampled: SamplerOutput) -> ModelRunnerOutput:
         token_ids = sampled.sampled_token_ids.tolist()  # the one host sync of the step
         output = ModelRunnerOutput(
             sampled_token_ids={r.request_id: [t] for r, t in zip(requests, token_ids, strict=True)},
@@ -205,14 +236,13 @@ class ModelRunner:
             output.logprobs[request.request_id] = [entry]
         return output
 
-    def _prepare_inputs(self, scheduled: SchedulerOutput) -> _StepInputs:
+    def _prepare_inputs(self, rows: list[tuple[BatchRow, int]]) -> _StepInputs:
+        """Flat inputs for requests catching up by the given numbers of tokens (drafts included)."""
         # Short rows first (decodes, verify spans) so attention can batch them into one call.
         limit = self.attention_backend.max_decode_query_len
-        order = sorted(
-            range(len(scheduled.requests)), key=lambda i: scheduled.num_scheduled_tokens[i] > limit
-        )
-        requests = [scheduled.requests[i] for i in order]
-        num_new = np.array([scheduled.num_scheduled_tokens[i] for i in order], dtype=np.int64)
+        rows = sorted(rows, key=lambda row: row[1] > limit)
+        requests = [request for request, _ in rows]
+        num_new = np.array([count for _, count in rows], dtype=np.int64)
         computed = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
         seq_lens = computed + num_new
         ends = np.cumsum(num_new)
@@ -283,11 +313,11 @@ class ModelRunner:
             context_positions=None if live is None else self._to_device(live),
         )
 
-    def _block_tables(self, requests: list[Request], max_len: int) -> np.ndarray:
+    def _block_tables(self, requests: list[BatchRow], max_len: int) -> np.ndarray:
         num_columns = -(-max_len // self.block_size)
         tables = np.zeros((len(requests), num_columns), dtype=np.int64)
         for row, request in enumerate(requests):
-            table = self.kv_cache_manager.get_block_table(request.request_id)[:num_columns]
+            table = request.block_ids[:num_columns]
             tables[row, : len(table)] = table
         return tables
 

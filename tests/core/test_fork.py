@@ -25,7 +25,7 @@ def test_siblings_share_prompt_blocks_and_copy_the_partial_block_on_first_write(
     assert kv.get_block_table(source.request_id) == [0, 1, 2]
     assert kv.get_block_table(first.request_id) == [0, 1, 3]
     assert kv.get_block_table(second.request_id) == [0, 1, 4]
-    assert plan.block_copies == [(2, 3), (2, 4)]
+    assert plan.plan.block_copies == [(2, 3), (2, 4)]
     assert kv.pool.ref_counts[:5] == [3, 3, 1, 1, 1]
     assert first.num_computed_tokens == 9  # it recomputes only the last prompt token
     kv.check_integrity()
@@ -46,6 +46,6 @@ def test_a_block_boundary_prompt_needs_no_copy(make_request):
     scheduler.add_request(sibling)
     finish_step(scheduler, scheduler.schedule())
     plan = scheduler.schedule()
-    assert plan.block_copies == []  # the sibling shares the two full blocks only
+    assert plan.plan.block_copies == []  # the sibling shares the two full blocks only
     assert kv.get_block_table(sibling.request_id) == [0, 1, 3]
     assert kv.pool.ref_counts[:4] == [2, 2, 1, 1]

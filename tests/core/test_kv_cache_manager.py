@@ -91,7 +91,7 @@ def _step(scheduler: Scheduler, eos: bool) -> None:
     plan = scheduler.schedule()
     sampled = {
         r.request_id: [2 if eos else 7]
-        for r, n in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
+        for r, n in zip(plan.requests, plan.plan.num_scheduled_tokens.values(), strict=True)
         if r.num_computed_tokens + n == r.num_tokens
     }
     scheduler.update_from_output(plan, sampled)

@@ -11,14 +11,14 @@ def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, chunked=T
 
 
 def plan_of(output):
-    return [(r.request_id, n) for r, n in zip(output.requests, output.num_scheduled_tokens, strict=True)]
+    return list(output.plan.num_scheduled_tokens.items())
 
 
 def finish_step(scheduler, output, token=7):
     """Feed back a token for every request that caught up, like the model runner does."""
     sampled = {
         r.request_id: [token]
-        for r, n in zip(output.requests, output.num_scheduled_tokens, strict=True)
+        for r, n in zip(output.requests, output.plan.num_scheduled_tokens.values(), strict=True)
         if r.num_computed_tokens + n == r.num_tokens
     }
     return scheduler.update_from_output(output, sampled)

@@ -39,7 +39,7 @@ def test_random_prefix_tree_workload_finishes_without_leaks(mode, policy):
         plan = scheduler.schedule()
         sampled = {
             r.request_id: [rng.randrange(3, 500)]
-            for r, n in zip(plan.requests, plan.num_scheduled_tokens, strict=True)
+            for r, n in zip(plan.requests, plan.plan.num_scheduled_tokens.values(), strict=True)
             if r.num_computed_tokens + n == r.num_tokens
         }
         scheduler.update_from_output(plan, sampled)

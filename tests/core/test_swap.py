@@ -27,7 +27,7 @@ def test_swap_out_moves_the_victims_blocks_and_keeps_its_progress(make_request):
     scheduler, kv = make_scheduler()
     a, b = fill_pool(scheduler, make_request)
     plan = scheduler.schedule()
-    assert plan.preempted == [b] and plan.swap_out == [(2, 0), (3, 1)]
+    assert plan.preempted == [b] and plan.plan.swap_out == [(2, 0), (3, 1)]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 8
     assert kv.swapped_tables == {b.request_id: [0, 1]}
     assert scheduler.preemptions_by_mode == {"recompute": 0, "swap": 1}
@@ -43,9 +43,9 @@ def test_swapped_request_resumes_with_a_swap_in_and_no_recompute(make_request):
     assert a.is_finished
     plan = scheduler.schedule()
     assert plan_of(plan) == [(b.request_id, 1)]  # only its last sampled token: nothing recomputed
-    assert [swap for swap, _ in plan.swap_in] == [0, 1]
+    assert [swap for swap, _ in plan.plan.swap_in] == [0, 1]
     table = kv.get_block_table(b.request_id)
-    assert len(table) == 3 and table[:2] == [device for _, device in plan.swap_in]
+    assert len(table) == 3 and table[:2] == [device for _, device in plan.plan.swap_in]
     assert kv.swapped_tables == {} and kv.swap_pool.num_free_blocks == 8
     kv.check_integrity()
 
@@ -54,7 +54,7 @@ def test_full_swap_space_falls_back_to_recompute(make_request):
     scheduler, kv = make_scheduler(swap_blocks=1)
     _, b = fill_pool(scheduler, make_request)
     plan = scheduler.schedule()
-    assert plan.preempted == [b] and plan.swap_out == []
+    assert plan.preempted == [b] and plan.plan.swap_out == []
     assert b.num_computed_tokens == 0
     assert scheduler.preemptions_by_mode == {"recompute": 1, "swap": 0}
 
@@ -72,9 +72,9 @@ def test_auto_mode_follows_the_cost_estimate(make_request):
     cheap_compute = PreemptionCosts(flops_per_token=1.0, kv_bytes_per_token=10**9, device_type="cpu")
     scheduler, _ = make_scheduler(mode="auto", costs=cheap_compute)
     fill_pool(scheduler, make_request)
-    assert scheduler.schedule().swap_out == []  # recomputing is estimated cheaper
+    assert scheduler.schedule().plan.swap_out == []  # recomputing is estimated cheaper
     costly_compute = PreemptionCosts(flops_per_token=2.7e8, kv_bytes_per_token=46_080, device_type="cpu")
     assert costly_compute.prefer_swap(200)
     scheduler, _ = make_scheduler(mode="auto", costs=costly_compute)
     fill_pool(scheduler, make_request)
-    assert len(scheduler.schedule().swap_out) == 2
+    assert len(scheduler.schedule().plan.swap_out) == 2

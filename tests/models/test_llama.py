@@ -1,12 +1,13 @@
 """Our Llama on a flat, chunked, mixed batch gives HF transformers' logits, position by position."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import transformers
 
 from llmserve.config import CacheConfig, EngineConfig, ModelArchConfig, ModelConfig, SchedulerConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.core.scheduler import SchedulerOutput
 from llmserve.forward_context import set_forward_context
 from llmserve.models.registry import build_model
 from llmserve.request import Request
@@ -87,16 +88,24 @@ def make_runner(model_config, model, block_size=4):
         cache=CacheConfig(block_size=block_size, num_blocks=64, kv_cache_memory=0),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256),
     )
-    return ModelRunner(config, model, kv), kv
+    return ModelRunner(config, model), kv
 
 
 def run_step(runner, kv, plan: list[tuple[Request, int]]) -> list[torch.Tensor]:
     """Run a step and return each request's logits for its scheduled tokens, in plan order."""
-    scheduled = SchedulerOutput()
+    rows = []
     for request, count in plan:
         assert kv.allocate_slots(request, count)
-        scheduled.add(request, count)
-    inputs = runner._prepare_inputs(scheduled)
+        row = SimpleNamespace(  # what the runner's input preparation reads of a request
+            request_id=request.request_id,
+            all_token_ids=request.all_token_ids,
+            num_tokens=request.num_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+            spec_token_ids=[],
+            block_ids=kv.get_block_table(request.request_id),
+        )
+        rows.append((row, count))
+    inputs = runner._prepare_inputs(rows)
     with torch.inference_mode(), set_forward_context(inputs.attention):
         logits = runner.model.compute_logits(runner.model(inputs.input_ids, inputs.positions))
     per_request, start = {}, 0

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from llmserve.config.speculative import SpeculativeConfig
 from llmserve.core.draft_planner import DraftPlanner
+from llmserve.core.step_plan import NewRequestData
 from llmserve.request import DraftProposal, Request
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.head_training import (
@@ -25,6 +26,7 @@ from llmserve.spec_decode.head_training import (
 )
 from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.spec_decode.proposers.draft_head import FORMAT, is_head_target, target_sample
+from llmserve.worker.request_state import CachedRequestState
 
 from .conftest import HEAD_TRAINING_FLAGS, make_llm, spec_kwargs
 
@@ -171,20 +173,29 @@ def _request(request_id: str, tokens: list[int], **params) -> Request:
     return Request(request_id, tokens, SamplingParams(max_tokens=32, **params))
 
 
+def _state(request_id: str, tokens: list[int], **params) -> CachedRequestState:
+    """A request as the model runner holds it (what proposers draft for)."""
+    data = NewRequestData(
+        request_id, tokens, [], SamplingParams(max_tokens=32, **params), (), [], len(tokens) - 1
+    )
+    return CachedRequestState.from_new(data, torch.device("cpu"))
+
+
 def test_proposals_follow_the_new_tokens_per_request_k_and_carry_q_when_sampling(head_llm, monkeypatch):
     proposer = head_llm.engine.proposer  # at most 3 drafts (the default)
     monkeypatch.setattr(proposer, "min_confidence", 0.0)  # every draft, however unsure
     requests = [
-        _request("greedy", [5, 6, 7], temperature=0.0),
-        _request("sampled", [5, 6, 7], temperature=0.9, top_k=20, seed=1),
-        _request("one", [5, 6, 7], temperature=0.0, num_speculative_tokens=1),
-        _request("off", [5, 6, 7], temperature=0.0, num_speculative_tokens=0),
+        _state("greedy", [5, 6, 7], temperature=0.0),
+        _state("sampled", [5, 6, 7], temperature=0.9, top_k=20, seed=1),
+        _state("one", [5, 6, 7], temperature=0.0, num_speculative_tokens=1),
+        _state("off", [5, 6, 7], temperature=0.0, num_speculative_tokens=0),
     ]
     requests[1].spec_token_ids = [8]  # it verified one draft, accepted it and drew 9: two rows
     new_tokens = [[8], [8, 9], [8], [8]]
     features = torch.randn(len(requests) + 1, 64)
-    proposer.propose(SampledBatch(requests, new_tokens, features))
-    greedy_proposal, sampled_proposal, one, off = (r.draft_proposal for r in requests)
+    proposals = proposer.propose(SampledBatch(requests, new_tokens, features))
+    assert list(proposals) == ["greedy", "sampled", "one", "off"]
+    greedy_proposal, sampled_proposal, one, off = proposals.values()
     assert off is None
     assert greedy_proposal.num_tokens == 4 and sampled_proposal.num_tokens == 5
     assert len(greedy_proposal.token_ids) == 3 and len(one.token_ids) == 1
@@ -205,16 +216,21 @@ def _head_config() -> SpeculativeConfig:
     return SpeculativeConfig.create("draft_head", None, 2, 4, None, None, 0)
 
 
-def test_planner_takes_a_proposal_and_its_q_within_the_room():
+def test_planner_takes_a_proposal_within_the_room_and_the_runner_the_q_of_those_drafts():
     planner = DraftPlanner(_head_config())
     fresh = _request("f", [1, 2, 3, 4], temperature=0.9)
-    q = torch.full((3, 10), 0.1)
+    q = torch.arange(30.0).reshape(3, 10)
     fresh.draft_proposal = DraftProposal(fresh.num_tokens, [7, 8, 9], q)
     assert planner.plan(fresh, max_drafts=2) == 2
     assert fresh.spec_token_ids == [7, 8]
-    assert fresh.spec_token_probs.shape == (2, 10)
     fresh.clear_drafts()
-    assert fresh.spec_token_ids == [] and fresh.spec_token_probs is None
+    assert fresh.spec_token_ids == []
+    held = _state("f", [1, 2, 3, 4], temperature=0.9)  # the runner keeps the q of its last proposal
+    held.draft_probs = q
+    held.set_drafts([7, 8])
+    assert torch.equal(held.spec_token_probs, q[:2])
+    held.set_drafts([])
+    assert held.spec_token_ids == [] and held.spec_token_probs is None
 
 
 def test_planner_ignores_a_proposal_for_another_context():
@@ -236,14 +252,12 @@ def test_config_defaults_and_bad_head_token_counts():
 
 def test_drafts_end_where_the_chained_confidence_drops(head_llm, monkeypatch):
     proposer = head_llm.engine.proposer
-    request = _request("c", [5, 6, 7], temperature=0.0)
+    request = _state("c", [5, 6, 7], temperature=0.0)
     features = torch.randn(1, 64)
     monkeypatch.setattr(proposer, "min_confidence", 1.01)  # no chain is that sure
-    proposer.propose(SampledBatch([request], [[8]], features))
-    assert request.draft_proposal.token_ids == []
+    assert proposer.propose(SampledBatch([request], [[8]], features))["c"].token_ids == []
     monkeypatch.setattr(proposer, "min_confidence", 0.0)
-    proposer.propose(SampledBatch([request], [[8]], features))
-    assert len(request.draft_proposal.token_ids) == 3
+    assert len(proposer.propose(SampledBatch([request], [[8]], features))["c"].token_ids) == 3
 
 
 @pytest.mark.cpu_kernels("avx2")  # the head is float32: its linears go to the float32 kernel
@@ -284,15 +298,15 @@ def test_prompt_lookup_proposes_where_it_finds_a_match_and_the_head_elsewhere(
     llm = make_llm(target_dir, **spec_kwargs("draft_head", target_dir, other_draft_dir, draft_head))
     proposer = llm.engine.proposer
     repeating, fresh = (
-        _request("r", [5, 1, 2, 1, 2, 1], temperature=0.0),
-        _request("f", [1, 2, 3], temperature=0.0),
+        _state("r", [5, 1, 2, 1, 2, 1], temperature=0.0),
+        _state("f", [1, 2, 3], temperature=0.0),
     )
     proposer.min_confidence = 0.0
-    proposer.propose(SampledBatch([repeating, fresh], [[2], [4]], torch.randn(2, 64)))
+    proposals = proposer.propose(SampledBatch([repeating, fresh], [[2], [4]], torch.randn(2, 64)))
     # [5, 1, 2, 1, 2, 1, 2]: a 4-token match, so up to K = 7 drafts (the head drafts at most 3)
-    assert repeating.draft_proposal == DraftProposal(7, [1, 2, 1, 2, 1, 2, 1])
-    assert len(fresh.draft_proposal.token_ids) == 3
+    assert proposals["r"] == DraftProposal(7, [1, 2, 1, 2, 1, 2, 1])
+    assert len(proposals["f"].token_ids) == 3
     head_only = head_llm.engine.proposer  # prompt_lookup_max 0: the head everywhere
     monkeypatch.setattr(head_only, "min_confidence", 0.0)
-    head_only.propose(SampledBatch([repeating], [[2]], torch.randn(1, 64)))
-    assert len(repeating.draft_proposal.token_ids) == 3
+    proposals = head_only.propose(SampledBatch([repeating], [[2]], torch.randn(1, 64)))
+    assert len(proposals["r"].token_ids) == 3

@@ -119,7 +119,7 @@ def test_auto_mode_keeps_a_steps_verify_rows_within_the_kernels_limit(target_dir
 
     def recording_schedule():
         output = schedule()
-        counts.append((len(scheduler.running), max(output.num_draft_tokens.values(), default=0)))
+        counts.append((len(scheduler.running), max(map(len, output.plan.spec_token_ids.values()), default=0)))
         return output
 
     scheduler.schedule = recording_schedule

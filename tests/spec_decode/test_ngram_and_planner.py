@@ -94,19 +94,26 @@ def test_ngram_proposes_after_the_step_from_the_tokens_including_the_new_ones():
         _request([5, 1, 2, 1, 2, 1], num_speculative_tokens=0),  # does not speculate
         _request([5, 1, 2, 1, 2, 1], max_tokens=3),  # room for one draft before max_tokens
     ]
-    proposer.propose(SampledBatch(requests, [[2], [4], [2], [2]], torch.zeros(4, 1)))
-    assert requests[0].draft_proposal == DraftProposal(7, [1, 2, 1])
-    assert requests[1].draft_proposal is None and requests[2].draft_proposal is None
-    assert requests[3].draft_proposal == DraftProposal(7, [1])
-    proposer.propose(SampledBatch(requests[:1], [[2]], torch.zeros(1, 1), max_drafts=2))  # auto mode's share
-    assert requests[0].draft_proposal == DraftProposal(7, [1, 2])
+    for index, request in enumerate(requests):
+        request.request_id = f"r{index}"
+    proposals = proposer.propose(SampledBatch(requests, [[2], [4], [2], [2]], torch.zeros(4, 1)))
+    assert proposals == {
+        "r0": DraftProposal(7, [1, 2, 1]),
+        "r1": None,
+        "r2": None,
+        "r3": DraftProposal(7, [1]),
+    }
+    auto = proposer.propose(
+        SampledBatch(requests[:1], [[2]], torch.zeros(1, 1), max_drafts=2)
+    )  # auto's share
+    assert auto == {"r0": DraftProposal(7, [1, 2])}
 
 
 def test_planner_takes_the_proposal_within_the_room_given():
     planner = DraftPlanner(_config(k=3))
     request = _proposed([5, 1, 2, 1, 2, 1, 2], [1, 2, 1, 2, 1])
     assert planner.plan(request, max_drafts=8) == 3
-    assert request.spec_token_ids == [1, 2, 1] and request.spec_token_probs is None
+    assert request.spec_token_ids == [1, 2, 1]
     assert planner.plan(request, max_drafts=2) == 2
     assert request.spec_token_ids == [1, 2]
     assert planner.plan(_request([1, 2, 3]), max_drafts=8) == 0  # no proposal
@@ -144,7 +151,7 @@ def test_lookahead_is_allocated_past_the_step_and_never_preempts():
         scheduler.update_from_output(scheduler.schedule(), {"r": [7]})  # prefill: 10 tokens, 1 sampled
         request.draft_proposal = DraftProposal(request.num_tokens, [8, 9])
         output = scheduler.schedule()
-        assert output.num_scheduled_tokens == [3] and output.num_draft_tokens == {"r": 2}
+        assert output.plan.num_scheduled_tokens == {"r": 3} and output.plan.spec_token_ids == {"r": [8, 9]}
         assert len(kv.get_block_table("r")) == expected_blocks
         assert scheduler.num_preemptions == 0
 

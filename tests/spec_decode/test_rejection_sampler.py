@@ -10,25 +10,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve.request import Request
 from llmserve.sample.rejection_sampler import RejectionSampler, rejection_sample_reference
 from llmserve.sample.speculative import build_row_metadata, expand_rows
 from llmserve.sample.verifier import DraftVerifier
 from llmserve.sampling_params import SamplingParams
+from llmserve.worker.request_state import CachedRequestState
 
 V = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 RANDOM = SamplingParams(temperature=1.0, max_tokens=64)
 
 
-def _request(index: int, params: SamplingParams, drafts: list[int], seed: int | None = None) -> Request:
+def _request(
+    index: int, params: SamplingParams, drafts: list[int], seed: int | None = None, prompt=(0, 1)
+) -> CachedRequestState:
+    """A request as the model runner holds it, verifying `drafts`."""
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    request = Request(str(index), [0, 1], params, generator=generator)
+    request = CachedRequestState(
+        str(index), list(prompt), list(prompt), params, (), generator, [], len(prompt)
+    )
     request.spec_token_ids = list(drafts)
     return request
 
 
-def _run(requests: list[Request], target_probs: list[torch.Tensor], draft_probs=None):
+def _run(requests: list[CachedRequestState], target_probs: list[torch.Tensor], draft_probs=None):
     """target_probs[i]: request i's [k_i + 1, V] p rows (zeros allowed: log(0) = -inf logits)."""
     num_drafts = [len(r.spec_token_ids) for r in requests]
     rows, drafts_before = expand_rows(requests, [k + 1 for k in num_drafts])
@@ -235,7 +240,6 @@ def test_penalized_greedy_requests_take_the_full_path():
     """A repetition penalty changes the argmax, so the plain path must not serve it."""
     logits = torch.log(_one_hot_rows(3, 5))
     penalized = SamplingParams(temperature=0.0, max_tokens=64, repetition_penalty=100.0)
-    request = Request("0", [3], penalized)  # token 3 is in the prompt: its logit is penalized
-    request.spec_token_ids = [3]
+    request = _request(0, penalized, [3], prompt=[3])  # token 3 is in the prompt: its logit is penalized
     tokens, _ = DraftVerifier(V, torch.device("cpu"))(logits, [request], {})
     assert tokens["0"][0] != 3  # the plain argmax would have accepted 3

@@ -38,7 +38,7 @@ from llmserve.kernels.small_batch_linear import MAX_ROWS, use_small_batch_linear
 from llmserve.models.layers.custom_op import bind_kernels
 from llmserve.models.layers.lm_head import LMHead
 from llmserve.models.layers.norm import RMSNorm
-from llmserve.request import DraftProposal, Request
+from llmserve.request import DraftProposal
 from llmserve.sample.logits_processors import needs_processing
 from llmserve.sample.sampler import greedy_token_ids
 from llmserve.sample.speculative import (
@@ -51,6 +51,7 @@ from llmserve.sample.speculative import (
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.spec_decode.proposers.ngram import PromptLookup
+from llmserve.worker.request_state import CachedRequestState
 
 logger = logging.getLogger("llmserve")
 
@@ -193,7 +194,7 @@ class DraftHeadProposer:
         return [self.head, self.subset_head]
 
     @torch.inference_mode()
-    def propose(self, batch: SampledBatch) -> None:
+    def propose(self, batch: SampledBatch) -> dict[str, DraftProposal | None]:
         """Prompt lookup's drafts where it finds a match, else the head's from the final hidden state
         each request's last new token was sampled from.
 
@@ -201,10 +202,11 @@ class DraftHeadProposer:
         product of its top probabilities) falls below `min_confidence`: a wrong draft costs a verify
         row and a head step, a right one saves a whole step.
         """
-        counts = [self._lookup_or_head(batch, index) for index in range(len(batch.requests))]
+        proposals: dict[str, DraftProposal | None] = {}
+        counts = [self._lookup_or_head(batch, index, proposals) for index in range(len(batch.requests))]
         rows = [i for i, k in enumerate(counts) if k > 0]
         if not rows:
-            return
+            return proposals
         features = batch.last_hidden()
         requests = [batch.requests[i] for i in rows]
         new_token_ids = [batch.new_token_ids[i] for i in rows]
@@ -227,13 +229,14 @@ class DraftHeadProposer:
             if k and sampling and not request.sampling_params.is_greedy:
                 q = torch.stack([step_probs[i] for step_probs in probs[:k]])
             num_tokens = request.num_tokens + len(new_token_ids[i])
-            request.draft_proposal = DraftProposal(num_tokens, draft_ids[i][:k], q)
+            proposals[request.request_id] = DraftProposal(num_tokens, draft_ids[i][:k], q)
+        return proposals
 
     def _run(
         self,
         feature: torch.Tensor,
         tokens: torch.Tensor,
-        requests: list[Request],
+        requests: list[CachedRequestState],
         new_token_ids: list[list[int]],
         counts: list[int],
         sampling: bool,
@@ -291,23 +294,26 @@ class DraftHeadProposer:
             self.head.out_norm.eps,
         )
 
-    def _lookup_or_head(self, batch: SampledBatch, index: int) -> int:
-        """Set prompt lookup's proposal on request `index` where it finds a match (and return 0), else
-        clear it and return how many drafts the head may propose."""
+    def _lookup_or_head(
+        self, batch: SampledBatch, index: int, proposals: dict[str, DraftProposal | None]
+    ) -> int:
+        """Put prompt lookup's proposal for request `index` in `proposals` where it finds a match (and
+        return 0), else None, and return how many drafts the head may propose."""
         request = batch.requests[index]
-        request.draft_proposal = None
+        proposal = None
         if self.lookup is not None:
             k = batch.draft_limit(index, self.config.drafts_for(request.sampling_params))
-            request.draft_proposal = self.lookup.proposal(batch, index, k)
-            if request.draft_proposal is not None:
-                return 0
+            proposal = self.lookup.proposal(batch, index, k)
+        proposals[request.request_id] = proposal
+        if proposal is not None:
+            return 0
         k = request.sampling_params.num_speculative_tokens
         return batch.draft_limit(index, min(self.max_drafts if k is None else k, self.max_drafts))
 
     def _sample(
         self,
         logits: torch.Tensor,
-        requests: list[Request],
+        requests: list[CachedRequestState],
         tokens_before: list[list[int]],
         drafting: list[bool],
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,11 +30,10 @@ from torch import nn
 
 from llmserve.config import EngineArgs, EngineConfig, ModelArchConfig
 from llmserve.config.speculative import SpeculativeConfig
-from llmserve.core.kv_cache_manager import KVCacheManager, cdiv
-from llmserve.core.scheduler import SchedulerOutput
+from llmserve.core.kv_cache_manager import cdiv
 from llmserve.model_loader import load_arch_config, load_weights, resolve_model_path
 from llmserve.models.registry import build_model
-from llmserve.request import DraftProposal, Request
+from llmserve.request import DraftProposal
 from llmserve.sample.speculative import (
     build_row_metadata,
     exponential_race,
@@ -44,6 +43,7 @@ from llmserve.sample.speculative import (
 )
 from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.worker.model_runner import ModelRunner
+from llmserve.worker.request_state import CachedRequestState
 
 logger = logging.getLogger("llmserve")
 
@@ -55,14 +55,13 @@ DEFAULT_EARLY_EXIT_FRACTION = 0.93
 
 @dataclass
 class _DraftSequence:
-    """A request as the draft model sees it: known tokens plus drafts so far, and how many have draft KV.
-
-    It quacks like a Request for ModelRunner._prepare_inputs (id, tokens, computed count, no drafts).
-    """
+    """A request as the draft model sees it: known tokens plus drafts so far, how many have draft KV,
+    and the target's block table (a BatchRow for ModelRunner._prepare_inputs; it verifies no drafts)."""
 
     request_id: str
     all_token_ids: list[int]
     num_computed_tokens: int
+    block_ids: list[int]
     spec_token_ids: tuple[int, ...] = ()
 
     @property
@@ -77,7 +76,7 @@ class _DraftKV:
 
     num_tokens: int
     drafts: list[int]
-    num_preemptions: int
+    num_resumptions: int
     blocks: tuple[int, ...]
 
 
@@ -114,12 +113,13 @@ class DraftModelProposer(ModelRunner):
         self,
         config: EngineConfig,
         model: nn.Module,
-        kv_cache_manager: KVCacheManager,
+        target_requests: dict[str, CachedRequestState],
         spec: SpeculativeConfig,
         shared_kv_cache: torch.Tensor | None = None,
     ) -> None:
         self._shared_kv_cache = shared_kv_cache  # read by _allocate_kv_cache during super().__init__
-        super().__init__(config, model, kv_cache_manager)
+        super().__init__(config, model)
+        self.target_requests = target_requests  # the target runner's: their block tables address our KV
         self.spec = spec
         self._draft_kv: dict[str, _DraftKV] = {}
 
@@ -133,16 +133,15 @@ class DraftModelProposer(ModelRunner):
         return super()._allocate_kv_cache()
 
     @torch.inference_mode()
-    def propose(self, batch: SampledBatch) -> None:
+    def propose(self, batch: SampledBatch) -> dict[str, DraftProposal | None]:
         """Draft for every request of the batch with K > 0 and lookahead slots; the proposal carries
         each sampling request's [k, V] q (greedy requests need none)."""
         self._forget_finished()
         counts = [self._num_drafts(batch, index) for index in range(len(batch.requests))]
         chosen = [i for i, k in enumerate(counts) if k > 0]
-        for index in (i for i, k in enumerate(counts) if k == 0):
-            batch.requests[index].draft_proposal = None
+        proposals: dict[str, DraftProposal | None] = {r.request_id: None for r in batch.requests}
         if not chosen:
-            return
+            return proposals
         requests, counts = [batch.requests[i] for i in chosen], [counts[i] for i in chosen]
         new_token_ids = [batch.new_token_ids[i] for i in chosen]
         sequences = [self._sequence(r, ids) for r, ids in zip(requests, new_token_ids, strict=True)]
@@ -163,16 +162,16 @@ class DraftModelProposer(ModelRunner):
         for i, (request, request_drafts) in enumerate(zip(requests, drafts, strict=True)):
             samples = probs is not None and not request.sampling_params.is_greedy
             num_tokens = request.num_tokens + len(new_token_ids[i])
-            request.draft_proposal = DraftProposal(
+            proposals[request.request_id] = DraftProposal(
                 num_tokens, request_drafts, probs[i, : len(request_drafts)] if samples else None
             )
             # KV now covers the known tokens and every draft but the last (never fed back); the step
             # keeps the blocks of the tokens computed once this step's are appended (num_tokens - 1).
-            table = self.kv_cache_manager.get_block_table(request.request_id)
-            kept = table[: cdiv(num_tokens - 1, self.block_size)]
+            kept = request.block_ids[: cdiv(num_tokens - 1, self.block_size)]
             self._draft_kv[request.request_id] = _DraftKV(
-                num_tokens, request_drafts[:-1], request.num_preemptions, tuple(kept)
+                num_tokens, request_drafts[:-1], request.num_resumptions, tuple(kept)
             )
+        return proposals
 
     def _num_drafts(self, batch: SampledBatch, index: int) -> int:
         """K for request `index`, within the slots its block table holds past its newest token (the
@@ -181,26 +180,28 @@ class DraftModelProposer(ModelRunner):
         k = batch.draft_limit(index, self.spec.drafts_for(request.sampling_params))
         if k == 0:
             return 0
-        slots = len(self.kv_cache_manager.get_block_table(request.request_id)) * self.block_size
+        slots = len(request.block_ids) * self.block_size
         return max(0, min(k, slots - (batch.num_tokens(index) - 1)))
 
     def _forget_finished(self) -> None:
-        """Forget requests whose blocks are gone (finished, aborted, preempted)."""
-        live = self.kv_cache_manager.block_tables
+        """Forget requests the target runner no longer holds (finished, aborted)."""
+        live = self.target_requests
         for request_id in [r for r in self._draft_kv if r not in live]:
             del self._draft_kv[request_id]
 
-    def _sequence(self, request: Request, new_token_ids: list[int]) -> _DraftSequence:
+    def _sequence(self, request: CachedRequestState, new_token_ids: list[int]) -> _DraftSequence:
         tokens = request.all_token_ids + new_token_ids
-        return _DraftSequence(request.request_id, tokens, self._num_valid_kv(request, tokens))
+        return _DraftSequence(
+            request.request_id, tokens, self._num_valid_kv(request, tokens), request.block_ids
+        )
 
-    def _num_valid_kv(self, request: Request, tokens: list[int]) -> int:
+    def _num_valid_kv(self, request: CachedRequestState, tokens: list[int]) -> int:
         """Leading positions whose draft KV holds the request's actual `tokens` (never the newest one,
         which no forward has seen yet)."""
         if self.shares_target_kv:
             return len(tokens) - 1  # the target's own KV, computed up to the newest token
         held = self._draft_kv.get(request.request_id)
-        if held is None or held.num_preemptions != request.num_preemptions:
+        if held is None or held.num_resumptions != request.num_resumptions:
             return 0  # new, or preempted since (its blocks were freed or moved)
         actual = tokens[held.num_tokens : held.num_tokens + len(held.drafts)]
         matched = next(
@@ -208,10 +209,10 @@ class DraftModelProposer(ModelRunner):
         )
         return min(held.num_tokens + matched, self._num_kept_slots(request, held), len(tokens) - 1)
 
-    def _num_kept_slots(self, request: Request, held: _DraftKV) -> int:
+    def _num_kept_slots(self, request: CachedRequestState, held: _DraftKV) -> int:
         """Positions in the leading blocks that the request's table still holds as they were when the
         draft last wrote them (a copy on write replaces a block)."""
-        table = self.kv_cache_manager.get_block_table(request.request_id)
+        table = request.block_ids
         if tuple(table[: len(held.blocks)]) == held.blocks:
             return len(held.blocks) * self.block_size
         pairs = zip(held.blocks, table, strict=False)
@@ -220,11 +221,7 @@ class DraftModelProposer(ModelRunner):
 
     def _draft_logits(self, sequences: list[_DraftSequence]) -> torch.Tensor:
         """Catch each sequence up to its last token; [len(sequences), V] logits there, in that order."""
-        plan = SchedulerOutput(
-            requests=sequences,  # duck-typed: _prepare_inputs reads ids, tokens and computed counts
-            num_scheduled_tokens=[s.num_tokens - s.num_computed_tokens for s in sequences],
-        )
-        inputs = self._prepare_inputs(plan)
+        inputs = self._prepare_inputs([(s, s.num_tokens - s.num_computed_tokens) for s in sequences])
         hidden = self._forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         row_of = {id(inputs.requests[row]): i for i, row in enumerate(inputs.sample_rows)}
@@ -233,7 +230,7 @@ class DraftModelProposer(ModelRunner):
         return logits[[row_of[id(s)] for s in sequences]]
 
     def _sample(
-        self, logits: torch.Tensor, requests: list[Request], drafts_before: list[list[int]]
+        self, logits: torch.Tensor, requests: list[CachedRequestState], drafts_before: list[list[int]]
     ) -> tuple[list[int], torch.Tensor | None]:
         """Next draft per row (argmax for greedy requests, else drawn from q) and q when any row samples."""
         metadata = build_row_metadata(requests, drafts_before, self.vocab_size, self.device)
@@ -265,7 +262,7 @@ def create_early_exit_proposer(
     return DraftModelProposer(
         _draft_config(config),
         EarlyExitModel(target, layers),
-        target_runner.kv_cache_manager,
+        target_runner.requests,
         spec,
         shared_kv_cache=target_runner.kv_cache[:layers],
     )
@@ -293,7 +290,7 @@ def create_draft_model_proposer(
     model = build_model(model_config, load_weights(path, model_config.dtype))
     logger.info("speculative decoding: draft model %s (%d layers)", path, arch.num_hidden_layers)
     draft_config = dataclasses.replace(_draft_config(config), model=model_config)
-    return DraftModelProposer(draft_config, model, target_runner.kv_cache_manager, spec)
+    return DraftModelProposer(draft_config, model, target_runner.requests, spec)
 
 
 def load_draft_arch(args: EngineArgs) -> ModelArchConfig | None:

@@ -24,10 +24,12 @@ class NgramProposer:
         self.config = config
         self.lookup = PromptLookup(config.prompt_lookup_min, config.prompt_lookup_max)
 
-    def propose(self, batch: SampledBatch) -> None:
+    def propose(self, batch: SampledBatch) -> dict[str, DraftProposal | None]:
+        proposals = {}
         for index, request in enumerate(batch.requests):
             k = batch.draft_limit(index, self.config.drafts_for(request.sampling_params))
-            request.draft_proposal = self.lookup.proposal(batch, index, k)
+            proposals[request.request_id] = self.lookup.proposal(batch, index, k)
+        return proposals
 
 
 class PromptLookup:
