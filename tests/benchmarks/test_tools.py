@@ -4,7 +4,10 @@ is asserted, only that the figures are there and the plumbing (worktrees, steps,
 from __future__ import annotations
 
 import http.server
+import json
+import socket
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -115,6 +118,32 @@ def test_side_by_side_waits_for_health():
         server.shutdown()
     with pytest.raises(TimeoutError):
         side_by_side.wait_for_health(url, None, timeout=0.5)
+
+
+def test_side_by_side_records_each_servers_start_up(tmp_path, monkeypatch):
+    """A server step returns its seconds to ready, and main writes them to startup-TAG.json."""
+    port = _free_port()
+    health = (
+        "import http.server as h\n"
+        "class H(h.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self): self.send_response(200); self.end_headers()\n"
+        "    def log_message(self, *a): pass\n"
+        f"h.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n"
+    )
+    server = side_by_side.Step("srv", ["true"], [sys.executable, "-c", health], f"http://127.0.0.1:{port}")
+    offline = side_by_side.Step("off", ["true"])
+    monkeypatch.setattr(side_by_side, "plan", lambda args: [offline, server])
+    side_by_side.main(["t4", "--results", str(tmp_path / "r"), "--logs", str(tmp_path / "l")])
+    result = json.loads((tmp_path / "r" / "startup-t4.json").read_text())
+    assert [s["step"] for s in result["servers"]] == ["srv"] and result["servers"][0]["ready_seconds"] > 0
+    assert result["command"].startswith("python -m llmserve.benchmarks.tools.side_by_side")
+    assert result["machine"] and result["date"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # -- linear_micro -----------------------------------------------------------------------------------

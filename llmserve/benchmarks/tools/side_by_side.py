@@ -8,8 +8,9 @@ a fresh `llmserve serve` swept at rates 2, 4, inf; a fresh server at rate inf; t
 --peer-command (a shell command line) and swept at 2, 4, inf; a fresh server at rate inf again; the
 offline engine again. So each system is timed alone, ours before and after the peer (drift shows),
 and HTTP against offline. Results: `RESULTS/serve-TAG-STEP.json` and `RESULTS/offline-TAG-N.json`,
-each with its machine, command, date and commit; logs under --logs. Without --peer-command the peer
-step is left out. Run it on an otherwise idle machine.
+each with its machine, command, date and commit, and `RESULTS/startup-TAG.json`: each server's
+seconds from launch to its /health answering 200 (polled every 0.2 s); logs under --logs. Without
+--peer-command the peer step is left out. Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from llmserve.benchmarks.results import run_metadata, write_result
 
 RATES_SWEEP = "2,4,inf"
 
@@ -102,15 +105,17 @@ def wait_for_health(url: str, process: subprocess.Popen | None, timeout: float) 
     raise TimeoutError(f"{url}/health did not answer within {timeout:.0f} s")
 
 
-def run_step(step: Step, logs: Path, tag: str, health_timeout: float) -> None:
+def run_step(step: Step, logs: Path, tag: str, health_timeout: float) -> float | None:
+    """Run the step; returns its server's seconds from launch to ready (None: no server)."""
     print(f"=== {step.name} {time.strftime('%H:%M:%S')}: {shlex.join(step.bench)}", flush=True)
-    server = None
+    server = ready = None
     if step.server is not None:
         with (logs / f"{tag}_server_{step.name}.log").open("w") as log:
             # its own session, so stopping it stops whatever it started (a peer's workers too)
             server = subprocess.Popen(step.server, stdout=log, stderr=log, start_new_session=True)
         try:
-            print(f"    ready after {wait_for_health(step.url, server, health_timeout):.1f} s", flush=True)
+            ready = wait_for_health(step.url, server, health_timeout)
+            print(f"    ready after {ready:.1f} s", flush=True)
         except Exception:
             _stop(server)
             raise
@@ -120,6 +125,7 @@ def run_step(step: Step, logs: Path, tag: str, health_timeout: float) -> None:
     finally:
         if server is not None:
             _stop(server)
+    return ready
 
 
 def _stop(server: subprocess.Popen) -> None:
@@ -161,8 +167,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"no workload {args.workload}: llmserve bench workload --out {args.workload} ...")
     args.results.mkdir(parents=True, exist_ok=True)
     args.logs.mkdir(parents=True, exist_ok=True)
+    startup = []
     for step in steps:
-        run_step(step, args.logs, args.tag, args.health_timeout)
+        ready = run_step(step, args.logs, args.tag, args.health_timeout)
+        if ready is not None:
+            startup.append({"step": step.name, "server": shlex.join(step.server), "ready_seconds": ready})
+            write_result(
+                args.results / f"startup-{args.tag}.json", {**run_metadata("startup"), "servers": startup}
+            )
 
 
 if __name__ == "__main__":
