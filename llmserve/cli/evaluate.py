@@ -16,6 +16,9 @@ def register(subparsers) -> None:
     ppl.add_argument("--max-tokens", type=int, default=2048, help="score the text's first N tokens")
     ppl.add_argument("--context", type=int, default=512, help="tokens per window (each scored from scratch)")
     ppl.add_argument("--decode-tokens", type=int, default=64, help="tokens of the timed decode (0: skip)")
+    ppl.add_argument(
+        "--output", default=None, help="also write a JSON result (machine, command, date, commit, figures)"
+    )
     EngineArgs.add_cli_args(ppl)
     ppl.set_defaults(handler=cmd_ppl)
 
@@ -45,4 +48,32 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     print(f"perplexity {result.perplexity:.4f} (nll {result.nll:.4f} nats/token)")
     if result.decode_ms_per_token is not None:
         print(f"batch-1 decode {result.decode_ms_per_token:.2f} ms/token ({args.decode_tokens} tokens)")
+    if args.output:
+        print(f"result: {_save(args, engine, engine_args, path, result)}")
     return 0
+
+
+def _save(args: argparse.Namespace, engine, engine_args: EngineArgs, text_path: str, result):
+    """The result file: `llmserve bench`'s run metadata, the settings, and the figures."""
+    from llmserve.benchmarks.results import run_metadata, write_result
+
+    model = engine.config.model
+    quantization = model.quantization
+    payload = {
+        **run_metadata("eval-ppl", model.device),
+        "model": str(model.path),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "quantization": dataclasses.asdict(quantization) if quantization else None,
+        "kv_cache_dtype": engine.config.cache.kv_cache_dtype,
+        "engine_args": dataclasses.asdict(engine_args),
+        "text": text_path,
+        "max_tokens": args.max_tokens,
+        "context": args.context,
+        "decode_tokens": args.decode_tokens,
+        "tokens": result.tokens,
+        "windows": result.windows,
+        "nll": result.nll,
+        "perplexity": result.perplexity,
+        "decode_ms_per_token": result.decode_ms_per_token,
+    }
+    return write_result(args.output, payload)
