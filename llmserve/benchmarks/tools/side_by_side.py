@@ -172,9 +172,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         ready = run_step(step, args.logs, args.tag, args.health_timeout)
         if ready is not None:
             startup.append({"step": step.name, "server": shlex.join(step.server), "ready_seconds": ready})
-            write_result(
-                args.results / f"startup-{args.tag}.json", {**run_metadata("startup"), "servers": startup}
-            )
+            given = sys.argv[1:] if argv is None else list(argv)
+            command = shlex.join(["python", "-m", "llmserve.benchmarks.tools.side_by_side", *given])
+            payload = {**run_metadata("startup"), "command": command, "servers": startup}
+            write_result(args.results / f"startup-{args.tag}.json", payload)
 
 
 if __name__ == "__main__":
