@@ -1,5 +1,6 @@
 """Engine configuration: one frozen dataclass per concern (speculative.py: SpeculativeConfig,
-quantization.py: QuantizationConfig; the rest here), the lowest layer every package may import.
+quantization.py: QuantizationConfig, parallel.py: ParallelConfig; the rest here), the lowest layer
+every package may import.
 
 Every field carries a one-line docstring-style comment that doubles as CLI help. "auto" values are
 resolved by `EngineConfig.create` before freezing and never mutated later.
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmserve.attention.kv_format import get_kv_cache_format
+from llmserve.config.parallel import ParallelConfig
 from llmserve.config.quantization import QuantizationConfig
 from llmserve.config.speculative import SpeculativeConfig
 
@@ -52,10 +54,14 @@ class ModelArchConfig:
         """Elements of K and V for one token across all layers (times the dtype size for bytes)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-        """Bytes of K and V for one token across all layers, scales of an 8-bit cache included."""
+    def kv_bytes_per_token(
+        self, dtype: torch.dtype, kv_cache_dtype: str = "auto", num_kv_heads: int | None = None
+    ) -> int:
+        """Bytes of K and V for one token across all layers, scales of an 8-bit cache included; of
+        `num_kv_heads` heads where given (one tensor-parallel rank's), else of all."""
         row_bytes = get_kv_cache_format(kv_cache_dtype).bytes_per_row(self.head_dim, dtype)
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * row_bytes
+        heads = self.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        return 2 * self.num_hidden_layers * heads * row_bytes
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor parallelism
 
 
 def _arg(default, help_text: str):
@@ -210,6 +217,14 @@ class EngineArgs:
     speculative_disable_batch_size: int = _arg(
         4, "propose nothing while more requests than this run (0: always speculate)"
     )
+    # -- tensor parallelism (llmserve/distributed, docs/parallelism.md) --
+    tensor_parallel_size: int = _arg(
+        1, "processes the model is split over (heads, MLP, vocabulary); each holds its heads' KV pool"
+    )
+    distributed_executor_backend: str = _arg("mp", "mp: tensor-parallel ranks as processes on this machine")
+    distributed_timeout_seconds: float = _arg(
+        300.0, "a collective between ranks that waits longer than this fails (a hung rank)"
+    )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -242,7 +257,10 @@ class EngineArgs:
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         get_kv_cache_format(self.kv_cache_dtype)  # validates the name
-        bytes_per_token = arch.kv_bytes_per_token(dtype, self.kv_cache_dtype)
+        parallel = self._parallel(arch)
+        # per rank: each pool holds its rank's KV heads, as many blocks as the rank with the most
+        kv_heads = parallel.max_kv_heads_per_rank(arch.num_key_value_heads)
+        bytes_per_token = arch.kv_bytes_per_token(dtype, self.kv_cache_dtype, kv_heads)
         pool_bytes_per_token = bytes_per_token  # + the draft model's KV, which uses the same block ids
         if draft_arch is not None:
             pool_bytes_per_token += draft_arch.kv_bytes_per_token(dtype, self.kv_cache_dtype)
@@ -317,7 +335,26 @@ class EngineArgs:
                 draft_head=self.speculative_draft_head,
                 draft_head_tokens=self.speculative_draft_head_tokens,
             ),
+            parallel=parallel,
         )
+
+    def _parallel(self, arch: ModelArchConfig) -> ParallelConfig:
+        parallel = ParallelConfig.create(
+            self.tensor_parallel_size,
+            self.distributed_executor_backend,
+            self.distributed_timeout_seconds,
+            arch.num_key_value_heads,
+        )
+        if parallel.tensor_parallel_size == 1:
+            return parallel
+        if self.quantization is not None:
+            raise ValueError("quantization does not run under tensor parallelism yet")
+        if self.speculative_method not in (None, "ngram"):
+            raise ValueError(
+                f"speculative_method {self.speculative_method!r} runs the target's layers or vocabulary "
+                "unsharded; under tensor parallelism only ngram speculates"
+            )
+        return parallel
 
     def _window(self, arch: ModelArchConfig, max_model_len: int) -> tuple[int, int]:
         """(window, sinks); (0, 0) when no sequence can outgrow sinks + window anyway."""

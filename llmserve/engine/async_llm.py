@@ -14,6 +14,7 @@ engine failed it; if the engine process dies, every stream ends with EngineDeadE
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -97,9 +98,13 @@ class AsyncLLM:
                 bind_cpus,
             ),
             name="llmserve-engine",
-            daemon=True,
+            # Not daemonic: a daemonic process may not start children (tensor-parallel workers). It
+            # still ends with this process: it watches it (worker/parent_watch.py), and at interpreter
+            # exit it is killed here before multiprocessing would wait for it.
+            daemon=False,
         )
         self._process.start()
+        atexit.register(_kill_at_exit, self._process)
         engine_commands.close()  # the child's ends: closing ours lets each side see the other exit
         engine_outputs.close()
         try:
@@ -293,6 +298,12 @@ class AsyncLLM:
                 listener(stats, outputs)
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 logger.exception("step listener failed")
+
+
+def _kill_at_exit(process: multiprocessing.Process) -> None:
+    if process.is_alive():
+        process.kill()
+        process.join()
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:

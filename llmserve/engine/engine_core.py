@@ -33,6 +33,7 @@ from llmserve.engine.messages import (
 from llmserve.log import configure_logging
 from llmserve.metrics.stats import EngineGauges
 from llmserve.worker.cpu_binding import bind_engine_threads
+from llmserve.worker.parent_watch import exit_with_parent
 
 logger = logging.getLogger("llmserve")
 
@@ -49,6 +50,8 @@ def run_engine_core(
     """The engine process's entry point; `inherited_fds` are the server's descriptors a fork copied,
     `log_level` the server's level for llmserve's loggers (a spawned process starts without it),
     `bind_cpus` pins a CPU engine's threads one per CPU (worker/cpu_binding.py)."""
+    # Not a daemonic process (tensor-parallel workers are its children), so it ends itself with the server.
+    exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
     configure_logging(log_level)  # a no-op after a fork, which kept the server's handlers
     logger.setLevel(log_level)
@@ -64,7 +67,10 @@ def run_engine_core(
     if bind_cpus and engine.config.model.device.type == "cpu":
         main_cpu = bind_engine_threads()
     outputs.send(EngineReady(engine.config, main_cpu))
-    EngineCore(engine, commands, outputs).run()
+    try:
+        EngineCore(engine, commands, outputs).run()
+    finally:
+        engine.shutdown()  # tensor-parallel workers stop with the engine
 
 
 class EngineCore:

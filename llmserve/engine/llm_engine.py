@@ -15,10 +15,12 @@ from collections.abc import Sequence
 import torch
 
 from llmserve.config import EngineArgs, EngineConfig
+from llmserve.config.parallel import split_sizes
 from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.scheduler import Scheduler, SchedulerOutput
+from llmserve.core.step_plan import StepPlan
 from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
@@ -31,7 +33,8 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.spec_decode.proposers.draft_model import load_draft_arch
 from llmserve.spec_decode.registry import create_proposer
-from llmserve.worker.model_runner import ModelRunner
+from llmserve.worker.executor import TensorParallelExecutor
+from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger("llmserve")
 
@@ -44,12 +47,14 @@ class LLMEngine:
         self.config: EngineConfig = args.create_config(load_arch_config(path), path, draft_arch)
         arch = self.config.model.arch
         self.tokenizer = load_tokenizer(path, None if os.path.isdir(path) else arch.eos_token_ids)
-        model = build_model(self.config.model, load_weights(path, self.config.model.dtype))
-        if self.config.model.quantization is not None:  # a transform of the loaded model (module swap)
-            from llmserve.quantization.methods import quantize_model
-
-            quantize_model(model, self.config.model, self.tokenizer)
-        use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
+        # tensor parallelism: the workers load their shards while this process loads rank 0's
+        self.executor = TensorParallelExecutor(self.config) if self.config.parallel.world_size > 1 else None
+        try:
+            self.model_runner = self._load_model_runner(path)
+        except BaseException:
+            self.shutdown()
+            raise
+        model = self.model_runner.model
         cache = self.config.cache
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks,
@@ -66,7 +71,6 @@ class LLMEngine:
             self._preemption_costs(model),
             DraftPlanner(spec) if spec is not None else None,
         )
-        self.model_runner = ModelRunner(self.config, model)
         self.proposer = create_proposer(self.config, model, self.model_runner)  # speculative decoding
         self.output_processor = OutputProcessor(self.tokenizer)
         self.output_kinds = OutputAccumulator()
@@ -77,15 +81,37 @@ class LLMEngine:
         self.startup_seconds = time.monotonic() - start
         self._log_startup()
 
+    def _load_model_runner(self, path: str) -> ModelRunner:
+        group = None if self.executor is None else self.executor.group
+        model = build_model(self.config.model, load_weights(path, self.config.model.dtype), group)
+        if self.config.model.quantization is not None:  # a transform of the loaded model (module swap)
+            from llmserve.quantization.methods import quantize_model
+
+            quantize_model(model, self.config.model, self.tokenizer)
+        use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
+        runner = ModelRunner(self.config, model)
+        if self.executor is not None:
+            self.executor.wait_until_ready()
+        return runner
+
     def _preemption_costs(self, model) -> PreemptionCosts:
-        model_config = self.config.model
+        """Per rank under tensor parallelism: its shard's FLOPs, its KV heads' bytes (ranks run at once)."""
+        model_config, parallel = self.config.model, self.config.parallel
+        arch = model_config.arch
         return PreemptionCosts(
             flops_per_token=2.0 * sum(p.numel() for p in model.parameters()),
-            kv_bytes_per_token=model_config.arch.kv_bytes_per_token(
-                model_config.dtype, self.config.cache.kv_cache_dtype
+            kv_bytes_per_token=arch.kv_bytes_per_token(
+                model_config.dtype,
+                self.config.cache.kv_cache_dtype,
+                parallel.max_kv_heads_per_rank(arch.num_key_value_heads),
             ),
             device_type=model_config.device.type,
         )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (an engine without them holds nothing to stop)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _log_startup(self) -> None:
         cache, model = self.config.cache, self.config.model
@@ -106,6 +132,13 @@ class LLMEngine:
             model.max_model_len,
             tokens / model.max_model_len,
         )
+        parallel = self.config.parallel
+        if parallel.world_size > 1:
+            logger.info(
+                "tensor parallel size %d: each rank holds its KV heads' share of the pool (%s KV heads)",
+                parallel.world_size,
+                "/".join(map(str, split_sizes(model.arch.num_key_value_heads, parallel.world_size))),
+            )
         if cache.sliding_window:
             logger.info(
                 "sliding window: %d tokens + %d attention sinks; a sequence holds at most %d blocks",
@@ -197,7 +230,7 @@ class LLMEngine:
             return []
         outputs = self.output_processor.outputs_for(scheduled.finished)
         plan = scheduled.plan
-        result = self.model_runner.execute(plan)
+        result = self._execute(plan)
         proposals = None
         if self.proposer is not None and plan.speculate and scheduled.requests:  # drafts for the next step
             proposals = self.proposer.propose(SampledBatch.from_step(plan, result))
@@ -210,6 +243,11 @@ class LLMEngine:
             outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)
         self.last_step = self._step_stats(scheduled, num_sampled, num_accepted, time.monotonic() - start)
         return [output for output in map(self.output_kinds.apply, outputs) if output is not None]
+
+    def _execute(self, plan: StepPlan) -> ModelRunnerOutput:
+        if self.executor is None:
+            return self.model_runner.execute(plan)
+        return self.executor.execute(self.model_runner, plan)
 
     def _step_stats(
         self, scheduled: SchedulerOutput, num_sampled: int, num_accepted: int, seconds: float

@@ -27,6 +27,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (they also stop when this process exits)."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -4,6 +4,13 @@ The model runs on a flat batch of tokens from many sequences (no padding) with p
 It knows nothing of batching or the KV cache layout: its Attention layers read those from the forward
 context. Module names follow the HF checkpoint so weights load by name; q/k/v and gate/up are fused
 into one matmul each and filled shard by shard at load time.
+
+Under tensor parallelism (docs/parallelism.md) each rank builds the part `ShardLayout` gives it:
+q/k/v and gate/up column-parallel (its heads, its intermediate units), o_proj and down_proj
+row-parallel with an all-reduce after them, the embedding and lm_head split by vocabulary rows.
+Every linear layer stays a plain `nn.Linear` of the rank's shape, so the compiled CPU kernels and
+the small-batch packing (kernels/small_batch_linear.py) serve a shard as they serve a whole model;
+with one rank every collective returns its input.
 """
 
 from __future__ import annotations
@@ -13,47 +20,58 @@ from torch import nn
 
 from llmserve.attention.layer import Attention
 from llmserve.config import ModelArchConfig
+from llmserve.distributed.group import TensorParallelGroup, single_rank
+from llmserve.distributed.shard import ShardLayout
 from llmserve.models.layers.activation import SiluAndMul
 from llmserve.models.layers.lm_head import LMHead
 from llmserve.models.layers.norm import RMSNorm
 from llmserve.models.layers.rotary import RotaryEmbedding
+from llmserve.models.layers.vocab_embedding import VocabParallelEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, rotary: RotaryEmbedding, shard: ShardLayout, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
         self.head_dim = arch.head_dim
-        self.q_size = arch.num_attention_heads * arch.head_dim
-        self.kv_size = arch.num_key_value_heads * arch.head_dim
+        num_heads, num_kv_heads = len(shard.q_heads), len(shard.kv_heads)
+        self.q_size = num_heads * arch.head_dim
+        self.kv_size = num_kv_heads * arch.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
         self.rotary = rotary
-        self.attn = Attention(arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim)
+        self.attn = Attention(num_heads, num_kv_heads, arch.head_dim)
+        self.tp = tp
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         query, key, value = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query, key = self.rotary(positions, query, key, self.head_dim)
-        return self.o_proj(self.attn(query, key, value))
+        return self.tp.all_reduce(self.o_proj(self.attn(query, key, value)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig) -> None:
+    def __init__(self, arch: ModelArchConfig, shard: ShardLayout, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        intermediate = len(shard.intermediate)
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, arch.hidden_size, bias=False)
         self.act_fn = SiluAndMul()
+        self.tp = tp
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(hidden)))
+        return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(hidden))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, rotary: RotaryEmbedding, shard: ShardLayout, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, rotary)
+        self.self_attn = LlamaAttention(arch, rotary, shard, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = LlamaMLP(arch, shard, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         attn_out = self.self_attn(positions, self.input_layernorm(hidden))
@@ -63,14 +81,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, rotary: RotaryEmbedding, shard: ShardLayout, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        # An explicit (meta) weight skips Embedding's random init, which on the meta device goes through
-        # torch._refs and imports torch._dynamo: start-up time for a tensor the checkpoint overwrites.
-        self.embed_tokens = nn.Embedding(
-            arch.vocab_size, arch.hidden_size, _weight=torch.empty(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(shard, arch.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, rotary, shard, tp) for _ in range(arch.num_hidden_layers)
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, rotary) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -87,20 +105,45 @@ class LlamaForCausalLM(nn.Module):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
-    def __init__(self, arch: ModelArchConfig, max_positions: int, device: torch.device) -> None:
+    # checkpoint tensor -> (the dimension split over ranks, the layout's range along it, its unit)
+    tensor_parallel_splits = {
+        "q_proj": (0, "q_heads", "head"),
+        "k_proj": (0, "kv_heads", "head"),
+        "v_proj": (0, "kv_heads", "head"),
+        "o_proj": (1, "q_heads", "head"),
+        "gate_proj": (0, "intermediate", "row"),
+        "up_proj": (0, "intermediate", "row"),
+        "down_proj": (1, "intermediate", "row"),
+        "embed_tokens": (0, "vocab", "row"),
+        "lm_head": (0, "vocab", "row"),
+    }
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        max_positions: int,
+        device: torch.device,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.arch = arch
+        self.tp = tp or single_rank()
+        self.shard = ShardLayout.of(arch, self.tp.world_size, self.tp.rank)
         rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device)
-        self.model = LlamaModel(arch, rotary)
-        self.lm_head = LMHead(arch.hidden_size, arch.vocab_size, bias=False)
+        self.model = LlamaModel(arch, rotary, self.shard, self.tp)
+        self.lm_head = LMHead(arch.hidden_size, self.shard.vocab_rows, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] for a flat batch of tokens."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab] (models/layers/lm_head.py says why float32)."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab] (models/layers/lm_head.py says why float32); under tensor
+        parallelism every rank's vocabulary block gathered on rank 0, None on the others."""
+        logits = self.tp.gather_to_first(self.lm_head(hidden))
+        if logits is None or self.tp.world_size == 1:
+            return logits
+        return logits[:, : self.arch.vocab_size].contiguous()  # the last block's padding off
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -116,7 +159,10 @@ class LlamaForCausalLM(nn.Module):
                 if "rotary_emb" in name:
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in the model")
+            tensor = self._rank_part(name, tensor)
             param.data[offset : offset + tensor.shape[0]].copy_(tensor)
+            if self._split_of(name) == (0, "vocab", "row"):  # the last block's padding rows: zeros
+                param.data[tensor.shape[0] :].zero_()
             loaded.add(name)
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -133,11 +179,25 @@ class LlamaForCausalLM(nn.Module):
         return name, 0
 
     def _shard_rows(self, fused: str, shard: str) -> int:
-        arch = self.arch
+        """Rows of `shard` (q_proj, gate_proj, ...) in this rank's fused parameter."""
         if fused == "gate_up_proj":
-            return arch.intermediate_size
-        heads = arch.num_attention_heads if shard == "q_proj" else arch.num_key_value_heads
-        return heads * arch.head_dim
+            return len(self.shard.intermediate)
+        heads = self.shard.q_heads if shard == "q_proj" else self.shard.kv_heads
+        return len(heads) * self.arch.head_dim
+
+    def _split_of(self, name: str) -> tuple[int, str, str] | None:
+        module = name.split(".")[-2]  # model.layers.0.self_attn.q_proj.weight -> q_proj
+        return self.tensor_parallel_splits.get(module)  # None: replicated (the norms)
+
+    def _rank_part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of a checkpoint tensor this rank holds (all of it with one rank)."""
+        split = self._split_of(name)
+        if split is None or self.tp.world_size == 1:
+            return tensor
+        dim, part, unit = split
+        units = getattr(self.shard, part)
+        scale = self.arch.head_dim if unit == "head" else 1
+        return tensor.narrow(dim, units.start * scale, len(units) * scale)
 
     def _check_complete(self, loaded: set[str]) -> None:
         expected = set()

@@ -82,8 +82,10 @@ class ModelRunner:
         )
         self.kv_cache = self._allocate_kv_cache()
         self.kv_prefault = populate_in_background(self.kv_cache)  # CPU: map its pages ahead of use
-        # decode-only steps run every decoder layer in one compiled call where it applies (CPU)
-        self.decode_stack = build_decode_stack(model, self.attention_backend)
+        # decode-only steps run every decoder layer in one compiled call where it applies (CPU); the
+        # call has no all-reduce between layers, so tensor parallelism runs the modules
+        tensor_parallel = config.parallel.tensor_parallel_size > 1
+        self.decode_stack = None if tensor_parallel else build_decode_stack(model, self.attention_backend)
         # Called with each step's final hidden states, whichever path made them (evaluation and
         # draft-head training read them here: the fused stack runs no module hooks).
         self.hidden_hooks: list[Callable[[torch.Tensor], None]] = []
@@ -116,7 +118,7 @@ class ModelRunner:
             len(layers),
             2,
             cache.num_blocks * cache.block_size,
-            arch.num_key_value_heads,
+            layers[0].num_kv_heads,  # this rank's KV heads (all of them without tensor parallelism)
             kv_format.row_size(arch.head_dim),
             dtype=kv_format.storage_dtype(self.config.model.dtype),
             device=self.device,
@@ -169,6 +171,8 @@ class ModelRunner:
             return ModelRunnerOutput({}, {})
         sample_hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(sample_hidden)
+        if logits is None:  # a tensor-parallel worker: rank 0 gathered the logits and samples
+            return ModelRunnerOutput({}, {})
         sampling_requests = [inputs.requests[row] for row in inputs.sample_rows]
         output = self._sample_or_verify(logits, sampling_requests)
         output.sampled_requests, output.sample_hidden = sampling_requests, sample_hidden

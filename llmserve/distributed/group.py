@@ -1,0 +1,91 @@
+"""One rank's handle on the tensor-parallel group: its rank, and every collective the engine runs.
+
+Built on torch.distributed: gloo on a CPU, NCCL on CUDA for the tensors; step plans cross on a
+second, gloo group, as bytes on the CPU. The forward's collectives have the group's timeout, so a
+hung rank fails the step instead of stalling it; waiting for the next plan has none worth the name,
+since an idle engine sends no plans. A group of one rank (`single_rank()`) is the engine without
+tensor parallelism: its collectives return their input and touch no process group.
+
+The group is made before the process group is joined (`connect`): a rank builds its model first, and
+the engine joins only once every worker has loaded, so a worker that fails to load cannot leave
+the others waiting in the rendezvous.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# A worker waits for the next plan as long as the engine idles; it exits with the engine regardless
+# (worker/parent_watch.py), and a rank that hangs mid-step is caught by the forward's collectives.
+_IDLE_WAIT = timedelta(days=365)
+
+
+class TensorParallelGroup:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._plan_group = None  # the gloo group the plan bytes cross on, on the CPU whatever the device
+        self.is_connected = False
+
+    @property
+    def is_first_rank(self) -> bool:
+        """Rank 0: the engine process, which schedules, samples and receives the gathered logits."""
+        return self.rank == 0
+
+    def connect(self, init_method: str, device: torch.device, timeout_seconds: float) -> None:
+        """Join the process group (blocks until every rank has called it, at most the timeout)."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if dist.is_initialized():
+            raise RuntimeError(
+                "this process already serves a tensor-parallel engine; shut that one down first"
+            )
+        timeout = timedelta(seconds=timeout_seconds)
+        dist.init_process_group(
+            backend, init_method=init_method, rank=self.rank, world_size=self.world_size, timeout=timeout
+        )
+        self._plan_group = dist.new_group(backend="gloo", timeout=_IDLE_WAIT)
+        self.is_connected = True
+
+    def close(self) -> None:
+        if self.is_connected:
+            dist.destroy_process_group()
+            self.is_connected = False
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks, in place (a row-parallel layer's partial outputs)."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's tensor (one shape on all) concatenated along the last dimension on rank 0;
+        None on the others."""
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.is_first_rank else None
+        dist.gather(tensor.contiguous(), parts, dst=0)
+        return torch.cat(parts, dim=-1) if self.is_first_rank else None
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's `data` on every rank (the others pass None): its length, then its bytes."""
+        length = torch.tensor([len(data) if self.is_first_rank else 0], dtype=torch.int64)
+        dist.broadcast(length, src=0, group=self._plan_group)
+        if self.is_first_rank:
+            buffer = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                if data
+                else torch.empty(0, dtype=torch.uint8)
+            )
+        else:
+            buffer = torch.empty(int(length), dtype=torch.uint8)
+        if len(buffer):
+            dist.broadcast(buffer, src=0, group=self._plan_group)
+        return data if self.is_first_rank else buffer.numpy().tobytes()
+
+
+def single_rank() -> TensorParallelGroup:
+    """The group of an engine without tensor parallelism."""
+    return TensorParallelGroup(0, 1)

@@ -1,0 +1,66 @@
+"""Tiny random Llama and Qwen2 checkpoints whose heads split unevenly (6 query / 3 KV heads), and a
+tensor-parallel engine that is always shut down (a process serves one tensor-parallel group at a time)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+import transformers
+
+from llmserve import LLM
+from llmserve.model_loader import default_model_path, load_tokenizer
+from llmserve.outputs import RequestOutput
+from tests.helpers import TINY_LLAMA_CONFIG, make_tiny_llama_dir
+
+# 6 query heads over 3 KV heads: 2 ranks hold 4 + 2 query and 2 + 1 KV heads; 128 MLP units: 43/43/42
+UNEVEN_HEADS = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, kv_cache_memory="8MiB")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return make_tiny_llama_dir(str(tmp_path_factory.mktemp("tp-llama")), **UNEVEN_HEADS)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    """Qwen2 with q/k/v biases (drawn nonzero: HF starts them at zero) and an untied lm_head."""
+    path = str(tmp_path_factory.mktemp("tp-qwen2"))
+    torch.manual_seed(1)
+    config = transformers.Qwen2Config(**{**TINY_LLAMA_CONFIG, **UNEVEN_HEADS, "tie_word_embeddings": False})
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+            elif param.dim() > 1:
+                param.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    load_tokenizer(default_model_path()).hf.save_pretrained(path)
+    return path
+
+
+@contextlib.contextmanager
+def engine(model_dir: str | None, **kwargs) -> Iterator[LLM]:
+    llm = LLM(model_dir, **{**ENGINE_KWARGS, **kwargs})
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+def assert_same_greedy(reference: RequestOutput, got: RequestOutput, tolerance: float = 1e-4) -> None:
+    """Equal tokens, or equal up to a step where the reference's two candidates were within
+    `tolerance` of each other (summing in another order may flip such a near-tie); the reference
+    ran with logprobs >= 2 so each step's top two are at hand."""
+    want, have = reference.outputs[0], got.outputs[0]
+    for step, (a, b) in enumerate(zip(want.token_ids, have.token_ids, strict=True)):
+        if a != b:
+            candidates = want.logprobs[step]
+            assert b in candidates, f"step {step}: {b} was not even in the reference's top two"
+            gap = candidates[a] - candidates[b]
+            assert gap < tolerance, f"step {step}: tokens {a} vs {b} with a logit gap of {gap:.2e}"
+            return

@@ -1,0 +1,79 @@
+"""The server's engine process with tensor-parallel workers as its children: it serves, a worker's
+death fails the requests in flight with the rank named, and workers never outlive the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from llmserve import SamplingParams
+from llmserve.config import EngineArgs
+from llmserve.engine.async_llm import AsyncLLM
+from tests.distributed.conftest import ENGINE_KWARGS
+
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as children:
+        return [int(child) for child in children.read().split()]
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for_exit(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _is_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _is_alive(pid)
+
+
+async def _stream_and_kill(llm: AsyncLLM, worker: int) -> int:
+    """Stream a long request, SIGKILL the worker after its first tokens; the tokens it got."""
+    received = 0
+    async for output in llm.generate([5, 6, 7], LONG, "r"):
+        received = len(output.outputs[0].token_ids)
+        if received >= 2:
+            os.kill(worker, signal.SIGKILL)
+    return received
+
+
+async def _collect(llm: AsyncLLM) -> list:
+    return [output async for output in llm.generate([5, 6, 7], LONG, "r2")]
+
+
+@pytest.fixture
+def tp_engine(tiny_llama_dir):
+    llm = AsyncLLM(EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2, **ENGINE_KWARGS))
+    yield llm
+    llm.shutdown()
+
+
+def test_a_dead_worker_fails_the_streams_in_flight_with_the_rank_named(tp_engine):
+    (worker,) = _children(tp_engine._process.pid)
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 .* exited with code -9"):
+        asyncio.run(asyncio.wait_for(_stream_and_kill(tp_engine, worker), timeout=120))
+    assert not _is_alive(worker)
+    # the engine process lives on and answers every later request with the same error, at once
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):
+        asyncio.run(asyncio.wait_for(_collect(tp_engine), timeout=30))
+
+
+def test_workers_exit_with_the_engine_process_and_on_shutdown(tiny_llama_dir, tp_engine):
+    (worker,) = _children(tp_engine._process.pid)
+    os.kill(tp_engine._process.pid, signal.SIGKILL)
+    assert _wait_for_exit(worker, 30), "the worker outlived its engine process"
+    llm = AsyncLLM(EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2, **ENGINE_KWARGS))
+    (worker,) = _children(llm._process.pid)
+    llm.shutdown()
+    assert not llm._process.is_alive() and _wait_for_exit(worker, 10)

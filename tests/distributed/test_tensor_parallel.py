@@ -1,0 +1,129 @@
+"""Tensor parallelism end to end on tiny float32 models: the same tokens as one process.
+
+Every engine here runs its ranks as real processes over gloo. Greedy tokens must equal one
+process's, except after a step whose top two logits were within 1e-4 (sums in another order);
+seeded sampling and log-probs must match too, since rank 0 samples from the gathered logits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from llmserve import SamplingParams
+from llmserve.worker.executor import TensorParallelError
+from tests.distributed.conftest import assert_same_greedy, engine
+
+PROMPTS = [
+    [5, 6, 7, 8] * 6,
+    [100, 200, 300] * 5 + [9],
+    list(range(1000, 1040)),
+    [42] * 3,
+    [31, 4159, 2653, 17, 9000],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+
+
+def _seeded(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_p=0.9, seed=seed, max_tokens=16, ignore_eos=True, logprobs=2)
+
+
+# each prompt greedy, then each prompt sampled with its own seed
+REQUESTS = PROMPTS + PROMPTS
+PARAMS = [GREEDY] * len(PROMPTS) + [_seeded(seed) for seed in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama_dir, tiny_qwen2_dir) -> dict[str, list]:
+    """One process's outputs for each model."""
+    outputs = {}
+    for name, path in (("llama", tiny_llama_dir), ("qwen2", tiny_qwen2_dir)):
+        with engine(path) as llm:
+            outputs[name] = llm.generate(REQUESTS, PARAMS, use_tqdm=False)
+    return outputs
+
+
+@pytest.mark.parametrize(("model", "tp"), [("llama", 2), ("llama", 3), ("qwen2", 2)])
+def test_greedy_and_seeded_sampling_match_one_process(model, tp, references, tiny_llama_dir, tiny_qwen2_dir):
+    path = tiny_llama_dir if model == "llama" else tiny_qwen2_dir
+    with engine(path, tensor_parallel_size=tp) as llm:
+        outputs = llm.generate(REQUESTS, PARAMS, use_tqdm=False)
+        kv_heads = llm.engine.model_runner.kv_cache.shape[3]
+    assert kv_heads == {2: 2, 3: 1}[tp]  # rank 0's share of the 3 KV heads
+    reference = references[model]
+    for want, got in zip(reference[: len(PROMPTS)], outputs[: len(PROMPTS)], strict=True):
+        assert_same_greedy(want, got)
+    for want, got in zip(reference[len(PROMPTS) :], outputs[len(PROMPTS) :], strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for want_entry, got_entry in zip(want.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
+            assert got_entry.keys() == want_entry.keys()
+            assert list(got_entry.values()) == pytest.approx(list(want_entry.values()), abs=1e-4)
+
+
+def _run_steps(llm, prompts: list[list[int]], params: SamplingParams) -> tuple[dict[str, list[int]], int]:
+    """Drive the engine step by step: (tokens by request id, preemptions seen). The first prompt
+    runs a step alone, so that the others find its blocks in the prefix cache."""
+    llm.engine.add_request("0", prompts[0], params)
+    llm.engine.step()
+    for index, prompt in enumerate(prompts[1:], start=1):
+        llm.engine.add_request(str(index), prompt, params)
+    tokens, preemptions = {}, 0
+    while llm.engine.has_unfinished_requests():
+        for output in llm.engine.step():
+            if output.finished:
+                tokens[output.request_id] = output.outputs[0].token_ids
+        preemptions += llm.engine.last_step.num_preemptions if llm.engine.last_step else 0
+    return tokens, preemptions
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_prefix_caching_keep_the_tokens(mode, tiny_llama_dir):
+    shared = list(range(2000, 2040))  # 2.5 blocks of 16 shared by every prompt
+    prompts = [shared + [index, index + 7] for index in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with engine(tiny_llama_dir, block_size=16) as llm:
+        want, _ = _run_steps(llm, prompts, params)
+    # 20 blocks of 16 tokens cannot hold six sequences of 82 tokens at once: requests get preempted
+    with engine(
+        tiny_llama_dir, tensor_parallel_size=2, block_size=16, num_kv_blocks=20, preemption_mode=mode
+    ) as llm:
+        got, preemptions = _run_steps(llm, prompts, params)
+        hits = llm.engine.kv_cache_manager.prefix_cache_hits
+    assert preemptions > 0 and hits >= 32 * 5  # the shared full blocks, for every prompt after the first
+    assert got == want
+
+
+def test_ngram_speculation_under_tensor_parallelism(tiny_llama_dir):
+    # a bias confining the output to four tokens: it repeats itself, so prompt lookup finds drafts
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=24,
+        ignore_eos=True,
+        logprobs=2,
+        logit_bias={t: 100.0 for t in (5, 6, 7, 8)},
+    )
+    with engine(tiny_llama_dir) as llm:
+        reference = llm.generate(PROMPTS, params, use_tqdm=False)
+    kwargs = dict(speculative_method="ngram", speculative_disable_batch_size=0)
+    with engine(tiny_llama_dir, tensor_parallel_size=2, **kwargs) as llm:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        accepted = llm.engine.spec_decode_stats.num_accepted_tokens
+    assert accepted > 0
+    for want, got in zip(reference, outputs, strict=True):
+        assert_same_greedy(want, got)
+
+
+def test_a_worker_that_dies_fails_the_step_with_the_rank_named(tiny_llama_dir):
+    with engine(tiny_llama_dir, tensor_parallel_size=2) as llm:
+        llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+        llm.engine.step()
+        worker = llm.engine.executor.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(30)
+        for _ in range(2):  # and every step after it: the group cannot be resynchronized
+            with pytest.raises(
+                TensorParallelError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code -9"
+            ):
+                llm.engine.step()

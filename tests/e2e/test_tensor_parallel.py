@@ -1,0 +1,29 @@
+"""The default model (SmolLM2-135M: 9 query / 3 KV heads) split over 2 ranks (6 + 3 query, 2 + 1 KV
+heads) and 3 ranks gives one process's greedy tokens, up to 1e-4 near-ties (float32)."""
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from tests.distributed.conftest import assert_same_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three primary colors:",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_default_model_greedy_matches_one_process(tp, llm_fp32):
+    reference = llm_fp32.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", tensor_parallel_size=tp)
+    try:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for want, got in zip(reference, outputs, strict=True):
+        assert_same_greedy(want, got)
