@@ -68,7 +68,11 @@ class TensorParallelExecutor:
         """Wait until every worker has loaded its shard, then join the process group."""
         for rank, (worker, ready) in enumerate(zip(self.workers, self._ready, strict=True), start=1):
             wait([ready, worker.sentinel])
-            message = ready.recv() if ready.poll() else f"it exited with code {worker.exitcode}"
+            try:
+                message = ready.recv()
+            except EOFError:  # it exited before it could say why (its log has the traceback)
+                worker.join()
+                message = f"it exited with code {worker.exitcode}"
             if message is not None:
                 self.shutdown()
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to load its shard: {message}")
