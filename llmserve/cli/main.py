@@ -13,14 +13,14 @@ import sys
 import typing
 
 from llmserve.benchmarks import cli as bench
-from llmserve.cli import chat, evaluate, generate, quantize, serve, train_draft_head
+from llmserve.cli import chat, evaluate, generate, quantize, router, serve, train_draft_head
 from llmserve.log import configure_logging
 
 EXIT_USAGE = 2
 
 # Each module's `register(subparsers)` adds its subcommand and sets `handler`; `llmserve --help`
 # lists them in this order.
-SUBCOMMANDS = (generate, chat, serve, bench, evaluate, quantize, train_draft_head)
+SUBCOMMANDS = (generate, chat, serve, router, bench, evaluate, quantize, train_draft_head)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(
-        logging.INFO if getattr(args, "verbose", False) or args.command == "serve" else logging.WARNING
+        logging.INFO
+        if getattr(args, "verbose", False) or args.command in ("serve", "router")
+        else logging.WARNING
     )
     try:
         return args.handler(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from llmserve.cli import router
 from llmserve.config import EngineArgs
 
 
@@ -41,11 +42,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="CPU engine: pin its threads one per CPU and keep the server's threads off the CPU of its "
         "main thread (default on)",
     )
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas, each on its own share of the CPUs with its own KV pool, behind one "
+        "prefix-aware router on --port (docs/parallelism.md)",
+    )
+    router.add_routing_arguments(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1:
+        from llmserve.router.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(args)
     from llmserve.entrypoints.openai.serve import run_server  # torch, FastAPI and uvicorn load only here
 
     return run_server(args)

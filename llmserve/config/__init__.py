@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmserve.attention.kv_format import get_kv_cache_format
+from llmserve.config.kv_events import KVEventsConfig
 from llmserve.config.parallel import ParallelConfig
 from llmserve.config.quantization import QuantizationConfig
 from llmserve.config.speculative import SpeculativeConfig
@@ -86,6 +87,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # storage of K/V rows: "auto" (the model dtype), "int8" or "fp8"
     sliding_window: int = 0  # keep only the last this many tokens' KV (0: keep all)
     attention_sinks: int = 0  # with a window: also keep the first this many tokens (StreamingLLM)
+    kv_events: KVEventsConfig | None = None  # publish the prefix cache's changes; None: off
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,11 @@ class EngineArgs:
     seed: int = _arg(0, "seed for requests that sample without their own seed")
     attention_backend: str = _arg(
         "auto", "auto | torch (reference) | cpu_paged (compiled kernel, reads the cache in place)"
+    )
+    kv_events_config: str | None = _arg(
+        None,
+        "publish KV-cache events for a prefix-aware router, as vLLM: a JSON object such as "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'',
     )
     # -- weight quantization (llmserve/quantization, docs/quantization.md) --
     quantization: str | None = _arg(
@@ -314,6 +321,7 @@ class EngineArgs:
                 kv_cache_dtype=self.kv_cache_dtype,
                 sliding_window=window,
                 attention_sinks=sinks,
+                kv_events=self._kv_events(),
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -355,6 +363,15 @@ class EngineArgs:
                 "unsharded; under tensor parallelism only ngram speculates"
             )
         return parallel
+
+    def _kv_events(self) -> KVEventsConfig | None:
+        """The parsed --kv-events-config where it turns events on; None otherwise."""
+        if self.kv_events_config is None:
+            return None
+        config = KVEventsConfig.from_json(self.kv_events_config)
+        if config.enabled and not self.prefix_caching:
+            raise ValueError("--kv-events-config reports prefix-cache changes; --no-prefix-caching is set")
+        return config if config.enabled else None
 
     def _window(self, arch: ModelArchConfig, max_model_len: int) -> tuple[int, int]:
         """(window, sinks); (0, 0) when no sequence can outgrow sinks + window anyway."""

@@ -6,6 +6,10 @@ queue) or in use (ref count > 0, not in the queue); free + used = total.
 The free queue is an ordered dict so that a block can be taken out of its middle in O(1): the prefix
 cache keeps freed-but-still-valid blocks in the queue (least recently freed first) and revives one on
 a hit. A cached block is evicted (its hash forgotten) only when `allocate` hands it out again.
+
+With `record_events`, every change to the cache index is also appended to `events` (core/kv_events.py:
+BlockRemoved here, BlockStored by the KV-cache manager, which knows each block's parent) until the
+engine takes them after its step, so that the events replayed in order give exactly `_cached`'s keys.
 """
 
 from __future__ import annotations
@@ -13,13 +17,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from llmserve.core.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+
 
 class NoFreeBlocksError(RuntimeError):
     pass
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -28,6 +34,7 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}  # block hash -> block holding that content
         self._block_keys: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (hash, its tokens)
         self.num_evictions = 0
+        self.events: list[KVCacheEvent] | None = [] if record_events else None  # None: not recorded
 
     @property
     def num_free_blocks(self) -> int:
@@ -43,18 +50,25 @@ class BlockPool:
         if count > len(self._free):
             raise NoFreeBlocksError(f"need {count} blocks, {len(self._free)} free")
         blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
+        evicted = []
         for block in blocks:
             self.ref_counts[block] = 1
-            self._evict(block)
+            if (block_hash := self._evict(block)) is not None:
+                evicted.append(block_hash)
+        if evicted and self.events is not None:
+            self.events.append(BlockRemoved(evicted, medium=None))
         return blocks
 
     # -- prefix cache -------------------------------------------------------------------------------
 
-    def cache_block(self, block: int, block_hash: bytes, tokens: tuple[int, ...]) -> None:
-        """Remember that `block` holds the KV of a full block with this hash (first holder wins)."""
-        if block_hash not in self._cached and block not in self._block_keys:
-            self._cached[block_hash] = block
-            self._block_keys[block] = (block_hash, tokens)
+    def cache_block(self, block: int, block_hash: bytes, tokens: tuple[int, ...]) -> bool:
+        """Remember that `block` holds the KV of a full block with this hash (first holder wins);
+        whether the hash is new to the cache."""
+        if block_hash in self._cached or block in self._block_keys:
+            return False
+        self._cached[block_hash] = block
+        self._block_keys[block] = (block_hash, tokens)
+        return True
 
     def lookup(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:
         """The cached block with this hash, if its tokens match too (a collision never hits)."""
@@ -70,15 +84,27 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def _evict(self, block: int) -> None:
+    def _evict(self, block: int) -> bytes | None:
+        """Forget the block's hash, if it had one; that hash."""
         key = self._block_keys.pop(block, None)
-        if key is not None:
-            del self._cached[key[0]]
-            self.num_evictions += 1
+        if key is None:
+            return None
+        del self._cached[key[0]]
+        self.num_evictions += 1
+        return key[0]
 
     def reset_prefix_cache(self) -> None:
         self._cached.clear()
         self._block_keys.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The cache-index changes since the last call, oldest first."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def incref(self, blocks: Iterable[int]) -> None:
         """Share blocks: a free block (a prefix-cache hit) leaves the free queue."""

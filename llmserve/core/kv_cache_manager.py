@@ -24,6 +24,8 @@ Prefix caching: every full block whose KV has been computed is registered under 
 over its parent block's hash and its own token ids (plus an optional extra key for anything else
 that changes the KV), so a new request whose tokens start the same way reuses those blocks and
 computes only the rest. Freed cached blocks stay valid in the pool's free queue until evicted.
+With `enable_kv_events`, each change to that cache is recorded as a KV event (core/kv_events.py),
+for a router that routes requests to the replica holding their prefix.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import hashlib
 from array import array
 
 from llmserve.core.block_pool import BlockPool
+from llmserve.core.kv_events import BlockStored, KVCacheEvent
 from llmserve.request import Request
 
 NULL_BLOCK = -1  # a block-table entry whose block left the sliding window (attention never reads it)
@@ -58,6 +61,7 @@ class KVCacheManager:
         num_swap_blocks: int = 0,
         sliding_window: int = 0,
         attention_sinks: int = 0,
+        enable_kv_events: bool = False,
     ) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window  # 0: keep every block
@@ -65,7 +69,7 @@ class KVCacheManager:
         self._window_start: dict[str, int] = {}  # request id -> first table entry not yet freed
         self.num_window_evicted_blocks = 0
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, record_events=enable_kv_events and enable_prefix_caching)
         self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks else None  # CPU swap space
         self.block_tables: dict[str, list[int]] = {}
         self.swapped_tables: dict[str, list[int]] = {}  # request id -> its blocks in the swap space
@@ -138,10 +142,32 @@ class KVCacheManager:
         if num_full <= start:
             return
         table, hashes, size = self.block_tables[rid], self._hashes(request), self.block_size
+        stored = []
         for index in range(start, num_full):
             tokens = tuple(request.all_token_ids[index * size : (index + 1) * size])
-            self.pool.cache_block(table[index], hashes[index], tokens)
+            if self.pool.cache_block(table[index], hashes[index], tokens):
+                stored.append(index)
         self._num_registered[rid] = num_full
+        if stored and self.pool.events is not None:
+            self._record_stored(hashes, request.all_token_ids, stored)
+
+    def _record_stored(self, hashes: list[bytes], tokens, indices: list[int]) -> None:
+        """One BlockStored event per run of consecutive blocks new to the cache."""
+        size, runs = self.block_size, [[indices[0]]]
+        for index in indices[1:]:
+            if index == runs[-1][-1] + 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            parent = hashes[first - 1] if first else None
+            block_tokens = list(tokens[first * size : end * size])
+            self.pool.events.append(BlockStored(hashes[first:end], parent, block_tokens, size, None, None))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call (empty unless enable_kv_events)."""
+        return self.pool.take_events()
 
     def _hashes(self, request: Request) -> list[bytes]:
         """Chained hashes of the request's full blocks, extended incrementally as tokens arrive."""

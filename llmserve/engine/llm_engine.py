@@ -63,7 +63,13 @@ class LLMEngine:
             cache.num_swap_blocks,
             sliding_window=cache.sliding_window,
             attention_sinks=cache.attention_sinks,
+            enable_kv_events=cache.kv_events is not None,
         )
+        self.kv_event_publisher = None  # the prefix cache's changes, for a router (--kv-events-config)
+        if cache.kv_events is not None:
+            from llmserve.engine.kv_event_publisher import KVEventPublisher
+
+            self.kv_event_publisher = KVEventPublisher(cache.kv_events)
         spec = self.config.speculative
         self.scheduler = Scheduler(
             self.config.scheduler,
@@ -242,6 +248,8 @@ class LLMEngine:
             updated = self.scheduler.update_from_output(scheduled, sampled, proposals)
             outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)
         self.last_step = self._step_stats(scheduled, num_sampled, num_accepted, time.monotonic() - start)
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.kv_cache_manager.take_events())
         return [output for output in map(self.output_kinds.apply, outputs) if output is not None]
 
     def _execute(self, plan: StepPlan) -> ModelRunnerOutput:

@@ -40,6 +40,7 @@ from llmserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from llmserve.entrypoints.openai.server_info import server_info
 from llmserve.entrypoints.openai.serving import ApiError, ClientDisconnected, ServerContext, json_response
 from llmserve.entrypoints.openai.serving_chat import ChatHandler
 from llmserve.entrypoints.openai.serving_completions import CompletionHandler
@@ -146,6 +147,13 @@ async def health(raw_request: Request) -> Response:
     return Response(status_code=200)
 
 
+@router.get("/server_info")
+async def get_server_info(raw_request: Request) -> Response:
+    """Block size, hash scheme, tokenizer and KV-events endpoints, for a router (server_info.py)."""
+    ctx = _state(raw_request).ctx
+    return json_response(server_info(ctx.served_model_name, ctx.engine.config, ctx.engine.tokenizer))
+
+
 @router.get("/metrics")
 async def metrics(raw_request: Request) -> Response:
     registry = _state(raw_request).metrics
@@ -222,7 +230,8 @@ def _is_union_tag(part: str | int) -> bool:
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on the API routes; /health and /metrics stay open."""
+    """Requires `Authorization: Bearer <key>` on the API routes; /health, /metrics and /server_info
+    stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app

@@ -26,7 +26,7 @@ def run_server(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM/Ctrl-C, exit 0."""
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    with _bound_socket(args.host, args.port) as sock:
+    with bound_socket(args.host, args.port) as sock:
         engine = AsyncLLM(
             EngineArgs.from_cli_args(args),
             fork=_can_fork(),
@@ -74,7 +74,7 @@ def _can_fork() -> bool:
 
 
 @contextlib.contextmanager
-def _bound_socket(host: str, port: int) -> Iterator[socket.socket]:
+def bound_socket(host: str, port: int) -> Iterator[socket.socket]:
     """Bind now so a busy port fails before the model loads; uvicorn starts listening later."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -1,0 +1,65 @@
+"""`llmserve router`: one OpenAI endpoint over several `llmserve serve` replicas (llmserve/router/)."""
+
+from __future__ import annotations
+
+import argparse
+
+from llmserve.config.router import RouterConfig
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    router = subparsers.add_parser(
+        "router",
+        help="route OpenAI requests over llmserve replicas by their cached prefixes",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics in "
+        "front of llmserve replicas (each started with --kv-events-config): a request goes to the "
+        "replica caching the longest prefix of its prompt, else to the least loaded one.",
+    )
+    router.add_argument(
+        "--replica", action="append", required=True, metavar="URL", help="a replica's base URL (repeat)"
+    )
+    router.add_argument(
+        "--model", default=None, help="the replicas' model, for its tokenizer; default: the embedded one"
+    )
+    router.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the router)")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument(
+        "--register-timeout",
+        type=float,
+        default=RouterConfig.register_timeout_seconds,
+        help="seconds to wait at start-up for every replica to answer",
+    )
+    add_routing_arguments(router)
+    router.set_defaults(handler=_route)
+
+
+def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    """The routing flags `llmserve serve --data-parallel-size` shares."""
+    group = parser.add_argument_group("routing")
+    group.add_argument(
+        "--max-imbalance",
+        type=int,
+        default=RouterConfig.max_imbalance,
+        help="route to the replica caching the prompt's prefix only while it has at most this many more "
+        "requests than the least loaded one",
+    )
+    group.add_argument(
+        "--health-interval",
+        type=float,
+        default=RouterConfig.health_interval_seconds,
+        help="seconds between health checks of each replica",
+    )
+
+
+def _route(args: argparse.Namespace) -> int:
+    from llmserve.entrypoints.openai.serve import bound_socket
+    from llmserve.router.app import run_router
+
+    for url in args.replica:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--replica {url!r} must be an http:// or https:// URL")
+    replicas = tuple(url.rstrip("/") for url in args.replica)
+    config = RouterConfig.from_cli_args(args, replicas, args.register_timeout)
+    with bound_socket(args.host, args.port) as sock:
+        run_router(config, sock, args.host)
+    return 0

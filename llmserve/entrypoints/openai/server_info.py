@@ -1,0 +1,58 @@
+"""GET /server_info: what a prefix-aware router must know of a replica before sending it requests.
+
+The router (llmserve/router/) routes on the replica's own block hashes, so it checks that it would
+compute the same ones: the same block size, hash scheme and tokenizer (a fingerprint of the token
+ids of a fixed text, chat markup included), and it learns where the replica publishes its KV events.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from pydantic import BaseModel
+
+from llmserve.core.kv_events import BLOCK_HASH_SCHEME
+from llmserve.model_loader.tokenizer import Tokenizer
+
+# Words, digits, whitespace runs, non-ASCII and the default chat markup: tokenizers that agree on it
+# agree on practically every prompt.
+_PROBE_TEXT = "Hello, world! 12345 \t\n  naïve café — 你好 <|im_start|>user\nHi<|im_end|>\n"
+
+
+class KVEventsEndpoints(BaseModel):
+    endpoint: str  # the replica's ZMQ PUB endpoint as configured ("*" for the host: any address)
+    replay_endpoint: str | None
+    topic: str
+
+
+class ServerInfo(BaseModel):
+    model: str  # the served model name
+    max_model_len: int
+    block_size: int
+    hash_scheme: str
+    prefix_caching: bool
+    tokenizer_fingerprint: str
+    kv_events: KVEventsEndpoints | None  # None: this replica publishes no KV events
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    ids = tokenizer.encode(_PROBE_TEXT)
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def server_info(served_model_name: str, config, tokenizer: Tokenizer) -> ServerInfo:
+    """`config`: the replica's EngineConfig."""
+    events = config.cache.kv_events
+    return ServerInfo(
+        model=served_model_name,
+        max_model_len=config.model.max_model_len,
+        block_size=config.cache.block_size,
+        hash_scheme=BLOCK_HASH_SCHEME,
+        prefix_caching=config.cache.enable_prefix_caching,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        kv_events=None
+        if events is None
+        else KVEventsEndpoints(
+            endpoint=events.endpoint, replay_endpoint=events.replay_endpoint, topic=events.topic
+        ),
+    )

@@ -1,0 +1,260 @@
+"""The router's HTTP front: OpenAI routes forwarded by prefix, /health over every replica, /metrics.
+
+`build_router` registers the replicas (every check a one-line ValueError), subscribes to their KV
+events and returns the app; `run_router` serves it with uvicorn on a socket bound beforehand.
+Errors the router itself gives (no replica left, a body too large) have OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from llmserve.config.router import RouterConfig
+from llmserve.entrypoints.openai.api_server import UvicornServer
+from llmserve.entrypoints.openai.server_info import tokenizer_fingerprint
+from llmserve.model_loader.default_model import resolve_model_path
+from llmserve.model_loader.tokenizer import Tokenizer, load_tokenizer
+from llmserve.router.events import KVEventSubscriber
+from llmserve.router.index import PrefixIndex
+from llmserve.router.policy import RoutingPolicy
+from llmserve.router.prompt import PromptHasher
+from llmserve.router.proxy import FORWARDED_HEADERS, NoReplicaError, Proxy
+from llmserve.router.replica import HealthChecker, Replica, check_compatible, wait_for_info
+
+logger = logging.getLogger("llmserve.router")
+
+MAX_BODY_BYTES = 4 * 2**20
+_ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class RouterState:
+    replicas: list[Replica]
+    hasher: PromptHasher
+    proxy: Proxy
+    index: PrefixIndex
+    subscriber: KVEventSubscriber
+    health: HealthChecker
+    metrics: RouterMetrics
+
+
+class RouterMetrics:
+    """`llmserve_router:*` in a private registry; per-replica gauges are refreshed at scrape time."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.routed = Counter(
+            "llmserve_router:requests_routed",
+            "Requests sent to a replica, by replica and reason.",
+            ["replica", "reason"],
+            registry=self.registry,
+        )
+        self.matched_blocks = Counter(
+            "llmserve_router:matched_blocks",
+            "Prompt blocks the chosen replica held, by the index.",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.resent = Gauge(
+            "llmserve_router:requests_resent", "Requests re-sent to another replica.", registry=self.registry
+        )
+        self.replica_gauges = {
+            name: Gauge(f"llmserve_router:replica_{name}", doc, ["replica"], registry=self.registry)
+            for name, doc in (
+                ("healthy", "1 if the replica answers its health check."),
+                ("in_flight", "Requests this router has in the replica."),
+                ("num_requests_waiting", "The replica's waiting requests, from its /metrics."),
+                ("kv_cache_usage_perc", "The replica's KV-cache usage, from its /metrics."),
+                ("prefix_cache_hits", "The replica's prefix-cache hits (tokens), from its /metrics."),
+                ("prefix_cache_queries", "The replica's prefix-cache queries (tokens), from its /metrics."),
+                ("indexed_blocks", "Block hashes the router's index holds for the replica."),
+            )
+        }
+
+    def on_routed(self, replica: Replica, matched_blocks: int, by_prefix: bool) -> None:
+        self.routed.labels(replica.url, "prefix" if by_prefix else "load").inc()
+        self.matched_blocks.labels(replica.url).inc(matched_blocks)
+
+    def render(self, state: RouterState) -> bytes:
+        self.resent.set(state.proxy.num_resent)
+        for replica in state.replicas:
+            values = {
+                "healthy": float(replica.healthy),
+                "in_flight": replica.in_flight,
+                "num_requests_waiting": replica.num_waiting,
+                "kv_cache_usage_perc": replica.kv_cache_usage,
+                "prefix_cache_hits": replica.prefix_cache_hits,
+                "prefix_cache_queries": replica.prefix_cache_queries,
+                "indexed_blocks": len(state.index.stored(replica.url)),
+            }
+            for name, value in values.items():
+                self.replica_gauges[name].labels(replica.url).set(value)
+        return generate_latest(self.registry)
+
+
+def load_router_tokenizer(config: RouterConfig) -> Tokenizer:
+    """The replicas' tokenizer with its chat template, to hash prompts as they will."""
+    tokenizer = load_tokenizer(resolve_model_path(config.model))
+    tokenizer.load_chat_template()
+    return tokenizer
+
+
+async def build_router(config: RouterConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
+    """Register every replica (ValueError if one is unreachable or incompatible) and build the app."""
+    tokenizer = tokenizer or load_router_tokenizer(config)
+    async with httpx.AsyncClient() as registration:  # this loop ends here; uvicorn runs another
+        replicas = await _register(registration, config, tokenizer_fingerprint(tokenizer))
+    client = httpx.AsyncClient(  # generation has no read timeout: a long answer is not a failure
+        timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+    )
+    index = PrefixIndex([r.url for r in replicas], config.pending_prefix_seconds)
+    subscriber = KVEventSubscriber(index)
+    for replica in replicas:
+        events = replica.info.kv_events
+        subscriber.add(replica.url, events.endpoint, events.replay_endpoint, events.topic)
+    metrics = RouterMetrics()
+    state = RouterState(
+        replicas=replicas,
+        hasher=PromptHasher(tokenizer, replicas[0].info.block_size),
+        proxy=Proxy(client, replicas, RoutingPolicy(index, config.max_imbalance), metrics.on_routed),
+        index=index,
+        subscriber=subscriber,
+        health=HealthChecker(client, replicas, config.health_interval_seconds),
+        metrics=metrics,
+    )
+    app = FastAPI(title="llmserve router", lifespan=_lifespan)
+    app.state.router = state
+    app.include_router(routes)
+    _install_error_handlers(app)
+    return app
+
+
+async def _register(client: httpx.AsyncClient, config: RouterConfig, fingerprint: str) -> list[Replica]:
+    """Every replica, checked against the first one's model and block size and the router's tokenizer."""
+    timeout = config.register_timeout_seconds
+    infos = await asyncio.gather(*(wait_for_info(client, url, timeout) for url in config.replicas))
+    expected = infos[0].model_copy(update={"tokenizer_fingerprint": fingerprint})
+    for url, info in zip(config.replicas, infos, strict=True):
+        check_compatible(url, info, expected)
+    return [Replica(url, info) for url, info in zip(config.replicas, infos, strict=True)]
+
+
+# -- routes -----------------------------------------------------------------------------------------
+
+routes = APIRouter()
+
+
+def _state(raw_request: Request) -> RouterState:
+    return raw_request.app.state.router
+
+
+@routes.post("/v1/completions")
+@routes.post("/v1/chat/completions")
+async def route_generation(raw_request: Request) -> Response:
+    state = _state(raw_request)
+    body = await raw_request.body()
+    if len(body) > MAX_BODY_BYTES:
+        return error_response(f"the request body exceeds {MAX_BODY_BYTES} bytes", 413)
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None  # the replica answers with the precise 400
+    path = raw_request.url.path
+    hashes = await asyncio.to_thread(state.hasher.hashes, path, parsed)
+    stream = isinstance(parsed, dict) and parsed.get("stream") is True
+    headers = {k: v for k, v in raw_request.headers.items() if k in FORWARDED_HEADERS}
+    try:
+        return await state.proxy.forward(path, body, headers, hashes, stream)
+    except NoReplicaError as error:
+        return error_response(error.message, 503)
+
+
+@routes.get("/v1/models")
+async def list_models(raw_request: Request) -> Response:
+    state = _state(raw_request)
+    headers = {k: v for k, v in raw_request.headers.items() if k in FORWARDED_HEADERS}
+    for replica in (r for r in state.replicas if r.healthy):
+        try:
+            upstream = await state.proxy.client.get(f"{replica.url}/v1/models", headers=headers)
+        except httpx.TransportError as error:
+            replica.mark_failed(str(error) or type(error).__name__)
+            continue
+        return Response(
+            upstream.content, upstream.status_code, media_type=upstream.headers.get("content-type")
+        )
+    return error_response("no replica is healthy", 503)
+
+
+@routes.get("/health")
+async def health(raw_request: Request) -> Response:
+    """200 only when every replica is healthy; else 503 naming the ones that are not."""
+    down = [f"{r.url} ({r.last_error})" for r in _state(raw_request).replicas if not r.healthy]
+    if down:
+        return error_response(f"replicas not ready: {', '.join(down)}", 503)
+    return Response(status_code=200)
+
+
+@routes.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    state = _state(raw_request)
+    return Response(state.metrics.render(state), media_type=CONTENT_TYPE_LATEST)
+
+
+def error_response(message: str, status: int) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def on_http_error(_: Request, error: StarletteHTTPException) -> Response:
+        return error_response(str(error.detail), error.status_code)
+
+    async def on_internal_error(raw_request: Request, error: Exception) -> Response:
+        logger.error("internal error routing %s", raw_request.url.path, exc_info=error)
+        return error_response("internal router error", 500)
+
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_internal_error)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    state: RouterState = app.state.router
+    state.subscriber.start()
+    health = asyncio.create_task(state.health.run())
+    try:
+        yield
+    finally:
+        health.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await health
+        state.subscriber.stop()
+        await state.proxy.client.aclose()
+
+
+# -- running -----------------------------------------------------------------------------------------
+
+
+def run_router(
+    config: RouterConfig, sock: socket.socket, host: str, tokenizer: Tokenizer | None = None
+) -> None:
+    """Register the replicas, then serve on `sock` (bound already) until SIGTERM/Ctrl-C."""
+    app = asyncio.run(build_router(config, tokenizer))
+    uvicorn_config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=10)
+    port = sock.getsockname()[1]
+    logger.info("routing to %d replicas on http://%s:%d", len(config.replicas), host, port)
+    UvicornServer(uvicorn_config, on_exit=lambda: None).run(sockets=[sock])  # exits 0 on SIGTERM

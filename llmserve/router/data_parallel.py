@@ -1,0 +1,183 @@
+"""`llmserve serve --data-parallel-size N`: N engine replicas behind one router on --port.
+
+Each replica is a whole `llmserve serve` (server process and engine process) on a private loopback
+port, pinned to its own share of this process's CPUs (whole physical cores where there are enough)
+with its own KV pool, and publishing its KV events on private loopback ZMQ ports. This process binds
+--port first, starts the replicas, waits until each answers, then runs the router there until
+SIGTERM or Ctrl-C, and stops every replica on the way out. Each replica also asks the kernel to
+SIGTERM it if this process dies, so none is ever orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from llmserve.config import EngineArgs
+from llmserve.config.router import RouterConfig
+from llmserve.entrypoints.openai.serve import bound_socket
+from llmserve.router.app import load_router_tokenizer, run_router
+
+logger = logging.getLogger("llmserve.router")
+
+STARTUP_TIMEOUT_SECONDS = 900.0  # a replica loading a large model on a busy machine
+STOP_TIMEOUT_SECONDS = 20.0
+_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+
+
+def split_cpus(cpus: list[int], size: int) -> list[list[int]]:
+    """`size` disjoint CPU sets, as even as they can be, whole cores kept together where there are
+    at least `size` cores; with fewer CPUs than replicas, replicas share CPUs (with a warning)."""
+    if size > len(cpus):
+        logger.warning("%d replicas on %d CPUs: replicas share CPUs", size, len(cpus))
+        return [[cpus[i % len(cpus)]] for i in range(size)]
+    cores = _group_by_core(cpus)
+    units = cores if len(cores) >= size else [[cpu] for cpu in cpus]
+    share, extra = divmod(len(units), size)
+    sets, start = [], 0
+    for replica in range(size):
+        end = start + share + (replica < extra)
+        sets.append(sorted(cpu for unit in units[start:end] for cpu in unit))
+        start = end
+    return sets
+
+
+def _group_by_core(cpus: list[int]) -> list[list[int]]:
+    """The CPUs grouped by physical core (SMT siblings together), in order of their first CPU."""
+    cores: dict[object, list[int]] = {}
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            key = ((topology / "physical_package_id").read_text(), (topology / "core_id").read_text())
+        except OSError:
+            key = cpu  # topology unknown: every CPU its own core
+        cores.setdefault(key, []).append(cpu)
+    return list(cores.values())
+
+
+@dataclasses.dataclass
+class ReplicaProcess:
+    rank: int
+    url: str
+    cpus: list[int]
+    process: subprocess.Popen
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # the replica drains and stops its engine
+
+    def wait_stopped(self) -> None:
+        try:
+            self.process.wait(STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def serve_data_parallel(args: argparse.Namespace) -> int:
+    size = args.data_parallel_size
+    if args.kv_events_config is not None:
+        raise ValueError("--data-parallel-size sets each replica's --kv-events-config itself; drop the flag")
+    cpu_sets = split_cpus(sorted(os.sched_getaffinity(0)), size)
+    with bound_socket(args.host, args.port) as sock:
+        replicas: list[ReplicaProcess] = []
+        try:
+            for rank, cpus in enumerate(cpu_sets):
+                replicas.append(_start_replica(rank, cpus, args))
+            config = RouterConfig.from_cli_args(args, tuple(r.url for r in replicas), register_timeout=30.0)
+            tokenizer = load_router_tokenizer(config)  # while the replicas load their models
+            _wait_until_ready(replicas)
+            run_router(config, sock, args.host, tokenizer)
+        finally:
+            for replica in replicas:
+                replica.terminate()
+            for replica in replicas:
+                replica.wait_stopped()
+    return 0
+
+
+def _start_replica(rank: int, cpus: list[int], args: argparse.Namespace) -> ReplicaProcess:
+    port, events_port, replay_port = _free_ports(3)
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{events_port}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+    }
+    command = [sys.executable, "-m", "llmserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--kv-events-config", json.dumps(events), *_replica_flags(args)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus))}
+    if args.api_key:
+        env["LLMSERVE_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)  # loaded here: the child only calls it
+    process = subprocess.Popen(command, env=env, preexec_fn=lambda: _pin_and_tie_to_parent(cpus, libc))
+    logger.info("replica %d: pid %d on CPUs %s, http://127.0.0.1:%d", rank, process.pid, cpus, port)
+    return ReplicaProcess(rank, f"http://127.0.0.1:{port}", cpus, process)
+
+
+def _replica_flags(args: argparse.Namespace) -> list[str]:
+    """The user's engine and server flags that differ from their defaults, for each replica."""
+    flags = ["--max-waiting", str(args.max_waiting)]
+    if args.served_model_name:
+        flags += ["--served-model-name", args.served_model_name]
+    if not args.cpu_binding:
+        flags.append("--no-cpu-binding")
+    if args.verbose:
+        flags.append("--verbose")
+    for spec in dataclasses.fields(EngineArgs):
+        value = getattr(args, spec.name)
+        if spec.name == "kv_events_config" or value == spec.default:
+            continue
+        flag = "--" + spec.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _pin_and_tie_to_parent(cpus: list[int], libc: ctypes.CDLL) -> None:
+    """In the child before exec: its CPUs, and SIGTERM when the parent dies."""
+    os.sched_setaffinity(0, cpus)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _free_ports(count: int) -> list[int]:
+    """Loopback ports free now (held open together so they differ)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+def _wait_until_ready(replicas: list[ReplicaProcess]) -> None:
+    """Until every replica answers /health; ValueError as soon as one exits or after the timeout."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+    pending = list(replicas)
+    while pending:
+        for replica in list(pending):
+            code = replica.process.poll()
+            if code is not None:
+                raise ValueError(f"replica {replica.rank} exited with code {code} while starting (see above)")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{replica.url}/health", timeout=1.0).status_code == 200:
+                    pending.remove(replica)
+        if time.monotonic() > deadline:
+            raise ValueError(
+                f"replicas {[r.rank for r in pending]} not ready after {STARTUP_TIMEOUT_SECONDS} s"
+            )
+        time.sleep(0.2)

@@ -1,0 +1,79 @@
+"""The real engine publishing over ZMQ to the router's subscriber: after every burst of steps the
+router's index is exactly the engine's prefix cache, evictions included."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from llmserve.config import EngineArgs
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.router.events import KVEventSubscriber
+from llmserve.router.index import PrefixIndex
+from llmserve.router.prompt import block_hashes
+from llmserve.sampling_params import SamplingParams
+from tests.entrypoints.conftest import free_port
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def engine_and_index(tiny_model_dir):
+    endpoints = {
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+    }
+    engine = LLMEngine(
+        EngineArgs(
+            model=tiny_model_dir,
+            dtype="float32",
+            max_model_len=256,
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=12,  # small: later prompts evict earlier ones
+            kv_events_config=json.dumps({"enable_kv_cache_events": True, **endpoints}),
+        )
+    )
+    index = PrefixIndex(["engine"])
+    subscriber = KVEventSubscriber(index)
+    subscriber.add("engine", endpoints["endpoint"], endpoints["replay_endpoint"], "")
+    subscriber.start()
+    yield engine, index, subscriber
+    subscriber.stop()
+    engine.kv_event_publisher.shutdown()
+
+
+def run(engine: LLMEngine, prompts: list[list[int]]) -> None:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(
+            f"{time.monotonic_ns()}-{i}", prompt, SamplingParams(max_tokens=4, ignore_eos=True)
+        )
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def synced(engine, index, subscriber):
+    """Wait until the subscriber has applied every batch the engine published; the index's hashes."""
+    feed = next(iter(subscriber._feeds.values()))
+    deadline = time.monotonic() + 10
+    while feed.last_seq != engine.kv_event_publisher._next_seq - 1:
+        assert time.monotonic() < deadline, (feed.last_seq, engine.kv_event_publisher._next_seq)
+        time.sleep(0.01)
+    return index.stored("engine")
+
+
+def test_the_index_is_the_engines_cache_and_sees_evictions(engine_and_index):
+    engine, index, subscriber = engine_and_index
+    pool = engine.kv_cache_manager.pool
+    first = [list(range(100 + 50 * p, 100 + 50 * p + 40)) for p in range(2)]
+    run(engine, first)
+    cached = synced(engine, index, subscriber)
+    assert cached == set(pool._cached)
+    assert set(block_hashes(first[0], BLOCK_SIZE)) <= cached  # the router's hashes are the engine's
+    evictions = pool.num_evictions
+    run(engine, [list(range(2000 + 60 * p, 2000 + 60 * p + 60)) for p in range(3)])  # needs the whole pool
+    assert pool.num_evictions > evictions
+    after = synced(engine, index, subscriber)
+    assert after == set(pool._cached)
+    assert not set(block_hashes(first[0], BLOCK_SIZE)) <= after, "the eviction reached the index"
