@@ -25,19 +25,25 @@ def git_commit(start: str | os.PathLike = ".") -> str | None:
     for folder in [Path(start).resolve(), *Path(start).resolve().parents]:
         git_dir = folder / ".git"
         if git_dir.is_dir():
-            return _resolve_head(git_dir)
+            return _resolve_head(git_dir, git_dir)
+        if git_dir.is_file():  # a linked worktree: ".git" names its own git dir, refs are shared
+            linked = Path(git_dir.read_text().split("gitdir:", 1)[1].strip())
+            linked = linked if linked.is_absolute() else folder / linked
+            common = linked / "commondir"
+            shared = (linked / common.read_text().strip()).resolve() if common.is_file() else linked
+            return _resolve_head(linked, shared)
     return None
 
 
-def _resolve_head(git_dir: Path) -> str | None:
+def _resolve_head(git_dir: Path, refs_dir: Path) -> str | None:
     head = (git_dir / "HEAD").read_text().strip()
     if not head.startswith("ref: "):
         return head  # detached HEAD holds the commit itself
     ref = head[len("ref: ") :]
-    loose = git_dir / ref
+    loose = refs_dir / ref
     if loose.is_file():
         return loose.read_text().strip()
-    packed = git_dir / "packed-refs"
+    packed = refs_dir / "packed-refs"
     if packed.is_file():
         for line in packed.read_text().splitlines():
             if line.endswith(" " + ref):

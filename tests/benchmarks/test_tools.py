@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from llmserve.benchmarks import results
 from llmserve.benchmarks.tools import ab_checkouts, linear_micro, side_by_side
 from llmserve.benchmarks.workload import WorkloadSpec, build_workload
 
@@ -154,3 +155,27 @@ def test_linear_micro_times_every_format_this_build_has():
     results = linear_micro.run(rows=[1, 2], num_layers=1, vocab=64, repeats=1, copy_mib=1)
     assert {result["format"] for result in results} >= {"bf16"}
     assert all(result["ms"] > 0 and result["GB/s"] > 0 for result in results)
+
+
+# -- results.git_commit ---------------------------------------------------------------------------
+
+
+def test_git_commit_is_read_in_a_checkout_and_in_a_linked_worktree(tmp_path):
+    """Result files name their commit also when the benchmark runs from `git worktree add` (as
+    ab_checkouts does): there ".git" is a file naming the worktree's git dir."""
+    repo = tmp_path / "repo"
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "f").write_text("1")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    subprocess.run([*git, "pack-refs", "--all"], check=True)  # the branch only in packed-refs
+    head = subprocess.run(
+        [*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    subprocess.run([*git, "worktree", "add", "-q", "-b", "side", str(tmp_path / "wt")], check=True)
+    subprocess.run([*git, "worktree", "add", "-q", "--detach", str(tmp_path / "detached")], check=True)
+    (tmp_path / "wt" / "sub").mkdir()
+    assert results.git_commit(repo) == head
+    assert results.git_commit(tmp_path / "wt" / "sub") == head
+    assert results.git_commit(tmp_path / "detached") == head
