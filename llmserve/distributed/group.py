@@ -38,10 +38,6 @@ class TensorParallelGroup:
     def connect(self, init_method: str, device: torch.device, timeout_seconds: float) -> None:
         """Join the process group (blocks until every rank has called it, at most the timeout)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if dist.is_initialized():
-            raise RuntimeError(
-                "this process already serves a tensor-parallel engine; shut that one down first"
-            )
         timeout = timedelta(seconds=timeout_seconds)
         dist.init_process_group(
             backend, init_method=init_method, rank=self.rank, world_size=self.world_size, timeout=timeout

@@ -160,9 +160,10 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in the model")
             tensor = self._rank_part(name, tensor)
-            param.data[offset : offset + tensor.shape[0]].copy_(tensor)
-            if self._split_of(name) == (0, "vocab", "row"):  # the last block's padding rows: zeros
-                param.data[tensor.shape[0] :].zero_()
+            rows = tensor.shape[0]
+            param.data[offset : offset + rows].copy_(tensor)
+            if target == name and rows < param.shape[0]:  # the last vocabulary block's padding: zeros
+                param.data[rows:].zero_()
             loaded.add(name)
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

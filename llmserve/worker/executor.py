@@ -39,6 +39,10 @@ class TensorParallelError(RuntimeError):
 
 class TensorParallelExecutor:
     def __init__(self, config: EngineConfig) -> None:
+        if torch.distributed.is_initialized():  # its default group is one per process
+            raise TensorParallelError(
+                "this process already runs a tensor-parallel engine; shut that down first"
+            )
         parallel = config.parallel
         self.config = config
         self.group = TensorParallelGroup(0, parallel.world_size)

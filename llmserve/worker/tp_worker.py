@@ -8,6 +8,7 @@ its vocabulary block of the logits to rank 0. Empty plan bytes stop it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 from multiprocessing.connection import Connection
@@ -44,6 +45,10 @@ def run_worker(
     configure_logging(log_level)
     logger.setLevel(log_level)
     torch.set_num_threads(config.parallel.threads_per_rank())
+    if config.model.device.type == "cuda":  # one GPU per rank (NCCL refuses two ranks on one)
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
     group = TensorParallelGroup(rank, config.parallel.world_size)
     try:
         runner = load_shard(config, group)

@@ -1,10 +1,15 @@
-"""How a model splits over tensor-parallel ranks, and what the configuration refuses (no processes)."""
+"""How a model splits over tensor-parallel ranks, and what tensor parallelism refuses (no ranks started)."""
+
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 
 from llmserve.config import EngineArgs, ModelArchConfig
-from llmserve.config.parallel import split_sizes
+from llmserve.config.parallel import ParallelConfig, split_sizes
 from llmserve.distributed.shard import ShardLayout
+from llmserve.evaluation.perplexity import evaluate_perplexity
 
 # the default model's shape (SmolLM2-135M): 9 query heads over 3 KV heads
 ARCH = ModelArchConfig(
@@ -82,3 +87,31 @@ def test_each_rank_pools_its_own_kv_heads_so_capacity_grows_with_the_ranks():
     # per rank: 3 KV heads alone, 2 (the fuller rank of 2 + 1), 1
     assert blocks == {1: 20, 2: 30, 3: 60}
     assert EngineArgs(tensor_parallel_size=2).create_config(ARCH, "model").parallel.tensor_parallel_size == 2
+
+
+def _llmserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["generate", "x", "--tensor-parallel-size", "4"],
+            "tensor_parallel_size 4 leaves a rank with no KV head",
+        ),
+        (["train-draft-head", "--output", "h", "--tensor-parallel-size", "2"], "does not run under tensor"),
+    ],
+)
+def test_the_command_refuses_in_one_line(args, message):
+    result = _llmserve(*args)
+    assert result.returncode == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_perplexity_evaluation_refuses_tensor_parallelism():
+    engine = SimpleNamespace(config=SimpleNamespace(parallel=ParallelConfig(tensor_parallel_size=2)))
+    with pytest.raises(ValueError, match="perplexity evaluation does not run under tensor parallelism"):
+        evaluate_perplexity(engine, [1, 2, 3], context=2, decode_tokens=1)

@@ -12,9 +12,9 @@ import signal
 
 import pytest
 
-from llmserve import SamplingParams
+from llmserve import LLM, SamplingParams
 from llmserve.worker.executor import TensorParallelError
-from tests.distributed.conftest import assert_same_greedy, engine
+from tests.distributed.conftest import ENGINE_KWARGS, assert_same_greedy, engine
 
 PROMPTS = [
     [5, 6, 7, 8] * 6,
@@ -110,13 +110,17 @@ def test_ngram_speculation_under_tensor_parallelism(tiny_llama_dir):
     with engine(tiny_llama_dir, tensor_parallel_size=2, **kwargs) as llm:
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         accepted = llm.engine.spec_decode_stats.num_accepted_tokens
+        workers = llm.engine.executor.workers
     assert accepted > 0
+    assert [worker.exitcode for worker in workers] == [0]  # shutdown stopped it cleanly
     for want, got in zip(reference, outputs, strict=True):
         assert_same_greedy(want, got)
 
 
 def test_a_worker_that_dies_fails_the_step_with_the_rank_named(tiny_llama_dir):
     with engine(tiny_llama_dir, tensor_parallel_size=2) as llm:
+        with pytest.raises(TensorParallelError, match="already runs a tensor-parallel engine"):
+            LLM(tiny_llama_dir, tensor_parallel_size=2, **ENGINE_KWARGS)  # one group per process
         llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
         llm.engine.step()
         worker = llm.engine.executor.workers[0]
