@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -29,6 +29,7 @@ from llmserve.model_loader.default_model import resolve_model_path
 from llmserve.model_loader.tokenizer import Tokenizer, load_tokenizer
 from llmserve.router.events import KVEventSubscriber
 from llmserve.router.index import PrefixIndex
+from llmserve.router.metrics import RouterMetrics
 from llmserve.router.policy import RoutingPolicy
 from llmserve.router.prompt import PromptHasher
 from llmserve.router.proxy import FORWARDED_HEADERS, NoReplicaError, Proxy
@@ -37,7 +38,6 @@ from llmserve.router.replica import HealthChecker, Replica, check_compatible, wa
 logger = logging.getLogger("llmserve.router")
 
 MAX_BODY_BYTES = 4 * 2**20
-_ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass
@@ -49,60 +49,6 @@ class RouterState:
     subscriber: KVEventSubscriber
     health: HealthChecker
     metrics: RouterMetrics
-
-
-class RouterMetrics:
-    """`llmserve_router:*` in a private registry; per-replica gauges are refreshed at scrape time."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.routed = Counter(
-            "llmserve_router:requests_routed",
-            "Requests sent to a replica, by replica and reason.",
-            ["replica", "reason"],
-            registry=self.registry,
-        )
-        self.matched_blocks = Counter(
-            "llmserve_router:matched_blocks",
-            "Prompt blocks the chosen replica held, by the index.",
-            ["replica"],
-            registry=self.registry,
-        )
-        self.resent = Gauge(
-            "llmserve_router:requests_resent", "Requests re-sent to another replica.", registry=self.registry
-        )
-        self.replica_gauges = {
-            name: Gauge(f"llmserve_router:replica_{name}", doc, ["replica"], registry=self.registry)
-            for name, doc in (
-                ("healthy", "1 if the replica answers its health check."),
-                ("in_flight", "Requests this router has in the replica."),
-                ("num_requests_waiting", "The replica's waiting requests, from its /metrics."),
-                ("kv_cache_usage_perc", "The replica's KV-cache usage, from its /metrics."),
-                ("prefix_cache_hits", "The replica's prefix-cache hits (tokens), from its /metrics."),
-                ("prefix_cache_queries", "The replica's prefix-cache queries (tokens), from its /metrics."),
-                ("indexed_blocks", "Block hashes the router's index holds for the replica."),
-            )
-        }
-
-    def on_routed(self, replica: Replica, matched_blocks: int, by_prefix: bool) -> None:
-        self.routed.labels(replica.url, "prefix" if by_prefix else "load").inc()
-        self.matched_blocks.labels(replica.url).inc(matched_blocks)
-
-    def render(self, state: RouterState) -> bytes:
-        self.resent.set(state.proxy.num_resent)
-        for replica in state.replicas:
-            values = {
-                "healthy": float(replica.healthy),
-                "in_flight": replica.in_flight,
-                "num_requests_waiting": replica.num_waiting,
-                "kv_cache_usage_perc": replica.kv_cache_usage,
-                "prefix_cache_hits": replica.prefix_cache_hits,
-                "prefix_cache_queries": replica.prefix_cache_queries,
-                "indexed_blocks": len(state.index.stored(replica.url)),
-            }
-            for name, value in values.items():
-                self.replica_gauges[name].labels(replica.url).set(value)
-        return generate_latest(self.registry)
 
 
 def load_router_tokenizer(config: RouterConfig) -> Tokenizer:
@@ -211,7 +157,7 @@ async def health(raw_request: Request) -> Response:
 @routes.get("/metrics")
 async def metrics(raw_request: Request) -> Response:
     state = _state(raw_request)
-    return Response(state.metrics.render(state), media_type=CONTENT_TYPE_LATEST)
+    return Response(state.metrics.render(state.replicas, state.index), media_type=CONTENT_TYPE_LATEST)
 
 
 def error_response(message: str, status: int) -> JSONResponse:
@@ -253,6 +199,7 @@ def run_router(
     config: RouterConfig, sock: socket.socket, host: str, tokenizer: Tokenizer | None = None
 ) -> None:
     """Register the replicas, then serve on `sock` (bound already) until SIGTERM/Ctrl-C."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per proxied request
     app = asyncio.run(build_router(config, tokenizer))
     uvicorn_config = uvicorn.Config(app, log_config=None, access_log=False, timeout_graceful_shutdown=10)
     port = sock.getsockname()[1]

@@ -5,7 +5,8 @@ already seen is skipped, a gap is filled from the replica's replay socket (a DEA
 ROUTER), and a gap that replay cannot fill, or a sequence that starts again from 0 (the replica
 restarted), clears that replica's index so it is rebuilt from what comes next rather than trusted
 stale. At start every feed asks for a replay from 0, so a router that starts after its replicas
-still learns what they cache.
+still learns what they cache. The publisher answers a replay between two sends, so the SUB socket's
+copies of replayed batches all come before anything newer: they are skipped by number.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class _Feed:
     sub: zmq.Socket
     replay: zmq.Socket | None
     last_seq: int = -1  # the last batch applied; -1: none yet
+    replayed_to: int = 0  # batches below this came by replay: their copies on the SUB socket are stale
 
 
 class KVEventSubscriber:
@@ -99,19 +101,23 @@ class KVEventSubscriber:
             self._close()
 
     def _on_batch(self, feed: _Feed, seq: int, payload: bytes) -> None:
-        if seq < feed.last_seq or (seq == 0 and feed.last_seq > 0):
+        if seq < feed.replayed_to:
+            return  # published before a replay that brought it already
+        feed.replayed_to = 0
+        if seq <= feed.last_seq:
             logger.info("replica %s restarted its KV events; rebuilding its index", feed.replica)
             self.index.clear(feed.replica)
             feed.last_seq = -1
-        if seq <= feed.last_seq:
-            return  # already applied (from a replay)
         if seq > feed.last_seq + 1:
             self._replay_from(feed, feed.last_seq + 1)
+            if seq <= feed.last_seq:
+                return
             if seq > feed.last_seq + 1:
+                first_lost = feed.last_seq + 1
                 logger.warning(
                     "replica %s: KV events %d..%d lost; rebuilding its index",
                     feed.replica,
-                    feed.last_seq + 1,
+                    first_lost,
                     seq - 1,
                 )
                 self.index.clear(feed.replica)
@@ -137,8 +143,8 @@ class KVEventSubscriber:
             if seq_bytes == END_OF_REPLAY:
                 return
             seq = int.from_bytes(seq_bytes, "big")
-            if seq == feed.last_seq + 1 or (
-                feed.last_seq == -1 and seq > 0
-            ):  # a fresh feed takes what is left
+            fresh = feed.last_seq == -1  # a fresh feed takes whatever the buffer still holds
+            if seq == feed.last_seq + 1 or (fresh and seq > 0):
                 self._apply(feed, seq, payload)
+                feed.replayed_to = seq + 1
         logger.warning("replica %s did not answer a KV-event replay request", feed.replica)

@@ -44,13 +44,14 @@ class Proxy:
         client: httpx.AsyncClient,
         replicas: Sequence[Replica],
         policy: RoutingPolicy,
-        on_routed: Callable[[Replica, int, bool], None] = lambda replica, blocks, by_prefix: None,
+        on_routed: Callable[[Replica, int, bool, bool], None] = lambda replica, blocks, by_prefix, resent: (
+            None
+        ),
     ) -> None:
         self.client = client
         self.replicas = replicas
         self.policy = policy
-        self.on_routed = on_routed  # metrics: (replica, matched blocks, by prefix)
-        self.num_resent = 0
+        self.on_routed = on_routed  # metrics: (replica, matched blocks, by prefix, a re-send)
 
     async def forward(
         self, path: str, body: bytes, headers: dict[str, str], hashes: Sequence[bytes], stream: bool
@@ -63,11 +64,9 @@ class Proxy:
             if choice is None:
                 raise NoReplicaError(f"no replica could serve the request: {last_error}")
             replica = choice.replica
-            if tried:
-                self.num_resent += 1
+            self.on_routed(replica, choice.matched_blocks, choice.by_prefix, bool(tried))
             tried.add(replica.url)
             self.policy.index.note_routed(replica.url, hashes)
-            self.on_routed(replica, choice.matched_blocks, choice.by_prefix)
             replica.in_flight += 1
             streaming = False
             try:

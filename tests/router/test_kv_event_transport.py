@@ -93,6 +93,23 @@ def test_a_gap_is_filled_by_replay_or_else_clears_the_index(endpoints, buffer_st
         pub.shutdown()
 
 
+def test_the_sub_sockets_copies_of_replayed_batches_are_skipped(endpoints):
+    pub = publisher(endpoints)
+    sub, feed, index = feed_of(endpoints)
+    try:
+        for i in range(3):
+            pub.publish(stored(i))
+        payloads = published(pub, 3)
+        sub._replay_from(feed, 0)  # as at start: batches 0..2 by replay
+        index.clear("r")
+        for seq, payload in enumerate(payloads):  # then the same batches off the SUB socket
+            sub._on_batch(feed, seq, payload)
+        assert index.stored("r") == set() and feed.last_seq == 2, "a copy is neither applied nor a restart"
+    finally:
+        sub.stop()
+        pub.shutdown()
+
+
 def test_a_restarted_publisher_rebuilds_the_index(endpoints):
     sub, feed, index = feed_of(endpoints)
     for seq in range(4):
