@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 from llmserve.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+_MIN_PRUNE_SIZE = 4096
+
 
 class PrefixIndex:
     def __init__(self, replicas: Sequence[str], pending_seconds: float = 10.0) -> None:
@@ -27,6 +29,7 @@ class PrefixIndex:
         self._stored: dict[str, set[bytes]] = {name: set() for name in replicas}
         self._pending: dict[str, dict[bytes, float]] = {name: {} for name in replicas}  # hash -> expiry
         self.num_events = dict.fromkeys(replicas, 0)
+        self._prune_at = dict.fromkeys(replicas, _MIN_PRUNE_SIZE)  # pending size that triggers a sweep
 
     def apply(self, replica: str, batch: KVEventBatch) -> None:
         with self._lock:
@@ -49,12 +52,16 @@ class PrefixIndex:
             self._pending[replica].clear()
 
     def note_routed(self, replica: str, hashes: Sequence[bytes], now: float | None = None) -> None:
-        expiry = (time.monotonic() if now is None else now) + self.pending_seconds
+        now = time.monotonic() if now is None else now
         with self._lock:
             stored, pending = self._stored[replica], self._pending[replica]
             for block_hash in hashes:
                 if block_hash not in stored:
-                    pending[block_hash] = expiry
+                    pending[block_hash] = now + self.pending_seconds
+            if len(pending) > self._prune_at[replica]:  # expired entries no prompt looked up again
+                for block_hash in [h for h, expiry in pending.items() if expiry <= now]:
+                    del pending[block_hash]
+                self._prune_at[replica] = max(_MIN_PRUNE_SIZE, 2 * len(pending))
 
     def match(self, replica: str, hashes: Sequence[bytes], now: float | None = None) -> int:
         """How many of `hashes` (a prompt's chained block hashes) the replica holds, from the first on."""
@@ -66,6 +73,10 @@ class PrefixIndex:
                     pending.pop(block_hash, None)
                     return count
             return len(hashes)
+
+    def num_pending(self, replica: str) -> int:
+        with self._lock:
+            return len(self._pending[replica])
 
     def stored(self, replica: str) -> set[bytes]:
         """A copy of the replica's confirmed hashes (tests compare it with the engine's cache)."""

@@ -75,6 +75,13 @@ def test_a_routed_prompt_counts_as_cached_there_until_its_pending_entry_expires(
     assert index.match("r", A, now=106.0) == 0
 
 
+def test_expired_pending_entries_are_swept_so_the_index_stays_bounded():
+    index = PrefixIndex(["r"], pending_seconds=5.0)
+    for step in range(3000):  # 3 blocks a prompt, one prompt a second: about 15 s worth are live
+        index.note_routed("r", block_hashes([step, *range(47)], 16), now=float(step))
+    assert index.num_pending("r") <= 4096 + 3
+
+
 def test_prefix_owner_wins_within_the_imbalance_bound_and_spills_past_it():
     policy, index, (r0, r1) = make_policy(loads=(2, 0), max_imbalance=2)
     index.apply(r0.url, batch(stored(A)))
