@@ -47,9 +47,7 @@ from llmserve.worker.request_state import CachedRequestState
 
 logger = logging.getLogger("llmserve")
 
-# Default early-exit depth as a fraction of the target's layers (28 of SmolLM2's 30): on the default
-# model no depth pays for itself (the model settles its token only in its last layers), and 28 tied
-# with 8 for the fastest while accepting far more; docs/speculative.md has the measurement.
+# 28 of SmolLM2's 30: no depth pays there, the deepest accepts most (docs/speculative.md, "Early exit").
 DEFAULT_EARLY_EXIT_FRACTION = 0.93
 
 
