@@ -205,7 +205,9 @@ class EngineArgs:
         "draft_head (prompt lookup, else a small head trained on the target's own outputs)",
     )
     num_speculative_tokens: int | None = _arg(
-        None, "drafts per step and request at most (K); default 7 for ngram (its drafts adapt), else 3"
+        None,
+        "drafts per step and request at most (K); default 7 for ngram and draft_head (their drafts adapt), "
+        "else 3",
     )
     speculative_draft_model: str | None = _arg(
         None, "draft: GGUF file or HF directory of a model with the target's tokenizer"

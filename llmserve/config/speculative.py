@@ -20,8 +20,8 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 3, "early_exit": 3, "draf
 DEFAULT_DRAFT_HEAD_TOKENS = 3
 # Auto mode also shares drafts so that a step's decodes verify at most this many rows in all: the
 # small-batch linear kernels' limit, below which a step is bound by reading the weights and extra rows
-# cost little. Past it (4 requests x 4 rows) a step leaves the small-batch kernels, and speculating at
-# 4 requests lost to not speculating (the planner drafts nothing where the share is a single draft).
+# cost little. Past it (4 requests x 4 rows) a step leaves the small-batch kernels (the planner drafts
+# nothing where the share is a single draft).
 DEFAULT_MAX_VERIFY_ROWS = MAX_ROWS
 
 

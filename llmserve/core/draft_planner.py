@@ -29,8 +29,8 @@ class DraftPlanner:
     def drafts_per_request(self, num_running: int) -> int | None:
         """Auto mode: the drafts each of `num_running` decodes may verify so that the step stays within
         `max_verify_rows` rows (1 + k each): 7 for one request, 3 for two, none from three, since a
-        share of one draft (three or four requests) lost to not speculating (a head step and a
-        verify row each for half a token); None where speculation is not auto (no cap)."""
+        share of one draft costs a head step and a verify row for about half a token; None where
+        speculation is not auto (no cap)."""
         limit = self.config.max_verify_rows
         if self.config.disable_batch_size == 0 or limit == 0 or num_running == 0:
             return None

@@ -15,8 +15,8 @@
    where the CPU has native bf16).
 
 Everything is seeded; `llmserve train-draft-head` runs it and reports the held-out acceptance of each
-draft position. It takes hours on 2 CPU cores, mostly steps 1 and 2 (docs/speculative.md has the
-shipped head's timings); `--text-cache` keeps their result for training other sizes.
+draft position. It takes hours on 2 CPU cores, mostly steps 1 and 2 (the shipped head's
+metadata records its `train_seconds`); `--text-cache` keeps their result for training other sizes.
 """
 
 from __future__ import annotations
