@@ -39,7 +39,7 @@ class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
     num_computed_tokens: int
 
 
-class StepPlan(msgspec.Struct, gc=False):
+class StepPlan(msgspec.Struct, array_like=True, gc=False):
     new_requests: list[NewRequestData] = msgspec.field(default_factory=list)
     cached_requests: list[CachedRequestData] = msgspec.field(default_factory=list)
     # request id -> tokens it catches up by this step (its drafts included), in the scheduler's order
