@@ -31,6 +31,7 @@ from llmserve.worker.tp_worker import run_worker
 logger = logging.getLogger("llmserve")
 
 _STOP_GRACE_SECONDS = 10.0
+_DEATH_GRACE_SECONDS = 5.0  # how long a failed step waits to learn whether a worker died
 
 
 class TensorParallelError(RuntimeError):
@@ -97,6 +98,8 @@ class TensorParallelExecutor:
             return runner.execute(plan)
         except Exception as error:
             # Whatever broke, the ranks are out of step now: a collective or a rank's work is missing.
+            # a peer's death reaches rank 0 as a reset connection, maybe before its exit is reaped
+            wait([worker.sentinel for worker in self.workers], timeout=_DEATH_GRACE_SECONDS)
             self._failure = self._exited_workers() or f"tensor-parallel step failed on rank 0: {error}"
             self._stop_workers()
             raise TensorParallelError(self._failure) from error
