@@ -1,9 +1,10 @@
 """Matmul kernels for quantized weights, chosen per (format, device, activation dtype).
 
-Chosen by measurement (docs/quantization.md has the table): on a CPU with bfloat16 activations
-PyTorch's packed ops beat a bf16 `F.linear` on every SmolLM2 decode shape, while dequantizing on the
-fly is slower than `F.linear`. With float32 activations the packed ops have no fast path, so float32
-and other devices dequantize on the fly: correct everywhere, a memory saving but not a speed-up.
+On a CPU with bfloat16 activations the packed kernels read a half or a quarter of bf16's weight
+bytes per decode step, which is what a decode step is bound by, while dequantizing on the fly costs
+more than it saves (docs/quantization.md: how the kernels work). With float32 activations the
+packed ops have no fast path, so float32 and other devices dequantize on the fly: correct everywhere,
+a memory saving but not a speed-up.
 
 Contract: a kernel maps x [..., in] to x @ W.T [..., out] in x's dtype, and `dequantize()` returns
 the W it multiplies by (what the tests compare a float run against).
