@@ -67,6 +67,7 @@ class TensorParallelExecutor:
             send.close()
             self.workers.append(worker)
             self._ready.append(receive)
+        self._threads_before = torch.get_num_threads()  # rank 0 is this process: restored at shutdown
         torch.set_num_threads(parallel.threads_per_rank())
 
     def wait_until_ready(self) -> None:
@@ -115,6 +116,7 @@ class TensorParallelExecutor:
         self._stop_workers()
         self.group.close()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
+        torch.set_num_threads(self._threads_before)
 
     def _stop_workers(self) -> None:
         for worker in self.workers:
