@@ -106,15 +106,17 @@ def check_fits(requests: Sequence[BenchRequest], max_model_len: int) -> None:
         )
 
 
-def warm_up(llm, runner: NaiveBatchRunner, requests: Sequence[BenchRequest]) -> None:
-    """One short pass through both paths so neither pays first-call costs inside its timing.
+def warm_up(llm, runner: NaiveBatchRunner | None, requests: Sequence[BenchRequest]) -> None:
+    """One short pass through each path that will be timed, so none pays first-call costs inside
+    its timing.
 
     The warm-up prompts are reversed snippets, so nothing they leave in the prefix cache starts a
     timed prompt.
     """
     prompts = [r.prompt_token_ids[:8][::-1] for r in requests[:2]]
     llm.generate(prompts, greedy_params(4), use_tqdm=False)
-    runner.generate(prompts, [4] * len(prompts), batch_size=len(prompts))
+    if runner is not None:
+        runner.generate(prompts, [4] * len(prompts), batch_size=len(prompts))
 
 
 def run_throughput(
@@ -122,7 +124,14 @@ def run_throughput(
 ) -> tuple[ThroughputResult, list[ThroughputResult]]:
     """The continuous engine, then naive batching at each batch size, on the same model object."""
     check_fits(requests, llm.engine.config.model.max_model_len)
-    runner = NaiveBatchRunner(llm.engine.model_runner.model, llm.engine.config.cache.block_size)
+    if batch_sizes and llm.engine.config.parallel.world_size > 1:
+        # the naive runner drives one process's model: a shard's collectives would wait forever
+        raise ValueError(
+            "naive batching runs in one process: use --naive-batch-sizes none with tensor parallelism"
+        )
+    runner = None
+    if batch_sizes:
+        runner = NaiveBatchRunner(llm.engine.model_runner.model, llm.engine.config.cache.block_size)
     warm_up(llm, runner, requests)
     continuous, reference = run_continuous(llm, requests)
     naive = []

@@ -13,6 +13,8 @@ import signal
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.benchmarks.throughput import run_throughput
+from llmserve.benchmarks.workload import BenchRequest
 from llmserve.worker.executor import TensorParallelError
 from tests.distributed.conftest import ENGINE_KWARGS, assert_same_greedy, engine
 
@@ -131,3 +133,14 @@ def test_a_worker_that_dies_fails_the_step_with_the_rank_named(tiny_llama_dir):
                 TensorParallelError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code -9"
             ):
                 llm.engine.step()
+
+
+def test_the_throughput_bench_runs_under_tensor_parallelism_and_refuses_naive_batching(tiny_llama_dir):
+    """`bench throughput` warms up and times only the engine under TP; naive batching, which drives
+    one process's model (a shard whose collectives no other rank joins), is a one-line error."""
+    requests = [BenchRequest("", list(prompt), 4) for prompt in PROMPTS]
+    with engine(tiny_llama_dir, tensor_parallel_size=2) as llm:
+        with pytest.raises(ValueError, match="--naive-batch-sizes none"):
+            run_throughput(llm, requests, [2])
+        continuous, naive = run_throughput(llm, requests, [])
+    assert continuous.output_tokens == 4 * len(PROMPTS) and naive == []
