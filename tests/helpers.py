@@ -9,7 +9,7 @@ import transformers
 
 from llmserve.model_loader import default_model_path, load_tokenizer
 
-__all__ = ["TINY_LLAMA_CONFIG", "default_model_path", "make_tiny_llama_dir"]
+__all__ = ["TINY_LLAMA_CONFIG", "default_model_path", "is_alive", "make_tiny_llama_dir"]
 
 # Small enough to build and run in milliseconds; the vocabulary is the default model's so that the
 # real tokenizer and chat template work with it.
@@ -47,3 +47,12 @@ def make_tiny_llama_dir(path: str, seed: int = 0, **config_overrides) -> str:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.hf.save_pretrained(path)
     return path
+
+
+def is_alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

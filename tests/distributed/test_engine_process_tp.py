@@ -14,6 +14,7 @@ from llmserve import SamplingParams
 from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
 from tests.distributed.conftest import ENGINE_KWARGS
+from tests.helpers import is_alive
 
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
@@ -23,19 +24,11 @@ def _children(pid: int) -> list[int]:
         return [int(child) for child in children.read().split()]
 
 
-def _is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _wait_for_exit(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
-    while _is_alive(pid) and time.monotonic() < deadline:
+    while is_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _is_alive(pid)
+    return not is_alive(pid)
 
 
 async def _stream_and_kill(llm: AsyncLLM, worker: int) -> int:
@@ -63,7 +56,7 @@ def test_a_dead_worker_fails_the_streams_in_flight_with_the_rank_named(tp_engine
     (worker,) = _children(tp_engine._process.pid)
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1 .* exited with code -9"):
         asyncio.run(asyncio.wait_for(_stream_and_kill(tp_engine, worker), timeout=120))
-    assert not _is_alive(worker)
+    assert not is_alive(worker)
     # the engine process lives on and answers every later request with the same error, at once
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1"):
         asyncio.run(asyncio.wait_for(_collect(tp_engine), timeout=30))

@@ -20,6 +20,7 @@ from llmserve.engine.messages import AddRequest, EngineOutput, FailureKind, Requ
 from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.metrics.stats import EngineGauges, StepStats
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
+from tests.helpers import is_alive
 
 # -- the wire format and output kinds ---------------------------------------------------------------
 
@@ -215,19 +216,11 @@ def test_a_forked_engine_process_exits_when_the_server_process_dies(tiny_model_d
         assert subprocess.run(command, stdout=out, stderr=out, timeout=300).returncode == 0, log.read_text()
     engine_pid = int(pid_file.read_text())
     deadline = time.monotonic() + 30
-    while _is_alive(engine_pid) and time.monotonic() < deadline:
+    while is_alive(engine_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _is_alive(engine_pid):
+    if is_alive(engine_pid):
         os.kill(engine_pid, signal.SIGKILL)
         pytest.fail("the engine process outlived the server process")
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_spawned_engine_process_logs_at_the_servers_level(engine_args, capfd):
