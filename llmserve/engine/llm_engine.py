@@ -115,9 +115,12 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (an engine without them holds nothing to stop)."""
+        """Stop the tensor-parallel workers and the KV-event publisher, where there are any."""
         if self.executor is not None:
             self.executor.shutdown()
+        publisher = getattr(self, "kv_event_publisher", None)  # None too when loading failed first
+        if publisher is not None:
+            publisher.shutdown()
 
     def _log_startup(self) -> None:
         cache, model = self.config.cache, self.config.model

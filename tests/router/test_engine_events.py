@@ -41,7 +41,8 @@ def engine_and_index(tiny_model_dir):
     subscriber.start()
     yield engine, index, subscriber
     subscriber.stop()
-    engine.kv_event_publisher.shutdown()
+    engine.shutdown()
+    assert not engine.kv_event_publisher._thread.is_alive()  # the engine closes its publisher
 
 
 def run(engine: LLMEngine, prompts: list[list[int]]) -> None:
