@@ -21,6 +21,7 @@ def stored(*indices):
 
 
 def wait_for(condition, timeout=10.0):
+    """Fail the test unless `condition()` becomes true within `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -54,9 +55,10 @@ def test_a_late_subscriber_replays_from_the_start_then_follows(endpoints):
         pub.publish([BlockRemoved([HASHES[1]], None)])
         sub, index = subscriber(endpoints)
         try:
-            wait_for(lambda: index.stored("r") == {HASHES[0], HASHES[2]})
+            wait_for(lambda: index.stored("r") == {HASHES[0], HASHES[2]})  # replayed: 1 was removed
             pub.publish(stored(5))
-            wait_for(lambda: HASHES[5] in index.stored("r"))
+            wait_for(lambda: HASHES[5] in index.stored("r"))  # then followed live
+            assert index.stored("r") == {HASHES[0], HASHES[2], HASHES[5]}
         finally:
             sub.stop()
     finally:
