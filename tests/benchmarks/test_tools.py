@@ -134,7 +134,11 @@ def test_side_by_side_records_each_servers_start_up(tmp_path, monkeypatch):
     server = side_by_side.Step("srv", ["true"], [sys.executable, "-c", health], f"http://127.0.0.1:{port}")
     offline = side_by_side.Step("off", ["true"])
     monkeypatch.setattr(side_by_side, "plan", lambda args: [offline, server])
-    side_by_side.main(["t4", "--results", str(tmp_path / "r"), "--logs", str(tmp_path / "l")])
+    workload = tmp_path / "workload.jsonl"
+    workload.write_text("")  # main only checks that it exists; the planned steps never read it
+    side_by_side.main(
+        ["t4", "--workload", str(workload), "--results", str(tmp_path / "r"), "--logs", str(tmp_path / "l")]
+    )
     result = json.loads((tmp_path / "r" / "startup-t4.json").read_text())
     assert [s["step"] for s in result["servers"]] == ["srv"] and result["servers"][0]["ready_seconds"] > 0
     assert result["command"].startswith("python -m llmserve.benchmarks.tools.side_by_side")
