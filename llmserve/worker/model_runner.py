@@ -82,10 +82,8 @@ class ModelRunner:
         )
         self.kv_cache = self._allocate_kv_cache()
         self.kv_prefault = populate_in_background(self.kv_cache)  # CPU: map its pages ahead of use
-        # decode-only steps run every decoder layer in one compiled call where it applies (CPU); the
-        # call has no all-reduce between layers, so tensor parallelism runs the modules
-        tensor_parallel = config.parallel.tensor_parallel_size > 1
-        self.decode_stack = None if tensor_parallel else build_decode_stack(model, self.attention_backend)
+        # decode-only steps run every decoder layer in one compiled call where it applies (CPU)
+        self.decode_stack = build_decode_stack(model, self.attention_backend)
         # Called with each step's final hidden states, whichever path made them (evaluation and
         # draft-head training read them here: the fused stack runs no module hooks).
         self.hidden_hooks: list[Callable[[torch.Tensor], None]] = []
