@@ -76,7 +76,9 @@ class TensorParallelGroup:
         if len(set(hosts)) != 1 or not all(flags):
             return None
         path = self.broadcast_bytes(
-            f"/dev/shm/llmserve-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode() if self.is_first_rank else None
+            f"/dev/shm/llmserve-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+            if self.is_first_rank
+            else None
         ).decode()
         error = None
         if self.is_first_rank:
@@ -85,7 +87,9 @@ class TensorParallelGroup:
             except RuntimeError as failure:  # /dev/shm full or missing: gloo still works
                 shm, error = None, str(failure).splitlines()[0]
         created = [None] * self.world_size
-        dist.all_gather_object(created, shm is not None if self.is_first_rank else True, group=self._plan_group)
+        dist.all_gather_object(
+            created, shm is not None if self.is_first_rank else True, group=self._plan_group
+        )
         if not created[0]:
             if error is not None:
                 logger.warning("tensor parallelism without shared memory (gloo only): %s", error)

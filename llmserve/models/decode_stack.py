@@ -31,7 +31,9 @@ from llmserve.quantization.kernels import Int4PackedKernel, Int8GroupedPackedKer
 
 
 class FusedDecodeStack:
-    def __init__(self, stack, embed_tokens, attention_layers, max_rows: float, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self, stack, embed_tokens, attention_layers, max_rows: float, tp: TensorParallelGroup
+    ) -> None:
         self.stack = stack
         self.embed_tokens = embed_tokens
         self.max_rows = max_rows  # MAX_ROWS, or unbounded where every layer runs any row count
@@ -71,7 +73,6 @@ class FusedDecodeStack:
             metadata.attention_sinks,
             metadata.sliding_window,
         )
-
 
     def _bind_all_reduce(self) -> None:
         if self.tp.shm is not None:

@@ -60,7 +60,8 @@ def test_all_reduce_and_gather_agree_with_the_rank_ordered_sum_on_every_rank(wor
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     workers = [
-        context.Process(target=_run_rank, args=(path, rank, world_size, results)) for rank in range(1, world_size)
+        context.Process(target=_run_rank, args=(path, rank, world_size, results))
+        for rank in range(1, world_size)
     ]
     try:
         for worker in workers:
