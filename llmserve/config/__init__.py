@@ -359,10 +359,10 @@ class EngineArgs:
             return parallel
         if self.quantization is not None:
             raise ValueError("quantization does not run under tensor parallelism yet")
-        if self.speculative_method not in (None, "ngram"):
+        if self.speculative_method == "early_exit":
             raise ValueError(
-                f"speculative_method {self.speculative_method!r} runs the target's layers or vocabulary "
-                "unsharded; under tensor parallelism only ngram speculates"
+                "speculative_method early_exit drafts with the target's first layers, which tensor "
+                "parallelism splits over the ranks; use draft_head, draft or ngram"
             )
         return parallel
 

@@ -33,6 +33,7 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.spec_decode.proposers.draft_model import load_draft_arch
 from llmserve.spec_decode.registry import create_proposer
+from llmserve.spec_decode.target_vocabulary import TargetVocabulary
 from llmserve.worker.executor import TensorParallelExecutor
 from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -77,7 +78,13 @@ class LLMEngine:
             self._preemption_costs(model),
             DraftPlanner(spec) if spec is not None else None,
         )
-        self.proposer = create_proposer(self.config, model, self.model_runner)  # speculative decoding
+        # speculative decoding (a draft head under tensor parallelism reads rank 0's whole-vocabulary copy)
+        self.proposer = create_proposer(
+            self.config,
+            model if self._target_vocabulary is None else self._target_vocabulary,
+            self.model_runner,
+        )
+        self._target_vocabulary = None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.output_kinds = OutputAccumulator()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
@@ -89,7 +96,14 @@ class LLMEngine:
 
     def _load_model_runner(self, path: str) -> ModelRunner:
         group = None if self.executor is None else self.executor.group
-        model = build_model(self.config.model, load_weights(path, self.config.model.dtype), group)
+        weights = load_weights(path, self.config.model.dtype)
+        self._target_vocabulary = None
+        spec = self.config.speculative
+        if group is not None and spec is not None and spec.method == "draft_head":
+            self._target_vocabulary = TargetVocabulary(
+                self.config.model.arch, weights, self.config.model.device
+            )
+        model = build_model(self.config.model, weights, group)
         if self.config.model.quantization is not None:  # a transform of the loaded model (module swap)
             from llmserve.quantization.methods import quantize_model
 
