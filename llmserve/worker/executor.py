@@ -116,6 +116,8 @@ class TensorParallelExecutor:
         if self._meter is None:
             self._meter = RankMeter(0, runner)
         self._meter.add_step(time.perf_counter() - start)
+        if self._meter.report_due():  # as often as the workers report theirs
+            self._rank_stats[0] = self._meter.snapshot()
         return output
 
     @property
@@ -136,12 +138,12 @@ class TensorParallelExecutor:
         return self._failure
 
     def rank_stats(self) -> tuple[RankStats, ...]:
-        """Every rank's latest report (rank 0's taken now), with the exit code of those that exited."""
+        """Every rank's latest report, with the exit code of those that exited."""
         for rank, pipe in enumerate(self._ready, start=1):
             with contextlib.suppress(EOFError, OSError):
                 while pipe.poll(0):
                     self._rank_stats[rank] = pipe.recv()
-        stats = [self._meter.snapshot() if self._meter else RankStats(0, os.getpid())]
+        stats = [self._rank_stats.get(0) or RankStats(0, os.getpid())]
         for rank, worker in enumerate(self.workers, start=1):
             report = self._rank_stats.get(rank) or RankStats(rank, worker.pid or 0)
             if self._failure is not None and worker.exitcode is not None:
@@ -175,10 +177,13 @@ class TensorParallelExecutor:
                 worker.join()
 
     def _exited_workers(self) -> str | None:
+        ready = wait(self.sentinels(), timeout=0)
         exited = [
-            (rank, worker) for rank, worker in enumerate(self.workers, start=1) if not worker.is_alive()
+            (rank, worker) for rank, worker in enumerate(self.workers, start=1) if worker.sentinel in ready
         ]
         if not exited:
             return None
         rank, worker = exited[0]
+        # its sentinel closes as it exits, a moment before it can be reaped: wait for its exit code
+        worker.join(_DEATH_GRACE_SECONDS)
         return f"tensor-parallel rank {rank} (pid {worker.pid}) exited with code {worker.exitcode}"
