@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,8 +44,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(given)
     metadata = run_metadata("dp-prefix-hits")  # before anything runs: the commit measured
+    metadata["command"] = shlex.join(["python", "-m", "llmserve.benchmarks.tools.dp_prefix_hits", *given])
     llmserve = [llmserve_command()]
     if not Path(args.workload).exists():
         workload = [*llmserve, "bench", "workload", "--out", args.workload]
