@@ -94,6 +94,7 @@ def test_a_rank_killed_mid_stream_is_reported_and_its_sibling_stopped(tp_server)
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert f"tensor-parallel rank 1 (pid {pids[1]}) exited with code -9" in error["message"], error
+    assert (error["type"], error["code"]) == ("server_error", "503")
     assert len(events) < 900, "the stream ended early"
 
     health = httpx.get(f"{tp_server.base_url}/health", timeout=10)
