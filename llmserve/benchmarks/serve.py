@@ -265,6 +265,9 @@ class ServeMetrics:
     # CPU the load generator itself used during the run: on a machine with few cores it is taken
     # from the server, so a reader needs it next to the throughput
     client_cpu_seconds: float | None = None
+    # The server's prefix-cache queries and hits (tokens) during the run, summed and per replica, from
+    # its /metrics (benchmarks/prefix_hits.py); None if it has no such counters
+    prefix_cache: dict | None = None
     # Every request in workload order (send time, lengths, TTFT / TPOT / e2e in ms), so that a p99 can
     # be traced to the requests behind it
     per_request: list[dict] = field(default_factory=list)
@@ -347,6 +350,12 @@ def format_report(metrics: ServeMetrics, label: str = "") -> str:
         lines.append(
             f"slowest TTFT: request {index} ({slowest['prompt_tokens']} prompt tokens{sent}): "
             f"{slowest['ttft_ms']:,.1f} ms"
+        )
+    if metrics.prefix_cache is not None and metrics.prefix_cache["hit_rate"] is not None:
+        cache = metrics.prefix_cache
+        lines.append(
+            f"prefix cache: {cache['hits']:,.0f} of {cache['queries']:,.0f} prompt tokens hit "
+            f"({100 * cache['hit_rate']:.1f}%) over {len(cache['by_replica'])} engine(s)"
         )
     lines += [f"error: {error}" for error in metrics.errors]
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from llmserve.config.router import RouterConfig
 
@@ -23,6 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     router.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the router)")
     router.add_argument("--port", type=int, default=8000)
+    router.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the API routes and send the replicas the same key "
+        "(also env LLMSERVE_API_KEY)",
+    )
     router.add_argument(
         "--register-timeout",
         type=float,
@@ -52,6 +59,7 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _route(args: argparse.Namespace) -> int:
+    from llmserve.entrypoints.openai.api_server import API_KEY_ENV
     from llmserve.entrypoints.openai.serve import bound_socket
     from llmserve.router.app import run_router
 
@@ -59,7 +67,8 @@ def _route(args: argparse.Namespace) -> int:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--replica {url!r} must be an http:// or https:// URL")
     replicas = tuple(url.rstrip("/") for url in args.replica)
-    config = RouterConfig.from_cli_args(args, replicas, args.register_timeout)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    config = RouterConfig.from_cli_args(args, replicas, args.register_timeout, api_key)
     with bound_socket(args.host, args.port) as sock:
         run_router(config, sock, args.host)
     return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,8 @@ class RouterConfig:
     health_interval_seconds: float = 1.0  # how often each replica's /health and /metrics are read
     register_timeout_seconds: float = 30.0  # how long start-up waits for every replica to answer
     pending_prefix_seconds: float = 10.0  # a routed prompt counts as cached there until its events arrive
+    # clients must send 'Authorization: Bearer KEY' (as `serve --api-key`); the replicas get it too
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -27,7 +29,11 @@ class RouterConfig:
 
     @classmethod
     def from_cli_args(
-        cls, args: argparse.Namespace, replicas: tuple[str, ...], register_timeout: float
+        cls,
+        args: argparse.Namespace,
+        replicas: tuple[str, ...],
+        register_timeout: float,
+        api_key: str | None = None,
     ) -> RouterConfig:
         """From the routing flags (cli/router.py: add_routing_arguments) of `router` or `serve`."""
         return cls(
@@ -36,4 +42,5 @@ class RouterConfig:
             max_imbalance=args.max_imbalance,
             health_interval_seconds=args.health_interval,
             register_timeout_seconds=register_timeout,
+            api_key=api_key,
         )

@@ -8,7 +8,9 @@ mid-step and not reading; the event loop must never wait on it), a reader receiv
 output deltas, gives each request the kind of output it asked for (output_kinds.py; a DELTA stream
 gets them as they are) and hands them to their asyncio queues with one `call_soon_threadsafe` per
 event loop per step. A request's stream ends with its finished output, or with an exception if the
-engine failed it; if the engine process dies, every stream ends with EngineDeadError.
+engine failed it; if the engine process dies, every stream ends with EngineDeadError. If a
+tensor-parallel rank dies, the engine process lives on but cannot step: `failure` names the rank,
+and the streams in flight and every later request end with EngineFailedError.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from llmserve.engine.messages import (
     AddRequest,
     EngineLoadFailed,
     EngineMessage,
+    EngineStatus,
     FailureKind,
     RequestAborted,
     RequestsFailed,
@@ -51,6 +54,11 @@ _SHUTDOWN_GRACE_SECONDS = 5.0
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class EngineFailedError(RuntimeError):
+    """The engine process runs but can no longer step: a tensor-parallel rank died (the message says
+    which, and its exit code)."""
 
 
 class AsyncLLM:
@@ -160,6 +168,8 @@ class AsyncLLM:
         prompt is validated: nothing after it checks again."""
         if not self.is_running:
             raise EngineDeadError("the engine has stopped")
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
         if request_id in self._streams or request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
@@ -188,6 +198,11 @@ class AsyncLLM:
     def has_request(self, request_id: str) -> bool:
         """Whether the engine may still report on this request."""
         return request_id in self._prompts
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer step (a tensor-parallel rank died); None while it can."""
+        return self.gauges.failure
 
     @property
     def is_running(self) -> bool:
@@ -255,11 +270,15 @@ class AsyncLLM:
         elif isinstance(message, RequestsFailed):
             for request_id in message.request_ids:
                 self._forget(request_id)
-            error_type = {FailureKind.INVALID: ValueError, FailureKind.DEAD: EngineDeadError}.get(
-                message.kind, RuntimeError
-            )
+            error_type = {
+                FailureKind.INVALID: ValueError,
+                FailureKind.DEAD: EngineDeadError,
+                FailureKind.FAILED: EngineFailedError,
+            }.get(message.kind, RuntimeError)
             error = error_type(message.message)
             self._deliver_all([(request_id, error) for request_id in message.request_ids])
+        elif isinstance(message, EngineStatus):
+            self.gauges = message.gauges
 
     def _request_output(self, wire) -> RequestOutput | None:
         """The delta as a RequestOutput with its prompt; None for a request this side forgot."""

@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 from llmserve.config import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
@@ -24,6 +24,7 @@ from llmserve.engine.messages import (
     EngineLoadFailed,
     EngineOutput,
     EngineReady,
+    EngineStatus,
     FailureKind,
     RequestAborted,
     RequestsFailed,
@@ -90,8 +91,10 @@ class EngineCore:
 
     def _receive(self, block: bool) -> bool:
         """Apply every command that has arrived (waiting for one if `block`); False: stop."""
-        timeout = None if block else 0.0
         try:
+            if block:
+                self._wait_for_command()
+            timeout = 0.0
             while self.commands.poll(timeout):
                 for command in self.commands.recv():
                     if isinstance(command, Shutdown):
@@ -102,11 +105,23 @@ class EngineCore:
             return False  # the server process closed its end
         return True
 
+    def _wait_for_command(self) -> None:
+        """Block until a command arrives; a tensor-parallel worker exiting meanwhile is reported."""
+        while sentinels := self.engine.rank_sentinels():
+            if self.commands in wait([self.commands, *sentinels]):
+                return
+            if self.engine.check_ranks() is not None:
+                self.outputs.send(EngineStatus(self._gauges()))
+        self.commands.poll(None)
+
     def _apply(self, command: AddRequest | AbortRequest) -> None:
         if isinstance(command, AbortRequest):
             output = self.engine.abort_request(command.request_id)
             wire = None if output is None else EngineOutput.of(output)
             self.outputs.send(RequestAborted(command.request_id, wire, self._gauges()))
+            return
+        if self.engine.failure is not None:
+            self.outputs.send(RequestsFailed([command.request_id], FailureKind.FAILED, self.engine.failure))
             return
         try:
             self.engine.add_tokenized_request(
@@ -123,6 +138,10 @@ class EngineCore:
         try:
             outputs = self.engine.step()  # deltas: the server sends every request as DELTA
         except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
+            if self.engine.failure is not None:  # a rank died: the executor logged which
+                self.outputs.send(EngineStatus(self._gauges()))  # /health first, then the streams
+                self._fail_all(FailureKind.FAILED, self.engine.failure)
+                return
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(FailureKind.STEP, f"{type(error).__name__}: {error}")
             return
@@ -142,6 +161,8 @@ class EngineCore:
             num_waiting=scheduler.num_waiting,
             kv_cache_usage=self.engine.kv_cache_manager.usage,
             spec_decode=self.engine.spec_decode_stats,
+            ranks=self.engine.rank_stats(),
+            failure=self.engine.failure,
         )
 
 

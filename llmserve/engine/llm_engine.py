@@ -128,6 +128,27 @@ class LLMEngine:
             device_type=model_config.device.type,
         )
 
+    # -- tensor-parallel ranks, for the engine's health and metrics --------------------------------
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer step (a tensor-parallel rank died); None while it can."""
+        return None if self.executor is None else self.executor.failure
+
+    def check_ranks(self) -> str | None:
+        """`failure`, after looking for a tensor-parallel worker that has exited."""
+        return None if self.executor is None else self.executor.check_workers()
+
+    def rank_sentinels(self) -> list[int]:
+        """What becomes ready when a live tensor-parallel worker exits (none without TP or once failed)."""
+        if self.executor is None or self.executor.failure is not None:
+            return []
+        return self.executor.sentinels()
+
+    def rank_stats(self) -> tuple:
+        """Each tensor-parallel rank's latest RankStats (metrics/ranks.py); () without TP."""
+        return () if self.executor is None else self.executor.rank_stats()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and the KV-event publisher, where there are any."""
         if self.executor is not None:

@@ -6,7 +6,8 @@ is new since the previous one, and the prompt never crosses back (the server tok
 
   server -> engine, a list per send: AddRequest, AbortRequest, Shutdown.
   engine -> server: EngineReady or EngineLoadFailed once; then StepOutputs after every step,
-      RequestAborted for every AbortRequest, RequestsFailed for requests the engine gave up on.
+      RequestAborted for every AbortRequest, RequestsFailed for requests the engine gave up on,
+      EngineStatus when its state changed without a step (a tensor-parallel rank exited while idle).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class FailureKind(enum.Enum):
     INVALID = "invalid"  # add_request refused the request
     STEP = "step"  # a step raised: every request in flight is failed
     DEAD = "dead"  # the engine is stopping
+    FAILED = "failed"  # the engine can no longer step (a tensor-parallel rank died)
 
 
 class EngineReady(_Message):
@@ -117,4 +119,8 @@ class RequestsFailed(_Message):
     message: str
 
 
-EngineMessage = EngineReady | EngineLoadFailed | StepOutputs | RequestAborted | RequestsFailed
+class EngineStatus(_Message):
+    gauges: EngineGauges
+
+
+EngineMessage = EngineReady | EngineLoadFailed | StepOutputs | RequestAborted | RequestsFailed | EngineStatus

@@ -16,6 +16,11 @@ Token counters are exact by construction:
   sample that shares its sibling's prompt blocks does no lookup; a preempted request's recompute
   looks up again but is not counted again (as vLLM, which counts it apart).
 
+Under tensor parallelism each rank's own numbers (metrics/ranks.py) appear with a `rank` label:
+`rank_up`, `rank_info{pid}`, `rank_exit_code` (a rank that exited), `rank_steps_total`,
+`rank_forward_seconds_total`, `rank_kv_cache_usage_perc`, `rank_kv_cache_blocks`,
+`rank_kv_cache_bytes`; an engine without tensor parallelism has none of them.
+
 To add a metric, create it with `counter`/`gauge`/`histogram` (which prefix the name and register it
 here) and update it from a step listener of your own or from `on_step`.
 """
@@ -35,7 +40,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from llmserve.metrics.ranks import RankStats
 from llmserve.metrics.stats import EngineGauges, StepStats
 from llmserve.outputs import CompletionOutput, RequestOutput
 
@@ -207,6 +215,7 @@ class PrometheusMetrics:
         self.spec_decode_mean_accepted_length.set_function(lambda: spec_decode().mean_accepted_length)
         self._is_live = llm.has_request
         llm.step_listeners.append(self.on_step)
+        self.registry.register(RankCollector(lambda: llm.gauges.ranks))
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         """Step listener: per-step histograms, token counters and per-request latencies.
@@ -286,6 +295,61 @@ class PrometheusMetrics:
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format."""
         return generate_latest(self.registry)
+
+
+class RankCollector(Collector):
+    """The tensor-parallel ranks' own reports as `llmserve:rank_*{rank}` series, read at scrape time."""
+
+    def __init__(self, ranks: Callable[[], Sequence[RankStats]]) -> None:
+        self.ranks = ranks
+
+    def describe(self) -> list[Metric]:
+        return []  # the series depend on the ranks, known only at scrape time
+
+    def collect(self) -> list[Metric]:
+        ranks = self.ranks()
+        if not ranks:
+            return []
+        families = [
+            _gauge("rank_up", "1 while the rank's process runs.", [(r, r.exit_code is None) for r in ranks]),
+            GaugeMetricFamily(PREFIX + "rank_info", "The rank's process id.", labels=["rank", "pid"]),
+            _gauge("rank_exit_code", "Exit code of a rank that exited.", [(r, r.exit_code) for r in ranks]),
+            _counter("rank_steps", "Steps the rank ran its shard for.", [(r, r.num_steps) for r in ranks]),
+            _counter(
+                "rank_forward_seconds",
+                "Seconds the rank spent running its shard.",
+                [(r, r.forward_seconds) for r in ranks],
+            ),
+            _gauge(
+                "rank_kv_cache_usage_perc",
+                "Fraction of the rank's KV blocks its requests hold (0 to 1).",
+                [(r, r.kv_cache_usage) for r in ranks],
+            ),
+            _gauge(
+                "rank_kv_cache_blocks", "Blocks in the rank's KV pool.", [(r, r.kv_num_blocks) for r in ranks]
+            ),
+            _gauge(
+                "rank_kv_cache_bytes", "Bytes of the rank's KV pool.", [(r, r.kv_cache_bytes) for r in ranks]
+            ),
+        ]
+        for rank in ranks:
+            families[1].add_metric([str(rank.rank), str(rank.pid)], 1)
+        return families
+
+
+def _gauge(name: str, documentation: str, values: list[tuple[RankStats, float | None]]) -> Metric:
+    family = GaugeMetricFamily(PREFIX + name, documentation, labels=["rank"])
+    for rank, value in values:
+        if value is not None:
+            family.add_metric([str(rank.rank)], float(value))
+    return family
+
+
+def _counter(name: str, documentation: str, values: list[tuple[RankStats, float]]) -> Metric:
+    family = CounterMetricFamily(PREFIX + name, documentation, labels=["rank"])
+    for rank, value in values:
+        family.add_metric([str(rank.rank)], float(value))
+    return family
 
 
 def _reason(completion: CompletionOutput) -> str:

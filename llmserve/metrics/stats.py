@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmserve.metrics.ranks import RankStats
 from llmserve.outputs import SpecDecodeStats
 
 
@@ -31,3 +32,5 @@ class EngineGauges:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # totals since start-up
+    ranks: tuple[RankStats, ...] = ()  # tensor parallelism: each rank's own report, rank 0 first
+    failure: str | None = None  # why the engine can no longer step (a tensor-parallel rank died)

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from llmserve.config.router import RouterConfig
-from llmserve.entrypoints.openai.api_server import UvicornServer
+from llmserve.entrypoints.openai.api_server import ApiKeyMiddleware, UvicornServer
 from llmserve.entrypoints.openai.server_info import tokenizer_fingerprint
 from llmserve.model_loader.default_model import resolve_model_path
 from llmserve.model_loader.tokenizer import Tokenizer, load_tokenizer
@@ -49,6 +49,14 @@ class RouterState:
     subscriber: KVEventSubscriber
     health: HealthChecker
     metrics: RouterMetrics
+    api_key: str | None = None  # the router checks it and sends it on to the replicas
+
+    def upstream_headers(self, raw_request: Request) -> dict[str, str]:
+        """The client's headers a replica needs, with the router's API key where it has one."""
+        headers = {k: v for k, v in raw_request.headers.items() if k in FORWARDED_HEADERS}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        return headers
 
 
 def load_router_tokenizer(config: RouterConfig) -> Tokenizer:
@@ -72,7 +80,7 @@ async def build_router(config: RouterConfig, tokenizer: Tokenizer | None = None)
     for replica in replicas:
         events = replica.info.kv_events
         subscriber.add(replica.url, events.endpoint, events.replay_endpoint, events.topic)
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(replicas)
     state = RouterState(
         replicas=replicas,
         hasher=PromptHasher(tokenizer, replicas[0].info.block_size),
@@ -81,11 +89,14 @@ async def build_router(config: RouterConfig, tokenizer: Tokenizer | None = None)
         subscriber=subscriber,
         health=HealthChecker(client, replicas, config.health_interval_seconds),
         metrics=metrics,
+        api_key=config.api_key,
     )
     app = FastAPI(title="llmserve router", lifespan=_lifespan)
     app.state.router = state
     app.include_router(routes)
     _install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)  # as `llmserve serve --api-key`
     return app
 
 
@@ -122,7 +133,7 @@ async def route_generation(raw_request: Request) -> Response:
     path = raw_request.url.path
     hashes = await asyncio.to_thread(state.hasher.hashes, path, parsed)
     stream = isinstance(parsed, dict) and parsed.get("stream") is True
-    headers = {k: v for k, v in raw_request.headers.items() if k in FORWARDED_HEADERS}
+    headers = state.upstream_headers(raw_request)
     try:
         return await state.proxy.forward(path, body, headers, hashes, stream)
     except NoReplicaError as error:
@@ -132,7 +143,7 @@ async def route_generation(raw_request: Request) -> Response:
 @routes.get("/v1/models")
 async def list_models(raw_request: Request) -> Response:
     state = _state(raw_request)
-    headers = {k: v for k, v in raw_request.headers.items() if k in FORWARDED_HEADERS}
+    headers = state.upstream_headers(raw_request)
     for replica in (r for r in state.replicas if r.healthy):
         try:
             upstream = await state.proxy.client.get(f"{replica.url}/v1/models", headers=headers)
@@ -156,8 +167,18 @@ async def health(raw_request: Request) -> Response:
 
 @routes.get("/metrics")
 async def metrics(raw_request: Request) -> Response:
+    """The router's own series and every healthy replica's, read now, with a `replica` label."""
     state = _state(raw_request)
+    await state.health.read_all_metrics()
     return Response(state.metrics.render(state.replicas, state.index), media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.get("/v1/metrics")
+async def metrics_json(raw_request: Request) -> Response:
+    """The same numbers as JSON: the router's, each replica's, and their sums."""
+    state = _state(raw_request)
+    await state.health.read_all_metrics()
+    return JSONResponse(state.metrics.snapshot(state.replicas, state.index))
 
 
 def error_response(message: str, status: int) -> JSONResponse:

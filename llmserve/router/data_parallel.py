@@ -28,6 +28,7 @@ import httpx
 
 from llmserve.config import EngineArgs
 from llmserve.config.router import RouterConfig
+from llmserve.entrypoints.openai.api_server import API_KEY_ENV
 from llmserve.entrypoints.openai.serve import bound_socket
 from llmserve.router.app import load_router_tokenizer, run_router
 
@@ -97,7 +98,9 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         try:
             for rank, cpus in enumerate(cpu_sets):
                 replicas.append(_start_replica(rank, cpus, args))
-            config = RouterConfig.from_cli_args(args, tuple(r.url for r in replicas), register_timeout=30.0)
+            api_key = args.api_key or os.environ.get(API_KEY_ENV) or None  # the replicas inherit the env
+            urls = tuple(r.url for r in replicas)
+            config = RouterConfig.from_cli_args(args, urls, register_timeout=30.0, api_key=api_key)
             tokenizer = load_router_tokenizer(config)  # while the replicas load their models
             _wait_until_ready(replicas)
             run_router(config, sock, args.host, tokenizer)

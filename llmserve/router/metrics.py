@@ -1,12 +1,17 @@
-"""The router's Prometheus metrics (`llmserve_router:*`, a private registry): requests routed per
-replica and why, re-sends, and each replica's health, load and prefix-cache counters as the router
-last read them, plus the hit rate over all replicas; the replica gauges are set at scrape time."""
+"""The router's metrics: its own (`llmserve_router:*`: requests routed per replica and why, re-sends,
+each replica's health, load and prefix-cache counters, the hit rate over all replicas) and every
+series of every healthy replica's own /metrics with a `replica` label added (`llmserve:*`, ranks
+included), so `sum(llmserve:prefix_cache_hits_total)` over the router's scrape is the deployment's.
+`render` gives the Prometheus text, `snapshot` the same numbers as JSON (`GET /v1/metrics`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from llmserve.router.index import PrefixIndex
 from llmserve.router.replica import Replica
@@ -15,8 +20,9 @@ from llmserve.router.replica import Replica
 class RouterMetrics:
     """`llmserve_router:*` in a private registry; per-replica gauges are refreshed at scrape time."""
 
-    def __init__(self) -> None:
+    def __init__(self, replicas: Sequence[Replica] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(ReplicaSeries(replicas))
         self.routed = Counter(
             "llmserve_router:requests_routed",
             "Requests sent to a replica, by replica and reason.",
@@ -75,3 +81,73 @@ class RouterMetrics:
             for name, value in values.items():
                 self.replica_gauges[name].labels(replica.url).set(value)
         return generate_latest(self.registry)
+
+    def snapshot(self, replicas: Sequence[Replica], index: PrefixIndex) -> dict:
+        """The router's and its replicas' numbers, and their sums, as a JSON object."""
+        routed = {r.url: {"prefix": 0.0, "load": 0.0} for r in replicas}
+        for sample in self.routed.collect()[0].samples:
+            if sample.name.endswith("_total"):
+                routed[sample.labels["replica"]][sample.labels["reason"]] = sample.value
+        rows = [
+            _replica_row(replica, len(index.stored(replica.url)), routed[replica.url]) for replica in replicas
+        ]
+        totals = {
+            name: sum(row[name] for row in rows)
+            for name in (
+                "num_requests_running",
+                "num_requests_waiting",
+                "prefix_cache_hits",
+                "prefix_cache_queries",
+            )
+        }
+        queries = totals["prefix_cache_queries"]
+        totals["prefix_cache_hit_rate"] = totals["prefix_cache_hits"] / queries if queries else 0.0
+        totals["replicas_healthy"] = sum(row["healthy"] for row in rows)
+        return {
+            "requests_resent": next(
+                s.value for s in self.resent.collect()[0].samples if s.name.endswith("_total")
+            ),
+            "replicas": rows,
+            "aggregate": totals,
+        }
+
+
+def _replica_row(replica: Replica, indexed_blocks: int, routed: dict[str, float]) -> dict:
+    return {
+        "replica": replica.url,
+        "healthy": replica.healthy,
+        "last_error": None if replica.healthy else replica.last_error,
+        "requests_routed": routed,
+        "in_flight": replica.in_flight,
+        "num_requests_running": replica.num_running,
+        "num_requests_waiting": replica.num_waiting,
+        "kv_cache_usage_perc": replica.kv_cache_usage,
+        "prefix_cache_hits": replica.prefix_cache_hits,
+        "prefix_cache_queries": replica.prefix_cache_queries,
+        "indexed_blocks": indexed_blocks,
+    }
+
+
+class ReplicaSeries(Collector):
+    """Every series of each healthy replica's /metrics as last read, with a `replica` label added."""
+
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        self.replicas = replicas
+
+    def describe(self) -> list[Metric]:
+        return []  # known only at scrape time
+
+    def collect(self) -> list[Metric]:
+        merged: dict[str, Metric] = {}
+        for replica in self.replicas:
+            if not replica.healthy:
+                continue  # absent rather than stale: its counters come back with it
+            for family in replica.metric_families:
+                target = merged.get(family.name)
+                if target is None:
+                    target = Metric(family.name, family.documentation, family.type, family.unit)
+                    merged[family.name] = target
+                for sample in family.samples:
+                    labels = {**sample.labels, "replica": replica.url}
+                    target.add_sample(sample.name, labels, sample.value, sample.timestamp)
+        return list(merged.values())

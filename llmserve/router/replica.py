@@ -5,7 +5,8 @@ block size, hash scheme and tokenizer as the router and every other replica (`/s
 entrypoints/openai/server_info.py); anything else is a one-line `ValueError` naming the replica and
 the mismatch. While serving, `HealthChecker` reads each replica's /health and Prometheus /metrics
 (waiting and running requests, KV-cache usage, prefix-cache counters) every interval; a replica that
-fails is routed around until it answers again, and it is checked again before it takes requests.
+fails (its /health is 503 when any of its tensor-parallel ranks died) is routed around until it
+answers again, and it is checked again before it takes requests.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pydantic
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.core.kv_events import BLOCK_HASH_SCHEME
@@ -46,6 +48,7 @@ class Replica:
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
     last_error: str = field(default="", repr=False)
+    metric_families: list[Metric] = field(default_factory=list, repr=False)  # its /metrics, last read
 
     @property
     def load(self) -> int:
@@ -111,11 +114,10 @@ class HealthChecker:
         try:
             health = await self.client.get(f"{replica.url}/health", timeout=PROBE_TIMEOUT_SECONDS)
             if health.status_code != 200:
-                raise ValueError(f"/health answered HTTP {health.status_code}")
+                raise ValueError(f"/health answered HTTP {health.status_code}{_error_message(health)}")
             if not replica.healthy:  # it may have restarted as something else
                 check_compatible(replica.url, await fetch_info(self.client, replica.url), replica.info)
-            metrics = await self.client.get(f"{replica.url}/metrics", timeout=PROBE_TIMEOUT_SECONDS)
-            self._read_metrics(replica, metrics.text)
+            await self.read_metrics(replica)
         except (httpx.TransportError, ValueError) as error:
             replica.mark_failed(_describe(error))
             return
@@ -123,13 +125,36 @@ class HealthChecker:
             logger.info("replica %s is healthy again", replica.url)
         replica.healthy = True
 
-    @staticmethod
-    def _read_metrics(replica: Replica, text: str) -> None:
-        for family in text_string_to_metric_families(text):
+    async def read_all_metrics(self) -> None:
+        """Read every healthy replica's /metrics now (a scrape of the router's own); failures are
+        left to the health check."""
+
+        async def read(replica: Replica) -> None:
+            try:
+                await self.read_metrics(replica)
+            except (httpx.TransportError, ValueError) as error:
+                logger.debug("reading %s/metrics failed: %s", replica.url, _describe(error))
+
+        await asyncio.gather(*(read(replica) for replica in self.replicas if replica.healthy))
+
+    async def read_metrics(self, replica: Replica) -> None:
+        response = await self.client.get(f"{replica.url}/metrics", timeout=PROBE_TIMEOUT_SECONDS)
+        if response.status_code != 200:
+            raise ValueError(f"/metrics answered HTTP {response.status_code}")
+        replica.metric_families = list(text_string_to_metric_families(response.text))
+        for family in replica.metric_families:
             for sample in family.samples:
                 if sample.name in _METRICS:
                     name, kind = _METRICS[sample.name]
                     setattr(replica, name, kind(sample.value))
+
+
+def _error_message(response: httpx.Response) -> str:
+    """': <message>' from an OpenAI error body, or nothing."""
+    try:
+        return f": {response.json()['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return ""
 
 
 def _describe(error: Exception) -> str:

@@ -5,9 +5,13 @@ ranks 1..N-1 (spawned, each `tp_worker.run_worker`), which load their shards whi
 its own; `wait_until_ready` then joins the process group. Each step it broadcasts the plan and runs
 rank 0's runner; the collectives inside the forward keep the ranks in step.
 
-Failure: a worker that exits (found before a step, or by the collective it breaks) or a collective
-that times out fails the step with a `TensorParallelError` naming the rank, and every later step
-with the same error: the group cannot be resynchronized, so the workers are stopped.
+Failure: a worker that exits (found before a step, by the collective it breaks, or while the
+engine idles by `check_workers` on its sentinel) or a collective that times out fails the step with
+a `TensorParallelError` naming the rank, and every later step with the same error: the group cannot
+be resynchronized, so the other workers are stopped. `failure` says so to the engine's health.
+
+Status: each worker sends its `RankStats` (metrics/ranks.py) up the pipe it reported its start-up on;
+`rank_stats` drains those pipes without blocking and adds rank 0's own.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
+import time
 from multiprocessing.connection import wait
 
 import msgspec
@@ -25,6 +31,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.group import TensorParallelGroup
+from llmserve.metrics.ranks import RankMeter, RankStats
 from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from llmserve.worker.tp_worker import run_worker
 
@@ -54,7 +61,9 @@ class TensorParallelExecutor:
         self._encoder = msgspec.msgpack.Encoder()
         context = multiprocessing.get_context("spawn")  # a fork would copy OpenMP's threads' state
         self.workers: list[multiprocessing.Process] = []
-        self._ready = []
+        self._ready = []  # each worker's pipe: its start-up result, then its RankStats
+        self._rank_stats: dict[int, RankStats] = {}
+        self._meter: RankMeter | None = None  # rank 0's, made with its runner at the first step
         for rank in range(1, parallel.world_size):
             receive, send = context.Pipe(duplex=False)
             worker = context.Process(
@@ -96,14 +105,56 @@ class TensorParallelExecutor:
             raise TensorParallelError(self._failure)
         try:
             self.group.broadcast_bytes(self._encoder.encode(plan))
-            return runner.execute(plan)
+            start = time.perf_counter()
+            output = runner.execute(plan)
         except Exception as error:
             # Whatever broke, the ranks are out of step now: a collective or a rank's work is missing.
             # a peer's death reaches rank 0 as a reset connection, maybe before its exit is reaped
-            wait([worker.sentinel for worker in self.workers], timeout=_DEATH_GRACE_SECONDS)
-            self._failure = self._exited_workers() or f"tensor-parallel step failed on rank 0: {error}"
-            self._stop_workers()
+            wait(self.sentinels(), timeout=_DEATH_GRACE_SECONDS)
+            self._fail(self._exited_workers() or f"tensor-parallel step failed on rank 0: {error}")
             raise TensorParallelError(self._failure) from error
+        if self._meter is None:
+            self._meter = RankMeter(0, runner)
+        self._meter.add_step(time.perf_counter() - start)
+        if self._meter.report_due():  # as often as the workers report theirs
+            self._rank_stats[0] = self._meter.snapshot()
+        return output
+
+    @property
+    def failure(self) -> str | None:
+        """Why the group can no longer step (a rank exited, a collective failed); None while it can."""
+        return self._failure
+
+    def sentinels(self) -> list[int]:
+        """The workers' process sentinels: each is ready once its worker has exited."""
+        return [worker.sentinel for worker in self.workers]
+
+    def check_workers(self) -> str | None:
+        """`failure`, after looking for a worker that has exited (then the others are stopped)."""
+        if self._failure is None and not self._closed:
+            exited = self._exited_workers()
+            if exited is not None:
+                self._fail(exited)
+        return self._failure
+
+    def rank_stats(self) -> tuple[RankStats, ...]:
+        """Every rank's latest report, with the exit code of those that exited."""
+        for rank, pipe in enumerate(self._ready, start=1):
+            with contextlib.suppress(EOFError, OSError):
+                while pipe.poll(0):
+                    self._rank_stats[rank] = pipe.recv()
+        stats = [self._rank_stats.get(0) or RankStats(0, os.getpid())]
+        for rank, worker in enumerate(self.workers, start=1):
+            report = self._rank_stats.get(rank) or RankStats(rank, worker.pid or 0)
+            if self._failure is not None and worker.exitcode is not None:
+                report = msgspec.structs.replace(report, exit_code=worker.exitcode)
+            stats.append(report)
+        return tuple(stats)
+
+    def _fail(self, failure: str) -> None:
+        self._failure = failure
+        logger.error("%s; stopping the other tensor-parallel ranks", failure)
+        self._stop_workers()
 
     def shutdown(self) -> None:
         """Stop the workers (the empty plan, then a kill for any that do not exit) and leave the group."""
@@ -126,10 +177,13 @@ class TensorParallelExecutor:
                 worker.join()
 
     def _exited_workers(self) -> str | None:
+        ready = wait(self.sentinels(), timeout=0)
         exited = [
-            (rank, worker) for rank, worker in enumerate(self.workers, start=1) if not worker.is_alive()
+            (rank, worker) for rank, worker in enumerate(self.workers, start=1) if worker.sentinel in ready
         ]
         if not exited:
             return None
         rank, worker = exited[0]
+        # its sentinel closes as it exits, a moment before it can be reaped: wait for its exit code
+        worker.join(_DEATH_GRACE_SECONDS)
         return f"tensor-parallel rank {rank} (pid {worker.pid}) exited with code {worker.exitcode}"

@@ -3,7 +3,8 @@
 The engine process (rank 0) schedules and samples; a worker holds its shard, its share of the KV
 pool and its own copy of the requests' states. Each step it receives the plan rank 0 broadcasts
 (msgspec bytes of the StepPlan), runs its shard with the all-reduces inside the layers, and sends
-its vocabulary block of the logits to rank 0. Empty plan bytes stop it.
+its vocabulary block of the logits to rank 0. Empty plan bytes stop it. Once a second at most,
+after a step, it sends its own `RankStats` (metrics/ranks.py) up its start-up pipe.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import time
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -21,6 +23,7 @@ from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.group import TensorParallelGroup
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.log import configure_logging
+from llmserve.metrics.ranks import RankMeter
 from llmserve.model_loader import load_weights
 from llmserve.models.registry import build_model
 from llmserve.worker.model_runner import ModelRunner
@@ -57,12 +60,17 @@ def run_worker(
         return
     ready.send(None)
     group.connect(init_method, config.model.device, config.parallel.collective_timeout_seconds)
-    serve_steps(runner, group)
+    serve_steps(runner, group, ready)
     group.close()
 
 
-def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> None:
-    """Run rank 0's plans on this shard until the empty plan."""
+def serve_steps(runner: ModelRunner, group: TensorParallelGroup, status: Connection | None = None) -> None:
+    """Run rank 0's plans on this shard until the empty plan, reporting to `status` now and then."""
     decoder = msgspec.msgpack.Decoder(StepPlan)
+    meter = RankMeter(group.rank, runner)
     while plan := group.broadcast_bytes(None):
+        start = time.perf_counter()
         runner.execute(decoder.decode(plan))
+        meter.add_step(time.perf_counter() - start)
+        if status is not None and meter.report_due():
+            status.send(meter.snapshot())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llmserve.benchmarks import results
-from llmserve.benchmarks.tools import ab_checkouts, linear_micro, side_by_side
+from llmserve.benchmarks.tools import ab_checkouts, dp_prefix_hits, linear_micro, side_by_side
 from llmserve.benchmarks.workload import WorkloadSpec, build_workload
 
 SPEC = WorkloadSpec(num_requests=5, seed=0, prompt_len_median=12, output_len_median=4,
@@ -183,3 +183,35 @@ def test_git_commit_is_read_in_a_checkout_and_in_a_linked_worktree(tmp_path):
     assert results.git_commit(repo) == head
     assert results.git_commit(tmp_path / "wt" / "sub") == head
     assert results.git_commit(tmp_path / "detached") == head
+
+
+# -- dp_prefix_hits ---------------------------------------------------------------------------------
+
+
+def test_dp_prefix_hits_runs_one_engine_then_the_router_and_compares_their_hit_rates(tmp_path, monkeypatch):
+    """Each step's server and bench commands; the bench results stand in for the real runs."""
+    steps = []
+
+    def fake_run_step(step, logs, tag, health_timeout):
+        steps.append(step)
+        hits = 600.0 if len(steps) == 1 else 570.0
+        cache = {"queries": 1000.0, "hits": hits, "hit_rate": hits / 1000, "by_replica": {}}
+        run = {"num_requests": 5, "num_ok": 5, "duration": 1.0, "total_token_throughput": 1.0,
+               "output_throughput": 1.0, "prefix_cache": cache}  # fmt: skip
+        output = Path(step.bench[step.bench.index("--output") + 1])
+        output.write_text(json.dumps({"url": step.url, "runs": [run]}))
+
+    monkeypatch.setattr(dp_prefix_hits, "run_step", fake_run_step)
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("")  # exists: not written again
+    out = tmp_path / "result.json"
+    dp_prefix_hits.main(
+        ["--out", str(out), "--workload", str(workload), "--port", "8123", "--logs", str(tmp_path)]
+    )
+    one, dp = steps
+    assert "--data-parallel-size" not in one.server and dp.server[-2:] == ["--data-parallel-size", "2"]
+    assert one.url == dp.url == "http://127.0.0.1:8123" and "--workload" in one.bench
+    result = json.loads(out.read_text())
+    assert list(result["runs"]) == ["one-engine", "dp2"] and result["hit_rate_ratio"] == pytest.approx(0.95)
+    assert result["command"].startswith("python -m llmserve.benchmarks.tools.dp_prefix_hits --out")
+    assert result["machine"] and result["git_commit"] is not None

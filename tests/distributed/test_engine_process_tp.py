@@ -12,7 +12,7 @@ import pytest
 
 from llmserve import SamplingParams
 from llmserve.config import EngineArgs
-from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.async_llm import AsyncLLM, EngineFailedError
 from tests.distributed.conftest import ENGINE_KWARGS
 from tests.helpers import is_alive
 
@@ -66,3 +66,17 @@ def test_a_worker_exits_with_its_engine_process(tp_engine):
     (worker,) = _children(tp_engine._process.pid)
     os.kill(tp_engine._process.pid, signal.SIGKILL)
     assert _wait_for_exit(worker, 30), "the worker outlived its engine process"
+
+
+def test_a_worker_that_dies_while_the_engine_idles_is_reported_at_once(tp_engine):
+    (worker,) = _children(tp_engine._process.pid)
+    assert tp_engine.failure is None
+    os.kill(worker, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while tp_engine.failure is None:  # no request is needed to find it: the engine waits on it too
+        assert time.monotonic() < deadline, "the dead worker was not reported"
+        time.sleep(0.05)
+    assert tp_engine.failure == f"tensor-parallel rank 1 (pid {worker}) exited with code -9"
+    assert [rank.exit_code for rank in tp_engine.gauges.ranks] == [None, -9]
+    with pytest.raises(EngineFailedError, match="tensor-parallel rank 1"):
+        asyncio.run(asyncio.wait_for(_collect(tp_engine), timeout=30))

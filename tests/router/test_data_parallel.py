@@ -51,6 +51,14 @@ def hits(urls: list[str]) -> dict[str, float]:
     return {url: scrape(url)["llmserve:prefix_cache_hits_total"] for url in urls}
 
 
+def hits_through_router(router_url: str) -> dict[str, float]:
+    """Each replica's hit counter as the router's /metrics serves it, under a `replica` label."""
+    metrics = scrape(router_url)
+    return {
+        url: metrics[f"llmserve:prefix_cache_hits_total{{replica={url}}}"] for url in replica_urls(router_url)
+    }
+
+
 def complete(server, prompt: list[int] | str, max_tokens: int = 2) -> dict:
     response = httpx.post(
         f"{server.base_url}/v1/completions",
@@ -87,6 +95,7 @@ def test_health_names_two_replicas_and_the_openai_client_works_through_the_route
 def test_each_shared_prefix_stays_on_one_replica(dp_server):
     urls = replica_urls(dp_server.base_url)
     before_hits, before_prefix = hits(urls), routed(dp_server.base_url, "prefix")
+    before_routed_hits = hits_through_router(dp_server.base_url)
     prefixes = [[1000 + 100 * p + i for i in range(PREFIX_BLOCKS * BLOCK_SIZE)] for p in range(2)]
     follow_ups = 5
     for turn in range(follow_ups + 1):
@@ -96,6 +105,11 @@ def test_each_shared_prefix_stays_on_one_replica(dp_server):
     hit_tokens = sum(after - before_hits[url] for url, after in hits(urls).items())
     # a prefix split over both replicas would be computed on each: fewer hits than this
     assert hit_tokens == len(prefixes) * follow_ups * PREFIX_BLOCKS * BLOCK_SIZE
+    by_replica = {
+        url: after - before_routed_hits[url] for url, after in hits_through_router(dp_server.base_url).items()
+    }
+    # the router's /metrics serves each replica's own counter under its `replica` label
+    assert by_replica == {url: after - before_hits[url] for url, after in hits(urls).items()}
     by_prefix = sum(routed(dp_server.base_url, "prefix").values()) - sum(before_prefix.values())
     assert by_prefix == len(prefixes) * follow_ups
 

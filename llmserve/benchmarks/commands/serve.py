@@ -1,10 +1,12 @@
 """`llmserve bench serve`: load an OpenAI-compatible server at a request rate (or a sweep of rates)
-and measure what a user sees: TTFT, time per output token, goodput under SLOs."""
+and measure what a user sees: TTFT, time per output token, goodput under SLOs; where the server has
+Prometheus prefix-cache counters (llmserve, vLLM, a router's per replica), each run's hit rate too."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import time
 
@@ -92,12 +94,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_once(args: argparse.Namespace, url: str, model: str, requests: list[BenchRequest], rate: float):
+    from llmserve.benchmarks.prefix_hits import read_prefix_cache_counters
     from llmserve.benchmarks.serve import LoadGenerator, summarize
 
     generator = LoadGenerator(url, model, rate, args.max_concurrency, args.seed, args.prompt_format)
+    before = read_prefix_cache_counters(url)
     with tqdm(total=len(requests), desc=f"rate {rate:g}/s", unit="req") as progress:
         cpu = time.process_time()
         request_results, duration = asyncio.run(generator.run(requests, progress))
         cpu = time.process_time() - cpu
+    after = read_prefix_cache_counters(url)
     metrics = summarize(request_results, duration, args.slo_ttft_ms, args.slo_tpot_ms, client_cpu_seconds=cpu)
+    if before is not None and after is not None:
+        metrics = dataclasses.replace(metrics, prefix_cache=after.minus(before).to_json())
     return metrics, request_results

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmserve.engine.async_llm import AsyncLLM, EngineDeadError
+from llmserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineFailedError
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -142,8 +142,12 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
 
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
-    if not _state(raw_request).ctx.engine.is_running:
+    """200 only while the engine and every tensor-parallel rank of it can serve."""
+    engine = _state(raw_request).ctx.engine
+    if not engine.is_running:
         raise ApiError("the engine has stopped", status=503, type="server_error")
+    if engine.failure is not None:
+        raise ApiError(engine.failure, status=503, type="server_error")
     return Response(status_code=200)
 
 
@@ -192,7 +196,7 @@ def _install_error_handlers(app: FastAPI) -> None:
             return await on_internal_error(raw_request, error)
         return json_response(ApiError(str(error)).body(), 400)
 
-    async def on_engine_dead(_: Request, error: EngineDeadError) -> Response:
+    async def on_engine_dead(_: Request, error: EngineDeadError | EngineFailedError) -> Response:
         return json_response(ApiError(str(error), status=503, type="server_error").body(), 503)
 
     async def on_disconnect(_: Request, __: ClientDisconnected) -> Response:
@@ -203,6 +207,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(ValueError, on_value_error)
     app.add_exception_handler(EngineDeadError, on_engine_dead)
+    app.add_exception_handler(EngineFailedError, on_engine_dead)
     app.add_exception_handler(ClientDisconnected, on_disconnect)
     app.add_exception_handler(Exception, on_internal_error)
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.async_llm import AsyncLLM, EngineFailedError
 from llmserve.engine.llm_engine import check_params
 from llmserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo, _SamplingRequest
 from llmserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
@@ -347,7 +347,10 @@ SSE_DONE = sse_event("[DONE]")
 
 def sse_error(error: BaseException) -> str:
     """The in-band error event for a stream that already sent its 200 status."""
-    message, status = (error.message, error.status) if isinstance(error, ApiError) else (str(error), 500)
+    if isinstance(error, ApiError):
+        message, status = error.message, error.status
+    else:  # a dead tensor-parallel rank is the server's state, as on /health (503), not a bug (500)
+        message, status = str(error), 503 if isinstance(error, EngineFailedError) else 500
     kind = "invalid_request_error" if status < 500 else "server_error"
     return sse_event(
         ErrorResponse(error=ErrorInfo(message=message, type=kind, code=str(status))).model_dump_json()

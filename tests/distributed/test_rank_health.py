@@ -1,0 +1,118 @@
+"""`llmserve serve --tensor-parallel-size 3` over HTTP: each rank's own series on /metrics, and a rank
+killed mid-stream: the stream ends with an error naming it, /health answers 503 naming it, the other
+worker is stopped, later requests get 503, and the server still stops cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import start_server, tiny_server_args
+from tests.helpers import is_alive
+from tests.router.conftest import scrape
+
+TP = 3  # the tiny model's 3 KV heads, one per rank: rank 2 is the sibling that must be stopped
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_llama_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("tp-server") / "server.log"
+    server = start_server(
+        tiny_server_args(
+            tiny_llama_dir, "--tensor-parallel-size", str(TP), "--served-model-name", "tp-llama"
+        ),
+        log,
+    )
+    yield server
+    server.stop()
+
+
+def rank_pids(metrics: dict[str, float]) -> dict[int, int]:
+    pids = {}
+    for name in metrics:
+        if name.startswith("llmserve:rank_info{"):
+            labels = dict(part.split("=") for part in name[len("llmserve:rank_info{") : -1].split(","))
+            pids[int(labels["rank"])] = int(labels["pid"])
+    return pids
+
+
+def wait_for(condition, timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def complete(server, max_tokens: int) -> httpx.Response:
+    body = {"model": "tp-llama", "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "ignore_eos": True}
+    return httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+
+
+def test_every_rank_reports_its_own_series(tp_server):
+    assert complete(tp_server, 40).status_code == 200
+    wait_for(
+        lambda: all(
+            scrape(tp_server.base_url).get(f"llmserve:rank_steps_total{{rank={r}}}", 0) > 0 for r in range(TP)
+        ),
+        what="every rank's steps",
+    )
+    metrics = scrape(tp_server.base_url)
+    engine_pid = next(iter(_children(tp_server.proc.pid)))
+    assert sorted(rank_pids(metrics)) == list(range(TP))
+    assert rank_pids(metrics)[0] == engine_pid and set(_children(engine_pid)) >= set(
+        rank_pids(metrics).values()
+    ) - {engine_pid}
+    for rank in range(TP):
+        assert metrics[f"llmserve:rank_up{{rank={rank}}}"] == 1.0
+        assert metrics[f"llmserve:rank_forward_seconds_total{{rank={rank}}}"] > 0
+        assert (
+            metrics[f"llmserve:rank_kv_cache_blocks{{rank={rank}}}"]
+            == metrics["llmserve:rank_kv_cache_blocks{rank=0}"]
+            > 0
+        )
+        assert metrics[f"llmserve:rank_kv_cache_bytes{{rank={rank}}}"] > 0
+        assert 0.0 <= metrics[f"llmserve:rank_kv_cache_usage_perc{{rank={rank}}}"] <= 1.0
+    assert not any(name.startswith("llmserve:rank_exit_code") for name in metrics)
+
+
+def test_a_rank_killed_mid_stream_is_reported_and_its_sibling_stopped(tp_server):
+    pids = rank_pids(scrape(tp_server.base_url))
+    body = {"model": "tp-llama", "prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
+    events = []
+    with httpx.stream("POST", f"{tp_server.base_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    os.kill(pids[1], signal.SIGKILL)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert f"tensor-parallel rank 1 (pid {pids[1]}) exited with code -9" in error["message"], error
+    assert (error["type"], error["code"]) == ("server_error", "503")
+    assert len(events) < 900, "the stream ended early"
+
+    health = httpx.get(f"{tp_server.base_url}/health", timeout=10)
+    assert health.status_code == 503
+    assert health.json()["error"]["type"] == "server_error"
+    assert "tensor-parallel rank 1" in health.json()["error"]["message"]
+    wait_for(lambda: not is_alive(pids[2]), timeout=30, what="rank 2 to be stopped")
+    assert is_alive(pids[0]), "rank 0 (the engine process) lives on to report"
+
+    later = complete(tp_server, 4)
+    assert later.status_code == 503 and "tensor-parallel rank 1" in later.json()["error"]["message"]
+    metrics = scrape(tp_server.base_url)
+    assert metrics["llmserve:rank_up{rank=1}"] == 0.0 and metrics["llmserve:rank_exit_code{rank=1}"] == -9
+    assert "tensor-parallel rank 1" in tp_server.log()
+    assert tp_server.stop() == 0
+    wait_for(lambda: not is_alive(pids[0]), timeout=30, what="the engine process to exit")
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as children:
+        return [int(child) for child in children.read().split()]
