@@ -8,7 +8,8 @@ tensor parallelism: its collectives return their input and touch no process grou
 
 The group is made before the process group is joined (`connect`): a rank builds its model first, and
 the engine joins only once every worker has loaded, so a worker that fails to load cannot leave
-the others waiting in the rendezvous.
+the others waiting in the rendezvous. The ranks meet at rank 0's store (distributed/rendezvous.py),
+which also tells each whether all ranks share one host (`same_host`).
 """
 
 from __future__ import annotations
@@ -29,26 +30,31 @@ class TensorParallelGroup:
         self.world_size = world_size
         self._plan_group = None  # the gloo group the plan bytes cross on, on the CPU whatever the device
         self.is_connected = False
+        self.same_host = True  # every rank on one machine (shared memory can carry the collectives)
 
     @property
     def is_first_rank(self) -> bool:
         """Rank 0: the engine process, which schedules, samples and receives the gathered logits."""
         return self.rank == 0
 
-    def connect(self, init_method: str, device: torch.device, timeout_seconds: float) -> None:
-        """Join the process group (blocks until every rank has called it, at most the timeout)."""
+    def connect(
+        self, store: dist.Store, device: torch.device, timeout_seconds: float, same_host: bool = True
+    ) -> None:
+        """Join the process group at `store` (blocks until every rank has called it, at most the
+        timeout); `same_host` as the rendezvous found it."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_seconds)
         dist.init_process_group(
-            backend, init_method=init_method, rank=self.rank, world_size=self.world_size, timeout=timeout
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
+        self.same_host = same_host
         self._plan_group = dist.new_group(backend="gloo", timeout=_IDLE_WAIT)
         self.is_connected = True
 
     def close(self) -> None:
         if self.is_connected:
+            self.is_connected = False  # first: a group torn down after a failure may raise here
             dist.destroy_process_group()
-            self.is_connected = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks, in place (a row-parallel layer's partial outputs)."""

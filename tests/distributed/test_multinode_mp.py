@@ -1,0 +1,89 @@
+"""`--distributed-executor-backend mp` over two "nodes" of this machine: node 0 is this process's
+engine (rank 0), node 1 a `llmserve serve --headless --node-rank 1` process whose rank joins over
+TCP. Greedy tokens equal one process's; the rendezvous refuses a node with another block size in
+one line; a rank killed on node 1 is named by rank 0 and node 1's process exits with an error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from llmserve.worker.executor import TensorParallelError
+from tests.distributed.conftest import ENGINE_KWARGS, assert_same_greedy, engine
+from tests.distributed.test_tensor_parallel import PROMPTS
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _node_flags(port: int, node_rank: int) -> list[str]:
+    return ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+
+
+def _start_headless(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "llmserve.cli", "serve", "--headless", "--model", model_dir]
+    command += ["--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "256"]
+    command += ["--kv-cache-memory", "8MiB", *_node_flags(port, 1), *extra]
+    return subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+
+
+def _node0(model_dir: str, port: int) -> LLM:
+    kwargs = dict(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, distributed_timeout_seconds=120)
+    return LLM(model_dir, tensor_parallel_size=2, **ENGINE_KWARGS, **kwargs)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as children:
+        return [int(child) for child in children.read().split()]
+
+
+def test_two_nodes_give_one_process_greedy_tokens_and_a_dead_remote_rank_is_named(tiny_llama_dir):
+    with engine(tiny_llama_dir) as llm:
+        reference = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    port = _free_port()
+    node1 = _start_headless(tiny_llama_dir, port)
+    try:
+        llm = _node0(tiny_llama_dir, port)
+        try:
+            outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            assert llm.engine.executor.remote_ranks == [1] and llm.engine.executor.group.same_host
+            for want, got in zip(reference, outputs, strict=True):
+                assert_same_greedy(want, got)
+            (rank1,) = _children(node1.pid)
+            os.kill(rank1, signal.SIGKILL)
+            llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+            with pytest.raises(TensorParallelError, match=rf"tensor-parallel rank 1 \(pid {rank1}\) exited with code -9"):
+                llm.engine.step()
+        finally:
+            llm.shutdown()
+        _, err = node1.communicate(timeout=60)
+    finally:
+        node1.kill()
+    assert node1.returncode == 2
+    assert f"llmserve: error: tensor-parallel rank 1 (pid {rank1}) exited with code -9" in err
+
+
+def test_a_node_with_another_block_size_is_refused_in_one_line_on_both_nodes(tiny_llama_dir):
+    port = _free_port()
+    node1 = _start_headless(tiny_llama_dir, port, "--block-size", "16")
+    try:
+        with pytest.raises(TensorParallelError) as error:
+            _node0(tiny_llama_dir, port)
+        _, err = node1.communicate(timeout=60)
+    finally:
+        node1.kill()
+    line = str(error.value)
+    assert "\n" not in line
+    assert "rank 1 on" in line and "has block_size=16, rank 0 on" in line and "has block_size=32" in line
+    assert node1.returncode == 2 and line in err  # the node's rank logged the same verdict
