@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,12 +44,14 @@ def _node0(model_dir: str, port: int) -> LLM:
     return LLM(model_dir, tensor_parallel_size=2, **ENGINE_KWARGS, **kwargs)
 
 
-def _children(pid: int) -> list[int]:
+def _ranks_of(pid: int) -> list[int]:
+    """The rank processes a headless node started (multiprocessing's resource tracker left out)."""
     with open(f"/proc/{pid}/task/{pid}/children") as children:
-        return [int(child) for child in children.read().split()]
+        pids = [int(child) for child in children.read().split()]
+    return [child for child in pids if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
 
 
-def test_two_nodes_give_one_process_greedy_tokens_and_a_dead_remote_rank_is_named(tiny_llama_dir):
+def test_two_nodes_give_one_process_greedy_tokens_and_node_1_exits_with_the_engine(tiny_llama_dir):
     with engine(tiny_llama_dir) as llm:
         reference = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     port = _free_port()
@@ -57,14 +60,32 @@ def test_two_nodes_give_one_process_greedy_tokens_and_a_dead_remote_rank_is_name
         llm = _node0(tiny_llama_dir, port)
         try:
             outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-            assert llm.engine.executor.remote_ranks == [1] and llm.engine.executor.group.same_host
-            for want, got in zip(reference, outputs, strict=True):
-                assert_same_greedy(want, got)
-            (rank1,) = _children(node1.pid)
+            executor = llm.engine.executor
+            assert executor.remote_ranks == [1] and executor.launcher.processes == []
+            assert executor.group.same_host  # two "nodes" of one machine
+        finally:
+            llm.shutdown()
+        node1.communicate(timeout=60)
+    finally:
+        node1.kill()
+    assert node1.returncode == 0
+    for want, got in zip(reference, outputs, strict=True):
+        assert_same_greedy(want, got)
+
+
+def test_a_rank_killed_on_node_1_is_named_by_rank_0_and_ends_node_1(tiny_llama_dir):
+    port = _free_port()
+    node1 = _start_headless(tiny_llama_dir, port)
+    try:
+        llm = _node0(tiny_llama_dir, port)
+        try:
+            llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+            llm.engine.step()
+            (rank1,) = _ranks_of(node1.pid)
             os.kill(rank1, signal.SIGKILL)
-            llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
-            with pytest.raises(TensorParallelError, match=rf"tensor-parallel rank 1 \(pid {rank1}\) exited with code -9"):
-                llm.engine.step()
+            for _ in range(2):  # and every step after it
+                with pytest.raises(TensorParallelError, match=rf"^tensor-parallel rank 1 \(pid {rank1}\) exited with code -9$"):
+                    llm.engine.step()
         finally:
             llm.shutdown()
         _, err = node1.communicate(timeout=60)
