@@ -124,8 +124,10 @@ class NodeArgs:
         if self.nnodes < 1:
             raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
         if backend == "ray" and (self.nnodes > 1 or self.node_rank is not None):
-            raise ValueError("--nnodes and --node-rank are for --distributed-executor-backend mp; "
-                             "Ray places the ranks on its cluster's nodes itself")
+            raise ValueError(
+                "--nnodes and --node-rank are for --distributed-executor-backend mp; "
+                "Ray places the ranks on its cluster's nodes itself"
+            )
         if self.node_rank is not None and self.nnodes == 1:
             raise ValueError("--node-rank needs --nnodes (the number of machines, at least 2)")
         if self.nnodes > 1 and self.node_rank is None:

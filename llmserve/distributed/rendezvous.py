@@ -181,7 +181,7 @@ def admit(store: dist.Store, first: RankInfo, world_size: int, timeout_seconds: 
             return _refuse(
                 store,
                 f"tensor-parallel ranks {', '.join(map(str, missing))} did not reach the rendezvous within "
-                f"{timeout_seconds:g} s (other nodes: start them with the same --master-addr and --master-port)",
+                f"{timeout_seconds:g} s (start other nodes with the same --master-addr and --master-port)",
             )
         time.sleep(0.05)
     infos = [msgspec.msgpack.decode(store.get(key), type=RankInfo) for key in keys]

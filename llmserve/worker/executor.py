@@ -52,7 +52,7 @@ class TensorParallelExecutor:
         parallel = config.parallel
         if parallel.node_rank != 0:
             raise ValueError(
-                f"node {parallel.node_rank} runs no engine (node 0 does): start it with `llmserve serve --headless`"
+                f"node {parallel.node_rank} runs no engine (node 0 does): start it with `serve --headless`"
             )
         self.config = config
         self.group = TensorParallelGroup(0, parallel.world_size)
@@ -108,7 +108,9 @@ class TensorParallelExecutor:
             self._failure = failure
             self.shutdown()
             raise TensorParallelError(failure)
-        self.group.connect(self._store, self.config.model.device, parallel.collective_timeout_seconds, same_host)
+        self.group.connect(
+            self._store, self.config.model.device, parallel.collective_timeout_seconds, same_host
+        )
         logger.info(
             "tensor parallelism: %d ranks (%s), %d threads on rank 0%s",
             parallel.world_size,

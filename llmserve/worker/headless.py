@@ -34,8 +34,12 @@ def run_headless(config: EngineConfig) -> int:
     """Run this node's ranks until they exit; 0 when all exit cleanly, else a ValueError naming one."""
     parallel = config.parallel
     if parallel.nnodes < 2 or parallel.node_rank == 0:
-        raise ValueError("--headless runs the ranks of a node other than 0: give --nnodes and --node-rank >= 1")
-    rendezvous = Rendezvous.tcp(parallel.master_addr, parallel.master_port, parallel.collective_timeout_seconds)
+        raise ValueError(
+            "--headless runs the ranks of a node other than 0: give --nnodes and --node-rank >= 1"
+        )
+    rendezvous = Rendezvous.tcp(
+        parallel.master_addr, parallel.master_port, parallel.collective_timeout_seconds
+    )
     ranks = ProcessRanks(config, parallel.node_ranks, rendezvous)
     try:
         failure = ranks.wait_loaded()

@@ -105,12 +105,14 @@ class RayRanks(RankLauncher):
             ).remote(config, rank, logger.getEffectiveLevel())
             for rank in self.ranks
         ]
+        # an actor runs its calls in order: serve (which returns at shutdown) comes last
+        self._node_ids = [actor.node_id.remote() for actor in self.actors]
         self._loaded = [actor.load.remote() for actor in self.actors]
-        self._serving = [actor.serve.remote(rendezvous) for actor in self.actors]  # runs after load
+        self._serving = [actor.serve.remote(rendezvous) for actor in self.actors]
 
     def node_ids(self) -> list[str]:
         """The Ray node of each actor, rank 1 first."""
-        return self._ray.get([actor.node_id.remote() for actor in self.actors])
+        return self._ray.get(self._node_ids)
 
     def wait_loaded(self) -> str | None:
         for rank, loaded in zip(self.ranks, self._loaded, strict=True):

@@ -42,7 +42,6 @@ def _config(**kwargs):
         (dict(tensor_parallel_size=3, nnodes=2, node_rank=0, master_addr="h"), "does not split over"),
         (dict(nnodes=2, node_rank=0, master_addr="h", master_port=70000), "--master-port must be in"),
         (dict(distributed_executor_backend="ray", nnodes=2, node_rank=0), "Ray places the ranks"),
-        (dict(distributed_executor_backend="gpu"), "must be one of mp, ray"),
     ],
 )
 def test_multinode_flags_refused_in_one_line(kwargs, message):
@@ -55,7 +54,11 @@ def test_the_ranks_of_each_node_and_their_threads():
     parallel = _config(tensor_parallel_size=3, nnodes=3, node_rank=2, master_addr="h").parallel
     assert (parallel.ranks_per_node, parallel.node_ranks, parallel.master_port) == (1, range(2, 3), 29501)
     parallel = _config(nnodes=2, node_rank=0, master_addr="10.0.0.1", master_port=1234).parallel
-    assert (parallel.node_ranks, parallel.master_addr, parallel.master_port) == (range(0, 1), "10.0.0.1", 1234)
+    assert (parallel.node_ranks, parallel.master_addr, parallel.master_port) == (
+        range(0, 1),
+        "10.0.0.1",
+        1234,
+    )
 
 
 def test_ray_not_installed_is_one_line(monkeypatch):
@@ -77,7 +80,9 @@ def test_a_ray_address_that_does_not_answer_is_one_line_within_seconds(monkeypat
 
 def test_a_rendezvous_that_does_not_answer_is_one_line_after_its_timeout():
     rendezvous = Rendezvous.tcp("127.0.0.1", _closed_port(), 0.5)
-    with pytest.raises(RendezvousError, match=r"node 0's rendezvous at 127\.0\.0\.1:\d+ did not answer within 0\.5 s"):
+    with pytest.raises(
+        RendezvousError, match=r"node 0's rendezvous at 127\.0\.0\.1:\d+ did not answer within 0\.5 s"
+    ):
         rendezvous.join_store()
 
 
@@ -119,7 +124,9 @@ def _meet(tmp_path, infos: list[RankInfo], timeout: float = 10.0) -> tuple[objec
     for thread in threads:
         thread.start()
     try:
-        first = admit(store, rank_info(_config(tensor_parallel_size=len(infos) + 1), 0), len(infos) + 1, timeout)
+        first = admit(
+            store, rank_info(_config(tensor_parallel_size=len(infos) + 1), 0), len(infos) + 1, timeout
+        )
     except RendezvousError as error:
         first = error
     for thread in threads:
@@ -144,14 +151,19 @@ def test_the_rendezvous_refuses_a_rank_with_another_block_size_on_every_rank(tmp
 
 def test_a_rank_that_never_comes_is_named_after_the_timeout(tmp_path):
     store, _ = Rendezvous(f"file://{tmp_path}/store", 0.3).host_store()
-    with pytest.raises(RendezvousError, match="tensor-parallel ranks 1 did not reach the rendezvous within 0.3 s"):
+    with pytest.raises(
+        RendezvousError, match="tensor-parallel ranks 1 did not reach the rendezvous within 0.3 s"
+    ):
         admit(store, rank_info(_config(), 0), 2, 0.3)
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["serve", "--node-rank", "1", "--nnodes", "2"], "--node-rank 1 runs no engine (node 0 does): add --headless"),
+        (
+            ["serve", "--node-rank", "1", "--nnodes", "2"],
+            "--node-rank 1 runs no engine (node 0 does): add --headless",
+        ),
         (["serve", "--headless"], "--headless runs the ranks of a node other than 0"),
         (
             ["serve", "--data-parallel-size", "2", "--nnodes", "2"],

@@ -29,7 +29,16 @@ def _free_port() -> int:
 
 
 def _node_flags(port: int, node_rank: int) -> list[str]:
-    return ["--nnodes", "2", "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    return [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node_rank),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
 
 
 def _start_headless(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
@@ -40,7 +49,9 @@ def _start_headless(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
 
 
 def _node0(model_dir: str, port: int) -> LLM:
-    kwargs = dict(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, distributed_timeout_seconds=120)
+    kwargs = dict(
+        nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, distributed_timeout_seconds=120
+    )
     return LLM(model_dir, tensor_parallel_size=2, **ENGINE_KWARGS, **kwargs)
 
 
@@ -84,7 +95,10 @@ def test_a_rank_killed_on_node_1_is_named_by_rank_0_and_ends_node_1(tiny_llama_d
             (rank1,) = _ranks_of(node1.pid)
             os.kill(rank1, signal.SIGKILL)
             for _ in range(2):  # and every step after it
-                with pytest.raises(TensorParallelError, match=rf"^tensor-parallel rank 1 \(pid {rank1}\) exited with code -9$"):
+                with pytest.raises(
+                    TensorParallelError,
+                    match=rf"^tensor-parallel rank 1 \(pid {rank1}\) exited with code -9$",
+                ):
                     llm.engine.step()
         finally:
             llm.shutdown()
