@@ -29,6 +29,8 @@ import llmserve
 from llmserve.config import EngineConfig
 
 _VERDICT_KEY = "llmserve/verdict"
+_READ_KEY = "llmserve/verdict_read"  # how many ranks have read the verdict
+_REFUSAL_READ_SECONDS = 5.0
 
 
 class RendezvousError(RuntimeError):
@@ -161,11 +163,10 @@ def join(store: dist.Store, info: RankInfo, timeout_seconds: float) -> bool:
     store.set(f"llmserve/rank/{info.rank}", msgspec.msgpack.encode(info))
     try:
         store.wait([_VERDICT_KEY], timedelta(seconds=timeout_seconds))
-    except RuntimeError:
-        raise RendezvousError(
-            f"rank {info.rank}: no word from rank 0 within {timeout_seconds:g} s of joining"
-        ) from None
-    verdict = msgspec.msgpack.decode(store.get(_VERDICT_KEY), type=Verdict)
+        verdict = msgspec.msgpack.decode(store.get(_VERDICT_KEY), type=Verdict)
+        store.add(_READ_KEY, 1)
+    except RuntimeError as error:  # torch's store errors (a timeout, a reset connection) are these
+        raise RendezvousError(f"rank {info.rank}: no verdict from rank 0's rendezvous: {error}") from None
     if verdict.error is not None:
         raise RendezvousError(verdict.error)
     return verdict.same_host
@@ -178,23 +179,28 @@ def admit(store: dist.Store, first: RankInfo, world_size: int, timeout_seconds: 
     deadline = time.monotonic() + timeout_seconds
     while missing := [rank for rank, key in enumerate(keys, start=1) if not store.check([key])]:
         if time.monotonic() >= deadline:
-            return _refuse(
-                store,
+            error = (
                 f"tensor-parallel ranks {', '.join(map(str, missing))} did not reach the rendezvous within "
-                f"{timeout_seconds:g} s (start other nodes with the same --master-addr and --master-port)",
+                f"{timeout_seconds:g} s (start other nodes with the same --master-addr and --master-port)"
             )
+            return _refuse(store, error, world_size - 1 - len(missing))
         time.sleep(0.05)
     infos = [msgspec.msgpack.decode(store.get(key), type=RankInfo) for key in keys]
     for info in infos:
         if (error := mismatch(first, info)) is not None:
-            return _refuse(store, error)
+            return _refuse(store, error, len(infos))
     same_host = all(info.host_id == first.host_id for info in infos)
     store.set(_VERDICT_KEY, msgspec.msgpack.encode(Verdict(None, same_host)))
     return same_host
 
 
-def _refuse(store: dist.Store, error: str) -> bool:
+def _refuse(store: dist.Store, error: str, readers: int) -> bool:
+    """Write the error as the verdict, and keep the store up until its `readers` have read it (a few
+    seconds at most): the caller shuts it down next."""
     store.set(_VERDICT_KEY, msgspec.msgpack.encode(Verdict(error, False)))
+    deadline = time.monotonic() + _REFUSAL_READ_SECONDS
+    while store.add(_READ_KEY, 0) < readers and time.monotonic() < deadline:
+        time.sleep(0.05)
     raise RendezvousError(error)
 
 

@@ -121,8 +121,9 @@ class TensorParallelExecutor:
 
     def execute(self, runner: ModelRunner, plan: StepPlan) -> ModelRunnerOutput:
         """Send the plan to every rank and run rank 0's shard; the others run theirs in step."""
-        if self._failure is None:
-            self._failure = self.launcher.exited()
+        if self._failure is None and (exited := self.launcher.exited()) is not None:
+            self._failure = exited
+            self._stop_ranks()
         if self._failure is not None:
             raise TensorParallelError(self._failure)
         try:

@@ -18,6 +18,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.worker.executor import TensorParallelError
 from tests.distributed.conftest import ENGINE_KWARGS, assert_same_greedy, engine
 from tests.distributed.test_tensor_parallel import PROMPTS
+from tests.helpers import make_tiny_llama_dir
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 
@@ -41,18 +42,27 @@ def _node_flags(port: int, node_rank: int) -> list[str]:
     ]
 
 
-def _start_headless(model_dir: str, port: int, *extra: str) -> subprocess.Popen:
+def _start_headless(
+    model_dir: str, port: int, *extra: str, tensor_parallel_size: int = 2
+) -> subprocess.Popen:
     command = [sys.executable, "-m", "llmserve.cli", "serve", "--headless", "--model", model_dir]
-    command += ["--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "256"]
+    command += [
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+    ]
     command += ["--kv-cache-memory", "8MiB", *_node_flags(port, 1), *extra]
     return subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
 
 
-def _node0(model_dir: str, port: int) -> LLM:
+def _node0(model_dir: str, port: int, tensor_parallel_size: int = 2) -> LLM:
     kwargs = dict(
         nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, distributed_timeout_seconds=120
     )
-    return LLM(model_dir, tensor_parallel_size=2, **ENGINE_KWARGS, **kwargs)
+    return LLM(model_dir, tensor_parallel_size=tensor_parallel_size, **ENGINE_KWARGS, **kwargs)
 
 
 def _ranks_of(pid: int) -> list[int]:
@@ -122,3 +132,30 @@ def test_a_node_with_another_block_size_is_refused_in_one_line_on_both_nodes(tin
     assert "\n" not in line
     assert "rank 1 on" in line and "has block_size=16, rank 0 on" in line and "has block_size=32" in line
     assert node1.returncode == 2 and line in err  # the node's rank logged the same verdict
+
+
+def test_when_a_rank_of_node_0_dies_the_ranks_of_node_1_exit_too(tmp_path):
+    """TP=4 over two nodes (a model with 4 KV heads): rank 1, node 0's worker, is killed; rank 0 tears
+    the group down, and node 1's ranks 2 and 3, which no one kills, exit and end node 1."""
+    model_dir = make_tiny_llama_dir(
+        str(tmp_path / "four-kv-heads"), num_attention_heads=4, num_key_value_heads=4
+    )
+    port = _free_port()
+    node1 = _start_headless(model_dir, port, tensor_parallel_size=4)
+    try:
+        llm = _node0(model_dir, port, tensor_parallel_size=4)
+        try:
+            llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+            llm.engine.step()
+            (rank1,) = llm.engine.executor.launcher.processes
+            os.kill(rank1.pid, signal.SIGKILL)
+            with pytest.raises(
+                TensorParallelError, match=r"^tensor-parallel rank 1 \(pid \d+\) exited with code -9$"
+            ):
+                llm.engine.step()
+            node1.communicate(timeout=60)
+        finally:
+            llm.shutdown()
+    finally:
+        node1.kill()
+    assert node1.returncode == 2
