@@ -49,6 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="engine replicas, each on its own share of the CPUs with its own KV pool, behind one "
         "prefix-aware router on --port (docs/parallelism.md)",
     )
+    group.add_argument(
+        "--headless",
+        action="store_true",
+        help="with --nnodes and --node-rank >= 1: run only this machine's tensor-parallel ranks, which "
+        "join node 0's engine at --master-addr (no server, no engine; docs/parallelism.md)",
+    )
     router.add_routing_arguments(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=_serve)
@@ -57,6 +63,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and args.nnodes > 1:
+        raise ValueError(
+            "--nnodes spreads one engine's ranks over machines; for replicas on several machines run "
+            "`llmserve serve` on each behind `llmserve router --replica URL ...`"
+        )
+    if args.headless:
+        from llmserve.worker.headless import serve_headless
+
+        return serve_headless(EngineArgs.from_cli_args(args))
+    if args.node_rank:
+        raise ValueError(f"--node-rank {args.node_rank} runs no engine (node 0 does): add --headless")
     if args.data_parallel_size > 1:
         from llmserve.router.data_parallel import serve_data_parallel
 

@@ -19,7 +19,7 @@ import torch
 
 from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.config.kv_events import KVEventsConfig
-from llmserve.config.parallel import ParallelConfig
+from llmserve.config.parallel import NodeArgs, ParallelConfig
 from llmserve.config.quantization import QuantizationConfig
 from llmserve.config.speculative import SpeculativeConfig
 
@@ -230,10 +230,19 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(
         1, "processes the model is split over (heads, MLP, vocabulary); each holds its heads' KV pool"
     )
-    distributed_executor_backend: str = _arg("mp", "mp: tensor-parallel ranks as processes on this machine")
+    distributed_executor_backend: str = _arg(
+        "mp",
+        "mp: ranks as processes llmserve starts (on several machines with --nnodes) | ray: Ray actors "
+        "placed on the Ray cluster (RAY_ADDRESS, else the one running here, else a new local one)",
+    )
     distributed_timeout_seconds: float = _arg(
         300.0, "a collective between ranks that waits longer than this fails (a hung rank)"
     )
+    # -- multi-node without Ray (docs/parallelism.md, "Multi-node") --
+    nnodes: int = _arg(1, "mp: machines the tensor-parallel ranks run on (each runs world_size / nnodes)")
+    node_rank: int | None = _arg(None, "mp with --nnodes: this machine's index; 0 runs the engine")
+    master_addr: str | None = _arg(None, "mp with --nnodes: node 0's address, reachable from every node")
+    master_port: int | None = _arg(None, "mp with --nnodes: node 0's rendezvous port (default 29501)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -354,6 +363,7 @@ class EngineArgs:
             self.distributed_executor_backend,
             self.distributed_timeout_seconds,
             arch.num_key_value_heads,
+            NodeArgs(self.nnodes, self.node_rank, self.master_addr, self.master_port),
         )
         if parallel.tensor_parallel_size == 1:
             return parallel

@@ -1,18 +1,21 @@
 """Tensor-parallel settings and the arithmetic of splitting a model's heads, MLP and vocabulary.
 
 The split rules live here, beside the config, because the engine sizes its KV pool from them
-before any process or model exists; models/ and distributed/ read the same functions.
+before any process or model exists; models/ and distributed/ read the same functions. The
+multi-node fields (`nnodes`, `node_rank`, `master_addr`, `master_port`) are vLLM's.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
 
 logger = logging.getLogger("llmserve")
 
-BACKENDS = ("mp",)
+BACKENDS = ("mp", "ray")
+DEFAULT_MASTER_PORT = 29501  # vLLM's --master-port default
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
@@ -33,24 +36,45 @@ class ParallelConfig:
     """How the model is spread over processes; `create` validates it against the architecture."""
 
     tensor_parallel_size: int = 1  # ranks the model's heads, MLP and vocabulary are split over
-    distributed_executor_backend: str = "mp"  # "mp": worker processes on this machine
+    distributed_executor_backend: str = "mp"  # "mp": processes started by llmserve; "ray": Ray actors
     collective_timeout_seconds: float = 300.0  # a collective that waits longer fails (a rank hung)
+    nnodes: int = 1  # mp: machines the ranks run on, world_size / nnodes ranks on each
+    node_rank: int = 0  # mp: this machine's index; node 0 runs the engine (rank 0)
+    master_addr: str = "127.0.0.1"  # mp across nodes, ray: the address node 0's rendezvous listens on
+    master_port: int = DEFAULT_MASTER_PORT  # mp across nodes: its port (ray and one node: a free port)
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        """mp: the ranks each machine starts (ray places them wherever the cluster has room)."""
+        return self.world_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """mp: the global ranks of this machine's processes, rank 0 on node 0 among them."""
+        start = self.node_rank * self.ranks_per_node
+        return range(start, start + self.ranks_per_node)
 
     def max_kv_heads_per_rank(self, num_kv_heads: int) -> int:
         """KV heads of the rank holding the most: every rank's pool has as many blocks as its."""
         return split_sizes(num_kv_heads, self.tensor_parallel_size)[0]
 
     def threads_per_rank(self) -> int:
-        """Each rank's share of this process's CPUs, at least one."""
-        return max(1, len(os.sched_getaffinity(0)) // self.tensor_parallel_size)
+        """Each rank's share of this process's CPUs, at least one (ranks on this machine only)."""
+        local_ranks = self.ranks_per_node if self.distributed_executor_backend == "mp" else self.world_size
+        return max(1, len(os.sched_getaffinity(0)) // local_ranks)
 
     @classmethod
     def create(
-        cls, tensor_parallel_size: int, backend: str, timeout: float, num_kv_heads: int
+        cls,
+        tensor_parallel_size: int,
+        backend: str,
+        timeout: float,
+        num_kv_heads: int,
+        nodes: NodeArgs | None = None,
     ) -> ParallelConfig:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -65,9 +89,57 @@ class ParallelConfig:
                 f"tensor_parallel_size {tensor_parallel_size} leaves a rank with no KV head: the model has "
                 f"{num_kv_heads} KV heads, and each rank needs at least one"
             )
-        cpus = len(os.sched_getaffinity(0))
-        if tensor_parallel_size > cpus:
-            logger.warning(
-                "tensor_parallel_size %d is more ranks than the %d CPUs", tensor_parallel_size, cpus
+        nodes = nodes or NodeArgs()
+        nodes.validate(tensor_parallel_size, backend)
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "--distributed-executor-backend ray needs Ray, which is not installed: "
+                "pip install 'llmserve[ray]' (on every node)"
             )
-        return cls(tensor_parallel_size, backend, timeout)
+        cpus = len(os.sched_getaffinity(0))
+        local_ranks = tensor_parallel_size // nodes.nnodes
+        if backend == "mp" and local_ranks > cpus:
+            logger.warning("%d ranks on this machine, more than its %d CPUs", local_ranks, cpus)
+        return cls(
+            tensor_parallel_size,
+            backend,
+            timeout,
+            nodes.nnodes,
+            nodes.node_rank or 0,
+            nodes.master_addr or "127.0.0.1",
+            nodes.master_port or DEFAULT_MASTER_PORT,
+        )
+
+
+@dataclass(frozen=True)
+class NodeArgs:
+    """The multi-node flags as given, before `ParallelConfig.create` checks them."""
+
+    nnodes: int = 1
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    def validate(self, world_size: int, backend: str) -> None:
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if backend == "ray" and (self.nnodes > 1 or self.node_rank is not None):
+            raise ValueError(
+                "--nnodes and --node-rank are for --distributed-executor-backend mp; "
+                "Ray places the ranks on its cluster's nodes itself"
+            )
+        if self.node_rank is not None and self.nnodes == 1:
+            raise ValueError("--node-rank needs --nnodes (the number of machines, at least 2)")
+        if self.nnodes > 1 and self.node_rank is None:
+            raise ValueError(f"--nnodes {self.nnodes} needs --node-rank (0 on the engine's machine)")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if world_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {world_size} does not split over --nnodes {self.nnodes}: "
+                "every node runs the same number of ranks"
+            )
+        if self.nnodes > 1 and self.master_addr is None:
+            raise ValueError("--nnodes needs --master-addr: the address of node 0, reachable from every node")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port must be in [1, 65535], got {self.master_port}")

@@ -8,7 +8,8 @@ tensor parallelism: its collectives return their input and touch no process grou
 
 The group is made before the process group is joined (`connect`): a rank builds its model first, and
 the engine joins only once every worker has loaded, so a worker that fails to load cannot leave
-the others waiting in the rendezvous.
+the others waiting in the rendezvous. The ranks meet at rank 0's store (distributed/rendezvous.py),
+which also tells each whether all ranks share one host (`same_host`).
 
 Ranks on one host (all of them, on the CPU) also share a segment of shared memory
 (kernels/csrc/shm_collectives.cpp): the all-reduces and the logits gather of a step go through it,
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import uuid
 from datetime import timedelta
 
@@ -45,6 +45,7 @@ class TensorParallelGroup:
         self.world_size = world_size
         self._plan_group = None  # the gloo group the plan bytes cross on, on the CPU whatever the device
         self.is_connected = False
+        self.same_host = True  # every rank on one machine (shared memory can carry the collectives)
         self.shm = None  # kernels' ShmCollectives once connected, where every rank is on this host's CPU
 
     @property
@@ -52,13 +53,17 @@ class TensorParallelGroup:
         """Rank 0: the engine process, which schedules, samples and receives the gathered logits."""
         return self.rank == 0
 
-    def connect(self, init_method: str, device: torch.device, timeout_seconds: float) -> None:
-        """Join the process group (blocks until every rank has called it, at most the timeout)."""
+    def connect(
+        self, store: dist.Store, device: torch.device, timeout_seconds: float, same_host: bool = True
+    ) -> None:
+        """Join the process group at `store` (blocks until every rank has called it, at most the
+        timeout); `same_host` as the rendezvous found it."""
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_seconds)
         dist.init_process_group(
-            backend, init_method=init_method, rank=self.rank, world_size=self.world_size, timeout=timeout
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
+        self.same_host = same_host
         self._plan_group = dist.new_group(backend="gloo", timeout=_IDLE_WAIT)
         self.is_connected = True
         if device.type == "cpu":
@@ -67,13 +72,11 @@ class TensorParallelGroup:
     def _map_shared_segment(self, timeout_seconds: float):
         """The shared-memory collectives, where every rank runs on this host and the kernels built;
         else None (gloo for everything)."""
-        hosts = [None] * self.world_size
-        dist.all_gather_object(hosts, _host_identity(), group=self._plan_group)
         ops = load_cpu_ops()
         usable = ops is not None and hasattr(ops, "ShmCollectives")
         flags = [None] * self.world_size
         dist.all_gather_object(flags, usable, group=self._plan_group)
-        if len(set(hosts)) != 1 or not all(flags):
+        if not self.same_host or not all(flags):
             return None
         path = self.broadcast_bytes(
             f"/dev/shm/llmserve-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
@@ -103,9 +106,9 @@ class TensorParallelGroup:
 
     def close(self) -> None:
         if self.is_connected:
+            self.is_connected = False  # first: a group torn down after a failure may raise here
             self.shm = None
             dist.destroy_process_group()
-            self.is_connected = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks, in place (a row-parallel layer's partial outputs)."""
@@ -151,16 +154,6 @@ class TensorParallelGroup:
         if len(buffer):
             dist.broadcast(buffer, src=0, group=self._plan_group)
         return data if self.is_first_rank else buffer.numpy().tobytes()
-
-
-def _host_identity() -> str:
-    """This host's name and boot: ranks share memory only where both match."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            boot_id = boot.read().strip()
-    except OSError:
-        boot_id = ""
-    return f"{socket.gethostname()} {boot_id}"
 
 
 def single_rank() -> TensorParallelGroup:

@@ -1,10 +1,14 @@
-"""A tensor-parallel worker process (ranks 1..N-1): its shard of the model, then the step loop.
+"""A tensor-parallel worker (ranks 1..N-1): its shard of the model, the rendezvous, then the step loop.
 
 The engine process (rank 0) schedules and samples; a worker holds its shard, its share of the KV
 pool and its own copy of the requests' states. Each step it receives the plan rank 0 broadcasts
 (msgspec bytes of the StepPlan), runs its shard with the all-reduces inside the layers, and sends
 its vocabulary block of the logits to rank 0. Empty plan bytes stop it. Once a second at most,
-after a step, it sends its own `RankStats` (metrics/ranks.py) up its start-up pipe.
+after a step, a process started by the engine sends its own `RankStats` (metrics/ranks.py) up its
+start-up pipe.
+
+Two kinds of process run this: a process started with multiprocessing (`run_worker`, by the engine
+or by a headless node's `llmserve serve --headless`), and a Ray actor (worker/ray_launcher.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import sys
 import time
 from multiprocessing.connection import Connection
 
@@ -21,6 +26,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.group import TensorParallelGroup
+from llmserve.distributed.rendezvous import Rendezvous, RendezvousError, join, rank_info
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.log import configure_logging
 from llmserve.metrics.ranks import RankMeter
@@ -31,6 +37,8 @@ from llmserve.worker.parent_watch import exit_with_parent
 
 logger = logging.getLogger("llmserve")
 
+REFUSED_EXIT_CODE = 4  # the rendezvous refused this rank (its error is logged)
+
 
 def load_shard(config: EngineConfig, group: TensorParallelGroup) -> ModelRunner:
     """This rank's shard of the checkpoint in a model, and the runner over it with its KV pool."""
@@ -39,19 +47,45 @@ def load_shard(config: EngineConfig, group: TensorParallelGroup) -> ModelRunner:
     return ModelRunner(config, model)
 
 
-def run_worker(
-    config: EngineConfig, rank: int, init_method: str, ready: Connection, log_level: int = logging.WARNING
-) -> None:
-    """The worker process's entry point: `ready` gets None once its shard is loaded, else the error."""
-    exit_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the engine decides
+def prepare_process(config: EngineConfig, device_index: int, log_level: int) -> EngineConfig:
+    """Logging, threads and this rank's device (CUDA: one GPU per rank, `device_index` on its node)."""
     configure_logging(log_level)
     logger.setLevel(log_level)
     torch.set_num_threads(config.parallel.threads_per_rank())
-    if config.model.device.type == "cuda":  # one GPU per rank (NCCL refuses two ranks on one)
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
+    if config.model.device.type != "cuda":
+        return config
+    device = torch.device("cuda", device_index)  # NCCL refuses two ranks on one GPU
+    torch.cuda.set_device(device)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
+
+
+def join_and_serve(
+    config: EngineConfig,
+    runner: ModelRunner,
+    group: TensorParallelGroup,
+    rendezvous: Rendezvous,
+    status: Connection | None = None,
+) -> None:
+    """Pass the rendezvous's check, join the process group and run plans until the empty one."""
+    store = rendezvous.join_store()
+    same_host = join(store, rank_info(config, group.rank), rendezvous.timeout_seconds)
+    group.connect(store, config.model.device, config.parallel.collective_timeout_seconds, same_host)
+    serve_steps(runner, group, status)
+    group.close()
+
+
+def run_worker(
+    config: EngineConfig,
+    rank: int,
+    rendezvous: Rendezvous,
+    ready: Connection,
+    log_level: int = logging.WARNING,
+    device_index: int = 0,
+) -> None:
+    """A multiprocessing worker's entry point: `ready` gets None once its shard is loaded, else the error."""
+    exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the engine decides
+    config = prepare_process(config, device_index, log_level)
     group = TensorParallelGroup(rank, config.parallel.world_size)
     try:
         runner = load_shard(config, group)
@@ -59,9 +93,11 @@ def run_worker(
         ready.send(f"{type(error).__name__}: {error}")
         return
     ready.send(None)
-    group.connect(init_method, config.model.device, config.parallel.collective_timeout_seconds)
-    serve_steps(runner, group, ready)
-    group.close()
+    try:
+        join_and_serve(config, runner, group, rendezvous, status=ready)
+    except RendezvousError as error:
+        logger.error("llmserve: error: %s", error)
+        sys.exit(REFUSED_EXIT_CODE)
 
 
 def serve_steps(runner: ModelRunner, group: TensorParallelGroup, status: Connection | None = None) -> None:

@@ -119,7 +119,7 @@ def test_ngram_speculation_under_tensor_parallelism(tiny_llama_dir):
     with engine(tiny_llama_dir, tensor_parallel_size=2, **kwargs) as llm:
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         accepted = llm.engine.spec_decode_stats.num_accepted_tokens
-        workers = llm.engine.executor.workers
+        workers = llm.engine.executor.launcher.processes
     assert accepted > 0
     assert [worker.exitcode for worker in workers] == [0]  # shutdown stopped it cleanly
     for want, got in zip(reference, outputs, strict=True):
@@ -132,7 +132,7 @@ def test_a_worker_that_dies_fails_the_step_with_the_rank_named(tiny_llama_dir):
             LLM(tiny_llama_dir, tensor_parallel_size=2, **ENGINE_KWARGS)  # one group per process
         llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
         llm.engine.step()
-        worker = llm.engine.executor.workers[0]
+        worker = llm.engine.executor.launcher.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(30)
         for _ in range(2):  # and every step after it: the group cannot be resynchronized

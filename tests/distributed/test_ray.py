@@ -1,0 +1,66 @@
+"""`--distributed-executor-backend ray` on a two-node Ray cluster of this machine (one CPU each,
+`ray.cluster_utils.Cluster`, started once for the module): rank 1 is an actor on the other node
+than rank 0 (this process), the greedy tokens equal one process's, a cluster too small for the
+placement group is a one-line error, and a killed actor fails the step with its rank named."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from llmserve import LLM, SamplingParams
+from llmserve.worker.executor import TensorParallelError
+from tests.distributed.conftest import ENGINE_KWARGS, assert_same_greedy, engine
+from tests.distributed.test_tensor_parallel import PROMPTS
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+RAY_KWARGS = dict(distributed_executor_backend="ray", distributed_timeout_seconds=120)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_tp2_across_two_nodes_gives_one_process_greedy_tokens(two_nodes, tiny_llama_dir):
+    with engine(tiny_llama_dir) as llm:
+        reference = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with engine(tiny_llama_dir, tensor_parallel_size=2, **RAY_KWARGS) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        launcher = llm.engine.executor.launcher
+        (actor_node,) = launcher.node_ids()
+        placement_group = launcher.placement_group
+    assert actor_node != ray.get_runtime_context().get_node_id()  # rank 0 is this process, on the head
+    assert len({node["NodeID"] for node in ray.nodes() if node["Alive"]}) == 2
+    for want, got in zip(reference, outputs, strict=True):
+        assert_same_greedy(want, got)
+    # shutdown gave the cluster back its CPUs: the placement group is removed
+    assert ray.util.placement_group_table(placement_group)["state"] == "REMOVED"
+
+
+def test_a_cluster_too_small_for_the_placement_group_is_one_line(two_nodes, tiny_llama_dir):
+    with pytest.raises(
+        ValueError, match=r"the Ray cluster has 2 CPU; tensor_parallel_size 3 needs 3 CPU"
+    ) as error:
+        LLM(tiny_llama_dir, tensor_parallel_size=3, **ENGINE_KWARGS, **RAY_KWARGS)
+    assert "\n" not in str(error.value)
+
+
+def test_a_killed_actor_fails_the_step_with_its_rank_named(two_nodes, tiny_llama_dir):
+    with engine(tiny_llama_dir, tensor_parallel_size=2, **RAY_KWARGS) as llm:
+        llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+        llm.engine.step()
+        ray.kill(llm.engine.executor.launcher.actors[0])
+        for _ in range(2):  # and every step after it
+            with pytest.raises(
+                TensorParallelError, match=r"^tensor-parallel rank 1 \(Ray actor\) exited: "
+            ) as error:
+                llm.engine.step()
+            assert "\n" not in str(error.value)
