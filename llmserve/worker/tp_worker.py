@@ -44,7 +44,10 @@ def load_shard(config: EngineConfig, group: TensorParallelGroup) -> ModelRunner:
     """This rank's shard of the checkpoint in a model, and the runner over it with its KV pool."""
     model = build_model(config.model, load_weights(config.model.path, config.model.dtype), group)
     use_small_batch_linear(model)  # CPU: packed weight layouts, as the engine's rank does
-    return ModelRunner(config, model)
+    runner = ModelRunner(config, model)
+    # while rank 0 still loads: a prefault left running would share this rank's core with its first steps
+    runner.wait_for_kv_prefault()
+    return runner
 
 
 def prepare_process(config: EngineConfig, device_index: int, log_level: int) -> EngineConfig:
