@@ -28,6 +28,8 @@ class TensorParallelGroup:
         self.rank = rank
         self.world_size = world_size
         self._plan_group = None  # the gloo group the plan bytes cross on, on the CPU whatever the device
+        self._device_group = None  # the forward's collectives (None: the default group, every rank)
+        self._first_global_rank = 0  # rank 0 of this group in the world's numbering
         self.is_connected = False
 
     @property
@@ -45,6 +47,11 @@ class TensorParallelGroup:
         self._plan_group = dist.new_group(backend="gloo", timeout=_IDLE_WAIT)
         self.is_connected = True
 
+    def bind(self, device_group, first_global_rank: int) -> None:
+        """Pipeline parallelism: run the forward's collectives on this stage's subgroup of the world
+        (distributed/pipeline.py joined it; plans reach this rank from there)."""
+        self._device_group, self._first_global_rank = device_group, first_global_rank
+
     def close(self) -> None:
         if self.is_connected:
             dist.destroy_process_group()
@@ -53,7 +60,7 @@ class TensorParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks, in place (a row-parallel layer's partial outputs)."""
         if self.world_size > 1:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=self._device_group)
         return tensor
 
     def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -62,7 +69,7 @@ class TensorParallelGroup:
         if self.world_size == 1:
             return tensor
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.is_first_rank else None
-        dist.gather(tensor.contiguous(), parts, dst=0)
+        dist.gather(tensor.contiguous(), parts, dst=self._first_global_rank, group=self._device_group)
         return torch.cat(parts, dim=-1) if self.is_first_rank else None
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:

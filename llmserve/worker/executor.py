@@ -1,9 +1,12 @@
-"""Rank 0's side of tensor parallelism: the worker processes, each step's plan to them, their health.
+"""Rank 0's side of tensor and pipeline parallelism: the worker processes, each step's plan to them,
+their health.
 
 The engine process is rank 0: it schedules, runs its own shard and samples. The executor starts
 ranks 1..N-1 (spawned, each `tp_worker.run_worker`), which load their shards while rank 0 loads
 its own; `wait_until_ready` then joins the process group. Each step it broadcasts the plan and runs
-rank 0's runner; the collectives inside the forward keep the ranks in step.
+rank 0's runner; the collectives inside the forward keep the ranks in step. Under pipeline
+parallelism the engine drives the stages through worker/pipeline_stage.py instead, inside
+`step_guard` as well.
 
 Failure: a worker that exits (found before a step, or by the collective it breaks) or a collective
 that times out fails the step with a `TensorParallelError` naming the rank, and every later step
@@ -17,6 +20,7 @@ import logging
 import multiprocessing
 import shutil
 import tempfile
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 
 import msgspec
@@ -25,6 +29,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.group import TensorParallelGroup
+from llmserve.distributed.pipeline import PipelineGroup, PipelineLayout
 from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from llmserve.worker.tp_worker import run_worker
 
@@ -46,7 +51,10 @@ class TensorParallelExecutor:
             )
         parallel = config.parallel
         self.config = config
-        self.group = TensorParallelGroup(0, parallel.world_size)
+        self.group = TensorParallelGroup(0, parallel.tensor_parallel_size)  # stage 0's ranks
+        layout = PipelineLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        self.pipeline = PipelineGroup(layout, 0, self.group) if layout.pipeline_parallel_size > 1 else None
+        self._world = self.pipeline or self.group  # what this rank joins, stops and leaves
         self._rendezvous = tempfile.mkdtemp(prefix="llmserve-tp-")  # the ranks meet at a file store
         self._init_method = f"file://{self._rendezvous}/store"
         self._failure: str | None = None
@@ -83,20 +91,31 @@ class TensorParallelExecutor:
                 self.shutdown()
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to load its shard: {message}")
         parallel = self.config.parallel
-        self.group.connect(self._init_method, self.config.model.device, parallel.collective_timeout_seconds)
+        self._world.connect(self._init_method, self.config.model.device, parallel.collective_timeout_seconds)
         logger.info(
-            "tensor parallelism: %d ranks, %d threads each", parallel.world_size, torch.get_num_threads()
+            "%d ranks (tensor parallel %d x pipeline parallel %d), %d threads each",
+            parallel.world_size,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+            torch.get_num_threads(),
         )
 
     def execute(self, runner: ModelRunner, plan: StepPlan) -> ModelRunnerOutput:
         """Send the plan to every worker and run rank 0's shard; the workers run theirs in step."""
+        with self.step_guard():
+            self.group.broadcast_bytes(self._encoder.encode(plan))
+            return runner.execute(plan)
+
+    @contextlib.contextmanager
+    def step_guard(self) -> Iterator[None]:
+        """Around rank 0's part of a step: refuse it once a rank has failed, and turn any error
+        inside into a `TensorParallelError` naming the rank that died, if one did."""
         if self._failure is None:
             self._failure = self._exited_workers()
         if self._failure is not None:
             raise TensorParallelError(self._failure)
         try:
-            self.group.broadcast_bytes(self._encoder.encode(plan))
-            return runner.execute(plan)
+            yield
         except Exception as error:
             # Whatever broke, the ranks are out of step now: a collective or a rank's work is missing.
             # a peer's death reaches rank 0 as a reset connection, maybe before its exit is reaped
@@ -110,11 +129,11 @@ class TensorParallelExecutor:
         if self._closed:
             return
         self._closed = True
-        if self._failure is None and self.group.is_connected:
+        if self._failure is None and self._world.is_connected:
             with contextlib.suppress(Exception):
-                self.group.broadcast_bytes(b"")
+                self._world.broadcast_bytes(b"")
         self._stop_workers()
-        self.group.close()
+        self._world.close()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
         torch.set_num_threads(self._threads_before)
 

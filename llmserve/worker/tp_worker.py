@@ -1,9 +1,11 @@
-"""A tensor-parallel worker process (ranks 1..N-1): its shard of the model, then the step loop.
+"""A tensor- or pipeline-parallel worker process (ranks 1..N-1): its shard of the model, then the
+step loop.
 
 The engine process (rank 0) schedules and samples; a worker holds its shard, its share of the KV
 pool and its own copy of the requests' states. Each step it receives the plan rank 0 broadcasts
 (msgspec bytes of the StepPlan), runs its shard with the all-reduces inside the layers, and sends
-its vocabulary block of the logits to rank 0. Empty plan bytes stop it.
+its vocabulary block of the logits to rank 0. Empty plan bytes stop it. Under pipeline parallelism
+the shard is its stage's part and the loop is worker/pipeline_stage.py's.
 """
 
 from __future__ import annotations
@@ -19,19 +21,23 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.group import TensorParallelGroup
+from llmserve.distributed.pipeline import PipelineGroup, PipelineLayout, PipelineStage
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.log import configure_logging
 from llmserve.model_loader import load_weights
 from llmserve.models.registry import build_model
 from llmserve.worker.model_runner import ModelRunner
 from llmserve.worker.parent_watch import exit_with_parent
+from llmserve.worker.pipeline_stage import serve_stage
 
 logger = logging.getLogger("llmserve")
 
 
-def load_shard(config: EngineConfig, group: TensorParallelGroup) -> ModelRunner:
+def load_shard(
+    config: EngineConfig, group: TensorParallelGroup, stage: PipelineStage | None = None
+) -> ModelRunner:
     """This rank's shard of the checkpoint in a model, and the runner over it with its KV pool."""
-    model = build_model(config.model, load_weights(config.model.path, config.model.dtype), group)
+    model = build_model(config.model, load_weights(config.model.path, config.model.dtype), group, stage)
     use_small_batch_linear(model)  # CPU: packed weight layouts, as the engine's rank does
     return ModelRunner(config, model)
 
@@ -49,16 +55,25 @@ def run_worker(
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
-    group = TensorParallelGroup(rank, config.parallel.world_size)
+    parallel = config.parallel
+    layout = PipelineLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    group = TensorParallelGroup(layout.tp_rank_of(rank), parallel.tensor_parallel_size)
+    stage = PipelineStage.of(
+        config.model.arch.num_hidden_layers, layout.pipeline_parallel_size, layout.stage_of(rank)
+    )
     try:
-        runner = load_shard(config, group)
+        runner = load_shard(config, group, stage)
     except BaseException as error:  # noqa: BLE001 - the engine raises it, one line, in its process
         ready.send(f"{type(error).__name__}: {error}")
         return
     ready.send(None)
-    group.connect(init_method, config.model.device, config.parallel.collective_timeout_seconds)
-    serve_steps(runner, group)
-    group.close()
+    pipeline = PipelineGroup(layout, rank, group) if layout.pipeline_parallel_size > 1 else None
+    (pipeline or group).connect(init_method, config.model.device, parallel.collective_timeout_seconds)
+    if pipeline is None:
+        serve_steps(runner, group)
+    else:
+        serve_stage(runner, pipeline, config)
+    (pipeline or group).close()
 
 
 def serve_steps(runner: ModelRunner, group: TensorParallelGroup) -> None:

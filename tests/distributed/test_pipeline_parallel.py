@@ -1,0 +1,121 @@
+"""Pipeline parallelism end to end on tiny float32 models: the same tokens as one process, with two
+batches in the pipeline at once and no request in both.
+
+Every engine here runs its stages as real processes over gloo. Greedy tokens must equal one
+process's, except after a step whose top two logits were within 1e-4; seeded sampling and log-probs
+must match too, since rank 0 samples the last stage's logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve import SamplingParams
+from tests.distributed.conftest import UNEVEN_HEADS, assert_same_greedy, engine
+from tests.distributed.test_tensor_parallel import PARAMS, PROMPTS, REQUESTS, _run_steps
+from tests.helpers import make_tiny_llama_dir
+
+
+@pytest.fixture(scope="module")
+def three_layer_llama_dir(tmp_path_factory) -> str:
+    """Three layers: two stages split them 2 + 1."""
+    return make_tiny_llama_dir(str(tmp_path_factory.mktemp("pp-llama")), num_hidden_layers=3, **UNEVEN_HEADS)
+
+
+@pytest.fixture(scope="module")
+def references(three_layer_llama_dir, tiny_qwen2_dir) -> dict[str, list]:
+    outputs = {}
+    for name, path in (("llama", three_layer_llama_dir), ("qwen2", tiny_qwen2_dir)):
+        with engine(path) as llm:
+            outputs[name] = llm.generate(REQUESTS, PARAMS, use_tqdm=False)
+    return outputs
+
+
+def _watch_in_flight(llm) -> list[list[frozenset[str]]]:
+    """Every time rank 0 waits for a batch, the request ids of each batch then in flight."""
+    queue, seen = llm.engine.batch_queue, []
+    collect = queue.driver.collect
+
+    def watched(batch):
+        seen.append([in_flight.request_ids for in_flight in queue.in_flight])
+        return collect(batch)
+
+    queue.driver.collect = watched
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "pp", "stage0_layers"),
+    [("llama", 1, 2, 2), ("qwen2", 1, 2, 1), ("llama", 2, 2, 2)],
+)
+def test_greedy_and_seeded_sampling_match_one_process(
+    model, tp, pp, stage0_layers, references, three_layer_llama_dir, tiny_qwen2_dir
+):
+    path = three_layer_llama_dir if model == "llama" else tiny_qwen2_dir
+    with engine(path, tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
+        seen = _watch_in_flight(llm)
+        outputs = llm.generate(REQUESTS, PARAMS, use_tqdm=False)
+        kv_layers, kv_heads = (
+            llm.engine.model_runner.kv_cache.shape[0],
+            llm.engine.model_runner.kv_cache.shape[3],
+        )
+        workers = llm.engine.executor.workers
+    assert (kv_layers, kv_heads) == (stage0_layers, {1: 3, 2: 2}[tp])  # rank 0's layers and KV heads
+    assert [worker.exitcode for worker in workers] == [0] * (tp * pp - 1)  # shutdown stopped them cleanly
+    # two batches were in the pipeline at once, and no request was in both
+    overlapping = [batches for batches in seen if len(batches) == 2]
+    assert len(overlapping) >= 10
+    for first, second in overlapping:
+        assert first and second and not first & second
+    reference = references[model]
+    for want, got in zip(reference[: len(PROMPTS)], outputs[: len(PROMPTS)], strict=True):
+        assert_same_greedy(want, got)
+    for want, got in zip(reference[len(PROMPTS) :], outputs[len(PROMPTS) :], strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for want_entry, got_entry in zip(want.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
+            assert got_entry.keys() == want_entry.keys()
+            assert list(got_entry.values()) == pytest.approx(list(want_entry.values()), abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_prefix_caching_keep_the_tokens(mode, three_layer_llama_dir):
+    shared = list(range(2000, 2040))  # 2.5 blocks of 16 shared by every prompt
+    prompts = [shared + [index, index + 7] for index in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with engine(three_layer_llama_dir, block_size=16) as llm:
+        want, _ = _run_steps(llm, prompts, params)
+    # 20 blocks of 16 tokens cannot hold six sequences of 82 tokens at once: requests get preempted
+    with engine(
+        three_layer_llama_dir, pipeline_parallel_size=2, block_size=16, num_kv_blocks=20, preemption_mode=mode
+    ) as llm:
+        got, preemptions = _run_steps(llm, prompts, params)
+        hits = llm.engine.kv_cache_manager.prefix_cache_hits
+        record = llm.engine.batch_queue.record
+        scheduler = llm.engine.scheduler
+    assert preemptions > 0 and scheduler.preemptions_by_mode[mode] > 0
+    assert hits >= 32 * 5  # the shared full blocks, for every prompt after the first
+    assert record.max_in_flight == 2
+    assert got == want
+
+
+def test_a_request_aborted_while_its_batch_is_in_flight(three_layer_llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with engine(three_layer_llama_dir) as llm:
+        want = {
+            str(i): out.outputs[0].token_ids
+            for i, out in enumerate(llm.generate(PROMPTS, params, use_tqdm=False))
+        }
+    with engine(three_layer_llama_dir, pipeline_parallel_size=2) as llm:
+        for index, prompt in enumerate(PROMPTS):
+            llm.engine.add_request(str(index), prompt, params)
+        llm.engine.step()
+        (in_flight,) = llm.engine.batch_queue.in_flight  # the second batch, still in the pipeline
+        victim = sorted(in_flight.request_ids)[0]
+        llm.engine.abort_request(victim)
+        got = {}
+        while llm.engine.has_unfinished_requests():  # it takes back the aborted request's batch too
+            for output in llm.engine.step():
+                assert output.request_id != victim
+                if output.finished:
+                    got[output.request_id] = output.outputs[0].token_ids
+    assert got == {rid: tokens for rid, tokens in want.items() if rid != victim}
