@@ -376,17 +376,12 @@ class EngineArgs:
         )
         if parallel.world_size == 1:
             return parallel
-        if parallel.pipeline_parallel_size > 1 and self.speculative_method is not None:
-            raise ValueError(
-                "speculative decoding does not run under pipeline parallelism yet "
-                "(a batch's drafts and verification would span the stages)"
-            )
         if self.quantization is not None:
             raise ValueError("quantization does not run under tensor or pipeline parallelism yet")
         if self.speculative_method not in (None, "ngram"):
             raise ValueError(
                 f"speculative_method {self.speculative_method!r} runs the target's layers or vocabulary "
-                "unsharded; under tensor parallelism only ngram speculates"
+                "unsharded; under tensor or pipeline parallelism only ngram speculates"
             )
         return parallel
 

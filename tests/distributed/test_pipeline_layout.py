@@ -71,10 +71,8 @@ def test_more_stages_than_layers_is_a_one_line_error():
     ("kwargs", "message"),
     [
         (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be >= 1"),
-        (
-            dict(pipeline_parallel_size=2, speculative_method="ngram"),
-            "speculative decoding does not run under",
-        ),
+        (dict(pipeline_parallel_size=2, speculative_method="draft_head"), "only ngram speculates"),
+        (dict(pipeline_parallel_size=2, speculative_method="early_exit"), "only ngram speculates"),
         (
             dict(pipeline_parallel_size=2, quantization="int8-rtn"),
             "quantization does not run under tensor or",

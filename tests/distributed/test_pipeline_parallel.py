@@ -8,9 +8,13 @@ must match too, since rank 0 samples the last stage's logits.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from llmserve import SamplingParams
+from llmserve.worker.executor import TensorParallelError
 from tests.distributed.conftest import UNEVEN_HEADS, assert_same_greedy, engine
 from tests.distributed.test_tensor_parallel import PARAMS, PROMPTS, REQUESTS, _run_steps
 from tests.helpers import make_tiny_llama_dir
@@ -46,7 +50,7 @@ def _watch_in_flight(llm) -> list[list[frozenset[str]]]:
 
 @pytest.mark.parametrize(
     ("model", "tp", "pp", "stage0_layers"),
-    [("llama", 1, 2, 2), ("qwen2", 1, 2, 1), ("llama", 2, 2, 2)],
+    [("qwen2", 1, 2, 1), ("llama", 2, 2, 2)],  # llama alone at PP=2: the abort and preemption tests
 )
 def test_greedy_and_seeded_sampling_match_one_process(
     model, tp, pp, stage0_layers, references, three_layer_llama_dir, tiny_qwen2_dir
@@ -77,37 +81,37 @@ def test_greedy_and_seeded_sampling_match_one_process(
             assert list(got_entry.values()) == pytest.approx(list(want_entry.values()), abs=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_and_prefix_caching_keep_the_tokens(mode, three_layer_llama_dir):
-    shared = list(range(2000, 2040))  # 2.5 blocks of 16 shared by every prompt
-    prompts = [shared + [index, index + 7] for index in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+SHARED = list(range(2000, 2040))  # 2.5 blocks of 16 shared by every prompt
+PREEMPTED_PROMPTS = [SHARED + [index, index + 7] for index in range(6)]
+PREEMPTED_PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def preemption_reference(three_layer_llama_dir) -> dict[str, list[int]]:
     with engine(three_layer_llama_dir, block_size=16) as llm:
-        want, _ = _run_steps(llm, prompts, params)
+        return _run_steps(llm, PREEMPTED_PROMPTS, PREEMPTED_PARAMS)[0]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_prefix_caching_keep_the_tokens(mode, preemption_reference, three_layer_llama_dir):
     # 20 blocks of 16 tokens cannot hold six sequences of 82 tokens at once: requests get preempted
     with engine(
         three_layer_llama_dir, pipeline_parallel_size=2, block_size=16, num_kv_blocks=20, preemption_mode=mode
     ) as llm:
-        got, preemptions = _run_steps(llm, prompts, params)
+        got, preemptions = _run_steps(llm, PREEMPTED_PROMPTS, PREEMPTED_PARAMS)
         hits = llm.engine.kv_cache_manager.prefix_cache_hits
         record = llm.engine.batch_queue.record
         scheduler = llm.engine.scheduler
     assert preemptions > 0 and scheduler.preemptions_by_mode[mode] > 0
     assert hits >= 32 * 5  # the shared full blocks, for every prompt after the first
     assert record.max_in_flight == 2
-    assert got == want
+    assert got == preemption_reference
 
 
-def test_a_request_aborted_while_its_batch_is_in_flight(three_layer_llama_dir):
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    with engine(three_layer_llama_dir) as llm:
-        want = {
-            str(i): out.outputs[0].token_ids
-            for i, out in enumerate(llm.generate(PROMPTS, params, use_tqdm=False))
-        }
+def test_a_request_aborted_while_its_batch_is_in_flight(references, three_layer_llama_dir):
     with engine(three_layer_llama_dir, pipeline_parallel_size=2) as llm:
         for index, prompt in enumerate(PROMPTS):
-            llm.engine.add_request(str(index), prompt, params)
+            llm.engine.add_request(str(index), prompt, PARAMS[index])
         llm.engine.step()
         (in_flight,) = llm.engine.batch_queue.in_flight  # the second batch, still in the pipeline
         victim = sorted(in_flight.request_ids)[0]
@@ -117,5 +121,41 @@ def test_a_request_aborted_while_its_batch_is_in_flight(three_layer_llama_dir):
             for output in llm.engine.step():
                 assert output.request_id != victim
                 if output.finished:
-                    got[output.request_id] = output.outputs[0].token_ids
-    assert got == {rid: tokens for rid, tokens in want.items() if rid != victim}
+                    got[output.request_id] = output
+    assert sorted(got) == sorted(str(index) for index in range(len(PROMPTS)) if str(index) != victim)
+    for request_id, output in got.items():
+        assert_same_greedy(references["llama"][int(request_id)], output)
+
+
+def test_ngram_speculation_under_pipeline_parallelism(three_layer_llama_dir):
+    """Rank 0 drafts after each batch comes back and verifies the last stage's k + 1 logits rows."""
+    # a bias confining the output to four tokens: it repeats itself, so prompt lookup finds drafts
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=24,
+        ignore_eos=True,
+        logprobs=2,
+        logit_bias={t: 100.0 for t in (5, 6, 7, 8)},
+    )
+    with engine(three_layer_llama_dir) as llm:
+        reference = llm.generate(PROMPTS, params, use_tqdm=False)
+    kwargs = dict(speculative_method="ngram", speculative_disable_batch_size=0)
+    with engine(three_layer_llama_dir, pipeline_parallel_size=2, **kwargs) as llm:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        accepted = llm.engine.spec_decode_stats.num_accepted_tokens
+        record = llm.engine.batch_queue.record
+    assert accepted > 0 and record.max_in_flight == 2
+    for want, got in zip(reference, outputs, strict=True):
+        assert_same_greedy(want, got)
+
+
+def test_a_stage_that_dies_fails_the_step_with_its_rank_named(three_layer_llama_dir):
+    with engine(three_layer_llama_dir, pipeline_parallel_size=2) as llm:
+        llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+        llm.engine.step()
+        (worker,) = llm.engine.executor.workers
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(30)
+        for _ in range(2):  # and every step after it: the pipeline cannot be resynchronized
+            with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+                llm.engine.step()
