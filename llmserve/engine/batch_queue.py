@@ -74,10 +74,8 @@ class BatchQueue:
         if not self.in_flight:
             return None
         self.record.observe(self.in_flight)
-        batch = self.in_flight[0]
-        result = self.driver.collect(batch.submitted)
-        self.in_flight.popleft()
-        return batch.scheduled, result, batch.start
+        batch = self.in_flight.popleft()  # gone even if collecting fails: a failed pipeline stays failed
+        return batch.scheduled, self.driver.collect(batch.submitted), batch.start
 
     def drain(self) -> None:
         """Take back every batch in flight and drop its results (shutting down); a failed pipeline

@@ -36,15 +36,15 @@ def references(three_layer_llama_dir, tiny_qwen2_dir) -> dict[str, list]:
 
 
 def _watch_in_flight(llm) -> list[list[frozenset[str]]]:
-    """Every time rank 0 waits for a batch, the request ids of each batch then in flight."""
+    """Every time rank 0 submits a batch, the request ids of each batch then in flight, its own too."""
     queue, seen = llm.engine.batch_queue, []
-    collect = queue.driver.collect
+    submit = queue.driver.submit
 
-    def watched(batch):
-        seen.append([in_flight.request_ids for in_flight in queue.in_flight])
-        return collect(batch)
+    def watched(plan):
+        seen.append([batch.request_ids for batch in queue.in_flight] + [frozenset(plan.num_scheduled_tokens)])
+        return submit(plan)
 
-    queue.driver.collect = watched
+    queue.driver.submit = watched
     return seen
 
 
@@ -67,6 +67,7 @@ def test_greedy_and_seeded_sampling_match_one_process(
     assert (kv_layers, kv_heads) == (stage0_layers, {1: 3, 2: 2}[tp])  # rank 0's layers and KV heads
     assert [worker.exitcode for worker in workers] == [0] * (tp * pp - 1)  # shutdown stopped them cleanly
     # two batches were in the pipeline at once, and no request was in both
+    assert max(map(len, seen)) == pp  # never more batches than stages
     overlapping = [batches for batches in seen if len(batches) == 2]
     assert len(overlapping) >= 10
     for first, second in overlapping:
