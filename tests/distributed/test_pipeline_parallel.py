@@ -8,14 +8,17 @@ must match too, since rank 0 samples the last stage's logits.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
 import pytest
 
 from llmserve import SamplingParams
+from llmserve.config import EngineArgs
+from llmserve.engine.async_llm import AsyncLLM
 from llmserve.worker.executor import TensorParallelError
-from tests.distributed.conftest import UNEVEN_HEADS, assert_same_greedy, engine
+from tests.distributed.conftest import ENGINE_KWARGS, UNEVEN_HEADS, assert_same_greedy, engine
 from tests.distributed.test_tensor_parallel import PARAMS, PROMPTS, REQUESTS, _run_steps
 from tests.helpers import make_tiny_llama_dir
 
@@ -147,6 +150,24 @@ def test_ngram_speculation_under_pipeline_parallelism(three_layer_llama_dir):
         record = llm.engine.batch_queue.record
     assert accepted > 0 and record.max_in_flight == 2
     for want, got in zip(reference, outputs, strict=True):
+        assert_same_greedy(want, got)
+
+
+async def _stream_all(llm: AsyncLLM, prompts: list[list[int]], params: SamplingParams) -> list:
+    async def last(index: int, prompt: list[int]):
+        outputs = [output async for output in llm.generate(prompt, params, f"s{index}")]
+        return outputs[-1]  # cumulative: the whole completion
+
+    return await asyncio.gather(*(last(index, prompt) for index, prompt in enumerate(prompts)))
+
+
+def test_the_server_engine_process_streams_the_same_tokens(references, three_layer_llama_dir):
+    llm = AsyncLLM(EngineArgs(model=three_layer_llama_dir, pipeline_parallel_size=2, **ENGINE_KWARGS))
+    try:
+        outputs = asyncio.run(asyncio.wait_for(_stream_all(llm, PROMPTS, PARAMS[0]), timeout=120))
+    finally:
+        llm.shutdown()
+    for want, got in zip(references["llama"][: len(PROMPTS)], outputs, strict=True):
         assert_same_greedy(want, got)
 
 
