@@ -9,18 +9,34 @@ tensor parallelism: its collectives return their input and touch no process grou
 The group is made before the process group is joined (`connect`): a rank builds its model first, and
 the engine joins only once every worker has loaded, so a worker that fails to load cannot leave
 the others waiting in the rendezvous.
+
+Ranks on one host (all of them, on the CPU) also share a segment of shared memory
+(kernels/csrc/shm_collectives.cpp): the all-reduces and the logits gather of a step go through it,
+a few microseconds each instead of gloo's socket round trips, and the fused decode stack calls it
+from C++. A tensor larger than its slot, or ranks on several hosts, take gloo.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
+import uuid
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from llmserve.kernels.cpu_ops import load_cpu_ops
+
+logger = logging.getLogger("llmserve")
+
 # A worker waits for the next plan as long as the engine idles; it exits with the engine regardless
 # (worker/parent_watch.py), and a rank that hangs mid-step is caught by the forward's collectives.
 _IDLE_WAIT = timedelta(days=365)
+# Each rank's slot in the shared segment (two per rank): a decode step's logits at batch 32 over
+# half of a 49k vocabulary in float32 fit, and so do the hidden states of a 2k-token prefill chunk.
+SHM_SLOT_BYTES = 4 << 20
 
 
 class TensorParallelGroup:
@@ -31,6 +47,7 @@ class TensorParallelGroup:
         self._device_group = None  # the forward's collectives (None: the default group, every rank)
         self._first_global_rank = 0  # rank 0 of this group in the world's numbering
         self.is_connected = False
+        self.shm = None  # kernels' ShmCollectives once connected, where every rank is on this host's CPU
 
     @property
     def is_first_rank(self) -> bool:
@@ -46,28 +63,83 @@ class TensorParallelGroup:
         )
         self._plan_group = dist.new_group(backend="gloo", timeout=_IDLE_WAIT)
         self.is_connected = True
+        if device.type == "cpu":
+            self.shm = self._map_shared_segment(timeout_seconds)
+
+    def _map_shared_segment(self, timeout_seconds: float):
+        """The shared-memory collectives, where every rank runs on this host and the kernels built;
+        else None (gloo for everything)."""
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, _host_identity(), group=self._plan_group)
+        ops = load_cpu_ops()
+        usable = ops is not None and hasattr(ops, "ShmCollectives")
+        flags = [None] * self.world_size
+        dist.all_gather_object(flags, usable, group=self._plan_group)
+        if len(set(hosts)) != 1 or not all(flags):
+            return None
+        path = self.broadcast_bytes(
+            f"/dev/shm/llmserve-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+            if self.is_first_rank
+            else None
+        ).decode()
+        error = None
+        if self.is_first_rank:
+            try:
+                shm = ops.ShmCollectives(path, 0, self.world_size, SHM_SLOT_BYTES, timeout_seconds, True)
+            except RuntimeError as failure:  # /dev/shm full or missing: gloo still works
+                shm, error = None, str(failure).splitlines()[0]
+        created = [None] * self.world_size
+        dist.all_gather_object(
+            created, shm is not None if self.is_first_rank else True, group=self._plan_group
+        )
+        if not created[0]:
+            if error is not None:
+                logger.warning("tensor parallelism without shared memory (gloo only): %s", error)
+            return None
+        if not self.is_first_rank:
+            shm = ops.ShmCollectives(path, self.rank, self.world_size, SHM_SLOT_BYTES, timeout_seconds, False)
+        dist.barrier(group=self._plan_group)  # every rank has mapped it: the name can go
+        if self.is_first_rank:
+            os.unlink(path)
+        return shm
 
     def bind(self, device_group, first_global_rank: int) -> None:
         """Pipeline parallelism: run the forward's collectives on this stage's subgroup of the world
-        (distributed/pipeline.py joined it; plans reach this rank from there)."""
+        (distributed/pipeline.py joined it; plans reach this rank from there), over gloo: the shared
+        segment is not mapped for a stage's ranks yet."""
         self._device_group, self._first_global_rank = device_group, first_global_rank
 
     def close(self) -> None:
         if self.is_connected:
+            self.shm = None
             dist.destroy_process_group()
             self.is_connected = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks, in place (a row-parallel layer's partial outputs)."""
         if self.world_size > 1:
-            dist.all_reduce(tensor, group=self._device_group)
+            if self._fits_shm(tensor) and tensor.dtype in (torch.float32, torch.bfloat16):
+                self.shm.all_reduce(tensor)
+            else:
+                dist.all_reduce(tensor, group=self._device_group)
         return tensor
+
+    def _fits_shm(self, tensor: torch.Tensor) -> bool:
+        # the same answer on every rank: the tensors of one collective have one shape and dtype
+        return (
+            self.shm is not None
+            and tensor.is_contiguous()
+            and tensor.numel() * tensor.element_size() <= SHM_SLOT_BYTES
+        )
 
     def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Every rank's tensor (one shape on all) concatenated along the last dimension on rank 0;
         None on the others."""
         if self.world_size == 1:
             return tensor
+        if self._fits_shm(tensor):
+            gathered = self.shm.gather_to_first(tensor)
+            return gathered if self.is_first_rank else None
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.is_first_rank else None
         dist.gather(tensor.contiguous(), parts, dst=self._first_global_rank, group=self._device_group)
         return torch.cat(parts, dim=-1) if self.is_first_rank else None
@@ -87,6 +159,16 @@ class TensorParallelGroup:
         if len(buffer):
             dist.broadcast(buffer, src=0, group=self._plan_group)
         return data if self.is_first_rank else buffer.numpy().tobytes()
+
+
+def _host_identity() -> str:
+    """This host's name and boot: ranks share memory only where both match."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()} {boot_id}"
 
 
 def single_rank() -> TensorParallelGroup:

@@ -34,6 +34,7 @@ _SOURCE_NAMES = (
     "draft_head.cpp",
     "greedy.cpp",
     "threads.cpp",
+    "shm_collectives.cpp",
 )
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name) for name in _SOURCE_NAMES]

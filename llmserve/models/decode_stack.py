@@ -12,12 +12,18 @@ no native bf16). Above the small-batch kernel's 8 rows it takes oneDNN's GEMM on
 blocked copy, as the modules do, where every layer is a bf16 `SmallBatchLinear` with one; with int8,
 int4 or float32 layers it serves up to 8 rows. Anything else (prefill chunks, other quantized
 formats, 8-bit KV caches, CUDA) takes the module path.
+
+Under tensor parallelism the stack holds the rank's shards and sums the o and down projections'
+outputs over the ranks inside the call, through the group's shared-memory collectives (one host) or
+its gloo all-reduce called back from C++ (several hosts): the same sums the modules make, in the
+same order, so the two paths stay bit-identical per rank.
 """
 
 from __future__ import annotations
 
 import torch
 
+from llmserve.distributed.group import TensorParallelGroup
 from llmserve.forward_context import AttentionMetadata
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.small_batch_linear import MAX_ROWS, PackedLinear, SmallBatchLinear
@@ -25,10 +31,15 @@ from llmserve.quantization.kernels import Int4PackedKernel, Int8GroupedPackedKer
 
 
 class FusedDecodeStack:
-    def __init__(self, stack, embed_tokens, attention_layers, max_rows: float) -> None:
+    def __init__(
+        self, stack, embed_tokens, attention_layers, max_rows: float, tp: TensorParallelGroup
+    ) -> None:
         self.stack = stack
         self.embed_tokens = embed_tokens
         self.max_rows = max_rows  # MAX_ROWS, or unbounded where every layer runs any row count
+        self.tp = tp
+        self._all_reduce_bound = tp.world_size == 1
+        self.calls = 0  # steps it ran (tests check that a configuration takes it)
         # The caches the stack was built with; a caller that rebinds a layer's cache (the naive
         # batching baseline does) gets the module path, which reads the layers' current caches.
         self.bound = [(layer, layer.key_cache, layer.value_cache) for layer in attention_layers]
@@ -45,6 +56,9 @@ class FusedDecodeStack:
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """The model's final hidden states for a decode step (what the model's forward returns)."""
+        if not self._all_reduce_bound:  # the group connects after the model is built
+            self._bind_all_reduce()
+        self.calls += 1
         query_starts = metadata.decode_query_starts
         if query_starts is None:  # one query row per sequence
             query_starts = torch.arange(input_ids.shape[0] + 1)
@@ -59,6 +73,13 @@ class FusedDecodeStack:
             metadata.attention_sinks,
             metadata.sliding_window,
         )
+
+    def _bind_all_reduce(self) -> None:
+        if self.tp.shm is not None:
+            self.stack.set_shm_all_reduce(self.tp.shm)
+        else:
+            self.stack.set_python_all_reduce(self.tp.all_reduce)
+        self._all_reduce_bound = True
 
 
 _EMPTY = torch.empty(0)
@@ -143,18 +164,18 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
             *(_EMPTY if linear[2] is None else linear[2] for linear in linears),
         ]
     first = layers[0].self_attn
-    arch = model.arch
     stack = ops.DecodeStack(
         tensors,
         inner.norm.weight.detach(),
         first.rotary.cos,
         first.rotary.sin,
-        arch.num_attention_heads,
-        arch.num_key_value_heads,
-        arch.head_dim,
-        arch.intermediate_size,
+        first.attn.num_heads,  # this rank's heads and units: all of them without tensor parallelism
+        first.attn.num_kv_heads,
+        model.arch.head_dim,
+        len(model.shard.intermediate),
         inner.norm.eps,
         first.attn.scale,
     )
     max_rows = float("inf") if any_rows else MAX_ROWS
-    return FusedDecodeStack(stack, inner.embed_tokens, [layer.self_attn.attn for layer in layers], max_rows)
+    attention_layers = [layer.self_attn.attn for layer in layers]
+    return FusedDecodeStack(stack, inner.embed_tokens, attention_layers, max_rows, model.tp)

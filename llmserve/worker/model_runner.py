@@ -82,11 +82,10 @@ class ModelRunner:
         )
         self.kv_cache = self._allocate_kv_cache()
         self.kv_prefault = populate_in_background(self.kv_cache)  # CPU: map its pages ahead of use
-        # decode-only steps run every decoder layer in one compiled call where it applies (CPU); the
-        # call has no all-reduce between layers and runs the whole model, so tensor and pipeline
-        # parallelism run the modules
-        distributed = config.parallel.world_size > 1
-        self.decode_stack = None if distributed else build_decode_stack(model, self.attention_backend)
+        # decode-only steps run every decoder layer in one compiled call where it applies (CPU); it
+        # runs the whole model (embedding to norm), so a pipeline stage runs the modules
+        pipeline = config.parallel.pipeline_parallel_size > 1
+        self.decode_stack = None if pipeline else build_decode_stack(model, self.attention_backend)
         # Called with each step's final hidden states, whichever path made them (evaluation and
         # draft-head training read them here: the fused stack runs no module hooks).
         self.hidden_hooks: list[Callable[[torch.Tensor], None]] = []

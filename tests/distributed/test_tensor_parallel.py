@@ -52,9 +52,16 @@ def test_greedy_and_seeded_sampling_match_one_process(model, tp, references, tin
     path = tiny_llama_dir if model == "llama" else tiny_qwen2_dir
     with engine(path, tensor_parallel_size=tp) as llm:
         outputs = llm.generate(REQUESTS, PARAMS, use_tqdm=False)
-        kv_heads = llm.engine.model_runner.kv_cache.shape[3]
+        # alone, a request's decode steps take the fused stack (float32: up to 8 rows), whose
+        # all-reduces go through the ranks' shared memory
+        alone = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]
+        runner = llm.engine.model_runner
+        kv_heads = runner.kv_cache.shape[3]
+        fused_steps, shared_memory = runner.decode_stack.calls, runner.model.tp.shm is not None
     assert kv_heads == {2: 2, 3: 1}[tp]  # rank 0's share of the 3 KV heads
+    assert fused_steps >= GREEDY.max_tokens - 1 and shared_memory
     reference = references[model]
+    assert_same_greedy(reference[0], alone)
     for want, got in zip(reference[: len(PROMPTS)], outputs[: len(PROMPTS)], strict=True):
         assert_same_greedy(want, got)
     for want, got in zip(reference[len(PROMPTS) :], outputs[len(PROMPTS) :], strict=True):

@@ -8,7 +8,9 @@
 // bit-identical to the Python path (tested); only the dispatch goes. Linear layers may be bf16,
 // per-channel int8 or group-wise int4, each through its small-batch kernel, or float32 in a float32
 // model (linear_f32.cpp); above 8 rows, bf16 ones go to oneDNN's GEMM on their blocked copy. The model
-// uses it when every sequence is a decode or a short span (models/decode_stack.py says when).
+// uses it when every sequence is a decode or a short span (models/decode_stack.py says when). Under
+// tensor parallelism the layers are one rank's shards, and the o and down projections' outputs are
+// summed over the ranks in the stack (shm_collectives.cpp on one host), as the modules sum them.
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "decode_stack.h"
@@ -97,10 +99,13 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
                                      value_cache, block_tables, seq_lens, query_starts, block_size, scale_,
                                      /*kv_format=*/0, sinks, window);
     auto attention_out = stack_linear(attention.view({tokens, q_size}), o_weight, o_scales, o_onednn, kNone, hidden_size_);
+    if (all_reduce_) all_reduce_(attention_out);
     // attention_out becomes the residual stream; its norm feeds the MLP
     auto normed = add_rms_norm(attention_out, hidden, post_norm, eps_);
     auto gate_up = stack_linear(normed, gate_up_weight, gate_up_scales, gate_up_onednn, kNone, 2 * intermediate_size_);
-    hidden = attention_out + stack_linear(silu_and_mul(gate_up), down_weight, down_scales, down_onednn, kNone, hidden_size_);
+    auto mlp_out = stack_linear(silu_and_mul(gate_up), down_weight, down_scales, down_onednn, kNone, hidden_size_);
+    if (all_reduce_) all_reduce_(mlp_out);
+    hidden = attention_out + mlp_out;
   }
   return rms_norm(hidden, final_norm_, eps_);
 }

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <functional>
 #include <vector>
 
 class DecodeStack {
@@ -22,6 +23,10 @@ class DecodeStack {
   // T <= 8, or more where every linear layer has its oneDNN copy (more than 8 rows take oneDNN's GEMM,
   // as SmallBatchLinear.forward does); returns the final norm of the last layer's output, like
   // LlamaModel.forward.
+  // Under tensor parallelism: the sum over the ranks, in place, of the o and down projections' partial
+  // outputs (the layers are the rank's shards); without one the stack is the whole model's.
+  void set_all_reduce(std::function<void(torch::Tensor)> all_reduce) { all_reduce_ = std::move(all_reduce); }
+
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                         int64_t block_size, int64_t sinks, int64_t window) const;
@@ -32,4 +37,5 @@ class DecodeStack {
   torch::Tensor final_norm_, cos_, sin_;
   int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_, hidden_size_;
   double eps_, scale_;
+  std::function<void(torch::Tensor)> all_reduce_;
 };

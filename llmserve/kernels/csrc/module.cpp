@@ -4,6 +4,7 @@
 #include "decode_stack.h"
 #include "draft_head.h"
 #include "kernels.h"
+#include "shm_collectives.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)");
@@ -39,7 +40,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack", "A model's decoder layers for a decode-only step, one call")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
                           int64_t, int64_t, double, double>())
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward)
+      .def("set_shm_all_reduce",
+           [](DecodeStack& stack, std::shared_ptr<ShmCollectives> shm) {
+             stack.set_all_reduce([shm](torch::Tensor t) { shm->all_reduce(t); });
+           })
+      .def("set_python_all_reduce", [](DecodeStack& stack, pybind11::function all_reduce) {
+        // across hosts: the group's gloo all-reduce, called back with the GIL the forward holds
+        stack.set_all_reduce([all_reduce](torch::Tensor t) { all_reduce(t); });
+      });
+  pybind11::class_<ShmCollectives, std::shared_ptr<ShmCollectives>>(
+      m, "ShmCollectives", "All-reduce and gather between tensor-parallel ranks on one host, in shared memory")
+      .def(pybind11::init<const std::string&, int64_t, int64_t, int64_t, double, bool>())
+      .def("all_reduce", &ShmCollectives::all_reduce)
+      .def("gather_to_first", &ShmCollectives::gather_to_first)
+      .def_property_readonly("slot_bytes", &ShmCollectives::slot_bytes);
   pybind11::class_<DraftHeadChain>(m, "DraftHeadChain", "A draft head's greedy drafting steps, one call")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                           torch::Tensor, torch::Tensor, torch::Tensor, int64_t, double>())
