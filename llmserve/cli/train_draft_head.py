@@ -53,8 +53,8 @@ def cmd_train_draft_head(args: argparse.Namespace) -> int:
     config = HeadTrainingConfig(**{k: getattr(args, k) for k in _training_defaults() if hasattr(args, k)})
     engine_args = EngineArgs.from_cli_args(args)
     engine_args = dataclasses.replace(engine_args, prefix_caching=False, speculative_method=None)
-    if engine_args.tensor_parallel_size > 1:  # it reads the target's logits outside the engine's steps
-        raise ValueError("train-draft-head does not run under tensor parallelism yet")
+    if engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size > 1:  # logits outside the steps
+        raise ValueError("train-draft-head does not run under tensor or pipeline parallelism yet")
     llm = LLM(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)})
     target = llm.engine.model_runner.model
     if args.text_cache and os.path.exists(args.text_cache):

@@ -56,13 +56,19 @@ class ModelArchConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
     def kv_bytes_per_token(
-        self, dtype: torch.dtype, kv_cache_dtype: str = "auto", num_kv_heads: int | None = None
+        self,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
+        num_kv_heads: int | None = None,
+        num_layers: int | None = None,
     ) -> int:
         """Bytes of K and V for one token across all layers, scales of an 8-bit cache included; of
-        `num_kv_heads` heads where given (one tensor-parallel rank's), else of all."""
+        `num_kv_heads` heads where given (one tensor-parallel rank's), else of all, and of
+        `num_layers` layers where given (one pipeline stage's)."""
         row_bytes = get_kv_cache_format(kv_cache_dtype).bytes_per_row(self.head_dim, dtype)
         heads = self.num_key_value_heads if num_kv_heads is None else num_kv_heads
-        return 2 * self.num_hidden_layers * heads * row_bytes
+        layers = self.num_hidden_layers if num_layers is None else num_layers
+        return 2 * layers * heads * row_bytes
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,11 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor parallelism
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor and pipeline parallelism
+
+
+# vLLM's short forms of engine flags
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
 
 
 def _arg(default, help_text: str):
@@ -230,6 +240,11 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(
         1, "processes the model is split over (heads, MLP, vocabulary); each holds its heads' KV pool"
     )
+    pipeline_parallel_size: int = _arg(
+        1,
+        "stages the decoder layers are split over (each of tensor_parallel_size processes); each holds its "
+        "layers' KV pool",
+    )
     distributed_executor_backend: str = _arg(
         "mp",
         "mp: ranks as processes llmserve starts (on several machines with --nnodes) | ray: Ray actors "
@@ -250,13 +265,13 @@ class EngineArgs:
         group = parser.add_argument_group("engine")
         hints = typing.get_type_hints(cls)
         for spec in dataclasses.fields(cls):
-            flag = "--" + spec.name.replace("_", "-")
+            flags = ["--" + spec.name.replace("_", "-"), *_SHORT_FLAGS.get(spec.name, ())]
             kind = _flag_type(hints[spec.name])
             if kind is bool:
                 action = argparse.BooleanOptionalAction
-                group.add_argument(flag, action=action, default=spec.default, help=spec.metadata["help"])
+                group.add_argument(*flags, action=action, default=spec.default, help=spec.metadata["help"])
             else:
-                group.add_argument(flag, type=kind, default=spec.default, help=spec.metadata["help"])
+                group.add_argument(*flags, type=kind, default=spec.default, help=spec.metadata["help"])
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
@@ -276,9 +291,11 @@ class EngineArgs:
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         get_kv_cache_format(self.kv_cache_dtype)  # validates the name
         parallel = self._parallel(arch)
-        # per rank: each pool holds its rank's KV heads, as many blocks as the rank with the most
+        # per rank: each pool holds its rank's KV heads of its stage's layers, as many blocks as the
+        # rank with the most heads in the stage with the most layers
         kv_heads = parallel.max_kv_heads_per_rank(arch.num_key_value_heads)
-        bytes_per_token = arch.kv_bytes_per_token(dtype, self.kv_cache_dtype, kv_heads)
+        num_layers = parallel.max_layers_per_stage(arch.num_hidden_layers)
+        bytes_per_token = arch.kv_bytes_per_token(dtype, self.kv_cache_dtype, kv_heads, num_layers)
         pool_bytes_per_token = bytes_per_token  # + the draft model's KV, which uses the same block ids
         if draft_arch is not None:
             pool_bytes_per_token += draft_arch.kv_bytes_per_token(dtype, self.kv_cache_dtype)
@@ -364,11 +381,18 @@ class EngineArgs:
             self.distributed_timeout_seconds,
             arch.num_key_value_heads,
             NodeArgs(self.nnodes, self.node_rank, self.master_addr, self.master_port),
+            self.pipeline_parallel_size,
+            arch.num_hidden_layers,
         )
-        if parallel.tensor_parallel_size == 1:
+        if parallel.world_size == 1:
             return parallel
         if self.quantization is not None:
-            raise ValueError("quantization does not run under tensor parallelism yet")
+            raise ValueError("quantization does not run under tensor or pipeline parallelism yet")
+        if parallel.pipeline_parallel_size > 1 and self.speculative_method not in (None, "ngram"):
+            raise ValueError(
+                f"speculative_method {self.speculative_method!r} drafts outside the pipeline's stages; "
+                "under pipeline parallelism only ngram speculates"
+            )
         if self.speculative_method == "early_exit":
             raise ValueError(
                 "speculative_method early_exit drafts with the target's first layers, which tensor "

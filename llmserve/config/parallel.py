@@ -1,4 +1,5 @@
-"""Tensor-parallel settings and the arithmetic of splitting a model's heads, MLP and vocabulary.
+"""Tensor- and pipeline-parallel settings and the arithmetic of splitting a model's heads, MLP and
+vocabulary over tensor-parallel ranks and its decoder layers over pipeline stages.
 
 The split rules live here, beside the config, because the engine sizes its KV pool from them
 before any process or model exists; models/ and distributed/ read the same functions. The
@@ -31,6 +32,22 @@ def split_range(total: int, parts: int, rank: int) -> range:
     return range(start, start + sizes[rank])
 
 
+def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous layer runs, one per stage: an even split whose remainder goes one layer each to
+    the stages before the last, from the last but one backwards (as vLLM: the last stage also runs
+    the norm and the output projection, the first the embedding)."""
+    if num_stages > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size {num_stages} leaves a stage with no decoder layer: the model has "
+            f"{num_layers} layers, and each stage needs at least one"
+        )
+    sizes = [num_layers // num_stages] * num_stages
+    for stage in range(num_stages - 1 - num_layers % num_stages, num_stages - 1):
+        sizes[stage] += 1
+    starts = [sum(sizes[:stage]) for stage in range(num_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is spread over processes; `create` validates it against the architecture."""
@@ -42,10 +59,11 @@ class ParallelConfig:
     node_rank: int = 0  # mp: this machine's index; node 0 runs the engine (rank 0)
     master_addr: str = "127.0.0.1"  # mp across nodes, ray: the address node 0's rendezvous listens on
     master_port: int = DEFAULT_MASTER_PORT  # mp across nodes: its port (ray and one node: a free port)
+    pipeline_parallel_size: int = 1  # stages the decoder layers are split over, each of T ranks
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def ranks_per_node(self) -> int:
@@ -62,6 +80,10 @@ class ParallelConfig:
         """KV heads of the rank holding the most: every rank's pool has as many blocks as its."""
         return split_sizes(num_kv_heads, self.tensor_parallel_size)[0]
 
+    def max_layers_per_stage(self, num_layers: int) -> int:
+        """Layers of the fullest pipeline stage: every stage's pool has as many blocks as its."""
+        return max(map(len, stage_layer_ranges(num_layers, self.pipeline_parallel_size)))
+
     def threads_per_rank(self) -> int:
         """Each rank's share of this process's CPUs, at least one (ranks on this machine only)."""
         local_ranks = self.ranks_per_node if self.distributed_executor_backend == "mp" else self.world_size
@@ -75,9 +97,13 @@ class ParallelConfig:
         timeout: float,
         num_kv_heads: int,
         nodes: NodeArgs | None = None,
+        pipeline_parallel_size: int = 1,
+        num_layers: int | None = None,
     ) -> ParallelConfig:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {pipeline_parallel_size}")
         if backend not in BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
@@ -89,25 +115,31 @@ class ParallelConfig:
                 f"tensor_parallel_size {tensor_parallel_size} leaves a rank with no KV head: the model has "
                 f"{num_kv_heads} KV heads, and each rank needs at least one"
             )
+        if pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {pipeline_parallel_size}")
+        if num_layers is not None:
+            stage_layer_ranges(num_layers, pipeline_parallel_size)  # every stage needs a layer
+        world_size = tensor_parallel_size * pipeline_parallel_size
         nodes = nodes or NodeArgs()
-        nodes.validate(tensor_parallel_size, backend)
+        nodes.validate(world_size, backend)
         if backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError(
                 "--distributed-executor-backend ray needs Ray, which is not installed: "
                 "pip install 'llmserve[ray]' (on every node)"
             )
         cpus = len(os.sched_getaffinity(0))
-        local_ranks = tensor_parallel_size // nodes.nnodes
+        local_ranks = world_size // nodes.nnodes
         if backend == "mp" and local_ranks > cpus:
             logger.warning("%d ranks on this machine, more than its %d CPUs", local_ranks, cpus)
         return cls(
-            tensor_parallel_size,
-            backend,
-            timeout,
-            nodes.nnodes,
-            nodes.node_rank or 0,
-            nodes.master_addr or "127.0.0.1",
-            nodes.master_port or DEFAULT_MASTER_PORT,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend=backend,
+            collective_timeout_seconds=timeout,
+            nnodes=nodes.nnodes,
+            node_rank=nodes.node_rank or 0,
+            master_addr=nodes.master_addr or "127.0.0.1",
+            master_port=nodes.master_port or DEFAULT_MASTER_PORT,
+            pipeline_parallel_size=pipeline_parallel_size,
         )
 
 
@@ -136,8 +168,8 @@ class NodeArgs:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if world_size % self.nnodes:
             raise ValueError(
-                f"tensor_parallel_size {world_size} does not split over --nnodes {self.nnodes}: "
-                "every node runs the same number of ranks"
+                f"world size {world_size} (tensor x pipeline parallel) does not split over "
+                f"--nnodes {self.nnodes}: every node runs the same number of ranks"
             )
         if self.nnodes > 1 and self.master_addr is None:
             raise ValueError("--nnodes needs --master-addr: the address of node 0, reachable from every node")

@@ -20,11 +20,17 @@ When the KV pool cannot hold a running request's next tokens, the least urgent r
 (FCFS: the most recently admitted) is preempted (its blocks freed, recomputed later) rather than
 failing the step. Under the priority policy a waiting request that is more urgent than a running
 one, and does not fit, preempts it too (see request_queue.py for the order and its aging rule).
+
+Pipeline parallelism schedules while earlier batches are still in the pipeline
+(engine/batch_queue.py): `schedule(in_flight)` leaves the requests of those batches out, neither
+scheduling nor preempting them, so no request is in two batches at once and none loses its KV
+while a stage still computes it; `update_from_output` takes each batch when its result is back.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from llmserve.config import SchedulerConfig
@@ -90,6 +96,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.num_swapped_out_blocks = 0
+        self._in_flight: Set[str] = frozenset()  # the current schedule() call's arguments
+        self._batch_seqs = config.max_num_seqs
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -126,8 +134,14 @@ class Scheduler:
 
     # -- the step plan -------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(
+        self, in_flight: Set[str] = frozenset(), max_batch_seqs: int | None = None
+    ) -> SchedulerOutput:
+        """The next batch; `in_flight`: ids of running requests in batches not yet updated from their
+        output (pipeline parallelism), which this one neither schedules nor preempts;
+        `max_batch_seqs`: requests in this batch at most (max_num_seqs still caps all running)."""
         output = SchedulerOutput()
+        self._in_flight, self._batch_seqs = in_flight, max_batch_seqs or self.config.max_num_seqs
         if isinstance(self.waiting, PriorityQueue):
             self.running.sort(key=self.waiting.key)
             self._preempt_for_urgent_waiting(output)
@@ -196,8 +210,11 @@ class Scheduler:
         planner = self.draft_planner
         speculate, share = self._speculation(len(self.running))
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(output.requests) < self._batch_seqs:
             request = self.running[index]
+            if request.request_id in self._in_flight:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_drafts = self._plan_drafts(request, budget, share) if speculate else 0
             samples = num_new == request.num_tokens - request.num_computed_tokens
@@ -210,7 +227,7 @@ class Scheduler:
                     num_drafts = 0
                     request.clear_drafts()
                     continue
-                victim = self.running[-1]
+                victim = self._least_urgent_preemptible()  # `request` itself at worst
                 if victim is request and len(self.running) == 1:
                     # Alone and still too big: the pool can never hold it, so it ends here.
                     self.finish_request(request, RequestStatus.FINISHED_LENGTH)
@@ -226,6 +243,10 @@ class Scheduler:
                 budget -= num_new + num_drafts
                 index += 1
         return budget
+
+    def _least_urgent_preemptible(self) -> Request | None:
+        """The last running request that is in no batch in flight."""
+        return next((r for r in reversed(self.running) if r.request_id not in self._in_flight), None)
 
     def _speculation(self, num_running: int) -> tuple[bool, int | None]:
         """Whether `num_running` requests speculate, and auto mode's drafts per request (None: no cap)."""
@@ -255,8 +276,8 @@ class Scheduler:
         cannot be admitted (no sequence slot or not enough blocks for its prompt)."""
         key = self.waiting.key
         while self.waiting and self.running:
-            head, victim = self.waiting.peek(), self.running[-1]
-            if key(victim) <= key(head) or self._fits(head):
+            head, victim = self.waiting.peek(), self._least_urgent_preemptible()
+            if victim is None or key(victim) <= key(head) or self._fits(head):
                 return
             self._preempt(victim, output)
 
@@ -272,7 +293,12 @@ class Scheduler:
         return running_needs + needed <= kv.pool.num_free_blocks
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(output.requests) < self._batch_seqs
+        ):
             request = self.waiting.peek()
             if self.kv_cache.is_swapped(request):
                 if not self._swap_in(request, output, budget):
@@ -385,6 +411,8 @@ class Scheduler:
         updated = []
         plan, proposals = output.plan, proposals or {}
         for request in output.requests:
+            if request.is_finished:  # aborted while its batch was in the pipeline
+                continue
             request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
             token_ids = sampled_token_ids.get(request.request_id)
             if token_ids is None:

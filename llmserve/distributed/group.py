@@ -44,6 +44,8 @@ class TensorParallelGroup:
         self.rank = rank
         self.world_size = world_size
         self._plan_group = None  # the gloo group the plan bytes cross on, on the CPU whatever the device
+        self._device_group = None  # the forward's collectives (None: the default group, every rank)
+        self._first_global_rank = 0  # rank 0 of this group in the world's numbering
         self.is_connected = False
         self.same_host = True  # every rank on one machine (shared memory can carry the collectives)
         self.shm = None  # kernels' ShmCollectives once connected, where every rank is on this host's CPU
@@ -104,6 +106,12 @@ class TensorParallelGroup:
             os.unlink(path)
         return shm
 
+    def bind(self, device_group, first_global_rank: int) -> None:
+        """Pipeline parallelism: run the forward's collectives on this stage's subgroup of the world
+        (distributed/pipeline.py joined it; plans reach this rank from there), over gloo: the shared
+        segment is not mapped for a stage's ranks yet."""
+        self._device_group, self._first_global_rank = device_group, first_global_rank
+
     def close(self) -> None:
         if self.is_connected:
             self.is_connected = False  # first: a group torn down after a failure may raise here
@@ -116,7 +124,7 @@ class TensorParallelGroup:
             if self._fits_shm(tensor) and tensor.dtype in (torch.float32, torch.bfloat16):
                 self.shm.all_reduce(tensor)
             else:
-                dist.all_reduce(tensor)
+                dist.all_reduce(tensor, group=self._device_group)
         return tensor
 
     def _fits_shm(self, tensor: torch.Tensor) -> bool:
@@ -136,7 +144,7 @@ class TensorParallelGroup:
             gathered = self.shm.gather_to_first(tensor)
             return gathered if self.is_first_rank else None
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.is_first_rank else None
-        dist.gather(tensor.contiguous(), parts, dst=0)
+        dist.gather(tensor.contiguous(), parts, dst=self._first_global_rank, group=self._device_group)
         return torch.cat(parts, dim=-1) if self.is_first_rank else None
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:

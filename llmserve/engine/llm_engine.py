@@ -3,6 +3,8 @@
 One step is three moves: the scheduler plans which requests catch up by how many tokens, the model
 runner executes that plan and samples, and the results update the requests and become outputs. With
 speculative decoding a proposer drafts for the next step in between (spec_decode/proposer.py).
+Under pipeline parallelism the first two moves are engine/batch_queue.py's, which keeps several
+batches in the pipeline and hands back the oldest once its logits are sampled.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from collections.abc import Sequence
 import torch
 
 from llmserve.config import EngineArgs, EngineConfig
-from llmserve.config.parallel import split_sizes
+from llmserve.config.parallel import split_sizes, stage_layer_ranges
 from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.scheduler import Scheduler, SchedulerOutput
 from llmserve.core.step_plan import StepPlan
+from llmserve.distributed.pipeline import PipelineStage
+from llmserve.engine.batch_queue import BatchQueue
 from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
@@ -36,6 +40,7 @@ from llmserve.spec_decode.registry import create_proposer
 from llmserve.spec_decode.target_vocabulary import TargetVocabulary
 from llmserve.worker.executor import TensorParallelExecutor
 from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from llmserve.worker.pipeline_stage import PipelineDriver
 
 logger = logging.getLogger("llmserve")
 
@@ -85,6 +90,10 @@ class LLMEngine:
             self.model_runner,
         )
         self._target_vocabulary = None
+        self.batch_queue = None  # pipeline parallelism: a batch per stage in flight
+        if self.executor is not None and self.executor.pipeline is not None:
+            driver = PipelineDriver(self.config, self.executor, self.model_runner)
+            self.batch_queue = BatchQueue(self.scheduler, driver, self.config.parallel.pipeline_parallel_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.output_kinds = OutputAccumulator()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
@@ -103,7 +112,9 @@ class LLMEngine:
             self._target_vocabulary = TargetVocabulary(
                 self.config.model.arch, weights, self.config.model.device
             )
-        model = build_model(self.config.model, weights, group)
+        arch, parallel = self.config.model.arch, self.config.parallel
+        stage = PipelineStage.of(arch.num_hidden_layers, parallel.pipeline_parallel_size, 0)  # rank 0's
+        model = build_model(self.config.model, weights, group, stage)
         if self.config.model.quantization is not None:  # a transform of the loaded model (module swap)
             from llmserve.quantization.methods import quantize_model
 
@@ -115,7 +126,8 @@ class LLMEngine:
         return runner
 
     def _preemption_costs(self, model) -> PreemptionCosts:
-        """Per rank under tensor parallelism: its shard's FLOPs, its KV heads' bytes (ranks run at once)."""
+        """Per rank under tensor parallelism: its shard's FLOPs, its KV heads' bytes (ranks run at once);
+        under pipeline parallelism rank 0's stage's FLOPs, the fullest stage's KV bytes."""
         model_config, parallel = self.config.model, self.config.parallel
         arch = model_config.arch
         return PreemptionCosts(
@@ -124,6 +136,7 @@ class LLMEngine:
                 model_config.dtype,
                 self.config.cache.kv_cache_dtype,
                 parallel.max_kv_heads_per_rank(arch.num_key_value_heads),
+                parallel.max_layers_per_stage(arch.num_hidden_layers),
             ),
             device_type=model_config.device.type,
         )
@@ -150,7 +163,10 @@ class LLMEngine:
         return () if self.executor is None else self.executor.rank_stats()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and the KV-event publisher, where there are any."""
+        """Stop the tensor- or pipeline-parallel workers and the KV-event publisher, where there are any."""
+        queue = getattr(self, "batch_queue", None)
+        if queue is not None:
+            queue.drain()  # the last stage's answers to batches in flight, which it waits to send
         if self.executor is not None:
             self.executor.shutdown()
         publisher = getattr(self, "kv_event_publisher", None)  # None too when loading failed first
@@ -177,11 +193,22 @@ class LLMEngine:
             tokens / model.max_model_len,
         )
         parallel = self.config.parallel
-        if parallel.world_size > 1:
+        if parallel.tensor_parallel_size > 1:
             logger.info(
                 "tensor parallel size %d: each rank holds its KV heads' share of the pool (%s KV heads)",
-                parallel.world_size,
-                "/".join(map(str, split_sizes(model.arch.num_key_value_heads, parallel.world_size))),
+                parallel.tensor_parallel_size,
+                "/".join(
+                    map(str, split_sizes(model.arch.num_key_value_heads, parallel.tensor_parallel_size))
+                ),
+            )
+        if parallel.pipeline_parallel_size > 1:
+            layers = stage_layer_ranges(model.arch.num_hidden_layers, parallel.pipeline_parallel_size)
+            logger.info(
+                "pipeline parallel size %d: each stage holds its layers' share of the pool (%s layers), "
+                "up to %d batches in flight",
+                parallel.pipeline_parallel_size,
+                "/".join(str(len(run)) for run in layers),
+                parallel.pipeline_parallel_size,
             )
         if cache.sliding_window:
             logger.info(
@@ -257,7 +284,10 @@ class LLMEngine:
         return self.output_kinds.apply(self.output_processor.abort(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or (pipeline parallelism) a batch still to take back, if only of aborted ones."""
+        return self.scheduler.has_unfinished_requests() or bool(
+            self.batch_queue and self.batch_queue.in_flight
+        )
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats:
@@ -267,14 +297,25 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.batch_queue is not None:
+            done = self.batch_queue.step()
+            if done is None:
+                self.last_step = None
+                return []
+            return self._process(*done)
         start = time.monotonic()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             self.last_step = None
             return []
+        return self._process(scheduled, self._execute(scheduled.plan), start)
+
+    def _process(
+        self, scheduled: SchedulerOutput, result: ModelRunnerOutput, start: float
+    ) -> list[RequestOutput]:
+        """Update the requests from a step's sampled tokens and turn them into outputs."""
         outputs = self.output_processor.outputs_for(scheduled.finished)
         plan = scheduled.plan
-        result = self._execute(plan)
         proposals = None
         if self.proposer is not None and plan.speculate and scheduled.requests:  # drafts for the next step
             proposals = self.proposer.propose(SampledBatch.from_step(plan, result))

@@ -84,7 +84,9 @@ class _Scorer:
 def evaluate_perplexity(engine, token_ids: list[int], context: int, decode_tokens: int) -> PerplexityResult:
     """Score `token_ids` in windows of `context`, then time a batch-1 greedy decode."""
     if engine.config.parallel.world_size > 1:  # the scorer's logits would need every rank's block
-        raise ValueError("perplexity evaluation does not run under tensor parallelism yet")
+        raise ValueError(
+            "perplexity evaluation does not run under tensor parallelism or pipeline parallelism yet"
+        )
     runner = engine.model_runner
     scorer = _Scorer(runner.model)
     runner.hidden_hooks.append(scorer)

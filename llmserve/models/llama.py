@@ -11,6 +11,11 @@ row-parallel with an all-reduce after them, the embedding and lm_head split by v
 Every linear layer stays a plain `nn.Linear` of the rank's shape, so the compiled CPU kernels and
 the small-batch packing (kernels/small_batch_linear.py) serve a shard as they serve a whole model;
 with one rank every collective returns its input.
+
+Under pipeline parallelism each rank builds its stage's layers (`PipelineStage`); the others are
+`MissingLayer` placeholders, so parameter names keep the checkpoint's layer numbers. The first
+stage embeds the tokens, the others start from the previous stage's hidden states; only the last
+applies the final norm and has the output projection (a tied one loads the embedding's weights).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch import nn
 from llmserve.attention.layer import Attention
 from llmserve.config import ModelArchConfig
 from llmserve.distributed.group import TensorParallelGroup, single_rank
+from llmserve.distributed.pipeline import PipelineStage
 from llmserve.distributed.shard import ShardLayout
 from llmserve.models.layers.activation import SiluAndMul
 from llmserve.models.layers.lm_head import LMHead
@@ -80,22 +86,38 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(normed)
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no parameters, never called."""
+
+
 class LlamaModel(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, rotary: RotaryEmbedding, shard: ShardLayout, tp: TensorParallelGroup
+        self,
+        arch: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        shard: ShardLayout,
+        tp: TensorParallelGroup,
+        stage: PipelineStage,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(shard, arch.hidden_size, tp)
+        self.stage = stage
+        self.embed_tokens = VocabParallelEmbedding(shard, arch.hidden_size, tp) if stage.is_first else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, rotary, shard, tp) for _ in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, rotary, shard, tp) if index in stage.layers else MissingLayer()
+            for index in range(arch.num_hidden_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if stage.is_last else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The final hidden states, or on a stage before the last its output for the next stage;
+        `hidden`: the previous stage's output (every stage but the first)."""
+        if self.stage.is_first:
+            hidden = self.embed_tokens(input_ids)
+        for index in self.stage.layers:
+            hidden = self.layers[index](positions, hidden)
+        return self.norm(hidden) if self.stage.is_last else hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -124,18 +146,25 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         device: torch.device,
         tp: TensorParallelGroup | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         self.arch = arch
         self.tp = tp or single_rank()
+        self.stage = stage or PipelineStage.whole(arch.num_hidden_layers)
         self.shard = ShardLayout.of(arch, self.tp.world_size, self.tp.rank)
         rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device)
-        self.model = LlamaModel(arch, rotary, self.shard, self.tp)
-        self.lm_head = LMHead(arch.hidden_size, self.shard.vocab_rows, bias=False)
+        self.model = LlamaModel(arch, rotary, self.shard, self.tp, self.stage)
+        self.lm_head = (
+            LMHead(arch.hidden_size, self.shard.vocab_rows, bias=False) if self.stage.is_last else None
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] for a flat batch of tokens."""
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] for a flat batch of tokens; under pipeline parallelism
+        this stage's, from the previous stage's `hidden`."""
+        return self.model(input_ids, positions, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [rows, vocab] (models/layers/lm_head.py says why float32); under tensor
@@ -146,17 +175,20 @@ class LlamaForCausalLM(nn.Module):
         return logits[:, : self.arch.vocab_size].contiguous()  # the last block's padding off
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's attention layers (every layer's without pipeline parallelism), in order."""
+        return [self.model.layers[index].self_attn.attn for index in self.stage.layers]
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters, filling fused ones by shard."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        if self.stage.is_last and not self.stage.is_first and self.arch.tie_word_embeddings:
+            weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}  # no embedding here
         for name, tensor in weights.items():
             target, offset = self._fused_target(name, params)
             param = params.get(target)
             if param is None:
-                if "rotary_emb" in name:
+                if "rotary_emb" in name or not self._on_this_stage(name):
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in the model")
             tensor = self._rank_part(name, tensor)
@@ -165,10 +197,20 @@ class LlamaForCausalLM(nn.Module):
             if target == name and rows < param.shape[0]:  # the last vocabulary block's padding: zeros
                 param.data[rows:].zero_()
             loaded.add(name)
-        if self.arch.tie_word_embeddings:
+        if self.arch.tie_word_embeddings and self.stage.is_first and self.stage.is_last:
             self.lm_head.weight = self.model.embed_tokens.weight
             loaded.add("lm_head.weight")
         self._check_complete(loaded)
+
+    def _on_this_stage(self, name: str) -> bool:
+        """Whether the checkpoint tensor belongs to a module this pipeline stage builds."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in self.stage.layers
+        if name.startswith("model.embed_tokens."):
+            return self.stage.is_first
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.stage.is_last
+        return True
 
     def _fused_target(self, name: str, params: dict[str, nn.Parameter]) -> tuple[str, int]:
         """Map e.g. layers.0.self_attn.k_proj.weight to (layers.0.self_attn.qkv_proj.weight, row offset)."""

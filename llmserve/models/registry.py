@@ -7,6 +7,7 @@ from torch import nn
 
 from llmserve.config import ModelConfig
 from llmserve.distributed.group import TensorParallelGroup
+from llmserve.distributed.pipeline import PipelineStage
 from llmserve.models.layers.custom_op import bind_kernels
 from llmserve.models.llama import LlamaForCausalLM
 
@@ -22,17 +23,21 @@ def supported_architectures() -> list[str]:
 
 
 def build_model(
-    config: ModelConfig, weights: dict[str, torch.Tensor], tp: TensorParallelGroup | None = None
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    tp: TensorParallelGroup | None = None,
+    stage: PipelineStage | None = None,
 ) -> nn.Module:
     """Construct on the meta device (no wasted init), materialize, then copy the weights in; with a
-    tensor-parallel group, this rank's shard of the model and of the weights."""
+    tensor-parallel group, this rank's shard of the model and of the weights, and with a pipeline
+    stage only that stage's part."""
     model_cls = _MODELS.get(config.arch.architecture)
     if model_cls is None:
         raise ValueError(
             f"unsupported architecture {config.arch.architecture!r}; supported: {supported_architectures()}"
         )
     with torch.device("meta"):
-        model = model_cls(config.arch, config.max_model_len, config.device, tp)
+        model = model_cls(config.arch, config.max_model_len, config.device, tp, stage)
     model = _materialize(model.to(config.dtype), config.device)  # allocated once, in the serving dtype
     model.load_weights(weights)
     bind_kernels(model, config.device)

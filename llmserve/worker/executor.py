@@ -1,4 +1,5 @@
-"""Rank 0's side of tensor parallelism: the other ranks, each step's plan to them, their health.
+"""Rank 0's side of tensor and pipeline parallelism: the other ranks, each step's plan to them, their
+health.
 
 The engine process is rank 0: it schedules, runs its own shard and samples. A launcher
 (worker/launcher.py) starts the other ranks, which load their shards while rank 0 loads its own:
@@ -6,7 +7,8 @@ processes of this machine (`mp`), Ray actors on a Ray cluster (`ray`); with `mp 
 machine starts only its share and the other nodes' `llmserve serve --headless` start theirs.
 `wait_until_ready` then meets them at rank 0's store (distributed/rendezvous.py: versions and
 settings checked) and joins the process group. Each step it broadcasts the plan and runs rank 0's
-runner; the collectives inside the forward keep the ranks in step.
+runner; the collectives inside the forward keep the ranks in step. Under pipeline parallelism the
+engine drives the stages through worker/pipeline_stage.py instead, inside `step_guard` as well.
 
 Failure: a rank that exits (found before a step, by the collective it breaks, or while the engine
 idles by `check_workers` on its sentinel) or a collective that times out fails the step with a
@@ -26,6 +28,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 
 import msgspec
 import torch
@@ -33,6 +36,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.group import TensorParallelGroup
+from llmserve.distributed.pipeline import PipelineGroup, PipelineLayout
 from llmserve.distributed.rendezvous import Rendezvous, RendezvousError, admit, exit_note, rank_info
 from llmserve.metrics.ranks import RankMeter, RankStats
 from llmserve.worker.launcher import RankLauncher
@@ -61,7 +65,10 @@ class TensorParallelExecutor:
                 f"node {parallel.node_rank} runs no engine (node 0 does): start it with `serve --headless`"
             )
         self.config = config
-        self.group = TensorParallelGroup(0, parallel.world_size)
+        self.group = TensorParallelGroup(0, parallel.tensor_parallel_size)  # stage 0's ranks
+        layout = PipelineLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        self.pipeline = PipelineGroup(layout, 0, self.group) if layout.pipeline_parallel_size > 1 else None
+        self._world = self.pipeline or self.group  # what this rank joins, stops and leaves
         self._failure: str | None = None
         self._closed = False
         self._encoder = msgspec.msgpack.Encoder()
@@ -116,12 +123,14 @@ class TensorParallelExecutor:
             self._failure = failure
             self.shutdown()
             raise TensorParallelError(failure)
-        self.group.connect(
+        self._world.connect(
             self._store, self.config.model.device, parallel.collective_timeout_seconds, same_host
         )
         logger.info(
-            "tensor parallelism: %d ranks (%s), %d threads on rank 0%s",
+            "%d ranks (tensor parallel %d x pipeline parallel %d, %s), %d threads on rank 0%s",
             parallel.world_size,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
             parallel.distributed_executor_backend,
             torch.get_num_threads(),
             "" if same_host else ", across hosts",
@@ -129,22 +138,33 @@ class TensorParallelExecutor:
 
     def execute(self, runner: ModelRunner, plan: StepPlan) -> ModelRunnerOutput:
         """Send the plan to every rank and run rank 0's shard; the others run theirs in step."""
-        if self.check_workers() is not None:
-            raise TensorParallelError(self._failure)
-        try:
+        with self.step_guard():
             self.group.broadcast_bytes(self._encoder.encode(plan))
             start = time.perf_counter()
             output = runner.execute(plan)
+        self.record_step(runner, time.perf_counter() - start)
+        return output
+
+    def record_step(self, runner: ModelRunner, seconds: float) -> None:
+        """Rank 0's own step time, for its RankStats."""
+        if self._meter is None:
+            self._meter = RankMeter(0, runner)
+        self._meter.add_step(seconds)
+        if self._meter.report_due():  # as often as the workers report theirs
+            self._own_stats = self._meter.snapshot()
+
+    @contextlib.contextmanager
+    def step_guard(self) -> Iterator[None]:
+        """Around rank 0's part of a step: refuse it once a rank has failed, and turn any error
+        inside into a `TensorParallelError` naming the rank that died, if one did."""
+        if self.check_workers() is not None:
+            raise TensorParallelError(self._failure)
+        try:
+            yield
         except Exception as error:
             # Whatever broke, the ranks are out of step now: a collective or a rank's work is missing.
             self._fail(self._dead_rank() or f"tensor-parallel step failed on rank 0: {error}")
             raise TensorParallelError(self._failure) from error
-        if self._meter is None:
-            self._meter = RankMeter(0, runner)
-        self._meter.add_step(time.perf_counter() - start)
-        if self._meter.report_due():  # as often as the workers report theirs
-            self._own_stats = self._meter.snapshot()
-        return output
 
     @property
     def failure(self) -> str | None:
@@ -192,11 +212,11 @@ class TensorParallelExecutor:
         if self._closed:
             return
         self._closed = True
-        if self._failure is None and self.group.is_connected:
+        if self._failure is None and self._world.is_connected:
             with contextlib.suppress(Exception):
-                self.group.broadcast_bytes(b"")
+                self._world.broadcast_bytes(b"")
         self._stop_ranks()
-        self.group.close()
+        self._world.close()
         self._store = None  # a TCP store stops listening once dropped
         shutil.rmtree(self._scratch, ignore_errors=True)
         torch.set_num_threads(self._threads_before)
@@ -207,4 +227,4 @@ class TensorParallelExecutor:
         if self._failure is not None:
             # ranks on other nodes, blocked in a collective, see their connections close and exit
             with contextlib.suppress(Exception):
-                self.group.close()
+                self._world.close()

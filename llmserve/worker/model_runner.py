@@ -57,7 +57,7 @@ class BatchRow(Protocol):
 
 
 @dataclass
-class _StepInputs:
+class StepInputs:
     requests: list[BatchRow]  # in batch order (decodes first)
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -82,8 +82,10 @@ class ModelRunner:
         )
         self.kv_cache = self._allocate_kv_cache()
         self.kv_prefault = populate_in_background(self.kv_cache)  # CPU: map its pages ahead of use
-        # decode-only steps run every decoder layer in one compiled call where it applies (CPU)
-        self.decode_stack = build_decode_stack(model, self.attention_backend)
+        # decode-only steps run every decoder layer in one compiled call where it applies (CPU); it
+        # runs the whole model (embedding to norm), so a pipeline stage runs the modules
+        pipeline = config.parallel.pipeline_parallel_size > 1
+        self.decode_stack = None if pipeline else build_decode_stack(model, self.attention_backend)
         # Called with each step's final hidden states, whichever path made them (evaluation and
         # draft-head training read them here: the fused stack runs no module hooks).
         self.hidden_hooks: list[Callable[[torch.Tensor], None]] = []
@@ -158,12 +160,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelRunnerOutput:
         """Apply the plan, then run its requests' new tokens and sample those that caught up."""
-        apply_plan(self.requests, plan, self.device)
-        self.move_blocks(plan)
-        if not plan.num_scheduled_tokens:
+        inputs = self.prepare(plan)
+        if inputs is None:
             return ModelRunnerOutput({}, {})
-        rows = [(self.requests[rid], count) for rid, count in plan.num_scheduled_tokens.items()]
-        inputs = self._prepare_inputs(rows)
         hidden = self._forward(inputs)
         if not inputs.sample_rows:
             return ModelRunnerOutput({}, {})
@@ -171,12 +170,37 @@ class ModelRunner:
         logits = self.model.compute_logits(sample_hidden)
         if logits is None:  # a tensor-parallel worker: rank 0 gathered the logits and samples
             return ModelRunnerOutput({}, {})
+        return self.sample(logits, inputs, sample_hidden)
+
+    def prepare(self, plan: StepPlan) -> StepInputs | None:
+        """Apply the plan (request states, block moves); the step's flat inputs, None without tokens."""
+        apply_plan(self.requests, plan, self.device)
+        self.move_blocks(plan)
+        if not plan.num_scheduled_tokens:
+            return None
+        return self._prepare_inputs([(self.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()])
+
+    @torch.inference_mode()
+    def run_stage(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Pipeline parallelism: this stage's layers on the step's tokens, from the previous stage's
+        `hidden` (None on the first stage); the output for the next stage, or on the last the
+        sampling rows' logits (None on a tensor-parallel rank other than the stage's first)."""
+        with set_forward_context(inputs.attention):
+            hidden = self.model(inputs.input_ids, inputs.positions, hidden)
+        if not self.model.stage.is_last:
+            return hidden
+        return self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sample_rows else None
+
+    def sample(
+        self, logits: torch.Tensor, inputs: StepInputs, sample_hidden: torch.Tensor | None = None
+    ) -> ModelRunnerOutput:
+        """Sample (or verify drafts for) the step's sampling rows from their logits."""
         sampling_requests = [inputs.requests[row] for row in inputs.sample_rows]
         output = self._sample_or_verify(logits, sampling_requests)
         output.sampled_requests, output.sample_hidden = sampling_requests, sample_hidden
         return output
 
-    def _forward(self, inputs: _StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model's final hidden states for the step's flat batch; a decode-only step takes the
         fused stack where it applies (the same kernels in one call: bit-identical)."""
         with set_forward_context(inputs.attention):
@@ -238,7 +262,7 @@ class ModelRunner:
             output.logprobs[request.request_id] = [entry]
         return output
 
-    def _prepare_inputs(self, rows: list[tuple[BatchRow, int]]) -> _StepInputs:
+    def _prepare_inputs(self, rows: list[tuple[BatchRow, int]]) -> StepInputs:
         """Flat inputs for requests catching up by the given numbers of tokens (drafts included)."""
         # Short rows first (decodes, verify spans) so attention can batch them into one call.
         limit = self.attention_backend.max_decode_query_len
@@ -262,7 +286,7 @@ class ModelRunner:
         num_drafts = np.array([len(r.spec_token_ids) for r in requests], dtype=np.int64)
         sample_rows = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens + num_drafts[i]]
         to_device = self._to_device
-        return _StepInputs(
+        return StepInputs(
             requests=requests,
             input_ids=to_device(np.asarray(token_ids, dtype=np.int64)),
             positions=to_device(positions),

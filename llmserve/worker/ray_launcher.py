@@ -17,10 +17,9 @@ import os
 import socket
 
 from llmserve.config import EngineConfig
-from llmserve.distributed.group import TensorParallelGroup
 from llmserve.distributed.rendezvous import Rendezvous
 from llmserve.worker.launcher import RankLauncher
-from llmserve.worker.tp_worker import join_and_serve, load_shard, prepare_process
+from llmserve.worker.tp_worker import join_and_serve, load_shard, prepare_process, rank_groups
 
 logger = logging.getLogger("llmserve")
 
@@ -68,7 +67,8 @@ class RankActor:
 
     def __init__(self, config: EngineConfig, rank: int, log_level: int) -> None:
         self.config = prepare_process(config, 0, log_level)  # Ray shows each actor only its own GPU
-        self.group = TensorParallelGroup(rank, config.parallel.world_size)
+        self.rank = rank
+        self.group, self.stage = rank_groups(config, rank)
         self.runner = None
 
     def node_id(self) -> str:
@@ -77,10 +77,10 @@ class RankActor:
         return ray.get_runtime_context().get_node_id()
 
     def load(self) -> None:
-        self.runner = load_shard(self.config, self.group)
+        self.runner = load_shard(self.config, self.group, self.stage)
 
     def serve(self, rendezvous: Rendezvous) -> None:
-        join_and_serve(self.config, self.runner, self.group, rendezvous)
+        join_and_serve(self.config, self.rank, self.runner, self.group, rendezvous)
 
 
 class RayRanks(RankLauncher):

@@ -1,11 +1,13 @@
-"""A tensor-parallel worker (ranks 1..N-1): its shard of the model, the rendezvous, then the step loop.
+"""A tensor- or pipeline-parallel worker (ranks 1..N-1): its shard of the model, the rendezvous, then
+the step loop.
 
 The engine process (rank 0) schedules and samples; a worker holds its shard, its share of the KV
 pool and its own copy of the requests' states. Each step it receives the plan rank 0 broadcasts
 (msgspec bytes of the StepPlan), runs its shard with the all-reduces inside the layers, and sends
 its vocabulary block of the logits to rank 0. Empty plan bytes stop it. Once a second at most,
 after a step, a process started by the engine sends its own `RankStats` (metrics/ranks.py) up its
-start-up pipe.
+start-up pipe. Under pipeline parallelism the shard is its stage's part and the loop is
+worker/pipeline_stage.py's.
 
 Two kinds of process run this: a process started with multiprocessing (`run_worker`, by the engine
 or by a headless node's `llmserve serve --headless`), and a Ray actor (worker/ray_launcher.py).
@@ -26,6 +28,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.group import TensorParallelGroup
+from llmserve.distributed.pipeline import PipelineGroup, PipelineLayout, PipelineStage
 from llmserve.distributed.rendezvous import Rendezvous, RendezvousError, join, rank_info
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.log import configure_logging
@@ -34,15 +37,29 @@ from llmserve.model_loader import load_weights
 from llmserve.models.registry import build_model
 from llmserve.worker.model_runner import ModelRunner
 from llmserve.worker.parent_watch import exit_with_parent
+from llmserve.worker.pipeline_stage import serve_stage
 
 logger = logging.getLogger("llmserve")
 
 REFUSED_EXIT_CODE = 4  # the rendezvous refused this rank (its error is logged)
 
 
-def load_shard(config: EngineConfig, group: TensorParallelGroup) -> ModelRunner:
+def rank_groups(config: EngineConfig, rank: int) -> tuple[TensorParallelGroup, PipelineStage]:
+    """Global `rank`'s tensor-parallel group handle and pipeline stage (tensor-parallel rank fastest)."""
+    parallel = config.parallel
+    layout = PipelineLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    group = TensorParallelGroup(layout.tp_rank_of(rank), parallel.tensor_parallel_size)
+    stage = PipelineStage.of(
+        config.model.arch.num_hidden_layers, layout.pipeline_parallel_size, layout.stage_of(rank)
+    )
+    return group, stage
+
+
+def load_shard(
+    config: EngineConfig, group: TensorParallelGroup, stage: PipelineStage | None = None
+) -> ModelRunner:
     """This rank's shard of the checkpoint in a model, and the runner over it with its KV pool."""
-    model = build_model(config.model, load_weights(config.model.path, config.model.dtype), group)
+    model = build_model(config.model, load_weights(config.model.path, config.model.dtype), group, stage)
     use_small_batch_linear(model)  # CPU: packed weight layouts, as the engine's rank does
     runner = ModelRunner(config, model)
     # while rank 0 still loads: a prefault left running would share this rank's core with its first steps
@@ -64,17 +81,25 @@ def prepare_process(config: EngineConfig, device_index: int, log_level: int) -> 
 
 def join_and_serve(
     config: EngineConfig,
+    rank: int,
     runner: ModelRunner,
     group: TensorParallelGroup,
     rendezvous: Rendezvous,
     status: Connection | None = None,
 ) -> None:
     """Pass the rendezvous's check, join the process group and run plans until the empty one."""
+    parallel = config.parallel
+    layout = PipelineLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    pipeline = PipelineGroup(layout, rank, group) if layout.pipeline_parallel_size > 1 else None
+    world = pipeline or group
     store = rendezvous.join_store()
-    same_host = join(store, rank_info(config, group.rank), rendezvous.timeout_seconds)
-    group.connect(store, config.model.device, config.parallel.collective_timeout_seconds, same_host)
-    serve_steps(runner, group, status)
-    group.close()
+    same_host = join(store, rank_info(config, rank), rendezvous.timeout_seconds)
+    world.connect(store, config.model.device, parallel.collective_timeout_seconds, same_host)
+    if pipeline is None:
+        serve_steps(runner, group, status)
+    else:
+        serve_stage(runner, pipeline, config)
+    world.close()
 
 
 def run_worker(
@@ -89,15 +114,15 @@ def run_worker(
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the engine decides
     config = prepare_process(config, device_index, log_level)
-    group = TensorParallelGroup(rank, config.parallel.world_size)
+    group, stage = rank_groups(config, rank)
     try:
-        runner = load_shard(config, group)
+        runner = load_shard(config, group, stage)
     except BaseException as error:  # noqa: BLE001 - the engine raises it, one line, in its process
         ready.send(f"{type(error).__name__}: {error}")
         return
     ready.send(None)
     try:
-        join_and_serve(config, runner, group, rendezvous, status=ready)
+        join_and_serve(config, rank, runner, group, rendezvous, status=ready)
     except RendezvousError as error:
         logger.error("llmserve: error: %s", error)
         sys.exit(REFUSED_EXIT_CODE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 import uuid
 
 import pytest
@@ -107,3 +108,30 @@ def test_a_segment_of_another_size_is_refused():
             ops.ShmCollectives(path, 1, 2, 2 * SLOT_BYTES, 1.0, False)
     finally:
         os.unlink(path)
+
+
+def _map_and_exit(path: str) -> None:
+    load_cpu_ops().ShmCollectives(path, 1, 2, SLOT_BYTES, 30.0, False)
+
+
+def test_a_rank_that_died_fails_the_call_at_once_naming_it():
+    ops = load_cpu_ops()
+    path = f"/dev/shm/llmserve-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    shm = ops.ShmCollectives(path, 0, 2, SLOT_BYTES, 60.0, True)
+    worker = multiprocessing.get_context("spawn").Process(target=_map_and_exit, args=(path,))
+    worker.start()  # not joined until the end: it stays a zombie, which counts as dead too
+    try:
+        while not os.path.exists(f"/proc/{worker.pid}") or _state(worker.pid) != "Z":
+            time.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"tensor-parallel rank 1 \(pid {worker.pid}\) exited"):
+            shm.all_reduce(torch.ones(4))
+        assert time.monotonic() - started < 10  # not the 60 s timeout
+    finally:
+        worker.join()
+        os.unlink(path)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]

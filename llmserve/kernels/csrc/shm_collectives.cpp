@@ -6,8 +6,9 @@
 // inside the fused decode stack (decode_stack.cpp) without going back to Python.
 //
 // Per rank the segment holds two counters on their own cache lines, `arrived` (the calls whose data is
-// in its slot) and `done` (the calls it has finished reading), then two slots, one for even and one
-// for odd calls. Before writing into its slot for call c a rank waits until every rank is done with
+// in its slot) and `done` (the calls it has finished reading), its pid, then two slots, one for even
+// and one for odd calls. A rank that waits long looks up the pid it waits on: a rank that died ends
+// the wait at once (gloo would see its socket close; shared memory says nothing). Before writing into its slot for call c a rank waits until every rank is done with
 // call c - 2, whose data that slot still holds.
 #include "shm_collectives.h"
 
@@ -22,17 +23,37 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <string>
 
 namespace {
 
-constexpr size_t kCounterStride = 128;  // arrived at +0, done at +64: each on its own cache line
+constexpr size_t kCounterStride = 128;  // arrived at +0, done at +64 (each on its own cache line), pid at +96
 constexpr int64_t kSpinsBeforeYield = 4096;  // then yield the core: more ranks than cores must still progress
 
 size_t header_bytes(int64_t world_size) { return ((world_size * kCounterStride + 4095) / 4096) * 4096; }
 
 std::atomic<uint64_t>* counter(char* base, int64_t rank, bool done) {
   return reinterpret_cast<std::atomic<uint64_t>*>(base + rank * kCounterStride + (done ? 64 : 0));
+}
+
+std::atomic<int64_t>* pid_of(char* base, int64_t rank) {
+  return reinterpret_cast<std::atomic<int64_t>*>(base + rank * kCounterStride + 96);
+}
+
+// Whether process `pid` still runs: not gone, and not a zombie waiting to be reaped.
+bool process_runs(int64_t pid) {
+  if (pid <= 0) return true;  // not yet known
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  FILE* file = fopen(path.c_str(), "r");
+  if (file == nullptr) return false;
+  char buffer[512];
+  const size_t length = fread(buffer, 1, sizeof(buffer) - 1, file);
+  fclose(file);
+  buffer[length] = '\0';
+  const char* name_end = strrchr(buffer, ')');  // the state follows the command name, which may hold spaces
+  return name_end == nullptr || (name_end[1] == ' ' && name_end[2] != 'Z' && name_end[2] != 'X');
 }
 
 inline float bf16_to_float(uint16_t bits) {
@@ -97,6 +118,7 @@ ShmCollectives::ShmCollectives(const std::string& path, int64_t rank, int64_t wo
   close(fd);
   TORCH_CHECK(mapped != MAP_FAILED, "ShmCollectives: cannot map ", path, ": ", std::strerror(errno));
   base_ = static_cast<char*>(mapped);
+  pid_of(base_, rank_)->store(getpid(), std::memory_order_release);
 }
 
 ShmCollectives::~ShmCollectives() {
@@ -118,6 +140,9 @@ void ShmCollectives::wait_all(uint64_t target, bool done_counters) const {
       }
       sched_yield();
       if (spins % 1024 == 0) {
+        const int64_t pid = pid_of(base_, r)->load(std::memory_order_acquire);
+        TORCH_CHECK(process_runs(pid), "tensor-parallel rank ", r, " (pid ", pid,
+                    ") exited during a collective (shared-memory collectives)");
         const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
         TORCH_CHECK(waited.count() < timeout_seconds_, "tensor-parallel rank ", r, " did not reach collective ",
                     target, " within ", timeout_seconds_, " s (shared-memory collectives)");
