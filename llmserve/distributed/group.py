@@ -37,6 +37,8 @@ _IDLE_WAIT = timedelta(days=365)
 # Each rank's slot in the shared segment (two per rank): a decode step's logits at batch 32 over
 # half of a 49k vocabulary in float32 fit, and so do the hidden states of a 2k-token prefill chunk.
 SHM_SLOT_BYTES = 4 << 20
+# A decode step's plan (a few bytes per request) fits in one broadcast of this many bytes.
+PLAN_HEAD_BYTES = 4096
 
 
 class TensorParallelGroup:
@@ -148,20 +150,30 @@ class TensorParallelGroup:
         return torch.cat(parts, dim=-1) if self.is_first_rank else None
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0's `data` on every rank (the others pass None): its length, then its bytes."""
-        length = torch.tensor([len(data) if self.is_first_rank else 0], dtype=torch.int64)
-        dist.broadcast(length, src=0, group=self._plan_group)
+        """Rank 0's `data` on every rank (the others pass None). One broadcast of a fixed head (the
+        length, then up to PLAN_HEAD_BYTES of data: a decode step's whole plan), a second for the rest
+        of a longer one: each broadcast is a round trip the step waits for."""
+        head = torch.zeros(8 + PLAN_HEAD_BYTES, dtype=torch.uint8)
         if self.is_first_rank:
-            buffer = (
-                torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                if data
-                else torch.empty(0, dtype=torch.uint8)
-            )
-        else:
-            buffer = torch.empty(int(length), dtype=torch.uint8)
-        if len(buffer):
-            dist.broadcast(buffer, src=0, group=self._plan_group)
-        return data if self.is_first_rank else buffer.numpy().tobytes()
+            head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+            first = data[:PLAN_HEAD_BYTES]
+            if first:
+                head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        dist.broadcast(head, src=0, group=self._plan_group)
+        if self.is_first_rank:
+            rest = data[PLAN_HEAD_BYTES:]
+            if rest:
+                dist.broadcast(
+                    torch.frombuffer(bytearray(rest), dtype=torch.uint8), src=0, group=self._plan_group
+                )
+            return data
+        length = int(head[:8].view(torch.int64))
+        received = head[8 : 8 + min(length, PLAN_HEAD_BYTES)].numpy().tobytes()
+        if length > PLAN_HEAD_BYTES:
+            rest = torch.empty(length - PLAN_HEAD_BYTES, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self._plan_group)
+            received += rest.numpy().tobytes()
+        return received
 
 
 def single_rank() -> TensorParallelGroup:
