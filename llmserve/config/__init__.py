@@ -312,6 +312,7 @@ class EngineArgs:
                     self.quantization,
                     self.quantization_group_size,
                     (arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim),
+                    parallel.row_parallel_in_features(arch),
                 ),
             ),
             cache=CacheConfig(
@@ -357,8 +358,6 @@ class EngineArgs:
         )
         if parallel.tensor_parallel_size == 1:
             return parallel
-        if self.quantization is not None:
-            raise ValueError("quantization does not run under tensor parallelism yet")
         if self.speculative_method not in (None, "ngram"):
             raise ValueError(
                 f"speculative_method {self.speculative_method!r} runs the target's layers or vocabulary "

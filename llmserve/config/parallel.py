@@ -9,6 +9,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # llmserve.config imports this module
+    from llmserve.config import ModelArchConfig
 
 logger = logging.getLogger("llmserve")
 
@@ -43,6 +47,17 @@ class ParallelConfig:
     def max_kv_heads_per_rank(self, num_kv_heads: int) -> int:
         """KV heads of the rank holding the most: every rank's pool has as many blocks as its."""
         return split_sizes(num_kv_heads, self.tensor_parallel_size)[0]
+
+    def row_parallel_in_features(self, arch: ModelArchConfig) -> tuple[int, ...]:
+        """Each rank's input width of o_proj (its query heads) and down_proj (its MLP units);
+        empty without tensor parallelism."""
+        if self.tensor_parallel_size == 1:
+            return ()
+        query_heads_per_kv = arch.num_attention_heads // arch.num_key_value_heads
+        kv_heads = split_sizes(arch.num_key_value_heads, self.tensor_parallel_size)
+        return tuple(heads * query_heads_per_kv * arch.head_dim for heads in kv_heads) + tuple(
+            split_sizes(arch.intermediate_size, self.tensor_parallel_size)
+        )
 
     def threads_per_rank(self) -> int:
         """Each rank's share of this process's CPUs, at least one."""

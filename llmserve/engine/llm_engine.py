@@ -89,11 +89,14 @@ class LLMEngine:
 
     def _load_model_runner(self, path: str) -> ModelRunner:
         group = None if self.executor is None else self.executor.group
-        model = build_model(self.config.model, load_weights(path, self.config.model.dtype), group)
-        if self.config.model.quantization is not None:  # a transform of the loaded model (module swap)
-            from llmserve.quantization.methods import quantize_model
+        config = self.config.model
+        model = build_model(config, load_weights(path, config.dtype), group)
+        if config.quantization is not None:  # a transform of the loaded model (module swap)
+            from llmserve.quantization.sharding import quantize_shard
 
-            quantize_model(model, self.config.model, self.tokenizer)
+            quantize_shard(
+                model, config, self.tokenizer, lambda: build_model(config, load_weights(path, config.dtype))
+            )
         use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
         runner = ModelRunner(self.config, model)
         if self.executor is not None:

@@ -78,10 +78,13 @@ def apply_quantization(model: nn.Module, result: QuantizationResult, config: Mod
         )
 
 
-def quantize_model(model: nn.Module, config: ModelConfig, tokenizer=None) -> QuantizationResult:
-    """Quantize `model` in place as `config.quantization` says; returns what was computed."""
+def quantize_model(
+    model: nn.Module, config: ModelConfig, tokenizer=None, compute: QuantizeMethod = compute_quantization
+) -> QuantizationResult:
+    """Quantize `model` in place with what `compute` returns (by default, what `config.quantization`
+    says for this model); returns that."""
     start = time.monotonic()
-    result = compute_quantization(model, config, tokenizer)
+    result = compute(model, config, tokenizer)
     float_bytes = sum(_float_bytes(model.get_submodule(name), config.dtype) for name in result.weights)
     apply_quantization(model, result, config)
     quant_bytes = sum(_buffer_bytes(model.get_submodule(name)) for name in result.weights)

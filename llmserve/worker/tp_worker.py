@@ -31,7 +31,17 @@ logger = logging.getLogger("llmserve")
 
 def load_shard(config: EngineConfig, group: TensorParallelGroup) -> ModelRunner:
     """This rank's shard of the checkpoint in a model, and the runner over it with its KV pool."""
-    model = build_model(config.model, load_weights(config.model.path, config.model.dtype), group)
+    model_config = config.model
+    model = build_model(model_config, load_weights(model_config.path, model_config.dtype), group)
+    if model_config.quantization is not None:  # as rank 0 does (llm_engine.py)
+        from llmserve.quantization.sharding import quantize_shard
+
+        quantize_shard(
+            model,
+            model_config,
+            None,
+            lambda: build_model(model_config, load_weights(model_config.path, model_config.dtype)),
+        )
     use_small_batch_linear(model)  # CPU: packed weight layouts, as the engine's rank does
     return ModelRunner(config, model)
 
