@@ -20,7 +20,7 @@ from llmserve.sampling_params import SamplingParams
 from tests.distributed.conftest import assert_same_greedy, engine
 
 PROMPTS = [[5, 6, 7, 8] * 6, [100, 200, 300] * 5 + [9], list(range(1000, 1040)), [31, 4159, 2653, 17]]
-BF16_TIE = 0.05  # logits of a few units after bfloat16 hidden states: a near-tie within this
+BF16_TIE = 0.1  # bfloat16 moves this model's logits by a few hundredths between 1 and 2 ranks
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
 
 
@@ -34,10 +34,10 @@ def test_shards_of_one_quantization_decode_like_one_process(method, tiny_llama_d
     """int4 (each rank quantizes its shard; groups of 32 fall on the cuts), int8 (GPTQ: every rank
     calibrates the whole model, the worker with its own tokenizer) and a checkpoint in GGUF's
     formats (cut per rank) hold the very weights of one process, so they decode alike."""
-    quantization = gguf_like_checkpoint if method == "checkpoint" else method
-    with engine(tiny_llama_dir, quantization=quantization) as llm:
+    kwargs = dict(quantization=gguf_like_checkpoint if method == "checkpoint" else method, max_model_len=512)
+    with engine(tiny_llama_dir, **kwargs) as llm:
         reference = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    with engine(tiny_llama_dir, quantization=quantization, tensor_parallel_size=2) as llm:
+    with engine(tiny_llama_dir, tensor_parallel_size=2, **kwargs) as llm:
         _assert_same_tokens(reference, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
@@ -69,12 +69,13 @@ def test_int8_rtn_shards_decode_like_a_float_model_of_their_weights(tiny_llama_d
     _assert_same_tokens(reference, outputs)
 
 
-@pytest.mark.parametrize("method", ["int4", "int8-rtn"])
+@pytest.mark.parametrize("method", ["int4", "int8"])
 def test_quantized_shards_take_the_fused_decode_stack(method, tiny_llama_dir):
-    """bfloat16: every rank's int4 or int8 layers run in the fused decode stack through their
-    small-batch kernels, with the all-reduces inside it. Its tokens are one process's (also in the
-    stack) up to near-ties of bfloat16's rounding: the ranks sum partial outputs rounded to bfloat16."""
-    kwargs = dict(dtype="bfloat16", quantization=method)
+    """bfloat16: every rank's int4 or int8 (per channel) layers run in the fused decode stack through
+    their small-batch kernels, with the all-reduces inside it. The shards hold one process's weights,
+    and decode its tokens up to near-ties of bfloat16's rounding (the ranks sum partial outputs
+    rounded to bfloat16)."""
+    kwargs = dict(dtype="bfloat16", quantization=method, max_model_len=512)
     with engine(tiny_llama_dir, **kwargs) as llm:
         reference = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     with engine(tiny_llama_dir, tensor_parallel_size=2, **kwargs) as llm:
