@@ -10,11 +10,8 @@ from dataclasses import dataclass
 
 METHODS = ("int8", "int8-rtn", "int4", "awq", "gptq", "gguf")
 GROUP_SIZES = (32, 64, 128)  # the sizes the packed int4 CPU kernel accepts that we offer
-GROUPED_METHODS = (
-    "int4",
-    "gptq",
-    "awq",
-)  # int4 groups along the input: a rank's columns must hold whole ones
+# int4 groups run along the input: under tensor parallelism a rank's columns must hold whole ones
+GROUPED_METHODS = ("int4", "gptq", "awq")
 CHECKPOINT = "checkpoint"  # method of a directory written by `llmserve quantize`
 
 

@@ -4,7 +4,7 @@
     gguf, checkpoint     the whole model's quantized weights come from a file: every rank reads
                          them and cuts out its part
     int8, gptq, awq      calibration runs the whole model: every rank builds the whole float model,
-                         calibrates it (the same text, weights and ops, on one thread: the same
+                         calibrates it (the same text, weights, ops and thread count: the same
                          result on every rank) and cuts out its part, so the shards are the very
                          weights one process would quantize (and int8's weights-cache entry is one)
 
@@ -18,7 +18,6 @@ split of any rank in one line.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 
@@ -29,8 +28,6 @@ from llmserve.config import ModelConfig
 from llmserve.distributed.shard import ShardLayout
 from llmserve.quantization.formats import QuantizedWeight, column_groups, shard_columns, shard_rows
 from llmserve.quantization.methods import QuantizationResult, compute_quantization, quantize_model
-
-logger = logging.getLogger("llmserve")
 
 PER_SHARD = ("int8-rtn", "int4")  # methods that are a function of each weight alone
 CALIBRATED = ("int8", "gptq", "awq")  # methods that run the whole model on calibration text
@@ -100,7 +97,10 @@ def _check_columns(weights: dict[str, QuantizedWeight], model: nn.Module, layout
             _columns(name, weight, split[1][0], layout, column_groups)
 
 
-def _columns(name: str, weight: QuantizedWeight, part: range, layout: ShardLayout, cut=shard_columns):
+def _columns(
+    name: str, weight: QuantizedWeight, part: range, layout: ShardLayout, cut: Callable = shard_columns
+):
+    """`cut(weight, start, stop)` of the rank's input columns, its error naming the layer and split."""
     try:
         return cut(weight, part.start, part.stop)
     except ValueError as error:
