@@ -18,10 +18,13 @@ from llmserve.distributed.group import TensorParallelGroup
 from llmserve.distributed.shard import ShardLayout
 from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights
 from llmserve.models.registry import build_model
+from llmserve.quantization import checkpoint
 from llmserve.quantization.formats import Int8Weight, quantize_int8, shard_columns
 from llmserve.quantization.kernels import QuantizedLinear
 from llmserve.quantization.methods import decoder_linears, quantize_model
 from llmserve.quantization.sharding import quantize_shard
+from tests.distributed.conftest import UNEVEN_HEADS
+from tests.helpers import make_tiny_llama_dir
 
 ROW_PARALLEL = ("o_proj", "down_proj")
 
@@ -155,3 +158,21 @@ def test_per_channel_int8_splits_anywhere():
     assert torch.equal(shard_columns(grouped, 32, 96).dequantize(), grouped.dequantize()[:, 32:])
     with pytest.raises(ValueError, match="input columns 0..43 cut its groups of 32 columns"):
         shard_columns(grouped, 0, 43)
+
+
+def test_the_last_vocabulary_block_is_padded_with_zero_rows(tmp_path):
+    """49,153 rows over 2 ranks: 24,577 each, the last block padded with one zero row, whether the
+    rank quantizes its block (int8-rtn) or cuts the whole model's (a checkpoint with Q8_0's groups)."""
+    path = make_tiny_llama_dir(str(tmp_path / "model"), vocab_size=49153, **UNEVEN_HEADS)
+    head = quantize_int8(_build(_config(path, None, tp=1)).lm_head.weight, 32)
+    saved = str(tmp_path / "checkpoint")
+    checkpoint.save_quantized(saved, {"lm_head": head}, {"source_id": checkpoint.source_id(path)})
+    for quantization in ("int8-rtn", saved):
+        config = _config(path, quantization)
+        whole = _build(config)
+        quantize_model(whole, config)
+        want = whole.lm_head.kernel.dequantize(torch.float32)
+        heads = [shard.lm_head.kernel.dequantize(torch.float32) for shard in _shards(config, None)]
+        assert [len(rows) for rows in heads] == [24577, 24577]
+        assert torch.equal(heads[0], want[:24577]) and torch.equal(heads[1][:-1], want[24577:])
+        assert not heads[1][-1].any() and heads[1][:-1].abs().sum(-1).min() > 0
