@@ -66,7 +66,6 @@ def test_a_split_leaving_a_rank_without_a_kv_head_is_a_one_line_error():
         (dict(distributed_timeout_seconds=0), "distributed_timeout_seconds must be > 0"),
         (dict(tensor_parallel_size=2, speculative_method="early_exit"), "only ngram speculates"),
         (dict(tensor_parallel_size=2, speculative_method="draft_head"), "only ngram speculates"),
-        (dict(tensor_parallel_size=2, quantization="int8-rtn"), "quantization does not run under tensor"),
     ],
 )
 def test_what_tensor_parallelism_refuses(kwargs, message):
