@@ -338,6 +338,7 @@ class EngineArgs:
                     self.quantization,
                     self.quantization_group_size,
                     (arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim),
+                    parallel.row_parallel_in_features(arch),
                 ),
             ),
             cache=CacheConfig(
@@ -386,8 +387,8 @@ class EngineArgs:
         )
         if parallel.world_size == 1:
             return parallel
-        if self.quantization is not None:
-            raise ValueError("quantization does not run under tensor or pipeline parallelism yet")
+        if self.quantization is not None and parallel.pipeline_parallel_size > 1:
+            raise ValueError("quantization does not run under pipeline parallelism yet")
         if parallel.pipeline_parallel_size > 1 and self.speculative_method not in (None, "ngram"):
             raise ValueError(
                 f"speculative_method {self.speculative_method!r} drafts outside the pipeline's stages; "

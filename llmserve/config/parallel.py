@@ -12,6 +12,10 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # llmserve.config imports this module
+    from llmserve.config import ModelArchConfig
 
 logger = logging.getLogger("llmserve")
 
@@ -83,6 +87,17 @@ class ParallelConfig:
     def max_layers_per_stage(self, num_layers: int) -> int:
         """Layers of the fullest pipeline stage: every stage's pool has as many blocks as its."""
         return max(map(len, stage_layer_ranges(num_layers, self.pipeline_parallel_size)))
+
+    def row_parallel_in_features(self, arch: ModelArchConfig) -> tuple[int, ...]:
+        """Each rank's input width of o_proj (its query heads) and down_proj (its MLP units);
+        empty without tensor parallelism."""
+        if self.tensor_parallel_size == 1:
+            return ()
+        query_heads_per_kv = arch.num_attention_heads // arch.num_key_value_heads
+        kv_heads = split_sizes(arch.num_key_value_heads, self.tensor_parallel_size)
+        return tuple(heads * query_heads_per_kv * arch.head_dim for heads in kv_heads) + tuple(
+            split_sizes(arch.intermediate_size, self.tensor_parallel_size)
+        )
 
     def threads_per_rank(self) -> int:
         """Each rank's share of this process's CPUs, at least one (ranks on this machine only)."""

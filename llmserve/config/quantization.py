@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 METHODS = ("int8", "int8-rtn", "int4", "awq", "gptq", "gguf")
 GROUP_SIZES = (32, 64, 128)  # the sizes the packed int4 CPU kernel accepts that we offer
+# int4 groups run along the input: under tensor parallelism a rank's columns must hold whole ones
+GROUPED_METHODS = ("int4", "gptq", "awq")
 CHECKPOINT = "checkpoint"  # method of a directory written by `llmserve quantize`
 
 
@@ -21,10 +23,16 @@ class QuantizationConfig:
 
     @staticmethod
     def create(
-        value: str | None, group_size: int | None, in_features: tuple[int, ...]
+        value: str | None,
+        group_size: int | None,
+        in_features: tuple[int, ...],
+        shard_in_features: tuple[int, ...] = (),
     ) -> QuantizationConfig | None:
         """`value`: a method name or a checkpoint directory; `in_features`: every quantized layer's
-        input width, so that "auto" (None) picks the largest group size dividing them all."""
+        input width, so that "auto" (None) picks the largest group size dividing them all; under
+        tensor parallelism `shard_in_features`: each rank's share of the row-parallel layers' input
+        width, which the groups of the methods that quantize a shard (int4) or cut one (gptq, awq)
+        must divide too."""
         if value is None or value in ("", "none"):
             return None
         if value not in METHODS and not os.path.isdir(value):
@@ -32,22 +40,35 @@ class QuantizationConfig:
                 f"quantization must be one of {', '.join(METHODS)} or a directory written by "
                 f"`llmserve quantize`; got {value!r}"
             )
+        shares = shard_in_features if value in GROUPED_METHODS else ()
         return QuantizationConfig(
             method=value if value in METHODS else CHECKPOINT,
-            group_size=resolve_group_size(group_size, in_features),
+            group_size=resolve_group_size(group_size, in_features, shares),
             path=None if value in METHODS else os.path.abspath(value),
         )
 
 
-def resolve_group_size(group_size: int | None, in_features: tuple[int, ...]) -> int:
+def resolve_group_size(
+    group_size: int | None, in_features: tuple[int, ...], shard_in_features: tuple[int, ...] = ()
+) -> int:
+    widths = in_features + shard_in_features
     if group_size is None:  # the largest offered size that divides every layer's input width
-        fitting = [size for size in GROUP_SIZES if all(width % size == 0 for width in in_features)]
+        fitting = [size for size in GROUP_SIZES if all(width % size == 0 for width in widths)]
         if not fitting:
-            raise ValueError(f"no int4 group size of {GROUP_SIZES} divides the layer widths {in_features}")
+            shares = f" and their tensor-parallel shares {shard_in_features}" if shard_in_features else ""
+            raise ValueError(
+                f"no int4 group size of {GROUP_SIZES} divides the layer widths {in_features}{shares}"
+            )
         return fitting[-1]
     if group_size not in GROUP_SIZES:
         raise ValueError(f"quantization_group_size must be one of {GROUP_SIZES}, got {group_size}")
     bad = [width for width in in_features if width % group_size]
     if bad:
         raise ValueError(f"quantization_group_size {group_size} does not divide the layer width {bad[0]}")
+    bad = [width for width in shard_in_features if width % group_size]
+    if bad:
+        raise ValueError(
+            f"quantization_group_size {group_size} does not divide {bad[0]}, a tensor-parallel rank's "
+            "share of the input width of o_proj or down_proj"
+        )
     return group_size

@@ -105,20 +105,24 @@ class LLMEngine:
 
     def _load_model_runner(self, path: str) -> ModelRunner:
         group = None if self.executor is None else self.executor.group
-        weights = load_weights(path, self.config.model.dtype)
+        config = self.config.model
+        weights = load_weights(path, config.dtype)
         self._target_vocabulary = None
         spec = self.config.speculative
         if group is not None and spec is not None and spec.method == "draft_head":
-            self._target_vocabulary = TargetVocabulary(
-                self.config.model.arch, weights, self.config.model.device
-            )
-        arch, parallel = self.config.model.arch, self.config.parallel
-        stage = PipelineStage.of(arch.num_hidden_layers, parallel.pipeline_parallel_size, 0)  # rank 0's
-        model = build_model(self.config.model, weights, group, stage)
-        if self.config.model.quantization is not None:  # a transform of the loaded model (module swap)
-            from llmserve.quantization.methods import quantize_model
+            self._target_vocabulary = TargetVocabulary(config.arch, weights, config.device)
+        parallel = self.config.parallel
+        stage = PipelineStage.of(
+            config.arch.num_hidden_layers, parallel.pipeline_parallel_size, 0
+        )  # rank 0's
+        model = build_model(config, weights, group, stage)
+        del weights  # copied into the model; freed before a calibrated method loads the whole model again
+        if config.quantization is not None:  # a transform of the loaded model (module swap)
+            from llmserve.quantization.sharding import quantize_shard
 
-            quantize_model(model, self.config.model, self.tokenizer)
+            quantize_shard(
+                model, config, self.tokenizer, lambda: build_model(config, load_weights(path, config.dtype))
+            )
         use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
         runner = ModelRunner(self.config, model)
         if self.executor is not None:

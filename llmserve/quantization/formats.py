@@ -14,6 +14,7 @@ Scales and offsets are float32, which holds GGUF's float16 `d` and `m` exactly.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,43 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
         torch.cat([w.offsets for w in weights]),
         first.group_size,
     )
+
+
+def shard_rows(weight: QuantizedWeight, index: torch.Tensor, rows: int) -> QuantizedWeight:
+    """The output rows `index` of `weight`, then zero rows up to `rows` (codes, scales and offsets
+    all zero: they dequantize to the zero padding of a float shard's last vocabulary block)."""
+    return dataclasses.replace(weight, **{name: _pad(t[index], rows) for name, t in _tensors(weight)})
+
+
+def shard_columns(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Input columns start..stop of `weight` (a row-parallel shard), where `column_groups` allows."""
+    groups, group = column_groups(weight, start, stop)
+    parts = {name: t[:, start:stop] if name == "qweight" else t[:, groups] for name, t in _tensors(weight)}
+    return dataclasses.replace(weight, **{k: v.contiguous() for k, v in parts.items()}, group_size=group)
+
+
+def column_groups(weight: QuantizedWeight, start: int, stop: int) -> tuple[slice, int]:
+    """(the scale columns, the group size) of input columns start..stop of `weight`. A group must
+    not straddle a cut: both ends fall on group boundaries, unless the weight has one group per row
+    (per channel), whose scale holds for any part of its row."""
+    group = weight.group_size
+    if group == weight.shape[1]:
+        return slice(None), stop - start
+    if start % group or stop % group:
+        raise ValueError(f"input columns {start}..{stop} cut its groups of {group} columns")
+    return slice(start // group, stop // group), group
+
+
+def _tensors(weight: QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
+    """The format's tensors, each [out, ...]: qweight, scales (and offsets)."""
+    values = ((f.name, getattr(weight, f.name)) for f in dataclasses.fields(weight))
+    return [(name, value) for name, value in values if isinstance(value, torch.Tensor)]
+
+
+def _pad(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] >= rows:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8Weight:

@@ -78,10 +78,13 @@ def apply_quantization(model: nn.Module, result: QuantizationResult, config: Mod
         )
 
 
-def quantize_model(model: nn.Module, config: ModelConfig, tokenizer=None) -> QuantizationResult:
-    """Quantize `model` in place as `config.quantization` says; returns what was computed."""
+def quantize_model(
+    model: nn.Module, config: ModelConfig, tokenizer=None, compute: QuantizeMethod = compute_quantization
+) -> QuantizationResult:
+    """Quantize `model` in place with what `compute` returns (by default, what `config.quantization`
+    says for this model); returns that."""
     start = time.monotonic()
-    result = compute_quantization(model, config, tokenizer)
+    result = compute(model, config, tokenizer)
     float_bytes = sum(_float_bytes(model.get_submodule(name), config.dtype) for name in result.weights)
     apply_quantization(model, result, config)
     quant_bytes = sum(_buffer_bytes(model.get_submodule(name)) for name in result.weights)
@@ -132,7 +135,13 @@ def _int4(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
 def _calibration_batches(model: nn.Module, config: ModelConfig, tokenizer) -> list[torch.Tensor]:
     if tokenizer is None:
         raise ValueError(f"quantization {config.quantization.method} needs a tokenizer for calibration text")
-    return calibration.calibration_batches(tokenizer, calibration.CalibrationSpec(), config.device)
+    spec = calibration.CalibrationSpec()
+    if config.max_model_len < spec.sequence_len:  # the rotary table holds max_model_len positions
+        raise ValueError(
+            f"quantization {config.quantization.method} calibrates on windows of {spec.sequence_len} "
+            f"tokens: max_model_len must be >= {spec.sequence_len}, got {config.max_model_len}"
+        )
+    return calibration.calibration_batches(tokenizer, spec, config.device)
 
 
 def _layer_inputs(layer: nn.Module, linears: dict[str, nn.Module], hiddens, positions, sink) -> None:

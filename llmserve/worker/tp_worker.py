@@ -59,7 +59,17 @@ def load_shard(
     config: EngineConfig, group: TensorParallelGroup, stage: PipelineStage | None = None
 ) -> ModelRunner:
     """This rank's shard of the checkpoint in a model, and the runner over it with its KV pool."""
-    model = build_model(config.model, load_weights(config.model.path, config.model.dtype), group, stage)
+    model_config = config.model
+    model = build_model(model_config, load_weights(model_config.path, model_config.dtype), group, stage)
+    if model_config.quantization is not None:  # as rank 0 does (llm_engine.py)
+        from llmserve.quantization.sharding import quantize_shard
+
+        quantize_shard(
+            model,
+            model_config,
+            None,
+            lambda: build_model(model_config, load_weights(model_config.path, model_config.dtype)),
+        )
     use_small_batch_linear(model)  # CPU: packed weight layouts, as the engine's rank does
     runner = ModelRunner(config, model)
     # while rank 0 still loads: a prefault left running would share this rank's core with its first steps

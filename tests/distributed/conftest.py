@@ -1,5 +1,6 @@
-"""Tiny random Llama and Qwen2 checkpoints whose heads split unevenly (6 query / 3 KV heads), and a
-tensor-parallel engine that is always shut down (a process serves one tensor-parallel group at a time)."""
+"""Tiny random Llama and Qwen2 checkpoints whose heads split unevenly (6 query / 3 KV heads), a
+quantized checkpoint in GGUF's formats, and a tensor-parallel engine that is always shut down (a
+process serves one tensor-parallel group at a time)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ import torch
 import transformers
 
 from llmserve import LLM
-from llmserve.model_loader import default_model_path, load_tokenizer
+from llmserve.config import EngineArgs
+from llmserve.model_loader import default_model_path, load_arch_config, load_tokenizer, load_weights
+from llmserve.models.registry import build_model
 from llmserve.outputs import RequestOutput
+from llmserve.quantization import checkpoint
+from llmserve.quantization.formats import quantize_int4, quantize_int8
+from llmserve.quantization.methods import decoder_linears
 from tests.helpers import TINY_LLAMA_CONFIG, make_tiny_llama_dir
 
 # 6 query heads over 3 KV heads: 2 ranks hold 4 + 2 query and 2 + 1 KV heads; 128 MLP units: 43/43/42
@@ -23,6 +29,23 @@ ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, kv_cache_memory="8MiB")
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return make_tiny_llama_dir(str(tmp_path_factory.mktemp("tp-llama")), **UNEVEN_HEADS)
+
+
+@pytest.fixture(scope="session")
+def gguf_like_checkpoint(tiny_llama_dir, tmp_path_factory) -> str:
+    """A quantized checkpoint of `tiny_llama_dir` in GGUF's formats: int4 groups of 32 in the decoder
+    layers (as Q4_0/Q4_1), int8 groups of 32 in the lm_head (as Q8_0)."""
+    config = EngineArgs(model=tiny_llama_dir, dtype="float32", kv_cache_memory="4MiB")
+    model = build_model(
+        config.create_config(load_arch_config(tiny_llama_dir), tiny_llama_dir).model,
+        load_weights(tiny_llama_dir, torch.float32),
+    )
+    weights = {name: quantize_int4(linear.weight, 32) for name, linear in decoder_linears(model).items()}
+    weights["lm_head"] = quantize_int8(model.lm_head.weight, 32)
+    info = {"method": "int4", "source": tiny_llama_dir, "source_id": checkpoint.source_id(tiny_llama_dir)}
+    path = str(tmp_path_factory.mktemp("gguf-like"))
+    checkpoint.save_quantized(path, weights, info)
+    return path
 
 
 @pytest.fixture(scope="session")

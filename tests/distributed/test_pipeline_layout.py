@@ -75,7 +75,7 @@ def test_more_stages_than_layers_is_a_one_line_error():
         (dict(pipeline_parallel_size=2, speculative_method="early_exit"), "only ngram speculates"),
         (
             dict(pipeline_parallel_size=2, quantization="int8-rtn"),
-            "quantization does not run under tensor or",
+            "quantization does not run under pipeline parallelism",
         ),
     ],
 )

@@ -65,7 +65,6 @@ def test_a_split_leaving_a_rank_without_a_kv_head_is_a_one_line_error():
         (dict(distributed_executor_backend="gpu"), "distributed_executor_backend must be one of mp, ray"),
         (dict(distributed_timeout_seconds=0), "distributed_timeout_seconds must be > 0"),
         (dict(tensor_parallel_size=2, speculative_method="early_exit"), "use draft_head, draft or ngram"),
-        (dict(tensor_parallel_size=2, quantization="int8-rtn"), "quantization does not run under tensor"),
     ],
 )
 def test_what_tensor_parallelism_refuses(kwargs, message):

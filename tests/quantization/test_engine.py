@@ -62,6 +62,23 @@ def test_quantized_engine_matches_float_run_of_its_weights(tiny_dir, method):
         ),
         (["generate", "hi", "--quantization", "int4", "--quantization-group-size", "48"], "must be one of"),
         (["generate", "hi", "--quantization", "gguf"], "quantization gguf needs a GGUF model"),
+        (  # 2 query heads of 16 per rank: o_proj's 32 input columns per rank cut groups of 64
+            [
+                "generate",
+                "hi",
+                "--quantization",
+                "int4",
+                "--quantization-group-size",
+                "64",
+                "--tensor-parallel-size",
+                "2",
+            ],
+            "quantization_group_size 64 does not divide 32, a tensor-parallel rank's share",
+        ),
+        (
+            ["generate", "hi", "--quantization", "int8", "--max-model-len", "256"],
+            "quantization int8 calibrates on windows of 512 tokens: max_model_len must be >= 512, got 256",
+        ),
         (["eval", "ppl", "--context", "1"], "--max-tokens and --context must be >= 2"),
         (["quantize", "--quantization", "gguf", "--output", "x"], "--quantization must be one of int8"),
     ],

@@ -148,6 +148,8 @@ def test_checkpoint_round_trip(tmp_path, weight):
 def test_group_size_resolution():
     assert resolve_group_size(None, (576, 1536, 576)) == 64  # SmolLM2: 128 does not divide 576
     assert resolve_group_size(None, (4096, 11008)) == 128
+    assert resolve_group_size(None, (576, 1536, 576), (384, 192, 768, 768)) == 64  # SmolLM2 on 2 ranks
+    assert resolve_group_size(None, (4096, 11008), (1024,) * 4 + (2752,) * 4) == 64  # 4 ranks: 2752 = 43 x 64
     with pytest.raises(ValueError, match="does not divide the layer width 576"):
         resolve_group_size(128, (576,))
     with pytest.raises(ValueError, match="must be one of"):

@@ -1,0 +1,131 @@
+"""Quantization under tensor parallelism: each rank ends with its shard's part of the quantization.
+
+    int8-rtn, int4       a function of each weight alone: every rank quantizes its own shard
+    gguf, checkpoint     the whole model's quantized weights come from a file: every rank reads
+                         them and cuts out its part
+    int8, gptq, awq      calibration runs the whole model: every rank builds the whole float model,
+                         calibrates it (the same text, weights, ops and thread count: the same
+                         result on every rank) and cuts out its part, so the shards are the very
+                         weights one process would quantize (and int8's weights-cache entry is one)
+
+Cutting follows `LlamaForCausalLM._rank_part` for float tensors (`tensor_parallel_splits`,
+`packed_modules`): column-parallel layers (q/k/v, gate/up) keep their heads' or units' output rows,
+row-parallel ones (o_proj, down_proj) their input columns, the lm_head its vocabulary block, padded
+with zero rows as the float lm_head is. A column cut must fall on group boundaries (or the weight
+must have one scale per row); every rank checks every rank's cuts, so rank 0 reports a misaligned
+split of any rank in one line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from llmserve.config import ModelConfig
+from llmserve.distributed.shard import ShardLayout
+from llmserve.quantization.formats import QuantizedWeight, column_groups, shard_columns, shard_rows
+from llmserve.quantization.methods import QuantizationResult, compute_quantization, quantize_model
+
+PER_SHARD = ("int8-rtn", "int4")  # methods that are a function of each weight alone
+CALIBRATED = ("int8", "gptq", "awq")  # methods that run the whole model on calibration text
+
+
+def quantize_shard(
+    model: nn.Module, config: ModelConfig, tokenizer, whole_model: Callable[[], nn.Module]
+) -> QuantizationResult:
+    """Quantize this rank's `model` in place as `config.quantization` says (all of it with one rank).
+    `whole_model()` builds one process's float model, which calibrated methods need under tensor
+    parallelism (the caller builds it: `models/` imports this package); `tokenizer` None: loaded
+    where calibration needs one."""
+    if model.tp.world_size == 1 or config.quantization.method in PER_SHARD:
+        return quantize_model(model, config, tokenizer)
+
+    def compute(shard: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
+        whole = _whole_model_result(shard, config, tokenizer, whole_model)
+        for rank in range(shard.tp.world_size):  # every rank's cuts, so that rank 0 names any bad one
+            _check_columns(whole.weights, shard, ShardLayout.of(shard.arch, shard.tp.world_size, rank))
+        return shard_result(whole, shard)
+
+    return quantize_model(model, config, tokenizer, compute=compute)
+
+
+def _whole_model_result(
+    shard: nn.Module, config: ModelConfig, tokenizer, whole_model: Callable[[], nn.Module]
+) -> QuantizationResult:
+    if config.quantization.method not in CALIBRATED:  # read from files, by module name
+        return compute_quantization(shard, config, tokenizer)
+    if tokenizer is None:  # a worker: rank 0 has the engine's
+        from llmserve.model_loader import load_tokenizer
+
+        tokenizer = load_tokenizer(
+            config.path, None if os.path.isdir(config.path) else config.arch.eos_token_ids
+        )
+    return compute_quantization(whole_model(), config, tokenizer)
+
+
+def shard_result(whole: QuantizationResult, model: nn.Module) -> QuantizationResult:
+    """The part of the whole model's quantization that `model` (one rank's shard) holds."""
+    weights = {name: _rank_weight(name, weight, model) for name, weight in whole.weights.items()}
+    params = dict(model.named_parameters())
+    for name, value in whole.float_updates.items():
+        if params[name].shape != value.shape:
+            raise ValueError(
+                f"{name} is split under tensor parallelism; a quantization may change replicated "
+                "float parameters (norms) only"
+            )
+    return QuantizationResult(weights, dict(whole.float_updates))
+
+
+def _rank_weight(name: str, weight: QuantizedWeight, model: nn.Module) -> QuantizedWeight:
+    split = _split(model, model.shard, name)
+    if split is None:
+        return weight
+    dim, ranges = split
+    if dim == 1:
+        return _columns(name, weight, ranges[0], model.shard)
+    index = torch.cat([torch.arange(part.start, part.stop) for part in ranges])
+    return shard_rows(weight, index, model.get_submodule(name).out_features)
+
+
+def _check_columns(weights: dict[str, QuantizedWeight], model: nn.Module, layout: ShardLayout) -> None:
+    for name, weight in weights.items():
+        split = _split(model, layout, name)
+        if split is not None and split[0] == 1:
+            _columns(name, weight, split[1][0], layout, column_groups)
+
+
+def _columns(
+    name: str, weight: QuantizedWeight, part: range, layout: ShardLayout, cut: Callable = shard_columns
+):
+    """`cut(weight, start, stop)` of the rank's input columns, its error naming the layer and split."""
+    try:
+        return cut(weight, part.start, part.stop)
+    except ValueError as error:
+        raise ValueError(
+            f"quantized layer {name} cannot be split over tensor_parallel_size {layout.world_size}: "
+            f"rank {layout.rank}'s {error}"
+        ) from None
+
+
+def _split(model: nn.Module, layout: ShardLayout, name: str) -> tuple[int, list[range]] | None:
+    """(the dimension a whole-model weight of module `name` splits along, the ranges of it that
+    `layout`'s rank holds, in the order its fused parameter stacks them); None: replicated."""
+    arch = model.arch
+    whole = ShardLayout.of(arch)
+    child = name.rpartition(".")[2]
+    dims, ranges, offset = set(), [], 0
+    for part in model.packed_modules.get(child, (child,)):
+        split = model.tensor_parallel_splits.get(part)
+        if split is None:
+            return None
+        dim, field, unit = split
+        scale = arch.head_dim if unit == "head" else 1
+        mine = getattr(layout, field)
+        ranges.append(range(offset + mine.start * scale, offset + mine.stop * scale))
+        offset += len(getattr(whole, field)) * scale
+        dims.add(dim)
+    (dim,) = dims  # the parts of a fused layer split alike
+    return dim, ranges
