@@ -5,6 +5,8 @@ placement group is a one-line error, and a killed actor fails the step with its 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -57,7 +59,11 @@ def test_a_killed_actor_fails_the_step_with_its_rank_named(two_nodes, tiny_llama
     with engine(tiny_llama_dir, tensor_parallel_size=2, **RAY_KWARGS) as llm:
         llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
         llm.engine.step()
-        ray.kill(llm.engine.executor.launcher.actors[0])
+        launcher = llm.engine.executor.launcher
+        ray.kill(launcher.actors[0])  # asynchronous: a step right after it may still run on the actor
+        deadline = time.monotonic() + 30
+        while launcher.exited() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
         for _ in range(2):  # and every step after it
             with pytest.raises(
                 TensorParallelError, match=r"^tensor-parallel rank 1 \(Ray actor\) exited: "
