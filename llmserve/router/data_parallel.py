@@ -5,7 +5,8 @@ port, pinned to its own share of this process's CPUs (whole physical cores where
 with its own KV pool, and publishing its KV events on private loopback ZMQ ports. This process binds
 --port first, starts the replicas, waits until each answers, then runs the router there until
 SIGTERM or Ctrl-C, and stops every replica on the way out. Each replica also asks the kernel to
-SIGTERM it if this process dies, so none is ever orphaned.
+SIGTERM it if this process dies, so none is ever orphaned. With `--distributed-executor-backend ray`
+the replicas are Ray actors' servers on the cluster's nodes instead (router/ray_replicas.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -92,6 +94,8 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
     size = args.data_parallel_size
     if args.kv_events_config is not None:
         raise ValueError("--data-parallel-size sets each replica's --kv-events-config itself; drop the flag")
+    if args.distributed_executor_backend == "ray":
+        return _serve_on_ray(args)
     cpu_sets = split_cpus(sorted(os.sched_getaffinity(0)), size)
     with bound_socket(args.host, args.port) as sock:
         replicas: list[ReplicaProcess] = []
@@ -102,7 +106,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
             urls = tuple(r.url for r in replicas)
             config = RouterConfig.from_cli_args(args, urls, register_timeout=30.0, api_key=api_key)
             tokenizer = load_router_tokenizer(config)  # while the replicas load their models
-            _wait_until_ready(replicas)
+            _wait_until_ready([(r.rank, r.url, r.process.poll) for r in replicas])
             run_router(config, sock, args.host, tokenizer)
         finally:
             for replica in replicas:
@@ -110,6 +114,34 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
             for replica in replicas:
                 replica.wait_stopped()
     return 0
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    """The replicas as Ray actors on the cluster (router/ray_replicas.py), the router here."""
+    from llmserve.router.ray_replicas import RayReplicas
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    env = {API_KEY_ENV: api_key} if api_key else {}  # not on the command line, where `ps` shows it
+    # a node's CPUs are shared by whatever Ray places there: no pinning to all of them
+    flags = [*_replica_flags(args), "--no-cpu-binding"]
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
+    with bound_socket(args.host, args.port) as sock:
+        replicas = RayReplicas(args.data_parallel_size, ranks, flags, env, args.distributed_timeout_seconds)
+        try:
+            urls = replicas.start()
+            config = RouterConfig.from_cli_args(args, urls, register_timeout=30.0, api_key=api_key)
+            tokenizer = load_router_tokenizer(config)
+            polls = [lambda rank=rank: _ray_exit_code(replicas, rank) for rank in range(len(urls))]
+            _wait_until_ready(list(zip(range(len(urls)), urls, polls, strict=True)))
+            run_router(config, sock, args.host, tokenizer)
+        finally:
+            replicas.stop()
+    return 0
+
+
+def _ray_exit_code(replicas, rank: int) -> int | None:
+    exited = replicas.exited()
+    return exited[1] if exited is not None and exited[0] == rank else None
 
 
 def _start_replica(rank: int, cpus: list[int], args: argparse.Namespace) -> ReplicaProcess:
@@ -167,20 +199,22 @@ def _free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in socks]
 
 
-def _wait_until_ready(replicas: list[ReplicaProcess]) -> None:
-    """Until every replica answers /health; ValueError as soon as one exits or after the timeout."""
+def _wait_until_ready(replicas: list[tuple[int, str, Callable[[], int | None]]]) -> None:
+    """Until every replica (rank, URL, its exit code or None) answers /health; ValueError as soon as one
+    exits or after the timeout."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
     pending = list(replicas)
     while pending:
         for replica in list(pending):
-            code = replica.process.poll()
+            rank, url, poll = replica
+            code = poll()
             if code is not None:
-                raise ValueError(f"replica {replica.rank} exited with code {code} while starting (see above)")
+                raise ValueError(f"replica {rank} exited with code {code} while starting (see above)")
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{replica.url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
                     pending.remove(replica)
         if time.monotonic() > deadline:
             raise ValueError(
-                f"replicas {[r.rank for r in pending]} not ready after {STARTUP_TIMEOUT_SECONDS} s"
+                f"replicas {[rank for rank, _, _ in pending]} not ready after {STARTUP_TIMEOUT_SECONDS} s"
             )
         time.sleep(0.2)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from llmserve import LLM
+from llmserve import LLM, SamplingParams
 from llmserve.config import EngineArgs
 from llmserve.model_loader import default_model_path, load_arch_config, load_tokenizer, load_weights
 from llmserve.models.registry import build_model
@@ -24,6 +24,10 @@ from tests.helpers import TINY_LLAMA_CONFIG, make_tiny_llama_dir
 # 6 query heads over 3 KV heads: 2 ranks hold 4 + 2 query and 2 + 1 KV heads; 128 MLP units: 43/43/42
 UNEVEN_HEADS = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
 ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, kv_cache_memory="8MiB")
+# A bias confining the output to four tokens: it repeats itself, so prompt lookup finds drafts.
+REPEATING = SamplingParams(
+    temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2, logit_bias={t: 100.0 for t in (5, 6, 7, 8)}
+)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from llmserve import SamplingParams
 from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.worker.executor import TensorParallelError
-from tests.distributed.conftest import ENGINE_KWARGS, UNEVEN_HEADS, assert_same_greedy, engine
+from tests.distributed.conftest import ENGINE_KWARGS, REPEATING, UNEVEN_HEADS, assert_same_greedy, engine
 from tests.distributed.test_tensor_parallel import PARAMS, PROMPTS, REQUESTS, _run_steps
 from tests.helpers import make_tiny_llama_dir
 
@@ -133,14 +133,7 @@ def test_a_request_aborted_while_its_batch_is_in_flight(references, three_layer_
 
 def test_ngram_speculation_under_pipeline_parallelism(three_layer_llama_dir):
     """Rank 0 drafts after each batch comes back and verifies the last stage's k + 1 logits rows."""
-    # a bias confining the output to four tokens: it repeats itself, so prompt lookup finds drafts
-    params = SamplingParams(
-        temperature=0.0,
-        max_tokens=24,
-        ignore_eos=True,
-        logprobs=2,
-        logit_bias={t: 100.0 for t in (5, 6, 7, 8)},
-    )
+    params = REPEATING
     with engine(three_layer_llama_dir) as llm:
         reference = llm.generate(PROMPTS, params, use_tqdm=False)
     kwargs = dict(speculative_method="ngram", speculative_disable_batch_size=0)

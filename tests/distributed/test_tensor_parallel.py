@@ -16,7 +16,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.benchmarks.throughput import run_throughput
 from llmserve.benchmarks.workload import BenchRequest
 from llmserve.worker.executor import TensorParallelError
-from tests.distributed.conftest import ENGINE_KWARGS, assert_same_greedy, engine
+from tests.distributed.conftest import ENGINE_KWARGS, REPEATING, assert_same_greedy, engine
 
 PROMPTS = [
     [5, 6, 7, 8] * 6,
@@ -105,14 +105,7 @@ def test_preemption_and_prefix_caching_keep_the_tokens(mode, tiny_llama_dir):
 
 
 def test_ngram_speculation_under_tensor_parallelism(tiny_llama_dir):
-    # a bias confining the output to four tokens: it repeats itself, so prompt lookup finds drafts
-    params = SamplingParams(
-        temperature=0.0,
-        max_tokens=24,
-        ignore_eos=True,
-        logprobs=2,
-        logit_bias={t: 100.0 for t in (5, 6, 7, 8)},
-    )
+    params = REPEATING
     with engine(tiny_llama_dir) as llm:
         reference = llm.generate(PROMPTS, params, use_tqdm=False)
     kwargs = dict(speculative_method="ngram", speculative_disable_batch_size=0)
