@@ -56,7 +56,7 @@ class LLMEngine:
         # tensor parallelism: the workers load their shards while this process loads rank 0's
         self.executor = TensorParallelExecutor(self.config) if self.config.parallel.world_size > 1 else None
         try:
-            self.model_runner = self._load_model_runner(path)
+            self.model_runner, target_vocabulary = self._load_model_runner(path)
         except BaseException:
             self.shutdown()
             raise
@@ -85,11 +85,8 @@ class LLMEngine:
         )
         # speculative decoding (a draft head under tensor parallelism reads rank 0's whole-vocabulary copy)
         self.proposer = create_proposer(
-            self.config,
-            model if self._target_vocabulary is None else self._target_vocabulary,
-            self.model_runner,
+            self.config, model if target_vocabulary is None else target_vocabulary, self.model_runner
         )
-        self._target_vocabulary = None
         self.batch_queue = None  # pipeline parallelism: a batch per stage in flight
         if self.executor is not None and self.executor.pipeline is not None:
             driver = PipelineDriver(self.config, self.executor, self.model_runner)
@@ -103,14 +100,16 @@ class LLMEngine:
         self.startup_seconds = time.monotonic() - start
         self._log_startup()
 
-    def _load_model_runner(self, path: str) -> ModelRunner:
+    def _load_model_runner(self, path: str) -> tuple[ModelRunner, TargetVocabulary | None]:
+        """Rank 0's shard and its runner; and, for a draft head under tensor parallelism, rank 0's copy
+        of the whole vocabulary (the shard holds a block of it)."""
         group = None if self.executor is None else self.executor.group
         config = self.config.model
         weights = load_weights(path, config.dtype)
-        self._target_vocabulary = None
+        target_vocabulary = None
         spec = self.config.speculative
         if group is not None and spec is not None and spec.method == "draft_head":
-            self._target_vocabulary = TargetVocabulary(config.arch, weights, config.device)
+            target_vocabulary = TargetVocabulary(config.arch, weights, config.device)
         parallel = self.config.parallel
         stage = PipelineStage.of(
             config.arch.num_hidden_layers, parallel.pipeline_parallel_size, 0
@@ -127,7 +126,7 @@ class LLMEngine:
         runner = ModelRunner(self.config, model)
         if self.executor is not None:
             self.executor.wait_until_ready()
-        return runner
+        return runner, target_vocabulary
 
     def _preemption_costs(self, model) -> PreemptionCosts:
         """Per rank under tensor parallelism: its shard's FLOPs, its KV heads' bytes (ranks run at once);

@@ -131,17 +131,12 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             urls = replicas.start()
             config = RouterConfig.from_cli_args(args, urls, register_timeout=30.0, api_key=api_key)
             tokenizer = load_router_tokenizer(config)
-            polls = [lambda rank=rank: _ray_exit_code(replicas, rank) for rank in range(len(urls))]
+            polls = [lambda rank=rank: replicas.exit_code(rank) for rank in range(len(urls))]
             _wait_until_ready(list(zip(range(len(urls)), urls, polls, strict=True)))
             run_router(config, sock, args.host, tokenizer)
         finally:
             replicas.stop()
     return 0
-
-
-def _ray_exit_code(replicas, rank: int) -> int | None:
-    exited = replicas.exited()
-    return exited[1] if exited is not None and exited[0] == rank else None
 
 
 def _start_replica(rank: int, cpus: list[int], args: argparse.Namespace) -> ReplicaProcess:

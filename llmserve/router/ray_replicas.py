@@ -122,12 +122,9 @@ class RayReplicas:
             logger.info("replica %d: %s, a Ray actor on node %s", rank, url, node)
         return self.urls
 
-    def exited(self) -> tuple[int, int] | None:
-        """(rank, exit code) of the first replica whose server has exited; None while all run."""
-        for rank, code in enumerate(self._ray.get([actor.poll.remote() for actor in self.actors])):
-            if code is not None:
-                return rank, code
-        return None
+    def exit_code(self, rank: int) -> int | None:
+        """The exit code of replica `rank`'s server; None while it runs."""
+        return self._ray.get(self.actors[rank].poll.remote())
 
     def stop(self) -> None:
         """Stop every replica's server, then give the cluster back its resources."""
