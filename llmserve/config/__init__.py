@@ -387,8 +387,6 @@ class EngineArgs:
         )
         if parallel.world_size == 1:
             return parallel
-        if self.quantization is not None and parallel.pipeline_parallel_size > 1:
-            raise ValueError("quantization does not run under pipeline parallelism yet")
         if parallel.pipeline_parallel_size > 1 and self.speculative_method not in (None, "ngram"):
             raise ValueError(
                 f"speculative_method {self.speculative_method!r} drafts outside the pipeline's stages; "

@@ -110,6 +110,8 @@ def _buffer_bytes(module: nn.Module) -> int:
 
 
 def _lm_head_int8(model: nn.Module) -> dict[str, QuantizedWeight]:
+    if model.lm_head is None:  # a pipeline stage before the last
+        return {}
     return {LM_HEAD: quantize_int8(model.lm_head.weight)}
 
 

@@ -1,4 +1,5 @@
-"""Quantization under tensor parallelism: each rank ends with its shard's part of the quantization.
+"""Quantization under tensor and pipeline parallelism: each rank ends with its shard's part of the
+quantization, for the layers of its pipeline stage.
 
     int8-rtn, int4       a function of each weight alone: every rank quantizes its own shard
     gguf, checkpoint     the whole model's quantized weights come from a file: every rank reads
@@ -13,7 +14,8 @@ Cutting follows `LlamaForCausalLM._rank_part` for float tensors (`tensor_paralle
 row-parallel ones (o_proj, down_proj) their input columns, the lm_head its vocabulary block, padded
 with zero rows as the float lm_head is. A column cut must fall on group boundaries (or the weight
 must have one scale per row); every rank checks every rank's cuts, so rank 0 reports a misaligned
-split of any rank in one line.
+split of any rank in one line. A pipeline stage keeps the weights of the modules it builds (its
+decoder layers; the lm_head on the last stage) and the float updates of its own parameters.
 """
 
 from __future__ import annotations
@@ -37,19 +39,34 @@ def quantize_shard(
     model: nn.Module, config: ModelConfig, tokenizer, whole_model: Callable[[], nn.Module]
 ) -> QuantizationResult:
     """Quantize this rank's `model` in place as `config.quantization` says (all of it with one rank).
-    `whole_model()` builds one process's float model, which calibrated methods need under tensor
-    parallelism (the caller builds it: `models/` imports this package); `tokenizer` None: loaded
-    where calibration needs one."""
-    if model.tp.world_size == 1 or config.quantization.method in PER_SHARD:
+    `whole_model()` builds one process's float model, which calibrated methods need under tensor or
+    pipeline parallelism (the caller builds it: `models/` imports this package); `tokenizer` None:
+    loaded where calibration needs one."""
+    if model.tp.world_size == 1 and model.stage.num_stages == 1:
         return quantize_model(model, config, tokenizer)
+    if config.quantization.method in PER_SHARD:
+        return quantize_model(model, config, tokenizer, compute=_per_shard)
 
     def compute(shard: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
-        whole = _whole_model_result(shard, config, tokenizer, whole_model)
+        whole = on_this_stage(_whole_model_result(shard, config, tokenizer, whole_model), shard)
         for rank in range(shard.tp.world_size):  # every rank's cuts, so that rank 0 names any bad one
             _check_columns(whole.weights, shard, ShardLayout.of(shard.arch, shard.tp.world_size, rank))
         return shard_result(whole, shard)
 
     return quantize_model(model, config, tokenizer, compute=compute)
+
+
+def _per_shard(shard: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
+    return on_this_stage(compute_quantization(shard, config, tokenizer), shard)
+
+
+def on_this_stage(result: QuantizationResult, model: nn.Module) -> QuantizationResult:
+    """The part of `result` for the modules and parameters `model` (one pipeline stage) builds."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    weights = {name: weight for name, weight in result.weights.items() if name in modules}
+    updates = {name: value for name, value in result.float_updates.items() if name in params}
+    return QuantizationResult(weights, updates)
 
 
 def _whole_model_result(

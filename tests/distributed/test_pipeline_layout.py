@@ -73,10 +73,6 @@ def test_more_stages_than_layers_is_a_one_line_error():
         (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be >= 1"),
         (dict(pipeline_parallel_size=2, speculative_method="draft_head"), "only ngram speculates"),
         (dict(pipeline_parallel_size=2, speculative_method="early_exit"), "only ngram speculates"),
-        (
-            dict(pipeline_parallel_size=2, quantization="int8-rtn"),
-            "quantization does not run under pipeline parallelism",
-        ),
     ],
 )
 def test_what_pipeline_parallelism_refuses(kwargs, message):

@@ -1,5 +1,6 @@
-"""Each tensor-parallel rank's quantized shard, built in this process (no process group needed to
-build and quantize a shard), against the whole model's quantization cut by hand.
+"""Each tensor-parallel rank's quantized shard and each pipeline stage's, built in this process (no
+process group needed to build and quantize a shard), against the whole model's quantization cut by
+hand.
 
 The oracle cuts the dequantized whole-model weights with plain arithmetic on the rank's heads,
 units and vocabulary block (not the code under test): the rows of q/k/v and gate/up, the columns of
@@ -15,6 +16,7 @@ import torch
 
 from llmserve.config import EngineArgs, ModelConfig
 from llmserve.distributed.group import TensorParallelGroup
+from llmserve.distributed.pipeline import PipelineStage
 from llmserve.distributed.shard import ShardLayout
 from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights
 from llmserve.models.registry import build_model
@@ -27,6 +29,7 @@ from tests.distributed.conftest import UNEVEN_HEADS
 from tests.helpers import make_tiny_llama_dir
 
 ROW_PARALLEL = ("o_proj", "down_proj")
+METHODS = ("int8-rtn", "int4", "int8", "awq", "gguf-like")
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +117,38 @@ def test_each_rank_holds_its_part_of_the_whole_models_quantization(
         float_model = _build(_config(tiny_llama_dir, None, tp=1))
         norm = float_model.model.layers[0].input_layernorm.weight
         assert not torch.equal(whole.model.layers[0].input_layernorm.weight, norm)
+
+
+@pytest.mark.parametrize(
+    ("method", "tp"),
+    # int8-rtn's row-parallel scales differ per rank by design (the test below);
+    # awq at 2 ranks: test_each_rank_holds_its_part_of_the_whole_models_quantization
+    [(method, 1) for method in METHODS] + [(method, 2) for method in ("int4", "int8", "gguf-like")],
+)
+def test_each_pipeline_stage_holds_its_layers_of_the_whole_models_quantization(
+    method, tp, tiny_llama_dir, tokenizer, gguf_like_checkpoint
+):
+    """Two stages of the two-layer model: stage 0 holds layer 0's quantized weights, stage 1 layer
+    1's and the lm_head, each exactly the whole model's (cut per tensor-parallel rank); AWQ's folded
+    norms follow their layers."""
+    quantization = gguf_like_checkpoint if method == "gguf-like" else method
+    config = _config(tiny_llama_dir, quantization, tp=tp)
+    whole = _build(config)
+    quantize_model(whole, config, tokenizer)
+    want = _dequantized(whole)
+    for index in range(2):
+        stage = PipelineStage.of(config.arch.num_hidden_layers, 2, index)
+        for rank in range(tp):
+            group = TensorParallelGroup(rank, tp) if tp > 1 else None
+            part = build_model(config, load_weights(config.path, config.dtype), group, stage)
+            quantize_shard(part, config, tokenizer, lambda: _build(config))
+            got = _dequantized(part)
+            owned = [name for name in want if name.startswith(f"model.layers.{index}.")]
+            assert sorted(got) == sorted(owned + (["lm_head"] if index == 1 else []))
+            for name, weight in got.items():
+                assert torch.equal(weight, _cut(name, want[name], part.shard, config)), (index, rank, name)
+            layer, whole_layer = part.model.layers[index], whole.model.layers[index]
+            assert torch.equal(layer.input_layernorm.weight, whole_layer.input_layernorm.weight)
 
 
 def test_int8_rtn_scales_each_shards_rows(tiny_llama_dir, tokenizer):

@@ -1,4 +1,4 @@
-"""Quantized models under tensor parallelism, ranks as real processes: the greedy tokens of one
+"""Quantized models under tensor and pipeline parallelism, ranks as real processes: the greedy tokens of one
 process running the same weights (float32, up to 1e-4 near-ties), the fused decode stack on the
 quantized shards (bfloat16), and a split that cuts a quantization group as a one-line CLI error.
 
@@ -29,15 +29,27 @@ def _assert_same_tokens(reference, outputs) -> None:
         assert_same_greedy(want, got)
 
 
-@pytest.mark.parametrize("method", ["int4", "int8", "checkpoint"])
-def test_shards_of_one_quantization_decode_like_one_process(method, tiny_llama_dir, gguf_like_checkpoint):
+@pytest.mark.parametrize(
+    ("method", "parallel"),
+    [
+        pytest.param("int4", {"tensor_parallel_size": 2}, id="int4-tp2"),
+        pytest.param("int8", {"tensor_parallel_size": 2}, id="int8-tp2"),
+        pytest.param("checkpoint", {"tensor_parallel_size": 2}, id="checkpoint-tp2"),
+        pytest.param("int4", {"pipeline_parallel_size": 2}, id="int4-pp2"),
+        pytest.param("int8", {"pipeline_parallel_size": 2}, id="int8-pp2"),
+    ],
+)
+def test_shards_of_one_quantization_decode_like_one_process(
+    method, parallel, tiny_llama_dir, gguf_like_checkpoint
+):
     """int4 (each rank quantizes its shard; groups of 32 fall on the cuts), int8 (GPTQ: every rank
     calibrates the whole model, the worker with its own tokenizer) and a checkpoint in GGUF's
-    formats (cut per rank) hold the very weights of one process, so they decode alike."""
+    formats (cut per rank) hold the very weights of one process, so they decode alike; so do two
+    pipeline stages, each holding its layers' part."""
     kwargs = dict(quantization=gguf_like_checkpoint if method == "checkpoint" else method, max_model_len=512)
     with engine(tiny_llama_dir, **kwargs) as llm:
         reference = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    with engine(tiny_llama_dir, tensor_parallel_size=2, **kwargs) as llm:
+    with engine(tiny_llama_dir, **parallel, **kwargs) as llm:
         _assert_same_tokens(reference, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
