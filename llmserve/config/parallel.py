@@ -80,6 +80,12 @@ class ParallelConfig:
         start = self.node_rank * self.ranks_per_node
         return range(start, start + self.ranks_per_node)
 
+    def rank_name(self, rank: int) -> str:
+        """How errors and logs name global `rank`: by its pipeline stage where there are stages."""
+        if self.pipeline_parallel_size == 1:
+            return f"tensor-parallel rank {rank}"
+        return f"pipeline stage {rank // self.tensor_parallel_size}'s rank {rank}"
+
     def max_kv_heads_per_rank(self, num_kv_heads: int) -> int:
         """KV heads of the rank holding the most: every rank's pool has as many blocks as its."""
         return split_sizes(num_kv_heads, self.tensor_parallel_size)[0]

@@ -1,4 +1,4 @@
-"""What each tensor-parallel rank reports of itself: its forward time, its KV pool, its process.
+"""What each rank (tensor-parallel or pipeline) reports of itself: its forward time, its KV pool, its process.
 
 Under tensor parallelism every rank holds its own shard, its own share of the KV pool (its KV heads)
 and its own copy of the requests' block tables, so these numbers are each rank's own, measured where
@@ -6,8 +6,9 @@ they happen. A worker rank (worker/tp_worker.py) sends a `RankStats` to rank 0 o
 reported its start-up on, at most once per `REPORT_INTERVAL_SECONDS` and only after a step: nothing
 crosses when the engine idles, and nothing is added to a step's collectives. Rank 0 keeps the latest
 of each (worker/executor.py) and the engine passes them to the server with its gauges, where
-metrics/prometheus.py exposes them with a `rank` label. An engine without tensor parallelism has
-no ranks to report and runs none of this.
+metrics/prometheus.py exposes them with a `rank` label. A Ray actor keeps its latest report for
+rank 0 to ask for (worker/ray_launcher.py); a pipeline stage reports like a tensor-parallel rank. An
+engine with one rank has no ranks to report and runs none of this.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
+from typing import Protocol
 
 import msgspec
 
@@ -34,6 +36,12 @@ class RankStats(msgspec.Struct, frozen=True, gc=False):
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_blocks_used / self.kv_num_blocks if self.kv_num_blocks else 0.0
+
+
+class ReportSink(Protocol):
+    """Where a worker rank sends its reports: its start-up pipe, or a Ray actor's latest report."""
+
+    def send(self, stats: RankStats) -> None: ...
 
 
 class RankMeter:

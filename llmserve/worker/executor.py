@@ -163,7 +163,7 @@ class TensorParallelExecutor:
             yield
         except Exception as error:
             # Whatever broke, the ranks are out of step now: a collective or a rank's work is missing.
-            self._fail(self._dead_rank() or f"tensor-parallel step failed on rank 0: {error}")
+            self._fail(self._dead_rank() or f"the step failed on rank 0: {error}")
             raise TensorParallelError(self._failure) from error
 
     @property
@@ -193,7 +193,7 @@ class TensorParallelExecutor:
 
     def _fail(self, failure: str) -> None:
         self._failure = failure
-        logger.error("%s; stopping the other tensor-parallel ranks", failure)
+        logger.error("%s; stopping the other ranks", failure)
         self._stop_ranks()
 
     def _dead_rank(self) -> str | None:

@@ -11,6 +11,7 @@ sampling rows' logits, or a one-element acknowledgement when it has none (a prom
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.pipeline import PendingSend, PipelineGroup
+from llmserve.metrics.ranks import RankMeter, ReportSink
 from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput, StepInputs
 
 if TYPE_CHECKING:  # the executor starts the workers whose loop is here
@@ -55,10 +57,12 @@ class PipelineDriver:
         other stages."""
         with self.executor.step_guard():
             batch = SubmittedBatch(None, self.pipeline.send_plan(self._encoder.encode(plan)))
+            start = time.perf_counter()
             batch.inputs = self.runner.prepare(plan)
             if batch.inputs is not None:
                 batch.sends.append(self.pipeline.send_activations(self.runner.run_stage(batch.inputs)))
-            return batch
+        self.executor.record_step(self.runner, time.perf_counter() - start)
+        return batch
 
     def collect(self, batch: SubmittedBatch) -> ModelRunnerOutput:
         """Wait for the batch's answer from the last stage and sample its rows here."""
@@ -78,15 +82,23 @@ class PipelineDriver:
                 return self.runner.sample(logits, inputs)
 
 
-def serve_stage(runner: ModelRunner, pipeline: PipelineGroup, config: EngineConfig) -> None:
-    """A worker's loop: run rank 0's plans on this stage until the empty plan."""
+def serve_stage(
+    runner: ModelRunner, pipeline: PipelineGroup, config: EngineConfig, status: ReportSink | None = None
+) -> None:
+    """A worker's loop: run rank 0's plans on this stage until the empty plan, reporting to `status`
+    now and then."""
     decoder = msgspec.msgpack.Decoder(StepPlan)
+    meter = RankMeter(pipeline.rank, runner)
     sending: list[PendingSend] = []
     while data := pipeline.recv_plan():
+        start = time.perf_counter()
         inputs = runner.prepare(decoder.decode(data))
         if inputs is not None:
             sending.append(_run_batch(runner, pipeline, config, inputs))
         sending = [send for send in sending if send is not None and not send.is_done]
+        meter.add_step(time.perf_counter() - start)  # with the wait for the previous stage's activations
+        if status is not None and meter.report_due():
+            status.send(meter.snapshot())
     for send in sending:
         send.wait()
 

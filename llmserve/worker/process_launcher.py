@@ -25,6 +25,7 @@ _REAP_SECONDS = 5.0
 class ProcessRanks(RankLauncher):
     def __init__(self, config: EngineConfig, ranks: range, rendezvous: Rendezvous) -> None:
         self.ranks = ranks
+        self.parallel = config.parallel
         context = multiprocessing.get_context("spawn")  # a fork would copy OpenMP's threads' state
         self.processes: list[multiprocessing.Process] = []
         self._ready = []  # each rank's pipe: its start-up result, then its RankStats
@@ -52,7 +53,7 @@ class ProcessRanks(RankLauncher):
                 process.join()
                 message = f"it exited with code {process.exitcode}"
             if message is not None:
-                return f"tensor-parallel rank {rank} failed to load its shard: {message}"
+                return f"{self.parallel.rank_name(rank)} failed to load its shard: {message}"
         return None
 
     def exited(self) -> str | None:
@@ -61,7 +62,7 @@ class ProcessRanks(RankLauncher):
             if process.sentinel in ready:
                 # its sentinel closes as it exits, a moment before it can be reaped: wait for the code
                 process.join(_REAP_SECONDS)
-                return _exit_line(rank, process)
+                return _exit_line(self.parallel.rank_name(rank), process)
         return None
 
     def sentinels(self) -> list[int]:
@@ -96,7 +97,7 @@ class ProcessRanks(RankLauncher):
                 if not process.is_alive():
                     del running[rank]
                     if process.exitcode != 0:
-                        return _exit_line(rank, process)
+                        return _exit_line(self.parallel.rank_name(rank), process)
         return None
 
     def stop(self, grace_seconds: float) -> None:
@@ -107,5 +108,5 @@ class ProcessRanks(RankLauncher):
                 process.join()
 
 
-def _exit_line(rank: int, process: multiprocessing.Process) -> str:
-    return f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+def _exit_line(name: str, process: multiprocessing.Process) -> str:
+    return f"{name} (pid {process.pid}) exited with code {process.exitcode}"

@@ -4,22 +4,28 @@ The engine process stays rank 0 on its own node: bundle 0 of the placement group
 (by the `ray.io/node-id` label) and reserves rank 0's CPU; bundles 1..N-1 go wherever the cluster
 has room, packed onto as few nodes as possible. Each actor loads its shard (`load`), then runs the
 step loop until the empty plan (`serve`); the object ref of `serve` is how rank 0 watches it: it
-resolves when the actor's process dies. The actors and the placement group belong to this process
-(neither is detached), so Ray ends them when it ends; `stop` removes them earlier.
+resolves when the actor's process dies. Rank 0 reads each actor's latest `RankStats` with a `report`
+call at most once a second, without waiting for the answer. The actors and the placement group
+belong to this process (neither is detached), so Ray ends them when it ends; `stop` removes them
+earlier.
 
 Ray is imported here only, and this module only with `--distributed-executor-backend ray`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import threading
+import time
 
 from llmserve.config import EngineConfig
 from llmserve.distributed.rendezvous import Rendezvous
+from llmserve.metrics.ranks import REPORT_INTERVAL_SECONDS, RankStats
 from llmserve.worker.launcher import RankLauncher
-from llmserve.worker.tp_worker import join_and_serve, load_shard, prepare_process, rank_groups
+from llmserve.worker.tp_worker import join_and_serve, load_shard, prepare_process, rank_groups, set_threads
 
 logger = logging.getLogger("llmserve")
 
@@ -62,14 +68,27 @@ def _probe(address: str) -> None:
         ) from None
 
 
+class LatestReport:
+    """Where an actor's step loop leaves its `RankStats` (the `status` a process rank's pipe is)."""
+
+    def __init__(self, rank: int) -> None:
+        self.stats = RankStats(rank, os.getpid())
+
+    def send(self, stats: RankStats) -> None:
+        self.stats = stats
+
+
 class RankActor:
-    """One rank in a Ray actor's process (made a Ray actor class by `ray.remote` in RayRanks)."""
+    """One rank in a Ray actor's process (made a Ray actor class by `ray.remote` in RayRanks). The
+    actor runs two calls at once (`max_concurrency=2`): `report` answers while `serve` steps."""
 
     def __init__(self, config: EngineConfig, rank: int, log_level: int) -> None:
         self.config = prepare_process(config, 0, log_level)  # Ray shows each actor only its own GPU
         self.rank = rank
         self.group, self.stage = rank_groups(config, rank)
         self.runner = None
+        self.latest = LatestReport(rank)
+        self._loaded = threading.Event()  # two calls run at once: `serve` waits for `load`
 
     def node_id(self) -> str:
         import ray
@@ -77,10 +96,21 @@ class RankActor:
         return ray.get_runtime_context().get_node_id()
 
     def load(self) -> None:
-        self.runner = load_shard(self.config, self.group, self.stage)
+        set_threads(self.config)  # calls run on the actor's pool threads: OpenMP's count is per thread
+        try:
+            self.runner = load_shard(self.config, self.group, self.stage)
+        finally:
+            self._loaded.set()
 
     def serve(self, rendezvous: Rendezvous) -> None:
-        join_and_serve(self.config, self.rank, self.runner, self.group, rendezvous)
+        self._loaded.wait()
+        if self.runner is None:
+            raise RuntimeError("the shard failed to load")  # `load`'s own error is what rank 0 reports
+        set_threads(self.config)
+        join_and_serve(self.config, self.rank, self.runner, self.group, rendezvous, status=self.latest)
+
+    def report(self) -> RankStats:
+        return self.latest.stats
 
 
 class RayRanks(RankLauncher):
@@ -88,7 +118,7 @@ class RayRanks(RankLauncher):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        parallel = config.parallel
+        parallel = self.parallel = config.parallel
         self.ranks = range(1, parallel.world_size)
         self._ray = ray
         gpu = config.model.device.type == "cuda"
@@ -102,10 +132,14 @@ class RayRanks(RankLauncher):
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
                 ),
+                max_concurrency=2,  # `report` beside `serve`
             ).remote(config, rank, logger.getEffectiveLevel())
             for rank in self.ranks
         ]
-        # an actor runs its calls in order: serve (which returns at shutdown) comes last
+        self._reports: dict[int, RankStats] = {}
+        self._asked: dict[int, object] = {}  # rank -> the object ref of its `report` call in flight
+        self._last_ask = -float("inf")
+        # serve returns at shutdown; it waits for load, since the actor runs two calls at once
         self._node_ids = [actor.node_id.remote() for actor in self.actors]
         self._loaded = [actor.load.remote() for actor in self.actors]
         self._serving = [actor.serve.remote(rendezvous) for actor in self.actors]
@@ -119,7 +153,7 @@ class RayRanks(RankLauncher):
             try:
                 self._ray.get(loaded)
             except Exception as error:  # noqa: BLE001 - RayTaskError wraps the actor's own exception
-                return f"tensor-parallel rank {rank} failed to load its shard: {_one_line(error)}"
+                return f"{self.parallel.rank_name(rank)} failed to load its shard: {_one_line(error)}"
         return None
 
     def exited(self) -> str | None:
@@ -137,8 +171,26 @@ class RayRanks(RankLauncher):
         try:
             self._ray.get(serving)
         except Exception as error:  # noqa: BLE001 - RayActorError (died) or the step loop's own error
-            return f"tensor-parallel rank {rank} (Ray actor) exited: {_one_line(error)}"
-        return f"tensor-parallel rank {rank} (Ray actor) stopped"
+            return f"{self.parallel.rank_name(rank)} (Ray actor) exited: {_one_line(error)}"
+        return f"{self.parallel.rank_name(rank)} (Ray actor) stopped"
+
+    def reports(self) -> dict[int, RankStats]:
+        """Without blocking: the answers of the `report` calls that came back, and at most once per
+        report interval a new call to each actor that has none in flight."""
+        if self._asked:
+            done, _ = self._ray.wait(list(self._asked.values()), num_returns=len(self._asked), timeout=0)
+            for rank, ref in list(self._asked.items()):
+                if ref in done:
+                    del self._asked[rank]
+                    with contextlib.suppress(Exception):  # a dead actor: exited() names it
+                        self._reports[rank] = self._ray.get(ref)
+        now = time.monotonic()
+        if now - self._last_ask >= REPORT_INTERVAL_SECONDS:
+            self._last_ask = now
+            for rank, actor in zip(self.ranks, self.actors, strict=True):
+                if rank not in self._asked:
+                    self._asked[rank] = actor.report.remote()
+        return dict(self._reports)
 
     def stop(self, grace_seconds: float) -> None:
         if grace_seconds:

@@ -32,7 +32,7 @@ from llmserve.distributed.pipeline import PipelineGroup, PipelineLayout, Pipelin
 from llmserve.distributed.rendezvous import Rendezvous, RendezvousError, join, rank_info
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.log import configure_logging
-from llmserve.metrics.ranks import RankMeter
+from llmserve.metrics.ranks import RankMeter, ReportSink
 from llmserve.model_loader import load_weights
 from llmserve.models.registry import build_model
 from llmserve.worker.model_runner import ModelRunner
@@ -77,11 +77,16 @@ def load_shard(
     return runner
 
 
+def set_threads(config: EngineConfig) -> None:
+    """This rank's intra-op threads (OpenMP keeps the count per calling thread)."""
+    torch.set_num_threads(config.parallel.threads_per_rank())
+
+
 def prepare_process(config: EngineConfig, device_index: int, log_level: int) -> EngineConfig:
     """Logging, threads and this rank's device (CUDA: one GPU per rank, `device_index` on its node)."""
     configure_logging(log_level)
     logger.setLevel(log_level)
-    torch.set_num_threads(config.parallel.threads_per_rank())
+    set_threads(config)
     if config.model.device.type != "cuda":
         return config
     device = torch.device("cuda", device_index)  # NCCL refuses two ranks on one GPU
@@ -95,7 +100,7 @@ def join_and_serve(
     runner: ModelRunner,
     group: TensorParallelGroup,
     rendezvous: Rendezvous,
-    status: Connection | None = None,
+    status: ReportSink | None = None,
 ) -> None:
     """Pass the rendezvous's check, join the process group and run plans until the empty one."""
     parallel = config.parallel
@@ -108,7 +113,7 @@ def join_and_serve(
     if pipeline is None:
         serve_steps(runner, group, status)
     else:
-        serve_stage(runner, pipeline, config)
+        serve_stage(runner, pipeline, config, status)
     world.close()
 
 
@@ -138,7 +143,7 @@ def run_worker(
         sys.exit(REFUSED_EXIT_CODE)
 
 
-def serve_steps(runner: ModelRunner, group: TensorParallelGroup, status: Connection | None = None) -> None:
+def serve_steps(runner: ModelRunner, group: TensorParallelGroup, status: ReportSink | None = None) -> None:
     """Run rank 0's plans on this shard until the empty plan, reporting to `status` now and then."""
     decoder = msgspec.msgpack.Decoder(StepPlan)
     meter = RankMeter(group.rank, runner)

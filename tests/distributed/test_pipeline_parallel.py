@@ -131,6 +131,23 @@ def test_a_request_aborted_while_its_batch_is_in_flight(references, three_layer_
         assert_same_greedy(references["llama"][int(request_id)], output)
 
 
+def test_every_stage_reports_its_own_rank_stats(three_layer_llama_dir):
+    """Rank 0 (stage 0) and the worker (stage 1) each count their own steps and forward time, and
+    report their own KV pool, for the per-rank series on /metrics."""
+    with engine(three_layer_llama_dir, pipeline_parallel_size=2) as llm:
+        llm.generate(REQUESTS, PARAMS, use_tqdm=False)
+        stats = llm.engine.rank_stats()
+        (worker,) = llm.engine.executor.launcher.processes
+    assert [report.rank for report in stats] == [0, 1]
+    assert stats[0].pid == os.getpid() and stats[1].pid == worker.pid
+    for report in stats:
+        assert report.num_steps > 0 and report.forward_seconds > 0, report
+        assert report.kv_num_blocks > 0 and report.kv_cache_bytes > 0
+    # stage 0 holds two of the three layers' KV, stage 1 one: equal block counts, unequal bytes
+    assert stats[0].kv_num_blocks == stats[1].kv_num_blocks
+    assert stats[0].kv_cache_bytes == 2 * stats[1].kv_cache_bytes
+
+
 def test_ngram_speculation_under_pipeline_parallelism(three_layer_llama_dir):
     """Rank 0 drafts after each batch comes back and verifies the last stage's k + 1 logits rows."""
     params = REPEATING
@@ -172,5 +189,7 @@ def test_a_stage_that_dies_fails_the_step_with_its_rank_named(three_layer_llama_
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(30)
         for _ in range(2):  # and every step after it: the pipeline cannot be resynchronized
-            with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            with pytest.raises(
+                TensorParallelError, match=r"^pipeline stage 1's rank 1 \(pid \d+\) exited with code -9$"
+            ):
                 llm.engine.step()

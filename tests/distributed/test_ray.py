@@ -1,10 +1,12 @@
 """`--distributed-executor-backend ray` on a two-node Ray cluster of this machine (one CPU each,
 `ray.cluster_utils.Cluster`, started once for the module): rank 1 is an actor on the other node
 than rank 0 (this process), the greedy tokens equal one process's, a cluster too small for the
-placement group is a one-line error, and a killed actor fails the step with its rank named."""
+placement group is a one-line error, a killed actor fails the step with its rank named, and an
+actor's own RankStats reach rank 0."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -45,6 +47,32 @@ def test_tp2_across_two_nodes_gives_one_process_greedy_tokens(two_nodes, tiny_ll
         assert_same_greedy(want, got)
     # shutdown gave the cluster back its CPUs: the placement group is removed
     assert ray.util.placement_group_table(placement_group)["state"] == "REMOVED"
+
+
+def _wait_for_reports(llm, ranks: int) -> tuple:
+    """Every rank's RankStats once each has reported a step (rank 0 asks the actors in the background)."""
+    deadline = time.monotonic() + 30
+    while True:
+        stats = llm.engine.rank_stats()
+        if all(report.num_steps > 0 for report in stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def test_an_actor_reports_its_own_rank_stats(two_nodes, tiny_llama_dir):
+    """The actor's step count, forward time and KV pool reach rank 0 (for the per-rank series on
+    /metrics), with the actor's own pid."""
+    with engine(tiny_llama_dir, tensor_parallel_size=2, **RAY_KWARGS) as llm:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        stats = _wait_for_reports(llm, 2)
+        actor = llm.engine.executor.launcher.actors[0]
+        actor_pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    assert [report.rank for report in stats] == [0, 1]
+    rank1 = stats[1]
+    assert rank1.num_steps > 0 and rank1.forward_seconds > 0
+    assert rank1.pid == actor_pid != os.getpid()
+    assert rank1.kv_num_blocks == stats[0].kv_num_blocks > 0 and rank1.kv_cache_bytes > 0
+    assert rank1.exit_code is None
 
 
 def test_a_cluster_too_small_for_the_placement_group_is_one_line(two_nodes, tiny_llama_dir):
