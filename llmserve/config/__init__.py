@@ -387,15 +387,10 @@ class EngineArgs:
         )
         if parallel.world_size == 1:
             return parallel
-        if parallel.pipeline_parallel_size > 1 and self.speculative_method not in (None, "ngram"):
-            raise ValueError(
-                f"speculative_method {self.speculative_method!r} drafts outside the pipeline's stages; "
-                "under pipeline parallelism only ngram speculates"
-            )
         if self.speculative_method == "early_exit":
             raise ValueError(
                 "speculative_method early_exit drafts with the target's first layers, which tensor "
-                "parallelism splits over the ranks; use draft_head, draft or ngram"
+                "and pipeline parallelism split over the ranks; use draft_head, draft or ngram"
             )
         return parallel
 

@@ -183,13 +183,17 @@ class ModelRunner:
     @torch.inference_mode()
     def run_stage(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Pipeline parallelism: this stage's layers on the step's tokens, from the previous stage's
-        `hidden` (None on the first stage); the output for the next stage, or on the last the
-        sampling rows' logits (None on a tensor-parallel rank other than the stage's first)."""
+        `hidden` (None on the first stage): the output for the next stage, or on the last the
+        sampling rows' final hidden states (`stage_logits` turns them into logits)."""
         with set_forward_context(inputs.attention):
             hidden = self.model(inputs.input_ids, inputs.positions, hidden)
-        if not self.model.stage.is_last:
-            return hidden
-        return self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sample_rows else None
+        return hidden[inputs.logits_indices] if self.model.stage.is_last else hidden
+
+    @torch.inference_mode()
+    def stage_logits(self, sample_hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor | None:
+        """The last stage: the sampling rows' logits (None without sampling rows, or on a
+        tensor-parallel rank other than the stage's first)."""
+        return self.model.compute_logits(sample_hidden) if inputs.sample_rows else None
 
     def sample(
         self, logits: torch.Tensor, inputs: StepInputs, sample_hidden: torch.Tensor | None = None

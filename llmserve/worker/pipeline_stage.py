@@ -6,7 +6,8 @@ states to stage 1) without waiting for it, and later collects it (the logits fro
 sampled here). Workers (`serve_stage`) take plans in the order rank 0 sent them; every stage runs
 the batches in that order, so a later batch reads KV an earlier one wrote at every stage, as in one
 process. Only a batch with tokens crosses the stages; its last stage answers rank 0 with the
-sampling rows' logits, or a one-element acknowledgement when it has none (a prompt chunk).
+sampling rows' logits (and, for a draft head, their hidden states), or a one-element
+acknowledgement when it has none (a prompt chunk).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class PipelineDriver:
         self.pipeline: PipelineGroup = executor.pipeline
         self.runner = runner
         self.vocab_size = config.model.arch.vocab_size
+        self.hidden_size, self.dtype = config.model.arch.hidden_size, config.model.dtype
+        self.returns_hidden = returns_hidden(config)
         self._encoder = msgspec.msgpack.Encoder()
 
     def submit(self, plan: StepPlan) -> SubmittedBatch:
@@ -67,11 +70,14 @@ class PipelineDriver:
     def collect(self, batch: SubmittedBatch) -> ModelRunnerOutput:
         """Wait for the batch's answer from the last stage and sample its rows here."""
         with self.executor.step_guard():
-            inputs, logits = batch.inputs, None
+            inputs, logits, sample_hidden = batch.inputs, None, None
             if inputs is not None and inputs.sample_rows:
-                rows = len(inputs.logits_indices)
-                logits = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.runner.device)
+                rows, device = len(inputs.logits_indices), self.runner.device
+                logits = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=device)
                 self.pipeline.recv_result(logits)
+                if self.returns_hidden:
+                    sample_hidden = torch.empty(rows, self.hidden_size, dtype=self.dtype, device=device)
+                    self.pipeline.recv_result(sample_hidden)
             elif inputs is not None:
                 self.pipeline.recv_result(_acknowledgement(self.runner.device))
             for send in batch.sends:
@@ -79,7 +85,13 @@ class PipelineDriver:
             if logits is None:
                 return ModelRunnerOutput({}, {})
             with torch.inference_mode():
-                return self.runner.sample(logits, inputs)
+                return self.runner.sample(logits, inputs, sample_hidden)
+
+
+def returns_hidden(config: EngineConfig) -> bool:
+    """Whether the last stage sends rank 0 the sampling rows' hidden states too (a draft head drafts
+    from them)."""
+    return config.speculative is not None and config.speculative.method == "draft_head"
 
 
 def serve_stage(
@@ -94,8 +106,8 @@ def serve_stage(
         start = time.perf_counter()
         inputs = runner.prepare(decoder.decode(data))
         if inputs is not None:
-            sending.append(_run_batch(runner, pipeline, config, inputs))
-        sending = [send for send in sending if send is not None and not send.is_done]
+            sending += _run_batch(runner, pipeline, config, inputs)
+        sending = [send for send in sending if not send.is_done]
         meter.add_step(time.perf_counter() - start)  # with the wait for the previous stage's activations
         if status is not None and meter.report_due():
             status.send(meter.snapshot())
@@ -105,15 +117,21 @@ def serve_stage(
 
 def _run_batch(
     runner: ModelRunner, pipeline: PipelineGroup, config: EngineConfig, inputs: StepInputs
-) -> PendingSend | None:
-    """This stage's layers on one batch; the send of its output onward, if this rank sends one."""
+) -> list[PendingSend]:
+    """This stage's layers on one batch; the sends of its output onward, if this rank sends any."""
     hidden = None
     if pipeline.stage > 0:
         shape = (len(inputs.input_ids), config.model.arch.hidden_size)
         hidden = pipeline.recv_activations(torch.empty(shape, dtype=config.model.dtype, device=runner.device))
     output = runner.run_stage(inputs, hidden)
     if not pipeline.is_last_stage:
-        return pipeline.send_activations(output)
+        return [pipeline.send_activations(output)]
+    logits = runner.stage_logits(output, inputs)
     if not pipeline.tp.is_first_rank:  # the stage's first rank gathered the logits
-        return None
-    return pipeline.send_result(output if output is not None else _acknowledgement(runner.device))
+        return []
+    if logits is None:
+        return [pipeline.send_result(_acknowledgement(runner.device))]
+    sends = [pipeline.send_result(logits)]
+    if returns_hidden(config):
+        sends.append(pipeline.send_result(output))
+    return sends

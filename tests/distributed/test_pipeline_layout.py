@@ -71,8 +71,10 @@ def test_more_stages_than_layers_is_a_one_line_error():
     ("kwargs", "message"),
     [
         (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be >= 1"),
-        (dict(pipeline_parallel_size=2, speculative_method="draft_head"), "only ngram speculates"),
-        (dict(pipeline_parallel_size=2, speculative_method="early_exit"), "only ngram speculates"),
+        (
+            dict(pipeline_parallel_size=2, speculative_method="early_exit"),
+            "early_exit drafts with the target's first layers, which tensor and pipeline parallelism split",
+        ),
     ],
 )
 def test_what_pipeline_parallelism_refuses(kwargs, message):
