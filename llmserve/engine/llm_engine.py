@@ -55,6 +55,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path, None if os.path.isdir(path) else arch.eos_token_ids)
         # tensor parallelism: the workers load their shards while this process loads rank 0's
         self.executor = TensorParallelExecutor(self.config) if self.config.parallel.world_size > 1 else None
+        if self.executor is not None:
+            self.config = self.executor.config  # rank 0's device, where the launcher assigned it
         try:
             self.model_runner, target_vocabulary = self._load_model_runner(path)
         except BaseException:

@@ -23,6 +23,7 @@ start-up on; `rank_stats` collects them through the launcher and adds rank 0's o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -80,10 +81,20 @@ class TensorParallelExecutor:
         try:
             self._store, self.rendezvous = self._rendezvous().host_store()
             self.launcher = self._launch()
+            self._take_rank0_device()
         except (RendezvousError, ValueError) as error:
             self.shutdown()
             raise ValueError(str(error)) from None
         torch.set_num_threads(parallel.threads_per_rank())
+
+    def _take_rank0_device(self) -> None:
+        """Compute on the device the launcher assigns rank 0 (Ray: bundle 0's GPU); the engine reads
+        `config` back."""
+        model = self.config.model
+        device = self.launcher.rank0_device(model.device)
+        if device != model.device:
+            torch.cuda.set_device(device)
+            self.config = dataclasses.replace(self.config, model=dataclasses.replace(model, device=device))
 
     def _rendezvous(self) -> Rendezvous:
         parallel = self.config.parallel

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import torch
+
 from llmserve.metrics.ranks import RankStats
 
 
@@ -32,6 +34,10 @@ class RankLauncher(ABC):
     @abstractmethod
     def stop(self, grace_seconds: float) -> None:
         """Give the ranks `grace_seconds` to exit on their own (after the empty plan), then kill them."""
+
+    def rank0_device(self, device: torch.device) -> torch.device:
+        """The device rank 0 (the engine's process) computes on, where the backend assigns it."""
+        return device
 
     def sentinels(self) -> list[int]:
         """Handles that become ready as a rank exits, for an idle engine to wait on (none: it polls)."""

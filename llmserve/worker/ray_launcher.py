@@ -1,7 +1,8 @@
 """Ranks 1..N-1 as Ray actors, placed by a placement group on a Ray cluster (`ray start`).
 
 The engine process stays rank 0 on its own node: bundle 0 of the placement group is pinned there
-(by the `ray.io/node-id` label) and reserves rank 0's CPU; bundles 1..N-1 go wherever the cluster
+(by the `ray.io/node-id` label) and reserves rank 0's CPU (and on CUDA its GPU, which a `GpuClaim`
+actor holds and names to rank 0); bundles 1..N-1 go wherever the cluster
 has room, packed onto as few nodes as possible. Each actor loads its shard (`load`), then runs the
 step loop until the empty plan (`serve`); the object ref of `serve` is how rank 0 watches it: it
 resolves when the actor's process dies. Rank 0 reads each actor's latest `RankStats` with a `report`
@@ -20,6 +21,8 @@ import os
 import socket
 import threading
 import time
+
+import torch
 
 from llmserve.config import EngineConfig
 from llmserve.distributed.rendezvous import Rendezvous
@@ -113,6 +116,31 @@ class RankActor:
         return self.latest.stats
 
 
+class GpuClaim:
+    """Holds the GPU of bundle 0 for rank 0, which is this process and not an actor: Ray reserves a
+    GPU per bundle, and only a task in the bundle learns which one, so without the claim rank 0
+    could compute on a GPU Ray hands to an actor of the same node."""
+
+    def gpu_id(self) -> str:
+        import ray
+
+        (gpu,) = ray.get_gpu_ids()
+        return str(gpu)
+
+
+def local_cuda_index(gpu_id: str, visible: str | None) -> int:
+    """This process's CUDA index of the machine's GPU `gpu_id`, under its CUDA_VISIBLE_DEVICES."""
+    if not visible:
+        return int(gpu_id)
+    ids = [part.strip() for part in visible.split(",")]
+    if gpu_id not in ids:
+        raise ValueError(
+            f"Ray reserved GPU {gpu_id} for rank 0, which CUDA_VISIBLE_DEVICES={visible} hides from this "
+            "process: unset it or include that GPU"
+        )
+    return ids.index(gpu_id)
+
+
 class RayRanks(RankLauncher):
     def __init__(self, config: EngineConfig, rendezvous: Rendezvous) -> None:
         import ray
@@ -139,10 +167,29 @@ class RayRanks(RankLauncher):
         self._reports: dict[int, RankStats] = {}
         self._asked: dict[int, object] = {}  # rank -> the object ref of its `report` call in flight
         self._last_ask = -float("inf")
+        self._claim = None
+        if gpu:
+            self._claim = (
+                ray.remote(GpuClaim)
+                .options(
+                    num_cpus=0,
+                    num_gpus=1,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.placement_group, placement_group_bundle_index=0
+                    ),
+                )
+                .remote()
+            )
         # serve returns at shutdown; it waits for load, since the actor runs two calls at once
         self._node_ids = [actor.node_id.remote() for actor in self.actors]
         self._loaded = [actor.load.remote() for actor in self.actors]
         self._serving = [actor.serve.remote(rendezvous) for actor in self.actors]
+
+    def rank0_device(self, device: torch.device) -> torch.device:
+        if self._claim is None:
+            return device
+        gpu = self._ray.get(self._claim.gpu_id.remote())
+        return torch.device("cuda", local_cuda_index(gpu, os.environ.get("CUDA_VISIBLE_DEVICES")))
 
     def node_ids(self) -> list[str]:
         """The Ray node of each actor, rank 1 first."""
@@ -195,7 +242,7 @@ class RayRanks(RankLauncher):
     def stop(self, grace_seconds: float) -> None:
         if grace_seconds:
             self._ray.wait(self._serving, num_returns=len(self._serving), timeout=grace_seconds)
-        for actor in self.actors:
+        for actor in self.actors + ([self._claim] if self._claim is not None else []):
             self._ray.kill(actor)
         self._ray.util.remove_placement_group(self.placement_group)
 
