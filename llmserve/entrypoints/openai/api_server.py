@@ -82,6 +82,7 @@ def build_app(
     ctx = ServerContext(engine, served_model_name, max_waiting)
     app = FastAPI(title="llmserve", lifespan=_lifespan, strict_content_type=False)
     app.state.llmserve = AppState(ctx, CompletionHandler(ctx), ChatHandler(ctx), metrics)
+    app.state.api_key_required = bool(api_key)  # the playground asks for a key only then (web.py)
     app.include_router(router)
     app.include_router(web_routes)  # the playground, the dashboard and the JSON metrics (web.py)
     _install_error_handlers(app)

@@ -1,5 +1,6 @@
 """The server's pages and their JSON: the playground at `/`, the dashboard at `/dashboard`, the JSON
-metrics summary `GET /v1/metrics` and the dashboard's series `GET /dashboard/stats`.
+metrics summary `GET /v1/metrics`, the dashboard's series `GET /dashboard/stats` and the playground's
+`GET /playground/config` (whether the API routes need a key).
 
 The pages are static files shipped in the package (entrypoints/openai/static/: plain HTML, CSS and
 JavaScript, no build step, nothing fetched from elsewhere); they talk to the server through its public
@@ -55,6 +56,12 @@ async def dashboard_stats(raw_request: Request) -> Response:
             "points": _history(raw_request).points(),
         }
     )
+
+
+@routes.get("/playground/config")
+async def playground_config(raw_request: Request) -> Response:
+    """What the page must know before its first API call: whether to ask for a key."""
+    return JSONResponse({"api_key_required": getattr(raw_request.app.state, "api_key_required", False)})
 
 
 @routes.get("/")

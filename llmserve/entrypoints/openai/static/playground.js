@@ -32,6 +32,7 @@ function restoreSettings() {
   }
   $("api-key").value = state.apiKey;
   $("api-key").addEventListener("input", () => { state.apiKey = $("api-key").value.trim(); saveState(); });
+  $("api-key").addEventListener("change", loadModel);
   $("prompt").value = state.prompt;
   $("prompt").addEventListener("input", () => { state.prompt = $("prompt").value; saveState(); });
 }
@@ -55,14 +56,18 @@ async function loadModel() {
   } catch (error) {
     $("model-info").textContent = "could not read /server_info: " + error;
   }
+  const config = await (await fetch("/playground/config")).json();
+  $("api-key-box").classList.toggle("hidden", !config.api_key_required);
+  if (config.api_key_required && !state.apiKey) {
+    $("model-info").textContent += " · enter the API key";
+    return; // /v1/models would answer 401
+  }
   const response = await fetch("/v1/models", { headers: headers() });
-  if (response.status === 401) {
-    $("api-key-box").classList.remove("hidden");
-    if (!state.apiKey) $("model-info").textContent += " · enter the API key";
-  } else if (response.ok) {
+  if (response.ok) {
     const models = await response.json();
     if (models.data && models.data.length) model = models.data[0].id;
-    if (state.apiKey) $("api-key-box").classList.remove("hidden");
+  } else {
+    $("model-info").textContent += " · " + (await errorText(response));
   }
 }
 
