@@ -16,11 +16,12 @@ from collections.abc import Iterable
 from prometheus_client.core import Metric
 
 PREFIX = "llmserve:"
+VLLM_PREFIX = "vllm:"  # the same series under vLLM's names (metrics/export.py)
 PERCENTILES = (50, 90, 99)
 
 
 class Scrape:
-    """Sample totals of the `llmserve:` families (other prefixes are the same series again)."""
+    """Sample totals of the `llmserve:` families (the `vllm:` ones are the same series again)."""
 
     def __init__(self, families: Iterable[Metric] = ()) -> None:
         self.values: dict[str, float] = defaultdict(float)  # sample name without prefix -> sum over labels
@@ -29,10 +30,13 @@ class Scrape:
         self.add(families)
 
     def add(self, families: Iterable[Metric]) -> Scrape:
+        """One server's families: its `llmserve:` ones, or its `vllm:` ones if it exports only those."""
+        families = list(families)
+        prefix = PREFIX if any(f.name.startswith(PREFIX) for f in families) else VLLM_PREFIX
         for family in families:
-            if family.name.startswith(PREFIX):
+            if family.name.startswith(prefix):
                 for sample in family.samples:
-                    self._add_sample(sample.name.removeprefix(PREFIX), sample.labels, sample.value)
+                    self._add_sample(sample.name.removeprefix(prefix), sample.labels, sample.value)
         return self
 
     def _add_sample(self, name: str, labels: dict[str, str], value: float) -> None:

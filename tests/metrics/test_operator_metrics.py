@@ -97,3 +97,11 @@ def test_window_rates_and_history():
     history.sample()  # t=0.5: too soon, not kept
     assert len(history.points()) == 1  # t=1 kept; one point, between t=0 and t=1
     assert [p["t"] for p in history.points()] == [-1.0, 0.0]
+
+
+def test_a_server_exporting_only_vllm_names_gives_the_same_summary():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = fed_metrics(metric_names="vllm")
+    parsed = Scrape(text_string_to_metric_families(metrics.render().decode()))
+    assert summary(parsed) == summary(Scrape(metrics.registry.collect()))
