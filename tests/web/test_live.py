@@ -44,7 +44,9 @@ def test_a_chat_streams_into_the_page(page, server):
         lambda: re.search(r"TTFT \d+ ms", last_reply(page).text) and last_reply(page), 120, "a reply"
     )
     assert last_reply(page).find_element(By.CLASS_NAME, "content").text.strip()
-    assert re.search(r"[\d.]+ tokens/s · 24 tokens · finish: length", stats.text), stats.text
+    assert re.search(r"TTFT \d+ ms · ([\d.]+ tokens/s · )?\d+ tokens · finish: (length|stop)", stats.text), (
+        stats.text
+    )
     assert (
         MODEL in page.find_element(By.ID, "model-info").text
         and "1024 tokens" in page.find_element(By.ID, "model-info").text
@@ -56,16 +58,17 @@ def test_a_chat_streams_into_the_page(page, server):
 
 def test_stop_aborts_the_request_in_the_engine(page, server):
     before = wait_idle(server)
-    open_playground(page, server, max_tokens=1000)
+    open_playground(page, server, max_tokens=900)  # with the prompt, within the 1024-token context
     page.find_element(By.ID, "chat-input").send_keys("Tell me everything", Keys.ENTER)
     wait_until(
         lambda: last_reply(page).find_element(By.CLASS_NAME, "content").text.strip(), 120, "streamed text"
     )
     page.find_element(By.ID, "stop").click()
-    wait_until(lambda: last_reply(page).find_element(By.CLASS_NAME, "stats").text == "stopped", 30, "stopped")
+    stats = lambda: last_reply(page).find_element(By.CLASS_NAME, "stats").text  # noqa: E731
+    wait_until(lambda: stats() == "stopped", 30, f"the reply marked stopped, not {stats()!r}")
     after = wait_idle(server)  # nothing running or waiting, no KV block held
     assert delta(after, before, ABORTED) == 1  # the engine saw the abort
-    assert delta(after, before, "llmserve:generation_tokens_total") < 1000
+    assert delta(after, before, "llmserve:generation_tokens_total") < 900
     assert page.find_element(By.ID, "send").is_enabled() and not page.find_element(By.ID, "stop").is_enabled()
     assert console_errors(page) == []
     screenshot(page, "playground-live-stopped")
