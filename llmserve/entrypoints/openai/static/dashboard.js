@@ -85,9 +85,10 @@ function drawChart(canvas, points, series, unit) {
   ctx.clearRect(0, 0, width, height);
   const pad = { left: 44, right: 6, top: 6, bottom: 18 };
   const values = points.flatMap((p) => series.map(([key]) => p[key])).filter((v) => v !== null && v !== undefined);
-  let top = unit === "%" ? 1 : Math.max(1e-9, ...values);
-  if (unit !== "%") top *= 1.1;
-  const span = 300;
+  const highest = Math.max(0, ...values);
+  const top = unit === "%" ? 1 : highest > 0 ? 1.1 * highest : 1; // an idle chart still has a scale
+  const oldest = points.length ? -points[0].t : 0;
+  const span = Math.min(300, Math.max(60, oldest)); // the time watched, from one to five minutes
   const x = (t) => pad.left + (width - pad.left - pad.right) * (1 + t / span);
   const y = (v) => height - pad.bottom - (height - pad.top - pad.bottom) * (v / top);
   ctx.strokeStyle = "#d7d9dd";
@@ -102,7 +103,7 @@ function drawChart(canvas, points, series, unit) {
     ctx.stroke();
     ctx.fillText(format(v, unit), 2, y(v) + 4);
   }
-  ctx.fillText("-5 min", pad.left, height - 4);
+  ctx.fillText(span >= 120 ? `-${Math.round(span / 60)} min` : `-${Math.round(span)} s`, pad.left, height - 4);
   ctx.fillText("now", width - pad.right - 22, height - 4);
   series.forEach(([key], i) => {
     ctx.strokeStyle = COLORS[i];
@@ -116,6 +117,14 @@ function drawChart(canvas, points, series, unit) {
       drawing = true;
     }
     ctx.stroke();
+    ctx.fillStyle = COLORS[i];
+    points.forEach((point, j) => { // a point with no neighbour draws no line: mark it
+      const v = point[key], near = (k) => points[k] && points[k][key] !== null && points[k][key] !== undefined;
+      if (v === null || v === undefined || point.t < -span || near(j - 1) || near(j + 1)) return;
+      ctx.beginPath();
+      ctx.arc(x(point.t), y(v), 2.5, 0, 2 * Math.PI);
+      ctx.fill();
+    });
   });
 }
 
