@@ -65,7 +65,11 @@ def test_stop_aborts_the_request_in_the_engine(page, server):
     )
     page.find_element(By.ID, "stop").click()
     stats = lambda: last_reply(page).find_element(By.CLASS_NAME, "stats").text  # noqa: E731
-    wait_until(lambda: stats() == "stopped", 30, f"the reply marked stopped, not {stats()!r}")
+    wait_until(
+        lambda: re.fullmatch(r"TTFT \d+ ms · stopped", stats()),
+        30,
+        f"the reply marked stopped, not {stats()!r}",
+    )
     after = wait_idle(server)  # nothing running or waiting, no KV block held
     assert delta(after, before, ABORTED) == 1  # the engine saw the abort
     assert delta(after, before, "llmserve:generation_tokens_total") < 900

@@ -99,15 +99,16 @@ async function errorText(response) {
   }
 }
 
-// POST `body` to `path` and call onText(delta) per streamed piece; resolves to timing and usage.
-async function stream(path, body, onText, controller) {
-  const start = performance.now();
+// POST `body` to `path` and call onText(delta) per streamed piece; fills `timing` (start, first and
+// last text, usage, finish reason) as it goes, so a stopped reply still has its TTFT.
+async function stream(path, body, onText, controller, timing) {
+  timing.start = performance.now();
   const response = await fetch(path, { method: "POST", headers: headers(), body: JSON.stringify(body),
                                        signal: controller.signal });
   if (!response.ok) throw new Error(await errorText(response));
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
-  let buffer = "", first = null, last = null, usage = null, finish = null;
+  let buffer = "";
   for (;;) {
     const { value, done } = await reader.read();
     if (done) break;
@@ -122,21 +123,25 @@ async function stream(path, body, onText, controller) {
         if (data === "[DONE]") continue;
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
-        if (chunk.usage) usage = chunk.usage;
         for (const choice of chunk.choices || []) {
           const text = choice.delta ? choice.delta.content : choice.text;
           if (text) {
             const now = performance.now();
-            if (first === null) first = now;
-            last = now;
+            if (timing.first === null) timing.first = now;
+            timing.last = now;
             onText(text);
           }
-          if (choice.finish_reason) finish = choice.finish_reason;
+          if (choice.finish_reason) timing.finish = choice.finish_reason;
         }
+        if (chunk.usage) timing.usage = chunk.usage;
       }
     }
   }
-  return { start, first, last, usage, finish };
+  return timing;
+}
+
+function newTiming() {
+  return { start: performance.now(), first: null, last: null, usage: null, finish: null };
 }
 
 function describe(timing) {
@@ -146,6 +151,7 @@ function describe(timing) {
   if (tokens && timing.first !== null && timing.last > timing.first && tokens > 1) {
     parts.push(`${((tokens - 1) / ((timing.last - timing.first) / 1000)).toFixed(1)} tokens/s`);
   }
+  if (tokens === null && timing.first !== null) parts.push("stopped"); // no usage: the stream was cut
   if (tokens !== null) parts.push(`${tokens} tokens`);
   if (timing.finish) parts.push(`finish: ${timing.finish}`);
   return parts.join(" · ");
@@ -199,18 +205,19 @@ async function sendChat() {
   const history = state.messages.filter((m) => !m.error && m !== reply).map((m) => ({ role: m.role, content: m.content }));
   const system = $("system-prompt").value.trim();
   const controller = new AbortController();
+  const timing = newTiming();
   setRunning(controller, $("send"), $("stop"));
   try {
     const body = { ...samplingBody(true), messages: system ? [{ role: "system", content: system }, ...history] : history };
-    const timing = await stream("/v1/chat/completions", body, (piece) => {
+    await stream("/v1/chat/completions", body, (piece) => {
       reply.content += piece;
       view.content.textContent = reply.content;
       $("messages").scrollTop = $("messages").scrollHeight;
-    }, controller);
+    }, controller, timing);
     reply.stats = describe(timing);
   } catch (error) {
     if (error.name === "AbortError") {
-      reply.stats = "stopped";
+      reply.stats = describe(timing) || "stopped";
     } else {
       reply.error = String(error.message || error);
       view.box.classList.add("error-message");
@@ -235,14 +242,15 @@ async function sendCompletion() {
   output.classList.remove("error");
   $("completion-stats").textContent = "";
   const controller = new AbortController();
+  const timing = newTiming();
   setRunning(controller, $("complete"), $("stop-completion"));
   try {
     const body = { ...samplingBody(false), prompt }; // the schema box is the chat's
-    const timing = await stream("/v1/completions", body, (piece) => { output.textContent += piece; }, controller);
+    await stream("/v1/completions", body, (piece) => { output.textContent += piece; }, controller, timing);
     $("completion-stats").textContent = describe(timing);
   } catch (error) {
     if (error.name === "AbortError") {
-      $("completion-stats").textContent = "stopped";
+      $("completion-stats").textContent = describe(timing) || "stopped";
     } else {
       output.classList.add("error");
       output.textContent = String(error.message || error);
