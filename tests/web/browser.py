@@ -7,7 +7,6 @@ Screenshots go to test-artifacts/web/ (ignored by git) for a person to look at.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -70,7 +69,3 @@ def wait_until(condition, timeout: float = 60.0, what: str = ""):
             return value
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
-
-
-def browser_available() -> bool:
-    return shutil.which("chromedriver") is not None

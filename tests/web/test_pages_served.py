@@ -6,6 +6,7 @@ import asyncio
 import re
 
 import httpx
+import pytest
 
 from llmserve.entrypoints.openai.api_server import build_app
 from llmserve.entrypoints.openai.web import STATIC_DIR
@@ -50,3 +51,11 @@ def test_json_metrics_are_behind_the_key_and_the_dashboard_stats_are_not():
     assert body["model"] == "m" and body["total_requests"] == 0
     stats = asyncio.run(get(app, "/dashboard/stats")).json()
     assert stats["summary"]["num_requests_running"] == 0 and stats["points"] == []
+
+
+def test_a_missing_browser_fails_with_the_install_command(monkeypatch):
+    from tests.web import browser
+
+    monkeypatch.setattr(browser, "DRIVER", "/nonexistent/chromedriver")
+    with pytest.raises(pytest.fail.Exception, match=r"apt-get install -y chromium chromium-driver"):
+        browser.start_browser()
