@@ -48,13 +48,15 @@ class PrefixCacheCounters:
 
 def parse_prefix_cache_counters(text: str) -> PrefixCacheCounters | None:
     """The counters in a Prometheus exposition, per `replica` label; None if it has none."""
-    found: dict[str, list[float]] = {}
+    by_prefix: dict[str, dict[str, list[float]]] = {prefix: {} for prefix in _PREFIXES}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            for prefix in _PREFIXES:
+            for prefix, found in by_prefix.items():
                 for slot, name in enumerate(("prefix_cache_queries_total", "prefix_cache_hits_total")):
                     if sample.name == prefix + name:
                         found.setdefault(sample.labels.get("replica", ""), [0.0, 0.0])[slot] += sample.value
+    # llmserve exports each series under both prefixes: read one (llmserve:, else a vLLM server's vllm:)
+    found = next((found for found in by_prefix.values() if found), {})
     return PrefixCacheCounters({k: (v[0], v[1]) for k, v in found.items()}) if found else None
 
 

@@ -407,3 +407,17 @@ def _throughput_prompts(tokenizer, config: SpecBenchConfig) -> list[list[int]]:
     """A distinct grounded prompt per request of the largest wave (no prefix-cache or copy effects)."""
     count = max(config.batch_sizes, default=0)
     return grounded_prompts(tokenizer, TokenCorpus(tokenizer), count, config.document_len, config.seed + 1)
+
+
+def plot_spec_decode(payload: dict, path) -> None:
+    """Per method and workload: ms per token and the speedup; per batch size, the throughput."""
+    from llmserve.benchmarks.table_plot import TablePanel, plot_table
+
+    latency = payload["latency"]
+    panels = [
+        TablePanel("latency per token", latency, ["workload", "method"], "ms_per_token"),
+        TablePanel("speedup over no speculation", latency, ["workload", "method"], "speedup"),
+    ]
+    if payload["throughput"]:
+        panels.append(TablePanel("throughput", payload["throughput"], ["mode", "batch_size"], "output_tok_s"))
+    plot_table(panels, path)

@@ -30,6 +30,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the model name clients send; default: the model file's stem",
     )
     group.add_argument(
+        "--metric-names",
+        choices=("both", "llmserve", "vllm"),
+        default="both",
+        help="prefixes /metrics exports every series under: llmserve: and vLLM's vllm: (both), or one",
+    )
+    group.add_argument(
         "--max-waiting",
         type=int,
         default=256,

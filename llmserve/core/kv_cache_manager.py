@@ -91,6 +91,11 @@ class KVCacheManager:
         return self.pool.usage
 
     @property
+    def swap_usage(self) -> float:
+        """Fraction of the CPU swap space's blocks in use (0 without one)."""
+        return self.swap_pool.usage if self.swap_pool is not None else 0.0
+
+    @property
     def max_blocks_per_sequence(self) -> int:
         """Blocks a decoding sequence holds at most: all of them without a window."""
         if not self.sliding_window:

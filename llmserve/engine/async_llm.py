@@ -84,6 +84,7 @@ class AsyncLLM:
         engine's main thread's CPU (worker/cpu_binding.py).
         """
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
+        self.request_listeners: list[Callable[[list[int], SamplingParams], None]] = []  # at each arrival
         self.gauges = EngineGauges()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # requests the engine may report on
@@ -178,6 +179,8 @@ class AsyncLLM:
         self._output_kinds.add_request(request_id, params.output_kind)
         wire_params = params.with_output_kind(RequestOutputKind.DELTA)  # the kind is applied here
         self._commands.put(AddRequest(request_id, prompt_ids, wire_params, time.monotonic(), priority))
+        for listener in self.request_listeners:
+            listener(prompt_ids, params)
         finished = False
         try:
             while not finished:

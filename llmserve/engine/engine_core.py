@@ -160,6 +160,8 @@ class EngineCore:
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
             kv_cache_usage=self.engine.kv_cache_manager.usage,
+            num_swapped=len(self.engine.kv_cache_manager.swapped_tables),
+            swap_space_usage=self.engine.kv_cache_manager.swap_usage,
             spec_decode=self.engine.spec_decode_stats,
             ranks=self.engine.rank_stats(),
             failure=self.engine.failure,

@@ -98,6 +98,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
         self.last_step: StepStats | None = None
         self._prefix_cache_reported = (0, 0)  # the cache manager's (queries, hits) in StepStats so far
+        self._swap_preemptions_reported = 0  # the scheduler's swap preemptions in StepStats so far
         torch.manual_seed(self.config.model.seed)
         self.startup_seconds = time.monotonic() - start
         self._log_startup()
@@ -327,11 +328,11 @@ class LLMEngine:
             self.model_runner.keep_draft_probs(proposals)
         sampled = result.sampled_token_ids
         num_sampled = sum(map(len, sampled.values()))
-        num_accepted = sum(len(sampled[r]) - 1 for r in plan.spec_token_ids)
+        accepted = [len(sampled[r]) - 1 for r in plan.spec_token_ids]  # per request, not per token
         if scheduled.requests:
             updated = self.scheduler.update_from_output(scheduled, sampled, proposals)
             outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)
-        self.last_step = self._step_stats(scheduled, num_sampled, num_accepted, time.monotonic() - start)
+        self.last_step = self._step_stats(scheduled, accepted, num_sampled, time.monotonic() - start)
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_cache_manager.take_events())
         return [output for output in map(self.output_kinds.apply, outputs) if output is not None]
@@ -342,9 +343,11 @@ class LLMEngine:
         return self.executor.execute(self.model_runner, plan)
 
     def _step_stats(
-        self, scheduled: SchedulerOutput, num_sampled: int, num_accepted: int, seconds: float
+        self, scheduled: SchedulerOutput, accepted: list[int], num_sampled: int, seconds: float
     ) -> StepStats:
         prefix_cache_queries, prefix_cache_hits = self._prefix_cache_delta()
+        swaps = self.scheduler.preemptions_by_mode["swap"]
+        num_swaps, self._swap_preemptions_reported = swaps - self._swap_preemptions_reported, swaps
         return StepStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -355,9 +358,14 @@ class LLMEngine:
             num_preemptions=len(scheduled.preempted),
             step_seconds=seconds,
             num_draft_tokens=sum(map(len, scheduled.plan.spec_token_ids.values())),
-            num_accepted_tokens=num_accepted,
+            num_accepted_tokens=sum(accepted),
+            num_drafts=len(accepted),
             num_prefix_cache_queries=prefix_cache_queries,
             num_prefix_cache_hits=prefix_cache_hits,
+            num_preemptions_swap=num_swaps,
+            num_swapped_out_blocks=len(scheduled.plan.swap_out),
+            num_swapped_in_blocks=len(scheduled.plan.swap_in),
+            accepted_per_position=accepted_per_position(accepted),
         )
 
     def _prefix_cache_delta(self) -> tuple[int, int]:
@@ -367,6 +375,14 @@ class LLMEngine:
         totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
         (queries, hits), self._prefix_cache_reported = self._prefix_cache_reported, totals
         return totals[0] - queries, totals[1] - hits
+
+
+def accepted_per_position(accepted: list[int]) -> tuple[int, ...]:
+    """How many requests had their draft at position 0, 1, ... accepted (drafts are accepted as a
+    leading run, so a request that accepted a drafts counts at positions 0..a-1)."""
+    if not accepted:
+        return ()
+    return tuple(sum(1 for a in accepted if a > position) for position in range(max(accepted)))
 
 
 def check_params(params: SamplingParams, config: EngineConfig) -> None:

@@ -21,6 +21,21 @@ Under tensor parallelism each rank's own numbers (metrics/ranks.py) appear with 
 `rank_forward_seconds_total`, `rank_kv_cache_usage_perc`, `rank_kv_cache_blocks`,
 `rank_kv_cache_bytes`; an engine without tensor parallelism has none of them.
 
+Operators' distributions, all per engine request and observed when it finishes (vLLM's names):
+`request_prompt_tokens`, `request_generation_tokens` (all n samples), `request_max_num_generation_tokens`
+(the longest sample), `request_time_per_output_token_seconds` (TPOT: decode time over the longest
+sample's tokens after its first), `request_inference_time_seconds`; `request_params_n` and
+`request_params_max_tokens` are observed when a request arrives. Preemptions are counted by mode
+(`num_preemptions_by_mode{mode=swap|recompute}`, their sum is `num_preemptions`), KV blocks crossing to
+and from the CPU swap space (`swapped_out_blocks`, `swapped_in_blocks`), with the gauges
+`num_requests_swapped` and `cpu_cache_usage_perc` (the swap space's use); speculative decoding counts
+`spec_decode_num_drafts` and `spec_decode_num_accepted_tokens_per_pos{position}` (requests whose draft
+at that position was accepted).
+
+The registry holds `llmserve:*` without labels of its own; a scrape (`render`) exports every family
+under `llmserve:` and vLLM's `vllm:` (or one of them: `metric_names`) with a `model_name` label on
+every sample (metrics/export.py). `summary.py` reads the same families for the JSON `/v1/metrics`.
+
 To add a metric, create it with `counter`/`gauge`/`histogram` (which prefix the name and register it
 here) and update it from a step listener of your own or from `on_step`.
 """
@@ -43,9 +58,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from llmserve.metrics.export import exposition_registry
 from llmserve.metrics.ranks import RankStats
 from llmserve.metrics.stats import EngineGauges, StepStats
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.sampling_params import SamplingParams
 
 PREFIX = "llmserve:"
 _PRUNE_EVERY_STEPS = 256
@@ -96,6 +113,8 @@ ITL_BUCKETS = (
 )
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 @dataclass
@@ -104,6 +123,7 @@ class _Progress:
 
     num_tokens: int
     last_token_time: float
+    per_sample: dict[int, int]  # tokens of each of its n samples, by index
 
 
 class MetricsSource(Protocol):
@@ -112,6 +132,7 @@ class MetricsSource(Protocol):
 
     gauges: EngineGauges
     step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]]
+    request_listeners: list[Callable[[list[int], SamplingParams], None]]
 
     def has_request(self, request_id: str) -> bool: ...
 
@@ -121,8 +142,12 @@ class PrometheusMetrics:
 
     content_type = CONTENT_TYPE_LATEST  # of `render()`'s output
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, model_name: str = "", metric_names: str = "both"
+    ) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.model_name = model_name  # the `model_name` label of every exported sample
+        self.metric_names = metric_names  # exported prefixes: both, llmserve or vllm (export.py)
         self.num_requests_running = self.gauge("num_requests_running", "Requests running in the engine.")
         self.num_requests_waiting = self.gauge("num_requests_waiting", "Requests waiting (new or preempted).")
         self.kv_cache_usage = self.gauge(
@@ -181,12 +206,65 @@ class PrometheusMetrics:
         self.iteration_batch_size = self.histogram(
             "iteration_batch_size", "Requests batched per engine step.", BATCH_BUCKETS
         )
+        self._declare_operator_metrics()
         self.total_prompt_tokens = 0  # plain totals for the periodic log line
         self.total_generation_tokens = 0
         self._requests: dict[str, _Progress] = {}
         self._last_stats: StepStats | None = None
         self._is_live: Callable[[str], bool] = lambda request_id: True
         self._steps = 0
+
+    def _declare_operator_metrics(self) -> None:
+        """Preemption modes, swapping, per-request length and TPOT distributions, parameters, per-position
+        speculative acceptance."""
+        self.num_preemptions_by_mode = self.counter(
+            "num_preemptions_by_mode", "Requests preempted, by mode (swap or recompute).", ["mode"]
+        )
+        self.swapped_out_blocks = self.counter(
+            "swapped_out_blocks", "KV blocks copied to the CPU swap space."
+        )
+        self.swapped_in_blocks = self.counter(
+            "swapped_in_blocks", "KV blocks copied back from the swap space."
+        )
+        self.num_requests_swapped = self.gauge(
+            "num_requests_swapped", "Preempted requests whose KV waits in the CPU swap space."
+        )
+        self.cpu_cache_usage = self.gauge(
+            "cpu_cache_usage_perc", "Fraction of the CPU swap space's KV blocks in use (0 to 1)."
+        )
+        self.request_prompt_tokens = self.histogram(
+            "request_prompt_tokens", "Prompt tokens of finished requests.", REQUEST_TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = self.histogram(
+            "request_generation_tokens",
+            "Generated tokens of finished requests (all n samples).",
+            REQUEST_TOKEN_BUCKETS,
+        )
+        self.request_max_num_generation_tokens = self.histogram(
+            "request_max_num_generation_tokens",
+            "Tokens of the longest sample of finished requests.",
+            REQUEST_TOKEN_BUCKETS,
+        )
+        self.request_time_per_output_token = self.histogram(
+            "request_time_per_output_token_seconds",
+            "TPOT: a finished request's decode time over its longest sample's tokens after the first.",
+            ITL_BUCKETS,
+        )
+        self.request_inference_time = self.histogram(
+            "request_inference_time_seconds", "First scheduled to finish.", LATENCY_BUCKETS
+        )
+        self.request_params_n = self.histogram("request_params_n", "The n parameter of requests.", N_BUCKETS)
+        self.request_params_max_tokens = self.histogram(
+            "request_params_max_tokens", "The max_tokens parameter of requests.", REQUEST_TOKEN_BUCKETS
+        )
+        self.spec_decode_num_drafts = self.counter(
+            "spec_decode_num_drafts", "Speculative decoding: verification steps (one request) with drafts."
+        )
+        self.spec_decode_accepted_per_pos = self.counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: requests whose draft at this position the target accepted.",
+            ["position"],
+        )
 
     # -- declaring metrics ----------------------------------------------------------------------
 
@@ -213,9 +291,17 @@ class PrometheusMetrics:
         spec_decode = lambda: llm.gauges.spec_decode  # noqa: E731 - read at scrape time
         self.spec_decode_acceptance_rate.set_function(lambda: spec_decode().acceptance_rate)
         self.spec_decode_mean_accepted_length.set_function(lambda: spec_decode().mean_accepted_length)
+        self.num_requests_swapped.set_function(lambda: llm.gauges.num_swapped)
+        self.cpu_cache_usage.set_function(lambda: llm.gauges.swap_space_usage)
         self._is_live = llm.has_request
         llm.step_listeners.append(self.on_step)
+        llm.request_listeners.append(self.on_request)
         self.registry.register(RankCollector(lambda: llm.gauges.ranks))
+
+    def on_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Request listener: the parameters operators size the server by."""
+        self.request_params_n.observe(params.n)
+        self.request_params_max_tokens.observe(params.max_tokens)
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         """Step listener: per-step histograms, token counters and per-request latencies.
@@ -236,12 +322,21 @@ class PrometheusMetrics:
         self.iteration_batch_size.observe(stats.num_batched_seqs)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
+            swapped = stats.num_preemptions_swap
+            self.num_preemptions_by_mode.labels(mode="swap").inc(swapped)
+            self.num_preemptions_by_mode.labels(mode="recompute").inc(stats.num_preemptions - swapped)
+        if stats.num_swapped_out_blocks or stats.num_swapped_in_blocks:
+            self.swapped_out_blocks.inc(stats.num_swapped_out_blocks)
+            self.swapped_in_blocks.inc(stats.num_swapped_in_blocks)
         if stats.num_prefix_cache_queries:
             self.prefix_cache_queries.inc(stats.num_prefix_cache_queries)
             self.prefix_cache_hits.inc(stats.num_prefix_cache_hits)
         if stats.num_draft_tokens:
             self.spec_decode_num_draft_tokens.inc(stats.num_draft_tokens)
             self.spec_decode_num_accepted_tokens.inc(stats.num_accepted_tokens)
+            self.spec_decode_num_drafts.inc(stats.num_drafts)
+            for position, count in enumerate(stats.accepted_per_position):
+                self.spec_decode_accepted_per_pos.labels(position=str(position)).inc(count)
 
     def _observe_output(self, output: RequestOutput, now: float) -> None:
         """`output` is a delta (RequestOutputKind.DELTA): its tokens and finish reasons are new."""
@@ -249,7 +344,7 @@ class PrometheusMetrics:
         if num_new:
             progress = self._requests.get(output.request_id)
             if progress is None:
-                progress = self._requests[output.request_id] = _Progress(0, now)
+                progress = self._requests[output.request_id] = _Progress(0, now, {})
                 self._observe_first_token(output, now)
             else:
                 self.inter_token_latency.observe(now - progress.last_token_time)
@@ -257,12 +352,14 @@ class PrometheusMetrics:
             self.total_generation_tokens += num_new
             progress.num_tokens += num_new
             progress.last_token_time = now
+            for completion in output.outputs:
+                samples = progress.per_sample
+                samples[completion.index] = samples.get(completion.index, 0) + len(completion.token_ids)
         for completion in output.outputs:
             if completion.finish_reason is not None:
                 self.request_success.labels(finished_reason=_reason(completion)).inc()
         if output.finished:
-            self._requests.pop(output.request_id, None)
-            self._observe_finished(output)
+            self._observe_finished(output, self._requests.pop(output.request_id, None))
 
     def _observe_first_token(self, output: RequestOutput, now: float) -> None:
         self.prompt_tokens.inc(len(output.prompt_token_ids))
@@ -272,16 +369,24 @@ class PrometheusMetrics:
             first_token_time = metrics.first_token_time or now
             self.time_to_first_token.observe(first_token_time - metrics.arrival_time)
 
-    def _observe_finished(self, output: RequestOutput) -> None:
+    def _observe_finished(self, output: RequestOutput, progress: _Progress | None) -> None:
+        longest = max(progress.per_sample.values(), default=0) if progress is not None else 0
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(progress.num_tokens if progress is not None else 0)
+        self.request_max_num_generation_tokens.observe(longest)
         metrics = output.metrics
         if metrics is None or metrics.finished_time is None:
             return
         self.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
         if metrics.first_scheduled_time is not None:
             self.request_queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+            self.request_inference_time.observe(metrics.finished_time - metrics.first_scheduled_time)
         if metrics.first_token_time is None:
             return
-        self.request_decode_time.observe(metrics.finished_time - metrics.first_token_time)
+        decode_time = metrics.finished_time - metrics.first_token_time
+        self.request_decode_time.observe(decode_time)
+        if longest > 1:
+            self.request_time_per_output_token.observe(decode_time / (longest - 1))
         if metrics.first_scheduled_time is not None:
             self.request_prefill_time.observe(metrics.first_token_time - metrics.first_scheduled_time)
 
@@ -293,8 +398,9 @@ class PrometheusMetrics:
     # -- exposing them ---------------------------------------------------------------------------
 
     def render(self) -> bytes:
-        """The registry in the Prometheus text exposition format."""
-        return generate_latest(self.registry)
+        """The registry in the Prometheus text exposition format, under every exported prefix with the
+        `model_name` label (export.py)."""
+        return generate_latest(exposition_registry(self.registry, self.model_name, self.metric_names))
 
 
 class RankCollector(Collector):

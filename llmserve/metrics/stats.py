@@ -20,8 +20,15 @@ class StepStats:
     step_seconds: float
     num_draft_tokens: int = 0  # speculative decoding: drafts verified in the step
     num_accepted_tokens: int = 0  # of which accepted
+    num_drafts: int = 0  # requests that verified at least one draft in the step
     num_prefix_cache_queries: int = 0  # prompt tokens of requests admitted in the step, looked up
     num_prefix_cache_hits: int = 0  # of which found in the prefix cache
+    num_preemptions_swap: int = (
+        0  # of num_preemptions, those whose KV was swapped to CPU (the rest recompute)
+    )
+    num_swapped_out_blocks: int = 0  # KV blocks copied to the CPU swap space in the step
+    num_swapped_in_blocks: int = 0  # KV blocks copied back from it
+    accepted_per_position: tuple[int, ...] = ()  # speculative decoding: drafts accepted at position 0, 1, ...
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,8 @@ class EngineGauges:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_swapped: int = 0  # preempted requests whose KV waits in the CPU swap space
+    swap_space_usage: float = 0.0  # fraction of the swap space's blocks in use (0 without one)
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # totals since start-up
     ranks: tuple[RankStats, ...] = ()  # tensor parallelism: each rank's own report, rank 0 first
     failure: str | None = None  # why the engine can no longer step (a tensor-parallel rank died)

@@ -2,7 +2,9 @@
 each replica's health, load and prefix-cache counters, the hit rate over all replicas) and every
 series of every healthy replica's own /metrics with a `replica` label added (`llmserve:*`, ranks
 included), so `sum(llmserve:prefix_cache_hits_total)` over the router's scrape is the deployment's.
-`render` gives the Prometheus text, `snapshot` the same numbers as JSON (`GET /v1/metrics`).
+`render` gives the Prometheus text, `snapshot` the same numbers as JSON (`GET /v1/metrics`): each
+replica's row and the aggregate carry the summary a server's own `/v1/metrics` gives
+(metrics/summary.py), computed from the replicas' /metrics as last read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from llmserve.metrics.summary import Scrape, summary
 from llmserve.router.index import PrefixIndex
 from llmserve.router.replica import Replica
 
@@ -100,6 +103,14 @@ class RouterMetrics:
                 "prefix_cache_queries",
             )
         }
+        healthy = [r for r in replicas if r.healthy]
+        merged = Scrape()
+        for replica in healthy:
+            merged.add(replica.metric_families)
+        totals = {**summary(merged), **totals}  # the servers' summary over all healthy replicas
+        totals["kv_cache_usage_perc"] = (
+            sum(r.kv_cache_usage for r in healthy) / len(healthy) if healthy else 0.0
+        )  # a mean, not a sum: each replica has its own pool
         queries = totals["prefix_cache_queries"]
         totals["prefix_cache_hit_rate"] = totals["prefix_cache_hits"] / queries if queries else 0.0
         totals["replicas_healthy"] = sum(row["healthy"] for row in rows)
@@ -114,6 +125,7 @@ class RouterMetrics:
 
 def _replica_row(replica: Replica, indexed_blocks: int, routed: dict[str, float]) -> dict:
     return {
+        **summary(Scrape(replica.metric_families)),  # the replica's own /v1/metrics, from its /metrics
         "replica": replica.url,
         "healthy": replica.healthy,
         "last_error": None if replica.healthy else replica.last_error,

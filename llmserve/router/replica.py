@@ -144,8 +144,9 @@ class HealthChecker:
         replica.metric_families = list(text_string_to_metric_families(response.text))
         for family in replica.metric_families:
             for sample in family.samples:
-                if sample.name in _METRICS:
-                    name, kind = _METRICS[sample.name]
+                key = sample.name.replace("vllm:", "llmserve:", 1)  # a replica may export only vllm:
+                if key in _METRICS:
+                    name, kind = _METRICS[key]
                     setattr(replica, name, kind(sample.value))
 
 

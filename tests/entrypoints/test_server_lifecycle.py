@@ -23,7 +23,9 @@ def scrape(server) -> dict[str, float]:
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("le", "model_name")
+            )
             if "le" not in sample.labels:
                 samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return samples

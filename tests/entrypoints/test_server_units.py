@@ -37,6 +37,7 @@ class FailingEngine:
         self.fail_after = fail_after
         self.tokenizer = _Tokenizer()
         self.step_listeners: list = []
+        self.request_listeners: list = []
         self.is_running = True
         model = types.SimpleNamespace(max_model_len=64, arch=types.SimpleNamespace(vocab_size=256))
         self.config = types.SimpleNamespace(model=model)
@@ -113,7 +114,7 @@ def _output(request_id: str, prompt_len: int, tokens: list[int], finish: str | N
 def _samples(metrics: PrometheusMetrics) -> dict[str, float]:
     text = metrics.render().decode()
     return {
-        s.name + "".join(f"{{{v}}}" for k, v in s.labels.items() if k != "le"): s.value
+        s.name + "".join(f"{{{v}}}" for k, v in s.labels.items() if k not in ("le", "model_name")): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
         if "le" not in s.labels

@@ -39,7 +39,7 @@ def scrape(base_url: str) -> dict[str, float]:
     samples = {}
     for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics", timeout=10).text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
             samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return samples
 

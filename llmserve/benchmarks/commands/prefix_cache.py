@@ -74,4 +74,15 @@ def cmd_prefix_cache(args: argparse.Namespace) -> int:
         "engine_args": dataclasses.asdict(engine_args),
     }
     save(args, "prefix-cache", payload, uncached.engine.config.model.device)
+    if args.plot:
+        from llmserve.benchmarks.table_plot import TablePanel, plot_table
+
+        label = ["prefix_caching"]
+        plot_table(
+            [
+                TablePanel("shared-prefix throughput", rows, label, "total_tokens_per_s"),
+                TablePanel("prompt tokens from the cache", rows, label, "cached_prompt_tokens"),
+            ],
+            args.plot,
+        )
     return 0

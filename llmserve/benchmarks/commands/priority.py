@@ -80,4 +80,12 @@ def cmd_priority(args: argparse.Namespace) -> int:
         {"rows": rows, "p99_ratio": ratio, "engine_args": dataclasses.asdict(engine_args)},
         device,
     )
+    if args.plot:
+        from llmserve.benchmarks.table_plot import TablePanel, plot_table
+
+        panels = [
+            TablePanel(f"TTFT {column.replace('_', ' ')}", rows, ["policy"], column)
+            for column in ("interactive_p50_ms", "interactive_p99_ms", "batch_p50_ms")
+        ]
+        plot_table(panels, args.plot)
     return 0

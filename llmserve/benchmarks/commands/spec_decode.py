@@ -70,4 +70,8 @@ def cmd_spec_decode(args: argparse.Namespace) -> int:
     if payload["throughput"]:
         print(result_files.format_table(payload["throughput"], THROUGHPUT_COLUMNS))
     save(args, "spec-decode", {**payload, "engine_args": dataclasses.asdict(engine_args)})
+    if args.plot:
+        from llmserve.benchmarks.spec_decode import plot_spec_decode
+
+        plot_spec_decode(payload, args.plot)
     return 0

@@ -44,6 +44,7 @@ from llmserve.entrypoints.openai.server_info import server_info
 from llmserve.entrypoints.openai.serving import ApiError, ClientDisconnected, ServerContext, json_response
 from llmserve.entrypoints.openai.serving_chat import ChatHandler
 from llmserve.entrypoints.openai.serving_completions import CompletionHandler
+from llmserve.entrypoints.openai.web import routes as web_routes
 from llmserve.metrics.prometheus import PrometheusMetrics
 
 logger = logging.getLogger("llmserve.server")
@@ -76,11 +77,14 @@ def build_app(
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
     metrics = metrics or PrometheusMetrics()
+    metrics.model_name = metrics.model_name or served_model_name
     metrics.attach(engine)
     ctx = ServerContext(engine, served_model_name, max_waiting)
     app = FastAPI(title="llmserve", lifespan=_lifespan, strict_content_type=False)
     app.state.llmserve = AppState(ctx, CompletionHandler(ctx), ChatHandler(ctx), metrics)
+    app.state.api_key_required = bool(api_key)  # the playground asks for a key only then (web.py)
     app.include_router(router)
+    app.include_router(web_routes)  # the playground, the dashboard and the JSON metrics (web.py)
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
