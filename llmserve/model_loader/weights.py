@@ -12,7 +12,7 @@ import logging
 import torch
 
 from llmserve.config import ModelArchConfig
-from llmserve.model_loader import gguf_loader, hf_loader, weights_cache
+from llmserve.model_loader import family_weights, gguf_loader, hf_loader, weights_cache
 from llmserve.model_loader.default_model import is_gguf, resolve_model_path
 from llmserve.model_loader.errors import ModelLoadError
 
@@ -46,7 +46,8 @@ def _cached_arch_config(path: str) -> ModelArchConfig | None:
 
 
 def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every weight under its HF Llama name (`model.layers.0.self_attn.q_proj.weight` ...) in `dtype`.
+    """Every weight under its HF Llama name (`model.layers.0.self_attn.q_proj.weight` ...; other
+    families' layouts are brought to those, model_loader/family_weights.py) in `dtype`.
 
     A tied model has no `lm_head.weight` unless its checkpoint stores one anyway.
     """
@@ -54,7 +55,8 @@ def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     if is_gguf(path):
         arch, weights = _gguf_weights(path)
     else:
-        arch, weights = hf_loader.read_arch_config(path), hf_loader.read_weights(path)
+        arch = hf_loader.read_arch_config(path)
+        weights = family_weights.to_llama_names(arch, hf_loader.read_weights(path))
     check_weights(weights, arch, path)
     return {name: tensor.to(dtype) for name, tensor in weights.items()}
 
@@ -94,6 +96,11 @@ def expected_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
                 f"{prefix}post_attention_layernorm.weight": (hidden,),
             }
         )
+        for name, shape in family_weights.family_shapes(arch, prefix).items():
+            if shape is None:
+                del shapes[name]
+            else:
+                shapes[name] = shape
         if arch.attention_bias:
             shapes[f"{prefix}self_attn.q_proj.bias"] = (q_rows,)
             shapes[f"{prefix}self_attn.k_proj.bias"] = (kv_rows,)

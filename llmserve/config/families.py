@@ -1,0 +1,44 @@
+"""Which engine features each model family can use: a one-line error where one cannot.
+
+Families whose layers are Llama's (linear layers of the same names, norms feeding the same
+projections) take every feature. Gemma's extra norms and scaled embeddings are outside what
+quantization's calibration and folding, the early-exit and draft-head proposers (which run the
+target's embedding and layers themselves) and tensor parallelism were built and tested for; Mixtral's
+expert layers are no nn.Linear for quantization to swap and are not split over ranks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmserve.config import ModelArchConfig
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# feature -> the families that have it (the others get the error)
+_FEATURES = {
+    "quantization": LLAMA_LIKE,
+    "tensor parallelism": LLAMA_LIKE,
+    "speculative method early_exit": (*LLAMA_LIKE, "mixtral"),
+    "speculative method draft_head": (*LLAMA_LIKE, "mixtral"),
+}
+
+
+def check_family_features(
+    arch: ModelArchConfig, quantization: str | None, tensor_parallel_size: int, speculative_method: str | None
+) -> None:
+    """Raise ValueError naming the feature, the family and the families that have it."""
+    wanted = []
+    if quantization is not None:
+        wanted.append("quantization")
+    if tensor_parallel_size > 1:
+        wanted.append("tensor parallelism")
+    if speculative_method in ("early_exit", "draft_head"):
+        wanted.append(f"speculative method {speculative_method}")
+    for feature in wanted:
+        families = _FEATURES[feature]
+        if arch.architecture not in families:
+            supported = ", ".join(families)
+            raise ValueError(
+                f"{feature} does not apply to {arch.architecture} models yet (it does to: {supported})"
+            )

@@ -1,0 +1,51 @@
+"""Each supported family against transformers in float32: logits of a chunked prefill, position by
+position, and 32 greedy tokens (with a sliding window: prompt plus output longer than the window, the
+prefill's chunks crossing its edge)."""
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from tests.e2e.conftest import hf_greedy, teacher_forced_logits
+
+from .families import CASES, VOCAB, make_family_dir
+
+PROMPT_LEN = 40  # > the sliding windows (16) of the windowed cases
+CHUNK = 12  # the prefill's chunk: 40 = 12 + 12 + 12 + 4, chunks crossing the window's edge
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    hf = make_family_dir(path, request.param)
+    llm = LLM(
+        path,
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=CHUNK,
+        block_size=4,
+        kv_cache_memory="8MiB",
+    )
+    yield request.param, hf, llm
+    llm.shutdown()
+
+
+def _prompt(seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_chunked_prefill_logits_match_transformers(family):
+    _, hf, llm = family
+    tokens = _prompt(1)
+    ours = teacher_forced_logits(llm, tokens)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(ours, expected, atol=2e-4, rtol=1e-4)
+
+
+def test_32_greedy_tokens_equal_transformers(family):
+    _, hf, llm = family
+    prompts = [_prompt(2), _prompt(3)[:9]]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(hf, prompt, 32)
