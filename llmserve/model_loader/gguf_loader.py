@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's format): architecture from the metadata, tensors as HF Llama weights.
 
 Only dense models of the llama family are accepted: "llama" (Llama 1-3, SmolLM2, Mistral, which
-llama.cpp also files as llama) and "qwen2". Tensors are dequantized to float32 and renamed and
+llama.cpp also files as llama), "qwen2" and "qwen3" (q/k head norms). Tensors are dequantized to float32 and renamed and
 reshaped so they equal what HF transformers loads from the same file, including undoing the row
 permutation that llama.cpp's converter applies to the q and k projections of "llama" models.
 """
@@ -20,7 +20,7 @@ from llmserve.model_loader.errors import ModelLoadError, describe
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # llama.cpp rotates adjacent pairs of q/k elements for "llama" (its "normal" rope) and converts HF's
 # rotate-half layout by permuting rows; "qwen2" uses the neox rope, which needs no permutation.
 _ROPE_PERMUTED_ARCHITECTURES = frozenset({"llama"})
@@ -36,6 +36,8 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -89,6 +91,7 @@ def read_arch_config(reader: GGUFReader, path: str) -> ModelArchConfig:
         bos_token_id=_optional_int(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_token_ids(reader),
         sliding_window=_optional_int(reader, f"{arch}.attention.sliding_window"),
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
 
 
