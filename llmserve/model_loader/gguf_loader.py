@@ -2,8 +2,9 @@
 
 Only dense models of the llama family are accepted: "llama" (Llama 1-3, SmolLM2, Mistral, which
 llama.cpp also files as llama), "qwen2" and "qwen3" (q/k head norms). Tensors are dequantized to
-float32 and renamed and reshaped so they equal what HF transformers loads from the same file, including undoing the row
-permutation that llama.cpp's converter applies to the q and k projections of "llama" models.
+float32 and renamed and reshaped so they equal what HF transformers loads from the same file,
+including undoing the row permutation that llama.cpp's converter applies to the q and k projections
+of "llama" models.
 """
 
 from __future__ import annotations
