@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from llmserve.config import ModelArchConfig
 
+ROPE_SCALING_TYPES = ("default", "linear", "llama3", "longrope")  # models/layers/rotary.py computes these
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # feature -> the families that have it (the others get the error)
 _FEATURES = {
@@ -42,3 +43,14 @@ def check_family_features(
             raise ValueError(
                 f"{feature} does not apply to {arch.architecture} models yet (it does to: {supported})"
             )
+
+
+def rope_scaling_type(scaling: dict | None) -> str:
+    """The rope_scaling dict's type ("su" is LongRoPE's old name); a one-line error if not implemented."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = "longrope" if kind == "su" else kind
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_SCALING_TYPES)})"
+        )
+    return kind

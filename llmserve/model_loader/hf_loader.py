@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from llmserve.config import ModelArchConfig
+from llmserve.config.families import rope_scaling_type
 from llmserve.model_loader.errors import ModelLoadError, describe
-from llmserve.models.layers.rotary import rope_scaling_type
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

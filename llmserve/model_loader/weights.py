@@ -39,7 +39,12 @@ def _cached_arch_config(path: str) -> ModelArchConfig | None:
     if fields is None:
         return None
     try:
-        return ModelArchConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+        layer_types = fields.get("layer_types")
+        tuples = {
+            "eos_token_ids": tuple(fields["eos_token_ids"]),
+            "layer_types": layer_types and tuple(layer_types),
+        }
+        return ModelArchConfig(**{**fields, **tuples})
     except (TypeError, KeyError) as error:  # written with other fields: the caller parses the GGUF again
         logger.warning("ignoring a cached architecture of %s with other fields (%s)", path, error)
         return None

@@ -1,5 +1,6 @@
-"""A Qwen3 GGUF written as llama.cpp lays it out reads back as transformers' own GGUF loading reads it
-(an independent reader), and serves the logits of the HF model it was written from."""
+"""GGUF files of the newer families, written as llama.cpp's converter lays them out, read back by our
+loader exactly as transformers' own GGUF loading reads them (an independent reader): every tensor
+equal, and the architecture fields that decide the forward pass equal to transformers' config."""
 
 import numpy as np
 import pytest
@@ -10,20 +11,25 @@ from llmserve.model_loader import load_arch_config, load_weights
 
 gguf = pytest.importorskip("gguf")
 
+# transformers' GGUF reader takes head_dim only from Gemma's metadata and leaves query_pre_attn_scalar
+# at its default (256), which llama.cpp's 1/sqrt(head_dim) equals at head_dim 256, as in real Gemmas
+HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3": 256}
 TINY = dict(
     vocab_size=97,
     hidden_size=64,
     intermediate_size=96,
-    num_hidden_layers=2,
+    num_hidden_layers=6,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=128,  # transformers reads no key_length for qwen3: its default head_dim (as real Qwen3s)
     max_position_embeddings=256,
     rms_norm_eps=1e-5,
-    rope_theta=50000.0,
-    tie_word_embeddings=False,
 )
-# llama.cpp's tensor names for Qwen3 (its converter's table, written out here independently)
+CLASSES = {
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=50000.0)),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(sliding_window=16)),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(sliding_window=16)),
+}
+# llama.cpp's tensor names (its converter's tables, written out here independently of the loader's)
 LAYER_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -35,7 +41,12 @@ LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
+}
+LLAMA_NORMS = {"post_attention_layernorm": "ffn_norm"}
+GEMMA_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -44,56 +55,85 @@ GLOBAL_NAMES = {
 }
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, arch: str) -> str:
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+    names = {**LAYER_NAMES, **(GEMMA_NORMS if arch.startswith("gemma") else LLAMA_NORMS)}
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
-def write_qwen3_gguf(path) -> transformers.Qwen3ForCausalLM:
+def write_gguf(path, arch: str) -> None:
+    config_cls, model_cls, extra = CLASSES[arch]
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(1.0 if param.dim() == 1 else 0.0, 0.2)
-    writer = gguf.GGUFWriter(str(path), "qwen3")
+    model = model_cls(config_cls(**TINY, head_dim=HEAD_DIM[arch], **extra)).eval()
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(TINY["num_hidden_layers"])
     writer.add_context_length(TINY["max_position_embeddings"])
     writer.add_embedding_length(TINY["hidden_size"])
     writer.add_feed_forward_length(TINY["intermediate_size"])
     writer.add_head_count(TINY["num_attention_heads"])
     writer.add_head_count_kv(TINY["num_key_value_heads"])
-    writer.add_key_length(TINY["head_dim"])
-    writer.add_value_length(TINY["head_dim"])
+    writer.add_key_length(HEAD_DIM[arch])
+    writer.add_value_length(HEAD_DIM[arch])
     writer.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
-    writer.add_rope_freq_base(TINY["rope_theta"])
+    writer.add_rope_freq_base(extra.get("rope_theta", model.config.rope_parameters.get("rope_theta", 1e6)))
     writer.add_vocab_size(TINY["vocab_size"])
+    if "sliding_window" in extra:
+        writer.add_sliding_window(extra["sliding_window"])
+    if arch == "gemma2":  # llama.cpp's converter writes Gemma 2's caps (transformers' defaults here)
+        writer.add_float32("gemma2.attn_logit_softcapping", model.config.attn_logit_softcapping)
+        writer.add_float32("gemma2.final_logit_softcapping", model.config.final_logit_softcapping)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     for name, tensor in model.state_dict().items():
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(tensor.numpy()))
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        array = tensor.detach().clone().normal_(1.0 if tensor.dim() == 1 else 0.0, 0.2).numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            array = array + 1  # llama.cpp's converter stores Gemma's (1 + w)
+        writer.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return model
 
 
-def test_qwen3_gguf_reads_as_transformers_reads_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", list(CLASSES))
+def test_gguf_reads_as_transformers_reads_it(tmp_path, monkeypatch, arch):
     monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "tiny-qwen3.gguf"
-    write_qwen3_gguf(path)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, arch)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=path.name, dtype=torch.float32
     )
-    assert type(reference).__name__ == "Qwen3ForCausalLM"
-    expected = reference.state_dict()
+    assert type(reference).__name__ == CLASSES[arch][1].__name__
+    expected = {
+        n: t
+        for n, t in reference.state_dict().items()
+        if not (n == "lm_head.weight" and reference.config.tie_word_embeddings)
+    }
     ours = load_weights(str(path), torch.float32)
     assert set(ours) == set(expected)
     for name, tensor in expected.items():
         assert torch.equal(ours[name], tensor), name
-    arch = load_arch_config(str(path))
-    assert (arch.architecture, arch.qk_norm, arch.head_dim, arch.rope_theta) == ("qwen3", True, 128, 50000.0)
-    assert (arch.num_key_value_heads, arch.tie_word_embeddings, arch.attention_bias) == (2, False, False)
+    config, ours_arch = reference.config, load_arch_config(str(path))
+    assert ours_arch.architecture == arch
+    assert (ours_arch.head_dim, ours_arch.num_key_value_heads) == (
+        config.head_dim,
+        config.num_key_value_heads,
+    )
+    assert ours_arch.rope_theta == config.rope_parameters.get(
+        "rope_theta", config.rope_parameters.get("full_attention", {}).get("rope_theta")
+    )
+    assert ours_arch.tie_word_embeddings == config.tie_word_embeddings
+    assert ours_arch.qk_norm == (arch != "gemma2")
+    if arch.startswith("gemma"):
+        assert ours_arch.layer_types == tuple(config.layer_types)
+        assert ours_arch.sliding_window == config.sliding_window
+        assert ours_arch.query_pre_attn_scalar == config.query_pre_attn_scalar
+        assert ours_arch.attn_logit_softcapping == config.attn_logit_softcapping
+        assert ours_arch.final_logit_softcapping == config.final_logit_softcapping
+    if arch == "gemma3":
+        assert ours_arch.rope_local_theta == config.rope_parameters["sliding_attention"]["rope_theta"]

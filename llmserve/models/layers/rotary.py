@@ -6,9 +6,8 @@ import math
 
 import torch
 
+from llmserve.config.families import rope_scaling_type
 from llmserve.models.layers.custom_op import CustomOp
-
-ROPE_SCALING_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_inverse_frequencies(
@@ -26,17 +25,6 @@ def rope_inverse_frequencies(
     if kind == "llama3":
         return _llama3_scaling(inv_freq, scaling), 1.0
     return _longrope_scaling(inv_freq, scaling, max_positions)
-
-
-def rope_scaling_type(scaling: dict | None) -> str:
-    """The rope_scaling dict's type, checked against those implemented (a one-line error otherwise)."""
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    kind = "longrope" if kind == "su" else kind
-    if kind not in ROPE_SCALING_TYPES:
-        raise ValueError(
-            f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_SCALING_TYPES)})"
-        )
-    return kind
 
 
 def _longrope_scaling(
