@@ -36,6 +36,8 @@ def check_family_features(
         wanted.append("tensor parallelism")
     if speculative_method in ("early_exit", "draft_head"):
         wanted.append(f"speculative method {speculative_method}")
+    if quantization == "gguf" and arch.architecture == "phi3":  # its fused GGUF blocks are not cut per part
+        raise ValueError("quantization gguf does not apply to phi3 models yet (the other methods do)")
     for feature in wanted:
         families = _FEATURES[feature]
         if arch.architecture not in families:

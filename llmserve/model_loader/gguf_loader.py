@@ -1,8 +1,10 @@
 """GGUF files (llama.cpp's format): architecture from the metadata, tensors as HF Llama weights.
 
 Only dense models are accepted: "llama" (Llama 1-3, SmolLM2, Mistral, which llama.cpp also files as
-llama), "qwen2", "qwen3" (q/k head norms), "gemma2" and "gemma3" (whose norm weights llama.cpp
-stores as 1 + w: 1 is taken off again, as transformers does). Tensors are dequantized to
+llama), "qwen2", "qwen3" (q/k head norms), "phi3" (fused attn_qkv and gate/up ffn_up, split by
+model_loader/family_weights.py as an HF checkpoint's; LongRoPE's factor tensors are refused), "gemma2"
+and "gemma3" (whose norm weights llama.cpp stores as 1 + w: 1 is taken off again, as transformers
+does). Tensors are dequantized to
 float32 and renamed and reshaped so they equal what HF transformers loads from the same file,
 including undoing the row permutation that llama.cpp's converter applies to the q and k projections
 of "llama" models.
@@ -22,7 +24,7 @@ from llmserve.model_loader.errors import ModelLoadError, describe
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 _GEMMA = frozenset({"gemma2", "gemma3"})
 # llama.cpp's Gemma layouts: every `pattern`-th layer global, the others sliding; local rope base
 _GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
@@ -51,6 +53,7 @@ _GEMMA_LAYER_TENSORS = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
@@ -104,8 +107,15 @@ def read_arch_config(reader: GGUFReader, path: str) -> ModelArchConfig:
         eos_token_ids=_eos_token_ids(reader),
         sliding_window=_optional_int(reader, f"{arch}.attention.sliding_window"),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        partial_rotary_factor=_partial_rotary_factor(reader, arch, hidden, heads, path),
         **(_gemma_fields(reader, arch, hidden, heads, path) if arch in _GEMMA else {}),
     )
+
+
+def _partial_rotary_factor(reader: GGUFReader, arch: str, hidden: int, heads: int, path: str) -> float:
+    """Rope's share of each head: `rope.dimension_count` over the head size (Phi-4-mini: 0.75)."""
+    rotary = _field(reader, f"{arch}.rope.dimension_count")
+    return 1.0 if rotary is None else int(rotary) / _head_dim(reader, arch, hidden, heads, path)
 
 
 def _gemma_fields(reader: GGUFReader, arch: str, hidden: int, heads: int, path: str) -> dict[str, Any]:
@@ -228,6 +238,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if match:
         layer, part, kind = match.groups()
         names = _GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS
+        names = _PHI3_LAYER_TENSORS if arch == "phi3" else names
         return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
     match = _GLOBAL_TENSOR.fullmatch(gguf_name)
     if match and match.group(1) in _GLOBAL_TENSORS:

@@ -73,7 +73,7 @@ def _gguf_weights(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
         return load_arch_config(path), cached
     reader = gguf_loader.open_gguf(path)
     arch = gguf_loader.read_arch_config(reader, path)
-    weights = gguf_loader.read_weights(reader, arch, path)
+    weights = family_weights.to_llama_names(arch, gguf_loader.read_weights(reader, arch, path))
     check_weights(weights, arch, path)  # never cache a file that cannot be served
     weights_cache.save_json(path, _ARCH_FILE, dataclasses.asdict(arch))
     weights_cache.save_weights(path, weights)

@@ -17,7 +17,12 @@ from .families import make_family_dir
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
     paths = {}
-    for case in ("gemma2-softcap-interleaved-window", "mixtral-top2-of-4", "qwen3-qk-norm"):
+    for case in (
+        "gemma2-softcap-interleaved-window",
+        "mixtral-top2-of-4",
+        "qwen3-qk-norm",
+        "phi3-partial-rotary",
+    ):
         paths[case.split("-")[0]] = path = str(tmp_path_factory.mktemp(case))
         make_family_dir(path, case)
     return paths
@@ -60,6 +65,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     [
         ("gemma2", dict(quantization="int8"), "quantization does not apply to gemma2 models"),
         ("mixtral", dict(quantization="int8"), "quantization does not apply to mixtral models"),
+        ("phi3", dict(quantization="gguf"), "quantization gguf does not apply to phi3 models"),
         ("gemma2", dict(tensor_parallel_size=2), "tensor parallelism does not apply to gemma2 models"),
         ("mixtral", dict(tensor_parallel_size=2), "tensor parallelism does not apply to mixtral models"),
         (

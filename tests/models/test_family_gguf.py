@@ -13,7 +13,8 @@ gguf = pytest.importorskip("gguf")
 
 # transformers' GGUF reader takes head_dim only from Gemma's metadata and leaves query_pre_attn_scalar
 # at its default (256), which llama.cpp's 1/sqrt(head_dim) equals at head_dim 256, as in real Gemmas
-HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3": 256}
+# (Phi-3: none read at all, so hidden / heads)
+HEAD_DIM = {"qwen3": 128, "phi3": 16, "gemma2": 256, "gemma3": 256}
 TINY = dict(
     vocab_size=97,
     hidden_size=64,
@@ -26,6 +27,7 @@ TINY = dict(
 )
 CLASSES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=50000.0)),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(rope_theta=30000.0, pad_token_id=0)),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(sliding_window=16)),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(sliding_window=16)),
 }
@@ -35,6 +37,8 @@ LAYER_NAMES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate",
@@ -87,6 +91,7 @@ def write_gguf(path, arch: str) -> None:
         writer.add_float32("gemma2.final_logit_softcapping", model.config.final_logit_softcapping)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)  # Phi3Config defaults to 32000, outside this vocabulary
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
@@ -98,6 +103,21 @@ def write_gguf(path, arch: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _split_phi3(state):
+    q_rows = TINY["num_attention_heads"] * HEAD_DIM["phi3"]
+    kv_rows = TINY["num_key_value_heads"] * HEAD_DIM["phi3"]
+    for name, tensor in state.items():
+        if "qkv_proj" in name:
+            yield name.replace("qkv_proj", "q_proj"), tensor[:q_rows]
+            yield name.replace("qkv_proj", "k_proj"), tensor[q_rows : q_rows + kv_rows]
+            yield name.replace("qkv_proj", "v_proj"), tensor[q_rows + kv_rows :]
+        elif "gate_up_proj" in name:
+            yield name.replace("gate_up_proj", "gate_proj"), tensor[: TINY["intermediate_size"]]
+            yield name.replace("gate_up_proj", "up_proj"), tensor[TINY["intermediate_size"] :]
+        else:
+            yield name, tensor
 
 
 @pytest.mark.parametrize("arch", list(CLASSES))
@@ -114,21 +134,21 @@ def test_gguf_reads_as_transformers_reads_it(tmp_path, monkeypatch, arch):
         for n, t in reference.state_dict().items()
         if not (n == "lm_head.weight" and reference.config.tie_word_embeddings)
     }
+    if arch == "phi3":  # our loader splits the fused tensors into Llama's names, as for HF checkpoints
+        expected = dict(_split_phi3(expected))
     ours = load_weights(str(path), torch.float32)
     assert set(ours) == set(expected)
     for name, tensor in expected.items():
         assert torch.equal(ours[name], tensor), name
     config, ours_arch = reference.config, load_arch_config(str(path))
     assert ours_arch.architecture == arch
-    assert (ours_arch.head_dim, ours_arch.num_key_value_heads) == (
-        config.head_dim,
-        config.num_key_value_heads,
-    )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert (ours_arch.head_dim, ours_arch.num_key_value_heads) == (head_dim, config.num_key_value_heads)
     assert ours_arch.rope_theta == config.rope_parameters.get(
         "rope_theta", config.rope_parameters.get("full_attention", {}).get("rope_theta")
     )
     assert ours_arch.tie_word_embeddings == config.tie_word_embeddings
-    assert ours_arch.qk_norm == (arch != "gemma2")
+    assert ours_arch.qk_norm == (arch in ("qwen3", "gemma3"))
     if arch.startswith("gemma"):
         assert ours_arch.layer_types == tuple(config.layer_types)
         assert ours_arch.sliding_window == config.sliding_window
