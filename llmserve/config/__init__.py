@@ -64,6 +64,8 @@ class ModelArchConfig:
     num_experts: int = 0  # mixture-of-experts layers' experts (Mixtral); 0: dense MLPs
     num_experts_per_tok: int = 0  # experts each token is routed to
     moe_intermediate_size: int | None = None  # each expert's hidden units; None: intermediate_size
+    norm_topk_prob: bool = True  # renormalize the chosen experts' weights to sum 1 (Qwen3-MoE: a flag)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a mixture-of-experts model (Qwen3-MoE)
 
     @property
     def kv_elements_per_token(self) -> int:

@@ -20,8 +20,8 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 _FEATURES = {
     "quantization": LLAMA_LIKE,
     "tensor parallelism": LLAMA_LIKE,
-    "speculative method early_exit": (*LLAMA_LIKE, "mixtral"),
-    "speculative method draft_head": (*LLAMA_LIKE, "mixtral"),
+    "speculative method early_exit": (*LLAMA_LIKE, "mixtral", "qwen3_moe"),
+    "speculative method draft_head": (*LLAMA_LIKE, "mixtral", "qwen3_moe"),
 }
 
 

@@ -3,9 +3,9 @@ tensors each family has beyond Llama's.
 
 - Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: split here, so quantization
   and tensor parallelism see Llama's tensors.
-- Mixtral stores each expert's w1 (gate), w3 (up), w2 (down) under block_sparse_moe.experts.N:
-  stacked here into mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj [E, H, I], the
-  router as mlp.gate.
+- Mixtral stores each expert's w1 (gate), w3 (up), w2 (down) under block_sparse_moe.experts.N,
+  Qwen3-MoE its gate_proj, up_proj, down_proj under mlp.experts.N: stacked here into
+  mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj [E, H, I], the router as mlp.gate.
 """
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ import torch
 
 from llmserve.config import ModelArchConfig
 
-_EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+# Mixtral's w1 (gate), w3 (up), w2 (down); Qwen3-MoE's gate_proj, up_proj, down_proj
+_EXPERT = re.compile(
+    r"(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123]|gate_proj|up_proj|down_proj)\.weight$"
+)
+_PART = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
 def to_llama_names(arch: ModelArchConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -47,7 +51,7 @@ def _stack_experts(arch: ModelArchConfig, weights: dict[str, torch.Tensor]) -> d
     for name, tensor in weights.items():
         match = _EXPERT.match(name)
         if match:
-            experts.setdefault(match[1], {})[(int(match[2]), match[3])] = tensor
+            experts.setdefault(match[1], {})[(int(match[2]), _PART[match[3]])] = tensor
         else:
             out[name.replace(".block_sparse_moe.", ".mlp.")] = tensor
     for layer, parts in experts.items():
@@ -55,9 +59,9 @@ def _stack_experts(arch: ModelArchConfig, weights: dict[str, torch.Tensor]) -> d
             continue  # incomplete: check_weights names the stacked tensor as missing
         count = range(arch.num_experts)
         out[f"{layer}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat((parts[(e, "w1")], parts[(e, "w3")])) for e in count]
+            [torch.cat((parts[(e, "gate")], parts[(e, "up")])) for e in count]
         )
-        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([parts[(e, "w2")] for e in count])
+        out[f"{layer}.mlp.experts.down_proj"] = torch.stack([parts[(e, "down")] for e in count])
     return out
 
 
@@ -71,7 +75,7 @@ def family_shapes(arch: ModelArchConfig, prefix: str) -> dict[str, tuple[int, ..
     if arch.architecture in ("gemma2", "gemma3"):
         shapes[f"{prefix}pre_feedforward_layernorm.weight"] = (hidden,)
         shapes[f"{prefix}post_feedforward_layernorm.weight"] = (hidden,)
-    if arch.num_experts:
+    if arch.num_experts and int(prefix.split(".")[2]) not in arch.dense_layers:
         units = arch.moe_intermediate_size or arch.intermediate_size
         for name in ("gate_proj", "up_proj", "down_proj"):
             shapes[f"{prefix}mlp.{name}.weight"] = None

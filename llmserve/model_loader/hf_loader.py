@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _INDEX_FILE = "model.safetensors.index.json"
@@ -77,13 +78,19 @@ def _family_fields(config: dict[str, Any], arch: str, local_theta: float | None,
     """The ModelArchConfig fields only some families set (their defaults mean "as Llama")."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     fields: dict[str, Any] = {
-        "qk_norm": arch in ("qwen3", "gemma3"),
+        "qk_norm": arch in ("qwen3", "gemma3", "qwen3_moe"),
         "partial_rotary_factor": float(
             rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
         ),
-        "num_experts": int(config.get("num_local_experts") or 0),
+        "num_experts": int(config.get("num_local_experts") or config.get("num_experts") or 0),
         "num_experts_per_tok": int(config.get("num_experts_per_tok") or 0),
     }
+    if arch == "qwen3_moe":
+        fields.update(
+            moe_intermediate_size=int(config["moe_intermediate_size"]),
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            dense_layers=_dense_layers(config),
+        )
     if arch in ("gemma2", "gemma3"):
         act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in _ACTIVATIONS:
@@ -98,6 +105,14 @@ def _family_fields(config: dict[str, Any], arch: str, local_theta: float | None,
             rope_local_theta=local_theta,
         )
     return fields
+
+
+def _dense_layers(config: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen3-MoE's layers with a dense MLP: those in mlp_only_layers or off the decoder_sparse_step."""
+    step = int(config.get("decoder_sparse_step") or 1)
+    only = set(config.get("mlp_only_layers") or ())
+    layers = range(int(config["num_hidden_layers"]))
+    return tuple(i for i in layers if i in only or (i + 1) % step)
 
 
 def _gemma_layer_types(config: dict[str, Any]) -> list[str]:

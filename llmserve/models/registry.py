@@ -14,6 +14,7 @@ from llmserve.models.llama import LlamaForCausalLM
 from llmserve.models.mixtral import MixtralForCausalLM
 from llmserve.models.phi3 import Phi3ForCausalLM
 from llmserve.models.qwen3 import Qwen3ForCausalLM
+from llmserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -24,6 +25,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

@@ -116,6 +116,11 @@ CASES: dict[str, tuple[type, type, dict]] = {
         transformers.MixtralForCausalLM,
         dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, rope_theta=40000.0),
     ),
+    "qwen3-moe-dense-layer": (  # layer 1 dense, experts' weights not renormalized
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1]),
+    ),
 }
 
 

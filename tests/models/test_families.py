@@ -49,3 +49,17 @@ def test_32_greedy_tokens_equal_transformers(family):
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(hf, prompt, 32)
+
+
+@pytest.mark.cpu_kernels("avx2")
+def test_fused_decode_stack_serves_llama_layers_and_is_off_for_the_others(family):
+    """The stack runs Llama's layer exactly (Llama, Mistral, Phi-3 with whole-head rope); every other
+    family's runner has none, so its decode steps take the modules (never a stack that ignores a norm)."""
+    case, _, llm = family
+    runner = llm.engine.model_runner
+    llm.generate([_prompt(4)[:5]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    if runner.model.fused_decode_stack:
+        assert case.startswith(("llama", "mistral", "phi3-longrope-long"))
+        assert runner.decode_stack is not None and runner.decode_stack.calls > 0
+    else:
+        assert runner.decode_stack is None

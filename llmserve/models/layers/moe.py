@@ -40,16 +40,21 @@ class MoEExperts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Mixtral's block: a router (`gate`), softmax over all experts, the top k renormalized to sum 1."""
+    """A router (`gate`), softmax over all experts, the top k; Mixtral renormalizes them to sum 1,
+    Qwen3-MoE where `norm_topk_prob` says so."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool = True
+    ) -> None:
         super().__init__()
         self.top_k = top_k
+        self.renormalize = renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = MoEExperts(num_experts, hidden_size, intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         probs = self.gate(hidden).float().softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         return self.experts(hidden, weights, experts)
