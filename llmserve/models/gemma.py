@@ -130,4 +130,4 @@ class GemmaForCausalLM(LlamaForCausalLM):
         cap = self.arch.final_logit_softcapping
         if logits is None or not cap:
             return logits
-        return torch.tanh(logits / cap) * cap
+        return logits.div_(cap).tanh_().mul_(cap)  # in place: a fresh float32 tensor

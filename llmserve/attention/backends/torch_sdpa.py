@@ -124,9 +124,8 @@ def attend(query, keys, values, mask: torch.Tensor, scale: float, softcap: float
     groups = query.shape[-3] // keys.shape[-3]
     keys = keys.repeat_interleave(groups, dim=-3)
     values = values.repeat_interleave(groups, dim=-3)
-    scores = (query @ keys.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = (query @ keys.transpose(-1, -2)).float().mul_(scale / softcap).tanh_().mul_(softcap)
+    scores = scores.masked_fill_(~mask, float("-inf"))
     return scores.softmax(dim=-1).to(values.dtype) @ values
 
 
