@@ -63,3 +63,30 @@ def test_fused_decode_stack_serves_llama_layers_and_is_off_for_the_others(family
         assert runner.decode_stack is not None and runner.decode_stack.calls > 0
     else:
         assert runner.decode_stack is None
+
+
+def test_prefix_cache_hit_and_ngram_speculation_keep_transformers_tokens(family):
+    """A second run of a prompt reuses its cached blocks (not with an engine-wide window, which turns
+    the prefix cache off), and ngram speculation verifies drafts through each family's forward: both
+    give transformers' 32 greedy tokens."""
+    case, hf, llm = family
+    prompt = _prompt(6)[:10] * 3  # repeats: ngram finds drafts in it
+    expected = hf_greedy(hf, prompt, 32)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    llm.generate([prompt], params, use_tqdm=False)
+    (again,) = llm.generate([prompt], params, use_tqdm=False)
+    assert again.outputs[0].token_ids == expected
+    assert (again.num_cached_tokens > 0) == (not case.startswith("mistral"))
+    speculative = LLM(
+        llm.engine.config.model.path,
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory="8MiB",
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
+    try:
+        (output,) = speculative.generate([prompt], params, use_tqdm=False)
+    finally:
+        speculative.shutdown()
+    assert output.outputs[0].token_ids == expected
