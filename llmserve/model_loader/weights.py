@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _ARCH_FILE = "arch.json"
 _MAX_NAMES_IN_MESSAGE = 3
+_TUPLE_FIELDS = ("layer_types", "dense_layers")  # besides eos_token_ids: JSON gives lists back
 
 
 def load_arch_config(path: str) -> ModelArchConfig:
@@ -39,12 +40,8 @@ def _cached_arch_config(path: str) -> ModelArchConfig | None:
     if fields is None:
         return None
     try:
-        layer_types = fields.get("layer_types")
-        tuples = {
-            "eos_token_ids": tuple(fields["eos_token_ids"]),
-            "layer_types": layer_types and tuple(layer_types),
-        }
-        return ModelArchConfig(**{**fields, **tuples})
+        tuples = {key: tuple(fields[key]) for key in _TUPLE_FIELDS if fields.get(key) is not None}
+        return ModelArchConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"]), **tuples})
     except (TypeError, KeyError) as error:  # written with other fields: the caller parses the GGUF again
         logger.warning("ignoring a cached architecture of %s with other fields (%s)", path, error)
         return None
