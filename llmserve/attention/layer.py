@@ -33,3 +33,38 @@ class Attention(nn.Module):
             self.scale,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+
+class LocalAttention(Attention):
+    """Attention with options of its own layer: a scale other than head_dim's, a sliding window of
+    its layer kind (Gemma's interleaved local and global layers; the KV cache keeps every position,
+    the window only masks), and soft-capped scores (Gemma 2: cap * tanh(scores / cap))."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim)
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        out = self.backend.forward(
+            query.view(num_tokens, self.num_heads, self.head_dim),
+            key.view(num_tokens, self.num_kv_heads, self.head_dim),
+            value.view(num_tokens, self.num_kv_heads, self.head_dim),
+            self.key_cache,
+            self.value_cache,
+            get_attention_metadata(),
+            self.scale,
+            window=self.sliding_window,
+            softcap=self.softcap,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -23,8 +23,17 @@ def get_attention_backend(name: str = "torch", kv_cache_dtype: str = "auto"):
     return _BACKENDS[name](kv_cache_dtype)
 
 
-def select_attention_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto"):
-    """Resolve "auto": the compiled paged kernel on CPU when it builds, else the reference."""
+def select_attention_backend(
+    name: str, device: torch.device, kv_cache_dtype: str = "auto", reference_only: bool = False
+):
+    """Resolve "auto": the compiled paged kernel on CPU when it builds, else the reference (always
+    the reference for a model whose scores are soft-capped: `reference_only`)."""
+    if reference_only and name not in ("auto", TorchSDPABackend.name):
+        raise ValueError(
+            f"attention backend {name!r} cannot soft-cap attention scores (this model's); use auto or torch"
+        )
+    if reference_only:
+        return get_attention_backend(TorchSDPABackend.name, kv_cache_dtype)
     if name != "auto":
         return get_attention_backend(name, kv_cache_dtype)
     if device.type == "cpu":

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmserve.attention.kv_format import get_kv_cache_format
+from llmserve.config.families import check_family_features
 from llmserve.config.kv_events import KVEventsConfig
 from llmserve.config.parallel import NodeArgs, ParallelConfig
 from llmserve.config.quantization import QuantizationConfig
@@ -32,7 +33,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class ModelArchConfig:
     """Architecture hyper-parameters, read from a HF config.json or from GGUF metadata."""
 
-    architecture: str  # "llama" family: Llama 2/3, SmolLM2, Mistral, Qwen2
+    architecture: str  # a key of models/registry.py (llama, mistral, qwen2, qwen3, phi3, gemma2, ...)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -49,6 +50,22 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    # Family features (models/registry.py picks the module classes that read them)
+    qk_norm: bool = False  # RMSNorm of each query and key head before rope (Qwen3, Gemma 3)
+    partial_rotary_factor: float = 1.0  # rope rotates this fraction of each head (Phi-3/4)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh" (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma); None: head_dim
+    attn_logit_softcapping: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the output logits (Gemma 2)
+    # per layer "sliding_attention" (attends within sliding_window) or "full_attention" (Gemma 2/3);
+    # None: every layer alike (all sliding when sliding_window is set, as Mistral)
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # rope base of sliding layers (Gemma 3); None: rope_theta
+    num_experts: int = 0  # mixture-of-experts layers' experts (Mixtral); 0: dense MLPs
+    num_experts_per_tok: int = 0  # experts each token is routed to
+    moe_intermediate_size: int | None = None  # each expert's hidden units; None: intermediate_size
+    norm_topk_prob: bool = True  # renormalize the chosen experts' weights to sum 1 (Qwen3-MoE: a flag)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a mixture-of-experts model (Qwen3-MoE)
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -291,6 +308,7 @@ class EngineArgs:
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         get_kv_cache_format(self.kv_cache_dtype)  # validates the name
         parallel = self._parallel(arch)
+        check_family_features(arch, self.quantization, parallel.tensor_parallel_size, self.speculative_method)
         # per rank: each pool holds its rank's KV heads of its stage's layers, as many blocks as the
         # rank with the most heads in the stage with the most layers
         kv_heads = parallel.max_kv_heads_per_rank(arch.num_key_value_heads)
@@ -405,7 +423,12 @@ class EngineArgs:
 
     def _window(self, arch: ModelArchConfig, max_model_len: int) -> tuple[int, int]:
         """(window, sinks); (0, 0) when no sequence can outgrow sinks + window anyway."""
-        window = self.sliding_window if self.sliding_window is not None else (arch.sliding_window or 0)
+        if arch.layer_types is not None and self.sliding_window is not None:
+            raise ValueError(
+                f"--sliding-window does not combine with {arch.architecture}'s per-layer windows"
+            )
+        model_window = 0 if arch.layer_types is not None else (arch.sliding_window or 0)  # those mask only
+        window = self.sliding_window if self.sliding_window is not None else model_window
         if window < 0 or (self.sliding_window is not None and window < 1):
             raise ValueError(f"sliding_window must be >= 1, got {window}")
         if self.attention_sinks < 0:

@@ -1,9 +1,13 @@
 """GGUF files (llama.cpp's format): architecture from the metadata, tensors as HF Llama weights.
 
-Only dense models of the llama family are accepted: "llama" (Llama 1-3, SmolLM2, Mistral, which
-llama.cpp also files as llama) and "qwen2". Tensors are dequantized to float32 and renamed and
-reshaped so they equal what HF transformers loads from the same file, including undoing the row
-permutation that llama.cpp's converter applies to the q and k projections of "llama" models.
+Only dense models are accepted: "llama" (Llama 1-3, SmolLM2, Mistral, which llama.cpp also files as
+llama), "qwen2", "qwen3" (q/k head norms), "phi3" (fused attn_qkv and gate/up ffn_up, split by
+model_loader/family_weights.py as an HF checkpoint's; LongRoPE's factor tensors are refused), "gemma2"
+and "gemma3" (whose norm weights llama.cpp stores as 1 + w: 1 is taken off again, as transformers
+does). Tensors are dequantized to
+float32 and renamed and reshaped so they equal what HF transformers loads from the same file,
+including undoing the row permutation that llama.cpp's converter applies to the q and k projections
+of "llama" models.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from llmserve.model_loader.errors import ModelLoadError, describe
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+_GEMMA = frozenset({"gemma2", "gemma3"})
+# llama.cpp's Gemma layouts: every `pattern`-th layer global, the others sliding; local rope base
+_GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # llama.cpp rotates adjacent pairs of q/k elements for "llama" (its "normal" rope) and converts HF's
 # rotate-half layout by permuting rows; "qwen2" uses the neox rope, which needs no permutation.
 _ROPE_PERMUTED_ARCHITECTURES = frozenset({"llama"})
@@ -36,7 +44,16 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
@@ -89,7 +106,36 @@ def read_arch_config(reader: GGUFReader, path: str) -> ModelArchConfig:
         bos_token_id=_optional_int(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_token_ids(reader),
         sliding_window=_optional_int(reader, f"{arch}.attention.sliding_window"),
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        partial_rotary_factor=_partial_rotary_factor(reader, arch, hidden, heads, path),
+        **(_gemma_fields(reader, arch, hidden, heads, path) if arch in _GEMMA else {}),
     )
+
+
+def _partial_rotary_factor(reader: GGUFReader, arch: str, hidden: int, heads: int, path: str) -> float:
+    """Rope's share of each head: `rope.dimension_count` over the head size (Phi-4-mini: 0.75)."""
+    rotary = _field(reader, f"{arch}.rope.dimension_count")
+    return 1.0 if rotary is None else int(rotary) / _head_dim(reader, arch, hidden, heads, path)
+
+
+def _gemma_fields(reader: GGUFReader, arch: str, hidden: int, heads: int, path: str) -> dict[str, Any]:
+    """What llama.cpp derives for Gemma rather than stores: GeGLU, the attention scale (1/sqrt(head_dim),
+    Gemma 2 27B's 1/sqrt(hidden / heads)), the layer pattern and Gemma 3's local rope base."""
+    layers = int(_required(reader, f"{arch}.block_count", path))
+    head_dim = _head_dim(reader, arch, hidden, heads, path)
+    pattern = _GEMMA_SLIDING_PATTERN[arch]
+    softcap = _field(reader, f"{arch}.attn_logit_softcapping")
+    final_softcap = _field(reader, f"{arch}.final_logit_softcapping")
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": float(hidden // heads if arch == "gemma2" and layers == 46 else head_dim),
+        "attn_logit_softcapping": None if softcap is None else float(softcap),
+        "final_logit_softcapping": None if final_softcap is None else float(final_softcap),
+        "layer_types": tuple(
+            "full_attention" if (index + 1) % pattern == 0 else "sliding_attention" for index in range(layers)
+        ),
+        "rope_local_theta": _GEMMA3_LOCAL_ROPE_BASE if arch == "gemma3" else None,
+    }
 
 
 def _field(reader: GGUFReader, key: str) -> Any:
@@ -178,7 +224,7 @@ def read_weights(reader: GGUFReader, arch: ModelArchConfig, path: str) -> dict[s
     """Every tensor dequantized to float32, under its HF name and in HF's layout."""
     weights = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch.architecture)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} (an unsupported model variant)")
         array = _to_hf_layout(name, _dequantize(tensor, path), arch, path)
@@ -186,12 +232,14 @@ def read_weights(reader: GGUFReader, arch: ModelArchConfig, path: str) -> dict[s
     return weights
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown tensors."""
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}" if part in _LAYER_TENSORS else None
+        names = _GEMMA_LAYER_TENSORS if arch in _GEMMA else _LAYER_TENSORS
+        names = _PHI3_LAYER_TENSORS if arch == "phi3" else names
+        return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
     match = _GLOBAL_TENSOR.fullmatch(gguf_name)
     if match and match.group(1) in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[match.group(1)]}.{match.group(2)}"
@@ -213,6 +261,8 @@ def _dequantize(tensor: ReaderTensor, path: str) -> np.ndarray:
 
 
 def _to_hf_layout(name: str, array: np.ndarray, arch: ModelArchConfig, path: str) -> np.ndarray:
+    if arch.architecture in _GEMMA and name.endswith("norm.weight"):
+        return array - 1  # llama.cpp stores Gemma's (1 + w)
     if arch.architecture not in _ROPE_PERMUTED_ARCHITECTURES:
         return array
     if ".self_attn.q_proj." in name:

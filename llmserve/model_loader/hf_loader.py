@@ -15,9 +15,21 @@ from typing import Any
 import torch
 
 from llmserve.config import ModelArchConfig
+from llmserve.config.families import rope_scaling_type
 from llmserve.model_loader.errors import ModelLoadError, describe
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _INDEX_FILE = "model.safetensors.index.json"
 _REQUIRED_KEYS = (
     "vocab_size",
@@ -35,7 +47,11 @@ def read_arch_config(path: str) -> ModelArchConfig:
     if missing:
         raise ModelLoadError(f"{path}: config.json lacks {', '.join(missing)}")
     heads = int(config["num_attention_heads"])
-    theta, rope_scaling = _rope(config)
+    theta, rope_scaling, local_theta = _rope(config, arch)
+    try:
+        rope_scaling_type(rope_scaling)
+    except ValueError as error:
+        raise ModelLoadError(f"{path}: {error}") from None
     return ModelArchConfig(
         architecture=arch,
         vocab_size=int(config["vocab_size"]),
@@ -54,7 +70,58 @@ def read_arch_config(path: str) -> ModelArchConfig:
         bos_token_id=config["bos_token_id"] if isinstance(config.get("bos_token_id"), int) else None,
         eos_token_ids=_eos_token_ids(path, config),
         sliding_window=_sliding_window(config),
+        **_family_fields(config, arch, local_theta, path),
     )
+
+
+def _family_fields(config: dict[str, Any], arch: str, local_theta: float | None, path: str) -> dict[str, Any]:
+    """The ModelArchConfig fields only some families set (their defaults mean "as Llama")."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    fields: dict[str, Any] = {
+        "qk_norm": arch in ("qwen3", "gemma3", "qwen3_moe"),
+        "partial_rotary_factor": float(
+            rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        ),
+        "num_experts": int(config.get("num_local_experts") or config.get("num_experts") or 0),
+        "num_experts_per_tok": int(config.get("num_experts_per_tok") or 0),
+    }
+    if arch == "qwen3_moe":
+        fields.update(
+            moe_intermediate_size=int(config["moe_intermediate_size"]),
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            dense_layers=_dense_layers(config),
+        )
+    if arch in ("gemma2", "gemma3"):
+        act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in _ACTIVATIONS:
+            raise ModelLoadError(f"{path}: unsupported hidden_activation {act!r} (supported: {_ACTIVATIONS})")
+        types = config.get("layer_types") or _gemma_layer_types(config)
+        fields.update(
+            hidden_act=act,
+            query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or config["head_dim"]),
+            attn_logit_softcapping=config.get("attn_logit_softcapping"),
+            final_logit_softcapping=config.get("final_logit_softcapping"),
+            layer_types=tuple(types),
+            rope_local_theta=local_theta,
+        )
+    return fields
+
+
+def _dense_layers(config: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen3-MoE's layers with a dense MLP: those in mlp_only_layers or off the decoder_sparse_step."""
+    step = int(config.get("decoder_sparse_step") or 1)
+    only = set(config.get("mlp_only_layers") or ())
+    layers = range(int(config["num_hidden_layers"]))
+    return tuple(i for i in layers if i in only or (i + 1) % step)
+
+
+def _gemma_layer_types(config: dict[str, Any]) -> list[str]:
+    """Older config.json files: every `sliding_window_pattern`-th layer is global (Gemma 2: every 2nd)."""
+    pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 2)
+    return [
+        "full_attention" if (index + 1) % pattern == 0 else "sliding_attention"
+        for index in range(int(config["num_hidden_layers"]))
+    ]
 
 
 def _read_json(file: str, model_path: str) -> dict[str, Any]:
@@ -78,12 +145,24 @@ def _architecture(config: dict[str, Any], path: str) -> str:
     return arch
 
 
-def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None for plain rope), from either config.json layout."""
+def _rope(config: dict[str, Any], arch: str) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, rope_scaling or None for plain rope, the sliding layers' own base or None), from
+    either config.json layout; Gemma 3's current layout keeps one rope per layer type."""
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    local_theta = config.get("rope_local_base_freq")
+    if "full_attention" in rope:
+        local = rope.get("sliding_attention") or {}
+        local_theta = local.get("rope_theta", local_theta)
+        rope = dict(rope["full_attention"])
     theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    rope.pop("partial_rotary_factor", None)  # a field of its own (ModelArchConfig)
     kind = rope.pop("rope_type", rope.pop("type", "default"))
-    return theta, None if kind == "default" else {"rope_type": kind, **rope}
+    if kind in ("longrope", "su") and "original_max_position_embeddings" not in rope:
+        rope["original_max_position_embeddings"] = config.get("original_max_position_embeddings")
+    if kind in ("longrope", "su"):
+        rope.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
+    scaling = None if kind == "default" else {"rope_type": kind, **rope}
+    return theta, scaling, None if local_theta is None else float(local_theta)
 
 
 def _eos_token_ids(path: str, config: dict[str, Any]) -> tuple[int, ...]:

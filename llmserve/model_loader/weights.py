@@ -12,7 +12,7 @@ import logging
 import torch
 
 from llmserve.config import ModelArchConfig
-from llmserve.model_loader import gguf_loader, hf_loader, weights_cache
+from llmserve.model_loader import family_weights, gguf_loader, hf_loader, weights_cache
 from llmserve.model_loader.default_model import is_gguf, resolve_model_path
 from llmserve.model_loader.errors import ModelLoadError
 
@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _ARCH_FILE = "arch.json"
 _MAX_NAMES_IN_MESSAGE = 3
+_TUPLE_FIELDS = ("layer_types", "dense_layers")  # besides eos_token_ids: JSON gives lists back
 
 
 def load_arch_config(path: str) -> ModelArchConfig:
@@ -39,14 +40,16 @@ def _cached_arch_config(path: str) -> ModelArchConfig | None:
     if fields is None:
         return None
     try:
-        return ModelArchConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+        tuples = {key: tuple(fields[key]) for key in _TUPLE_FIELDS if fields.get(key) is not None}
+        return ModelArchConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"]), **tuples})
     except (TypeError, KeyError) as error:  # written with other fields: the caller parses the GGUF again
         logger.warning("ignoring a cached architecture of %s with other fields (%s)", path, error)
         return None
 
 
 def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every weight under its HF Llama name (`model.layers.0.self_attn.q_proj.weight` ...) in `dtype`.
+    """Every weight under its HF Llama name (`model.layers.0.self_attn.q_proj.weight` ...; other
+    families' layouts are brought to those, model_loader/family_weights.py) in `dtype`.
 
     A tied model has no `lm_head.weight` unless its checkpoint stores one anyway.
     """
@@ -54,7 +57,8 @@ def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     if is_gguf(path):
         arch, weights = _gguf_weights(path)
     else:
-        arch, weights = hf_loader.read_arch_config(path), hf_loader.read_weights(path)
+        arch = hf_loader.read_arch_config(path)
+        weights = family_weights.to_llama_names(arch, hf_loader.read_weights(path))
     check_weights(weights, arch, path)
     return {name: tensor.to(dtype) for name, tensor in weights.items()}
 
@@ -66,7 +70,7 @@ def _gguf_weights(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
         return load_arch_config(path), cached
     reader = gguf_loader.open_gguf(path)
     arch = gguf_loader.read_arch_config(reader, path)
-    weights = gguf_loader.read_weights(reader, arch, path)
+    weights = family_weights.to_llama_names(arch, gguf_loader.read_weights(reader, arch, path))
     check_weights(weights, arch, path)  # never cache a file that cannot be served
     weights_cache.save_json(path, _ARCH_FILE, dataclasses.asdict(arch))
     weights_cache.save_weights(path, weights)
@@ -94,6 +98,11 @@ def expected_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
                 f"{prefix}post_attention_layernorm.weight": (hidden,),
             }
         )
+        for name, shape in family_weights.family_shapes(arch, prefix).items():
+            if shape is None:
+                del shapes[name]
+            else:
+                shapes[name] = shape
         if arch.attention_bias:
             shapes[f"{prefix}self_attn.q_proj.bias"] = (q_rows,)
             shapes[f"{prefix}self_attn.k_proj.bias"] = (kv_rows,)

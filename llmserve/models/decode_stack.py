@@ -116,8 +116,8 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
     from llmserve.attention.backends.cpu_paged import CPUPagedBackend
     from llmserve.models.llama import LlamaForCausalLM
 
-    if not isinstance(model, LlamaForCausalLM):
-        return None
+    if not isinstance(model, LlamaForCausalLM) or not model.fused_decode_stack:
+        return None  # a family whose layers differ from Llama's runs its modules
     ops = load_cpu_ops()
     inner = model.model
     layers = list(inner.layers)

@@ -1,5 +1,8 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2): GQA, RoPE, RMSNorm, SwiGLU.
 
+Other families subclass these modules and swap parts at construction (`attention_cls`, `mlp_cls`,
+`layer_cls`, `model_cls`, `make_rotary`), so this path's forward has no per-family branch.
+
 The model runs on a flat batch of tokens from many sequences (no padding) with per-token positions.
 It knows nothing of batching or the KV cache layout: its Attention layers read those from the forward
 context. Module names follow the HF checkpoint so weights load by name; q/k/v and gate/up are fused
@@ -70,14 +73,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[nn.Module] = LlamaAttention  # a family's own attention or MLP (qwen3.py, ...)
+    mlp_cls: type[nn.Module] = LlamaMLP
+
     def __init__(
         self, arch: ModelArchConfig, rotary: RotaryEmbedding, shard: ShardLayout, tp: TensorParallelGroup
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, rotary, shard, tp)
+        self.self_attn = self.attention_cls(arch, rotary, shard, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, shard, tp)
+        self.mlp = self.mlp_cls(arch, shard, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         attn_out = self.self_attn(positions, self.input_layernorm(hidden))
@@ -91,6 +97,8 @@ class MissingLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -103,10 +111,14 @@ class LlamaModel(nn.Module):
         self.stage = stage
         self.embed_tokens = VocabParallelEmbedding(shard, arch.hidden_size, tp) if stage.is_first else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, rotary, shard, tp) if index in stage.layers else MissingLayer()
+            self.make_layer(index, arch, rotary, shard, tp) if index in stage.layers else MissingLayer()
             for index in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if stage.is_last else None
+
+    def make_layer(self, index: int, arch, rotary, shard, tp) -> nn.Module:
+        """Decoder layer `index` (a family with layers of several kinds chooses here: gemma.py)."""
+        return self.layer_cls(arch, rotary, shard, tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None = None
@@ -121,6 +133,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls: type[nn.Module] = LlamaModel
+    # models/decode_stack.py runs exactly this layer structure; a family that differs turns it off
+    fused_decode_stack = True
+    # scores the compiled paged kernel cannot compute (soft-capping): the reference attention backend
+    reference_attention_only = False
+
     # fused parameter -> the checkpoint tensors stacked into it, in order
     packed_modules = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -153,11 +171,16 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or single_rank()
         self.stage = stage or PipelineStage.whole(arch.num_hidden_layers)
         self.shard = ShardLayout.of(arch, self.tp.world_size, self.tp.rank)
-        rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device)
-        self.model = LlamaModel(arch, rotary, self.shard, self.tp, self.stage)
+        self.model = self.model_cls(
+            arch, self.make_rotary(arch, max_positions, device), self.shard, self.tp, self.stage
+        )
         self.lm_head = (
             LMHead(arch.hidden_size, self.shard.vocab_rows, bias=False) if self.stage.is_last else None
         )
+
+    @staticmethod
+    def make_rotary(arch: ModelArchConfig, max_positions: int, device: torch.device):
+        return RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling, device)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None = None

@@ -8,13 +8,24 @@ from torch import nn
 from llmserve.config import ModelConfig
 from llmserve.distributed.group import TensorParallelGroup
 from llmserve.distributed.pipeline import PipelineStage
+from llmserve.models.gemma import GemmaForCausalLM
 from llmserve.models.layers.custom_op import bind_kernels
 from llmserve.models.llama import LlamaForCausalLM
+from llmserve.models.mixtral import MixtralForCausalLM
+from llmserve.models.phi3 import Phi3ForCausalLM
+from llmserve.models.qwen3 import Qwen3ForCausalLM
+from llmserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

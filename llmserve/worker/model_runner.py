@@ -78,7 +78,10 @@ class ModelRunner:
         # Speculative decoding: the verifier checks the drafts a proposer made after the previous step.
         self.verifier = DraftVerifier(self.vocab_size, self.device)
         self.attention_backend = select_attention_backend(
-            config.model.attention_backend, self.device, config.cache.kv_cache_dtype
+            config.model.attention_backend,
+            self.device,
+            config.cache.kv_cache_dtype,
+            reference_only=getattr(model, "reference_attention_only", False),
         )
         self.kv_cache = self._allocate_kv_cache()
         self.kv_prefault = populate_in_background(self.kv_cache)  # CPU: map its pages ahead of use

@@ -40,7 +40,7 @@ class CPUPagedBackend(TorchSDPABackend):
         }
 
     def _decode(
-        self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float
+        self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, window=0, softcap=0.0
     ) -> torch.Tensor:
         query_starts = metadata.decode_query_starts
         if query_starts is None:  # one query row per sequence
@@ -56,18 +56,27 @@ class CPUPagedBackend(TorchSDPABackend):
             scale,
             self.kv_format.kernel_code,
             metadata.attention_sinks,
-            metadata.sliding_window,
+            window,  # the engine's window, or a layer's own over the whole context (sinks then 0)
         )
 
     def _prefill(
-        self, query, key_cache, value_cache, span: PrefillSpan, metadata: AttentionMetadata, scale: float
+        self,
+        query,
+        key_cache,
+        value_cache,
+        span: PrefillSpan,
+        metadata: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         if (
             query.dtype in self.fast_prefill_dtypes
             and key_cache.dtype == query.dtype
             and query.shape[-1] in (64, 128)
             and span.context_positions is None
-            and not metadata.sliding_window
+            and not window
+            and not softcap
         ):
             return self.ops.prefill_attention(query, key_cache, value_cache, span.context_slots, scale)
-        return super()._prefill(query, key_cache, value_cache, span, metadata, scale)
+        return super()._prefill(query, key_cache, value_cache, span, metadata, scale, window, softcap)

@@ -36,23 +36,34 @@ class TorchSDPABackend:
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,  # this layer's own sliding window (LocalAttention); 0: the engine's, if any
+        softcap: float = 0.0,  # soft-cap of the scores (0: none)
     ) -> torch.Tensor:
         self.kv_format.write(key_cache, metadata.slot_mapping, key)
         self.kv_format.write(value_cache, metadata.slot_mapping, value)
         num_decodes = metadata.num_decode_tokens
+        options = (window or metadata.sliding_window, softcap)
         if not metadata.prefills:  # all decodes (most steps): no output buffer to fill piecewise
-            return self._decode(query, key_cache, value_cache, metadata, scale)
+            return self._decode(query, key_cache, value_cache, metadata, scale, *options)
         output = torch.empty_like(query)
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, metadata, scale)
+            output[:num_decodes] = self._decode(
+                query[:num_decodes], key_cache, value_cache, metadata, scale, *options
+            )
         for span in metadata.prefills:
             output[span.query_start : span.query_end] = self._prefill(
-                query[span.query_start : span.query_end], key_cache, value_cache, span, metadata, scale
+                query[span.query_start : span.query_end],
+                key_cache,
+                value_cache,
+                span,
+                metadata,
+                scale,
+                *options,
             )
         return output
 
     def _decode(
-        self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float
+        self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, window=0, softcap=0.0
     ) -> torch.Tensor:
         slots = metadata.decode_context_slots
         valid = metadata.decode_context_mask.view(slots.shape[0], slots.shape[1], 1, 1)
@@ -60,18 +71,24 @@ class TorchSDPABackend:
         # Padding slots may hold anything (even NaN): zero them, since 0 * NaN survives the mask.
         keys = read(key_cache, slots, query.dtype).masked_fill_(~valid, 0).transpose(1, 2)
         values = read(value_cache, slots, query.dtype).masked_fill_(~valid, 0).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            query.unsqueeze(2),  # [B, heads, 1, head_dim]
-            keys,  # [B, kv_heads, ctx, head_dim]
-            values,
-            attn_mask=metadata.decode_context_mask,
-            scale=scale,
-            enable_gqa=True,
-        )
+        mask = metadata.decode_context_mask
+        if window and not metadata.sliding_window:  # a layer's own window over the whole context
+            columns = torch.arange(slots.shape[1], device=slots.device)
+            in_window = columns[None, :] >= (metadata.decode_seq_lens - window)[:, None]
+            mask = mask & in_window[:, None, None, :]
+        out = attend(query.unsqueeze(2), keys, values, mask, scale, softcap)  # [B, heads, 1, head_dim]
         return out.squeeze(2)
 
     def _prefill(
-        self, query, key_cache, value_cache, span: PrefillSpan, metadata: AttentionMetadata, scale: float
+        self,
+        query,
+        key_cache,
+        value_cache,
+        span: PrefillSpan,
+        metadata: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         num_queries = query.shape[0]
         context_len = span.context_slots.shape[0]
@@ -79,20 +96,41 @@ class TorchSDPABackend:
         keys = read(key_cache, span.context_slots, query.dtype).transpose(0, 1).unsqueeze(0)
         values = read(value_cache, span.context_slots, query.dtype).transpose(0, 1).unsqueeze(0)
         queries = query.transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]
-        if context_len == num_queries and span.context_positions is None:
-            out = F.scaled_dot_product_attention(
-                queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
-            )
+        if (
+            context_len == num_queries
+            and span.context_positions is None
+            and context_len <= (window or context_len)
+        ):
+            if not softcap:
+                out = F.scaled_dot_product_attention(
+                    queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                causal = torch.ones(num_queries, context_len, dtype=torch.bool, device=query.device).tril()
+                out = attend(queries, keys, values, causal, scale, softcap)
         else:
-            mask = _prefill_mask(span, num_queries, metadata, query.device)
-            out = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-            )
+            mask = _prefill_mask(span, num_queries, metadata, query.device, window)
+            out = attend(queries, keys, values, mask, scale, softcap)
         return out.squeeze(0).transpose(0, 1)
 
 
+def attend(query, keys, values, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Masked attention; with a soft-cap, written out (SDPA has none): scores in float32, capped,
+    masked, softmax, as HF's eager Gemma 2 attention."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+    groups = query.shape[-3] // keys.shape[-3]
+    keys = keys.repeat_interleave(groups, dim=-3)
+    values = values.repeat_interleave(groups, dim=-3)
+    scores = (query @ keys.transpose(-1, -2)).float().mul_(scale / softcap).tanh_().mul_(softcap)
+    scores = scores.masked_fill_(~mask, float("-inf"))
+    return scores.softmax(dim=-1).to(values.dtype) @ values
+
+
 def _prefill_mask(
-    span: PrefillSpan, num_queries: int, metadata: AttentionMetadata, device: torch.device
+    span: PrefillSpan, num_queries: int, metadata: AttentionMetadata, device: torch.device, window: int = 0
 ) -> torch.Tensor:
     """[q, ctx] True where query i may see key j: causal, and within sinks + window if any.
 
@@ -103,7 +141,7 @@ def _prefill_mask(
         key_pos = torch.arange(span.context_slots.shape[0], device=device)
     query_pos = key_pos[-num_queries:]
     mask = key_pos[None, :] <= query_pos[:, None]
-    if metadata.sliding_window:
-        in_window = query_pos[:, None] - key_pos[None, :] < metadata.sliding_window
+    if window:
+        in_window = query_pos[:, None] - key_pos[None, :] < window
         mask &= in_window | (key_pos[None, :] < metadata.attention_sinks)
     return mask

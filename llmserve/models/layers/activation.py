@@ -1,4 +1,4 @@
-"""SwiGLU's activation on a fused [gate | up] projection: SiLU(gate) * up."""
+"""Gated MLP activations on a fused [gate | up] projection: SwiGLU (SiLU) and GeGLU (GELU)."""
 
 from __future__ import annotations
 
@@ -17,3 +17,11 @@ class SiluAndMul(CustomOp):
         if gate_up.dim() != 2:
             return self.forward_native(gate_up)
         return self.ops.silu_and_mul(gate_up)
+
+
+class GeluTanhAndMul(CustomOp):
+    """GeGLU's activation on a fused [gate | up] projection: GELU(gate, tanh approximation) * up."""
+
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -6,21 +6,43 @@ import math
 
 import torch
 
+from llmserve.config.families import rope_scaling_type
 from llmserve.models.layers.custom_op import CustomOp
 
 
-def rope_inverse_frequencies(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+def rope_inverse_frequencies(
+    rotary_dim: int, base: float, scaling: dict | None, max_positions: int = 0
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim / 2], the factor cos and sin are multiplied by)."""
     inv_freq = 1.0 / (
-        base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+        base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim)
     )
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = rope_scaling_type(scaling)
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
     if kind == "llama3":
-        return _llama3_scaling(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+        return _llama3_scaling(inv_freq, scaling), 1.0
+    return _longrope_scaling(inv_freq, scaling, max_positions)
+
+
+def _longrope_scaling(
+    inv_freq: torch.Tensor, scaling: dict, max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-frequency divisors, the long set where sequences may outgrow the original
+    context. HF picks the set per forward from the sequence's length; a paged cache keeps one set for
+    every sequence, so an engine whose max_model_len exceeds the original uses the long set throughout
+    (HF's numbers for sequences longer than the original context) and otherwise the short one."""
+    original = scaling["original_max_position_embeddings"]
+    long = max_positions > original
+    factors = scaling["long_factor" if long else "short_factor"]
+    factors = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq / factors, attention_factor
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -37,14 +59,23 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 class RotaryEmbedding(CustomOp):
     def __init__(
-        self, head_dim: int, max_positions: int, base: float, scaling: dict | None, device: torch.device
+        self,
+        head_dim: int,
+        max_positions: int,
+        base: float,
+        scaling: dict | None,
+        device: torch.device,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, base, scaling).to(device)
-        freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv_freq)
+        self.rotary_dim = rotary_dim or head_dim
+        inv_freq, attention_factor = rope_inverse_frequencies(self.rotary_dim, base, scaling, max_positions)
+        freqs = torch.outer(
+            torch.arange(max_positions, device=device, dtype=torch.float32), inv_freq.to(device)
+        )
         # Not a registered buffer: derived, never loaded, and must survive meta-device construction.
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        self.cos = freqs.cos() * attention_factor
+        self.sin = freqs.sin() * attention_factor
 
     def forward_native(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_dim: int
@@ -77,3 +108,21 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
     first, second = x.float().chunk(2, dim=-1)
     rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
     return rotated.to(x.dtype).view(shape)
+
+
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """Rope on the first `rotary_dim` dimensions of each head, the rest passed through (Phi-3/4's
+    `partial_rotary_factor`); the compiled kernel rotates whole heads, so every device runs this."""
+
+    def forward_cpu(self, positions, query, key, head_dim):
+        return self.reference(positions, query, key, head_dim)
+
+    def reference(self, positions, query, key, head_dim):
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self._partial(query, cos, sin, head_dim), self._partial(key, cos, sin, head_dim)
+
+    def _partial(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+        heads = x.reshape(x.shape[0], -1, head_dim)
+        rotated = _rotate(heads[..., : self.rotary_dim], cos, sin, self.rotary_dim)
+        return torch.cat((rotated, heads[..., self.rotary_dim :]), dim=-1).view(x.shape[0], -1)

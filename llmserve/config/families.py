@@ -1,0 +1,58 @@
+"""Which engine features each model family can use: a one-line error where one cannot.
+
+Families whose layers are Llama's (linear layers of the same names, norms feeding the same
+projections) take every feature. Gemma's extra norms and scaled embeddings are outside what
+quantization's calibration and folding, the early-exit and draft-head proposers (which run the
+target's embedding and layers themselves) and tensor parallelism were built and tested for; Mixtral's
+expert layers are no nn.Linear for quantization to swap and are not split over ranks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llmserve.config import ModelArchConfig
+
+ROPE_SCALING_TYPES = ("default", "linear", "llama3", "longrope")  # models/layers/rotary.py computes these
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# feature -> the families that have it (the others get the error)
+_FEATURES = {
+    "quantization": LLAMA_LIKE,
+    "tensor parallelism": LLAMA_LIKE,
+    "speculative method early_exit": (*LLAMA_LIKE, "mixtral", "qwen3_moe"),
+    "speculative method draft_head": (*LLAMA_LIKE, "mixtral", "qwen3_moe"),
+}
+
+
+def check_family_features(
+    arch: ModelArchConfig, quantization: str | None, tensor_parallel_size: int, speculative_method: str | None
+) -> None:
+    """Raise ValueError naming the feature, the family and the families that have it."""
+    wanted = []
+    if quantization is not None:
+        wanted.append("quantization")
+    if tensor_parallel_size > 1:
+        wanted.append("tensor parallelism")
+    if speculative_method in ("early_exit", "draft_head"):
+        wanted.append(f"speculative method {speculative_method}")
+    if quantization == "gguf" and arch.architecture == "phi3":  # its fused GGUF blocks are not cut per part
+        raise ValueError("quantization gguf does not apply to phi3 models yet (the other methods do)")
+    for feature in wanted:
+        families = _FEATURES[feature]
+        if arch.architecture not in families:
+            supported = ", ".join(families)
+            raise ValueError(
+                f"{feature} does not apply to {arch.architecture} models yet (it does to: {supported})"
+            )
+
+
+def rope_scaling_type(scaling: dict | None) -> str:
+    """The rope_scaling dict's type ("su" is LongRoPE's old name); a one-line error if not implemented."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = "longrope" if kind == "su" else kind
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_SCALING_TYPES)})"
+        )
+    return kind

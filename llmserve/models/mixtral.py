@@ -1,0 +1,31 @@
+"""Mixtral: Llama's layer with a sparse mixture-of-experts MLP (models/layers/moe.py).
+
+Checkpoints store each expert's w1 (gate), w3 (up) and w2 (down) under block_sparse_moe.experts.N;
+the loader stacks them into the experts' [E, ...] parameters (model_loader/family_weights.py).
+Tensor parallelism, quantization and the fused decode stack do not handle expert layers
+(config/__init__.py says so in one line; the stack is off).
+"""
+
+from __future__ import annotations
+
+from llmserve.models.layers.moe import SparseMoE
+from llmserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+
+class MixtralMoE(SparseMoE):
+    def __init__(self, arch, shard, tp) -> None:
+        units = arch.moe_intermediate_size or arch.intermediate_size
+        super().__init__(arch.hidden_size, units, arch.num_experts, arch.num_experts_per_tok)
+
+
+class MixtralDecoderLayer(LlamaDecoderLayer):
+    mlp_cls = MixtralMoE
+
+
+class MixtralModel(LlamaModel):
+    layer_cls = MixtralDecoderLayer
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    model_cls = MixtralModel
+    fused_decode_stack = False
