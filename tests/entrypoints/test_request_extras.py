@@ -107,6 +107,7 @@ def test_best_of_returns_the_likeliest_candidate(client):
     common = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=7)
     candidates = client.completions.create(**common, n=4, logprobs=0, extra_body=NO_EOS)
     scores = [sum(c.logprobs.token_logprobs) for c in candidates.choices]
+    assert len(set(scores)) == 4  # distinct candidates: the choice among them is not vacuous
     best = client.completions.create(**common, best_of=4, extra_body=NO_EOS)
     (choice,) = best.choices
     assert choice.index == 0 and choice.logprobs is None
