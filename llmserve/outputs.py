@@ -26,6 +26,32 @@ class RequestMetrics:
 
 
 @dataclass
+class PromptLogprobs:
+    """Prompt log-probs of one request: rows for prompt positions first .. first + len - 1, each about
+    prompt token position + 1 (the first prompt token has none)."""
+
+    first_position: int
+    token_logprobs: list[float]  # log-prob of the real next prompt token
+    token_ranks: list[int]  # its rank in the distribution (1: the most likely)
+    top_token_ids: list[list[int]]  # the N most likely next tokens
+    top_logprobs: list[list[float]]
+
+    @property
+    def end_position(self) -> int:
+        return self.first_position + len(self.token_logprobs)
+
+    def extend(self, later: PromptLogprobs) -> None:
+        """Append a later chunk's rows; rows already held (a recomputed prompt) are skipped."""
+        skip = self.end_position - later.first_position
+        if skip < 0:
+            raise ValueError(f"prompt log-probs skip positions {self.end_position}..{later.first_position}")
+        self.token_logprobs += later.token_logprobs[skip:]
+        self.token_ranks += later.token_ranks[skip:]
+        self.top_token_ids += later.top_token_ids[skip:]
+        self.top_logprobs += later.top_logprobs[skip:]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -87,3 +113,5 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None  # set when the engine failed this request alone
     spec_decode: SpecDecodeStats | None = None  # drafts proposed and accepted (all n samples); None: none
+    prompt_logprobs: PromptLogprobs | None = None  # with the first output, when the request asked
+    embedding: list[float] | None = None  # a pooling request's L2-normalized vector (its one output)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmserve.outputs import SpecDecodeStats
+from llmserve.outputs import PromptLogprobs, SpecDecodeStats
 from llmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -80,6 +80,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # prompt_logprobs: what the model runner returned so far, chunk by chunk of the prompt
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
@@ -89,6 +91,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.draft_proposal: DraftProposal | None = None
         self.spec_decode_stats = SpecDecodeStats()
+        self.pooling = False  # an embedding request: prefill only, finished once its prompt is computed
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +108,21 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt log-probs are still to be computed: its prompt must not come from the prefix
+        cache, whose positions the model does not run."""
+        if self.sampling_params.prompt_logprobs is None:
+            return False
+        done = self.prompt_logprobs
+        return done is None or done.end_position < self.num_prompt_tokens - 1
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = chunk
+        else:
+            self.prompt_logprobs.extend(chunk)
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -40,6 +40,8 @@ class SamplingParams:
     num_speculative_tokens: int | None = None  # drafts per step if the engine speculates; None: its K; 0: off
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each output holds
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    prompt_logprobs: int | None = None  # log-probs of the prompt's tokens (and their top-N), vLLM's field
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +68,11 @@ class SamplingParams:
             (
                 "logprobs",
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),

@@ -117,7 +117,7 @@ class KVCacheManager:
         At least one token is always left to compute, because the model must produce the logits
         of the last one.
         """
-        if not self.enable_prefix_caching or request.num_computed_tokens:
+        if not self.enable_prefix_caching or request.num_computed_tokens or request.needs_prompt_logprobs:
             return []
         hashes = self._hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -186,6 +186,7 @@ class Scheduler:
                         request.eos_token_ids,
                         list(table),
                         request.num_computed_tokens,
+                        request.pooling,
                     )
                 )
                 self._sent[request_id] = _SentState(request.num_tokens, len(table))

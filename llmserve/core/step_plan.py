@@ -26,6 +26,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     eos_token_ids: tuple[int, ...]  # the stop tokens its min_tokens masks (none with ignore_eos)
     block_ids: list[int]
     num_computed_tokens: int
+    pooling: bool = False  # an embedding request: its last prompt token's hidden state, no sampling
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):

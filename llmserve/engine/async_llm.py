@@ -30,6 +30,7 @@ from llmserve.engine.engine_core import run_engine_core
 from llmserve.engine.llm_engine import LLMEngine, check_prompt
 from llmserve.engine.messages import (
     AbortRequest,
+    AddPoolingRequest,
     AddRequest,
     EngineLoadFailed,
     EngineMessage,
@@ -167,16 +168,7 @@ class AsyncLLM:
         """Stream one request's outputs, each as `params.output_kind` asks (DELTA: only what is new);
         cancelling the iteration aborts it. `prompt_ids` come from `encode_prompt`, the one place a
         prompt is validated: nothing after it checks again."""
-        if not self.is_running:
-            raise EngineDeadError("the engine has stopped")
-        if self.failure is not None:
-            raise EngineFailedError(self.failure)
-        if request_id in self._streams or request_id in self._prompts:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._prompts[request_id] = (None, prompt_ids)
-        self._output_kinds.add_request(request_id, params.output_kind)
+        stream = self._register(request_id, prompt_ids, params.output_kind)
         wire_params = params.with_output_kind(RequestOutputKind.DELTA)  # the kind is applied here
         self._commands.put(AddRequest(request_id, prompt_ids, wire_params, time.monotonic(), priority))
         for listener in self.request_listeners:
@@ -193,6 +185,38 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(AbortRequest(request_id))
+
+    async def embed(self, prompt_ids: list[int], request_id: str, priority: int = 0) -> list[float]:
+        """The prompt's pooled, L2-normalized vector (an engine pooling request: a prefill only);
+        cancelling the wait aborts it. `prompt_ids` come from `encode_prompt`."""
+        stream = self._register(request_id, prompt_ids, RequestOutputKind.FINAL_ONLY)
+        self._commands.put(AddPoolingRequest(request_id, prompt_ids, time.monotonic(), priority))
+        output = None
+        try:
+            output = await stream.get()
+            if isinstance(output, BaseException):
+                raise output
+            if output.embedding is None:  # aborted (the engine stopping) before its prompt ran
+                raise EngineDeadError("the request was aborted before its embedding was computed")
+            return output.embedding
+        finally:
+            self._streams.pop(request_id, None)
+            if output is None:
+                self._commands.put(AbortRequest(request_id))
+
+    def _register(self, request_id: str, prompt_ids: list[int], kind: RequestOutputKind) -> asyncio.Queue:
+        """A new request's queue, once the engine is known to take requests and the id is free."""
+        if not self.is_running:
+            raise EngineDeadError("the engine has stopped")
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
+        if request_id in self._streams or request_id in self._prompts:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._prompts[request_id] = (None, prompt_ids)
+        self._output_kinds.add_request(request_id, kind)
+        return stream
 
     def abort(self, request_id: str) -> None:
         """Abort from outside the stream: its iterator receives the final "abort" output."""

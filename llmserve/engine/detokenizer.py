@@ -22,7 +22,8 @@ class SupportsDecode(Protocol):
 
 
 class IncrementalDetokenizer:
-    """One request's output text, extended token by token, cut at the first stop string."""
+    """One request's output text, extended token by token, cut at the first stop string (before it,
+    or after it with `include_stop_str_in_output`)."""
 
     def __init__(
         self, tokenizer: SupportsDecode, prompt_token_ids: list[int], params: SamplingParams
@@ -30,6 +31,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = list(params.stop)
         self.max_stop_len = max(map(len, self.stop), default=0)
+        self.include_stop = params.include_stop_str_in_output
         self.skip_special_tokens = params.skip_special_tokens
         self.output_text = ""
         self.stop_reason: str | None = None  # the stop string that ended the text, once one has
@@ -77,7 +79,7 @@ class IncrementalDetokenizer:
         if not hits:
             return None
         index, stop = min(hits, key=lambda hit: hit[0])
-        self.output_text = self.output_text[:index]
+        self.output_text = self.output_text[: index + (len(stop) if self.include_stop else 0)]
         self.stop_reason = stop
         return stop
 

@@ -20,6 +20,7 @@ from llmserve.config import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.messages import (
     AbortRequest,
+    AddPoolingRequest,
     AddRequest,
     EngineLoadFailed,
     EngineOutput,
@@ -114,7 +115,7 @@ class EngineCore:
                 self.outputs.send(EngineStatus(self._gauges()))
         self.commands.poll(None)
 
-    def _apply(self, command: AddRequest | AbortRequest) -> None:
+    def _apply(self, command: AddRequest | AddPoolingRequest | AbortRequest) -> None:
         if isinstance(command, AbortRequest):
             output = self.engine.abort_request(command.request_id)
             wire = None if output is None else EngineOutput.of(output)
@@ -124,13 +125,18 @@ class EngineCore:
             self.outputs.send(RequestsFailed([command.request_id], FailureKind.FAILED, self.engine.failure))
             return
         try:
-            self.engine.add_tokenized_request(
-                command.request_id,
-                command.prompt_token_ids,
-                command.params,
-                command.arrival_time,
-                command.priority,
-            )
+            if isinstance(command, AddPoolingRequest):
+                self.engine.add_pooling_request(
+                    command.request_id, command.prompt_token_ids, command.arrival_time, command.priority
+                )
+            else:
+                self.engine.add_tokenized_request(
+                    command.request_id,
+                    command.prompt_token_ids,
+                    command.params,
+                    command.arrival_time,
+                    command.priority,
+                )
         except ValueError as error:
             self.outputs.send(RequestsFailed([command.request_id], FailureKind.INVALID, str(error)))
 

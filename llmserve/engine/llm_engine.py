@@ -33,7 +33,7 @@ from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights
 from llmserve.models.registry import build_model
 from llmserve.outputs import RequestOutput, SpecDecodeStats
 from llmserve.request import Request, RequestStatus
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.spec_decode.proposers.draft_model import load_draft_arch
 from llmserve.spec_decode.registry import create_proposer
@@ -271,6 +271,23 @@ class LLMEngine:
         for child in children:
             self.scheduler.add_request(child)
 
+    def add_pooling_request(
+        self, request_id: str, prompt_ids: list[int], arrival_time: float | None = None, priority: int = 0
+    ) -> None:
+        """Queue an embedding request (prompt validated): a prefill only; its one output, once the
+        prompt is computed, carries the pooled vector and its KV blocks are freed at once."""
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.batch_queue is not None:
+            raise ValueError("embeddings are not supported with pipeline parallelism")
+        request = self._make_request(
+            request_id, prompt_ids, SamplingParams(max_tokens=1), arrival_time, priority
+        )
+        request.pooling = True
+        self.output_processor.add_request(request_id, None, [request])
+        self.output_kinds.add_request(request_id, RequestOutputKind.DELTA)
+        self.scheduler.add_request(request)
+
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         check_prompt(prompt_ids, self.config)
 
@@ -329,13 +346,30 @@ class LLMEngine:
         sampled = result.sampled_token_ids
         num_sampled = sum(map(len, sampled.values()))
         accepted = [len(sampled[r]) - 1 for r in plan.spec_token_ids]  # per request, not per token
+        if result.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
         if scheduled.requests:
             updated = self.scheduler.update_from_output(scheduled, sampled, proposals)
             outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)
+        if result.pooled:
+            outputs += self._finish_pooled(result.pooled)
         self.last_step = self._step_stats(scheduled, accepted, num_sampled, time.monotonic() - start)
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_cache_manager.take_events())
         return [output for output in map(self.output_kinds.apply, outputs) if output is not None]
+
+    def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[RequestOutput]:
+        """Embedding requests whose prompt is computed: finished (blocks freed), one output each."""
+        outputs = []
+        for request_id, vector in pooled.items():
+            children = self.output_processor.children_of(request_id)
+            if not children:  # aborted meanwhile
+                continue
+            self.scheduler.finish_request(children[0], RequestStatus.FINISHED_STOPPED)
+            (output,) = self.output_processor.outputs_for(children)
+            output.embedding, output.outputs = vector, []
+            outputs.append(output)
+        return outputs
 
     def _execute(self, plan: StepPlan) -> ModelRunnerOutput:
         if self.executor is None:
@@ -391,6 +425,11 @@ def check_params(params: SamplingParams, config: EngineConfig) -> None:
     past = [token for token in params.logit_bias or {} if token >= vocab_size]
     if past:
         raise ValueError(f"logit_bias has token id {past[0]}, but the vocabulary has {vocab_size} tokens")
+    past = [token for token in params.stop_token_ids if token >= vocab_size]
+    if past:
+        raise ValueError(f"stop_token_ids has token id {past[0]}, but the vocabulary has {vocab_size} tokens")
+    if params.prompt_logprobs is not None and config.parallel.pipeline_parallel_size > 1:
+        raise ValueError("prompt_logprobs is not supported with pipeline parallelism")
 
 
 def check_prompt(prompt_ids: list[int], config: EngineConfig) -> None:

@@ -4,7 +4,7 @@ They travel pickled over multiprocessing pipes (msgspec structs pickle as compac
 request's outputs cross as deltas (`RequestOutputKind.DELTA`): each `EngineOutput` holds only what
 is new since the previous one, and the prompt never crosses back (the server tokenized it).
 
-  server -> engine, a list per send: AddRequest, AbortRequest, Shutdown.
+  server -> engine, a list per send: AddRequest, AddPoolingRequest, AbortRequest, Shutdown.
   engine -> server: EngineReady or EngineLoadFailed once; then StepOutputs after every step,
       RequestAborted for every AbortRequest, RequestsFailed for requests the engine gave up on,
       EngineStatus when its state changed without a step (a tensor-parallel rank exited while idle).
@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from llmserve.metrics.stats import EngineGauges, StepStats
-from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
+from llmserve.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SpecDecodeStats
 from llmserve.sampling_params import SamplingParams
 
 
@@ -37,6 +37,16 @@ class AddRequest(_Message):
     priority: int = 0
 
 
+class AddPoolingRequest(_Message):
+    """An embedding request: its prompt runs as a prefill only, its KV is freed once computed, and its
+    one output carries the pooled vector (`EngineOutput.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # tokenized and validated by the server
+    arrival_time: float
+    priority: int = 0
+
+
 class AbortRequest(_Message):
     request_id: str
 
@@ -45,7 +55,7 @@ class Shutdown(_Message):
     pass
 
 
-EngineCommand = AddRequest | AbortRequest | Shutdown
+EngineCommand = AddRequest | AddPoolingRequest | AbortRequest | Shutdown
 
 
 # -- engine -> server ------------------------------------------------------------------------------
@@ -76,6 +86,8 @@ class EngineOutput(_Message):
     metrics: RequestMetrics | None
     spec_decode: SpecDecodeStats | None
     completions: list[CompletionOutput]
+    prompt_logprobs: PromptLogprobs | None = None  # with the first output of a request that asked
+    embedding: list[float] | None = None  # a pooling request's one output
 
     @classmethod
     def of(cls, output: RequestOutput) -> EngineOutput:
@@ -86,6 +98,8 @@ class EngineOutput(_Message):
             output.metrics,
             output.spec_decode,
             output.outputs,
+            output.prompt_logprobs,
+            output.embedding,
         )
 
     def to_request_output(self, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
@@ -98,6 +112,8 @@ class EngineOutput(_Message):
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
             spec_decode=self.spec_decode,
+            prompt_logprobs=self.prompt_logprobs,
+            embedding=self.embedding,
         )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from llmserve.sampling_params import RequestOutputKind
 
 
@@ -47,6 +47,7 @@ class OutputAccumulator:
     def __init__(self) -> None:
         self._kinds: dict[str, RequestOutputKind] = {}
         self._held: dict[str, dict[int, _Completion]] = {}  # CUMULATIVE and FINAL_ONLY requests
+        self._prompt_logprobs: dict[str, PromptLogprobs] = {}  # held from the first delta
 
     def add_request(self, request_id: str, kind: RequestOutputKind) -> None:
         self._kinds[request_id] = kind
@@ -56,12 +57,16 @@ class OutputAccumulator:
     def forget(self, request_id: str) -> None:
         self._kinds.pop(request_id, None)
         self._held.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
 
     def apply(self, delta: RequestOutput) -> RequestOutput | None:
         """The output to hand the caller for this delta, or None (FINAL_ONLY before the end)."""
         request_id = delta.request_id
         kind = self._kinds.get(request_id, RequestOutputKind.DELTA)
         held = self._held.get(request_id)
+        if held is not None and delta.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = delta.prompt_logprobs
+        prompt_logprobs = self._prompt_logprobs.get(request_id)
         if delta.finished:
             self.forget(request_id)
         if kind is RequestOutputKind.DELTA or held is None:
@@ -70,4 +75,5 @@ class OutputAccumulator:
             held.setdefault(completion.index, _Completion()).add(completion)
         if kind is RequestOutputKind.FINAL_ONLY and not delta.finished:
             return None
-        return replace(delta, outputs=[held[index].output(index) for index in sorted(held)])
+        outputs = [held[index].output(index) for index in sorted(held)]
+        return replace(delta, outputs=outputs, prompt_logprobs=prompt_logprobs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
-from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
+from llmserve.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SpecDecodeStats
 from llmserve.request import Request, RequestStatus
 
 
@@ -33,6 +33,7 @@ class _ParentState:
     detokenizers: list[IncrementalDetokenizer]
     num_detokenized: list[int]  # output tokens of each child fed to its detokenizer so far
     sent: list[_Sent]
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -64,6 +65,13 @@ class OutputProcessor:
     def children_of(self, request_id: str) -> list[Request]:
         state = self.parents.get(request_id)
         return [] if state is None else list(state.children)
+
+    def add_prompt_logprobs(self, chunks: dict[str, PromptLogprobs]) -> None:
+        """Keep a step's prompt log-probs on their requests until the first output carries them."""
+        for request_id, chunk in chunks.items():
+            parent_id, index = self.child_index.get(request_id, (None, 0))
+            if parent_id is not None and index == 0:  # parallel samples share the prompt: one copy
+                self.parents[parent_id].children[0].add_prompt_logprobs(chunk)
 
     def process(
         self, updated: list[Request], logprobs: dict[str, list[dict[int, float]]], finish_request
@@ -137,6 +145,9 @@ class OutputProcessor:
         if finished:
             self._forget(state)
         first = state.children[0]
+        prompt_logprobs = None
+        if not state.prompt_logprobs_sent and completions:  # with the first output, complete by then
+            prompt_logprobs, state.prompt_logprobs_sent = first.prompt_logprobs, True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -145,6 +156,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0,
             spec_decode=_spec_decode_stats(state.children),
+            prompt_logprobs=prompt_logprobs,
             metrics=RequestMetrics(
                 arrival_time=first.arrival_time,
                 first_scheduled_time=first.first_scheduled_time,

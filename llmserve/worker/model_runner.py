@@ -24,11 +24,15 @@ from llmserve.config import EngineConfig
 from llmserve.core.step_plan import StepPlan
 from llmserve.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
 from llmserve.models.decode_stack import build_decode_stack
+from llmserve.outputs import PromptLogprobs
 from llmserve.request import DraftProposal
 from llmserve.sample.metadata import SamplingMetadata
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.sample.verifier import DraftVerifier
 from llmserve.worker.prefault import populate_in_background
+from llmserve.worker.prompt_logprobs import PromptLogprobRows
+from llmserve.worker.prompt_logprobs import compute as compute_prompt_logprobs
+from llmserve.worker.prompt_logprobs import select_rows as select_prompt_logprob_rows
 from llmserve.worker.request_state import CachedRequestState, apply_plan
 
 
@@ -41,6 +45,8 @@ class ModelRunnerOutput:
     # the final hidden state of each of their logits rows (k + 1 rows for a request verifying k drafts)
     sampled_requests: list[CachedRequestState] = field(default_factory=list)
     sample_hidden: torch.Tensor | None = None
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # requests that asked
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # embedding requests whose prompt is done
 
 
 class BatchRow(Protocol):
@@ -64,6 +70,9 @@ class StepInputs:
     attention: AttentionMetadata
     sample_rows: list[int]  # batch indices of requests that sample this step
     logits_indices: torch.Tensor  # flat token index of each sampling request's last token (and its drafts)
+    prompt_logprob_rows: PromptLogprobRows | None = None  # rows of requests asking for prompt log-probs
+    pool_rows: list[int] = field(default_factory=list)  # batch indices of embedding requests done now
+    pool_indices: torch.Tensor | None = None  # flat index of each one's last prompt token
 
 
 class ModelRunner:
@@ -167,13 +176,28 @@ class ModelRunner:
         if inputs is None:
             return ModelRunnerOutput({}, {})
         hidden = self._forward(inputs)
+        prompt_logprobs = {}
+        if inputs.prompt_logprob_rows is not None:
+            prompt_logprobs = compute_prompt_logprobs(
+                inputs.prompt_logprob_rows, hidden, self.model.compute_logits
+            )
+        pooled = self._pool(hidden, inputs) if inputs.pool_rows else {}
         if not inputs.sample_rows:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_logprobs, pooled=pooled)
         sample_hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(sample_hidden)
         if logits is None:  # a tensor-parallel worker: rank 0 gathered the logits and samples
             return ModelRunnerOutput({}, {})
-        return self.sample(logits, inputs, sample_hidden)
+        output = self.sample(logits, inputs, sample_hidden)
+        output.prompt_logprobs, output.pooled = prompt_logprobs, pooled
+        return output
+
+    def _pool(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, list[float]]:
+        """Embeddings: each finished embedding request's last-token final hidden state (after the
+        model's final norm), in float32, L2-normalized (docs/server.md says why the last token)."""
+        vectors = torch.nn.functional.normalize(hidden[inputs.pool_indices].float(), dim=-1).tolist()
+        ids = [inputs.requests[row].request_id for row in inputs.pool_rows]
+        return dict(zip(ids, vectors, strict=True))
 
     def prepare(self, plan: StepPlan) -> StepInputs | None:
         """Apply the plan (request states, block moves); the step's flat inputs, None without tokens."""
@@ -291,7 +315,9 @@ class ModelRunner:
         slot_mapping = self._slots(block_tables[token_rows, positions // self.block_size], positions)
 
         num_drafts = np.array([len(r.spec_token_ids) for r in requests], dtype=np.int64)
-        sample_rows = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens + num_drafts[i]]
+        caught_up = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens + num_drafts[i]]
+        pool_rows = [i for i in caught_up if getattr(requests[i], "pooling", False)]  # embeddings
+        sample_rows = [i for i in caught_up if i not in pool_rows] if pool_rows else caught_up
         to_device = self._to_device
         return StepInputs(
             requests=requests,
@@ -300,6 +326,9 @@ class ModelRunner:
             attention=self._attention_metadata(block_tables, num_new, seq_lens, starts, slot_mapping),
             sample_rows=sample_rows,
             logits_indices=to_device(_logits_indices(ends[sample_rows], num_drafts[sample_rows])),
+            prompt_logprob_rows=select_prompt_logprob_rows(requests, computed, num_new, starts, self.device),
+            pool_rows=pool_rows,
+            pool_indices=to_device(ends[pool_rows] - 1) if pool_rows else None,
         )
 
     def _attention_metadata(self, block_tables, num_new, seq_lens, starts, slot_mapping) -> AttentionMetadata:

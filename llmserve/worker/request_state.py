@@ -29,6 +29,7 @@ class CachedRequestState:
     spec_token_probs: torch.Tensor | None = None  # their q ([k, V]); None: greedy or one-hot
     # the q of the last proposal drafted for it, kept here for the step that verifies some of them
     draft_probs: torch.Tensor | None = None
+    pooling: bool = False  # an embedding request: pooled instead of sampled
 
     @classmethod
     def from_new(cls, data: NewRequestData, device: torch.device) -> CachedRequestState:
@@ -43,6 +44,7 @@ class CachedRequestState:
             generator=generator,
             block_ids=list(data.block_ids),
             num_computed_tokens=data.num_computed_tokens,
+            pooling=data.pooling,
         )
 
     def update(self, data: CachedRequestData) -> None:

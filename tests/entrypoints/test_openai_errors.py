@@ -99,7 +99,10 @@ BAD_COMPLETIONS = [
     pytest.param(completion(max_tokens=10**30), "max_tokens", id="max_tokens-huge"),
     pytest.param(completion(prompt="word " * (2 * MAX_MODEL_LEN)), "prompt", id="prompt-too-long"),
     pytest.param({"model": MODEL, "max_tokens": 2}, "prompt", id="prompt-missing"),
-    pytest.param(completion(echo=True, logprobs=1), "echo", id="echo-with-logprobs"),
+    pytest.param(completion(n=2, best_of=1), "best_of", id="best_of-below-n"),
+    pytest.param(completion(stop_token_ids=[-1]), "stop_token_ids", id="stop_token_ids-negative"),
+    pytest.param(completion(stop_token_ids=[VOCAB_SIZE]), "stop_token_ids", id="stop_token_ids-past-vocab"),
+    pytest.param(completion(prompt_logprobs=21), "prompt_logprobs", id="prompt_logprobs-too-many"),
 ]
 
 

@@ -35,8 +35,11 @@ from llmserve.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    GenerateRequest,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -44,6 +47,9 @@ from llmserve.entrypoints.openai.server_info import server_info
 from llmserve.entrypoints.openai.serving import ApiError, ClientDisconnected, ServerContext, json_response
 from llmserve.entrypoints.openai.serving_chat import ChatHandler
 from llmserve.entrypoints.openai.serving_completions import CompletionHandler
+from llmserve.entrypoints.openai.serving_embeddings import EmbeddingHandler
+from llmserve.entrypoints.openai.serving_generate import GenerateHandler
+from llmserve.entrypoints.openai.serving_responses import ResponsesHandler
 from llmserve.entrypoints.openai.web import routes as web_routes
 from llmserve.metrics.prometheus import PrometheusMetrics
 
@@ -63,6 +69,9 @@ class AppState:
     completions: CompletionHandler
     chat: ChatHandler
     metrics: PrometheusMetrics
+    embeddings: EmbeddingHandler | None = None
+    responses: ResponsesHandler | None = None
+    generate: GenerateHandler | None = None
 
 
 def build_app(
@@ -83,6 +92,9 @@ def build_app(
     app = FastAPI(title="llmserve", lifespan=_lifespan, strict_content_type=False)
     app.state.llmserve = AppState(ctx, CompletionHandler(ctx), ChatHandler(ctx), metrics)
     app.state.api_key_required = bool(api_key)  # the playground asks for a key only then (web.py)
+    app.state.llmserve.embeddings = EmbeddingHandler(ctx)
+    app.state.llmserve.responses = ResponsesHandler(ctx, app.state.llmserve.chat)
+    app.state.llmserve.generate = GenerateHandler(ctx)
     app.include_router(router)
     app.include_router(web_routes)  # the playground, the dashboard and the JSON metrics (web.py)
     _install_error_handlers(app)
@@ -109,6 +121,21 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     return await _state(raw_request).chat.create(request, raw_request)
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).embeddings.create(request, raw_request)
+
+
+@router.post("/v1/responses")
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).responses.create(request, raw_request)
+
+
+@router.post("/v1/generate")
+async def generate(request: GenerateRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).generate.create(request, raw_request)
 
 
 @router.get("/v1/models")

@@ -132,6 +132,17 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    # vLLM's extra fields
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, prompt_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if prompt_logprobs is not None and info.data.get("stream"):  # as vLLM
+            raise ValueError("is not available when stream is true")
+        return prompt_logprobs
 
     @field_validator("logit_bias")
     @classmethod
@@ -180,10 +191,18 @@ class _SamplingRequest(_Request):
         """Top-N logprobs to compute per generated token; None when not asked for."""
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """Top-N logprobs to compute per prompt token; None when not asked for."""
+        return self.prompt_logprobs
+
+    def num_candidates(self) -> int:
+        """Completions the engine generates per prompt (best_of: more than are returned)."""
+        return self.n
+
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """Engine parameters; `max_tokens` is resolved by the caller against the context length."""
         return SamplingParams(
-            n=self.n,
+            n=self.num_candidates(),
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -199,6 +218,9 @@ class _SamplingRequest(_Request):
             logprobs=self.requested_logprobs(),
             num_speculative_tokens=self.num_speculative_tokens,
             logit_bias=self.logit_bias,  # keys become ints in SamplingParams
+            stop_token_ids=list(self.stop_token_ids),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.requested_prompt_logprobs(),
         )
 
 
@@ -211,8 +233,19 @@ class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: Annotated[Any, Unsupported(1)] = None
-    suffix: Annotated[Any, Unsupported("")] = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # candidates per prompt, the n likeliest returned
+    suffix: str | None = None  # text after the completion: a fill-in-the-middle prompt (fim.py)
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is None:
+            return None
+        if best_of < info.data.get("n", 1):
+            raise ValueError(f"must be >= n ({info.data.get('n')}), got {best_of}")
+        if best_of > info.data.get("n", 1) and info.data.get("stream"):
+            raise ValueError("greater than n cannot be streamed: the best are known only at the end")
+        return best_of
 
     @field_validator("prompt")
     @classmethod
@@ -222,7 +255,22 @@ class CompletionRequest(_SamplingRequest):
         return prompt
 
     def requested_logprobs(self) -> int | None:
+        if self.ranks_candidates and self.logprobs is None:
+            return 0  # ranking needs each candidate's cumulative logprob, not shown to the client
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """echo with logprobs reports the prompt's tokens too, with as many alternatives."""
+        echoed = self.logprobs if self.echo else None
+        asked = [n for n in (self.prompt_logprobs, echoed) if n is not None]
+        return max(asked) if asked else None
+
+    @property
+    def ranks_candidates(self) -> bool:
+        return self.best_of is not None and self.best_of > self.n
+
+    def num_candidates(self) -> int:
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -239,11 +287,23 @@ class CompletionLogprobs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """vLLM's entry for one prompt token's alternative (`prompt_logprobs`, keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobList = list[dict[str, PromptLogprob] | None]  # per prompt token; the first has None
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    prompt_logprobs: PromptLogprobList | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class SpeculativeUsage(_Response):
@@ -400,6 +460,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobList | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class DeltaMessage(_Response):
@@ -473,3 +534,229 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+# -- /v1/embeddings ---------------------------------------------------------------------------------
+
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # only the model's own size: no Matryoshka truncation
+    user: str | None = None
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(cls, prompt: Prompt) -> Prompt:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("must not be an empty list")
+        return prompt
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input field as a list of inputs (text or token ids)."""
+        prompt = self.input
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+
+class EmbeddingData(_Response):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # base64: the little-endian float32 bytes, as OpenAI sends them
+    index: int
+
+
+class EmbeddingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Response):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+# -- /v1/responses (stateless) ----------------------------------------------------------------------
+
+
+class ResponseInputText(_Request):
+    type: Literal["input_text", "output_text", "text"]  # output_text: an earlier assistant turn's
+    text: str
+
+
+class ResponseInputMessage(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ResponseInputText]
+
+    def to_template_message(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ResponseTextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ResponseTextConfig(_Request):
+    format: ResponseTextFormat | None = None
+    verbosity: Annotated[Any, Unsupported()] = None
+
+
+STORED_RESPONSES = "stored responses are not supported: this server keeps no state between requests"
+
+
+class ResponsesRequest(_Request):
+    """OpenAI's Responses API without stored state: every request carries its whole conversation."""
+
+    model: str | None = None
+    input: str | list[ResponseInputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    text: ResponseTextConfig | None = None
+    store: bool = False  # true asks the server to keep the response: refused (STORED_RESPONSES)
+    previous_response_id: str | None = None  # refused (STORED_RESPONSES)
+    tools: list[Any] = Field(default_factory=list)  # refused until tool calling is merged here
+    tool_choice: Annotated[Any, Unsupported("none", "auto")] = None
+    user: str | None = None  # no effect, as on chat
+    metadata: dict[str, str] | None = None  # no effect: nothing is stored
+    parallel_tool_calls: bool | None = None  # no effect without tools
+    truncation: Annotated[Any, Unsupported("disabled")] = None
+    background: Annotated[Any, Unsupported(False)] = None
+    conversation: Annotated[Any, Unsupported()] = None
+    include: Annotated[Any, Unsupported([])] = None
+    max_tool_calls: Annotated[Any, Unsupported()] = None
+    prompt: Annotated[Any, Unsupported()] = None
+    reasoning: Annotated[Any, Unsupported()] = None
+    top_logprobs: Annotated[Any, Unsupported(0)] = None
+
+    @field_validator("input")
+    @classmethod
+    def _check_input(cls, value: str | list[ResponseInputMessage]) -> str | list[ResponseInputMessage]:
+        if isinstance(value, list) and not value:
+            raise ValueError("must not be an empty list")
+        return value
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The conversation for the chat template: the instructions as a system message first."""
+        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        return [*messages, *(message.to_template_message() for message in self.input)]
+
+    # what ServerContext.sampling_params reads of a request
+    def requested_max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_output_tokens"
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens)
+
+
+class ResponseOutputText(_Response):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class ResponseOutputMessage(_Response):
+    type: Literal["message"] = "message"
+    id: str
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[ResponseOutputText]
+
+
+class ResponseUsage(_Response):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+    @classmethod
+    def of(cls, usage: UsageInfo) -> ResponseUsage:
+        return cls(
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details={
+                "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                "cache_write_tokens": 0,
+            },
+            output_tokens=usage.completion_tokens,
+            output_tokens_details={"reasoning_tokens": 0},
+            total_tokens=usage.total_tokens,
+        )
+
+
+class ResponseObject(_Response):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    incomplete_details: dict[str, str] | None = None
+    error: dict[str, str] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float
+    top_p: float
+    output: list[ResponseOutputMessage] = Field(default_factory=list)
+    parallel_tool_calls: bool = False
+    tool_choice: str = "none"
+    tools: list[Any] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    store: bool = False
+    previous_response_id: None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    usage: ResponseUsage | None = None
+
+
+# -- /v1/generate (the design's own minimal route) ---------------------------------------------------
+
+
+class GenerateRequest(_Request):
+    prompt: str = Field(min_length=1)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    stream: bool = False
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, max_tokens=max_tokens)
+
+
+class GenerateResponse(_Response):
+    text: str
+    tokens_generated: int
+    latency_ms: float  # from the request's arrival to its last token
+    tokens_per_second: float  # tokens_generated over that latency
+    finish_reason: FinishReason | None = None
+
+
+class GenerateChunk(_Response):
+    """One streamed event: a piece of text, or (done) the final counts with the whole text."""
+
+    text: str
+    tokens_generated: int
+    done: bool = False
+    latency_ms: float | None = Field(default=None, exclude_if=lambda value: value is None)
+    tokens_per_second: float | None = Field(default=None, exclude_if=lambda value: value is None)
+    finish_reason: FinishReason | None = Field(default=None, exclude_if=lambda value: value is None)

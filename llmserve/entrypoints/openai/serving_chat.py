@@ -15,6 +15,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from llmserve.engine.async_llm import EngineDeadError
+from llmserve.entrypoints.openai.prompt_logprobs import prompt_tokens, vllm_prompt_logprobs
 from llmserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -93,9 +94,17 @@ class ChatHandler:
                     finish_reason=delta.finish_reason,
                 )
             )
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None:  # vLLM's field (never with stream)
+            tokens = prompt_tokens(output.prompt_token_ids, output.prompt_logprobs)
+            prompt_logprobs = vllm_prompt_logprobs(tokens, request.prompt_logprobs, self.token_text)
         return json_response(
             ChatCompletionResponse(
-                id=requests.id, model=self.ctx.served_model_name, choices=choices, usage=requests.usage()
+                id=requests.id,
+                model=self.ctx.served_model_name,
+                choices=choices,
+                usage=requests.usage(),
+                prompt_logprobs=prompt_logprobs,
             )
         )
 
