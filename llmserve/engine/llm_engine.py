@@ -95,6 +95,7 @@ class LLMEngine:
         self.output_kinds = OutputAccumulator()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
         self.last_step: StepStats | None = None
+        self.failed_requests: list[str] = []  # of the last step: their output processing raised
         self._prefix_cache_reported = (0, 0)  # the cache manager's (queries, hits) in StepStats so far
         torch.manual_seed(self.config.model.seed)
         self.startup_seconds = time.monotonic() - start
@@ -311,7 +312,24 @@ class LLMEngine:
         if scheduled.is_empty:
             self.last_step = None
             return []
-        return self._process(scheduled, self._execute(scheduled.plan), start)
+        try:
+            result = self._execute(scheduled.plan)
+        except Exception as error:
+            if self.failure is not None:  # a dead rank: the engine itself can no longer step
+                raise
+            batch = {
+                self.output_processor.child_index.get(r.request_id, (None,))[0] for r in scheduled.requests
+            }
+            raise BatchFailed(sorted(b for b in batch if b is not None)) from error
+        return self._process(scheduled, result, start)
+
+    def fail_requests(self, request_ids: list[str]) -> None:
+        """Abort requests the engine gave up on alone (their blocks are freed; no output follows)."""
+        for request_id in request_ids:
+            for child in self.output_processor.children_of(request_id):
+                self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.forget(request_id)
+            self.output_kinds.forget(request_id)
 
     def _process(
         self, scheduled: SchedulerOutput, result: ModelRunnerOutput, start: float
@@ -329,6 +347,8 @@ class LLMEngine:
         if scheduled.requests:
             updated = self.scheduler.update_from_output(scheduled, sampled, proposals)
             outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)
+            self.failed_requests = self.output_processor.take_failed()
+            self.fail_requests(self.failed_requests)
         self.last_step = self._step_stats(scheduled, num_sampled, num_accepted, time.monotonic() - start)
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_cache_manager.take_events())
@@ -365,6 +385,14 @@ class LLMEngine:
         totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
         (queries, hits), self._prefix_cache_reported = self._prefix_cache_reported, totals
         return totals[0] - queries, totals[1] - hits
+
+
+class BatchFailed(RuntimeError):
+    """The forward pass (or sampling) of a step raised: the requests of that batch fail, no others."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"the engine step of {len(request_ids)} requests failed")
+        self.request_ids = request_ids
 
 
 def check_params(params: SamplingParams, config: EngineConfig) -> None:

@@ -30,6 +30,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineFailedError
+from llmserve.entrypoints.openai.health import health_of
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,6 +46,7 @@ from llmserve.entrypoints.openai.serving import ApiError, ClientDisconnected, Se
 from llmserve.entrypoints.openai.serving_chat import ChatHandler
 from llmserve.entrypoints.openai.serving_completions import CompletionHandler
 from llmserve.metrics.prometheus import PrometheusMetrics
+from llmserve.metrics.reliability import health_counters
 
 logger = logging.getLogger("llmserve.server")
 
@@ -77,6 +79,7 @@ def build_app(
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
     metrics = metrics or PrometheusMetrics()
     metrics.attach(engine)
+    metrics.registry.register(health_counters(engine.health))
     ctx = ServerContext(engine, served_model_name, max_waiting)
     app = FastAPI(title="llmserve", lifespan=_lifespan, strict_content_type=False)
     app.state.llmserve = AppState(ctx, CompletionHandler(ctx), ChatHandler(ctx), metrics)
@@ -142,13 +145,11 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
 
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
-    """200 only while the engine and every tensor-parallel rank of it can serve."""
-    engine = _state(raw_request).ctx.engine
-    if not engine.is_running:
-        raise ApiError("the engine has stopped", status=503, type="server_error")
-    if engine.failure is not None:
-        raise ApiError(engine.failure, status=503, type="server_error")
-    return Response(status_code=200)
+    """200 only while the engine and every tensor-parallel rank of it can serve (health.py)."""
+    body, status = health_of(_state(raw_request).ctx.engine)
+    return Response(
+        body.model_dump_json(exclude_none=True), status_code=status, media_type="application/json"
+    )
 
 
 @router.get("/server_info")
