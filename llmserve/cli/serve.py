@@ -36,6 +36,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="requests in flight (running + waiting) before the server answers 429",
     )
     group.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=262144,
+        help="prompt tokens queued (sent to the engine, no output yet) before the server answers 429 "
+        "with a computed Retry-After",
+    )
+    group.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=None,
+        help="seconds of predicted queue wait before the server answers 429 with a computed Retry-After "
+        "(a request's own `timeout` field bounds it too)",
+    )
+    group.add_argument(
         "--engine-restart",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -96,6 +96,7 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # requests the engine may report on
         self._output_kinds = OutputAccumulator()
+        self._queued: dict[str, int] = {}  # prompt tokens of requests sent that have no output yet
         self._stopping = threading.Event()
         self._launch = (engine_args, engine_factory, bind_cpus)
         self._restarts = None if restart is None else RestartBudget(restart)
@@ -211,6 +212,7 @@ class AsyncLLM:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._prompts[request_id] = (None, prompt_ids)
+        self._queued[request_id] = len(prompt_ids)
         self._output_kinds.add_request(request_id, params.output_kind)
         wire_params = params.with_output_kind(RequestOutputKind.DELTA)  # the kind is applied here
         self._commands.put(AddRequest(request_id, prompt_ids, wire_params, time.monotonic(), priority))
@@ -239,6 +241,11 @@ class AsyncLLM:
     def failure(self) -> str | None:
         """Why the engine can no longer step (a tensor-parallel rank died); None while it can."""
         return self.gauges.failure
+
+    @property
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens of the requests sent that have no output yet: the waiting queue, in tokens."""
+        return sum(list(self._queued.values()))  # list(): one copy under the GIL, as the reader pops
 
     @property
     def _supervised(self) -> bool:
@@ -378,6 +385,7 @@ class AsyncLLM:
         prompt = self._prompts.get(wire.request_id)
         if prompt is None:
             return None
+        self._dequeue(wire.request_id)
         if wire.finished:
             del self._prompts[wire.request_id]
         return wire.to_request_output(*prompt)
@@ -387,7 +395,11 @@ class AsyncLLM:
         outputs = map(self._output_kinds.apply, deltas)
         return [(output.request_id, output) for output in outputs if output is not None]
 
+    def _dequeue(self, request_id: str) -> None:
+        self._queued.pop(request_id, None)
+
     def _forget(self, request_id: str) -> None:
+        self._dequeue(request_id)
         self._prompts.pop(request_id, None)
         self._output_kinds.forget(request_id)
 

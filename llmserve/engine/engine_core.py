@@ -181,6 +181,7 @@ class EngineCore:
             spec_decode=self.engine.spec_decode_stats,
             ranks=self.engine.rank_stats(),
             failure=self.engine.failure,
+            invariant_violations=0 if self.engine.invariants is None else self.engine.invariants.violations,
         )
 
 

@@ -25,6 +25,7 @@ from llmserve.core.scheduler import Scheduler, SchedulerOutput
 from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.pipeline import PipelineStage
 from llmserve.engine.batch_queue import BatchQueue
+from llmserve.engine.invariants import InvariantChecker
 from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
@@ -96,6 +97,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
         self.last_step: StepStats | None = None
         self.failed_requests: list[str] = []  # of the last step: their output processing raised
+        self.invariants = InvariantChecker(self.kv_cache_manager) if args.check_invariants else None
         self._prefix_cache_reported = (0, 0)  # the cache manager's (queries, hits) in StepStats so far
         torch.manual_seed(self.config.model.seed)
         self.startup_seconds = time.monotonic() - start
@@ -352,6 +354,8 @@ class LLMEngine:
         self.last_step = self._step_stats(scheduled, num_sampled, num_accepted, time.monotonic() - start)
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_cache_manager.take_events())
+        if self.invariants is not None:
+            self.invariants.check()
         return [output for output in map(self.output_kinds.apply, outputs) if output is not None]
 
     def _execute(self, plan: StepPlan) -> ModelRunnerOutput:

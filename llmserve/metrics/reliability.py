@@ -1,5 +1,5 @@
 """Counters of the server's failures and recoveries on /metrics, read from EngineHealth at scrape time:
-`llmserve:engine_stalls_total`, `llmserve:engine_restarts_total`."""
+`llmserve:engine_stalls_total`, `llmserve:engine_restarts_total`, `llmserve:invariant_violations_total`."""
 
 from __future__ import annotations
 
@@ -27,10 +27,15 @@ class ReliabilityCollector(Collector):
         ]
 
 
-def health_counters(health) -> ReliabilityCollector:
-    """The engine health's counters (engine/health.py:EngineHealth)."""
+def health_counters(engine) -> ReliabilityCollector:
+    """The engine's health counters (engine/health.py:EngineHealth) and its invariant checks'."""
+    health = engine.health
     return ReliabilityCollector(
         {
+            "invariant_violations": (
+                "--check-invariants: KV cache and block pool integrity checks that failed after a step.",
+                lambda: engine.gauges.invariant_violations,
+            ),
             "engine_stalls": (
                 "Times the watchdog found requests in flight and no engine step finished in time.",
                 lambda: health.num_stalls,

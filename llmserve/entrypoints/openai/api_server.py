@@ -30,6 +30,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineFailedError
+from llmserve.entrypoints.openai.admission import Admission, AdmissionConfig
 from llmserve.entrypoints.openai.health import health_of
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -73,14 +74,17 @@ def build_app(
     max_waiting: int = 256,
     max_body_bytes: int = MAX_BODY_BYTES,
     metrics: PrometheusMetrics | None = None,
+    admission: AdmissionConfig | None = None,
 ) -> FastAPI:
     """The app; `max_waiting` bounds the engine requests in flight (running + waiting) before 429s."""
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
     metrics = metrics or PrometheusMetrics()
     metrics.attach(engine)
-    metrics.registry.register(health_counters(engine.health))
-    ctx = ServerContext(engine, served_model_name, max_waiting)
+    metrics.registry.register(health_counters(engine))
+    ctx = ServerContext(
+        engine, served_model_name, max_waiting, admission=Admission(engine, admission or AdmissionConfig())
+    )
     app = FastAPI(title="llmserve", lifespan=_lifespan, strict_content_type=False)
     app.state.llmserve = AppState(ctx, CompletionHandler(ctx), ChatHandler(ctx), metrics)
     app.include_router(router)

@@ -31,6 +31,7 @@ from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_STOP_SEQUENCES = 16
+MAX_TIMEOUT_SECONDS = 86400.0  # a request's `timeout`
 MAX_SPECULATIVE_TOKENS = 15  # a verify span of K + 1 stays within the in-place attention kernel
 MAX_SEED = 2**63 - 1 - MAX_N  # parallel samples use seed + index, which must stay an int64
 MAX_PRIORITY = 2**63 - 1  # an int64: the scheduler adds it to a float, which a huger int overflows
@@ -132,6 +133,8 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    # seconds: refused (429) if the predicted queue wait exceeds it, aborted (408) when it passes
+    timeout: float | None = Field(None, gt=0.0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False)
 
     @field_validator("logit_bias")
     @classmethod

@@ -54,10 +54,12 @@ def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> i
     import uvicorn
 
     from llmserve.entrypoints.openai import api_server
+    from llmserve.entrypoints.openai.admission import AdmissionConfig
 
     api_key = args.api_key or os.environ.get(api_server.API_KEY_ENV) or None
     name = args.served_model_name or api_server.default_served_model_name(engine.config.model.path)
-    app = api_server.build_app(engine, name, api_key, args.max_waiting)
+    admission = AdmissionConfig(args.max_waiting_tokens, args.max_queue_delay)
+    app = api_server.build_app(engine, name, api_key, args.max_waiting, admission=admission)
     config = uvicorn.Config(
         app,
         host=args.host,
