@@ -58,6 +58,11 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(RuntimeError):
+    """The engine gave up on this request alone (its step, or its output processing, raised); the
+    message is for the client, the cause is in the server log."""
+
+
 class EngineFailedError(RuntimeError):
     """The engine process runs but can no longer step: a tensor-parallel rank died (the message says
     which, and its exit code)."""
@@ -374,6 +379,7 @@ class AsyncLLM:
                 FailureKind.INVALID: ValueError,
                 FailureKind.DEAD: EngineDeadError,
                 FailureKind.FAILED: EngineFailedError,
+                FailureKind.STEP: RequestFailedError,
             }.get(message.kind, RuntimeError)
             error = error_type(message.message)
             self._deliver_all([(request_id, error) for request_id in message.request_ids])

@@ -68,10 +68,10 @@ def test_a_killed_engine_fails_its_streams_and_is_restarted(tiny_model_dir, tmp_
         for thread in threads:
             thread.join(60)
         assert len(results) == 3
-        for events in results:  # each stream ends with an in-band error, then [DONE]
-            assert events[-1] == "[DONE]"
-            error = json.loads(events[-2])["error"]
-            assert "engine process exited unexpectedly" in error["message"], error
+        for events in results:  # each stream ends its open choice with finish_reason "abort"
+            finishes = [c["finish_reason"] for e in events if e != "[DONE]" for c in json.loads(e)["choices"]]
+            assert finishes[-1] == "abort" and finishes.count("abort") == 1, events[-3:]
+        assert "the engine process exited unexpectedly (exit code -9)" in server.log()
         status, body = wait_for(lambda: (s := health(server))[0] == 503 and s, 30, "/health 503")
         assert body["status"] == "restarting" and "exit code -9" in body["reason"]
         assert body["error"]["type"] == "server_error"

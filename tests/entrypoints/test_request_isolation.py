@@ -9,7 +9,7 @@ import pytest
 
 from llmserve import SamplingParams
 from llmserve.config import EngineArgs
-from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.async_llm import AsyncLLM, RequestFailedError
 from llmserve.engine.health import HealthState, WatchdogConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output_processor import OutputProcessor
@@ -82,7 +82,7 @@ def test_a_raising_output_stage_fails_its_request_alone(engine_args):
     llm = AsyncLLM(engine_args, engine_factory=_FaultyOutputEngine)
     try:
         marked, other = _run_both(llm)
-        assert isinstance(marked, RuntimeError)
+        assert isinstance(marked, RequestFailedError)
         assert "processing this request's output" in str(marked)
         assert "internal" not in str(marked) and "KeyError" not in str(marked)
         assert other.finished and len(other.outputs[0].token_ids) == 8
@@ -98,7 +98,9 @@ def test_a_raising_forward_pass_fails_only_its_batch(engine_args):
     llm = AsyncLLM(args, engine_factory=_FaultyForwardEngine)
     try:
         marked, other = _run_both(llm)
-        assert isinstance(marked, RuntimeError) and "engine step running this request failed" in str(marked)
+        assert isinstance(marked, RequestFailedError) and "engine step running this request failed" in str(
+            marked
+        )
         assert other.finished and len(other.outputs[0].token_ids) == 8
         assert llm.gauges.kv_cache_usage == 0
     finally:

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineFailedError
+from llmserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineFailedError, RequestFailedError
 from llmserve.entrypoints.openai.admission import Admission, AdmissionConfig
 from llmserve.entrypoints.openai.health import health_of
 from llmserve.entrypoints.openai.protocol import (
@@ -204,6 +204,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_engine_dead(_: Request, error: EngineDeadError | EngineFailedError) -> Response:
         return json_response(ApiError(str(error), status=503, type="server_error").body(), 503)
 
+    async def on_request_failed(_: Request, error: RequestFailedError) -> Response:
+        return json_response(ApiError(str(error), status=500, type="server_error").body(), 500)
+
     async def on_disconnect(_: Request, __: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody is listening; the engine requests are already aborted
 
@@ -213,6 +216,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValueError, on_value_error)
     app.add_exception_handler(EngineDeadError, on_engine_dead)
     app.add_exception_handler(EngineFailedError, on_engine_dead)
+    app.add_exception_handler(RequestFailedError, on_request_failed)
     app.add_exception_handler(ClientDisconnected, on_disconnect)
     app.add_exception_handler(Exception, on_internal_error)
 

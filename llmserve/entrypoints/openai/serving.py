@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from llmserve.engine.async_llm import AsyncLLM, EngineFailedError
+from llmserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineFailedError, RequestFailedError
 from llmserve.engine.llm_engine import check_params
 from llmserve.entrypoints.openai.admission import Admission, Refused
 from llmserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo, _SamplingRequest
@@ -391,8 +391,13 @@ def sse_error(error: BaseException) -> str:
     """The in-band error event for a stream that already sent its 200 status."""
     if isinstance(error, ApiError):
         message, status = error.message, error.status
-    else:  # a dead tensor-parallel rank is the server's state, as on /health (503), not a bug (500)
-        message, status = str(error), 503 if isinstance(error, EngineFailedError) else 500
+    elif isinstance(error, (EngineDeadError, EngineFailedError)):  # the server's state, as on /health
+        message, status = str(error), 503
+    elif isinstance(error, RequestFailedError):  # the engine's message names no internals
+        message, status = str(error), 500
+    else:  # a bug: its text may hold paths or class names, which stay in the log
+        logger.error("internal error in a stream", exc_info=error)
+        message, status = "internal server error", 500
     kind = "invalid_request_error" if status < 500 else "server_error"
     return sse_event(
         ErrorResponse(error=ErrorInfo(message=message, type=kind, code=str(status))).model_dump_json()
