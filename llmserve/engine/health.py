@@ -9,9 +9,11 @@ States (what /health says; only `ready` and `warming` answer 200):
   stopping    the server is shutting down, or the engine is gone for good
 
 The watchdog judges progress, not time alone: a step may take up to `factor` times the predicted time
-of the largest step the scheduler can plan (its token budget at the slowest seconds per token of the
-recent steps), and never less than `min_seconds`; so a long prefill is not a hang. Before the first
-step (warming) the limit is `warmup_seconds`.
+of the largest step the scheduler can plan, and never less than `min_seconds`; so a long prefill is not
+a hang. The prediction is the scheduler's token budget at the seconds per token of the largest recent
+step (a prefill: per-step overheads weigh least there), or the slowest recent step if that is longer.
+The first step after (re)start is left out (kernels warm up in it); until it finishes (warming) the
+limit is `warmup_seconds`.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class EngineHealth:
         self._state = HealthState.STARTING
         self._reason = "the engine is loading the model"
         self._last_progress = time.monotonic()
-        self._seconds_per_token: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
+        self._steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=_RECENT_STEPS)
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -88,7 +90,7 @@ class EngineHealth:
             if self._state is HealthState.STOPPING and state is not HealthState.STOPPING:
                 return  # stopping is final
             if state is HealthState.WARMING:
-                self._seconds_per_token.clear()  # a new engine: its speed is measured afresh
+                self._steps.clear()  # a new engine: its speed is measured afresh
             self._state, self._reason = state, reason
             self._last_progress = time.monotonic()
 
@@ -97,10 +99,9 @@ class EngineHealth:
         now = time.monotonic()
         with self._lock:
             self._last_progress = now
-            if stats is not None:
-                tokens = stats.num_prompt_tokens + stats.num_generation_tokens
-                if tokens:
-                    self._seconds_per_token.append(stats.step_seconds / tokens)
+            tokens = 0 if stats is None else stats.num_prompt_tokens + stats.num_generation_tokens
+            if tokens and self._state is not HealthState.WARMING:  # the warm-up step predicts nothing
+                self._steps.append((tokens, stats.step_seconds))
             if self._state in (HealthState.WARMING, HealthState.STALLED):
                 if self._state is HealthState.STALLED:
                     logger.warning("the engine is making progress again after a stall")
@@ -110,10 +111,14 @@ class EngineHealth:
 
     def step_limit(self) -> float:
         """Seconds without a finished step, while requests are in flight, that count as a stall."""
-        if self._state is HealthState.WARMING or not self._seconds_per_token:
+        if self._state is HealthState.WARMING or not self._steps:
             return max(self.watchdog.warmup_seconds, self.watchdog.min_seconds)
-        predicted = max(self._seconds_per_token) * self.max_step_tokens
-        return max(self.watchdog.min_seconds, self.watchdog.factor * predicted)
+        return max(self.watchdog.min_seconds, self.watchdog.factor * self.predicted_max_step_seconds())
+
+    def predicted_max_step_seconds(self) -> float:
+        """The time of a step of `max_step_tokens` tokens, from the recent steps (held by the caller)."""
+        tokens, seconds = max(self._steps)  # the largest step
+        return max(seconds / tokens * self.max_step_tokens, max(s for _, s in self._steps))
 
     def check(self, busy: bool, now: float | None = None) -> bool:
         """Turn `stalled` if `busy` and no step finished within the limit; True when it just did."""

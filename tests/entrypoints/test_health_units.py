@@ -13,22 +13,25 @@ def _step(tokens: int, seconds: float) -> StepStats:
     return StepStats(0, 0, 0.0, 1, tokens, 0, 0, seconds)
 
 
-def test_the_limit_follows_the_slowest_recent_step_scaled_to_the_largest_step():
+def test_the_limit_scales_the_largest_recent_step_to_the_token_budget():
     health = EngineHealth(
         WatchdogConfig(min_seconds=1.0, factor=10.0, warmup_seconds=99.0), max_step_tokens=2048
     )
     health.set(HealthState.WARMING)
     assert health.step_limit() == 99.0  # before the first step: the warm-up limit
-    health.on_step(_step(1, 0.001))
-    assert health.state is HealthState.READY
-    assert health.step_limit() == pytest.approx(10.0 * 0.001 * 2048)  # 20.48 s
-    health.on_step(_step(100, 0.01))  # faster per token: the slowest recent one still rules
-    assert health.step_limit() == pytest.approx(20.48)
+    health.on_step(_step(1, 5.0))  # the warm-up step (kernels build) predicts nothing
+    assert health.state is HealthState.READY and health.step_limit() == 99.0
+    health.on_step(_step(512, 0.512))  # a prefill: 1 ms per token
+    health.on_step(_step(1, 0.01))  # a decode: its overhead does not count per token
+    assert health.step_limit() == pytest.approx(10.0 * 2.048)
+    health.on_step(_step(2, 3.0))  # a step slower than the scaled prefill rules
+    assert health.step_limit() == pytest.approx(30.0)
 
 
 def test_a_long_prefill_within_the_limit_is_not_a_stall_and_a_hang_is():
     health = EngineHealth(WatchdogConfig(min_seconds=1.0, factor=10.0), max_step_tokens=2048)
     health.set(HealthState.WARMING)
+    health.on_step(_step(10, 0.01))  # warm-up
     health.on_step(_step(10, 0.01))  # 1 ms per token: a full 2048-token prefill is ~2 s, the limit 20.5 s
     start = health._last_progress
     assert not health.check(busy=True, now=start + 15.0)

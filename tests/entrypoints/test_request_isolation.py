@@ -108,13 +108,15 @@ def test_a_raising_forward_pass_fails_only_its_batch(engine_args):
 
 
 def test_a_hung_step_turns_health_stalled_then_ready(engine_args):
-    watchdog = WatchdogConfig(min_seconds=1.0, warmup_seconds=1.0, poll_seconds=0.1)
-    llm = AsyncLLM(engine_args, engine_factory=_HangingEngine, watchdog=watchdog)
+    watchdog = WatchdogConfig(min_seconds=1.0, factor=1.0, warmup_seconds=1.0, poll_seconds=0.1)
+    args = EngineArgs(**{**engine_args.__dict__, "max_num_batched_tokens": 256})
+    llm = AsyncLLM(args, engine_factory=_HangingEngine, watchdog=watchdog)
     try:
         assert llm.health.state is HealthState.WARMING
-        asyncio.run(_collect(llm, [7, 8], SamplingParams(max_tokens=4), "warm"))
+        asyncio.run(_collect(llm, [7, 8], SamplingParams(max_tokens=2), "warm-up"))
+        asyncio.run(_collect(llm, list(range(10, 200)), SamplingParams(max_tokens=4), "measured"))
         assert llm.health.state is HealthState.READY
-        assert llm.health.step_limit() == 1.0  # the tiny model's predicted step is far below the floor
+        assert llm.health.step_limit() < 3.0  # a 256-token step of the tiny model: well under the hang
 
         async def watch():
             task = asyncio.ensure_future(_collect(llm, [MARK, 1], SamplingParams(max_tokens=1), "hangs"))
