@@ -95,10 +95,13 @@ def test_queued_prompt_tokens_are_bounded(server):
         with httpx.Client(base_url=server.base_url, timeout=120) as http:
             body = {"model": MODEL, "prompt": PROMPT_150, "max_tokens": 2}
             # two wait behind the running pair (about 300 prompt tokens queued), the third is over 400
+
+            def post() -> None:
+                with httpx.Client(base_url=server.base_url, timeout=120) as own:
+                    queued.append(own.post("/v1/completions", json=body))
+
             for _ in range(2):
-                thread = threading.Thread(
-                    target=lambda: queued.append(http.post("/v1/completions", json=body))
-                )
+                thread = threading.Thread(target=post)
                 thread.start()
                 threads.append(thread)
             deadline = time.monotonic() + 30
