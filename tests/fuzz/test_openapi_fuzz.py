@@ -83,3 +83,30 @@ def test_no_operation_answers_5xx_or_a_non_openai_error(server, schema, mode):
     assert ran >= len(operations) * 10  # schemathesis stops early only where a schema has few distinct cases
     print(f"{mode.value}: {ran} cases over {len(operations)} operations, no 5xx")
     assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(
+            '{"model": "tiny-llama", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", id="deep-nesting"
+        ),
+        pytest.param(
+            '{"prompt": "a", "max_tokens": 1, "stop": ' + json.dumps(["s"] * 100_000) + "}", id="huge-array"
+        ),
+        pytest.param('{"prompt": "' + "x" * 3_000_000 + '", "max_tokens": 1}', id="huge-string"),
+        pytest.param('{"prompt": "\\ud800", "max_tokens": 1}', id="lone-surrogate"),
+        pytest.param('{"prompt": "a", "temperature": NaN}', id="nan"),
+        pytest.param('{"prompt": "a", "max_tokens": 1e400}', id="overflowing-number"),
+    ],
+)
+def test_hostile_bodies_are_4xx_and_the_connection_is_kept(server, raw):
+    with httpx.Client(
+        base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as http:
+        response = http.post(
+            "/v1/completions", content=raw.encode(), headers={"Content-Type": "application/json"}
+        )
+        assert 400 <= response.status_code < 500, response.text[:300]
+        assert response.json()["error"]["message"]
+        assert http.get("/v1/models").status_code == 200
