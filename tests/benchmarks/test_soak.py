@@ -14,9 +14,10 @@ def test_rss_slope_is_the_least_squares_slope_per_1k_requests():
 
 
 def test_ci_sized_soak_passes_its_gates(tiny_model_dir, tmp_path):
-    config = SoakConfig(num_requests=240, concurrency=8, max_tokens=16, warmup_requests=0)
-    # 2 MiB of float32 KV for the tiny model: about 1,000 tokens, so 8 requests in flight preempt
-    server_args = ["--dtype", "float32", "--kv-cache-memory", "2MiB", "--max-model-len", "256"]
+    config = SoakConfig(num_requests=240, concurrency=8, max_tokens=40, warmup_requests=0)
+    # 128 KiB of float32 KV for the tiny model (512 bytes a token): 8 blocks of 32 tokens, fewer than
+    # 8 requests in flight need, so the scheduler preempts
+    server_args = ["--dtype", "float32", "--kv-cache-memory", "128KiB", "--max-model-len", "256"]
     report = run_soak(tiny_model_dir, server_args, config, tmp_path / "server.log", free_port())
     assert sum(report.requests.values()) == 240
     assert report.failures(config) == [], (
@@ -24,5 +25,5 @@ def test_ci_sized_soak_passes_its_gates(tiny_model_dir, tmp_path):
         (tmp_path / "server.log").read_text()[-3000:],
     )
     assert report.greedy_checked > 20 and report.disconnects > 40 and report.bad_requests_4xx > 0
-    assert report.invariant_violations == 0 and report.rss_mb
+    assert report.invariant_violations == 0 and report.rss_mb and report.preemptions > 0
     print(report.requests, "preemptions:", report.preemptions)
