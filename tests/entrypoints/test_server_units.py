@@ -99,7 +99,7 @@ def test_engine_error_without_streaming_is_a_500_with_the_error_body():
     )
     assert response.status_code == 500
     assert response.json() == {
-        "error": {"message": "the engine step failed", "type": "server_error", "param": None, "code": None}
+        "error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}
     }
 
 
