@@ -85,7 +85,6 @@ def test_internal_errors_in_a_stream_show_no_internals():
 
 
 BAD_COMPLETIONS = [
-    pytest.param(completion(stop=["x" * 1025]), "stop", id="stop-too-long"),
     pytest.param(completion(max_tokens="5"), "max_tokens", id="max_tokens-wrong-type"),
     pytest.param(completion(max_tokens=0), "max_tokens", id="max_tokens-zero"),
     pytest.param(completion(max_tokens=MAX_MODEL_LEN), "max_tokens", id="max_tokens-past-context"),

@@ -31,7 +31,6 @@ from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_STOP_SEQUENCES = 16
-MAX_STOP_LENGTH = 1024  # characters per stop sequence (the detokenizer holds back that much text)
 MAX_TIMEOUT_SECONDS = 86400.0  # a request's `timeout`
 MAX_SPECULATIVE_TOKENS = 15  # a verify span of K + 1 stays within the in-place attention kernel
 MAX_SEED = 2**63 - 1 - MAX_N  # parallel samples use seed + index, which must stay an int64
@@ -155,8 +154,6 @@ class _SamplingRequest(_Request):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
         if not all(stops):
             raise ValueError("stop sequences must not be empty")
-        if any(len(stop) > MAX_STOP_LENGTH for stop in stops):
-            raise ValueError(f"stop sequences must be at most {MAX_STOP_LENGTH} characters")
         if any(_LONE_SURROGATE.search(stop) for stop in stops):  # generated text never holds one
             raise ValueError("stop sequences must be valid Unicode (no lone UTF-16 surrogates)")
         return stops
