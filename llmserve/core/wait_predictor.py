@@ -2,6 +2,7 @@
 
 wait = (prompt tokens queued ahead) x (seconds per token computed)
      + (requests ahead beyond the free running slots) x (seconds per finished request)
+service = (its prompt tokens) x (seconds per token) + (its max_tokens) x (seconds per step)
 
 Both rates are measured over the engine's recent steps, in step time (idle time between bursts does not
 dilute them). The server's admission (entrypoints/openai/admission.py) refuses a request whose wait
@@ -61,6 +62,10 @@ class WaitPredictor:
         return self._seconds / self._tokens if self._tokens else None
 
     @property
+    def seconds_per_step(self) -> float | None:
+        return self._seconds / len(self._steps) if self._steps else None
+
+    @property
     def seconds_per_finished_request(self) -> float | None:
         return self._seconds / self._finished if self._finished else None
 
@@ -70,3 +75,8 @@ class WaitPredictor:
         if requests_over_slots > 0:
             wait += requests_over_slots * (self.seconds_per_finished_request or 0.0)
         return wait
+
+    def service(self, prompt_tokens: int, max_tokens: int) -> float:
+        """Seconds a request takes once scheduled: its prefill, then a step per output token (at most
+        max_tokens); 0 before anything was measured."""
+        return prompt_tokens * (self.seconds_per_token or 0.0) + max_tokens * (self.seconds_per_step or 0.0)

@@ -8,7 +8,7 @@ import pytest
 
 from llmserve.core.wait_predictor import WaitPredictor
 from llmserve.entrypoints.openai.admission import Admission, AdmissionConfig, Refused
-from llmserve.metrics.stats import EngineGauges, StepStats
+from llmserve.metrics.stats import StepStats
 from llmserve.outputs import RequestOutput
 
 
@@ -44,34 +44,38 @@ def test_only_the_recent_steps_count():
 class _Engine(SimpleNamespace):
     """What Admission reads of AsyncLLM."""
 
-    def __init__(self, queued: int, running: int, waiting: int, max_num_seqs: int = 4) -> None:
+    def __init__(self, queued: int, max_num_seqs: int = 4) -> None:
         super().__init__(
             step_listeners=[],
             queued_prompt_tokens=queued,
-            gauges=EngineGauges(num_running=running, num_waiting=waiting),
             config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs)),
         )
 
 
 def test_admission_refuses_past_the_deadline_with_the_time_until_it_would_fit():
-    engine = _Engine(queued=1000, running=4, waiting=2)
+    engine = _Engine(queued=1000)
     admission = Admission(engine, AdmissionConfig(max_queue_delay=30.0))
     engine.step_listeners[0](_step(100, 0, 1.0), _finished(1))  # 10 ms per token, 1 s per finish
-    assert admission.predicted_wait() == pytest.approx(1000 * 0.01 + 3 * 1.0)  # 13 s
-    admission.check([50], timeout=None)  # under --max-queue-delay
-    admission.check([50], timeout=14.0)
-    with pytest.raises(Refused, match="exceeds the request's timeout of 5 s") as refused:
-        admission.check([50], timeout=5.0)
-    assert refused.value.retry_after == 8  # ceil(13 - 5)
+    # 6 in flight, 4 slots: the 7th waits for 3 to finish
+    assert admission.predicted_wait(in_flight=6) == pytest.approx(1000 * 0.01 + 3 * 1.0)  # 13 s
+    admission.check([50], timeout=None, in_flight=6)  # under --max-queue-delay
+    # with its own service: 50 prompt tokens (0.5 s) and 10 steps of 1 s: 23.5 s in all
+    admission.check([50], timeout=24.0, in_flight=6, max_tokens=10)
+    with pytest.raises(Refused, match=r"predicted time of 23.5 s \(queue wait 13.0 s\)") as refused:
+        admission.check([50], timeout=20.0, in_flight=6, max_tokens=10)
+    assert refused.value.retry_after == 4  # ceil(23.5 - 20)
+    with pytest.raises(Refused) as refused:  # its service alone exceeds it: retry once the queue is gone
+        admission.check([50], timeout=5.0, in_flight=6, max_tokens=10)
+    assert refused.value.retry_after == 13
     tight = Admission(engine, AdmissionConfig(max_queue_delay=2.5))
     tight.predictor.on_step(_step(100, 0, 1.0), _finished(1))
     with pytest.raises(Refused, match="--max-queue-delay of 2.5 s") as refused:
-        tight.check([50], timeout=None)
+        tight.check([50], timeout=None, in_flight=6)
     assert refused.value.retry_after == 11
 
 
 def test_admission_bounds_the_queued_prompt_tokens():
-    engine = _Engine(queued=900, running=0, waiting=1)
+    engine = _Engine(queued=900)
     admission = Admission(engine, AdmissionConfig(max_waiting_tokens=1000))
     admission.check([100], timeout=None)
     with pytest.raises(Refused, match="holds 900 prompt tokens and admits at most 1000") as refused:

@@ -2,7 +2,8 @@
 
 A request is refused when
   - the prompt tokens already queued plus its own would exceed `max_waiting_tokens`, or
-  - its predicted queue wait (core/wait_predictor.py) exceeds its `timeout` or `max_queue_delay`.
+  - its predicted queue wait (core/wait_predictor.py) exceeds `max_queue_delay`, or its predicted
+    wait plus its own service time (prefill, max_tokens steps) exceeds its `timeout`.
 Retry-After is the predicted time until the request would be admitted if nothing else arrived. A request
 admitted with a `timeout` is aborted (its KV blocks freed) when the timeout passes: serving.py's
 EngineRequests arms the timer and answers 408.
@@ -39,13 +40,15 @@ class Admission:
         self.predictor = WaitPredictor()
         engine.step_listeners.append(self.predictor.on_step)
 
-    def predicted_wait(self, num_requests: int = 1) -> float:
-        """Seconds before `num_requests` arriving now would be first scheduled."""
-        gauges, max_seqs = self.engine.gauges, self.engine.config.scheduler.max_num_seqs
-        over_slots = gauges.num_running + gauges.num_waiting + num_requests - max_seqs
+    def predicted_wait(self, in_flight: int, num_requests: int = 1) -> float:
+        """Seconds before `num_requests` arriving now, behind `in_flight` admitted requests (the
+        server's count: the engine's gauges lag a burst), would be first scheduled."""
+        over_slots = in_flight + num_requests - self.engine.config.scheduler.max_num_seqs
         return self.predictor.predict(self.engine.queued_prompt_tokens, over_slots)
 
-    def check(self, prompt_tokens: Sequence[int], timeout: float | None) -> None:
+    def check(
+        self, prompt_tokens: Sequence[int], timeout: float | None, in_flight: int = 0, max_tokens: int = 0
+    ) -> None:
         """Raise Refused if these prompts should not be queued now."""
         queued, new = self.engine.queued_prompt_tokens, sum(prompt_tokens)
         bound = self.config.max_waiting_tokens
@@ -56,13 +59,21 @@ class Admission:
                 "retry later",
                 excess * (self.predictor.seconds_per_token or 0.0),
             )
-        limits = [limit for limit in (timeout, self.config.max_queue_delay) if limit is not None]
-        if not limits:
+        if timeout is None and self.config.max_queue_delay is None:
             return
-        limit, wait = min(limits), self.predicted_wait(len(prompt_tokens))
-        if wait > limit:
-            whose = "the request's timeout" if limit == timeout else "the server's --max-queue-delay"
+        wait = self.predicted_wait(in_flight, len(prompt_tokens))
+        delay = self.config.max_queue_delay
+        if delay is not None and wait > delay:
             raise Refused(
-                f"the predicted queue wait of {wait:.1f} s exceeds {whose} of {limit:g} s; retry later",
-                wait - limit,
+                f"the predicted queue wait of {wait:.1f} s exceeds the server's --max-queue-delay of "
+                f"{delay:g} s; retry later",
+                wait - delay,
             )
+        if timeout is not None:
+            total = wait + self.predictor.service(max(prompt_tokens, default=0), max_tokens)
+            if total > timeout:
+                raise Refused(
+                    f"the predicted time of {total:.1f} s (queue wait {wait:.1f} s) exceeds the request's "
+                    f"timeout of {timeout:g} s; retry later",
+                    wait if total - wait > timeout else total - timeout,  # never fits: retry when idle
+                )

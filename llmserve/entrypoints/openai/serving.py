@@ -98,7 +98,11 @@ class ServerContext:
             )
 
     def admit(
-        self, count: int, prompt_tokens: Sequence[int] = (), timeout: float | None = None
+        self,
+        count: int,
+        prompt_tokens: Sequence[int] = (),
+        timeout: float | None = None,
+        max_tokens: int = 0,
     ) -> Callable[[], None]:
         """Take `count` in-flight slots or refuse with 429; returns the (idempotent) release.
         `prompt_tokens` (each prompt's length) and `timeout` are checked by the admission policy."""
@@ -118,7 +122,7 @@ class ServerContext:
             )
         if self.admission is not None:
             try:
-                self.admission.check(prompt_tokens, timeout)
+                self.admission.check(prompt_tokens, timeout, self.in_flight, max_tokens)
             except Refused as refused:
                 raise ApiError(
                     str(refused),

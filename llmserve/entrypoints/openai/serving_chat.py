@@ -58,7 +58,7 @@ class ChatHandler:
             self.render(request.template_messages(), request.add_generation_prompt), param="messages"
         )
         params = ctx.sampling_params(request, [len(prompt_ids)], default_max=None)
-        release = ctx.admit(1, [len(prompt_ids)], request.timeout)
+        release = ctx.admit(1, [len(prompt_ids)], request.timeout, params.max_tokens)
         requests = EngineRequests(
             ctx.engine,
             ctx.new_request_id("chatcmpl"),

@@ -58,7 +58,9 @@ class CompletionHandler:
             self._echo_text(p, ids) if request.echo else ""
             for p, ids in zip(prompts, prompt_ids, strict=True)
         ]
-        release = ctx.admit(len(prompts), [len(ids) for ids in prompt_ids], request.timeout)
+        release = ctx.admit(
+            len(prompts), [len(ids) for ids in prompt_ids], request.timeout, params.max_tokens
+        )
         requests = EngineRequests(
             ctx.engine,
             ctx.new_request_id("cmpl"),
