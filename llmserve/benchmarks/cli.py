@@ -13,6 +13,7 @@ from llmserve.benchmarks.commands import (
     prefix_cache,
     priority,
     serve,
+    soak,
     spec_decode,
     throughput,
     workload,
@@ -20,7 +21,7 @@ from llmserve.benchmarks.commands import (
 
 # Each module's `register(commands)` adds its subcommand and sets `handler`; `llmserve bench --help`
 # lists them in this order.
-COMMANDS = (throughput, serve, latency, memory, workload, prefix_cache, priority, spec_decode)
+COMMANDS = (throughput, serve, latency, memory, workload, prefix_cache, priority, spec_decode, soak)
 
 
 def register(subparsers) -> None:

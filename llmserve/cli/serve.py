@@ -42,6 +42,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="requests in flight (running + waiting) before the server answers 429",
     )
     group.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        default=262144,
+        help="prompt tokens queued (sent to the engine, no output yet) before the server answers 429 "
+        "with a computed Retry-After",
+    )
+    group.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=None,
+        help="seconds of predicted queue wait before the server answers 429 with a computed Retry-After "
+        "(a request's own `timeout` field bounds it too)",
+    )
+    group.add_argument(
+        "--engine-restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="restart the engine process when it (or a worker) dies; --no-engine-restart exits non-zero "
+        "instead, for orchestrators that restart the pod (docs/reliability.md)",
+    )
+    group.add_argument(
+        "--max-engine-restarts",
+        type=int,
+        default=5,
+        help="engine restarts within 10 minutes (back-off 1 s, doubling, at most 30 s) before the server "
+        "exits non-zero",
+    )
+    group.add_argument(
+        "--watchdog-min-seconds",
+        type=float,
+        default=30.0,
+        help="the shortest time without a finished engine step, while requests are in flight, that "
+        "turns /health to 503 'stalled' (the limit grows with the predicted step time)",
+    )
+    group.add_argument(
         "--cpu-binding",
         action=argparse.BooleanOptionalAction,
         default=True,

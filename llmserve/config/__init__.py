@@ -275,6 +275,9 @@ class EngineArgs:
     node_rank: int | None = _arg(None, "mp with --nnodes: this machine's index; 0 runs the engine")
     master_addr: str | None = _arg(None, "mp with --nnodes: node 0's address, reachable from every node")
     master_port: int | None = _arg(None, "mp with --nnodes: node 0's rendezvous port (default 29501)")
+    check_invariants: bool = _arg(
+        False, "check the KV cache manager's and block pool's integrity after every step (slow; soak tests)"
+    )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

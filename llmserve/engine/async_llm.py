@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.engine_core import run_engine_core
+from llmserve.engine.health import EngineHealth, HealthState, WatchdogConfig
 from llmserve.engine.llm_engine import LLMEngine, check_prompt
 from llmserve.engine.messages import (
     AbortRequest,
@@ -42,6 +43,7 @@ from llmserve.engine.messages import (
     StepOutputs,
 )
 from llmserve.engine.output_kinds import OutputAccumulator
+from llmserve.engine.supervision import RestartBudget, RestartPolicy
 from llmserve.metrics.stats import EngineGauges, StepStats
 from llmserve.model_loader import load_tokenizer, resolve_model_path
 from llmserve.outputs import RequestOutput
@@ -55,6 +57,11 @@ _SHUTDOWN_GRACE_SECONDS = 5.0
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class RequestFailedError(RuntimeError):
+    """The engine gave up on this request alone (its step, or its output processing, raised); the
+    message is for the client, the cause is in the server log."""
 
 
 class EngineFailedError(RuntimeError):
@@ -71,6 +78,8 @@ class AsyncLLM:
         fork_closes: Sequence[int] = (),
         while_loading: Callable[[], None] | None = None,
         bind_cpus: bool = False,
+        restart: RestartPolicy | None = None,
+        watchdog: WatchdogConfig | None = None,
     ) -> None:
         """Start the engine process and wait until its model is loaded.
 
@@ -82,20 +91,53 @@ class AsyncLLM:
         this process exit) and `fork_closes` (the server's listening socket). `while_loading` is
         this process's own start-up work (the server's imports), run while the model loads.
         `bind_cpus` pins a CPU engine's threads one per CPU and keeps this process's threads off the
-        engine's main thread's CPU (worker/cpu_binding.py).
+        engine's main thread's CPU (worker/cpu_binding.py). `restart`: start a new engine process
+        (spawned) when this one dies, within the policy's bounds (supervision.py); None: do not, and
+        call `on_engine_lost`. `watchdog`: when a busy engine counts as stalled (health.py).
         """
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self.request_listeners: list[Callable[[list[int], SamplingParams], None]] = []  # at each arrival
         self.gauges = EngineGauges()
+        self.health = EngineHealth(watchdog or WatchdogConfig())
+        self.on_engine_lost: Callable[[str], None] | None = None  # the engine is gone and not restarted
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # requests the engine may report on
         self._output_kinds = OutputAccumulator()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued: dict[str, int] = {}  # prompt tokens of requests sent that have no output yet
         self._stopping = threading.Event()
-        context = multiprocessing.get_context("fork" if fork else "spawn")
+        self._launch = (engine_args, engine_factory, bind_cpus)
+        self._restarts = None if restart is None else RestartBudget(restart)
+        self._start_process(
+            multiprocessing.get_context("fork" if fork else "spawn"), fork_closes if fork else None
+        )
+        try:
+            if while_loading is not None:
+                while_loading()
+            # The tokenizer loads here while the engine process loads the model, on the other core,
+            # with what renders chat templates (not left to the first chat request).
+            self.tokenizer = load_tokenizer(resolve_model_path(engine_args.model))
+            self.tokenizer.load_chat_template()
+            self.config: EngineConfig
+            self.config, engine_main_cpu = self._wait_until_ready()
+        except BaseException:
+            self._process.kill()
+            self._process.join()
+            raise
+        if engine_main_cpu is not None:  # before the threads below start: they inherit it
+            keep_process_off(engine_main_cpu)
+        self.health.max_step_tokens = self.config.scheduler.max_num_batched_tokens
+        self.health.set(HealthState.WARMING, "the engine's first step has not finished yet")
+        self._start_threads()
+        self.health.start_watchdog(lambda: bool(self._prompts))
+
+    def _start_process(self, context, fork_closes: Sequence[int] | None) -> None:
+        """A new engine process with its two pipes and command queue; `fork_closes` None: spawned."""
+        engine_args, engine_factory, bind_cpus = self._launch
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         engine_commands, self._command_pipe = context.Pipe(duplex=False)
         self._output_pipe, engine_outputs = context.Pipe(duplex=False)
-        inherited = (self._command_pipe.fileno(), self._output_pipe.fileno(), *fork_closes) if fork else ()
+        forked = fork_closes is not None
+        inherited = (self._command_pipe.fileno(), self._output_pipe.fileno(), *fork_closes) if forked else ()
         self._process = context.Process(
             target=run_engine_core,
             args=(
@@ -117,25 +159,23 @@ class AsyncLLM:
         atexit.register(_kill_at_exit, self._process)
         engine_commands.close()  # the child's ends: closing ours lets each side see the other exit
         engine_outputs.close()
-        try:
-            if while_loading is not None:
-                while_loading()
-            # The tokenizer loads here while the engine process loads the model, on the other core,
-            # with what renders chat templates (not left to the first chat request).
-            self.tokenizer = load_tokenizer(resolve_model_path(engine_args.model))
-            self.tokenizer.load_chat_template()
-            self.config: EngineConfig
-            self.config, engine_main_cpu = self._wait_until_ready()
-        except BaseException:
-            self._process.kill()
-            self._process.join()
-            raise
-        if engine_main_cpu is not None:  # before the threads below start: they inherit it
-            keep_process_off(engine_main_cpu)
-        self._sender = threading.Thread(target=self._send_commands, name="llmserve-engine-send", daemon=True)
-        self._reader = threading.Thread(target=self._read_outputs, name="llmserve-engine-read", daemon=True)
-        self._sender.start()
-        self._reader.start()
+
+    def _start_threads(self) -> None:
+        """The sender and reader of the current engine process (each bound to its own pipe)."""
+        sender = threading.Thread(
+            target=self._send_commands,
+            args=(self._commands, self._command_pipe),
+            name="llmserve-engine-send",
+            daemon=True,
+        )
+        reader = threading.Thread(
+            target=self._read_outputs,
+            args=(self._process, self._output_pipe),
+            name="llmserve-engine-read",
+            daemon=True,
+        )
+        sender.start()
+        reader.start()
 
     def _wait_until_ready(self) -> tuple[EngineConfig, int | None]:
         try:
@@ -207,6 +247,8 @@ class AsyncLLM:
     def _register(self, request_id: str, prompt_ids: list[int], kind: RequestOutputKind) -> asyncio.Queue:
         """A new request's queue, once the engine is known to take requests and the id is free."""
         if not self.is_running:
+            if self.health.state is HealthState.RESTARTING:
+                raise EngineDeadError("the engine is restarting; retry shortly")
             raise EngineDeadError("the engine has stopped")
         if self.failure is not None:
             raise EngineFailedError(self.failure)
@@ -215,6 +257,7 @@ class AsyncLLM:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._prompts[request_id] = (None, prompt_ids)
+        self._queued[request_id] = len(prompt_ids)
         self._output_kinds.add_request(request_id, kind)
         return stream
 
@@ -232,11 +275,23 @@ class AsyncLLM:
         return self.gauges.failure
 
     @property
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens of the requests sent that have no output yet: the waiting queue, in tokens."""
+        return sum(list(self._queued.values()))  # list(): one copy under the GIL, as the reader pops
+
+    @property
+    def _supervised(self) -> bool:
+        """Whether a dead rank ends the engine process (to restart it, or for the server to exit)."""
+        return self._restarts is not None or self.on_engine_lost is not None
+
+    @property
     def is_running(self) -> bool:
         return self._process.is_alive() and not self._stopping.is_set()
 
     def shutdown(self, timeout: float = _SHUTDOWN_GRACE_SECONDS) -> None:
         """Ask the engine to fail what is in flight and exit; kill it if it has not within `timeout`."""
+        self.health.set(HealthState.STOPPING, "the server is shutting down")
+        self.health.stop_watchdog()
         if not self._stopping.is_set():
             self._stopping.set()
             self._commands.put(Shutdown())
@@ -248,42 +303,92 @@ class AsyncLLM:
 
     # -- the sender and reader threads ---------------------------------------------------------------
 
-    def _send_commands(self) -> None:
+    def _send_commands(self, commands: queue.SimpleQueue, pipe) -> None:
         """Pipe every queued command, all that have piled up in one write."""
         while True:
-            batch = [self._commands.get()]
+            batch = [commands.get()]
             with contextlib.suppress(queue.Empty):
                 while True:
-                    batch.append(self._commands.get_nowait())
+                    batch.append(commands.get_nowait())
+            if any(command is None for command in batch):  # this engine process was replaced
+                return
             try:
-                self._command_pipe.send(batch)
+                pipe.send(batch)
             except OSError:  # the engine process is gone; the reader fails the streams
                 return
             if any(isinstance(command, Shutdown) for command in batch):
                 return
 
-    def _read_outputs(self) -> None:
+    def _read_outputs(self, process: multiprocessing.Process, pipe) -> None:
         try:
             while True:
-                self._handle(self._output_pipe.recv())
+                self._handle(pipe.recv())
+                if self.gauges.failure is not None and self._supervised:
+                    process.kill()  # a dead rank: a new engine process brings up all the ranks again
         except (EOFError, OSError):
             pass
         except BaseException:  # a bug on this side: fail every stream rather than leave it hanging
             logger.exception("reading the engine's outputs failed")
-        self._process.join(_SHUTDOWN_GRACE_SECONDS)
+            process.kill()
+        process.join(_SHUTDOWN_GRACE_SECONDS)
         if self._stopping.is_set():
-            message = "the server is shutting down"
-        else:
-            code = self._process.exitcode
-            message = f"the engine process exited unexpectedly (exit code {code}); see the server log"
-            logger.error(message)
-            self._stopping.set()
+            self._fail_in_flight("the server is shutting down")
+            return
+        message = f"the engine process exited unexpectedly (exit code {process.exitcode}); see the server log"
+        if self.gauges.failure is not None:
+            message = f"{self.gauges.failure}; the engine process was stopped"
+        logger.error(message)
+        self._commands.put(None)  # the sender of this engine process ends
+        self._fail_in_flight(message)
+        self._restart_or_give_up(message)
+
+    def _fail_in_flight(self, message: str) -> None:
+        """End every stream with EngineDeadError; the engine that knew these requests is gone."""
         error = EngineDeadError(message)
         self._deliver_all([(request_id, error) for request_id in list(self._streams)])
+        for request_id in list(self._prompts):
+            self._forget(request_id)
+        self.gauges = EngineGauges()
+
+    def _restart_or_give_up(self, message: str) -> None:
+        """Start a new engine process after the policy's back-off; give up when it allows no more."""
+        while True:
+            delay = None if self._restarts is None else self._restarts.next_delay()
+            if delay is None:
+                self.health.set(HealthState.STOPPING, f"{message}; not restarted")
+                self._stopping.set()
+                if self.on_engine_lost is not None:
+                    self.on_engine_lost(message)
+                return
+            self.health.set(HealthState.RESTARTING, message)
+            logger.warning("restarting the engine process in %.1f s", delay)
+            if self._stopping.wait(delay):
+                return
+            try:
+                self._start_process(multiprocessing.get_context("spawn"), None)
+                _, engine_main_cpu = self._wait_until_ready()
+            except BaseException as error:  # noqa: BLE001 - the next try, or giving up, follows
+                self._process.kill()
+                self._process.join()
+                message = f"restarting the engine process failed: {error}"
+                logger.error(message)
+                continue
+            if self._stopping.is_set():  # shut down while it loaded
+                self._process.kill()
+                self._process.join()
+                return
+            if engine_main_cpu is not None:
+                keep_process_off(engine_main_cpu)
+            self.health.num_restarts += 1
+            self.health.set(HealthState.WARMING, "the restarted engine's first step has not finished yet")
+            logger.warning("the engine process restarted (restart %d)", self.health.num_restarts)
+            self._start_threads()
+            return
 
     def _handle(self, message: EngineMessage) -> None:
         if isinstance(message, StepOutputs):
             self.gauges = message.gauges
+            self.health.on_step(message.stats)
             deltas = [output for output in map(self._request_output, message.outputs) if output is not None]
             self._deliver_all(self._for_callers(deltas))
             self._notify(message.stats, deltas)
@@ -301,6 +406,7 @@ class AsyncLLM:
                 FailureKind.INVALID: ValueError,
                 FailureKind.DEAD: EngineDeadError,
                 FailureKind.FAILED: EngineFailedError,
+                FailureKind.STEP: RequestFailedError,
             }.get(message.kind, RuntimeError)
             error = error_type(message.message)
             self._deliver_all([(request_id, error) for request_id in message.request_ids])
@@ -312,6 +418,7 @@ class AsyncLLM:
         prompt = self._prompts.get(wire.request_id)
         if prompt is None:
             return None
+        self._dequeue(wire.request_id)
         if wire.finished:
             del self._prompts[wire.request_id]
         return wire.to_request_output(*prompt)
@@ -321,7 +428,11 @@ class AsyncLLM:
         outputs = map(self._output_kinds.apply, deltas)
         return [(output.request_id, output) for output in outputs if output is not None]
 
+    def _dequeue(self, request_id: str) -> None:
+        self._queued.pop(request_id, None)
+
     def _forget(self, request_id: str) -> None:
+        self._dequeue(request_id)
         self._prompts.pop(request_id, None)
         self._output_kinds.forget(request_id)
 

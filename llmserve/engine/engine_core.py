@@ -17,7 +17,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 from llmserve.config import EngineArgs
-from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.llm_engine import BatchFailed, LLMEngine
 from llmserve.engine.messages import (
     AbortRequest,
     AddPoolingRequest,
@@ -38,6 +38,12 @@ from llmserve.worker.cpu_binding import bind_engine_threads
 from llmserve.worker.parent_watch import exit_with_parent
 
 logger = logging.getLogger("llmserve")
+
+# What a failed request's client reads: the cause, with its internals, goes to the server log only.
+_STEP_FAILED = "the engine step running this request failed; the server log has the cause"
+_OUTPUT_FAILED = (
+    "processing this request's output (text, stop strings, logprobs) failed; the server log has the cause"
+)
 
 
 def run_engine_core(
@@ -143,14 +149,26 @@ class EngineCore:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()  # deltas: the server sends every request as DELTA
-        except Exception as error:  # noqa: BLE001 - one bad step must not take the server down
+        except BatchFailed as failed:  # the forward pass or sampling: its batch fails, no other request
+            logger.error(
+                "engine step failed; failing its batch of %d requests",
+                len(failed.request_ids),
+                exc_info=failed.__cause__,
+            )
+            self.engine.fail_requests(failed.request_ids)
+            self.outputs.send(RequestsFailed(failed.request_ids, FailureKind.STEP, _STEP_FAILED))
+            self.outputs.send(EngineStatus(self._gauges()))
+            return
+        except Exception:  # noqa: BLE001 - one bad step must not take the server down
             if self.engine.failure is not None:  # a rank died: the executor logged which
                 self.outputs.send(EngineStatus(self._gauges()))  # /health first, then the streams
                 self._fail_all(FailureKind.FAILED, self.engine.failure)
                 return
             logger.exception("engine step failed; failing the requests in flight")
-            self._fail_all(FailureKind.STEP, f"{type(error).__name__}: {error}")
+            self._fail_all(FailureKind.STEP, _STEP_FAILED)
             return
+        if self.engine.failed_requests:  # their output processing raised; the server log says why
+            self.outputs.send(RequestsFailed(self.engine.failed_requests, FailureKind.STEP, _OUTPUT_FAILED))
         wire = [EngineOutput.of(output) for output in outputs]
         self.outputs.send(StepOutputs(wire, self.engine.last_step, self._gauges()))
 
@@ -171,6 +189,7 @@ class EngineCore:
             spec_decode=self.engine.spec_decode_stats,
             ranks=self.engine.rank_stats(),
             failure=self.engine.failure,
+            invariant_violations=0 if self.engine.invariants is None else self.engine.invariants.violations,
         )
 
 

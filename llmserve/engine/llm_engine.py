@@ -25,6 +25,7 @@ from llmserve.core.scheduler import Scheduler, SchedulerOutput
 from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.pipeline import PipelineStage
 from llmserve.engine.batch_queue import BatchQueue
+from llmserve.engine.invariants import InvariantChecker
 from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
@@ -97,6 +98,8 @@ class LLMEngine:
         self.output_kinds = OutputAccumulator()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
         self.last_step: StepStats | None = None
+        self.failed_requests: list[str] = []  # of the last step: their output processing raised
+        self.invariants = InvariantChecker(self.kv_cache_manager) if args.check_invariants else None
         self._prefix_cache_reported = (0, 0)  # the cache manager's (queries, hits) in StepStats so far
         self._swap_preemptions_reported = 0  # the scheduler's swap preemptions in StepStats so far
         torch.manual_seed(self.config.model.seed)
@@ -331,7 +334,24 @@ class LLMEngine:
         if scheduled.is_empty:
             self.last_step = None
             return []
-        return self._process(scheduled, self._execute(scheduled.plan), start)
+        try:
+            result = self._execute(scheduled.plan)
+        except Exception as error:
+            if self.failure is not None:  # a dead rank: the engine itself can no longer step
+                raise
+            batch = {
+                self.output_processor.child_index.get(r.request_id, (None,))[0] for r in scheduled.requests
+            }
+            raise BatchFailed(sorted(b for b in batch if b is not None)) from error
+        return self._process(scheduled, result, start)
+
+    def fail_requests(self, request_ids: list[str]) -> None:
+        """Abort requests the engine gave up on alone (their blocks are freed; no output follows)."""
+        for request_id in request_ids:
+            for child in self.output_processor.children_of(request_id):
+                self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.forget(request_id)
+            self.output_kinds.forget(request_id)
 
     def _process(
         self, scheduled: SchedulerOutput, result: ModelRunnerOutput, start: float
@@ -351,11 +371,15 @@ class LLMEngine:
         if scheduled.requests:
             updated = self.scheduler.update_from_output(scheduled, sampled, proposals)
             outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)
+            self.failed_requests = self.output_processor.take_failed()
+            self.fail_requests(self.failed_requests)
         if result.pooled:
             outputs += self._finish_pooled(result.pooled)
         self.last_step = self._step_stats(scheduled, accepted, num_sampled, time.monotonic() - start)
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_cache_manager.take_events())
+        if self.invariants is not None:
+            self.invariants.check()
         return [output for output in map(self.output_kinds.apply, outputs) if output is not None]
 
     def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[RequestOutput]:
@@ -417,6 +441,14 @@ def accepted_per_position(accepted: list[int]) -> tuple[int, ...]:
     if not accepted:
         return ()
     return tuple(sum(1 for a in accepted if a > position) for position in range(max(accepted)))
+
+
+class BatchFailed(RuntimeError):
+    """The forward pass (or sampling) of a step raised: the requests of that batch fail, no others."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"the engine step of {len(request_ids)} requests failed")
+        self.request_ids = request_ids
 
 
 def check_params(params: SamplingParams, config: EngineConfig) -> None:

@@ -8,11 +8,14 @@ log-probs (output_kinds.py turns them into what each request asked for).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SpecDecodeStats
 from llmserve.request import Request, RequestStatus
+
+logger = logging.getLogger("llmserve")
 
 
 @dataclass
@@ -41,6 +44,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, _ParentState] = {}
         self.child_index: dict[str, tuple[str, int]] = {}  # child request id -> (parent id, index)
+        self.failed: list[str] = []  # requests whose processing raised, until the engine takes them
 
     def add_request(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
         detokenizers = [
@@ -84,14 +88,27 @@ class OutputProcessor:
         touched: dict[str, _ParentState] = {}
         for request in updated:
             parent_id, index = self.child_index[request.request_id]
+            if parent_id in self.failed:
+                continue
             state = self.parents[parent_id]
-            stop, dropped = self._detokenize_new_tokens(
-                request, state, index, logprobs.get(request.request_id)
-            )
-            if stop is not None and (dropped or not request.is_finished):
-                self._finish_at_stop_string(request, stop, finish_request)
+            try:
+                stop, dropped = self._detokenize_new_tokens(
+                    request, state, index, logprobs.get(request.request_id)
+                )
+                if stop is not None and (dropped or not request.is_finished):
+                    self._finish_at_stop_string(request, stop, finish_request)
+            except Exception:  # one request's text, stop strings or logprobs: it alone fails
+                logger.exception("processing the output of request %s failed", parent_id)
+                self.failed.append(parent_id)
+                touched.pop(parent_id, None)
+                continue
             touched[parent_id] = state
         return [self._make_output(state) for state in touched.values()]
+
+    def take_failed(self) -> list[str]:
+        """Requests whose output processing raised since the last call (the engine aborts them)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def _detokenize_new_tokens(
         self, request: Request, state: _ParentState, index: int, entries: list[dict[int, float]] | None
@@ -191,6 +208,12 @@ class OutputProcessor:
             logprobs=logprobs,
             cumulative_logprob=None if child.logprobs is None else child.cumulative_logprob,
         )
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request the engine gave up on (no final output)."""
+        state = self.parents.get(request_id)
+        if state is not None:
+            self._forget(state)
 
     def _forget(self, state: _ParentState) -> None:
         del self.parents[state.request_id]

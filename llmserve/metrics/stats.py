@@ -43,3 +43,4 @@ class EngineGauges:
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # totals since start-up
     ranks: tuple[RankStats, ...] = ()  # tensor parallelism: each rank's own report, rank 0 first
     failure: str | None = None  # why the engine can no longer step (a tensor-parallel rank died)
+    invariant_violations: int = 0  # --check-invariants: failed integrity checks since start-up

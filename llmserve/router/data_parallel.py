@@ -160,7 +160,13 @@ def _start_replica(rank: int, cpus: list[int], args: argparse.Namespace) -> Repl
 
 def _replica_flags(args: argparse.Namespace) -> list[str]:
     """The user's engine and server flags that differ from their defaults, for each replica."""
-    flags = ["--max-waiting", str(args.max_waiting)]
+    flags = ["--max-waiting", str(args.max_waiting), "--max-waiting-tokens", str(args.max_waiting_tokens)]
+    flags += ["--max-engine-restarts", str(args.max_engine_restarts)]
+    flags += ["--watchdog-min-seconds", str(args.watchdog_min_seconds)]
+    if args.max_queue_delay is not None:
+        flags += ["--max-queue-delay", str(args.max_queue_delay)]
+    if not args.engine_restart:
+        flags.append("--no-engine-restart")
     if args.served_model_name:
         flags += ["--served-model-name", args.served_model_name]
     if not args.cpu_binding:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from llmserve.entrypoints.openai import protocol
 from llmserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.entrypoints.openai.serving import ApiError
 from llmserve.entrypoints.openai.serving_chat import ChatHandler
@@ -50,10 +52,36 @@ def assert_error(response: httpx.Response, status: int, error_type: str, param: 
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == error_type and error["message"]
-    assert "Traceback" not in error["message"]
+    assert_no_internals(error["message"])
     if param is not None:
         assert error["param"] == param
     return error
+
+
+# What an error body must never show: a traceback, a source path, a class name (ours or Python's).
+_INTERNALS = re.compile(
+    r"Traceback|File \"|\.py\b|site-packages|/work/|llmserve\.|<class|object at 0x|\b\w+(Error|Exception)\b"
+)
+_MODEL_NAMES = {
+    name for name, value in vars(protocol).items() if isinstance(value, type) and name[0].isupper()
+}
+
+
+def assert_no_internals(message: str) -> None:
+    assert not _INTERNALS.search(message), message
+    assert not _MODEL_NAMES & set(re.findall(r"\w+", message)), message
+
+
+def test_internal_errors_in_a_stream_show_no_internals():
+    from llmserve.entrypoints.openai.serving import sse_error
+
+    event = json.loads(sse_error(KeyError("/work/llmserve/engine/x.py: bad")).removeprefix("data: "))
+    assert event["error"] == {
+        "message": "internal server error",
+        "type": "server_error",
+        "param": None,
+        "code": "500",
+    }
 
 
 BAD_COMPLETIONS = [

@@ -11,7 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.async_llm import AsyncLLM, RequestFailedError
+from llmserve.engine.health import EngineHealth
 from llmserve.entrypoints.openai.api_server import build_app, default_served_model_name
 from llmserve.entrypoints.openai.serving import merge_streams, raw_token_bytes
 from llmserve.metrics.prometheus import PrometheusMetrics
@@ -42,6 +43,8 @@ class FailingEngine:
         model = types.SimpleNamespace(max_model_len=64, arch=types.SimpleNamespace(vocab_size=256))
         self.config = types.SimpleNamespace(model=model)
         self.gauges = EngineGauges()
+        self.health = EngineHealth()
+        self.queued_prompt_tokens = 0
 
     def has_request(self, request_id: str) -> bool:
         return False
@@ -57,7 +60,7 @@ class FailingEngine:
         for count in range(1, params.max_tokens + 1):
             await asyncio.sleep(0)
             if self.fail_after is not None and count > self.fail_after:
-                raise RuntimeError("the engine step failed")
+                raise RequestFailedError("the engine step failed")
             done = count == params.max_tokens
             if kind is RequestOutputKind.FINAL_ONLY and not done:
                 continue

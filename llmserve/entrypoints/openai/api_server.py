@@ -29,7 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineFailedError
+from llmserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineFailedError, RequestFailedError
+from llmserve.entrypoints.openai.admission import Admission, AdmissionConfig
+from llmserve.entrypoints.openai.health import health_of
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,6 +54,7 @@ from llmserve.entrypoints.openai.serving_generate import GenerateHandler
 from llmserve.entrypoints.openai.serving_responses import ResponsesHandler
 from llmserve.entrypoints.openai.web import routes as web_routes
 from llmserve.metrics.prometheus import PrometheusMetrics
+from llmserve.metrics.reliability import health_counters
 
 logger = logging.getLogger("llmserve.server")
 
@@ -81,6 +84,7 @@ def build_app(
     max_waiting: int = 256,
     max_body_bytes: int = MAX_BODY_BYTES,
     metrics: PrometheusMetrics | None = None,
+    admission: AdmissionConfig | None = None,
 ) -> FastAPI:
     """The app; `max_waiting` bounds the engine requests in flight (running + waiting) before 429s."""
     if max_waiting < 1:
@@ -88,7 +92,10 @@ def build_app(
     metrics = metrics or PrometheusMetrics()
     metrics.model_name = metrics.model_name or served_model_name
     metrics.attach(engine)
-    ctx = ServerContext(engine, served_model_name, max_waiting)
+    metrics.registry.register(health_counters(engine))
+    ctx = ServerContext(
+        engine, served_model_name, max_waiting, admission=Admission(engine, admission or AdmissionConfig())
+    )
     app = FastAPI(title="llmserve", lifespan=_lifespan, strict_content_type=False)
     app.state.llmserve = AppState(ctx, CompletionHandler(ctx), ChatHandler(ctx), metrics)
     app.state.api_key_required = bool(api_key)  # the playground asks for a key only then (web.py)
@@ -173,13 +180,11 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
 
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
-    """200 only while the engine and every tensor-parallel rank of it can serve."""
-    engine = _state(raw_request).ctx.engine
-    if not engine.is_running:
-        raise ApiError("the engine has stopped", status=503, type="server_error")
-    if engine.failure is not None:
-        raise ApiError(engine.failure, status=503, type="server_error")
-    return Response(status_code=200)
+    """200 only while the engine and every tensor-parallel rank of it can serve (health.py)."""
+    body, status = health_of(_state(raw_request).ctx.engine)
+    return Response(
+        body.model_dump_json(exclude_none=True), status_code=status, media_type="application/json"
+    )
 
 
 @router.get("/server_info")
@@ -230,6 +235,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_engine_dead(_: Request, error: EngineDeadError | EngineFailedError) -> Response:
         return json_response(ApiError(str(error), status=503, type="server_error").body(), 503)
 
+    async def on_request_failed(_: Request, error: RequestFailedError) -> Response:
+        return json_response(ApiError(str(error), status=500, type="server_error").body(), 500)
+
     async def on_disconnect(_: Request, __: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody is listening; the engine requests are already aborted
 
@@ -239,6 +247,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValueError, on_value_error)
     app.add_exception_handler(EngineDeadError, on_engine_dead)
     app.add_exception_handler(EngineFailedError, on_engine_dead)
+    app.add_exception_handler(RequestFailedError, on_request_failed)
     app.add_exception_handler(ClientDisconnected, on_disconnect)
     app.add_exception_handler(Exception, on_internal_error)
 

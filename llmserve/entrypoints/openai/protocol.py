@@ -31,6 +31,7 @@ from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_STOP_SEQUENCES = 16
+MAX_TIMEOUT_SECONDS = 86400.0  # a request's `timeout`
 MAX_SPECULATIVE_TOKENS = 15  # a verify span of K + 1 stays within the in-place attention kernel
 MAX_SEED = 2**63 - 1 - MAX_N  # parallel samples use seed + index, which must stay an int64
 MAX_PRIORITY = 2**63 - 1  # an int64: the scheduler adds it to a float, which a huger int overflows
@@ -143,6 +144,9 @@ class _SamplingRequest(_Request):
         if prompt_logprobs is not None and info.data.get("stream"):  # as vLLM
             raise ValueError("is not available when stream is true")
         return prompt_logprobs
+
+    # seconds: refused (429) if the predicted queue wait exceeds it, aborted (408) when it passes
+    timeout: float | None = Field(None, gt=0.0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False)
 
     @field_validator("logit_bias")
     @classmethod

@@ -18,8 +18,12 @@ from collections.abc import Iterator
 
 from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
+from llmserve.engine.health import WatchdogConfig
+from llmserve.engine.supervision import RestartPolicy
 
 logger = logging.getLogger("llmserve.server")
+
+ENGINE_LOST_EXIT_CODE = 1  # the engine died and was not restarted (--no-engine-restart, or retries spent)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -33,6 +37,8 @@ def run_server(args: argparse.Namespace) -> int:
             fork_closes=(sock.fileno(),),
             while_loading=_import_app,
             bind_cpus=args.cpu_binding,
+            restart=RestartPolicy(max_restarts=args.max_engine_restarts) if args.engine_restart else None,
+            watchdog=WatchdogConfig(min_seconds=args.watchdog_min_seconds),
         )
         try:
             return _serve(engine, sock, args)
@@ -48,12 +54,14 @@ def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> i
     import uvicorn
 
     from llmserve.entrypoints.openai import api_server
+    from llmserve.entrypoints.openai.admission import AdmissionConfig
     from llmserve.metrics.prometheus import PrometheusMetrics
 
     api_key = args.api_key or os.environ.get(api_server.API_KEY_ENV) or None
     name = args.served_model_name or api_server.default_served_model_name(engine.config.model.path)
     metrics = PrometheusMetrics(model_name=name, metric_names=getattr(args, "metric_names", "both"))
-    app = api_server.build_app(engine, name, api_key, args.max_waiting, metrics=metrics)
+    admission = AdmissionConfig(args.max_waiting_tokens, args.max_queue_delay)
+    app = api_server.build_app(engine, name, api_key, args.max_waiting, metrics=metrics, admission=admission)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -63,10 +71,18 @@ def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> i
         timeout_graceful_shutdown=api_server.GRACEFUL_SHUTDOWN_SECONDS,
     )
     server = api_server.UvicornServer(config, on_exit=lambda: engine.shutdown(timeout=0))
+    lost: list[str] = []
+
+    def on_engine_lost(reason: str) -> None:  # the reader thread: uvicorn polls should_exit
+        logger.error("the engine is gone and will not be restarted (%s); the server exits", reason)
+        lost.append(reason)
+        server.should_exit = True
+
+    engine.on_engine_lost = on_engine_lost
     host, port = sock.getsockname()[:2]
     logger.info("serving %r on http://%s:%d%s", name, host, port, " (API key required)" if api_key else "")
     server.run(sockets=[sock])
-    return 0
+    return ENGINE_LOST_EXIT_CODE if lost else 0
 
 
 def _can_fork() -> bool:

@@ -22,8 +22,9 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from llmserve.engine.async_llm import AsyncLLM, EngineFailedError
+from llmserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineFailedError, RequestFailedError
 from llmserve.engine.llm_engine import check_params
+from llmserve.entrypoints.openai.admission import Admission, Refused
 from llmserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo, _SamplingRequest
 from llmserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
@@ -80,6 +81,7 @@ class ServerContext:
     served_model_name: str
     max_in_flight: int
     in_flight: int = 0
+    admission: Admission | None = None  # deadline and queued-token bounds (admission.py)
 
     @property
     def max_model_len(self) -> int:
@@ -95,8 +97,15 @@ class ServerContext:
                 code="model_not_found",
             )
 
-    def admit(self, count: int) -> Callable[[], None]:
-        """Take `count` in-flight slots or refuse with 429; returns the (idempotent) release."""
+    def admit(
+        self,
+        count: int,
+        prompt_tokens: Sequence[int] = (),
+        timeout: float | None = None,
+        max_tokens: int = 0,
+    ) -> Callable[[], None]:
+        """Take `count` in-flight slots or refuse with 429; returns the (idempotent) release.
+        `prompt_tokens` (each prompt's length) and `timeout` are checked by the admission policy."""
         if count > self.max_in_flight:
             raise ApiError(
                 f"the request has {count} prompts but the server admits at most {self.max_in_flight} "
@@ -111,6 +120,17 @@ class ServerContext:
                 code="rate_limit_exceeded",
                 headers={"Retry-After": "1"},
             )
+        if self.admission is not None:
+            try:
+                self.admission.check(prompt_tokens, timeout, self.in_flight, max_tokens)
+            except Refused as refused:
+                raise ApiError(
+                    str(refused),
+                    status=429,
+                    type="rate_limit_error",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": str(refused.retry_after)},
+                ) from None
         self.in_flight += count
         released = False
 
@@ -217,8 +237,11 @@ class EngineRequests:
         params: SamplingParams,
         priority: int = 0,
         stream: bool = False,
+        timeout: float | None = None,
     ) -> None:
         self.id = request_id
+        self.timeout = timeout
+        self.timed_out = False
         self.request_ids = [
             request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))
         ]
@@ -232,11 +255,32 @@ class EngineRequests:
             engine.generate(ids, params, rid, priority)
             for ids, rid in zip(prompts, self.request_ids, strict=True)
         ]
+        self._engine = engine
+        self._timer: asyncio.TimerHandle | None = None
+        if timeout is not None:
+            self._timer = asyncio.get_running_loop().call_later(timeout, self._expire)
+
+    def _expire(self) -> None:
+        """The request's timeout passed: abort what still runs (its KV blocks are freed at once)."""
+        self.timed_out = True
+        for request_id in self.request_ids:
+            self._engine.abort(request_id)
+
+    def _timeout_error(self) -> ApiError:
+        return ApiError(
+            f"the request did not finish within its timeout of {self.timeout:g} s and was aborted",
+            status=408,
+            type="timeout_error",
+            param="timeout",
+            code="timeout",
+        )
 
     async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Yield (prompt index, output); engine failures raise; each request is logged."""
         try:
             async for index, output in merge_streams(self._streams):
+                if self.timed_out:
+                    raise self._timeout_error()
                 if output.error is not None:
                     raise RuntimeError(f"request {output.request_id} failed: {output.error}")
                 self.latest[index] = output
@@ -244,6 +288,8 @@ class EngineRequests:
                 self.finish_reasons[index].update(c.finish_reason for c in output.outputs if c.finish_reason)
                 yield index, output
         finally:
+            if self._timer is not None:
+                self._timer.cancel()
             for index, request_id in enumerate(self.request_ids):
                 log_finished(
                     request_id, self.latest[index], self.num_generated[index], self.finish_reasons[index]
@@ -349,8 +395,13 @@ def sse_error(error: BaseException) -> str:
     """The in-band error event for a stream that already sent its 200 status."""
     if isinstance(error, ApiError):
         message, status = error.message, error.status
-    else:  # a dead tensor-parallel rank is the server's state, as on /health (503), not a bug (500)
-        message, status = str(error), 503 if isinstance(error, EngineFailedError) else 500
+    elif isinstance(error, (EngineDeadError, EngineFailedError)):  # the server's state, as on /health
+        message, status = str(error), 503
+    elif isinstance(error, RequestFailedError):  # the engine's message names no internals
+        message, status = str(error), 500
+    else:  # a bug: its text may hold paths or class names, which stay in the log
+        logger.error("internal error in a stream", exc_info=error)
+        message, status = "internal server error", 500
     kind = "invalid_request_error" if status < 500 else "server_error"
     return sse_event(
         ErrorResponse(error=ErrorInfo(message=message, type=kind, code=str(status))).model_dump_json()

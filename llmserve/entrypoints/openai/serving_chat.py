@@ -59,9 +59,15 @@ class ChatHandler:
             self.render(request.template_messages(), request.add_generation_prompt), param="messages"
         )
         params = ctx.sampling_params(request, [len(prompt_ids)], default_max=None)
-        release = ctx.admit(1)
+        release = ctx.admit(1, [len(prompt_ids)], request.timeout, params.max_tokens)
         requests = EngineRequests(
-            ctx.engine, ctx.new_request_id("chatcmpl"), [prompt_ids], params, request.priority, request.stream
+            ctx.engine,
+            ctx.new_request_id("chatcmpl"),
+            [prompt_ids],
+            params,
+            request.priority,
+            request.stream,
+            request.timeout,
         )
         if request.stream:
             return SSEResponse(self._stream(request, requests), on_close=release)

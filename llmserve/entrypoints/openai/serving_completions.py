@@ -70,9 +70,17 @@ class CompletionHandler:
             self._echo_text(p, ids) if request.echo else ""
             for p, ids in zip(prompts, prompt_ids, strict=True)
         ]
-        release = ctx.admit(len(prompts))
+        release = ctx.admit(
+            len(prompts), [len(ids) for ids in prompt_ids], request.timeout, params.max_tokens
+        )
         requests = EngineRequests(
-            ctx.engine, ctx.new_request_id("cmpl"), prompt_ids, params, request.priority, request.stream
+            ctx.engine,
+            ctx.new_request_id("cmpl"),
+            prompt_ids,
+            params,
+            request.priority,
+            request.stream,
+            request.timeout,
         )
         if request.stream:
             return SSEResponse(self._stream(request, requests, echoes), on_close=release)

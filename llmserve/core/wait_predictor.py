@@ -1,0 +1,82 @@
+"""The one prediction of how long a new request waits before its first step, from measured rates.
+
+wait = (prompt tokens queued ahead) x (seconds per token computed)
+     + (requests ahead beyond the free running slots) x (seconds per finished request)
+service = (its prompt tokens) x (seconds per token) + (its max_tokens) x (seconds per step)
+
+Both rates are measured over the engine's recent steps, in step time (idle time between bursts does not
+dilute them). The server's admission (entrypoints/openai/admission.py) refuses a request whose wait
+exceeds its deadline; a scheduler with latency targets can share the same numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llmserve.metrics.stats import StepStats
+from llmserve.outputs import RequestOutput
+
+_RECENT_STEPS = 256
+
+
+@dataclass(frozen=True)
+class _Step:
+    tokens: int  # prompt and generated tokens computed
+    finished: int  # requests that finished
+    seconds: float
+
+
+class WaitPredictor:
+    """Fed each step (`on_step`, an AsyncLLM step listener); `predict` needs no engine round trip."""
+
+    def __init__(self, recent_steps: int = _RECENT_STEPS) -> None:
+        self._steps: collections.deque[_Step] = collections.deque(maxlen=recent_steps)
+        self._tokens = 0
+        self._finished = 0
+        self._seconds = 0.0
+
+    def on_step(self, stats: StepStats | None, outputs: Sequence[RequestOutput]) -> None:
+        if stats is None:  # an abort's output, not a step
+            return
+        step = _Step(
+            stats.num_prompt_tokens + stats.num_generation_tokens,
+            sum(1 for output in outputs if output.finished),
+            stats.step_seconds,
+        )
+        if len(self._steps) == self._steps.maxlen:
+            self._drop(self._steps[0])
+        self._steps.append(step)
+        self._tokens += step.tokens
+        self._finished += step.finished
+        self._seconds += step.seconds
+
+    def _drop(self, step: _Step) -> None:
+        self._tokens -= step.tokens
+        self._finished -= step.finished
+        self._seconds -= step.seconds
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        return self._seconds / self._tokens if self._tokens else None
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        return self._seconds / len(self._steps) if self._steps else None
+
+    @property
+    def seconds_per_finished_request(self) -> float | None:
+        return self._seconds / self._finished if self._finished else None
+
+    def predict(self, queued_tokens: int, requests_over_slots: int = 0) -> float:
+        """Seconds until a request arriving now is first scheduled; 0 before anything was measured."""
+        wait = queued_tokens * (self.seconds_per_token or 0.0)
+        if requests_over_slots > 0:
+            wait += requests_over_slots * (self.seconds_per_finished_request or 0.0)
+        return wait
+
+    def service(self, prompt_tokens: int, max_tokens: int) -> float:
+        """Seconds a request takes once scheduled: its prefill, then a step per output token (at most
+        max_tokens); 0 before anything was measured."""
+        return prompt_tokens * (self.seconds_per_token or 0.0) + max_tokens * (self.seconds_per_step or 0.0)

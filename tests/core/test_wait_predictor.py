@@ -1,0 +1,83 @@
+"""The queue-wait predictor and the admission policy over it, with exact numbers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from llmserve.core.wait_predictor import WaitPredictor
+from llmserve.entrypoints.openai.admission import Admission, AdmissionConfig, Refused
+from llmserve.metrics.stats import StepStats
+from llmserve.outputs import RequestOutput
+
+
+def _step(prompt: int, generated: int, seconds: float) -> StepStats:
+    return StepStats(0, 0, 0.0, 1, prompt, generated, 0, seconds)
+
+
+def _finished(count: int) -> list[RequestOutput]:
+    return [RequestOutput(f"r{i}", None, [1], finished=True) for i in range(count)]
+
+
+def test_the_prediction_is_tokens_ahead_over_the_measured_rate_plus_slots_over_the_finish_rate():
+    predictor = WaitPredictor()
+    assert predictor.predict(10_000, 5) == 0.0  # nothing measured: admit
+    predictor.on_step(_step(900, 100, 0.5), _finished(1))
+    predictor.on_step(_step(0, 100, 0.5), _finished(3))
+    predictor.on_step(None, _finished(7))  # an abort's output is not a step
+    assert predictor.seconds_per_token == pytest.approx(1.0 / 1100)
+    assert predictor.seconds_per_finished_request == pytest.approx(0.25)
+    assert predictor.predict(2200) == pytest.approx(2.0)
+    assert predictor.predict(2200, requests_over_slots=4) == pytest.approx(3.0)
+    assert predictor.predict(2200, requests_over_slots=-3) == pytest.approx(2.0)  # free slots: no wait
+
+
+def test_only_the_recent_steps_count():
+    predictor = WaitPredictor(recent_steps=2)
+    predictor.on_step(_step(1000, 0, 100.0), [])  # slow, then forgotten
+    predictor.on_step(_step(100, 0, 1.0), [])
+    predictor.on_step(_step(100, 0, 1.0), [])
+    assert predictor.seconds_per_token == pytest.approx(0.01)
+
+
+class _Engine(SimpleNamespace):
+    """What Admission reads of AsyncLLM."""
+
+    def __init__(self, queued: int, max_num_seqs: int = 4) -> None:
+        super().__init__(
+            step_listeners=[],
+            queued_prompt_tokens=queued,
+            config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs)),
+        )
+
+
+def test_admission_refuses_past_the_deadline_with_the_time_until_it_would_fit():
+    engine = _Engine(queued=1000)
+    admission = Admission(engine, AdmissionConfig(max_queue_delay=30.0))
+    engine.step_listeners[0](_step(100, 0, 1.0), _finished(1))  # 10 ms per token, 1 s per finish
+    # 6 in flight, 4 slots: the 7th waits for 3 to finish
+    assert admission.predicted_wait(in_flight=6) == pytest.approx(1000 * 0.01 + 3 * 1.0)  # 13 s
+    admission.check([50], timeout=None, in_flight=6)  # under --max-queue-delay
+    # with its own service: 50 prompt tokens (0.5 s) and 10 steps of 1 s: 23.5 s in all
+    admission.check([50], timeout=24.0, in_flight=6, max_tokens=10)
+    with pytest.raises(Refused, match=r"predicted time of 23.5 s \(queue wait 13.0 s\)") as refused:
+        admission.check([50], timeout=20.0, in_flight=6, max_tokens=10)
+    assert refused.value.retry_after == 4  # ceil(23.5 - 20)
+    with pytest.raises(Refused) as refused:  # its service alone exceeds it: retry once the queue is gone
+        admission.check([50], timeout=5.0, in_flight=6, max_tokens=10)
+    assert refused.value.retry_after == 13
+    tight = Admission(engine, AdmissionConfig(max_queue_delay=2.5))
+    tight.predictor.on_step(_step(100, 0, 1.0), _finished(1))
+    with pytest.raises(Refused, match="--max-queue-delay of 2.5 s") as refused:
+        tight.check([50], timeout=None, in_flight=6)
+    assert refused.value.retry_after == 11
+
+
+def test_admission_bounds_the_queued_prompt_tokens():
+    engine = _Engine(queued=900)
+    admission = Admission(engine, AdmissionConfig(max_waiting_tokens=1000))
+    admission.check([100], timeout=None)
+    with pytest.raises(Refused, match="holds 900 prompt tokens and admits at most 1000") as refused:
+        admission.check([60, 50], timeout=None)
+    assert refused.value.retry_after == 1  # nothing measured yet: the minimum

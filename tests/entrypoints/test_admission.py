@@ -1,0 +1,135 @@
+"""Admission by deadline and live invariants against a real server (two running slots)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import start_server, tiny_server_args
+from tests.entrypoints.test_server_lifecycle import scrape, wait_idle
+
+MODEL = "tiny-llama"
+LONG = {"model": MODEL, "prompt": "Tell me everything", "max_tokens": 900, "ignore_eos": True}
+PROMPT_150 = " ".join(["word"] * 150)  # about 150 tokens
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    args = tiny_server_args(
+        tiny_model_dir, "--max-num-seqs", "2", "--max-waiting-tokens", "400", "--check-invariants"
+    )
+    process = start_server(args, tmp_path_factory.mktemp("admission") / "server.log")
+    yield process
+    process.stop()
+
+
+def test_a_request_past_its_timeout_is_aborted_with_408_and_its_blocks_freed(server):
+    # First in the module: nothing is measured yet, so the predictor admits it; then it runs past 0.5 s
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        response = http.post("/v1/completions", json={**LONG, "timeout": 0.5})
+        assert response.status_code == 408, response.text
+        error = response.json()["error"]
+        assert error["code"] == "timeout" and error["param"] == "timeout" and "0.5 s" in error["message"]
+        wait_idle(server)  # aborted mid-generation: its blocks are back
+        bad = http.post("/v1/completions", json={**LONG, "timeout": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"
+
+
+def test_a_queued_stream_past_its_timeout_ends_with_an_in_band_408(server):
+    stop = threading.Event()
+    threads = _hold_slots(server, 2, stop)  # it waits behind them longer than predicted
+    try:
+        body = {**LONG, "max_tokens": 4, "timeout": 1.0, "stream": True}
+        with (
+            httpx.Client(base_url=server.base_url, timeout=60) as http,
+            http.stream("POST", "/v1/completions", json=body) as stream,
+        ):
+            assert stream.status_code == 200
+            lines = [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "408"
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    wait_idle(server)
+
+
+def _hold_slots(
+    server, count: int, stop: threading.Event, extra: dict | None = None
+) -> list[threading.Thread]:
+    """`count` long streams that read until `stop` is set, then disconnect (aborting them)."""
+    started = threading.Barrier(count + 1)
+
+    def run() -> None:
+        with (
+            httpx.Client(base_url=server.base_url, timeout=120) as http,
+            http.stream("POST", "/v1/completions", json={**LONG, **(extra or {}), "stream": True}) as stream,
+        ):
+            lines = stream.iter_lines()
+            next(lines)
+            started.wait()
+            for _ in lines:
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=run) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    started.wait(timeout=120)
+    return threads
+
+
+def test_a_predicted_wait_over_the_timeout_is_429_with_a_computed_retry_after(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:  # measured rates first
+        http.post("/v1/completions", json={**LONG, "max_tokens": 8}).raise_for_status()
+        stop = threading.Event()
+        threads = _hold_slots(server, 2, stop)  # both running slots
+        try:
+            refused = http.post("/v1/completions", json={**LONG, "max_tokens": 4, "timeout": 0.001})
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+            assert "exceeds the request's timeout" in refused.json()["error"]["message"]
+            assert int(refused.headers["Retry-After"]) >= 1
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+    wait_idle(server)
+
+
+def test_queued_prompt_tokens_are_bounded(server):
+    stop = threading.Event()
+    threads = _hold_slots(server, 2, stop)
+    queued = []
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=120) as http:
+            body = {"model": MODEL, "prompt": PROMPT_150, "max_tokens": 2}
+            # two wait behind the running pair (about 300 prompt tokens queued), the third is over 400
+
+            def post() -> None:
+                with httpx.Client(base_url=server.base_url, timeout=120) as own:
+                    queued.append(own.post("/v1/completions", json=body))
+
+            for _ in range(2):
+                thread = threading.Thread(target=post)
+                thread.start()
+                threads.append(thread)
+            deadline = time.monotonic() + 30
+            while scrape(server)["llmserve:num_requests_waiting"] < 2:
+                assert time.monotonic() < deadline
+            refused = http.post("/v1/completions", json=body)
+            assert refused.status_code == 429, refused.text
+            assert "admits at most 400" in refused.json()["error"]["message"]
+            assert int(refused.headers["Retry-After"]) >= 1
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(120)
+    assert [response.status_code for response in queued] == [200, 200]
+    metrics = wait_idle(server)
+    assert metrics["llmserve:invariant_violations_total"] == 0  # --check-invariants ran every step
+    assert "llmserve:engine_stalls_total" in metrics

@@ -1,0 +1,61 @@
+"""The health state machine, the watchdog's limit and the restart back-off, without processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.engine.health import EngineHealth, HealthState, WatchdogConfig
+from llmserve.engine.supervision import RestartBudget, RestartPolicy
+from llmserve.metrics.stats import StepStats
+
+
+def _step(tokens: int, seconds: float) -> StepStats:
+    return StepStats(0, 0, 0.0, 1, tokens, 0, 0, seconds)
+
+
+def test_the_limit_scales_the_largest_recent_step_to_the_token_budget():
+    health = EngineHealth(
+        WatchdogConfig(min_seconds=1.0, factor=10.0, warmup_seconds=99.0), max_step_tokens=2048
+    )
+    health.set(HealthState.WARMING)
+    assert health.step_limit() == 99.0  # before the first step: the warm-up limit
+    health.on_step(_step(1, 5.0))  # the warm-up step (kernels build) predicts nothing
+    assert health.state is HealthState.READY and health.step_limit() == 99.0
+    health.on_step(_step(512, 0.512))  # a prefill: 1 ms per token
+    health.on_step(_step(1, 0.01))  # a decode: its overhead does not count per token
+    assert health.step_limit() == pytest.approx(10.0 * 2.048)
+    health.on_step(_step(2, 3.0))  # a step slower than the scaled prefill rules
+    assert health.step_limit() == pytest.approx(30.0)
+
+
+def test_a_long_prefill_within_the_limit_is_not_a_stall_and_a_hang_is():
+    health = EngineHealth(WatchdogConfig(min_seconds=1.0, factor=10.0), max_step_tokens=2048)
+    health.set(HealthState.WARMING)
+    health.on_step(_step(10, 0.01))  # warm-up
+    health.on_step(_step(10, 0.01))  # 1 ms per token: a full 2048-token prefill is ~2 s, the limit 20.5 s
+    start = health._last_progress
+    assert not health.check(busy=True, now=start + 15.0)
+    assert health.state is HealthState.READY
+    assert not health.check(busy=False, now=start + 100.0)  # idle resets the clock
+    assert health.check(busy=True, now=start + 121.0)
+    assert health.state is HealthState.STALLED and "limit 20.5 s" in health.reason
+    assert not health.check(busy=True, now=start + 200.0)  # counted once per stall
+    assert health.num_stalls == 1
+    health.on_step(_step(1, 0.001))
+    assert health.state is HealthState.READY
+
+
+def test_stopping_is_final():
+    health = EngineHealth()
+    health.set(HealthState.STOPPING, "bye")
+    health.set(HealthState.READY)
+    assert health.state is HealthState.STOPPING and not health.state.serving
+
+
+def test_restarts_back_off_exponentially_and_are_bounded_within_the_window():
+    budget = RestartBudget(
+        RestartPolicy(max_restarts=3, backoff_seconds=1.0, max_backoff_seconds=3.0, window_seconds=100)
+    )
+    assert [budget.next_delay(now=t) for t in (0.0, 1.0, 2.0)] == [1.0, 2.0, 3.0]  # 4.0 capped at 3.0
+    assert budget.next_delay(now=3.0) is None
+    assert budget.next_delay(now=150.0) == 1.0  # the old restarts left the window

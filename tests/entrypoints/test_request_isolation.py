@@ -1,0 +1,136 @@
+"""Faults injected into one marked request: it alone fails; and a hung step turns /health 'stalled'."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from llmserve import SamplingParams
+from llmserve.config import EngineArgs
+from llmserve.engine.async_llm import AsyncLLM, RequestFailedError
+from llmserve.engine.health import HealthState, WatchdogConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.output_processor import OutputProcessor
+
+MARK = 4242  # a prompt starting with this token id is the one the fault hits
+
+
+class _FaultyOutputProcessor(OutputProcessor):
+    def _detokenize_new_tokens(self, request, state, index, entries):
+        if request.prompt_token_ids[0] == MARK and request.num_output_tokens >= 2:
+            raise KeyError("/internal/path/detokenizer.py: injected fault")
+        return super()._detokenize_new_tokens(request, state, index, entries)
+
+
+class _FaultyOutputEngine(LLMEngine):
+    """Detokenizing the marked request raises once it has two tokens."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        super().__init__(args)
+        self.output_processor = _FaultyOutputProcessor(self.tokenizer)
+
+
+class _FaultyForwardEngine(LLMEngine):
+    """A forward pass whose batch holds the marked request raises."""
+
+    def _execute(self, plan):
+        if any(r.prompt_token_ids[0] == MARK for r in self.scheduler.running):
+            raise RuntimeError("injected forward failure")
+        return super()._execute(plan)
+
+
+class _HangingEngine(LLMEngine):
+    """A step with the marked request in it takes 4 s (a hang, to a watchdog of 1 s)."""
+
+    def _execute(self, plan):
+        if any(r.prompt_token_ids[0] == MARK for r in self.scheduler.running):
+            time.sleep(4.0)
+        return super()._execute(plan)
+
+
+@pytest.fixture(scope="module")
+def engine_args(tiny_model_dir) -> EngineArgs:
+    return EngineArgs(model=tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+
+
+async def _collect(llm: AsyncLLM, prompt: list[int], params: SamplingParams, request_id: str):
+    last = None
+    async for output in llm.generate(prompt, params, request_id):
+        last = output
+    return last
+
+
+def _run_both(llm: AsyncLLM, max_tokens: int = 8):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    async def both():
+        return await asyncio.wait_for(
+            asyncio.gather(
+                _collect(llm, [MARK, 5, 6], params, "marked"),
+                _collect(llm, [7, 8, 9], params, "other"),
+                return_exceptions=True,
+            ),
+            timeout=120,
+        )
+
+    return asyncio.run(both())
+
+
+def test_a_raising_output_stage_fails_its_request_alone(engine_args):
+    llm = AsyncLLM(engine_args, engine_factory=_FaultyOutputEngine)
+    try:
+        marked, other = _run_both(llm)
+        assert isinstance(marked, RequestFailedError)
+        assert "processing this request's output" in str(marked)
+        assert "internal" not in str(marked) and "KeyError" not in str(marked)
+        assert other.finished and len(other.outputs[0].token_ids) == 8
+        again = asyncio.run(_collect(llm, [MARK, 1], SamplingParams(max_tokens=1), "again"))
+        assert again.finished  # one token: the fault does not fire; the engine serves on
+        assert llm.gauges.num_running == 0 and llm.gauges.kv_cache_usage == 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_raising_forward_pass_fails_only_its_batch(engine_args):
+    args = EngineArgs(**{**engine_args.__dict__, "max_num_seqs": 1})  # the other request waits its turn
+    llm = AsyncLLM(args, engine_factory=_FaultyForwardEngine)
+    try:
+        marked, other = _run_both(llm)
+        assert isinstance(marked, RequestFailedError) and "engine step running this request failed" in str(
+            marked
+        )
+        assert other.finished and len(other.outputs[0].token_ids) == 8
+        assert llm.gauges.kv_cache_usage == 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_hung_step_turns_health_stalled_then_ready(engine_args):
+    watchdog = WatchdogConfig(min_seconds=1.0, factor=1.0, warmup_seconds=1.0, poll_seconds=0.1)
+    args = EngineArgs(**{**engine_args.__dict__, "max_num_batched_tokens": 256})
+    llm = AsyncLLM(args, engine_factory=_HangingEngine, watchdog=watchdog)
+    try:
+        assert llm.health.state is HealthState.WARMING
+        asyncio.run(_collect(llm, [7, 8], SamplingParams(max_tokens=2), "warm-up"))
+        asyncio.run(_collect(llm, list(range(10, 200)), SamplingParams(max_tokens=4), "measured"))
+        assert llm.health.state is HealthState.READY
+        assert llm.health.step_limit() < 3.0  # a 256-token step of the tiny model: well under the hang
+
+        async def watch():
+            task = asyncio.ensure_future(_collect(llm, [MARK, 1], SamplingParams(max_tokens=1), "hangs"))
+            states = set()
+            while not task.done():
+                states.add(llm.health.state)
+                await asyncio.sleep(0.05)
+            return states, await task
+
+        states, output = asyncio.run(asyncio.wait_for(watch(), timeout=60))
+        assert HealthState.STALLED in states and output.finished
+        assert "no engine step has finished" in llm.health.reason or llm.health.state is HealthState.READY
+        assert llm.health.num_stalls == 1 and llm.health.state is HealthState.READY
+        time.sleep(1.5)  # idle: no requests in flight is no stall
+        assert llm.health.state is HealthState.READY and llm.health.num_stalls == 1
+    finally:
+        llm.shutdown()
