@@ -133,7 +133,8 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor, candidates: int) -> torch.
         sorted_logits = logits.sort(dim=-1, descending=True).values
     probs = sorted_logits.softmax(dim=-1)
     mass_above = probs.cumsum(dim=-1) - probs
-    num_kept = (mass_above < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)  # >= 1: the top token stays
+    # the top token always stays: a top_p below float32's smallest value arrives here as 0
+    num_kept = (mass_above < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
     threshold = sorted_logits.gather(1, num_kept - 1)
     threshold = threshold.masked_fill((top_p >= 1.0).unsqueeze(1), _NEG_INF)
     return logits.masked_fill(logits < threshold, _NEG_INF)

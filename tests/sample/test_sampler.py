@@ -156,7 +156,11 @@ def _shuffled_log_probs(probs: list[float]) -> tuple[torch.Tensor, torch.Tensor]
     return logits, order
 
 
-@pytest.mark.parametrize(("top_p", "nucleus"), [(0.5, 2), (0.75, 3), (0.88, 4), (0.97, 6), (1.0, 8)])
+@pytest.mark.parametrize(
+    ("top_p", "nucleus"),
+    # 5e-324 is 0 in float32 (a fuzzed request once failed the engine step with it)
+    [(5e-324, 1), (1e-9, 1), (0.5, 2), (0.75, 3), (0.88, 4), (0.97, 6), (1.0, 8)],
+)
 def test_top_p_keeps_the_minimal_nucleus(top_p: float, nucleus: int) -> None:
     probs = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.01]
     logits, order = _shuffled_log_probs(probs)
