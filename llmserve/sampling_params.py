@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
+from llmserve.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5
 
@@ -40,6 +42,7 @@ class SamplingParams:
     num_speculative_tokens: int | None = None  # drafts per step if the engine speculates; None: its K; 0: off
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what each output holds
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

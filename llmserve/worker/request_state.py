@@ -12,6 +12,7 @@ import torch
 
 from llmserve.core.step_plan import CachedRequestData, NewRequestData, StepPlan
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured.matcher import GrammarState
 
 
 @dataclass
@@ -29,6 +30,7 @@ class CachedRequestState:
     spec_token_probs: torch.Tensor | None = None  # their q ([k, V]); None: greedy or one-hot
     # the q of the last proposal drafted for it, kept here for the step that verifies some of them
     draft_probs: torch.Tensor | None = None
+    grammar: GrammarState | None = None  # structured outputs: its matcher, made when it first samples
 
     @classmethod
     def from_new(cls, data: NewRequestData, device: torch.device) -> CachedRequestState:

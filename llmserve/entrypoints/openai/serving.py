@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -80,6 +80,7 @@ class ServerContext:
     served_model_name: str
     max_in_flight: int
     in_flight: int = 0
+    grammar_compiler: Any = None  # structured outputs: made on first use (structured_outputs.py)
 
     @property
     def max_model_len(self) -> int:
