@@ -76,8 +76,7 @@ class GrammarMask:
             state = self.grammars[row]
             if state is None:
                 raise RuntimeError("a structured-output row has no grammar state")
-            if state.sync(tokens):  # else a draft before it was refused: a moot row
-                state.fill(bitmask, row)
+            if state.sync(tokens) and state.fill(bitmask, row):  # else a moot row (a refused draft before it)
                 masked.append(row)
         if masked:
             xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=masked)

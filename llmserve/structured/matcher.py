@@ -40,9 +40,13 @@ class GrammarState:
             tokens.append(token)
         return True
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """The tokens allowed next into bitmask[row] (1 bit per token)."""
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """The tokens allowed next into bitmask[row] (1 bit per token); False, leaving the row as it is,
+        after the end of sequence (a row a drafter runs past it: moot)."""
+        if self.matcher.is_terminated():
+            return False
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        return True
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -95,6 +95,8 @@ def test_the_matcher_follows_advances_rollbacks_and_refusals(compiler, tokenizer
     yes, no, eos = ids(tokenizer, "yes")[0], ids(tokenizer, "no")[0], tokenizer.eos_token_ids[0]
     assert grammar.sync([yes]) and grammar.tokens == [yes]
     assert grammar.sync([yes, eos])  # the grammar is complete: the end of sequence is allowed
+    bitmask = torch.full((1, (VOCAB + 31) // 32), -1, dtype=torch.int32)
+    assert not grammar.fill(bitmask, 0) and len(allowed(bitmask[0])) == VOCAB  # past the end: moot
     assert grammar.sync([no]) and grammar.tokens == [no]  # two rolled back, one accepted
     assert not grammar.sync([no, no]) and grammar.tokens == [no]  # refused: stays at the valid prefix
     assert grammar.sync([]) and grammar.tokens == []
