@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from llmserve.structured.params import GrammarError, StructuredOutputsParams
 from llmserve.structured.schema import check_schema
@@ -21,7 +21,13 @@ from llmserve.structured.schema import check_schema
 if TYPE_CHECKING:
     import xgrammar
 
-    from llmserve.model_loader.tokenizer import Tokenizer
+
+class Tokenizer(Protocol):
+    """What compiling reads of model_loader's Tokenizer: the transformers tokenizer."""
+
+    @property
+    def hf(self) -> Any: ...
+
 
 CACHE_SIZE = 128  # compiled grammars kept (a large schema's is a few MB)
 COMPILE_THREADS = 2
