@@ -41,7 +41,8 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache's; submit() takes it on the event loop or step loop
+        self._build_lock = threading.Lock()  # the vocabulary table's, held for a second on first use
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="llmserve-grammar")
 
@@ -70,7 +71,7 @@ class GrammarCompiler:
                 del self._cache[key]
 
     def _xgrammar(self) -> xgrammar.GrammarCompiler:
-        with self._lock:  # the tokenizer's vocabulary table is built once, on the first compile
+        with self._build_lock:  # the tokenizer's vocabulary table is built once, on the first compile
             if self._compiler is None:
                 import xgrammar
 
