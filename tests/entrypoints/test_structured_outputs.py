@@ -235,18 +235,29 @@ SCHEMA_FORMAT = {
 SPEC_PROMPT = ask("Invent a person named Ada Lovelace as JSON.")
 
 
+@pytest.fixture(scope="module")
+def float32_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """float32: greedy tokens compared across speculation on and off must not hinge on bf16 rounding."""
+    process = start_server(
+        [*DEFAULT_ARGS, "--dtype", "float32"], tmp_path_factory.mktemp("so32") / "server.log"
+    )
+    yield process
+    process.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft_head"])
-def test_greedy_json_schema_is_unchanged_by_speculative_decoding(client, method, tmp_path):
-    plain = client.chat.completions.create(
-        model=MODEL, messages=SPEC_PROMPT, response_format=SCHEMA_FORMAT, temperature=0.0, max_tokens=200
-    )
-    args = [*DEFAULT_ARGS, "--speculative-method", method, "--speculative-disable-batch-size", "0"]
-    server = start_server(args, tmp_path / "server.log")
-    try:
-        spec = client_of(server).chat.completions.create(
+def test_greedy_json_schema_is_unchanged_by_speculative_decoding(float32_server, method, tmp_path):
+    def create(server: ServerProcess):
+        return client_of(server).chat.completions.create(
             model=MODEL, messages=SPEC_PROMPT, response_format=SCHEMA_FORMAT, temperature=0.0, max_tokens=200
         )
+
+    plain = create(float32_server)
+    args = [*DEFAULT_ARGS, "--dtype", "float32", "--speculative-method", method]
+    server = start_server([*args, "--speculative-disable-batch-size", "0"], tmp_path / "server.log")
+    try:
+        spec = create(server)
     finally:
         server.stop()
     assert spec.choices[0].message.content == plain.choices[0].message.content
