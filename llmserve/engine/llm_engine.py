@@ -291,6 +291,8 @@ class LLMEngine:
                     self.scheduler.add_request(child)
                 continue
             logger.error("request %s: its grammar failed to compile: %s", request_id, error)
+            for child in children:
+                _end_held(child)
             output = self.output_kinds.apply(self.output_processor.abort(request_id))
             if output is not None:
                 outputs.append(output)
@@ -307,8 +309,11 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish every unfinished child of the request and free its blocks; returns its last output."""
         children = self.output_processor.children_of(request_id)
-        if not self.grammar_gate.drop(request_id):  # one still compiling never reached the scheduler
-            for child in children:
+        held = self.grammar_gate.drop(request_id)  # one still compiling never reached the scheduler
+        for child in children:
+            if held:
+                _end_held(child)
+            else:
                 self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
         if not children:
             self.output_kinds.forget(request_id)
@@ -399,6 +404,12 @@ class LLMEngine:
         totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
         (queries, hits), self._prefix_cache_reported = self._prefix_cache_reported, totals
         return totals[0] - queries, totals[1] - hits
+
+
+def _end_held(request: Request) -> None:
+    """Abort a request the scheduler never had (held while its grammar compiled)."""
+    request.status = RequestStatus.FINISHED_ABORTED
+    request.finished_time = time.monotonic()
 
 
 def check_params(params: SamplingParams, config: EngineConfig) -> None:

@@ -5,6 +5,7 @@ token; a bad grammar raises at add_request."""
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 
@@ -52,3 +53,28 @@ def test_a_bad_grammar_raises_at_add_request(tiny_model):
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(grammar='root ::= "a" | b'))
     with pytest.raises(GrammarError, match="not defined"):
         llm.generate(["hi"], bad, use_tqdm=False)
+
+
+def test_a_compiling_grammar_holds_only_its_own_request(tiny_model, monkeypatch):
+    """The compile runs in a thread: steps go on for the other requests meanwhile, the held request
+    can be aborted, and it runs once its grammar is ready."""
+    engine = LLM(tiny_model, dtype="float32", kv_cache_memory="64MiB").engine
+    compiler, release = engine.grammar_gate.compiler, threading.Event()
+    compile_now = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda spec: release.wait(60) and compile_now(spec))
+    plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    held = SamplingParams(
+        temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+")
+    )
+    engine.add_tokenized_request("plain", [1, 2, 3], plain)
+    engine.add_tokenized_request("held", [1, 2, 3], held)
+    engine.add_tokenized_request("aborted", [1, 2, 3], held)
+    for _ in range(4):
+        assert [output.request_id for output in engine.step()] == ["plain"]
+    assert set(engine.grammar_gate.pending) == {"held", "aborted"}
+    assert engine.abort_request("aborted").finished and "aborted" not in engine.grammar_gate.pending
+    release.set()
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(finished) == {"held"} and re.fullmatch("[a-z]+", finished["held"].outputs[0].text)
