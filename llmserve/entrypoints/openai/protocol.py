@@ -698,7 +698,23 @@ class ResponseInputMessage(_Request):
 
 
 class ResponseTextFormat(_Request):
+    """The Responses API's output format: json_schema's fields sit beside `type` (chat nests them)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
+
+    def to_structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.schema_ is None:
+            raise ValueError("text.format of type json_schema needs a schema")
+        return StructuredOutputsParams.from_schema(self.schema_)
 
 
 class ResponseTextConfig(_Request):
@@ -759,7 +775,19 @@ class ResponsesRequest(_Request):
         return "max_output_tokens"
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens)
+        text_format = self.text.format if self.text is not None else None
+        structured = None if text_format is None else text_format.to_structured_outputs()
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=max_tokens,
+            structured_outputs=structured,
+        )
+
+    def structured_outputs_field(self) -> str | None:
+        """The field that asked for structured outputs, for error messages."""
+        text_format = self.text.format if self.text is not None else None
+        return "text" if text_format is not None and text_format.type != "text" else None
 
 
 class ResponseOutputText(_Response):
