@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
+from llmserve.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5
 
@@ -42,6 +44,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     prompt_logprobs: int | None = None  # log-probs of the prompt's tokens (and their top-N), vLLM's field
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

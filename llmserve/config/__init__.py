@@ -23,6 +23,7 @@ from llmserve.config.kv_events import KVEventsConfig
 from llmserve.config.parallel import NodeArgs, ParallelConfig
 from llmserve.config.quantization import QuantizationConfig
 from llmserve.config.speculative import SpeculativeConfig
+from llmserve.config.structured_outputs import StructuredOutputsConfig
 
 logger = logging.getLogger("llmserve")
 
@@ -131,6 +132,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor and pipeline parallelism
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 # vLLM's short forms of engine flags
@@ -252,6 +254,10 @@ class EngineArgs:
     prompt_lookup_max: int = _arg(6, "ngram, draft_head: longest suffix tried first (draft_head: 0 = none)")
     speculative_disable_batch_size: int = _arg(
         4, "propose nothing while more requests than this run (0: always speculate)"
+    )
+    # -- structured outputs (llmserve/structured, docs/server.md) --
+    structured_outputs_compile_timeout: float = _arg(
+        10.0, "seconds a request's grammar (JSON schema, regex, EBNF) may take to compile; longer is a 400"
     )
     # -- tensor parallelism (llmserve/distributed, docs/parallelism.md) --
     tensor_parallel_size: int = _arg(
@@ -394,6 +400,7 @@ class EngineArgs:
                 draft_head_tokens=self.speculative_draft_head_tokens,
             ),
             parallel=parallel,
+            structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout),
         )
 
     def _parallel(self, arch: ModelArchConfig) -> ParallelConfig:

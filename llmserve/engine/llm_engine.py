@@ -25,6 +25,7 @@ from llmserve.core.scheduler import Scheduler, SchedulerOutput
 from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.pipeline import PipelineStage
 from llmserve.engine.batch_queue import BatchQueue
+from llmserve.engine.grammar_gate import GrammarGate
 from llmserve.engine.invariants import InvariantChecker
 from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.engine.output_processor import OutputProcessor
@@ -39,11 +40,14 @@ from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.spec_decode.proposers.draft_model import load_draft_arch
 from llmserve.spec_decode.registry import create_proposer
 from llmserve.spec_decode.target_vocabulary import TargetVocabulary
+from llmserve.structured.compiler import GrammarCompiler
 from llmserve.worker.executor import TensorParallelExecutor
 from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput
 from llmserve.worker.pipeline_stage import PipelineDriver
 
 logger = logging.getLogger("llmserve")
+
+_IDLE_COMPILE_WAIT = 0.05  # seconds an engine with only compiling requests sleeps before looking again
 
 
 class LLMEngine:
@@ -97,6 +101,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.output_kinds = OutputAccumulator()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.config.model.arch.eos_token_ids
+        # structured outputs: grammars compile in threads; their requests wait in the gate meanwhile
+        self.grammar_gate = GrammarGate(GrammarCompiler(self.tokenizer, arch.vocab_size, self.eos_token_ids))
+        self.model_runner.grammar_compiler = self.grammar_gate.compiler
         self.last_step: StepStats | None = None
         self.failed_requests: list[str] = []  # of the last step: their output processing raised
         self.invariants = InvariantChecker(self.kv_cache_manager) if args.check_invariants else None
@@ -243,6 +250,8 @@ class LLMEngine:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(prompt_ids)
         check_params(params, self.config)
+        if params.structured_outputs is not None:  # offline: compile now, so a bad grammar raises here
+            self.grammar_gate.compiler.compile(params.structured_outputs)
         self.add_tokenized_request(request_id, prompt_ids, params, arrival_time, priority, text)
 
     def add_tokenized_request(
@@ -257,6 +266,7 @@ class LLMEngine:
         """Queue a prompt already tokenized and validated (the server did both: engine_core.py)."""
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        compiling = self.grammar_gate.future(params)
         children = [
             self._make_request(
                 request_id if params.n == 1 else f"{request_id}#{index}",
@@ -271,6 +281,9 @@ class LLMEngine:
             child.fork_source = children[0]  # parallel samples share the prompt's KV blocks
         self.output_processor.add_request(request_id, prompt, children)
         self.output_kinds.add_request(request_id, params.output_kind)
+        if compiling is not None:
+            self.grammar_gate.hold(request_id, compiling, children)
+            return
         for child in children:
             self.scheduler.add_request(child)
 
@@ -291,6 +304,23 @@ class LLMEngine:
         self.output_kinds.add_request(request_id, RequestOutputKind.DELTA)
         self.scheduler.add_request(request)
 
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar finished compiling join the scheduler; a failed compile ends its
+        request (the server compiled the same grammar before sending it, so this is rare)."""
+        outputs = []
+        for request_id, children, error in self.grammar_gate.take_ready():
+            if error is None:
+                for child in children:
+                    self.scheduler.add_request(child)
+                continue
+            logger.error("request %s: its grammar failed to compile: %s", request_id, error)
+            for child in children:
+                _end_held(child)
+            output = self.output_kinds.apply(self.output_processor.abort(request_id))
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         check_prompt(prompt_ids, self.config)
 
@@ -302,8 +332,12 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish every unfinished child of the request and free its blocks; returns its last output."""
         children = self.output_processor.children_of(request_id)
+        held = self.grammar_gate.drop(request_id)  # one still compiling never reached the scheduler
         for child in children:
-            self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+            if held:
+                _end_held(child)
+            else:
+                self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
         if not children:
             self.output_kinds.forget(request_id)
             return None
@@ -311,8 +345,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or (pipeline parallelism) a batch still to take back, if only of aborted ones."""
-        return self.scheduler.has_unfinished_requests() or bool(
-            self.batch_queue and self.batch_queue.in_flight
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self.batch_queue and self.batch_queue.in_flight)
+            or bool(self.grammar_gate.pending)
         )
 
     @property
@@ -323,17 +359,20 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled() if self.grammar_gate.pending else []
         if self.batch_queue is not None:
             done = self.batch_queue.step()
             if done is None:
                 self.last_step = None
-                return []
-            return self._process(*done)
+                self.grammar_gate.wait(_IDLE_COMPILE_WAIT)
+                return failed
+            return failed + self._process(*done)
         start = time.monotonic()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             self.last_step = None
-            return []
+            self.grammar_gate.wait(_IDLE_COMPILE_WAIT)  # nothing to run but compiles: no busy loop
+            return failed
         try:
             result = self._execute(scheduled.plan)
         except Exception as error:
@@ -343,7 +382,7 @@ class LLMEngine:
                 self.output_processor.child_index.get(r.request_id, (None,))[0] for r in scheduled.requests
             }
             raise BatchFailed(sorted(b for b in batch if b is not None)) from error
-        return self._process(scheduled, result, start)
+        return failed + self._process(scheduled, result, start)
 
     def fail_requests(self, request_ids: list[str]) -> None:
         """Abort requests the engine gave up on alone (their blocks are freed; no output follows)."""
@@ -449,6 +488,12 @@ class BatchFailed(RuntimeError):
     def __init__(self, request_ids: list[str]) -> None:
         super().__init__(f"the engine step of {len(request_ids)} requests failed")
         self.request_ids = request_ids
+
+
+def _end_held(request: Request) -> None:
+    """Abort a request the scheduler never had (held while its grammar compiled)."""
+    request.status = RequestStatus.FINISHED_ABORTED
+    request.finished_time = time.monotonic()
 
 
 def check_params(params: SamplingParams, config: EngineConfig) -> None:

@@ -6,18 +6,22 @@ row j follows the output plus the first j drafts), and changes those rows in pla
 picks a token from logits calls `LogitsProcessing.apply` at the same point of the Sampler's order
 (after min_tokens and penalties, before the greedy argmax): the sampler, its greedy fast path (which
 steps aside when a row has a processor), the speculative verifier and the draft head. A new kind of
-constraint (a grammar's token mask) is one more class in `PROCESSORS`.
+constraint is one more class in `PROCESSORS`; a grammar's token mask (`GrammarMask`) is bound per
+step to the rows' grammar states, which live on the runner's requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from llmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmserve.structured.matcher import GrammarState
 
 
 class LogitsProcessor(Protocol):
@@ -51,11 +55,38 @@ class LogitBias:
         logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
 
 
+class GrammarMask:
+    """Structured outputs: each grammar row's allowed tokens as a bitmask, applied to all of them in one
+    call (llmserve/structured/). Built per step with the rows' GrammarStates; the Python loop is over
+    requests (bringing each matcher to its row's tokens and filling its bitmask row), never tokens."""
+
+    def __init__(self, grammars: Sequence[GrammarState | None]) -> None:
+        self.grammars = grammars
+
+    @staticmethod
+    def applies_to(params: SamplingParams) -> bool:
+        return params.structured_outputs is not None
+
+    def apply(self, logits, rows, params, output_token_ids) -> None:
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(logits.shape[0], logits.shape[-1])  # all allowed
+        masked = []
+        for row, tokens in zip(rows, output_token_ids, strict=True):
+            state = self.grammars[row]
+            if state is None:
+                raise RuntimeError("a structured-output row has no grammar state")
+            if state.sync(tokens) and state.fill(bitmask, row):  # else a moot row (a refused draft before it)
+                masked.append(row)
+        if masked:
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=masked)
+
+
 PROCESSORS: tuple[LogitsProcessor, ...] = (LogitBias(),)
 
 
 def needs_processing(params: SamplingParams) -> bool:
-    return any(processor.applies_to(params) for processor in PROCESSORS)
+    return GrammarMask.applies_to(params) or any(processor.applies_to(params) for processor in PROCESSORS)
 
 
 @dataclass
@@ -68,10 +99,17 @@ class LogitsProcessing:
 
     @classmethod
     def build(
-        cls, params: Sequence[SamplingParams], output_token_ids: Sequence[list[int]]
+        cls,
+        params: Sequence[SamplingParams],
+        output_token_ids: Sequence[list[int]],
+        grammars: Sequence[GrammarState | None] | None = None,
     ) -> LogitsProcessing | None:
+        """`grammars`: each row's request's grammar state (None: no row has a grammar)."""
+        if grammars is None and any(GrammarMask.applies_to(p) for p in params):
+            raise RuntimeError("structured-output rows need their grammar states")
         work = []
-        for processor in PROCESSORS:
+        processors = PROCESSORS if grammars is None else (*PROCESSORS, GrammarMask(grammars))
+        for processor in processors:
             rows = [row for row, p in enumerate(params) if processor.applies_to(p)]
             if rows:
                 work.append((processor, rows))

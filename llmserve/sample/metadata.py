@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from llmserve.sample.logits_processors import LogitsProcessing
 from llmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llmserve.structured.matcher import GrammarState
 
 
 class SamplingRequest(Protocol):
@@ -28,6 +31,7 @@ class SamplingRequest(Protocol):
     eos_token_ids: tuple[int, ...]
     generator: torch.Generator | None
     spec_token_ids: list[int]  # the drafts it verifies this step
+    grammar: GrammarState | None  # structured outputs: its matcher (created by the runner when it samples)
 
     @property
     def output_token_ids(self) -> list[int]: ...
@@ -70,7 +74,9 @@ class SamplingMetadata:
         eos_token_ids: list[tuple[int, ...]],
         vocab_size: int,
         device: torch.device,
+        grammars: list[GrammarState | None] | None = None,
     ) -> SamplingMetadata:
+        """`grammars`: each row's grammar state, needed when a row has structured outputs."""
         device = torch.device(device)
         greedy = [p.is_greedy for p in params]
         random_params = [p for p, g in zip(params, greedy, strict=True) if not g]
@@ -96,7 +102,7 @@ class SamplingMetadata:
             has_unseeded_random=len(seeded_rows) < len(random_params),
             max_num_logprobs=max(logprobs, default=None),
             vocab_size=vocab_size,
-            logits_processing=LogitsProcessing.build(params, output_token_ids),
+            logits_processing=LogitsProcessing.build(params, output_token_ids, grammars),
         )
 
 

@@ -42,6 +42,7 @@ def build_row_metadata(
         eos_token_ids=[r.eos_token_ids for r in requests],
         vocab_size=vocab_size,
         device=device,
+        grammars=[r.grammar for r in requests],
     )
 
 

@@ -29,6 +29,8 @@ from llmserve.request import DraftProposal
 from llmserve.sample.metadata import SamplingMetadata
 from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.sample.verifier import DraftVerifier
+from llmserve.structured.compiler import GrammarCompiler
+from llmserve.structured.matcher import GrammarState
 from llmserve.worker.prefault import populate_in_background
 from llmserve.worker.prompt_logprobs import PromptLogprobRows
 from llmserve.worker.prompt_logprobs import compute as compute_prompt_logprobs
@@ -84,6 +86,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.arch.vocab_size
         self.sampler = Sampler()
+        # structured outputs: the engine's grammar compiler (set by LLMEngine on the rank that samples)
+        self.grammar_compiler: GrammarCompiler | None = None
         # Speculative decoding: the verifier checks the drafts a proposer made after the previous step.
         self.verifier = DraftVerifier(self.vocab_size, self.device)
         self.attention_backend = select_attention_backend(
@@ -227,9 +231,18 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """Sample (or verify drafts for) the step's sampling rows from their logits."""
         sampling_requests = [inputs.requests[row] for row in inputs.sample_rows]
+        self._start_grammars(sampling_requests)
         output = self._sample_or_verify(logits, sampling_requests)
         output.sampled_requests, output.sample_hidden = sampling_requests, sample_hidden
         return output
+
+    def _start_grammars(self, requests: list[CachedRequestState]) -> None:
+        """A matcher for each structured-output request sampling for the first time (its grammar was
+        compiled before the engine admitted it: a cache hit)."""
+        for request in requests:
+            spec = request.sampling_params.structured_outputs
+            if spec is not None and request.grammar is None:
+                request.grammar = GrammarState(self.grammar_compiler.compile(spec))
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model's final hidden states for the step's flat batch; a decode-only step takes the
@@ -270,6 +283,7 @@ class ModelRunner:
             eos_token_ids=[r.eos_token_ids for r in sampling_requests],
             vocab_size=self.vocab_size,
             device=self.device,
+            grammars=[r.grammar for r in sampling_requests],
         )
         return self._to_output(sampling_requests, self.sampler(logits, metadata))
 

@@ -12,6 +12,7 @@ import torch
 
 from llmserve.core.step_plan import CachedRequestData, NewRequestData, StepPlan
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured.matcher import GrammarState
 
 
 @dataclass
@@ -30,6 +31,7 @@ class CachedRequestState:
     # the q of the last proposal drafted for it, kept here for the step that verifies some of them
     draft_probs: torch.Tensor | None = None
     pooling: bool = False  # an embedding request: pooled instead of sampled
+    grammar: GrammarState | None = None  # structured outputs: its matcher, made when it first samples
 
     @classmethod
     def from_new(cls, data: NewRequestData, device: torch.device) -> CachedRequestState:

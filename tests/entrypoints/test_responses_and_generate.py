@@ -86,16 +86,63 @@ def test_streamed_response_events(client):
     assert events[-1].response.usage.output_tokens == plain.usage.output_tokens
 
 
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_format_json_schema_constrains_the_output(client, stream):
+    """The Responses API's flat json_schema format goes through the same grammar as chat's
+    response_format: the tiny random model answers with a document valid against the schema."""
+    text_format = {
+        "format": {"type": "json_schema", "name": "answer", "schema": ANSWER_SCHEMA, "strict": True}
+    }
+    kwargs = dict(model=MODEL, input=QUESTION, max_output_tokens=40, temperature=0.0, text=text_format)
+    if stream:
+        events = list(client.responses.create(stream=True, **kwargs))
+        assert events[-1].type == "response.completed"
+        text = events[-1].response.output_text
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == text
+    else:
+        response = client.responses.create(**kwargs)
+        assert response.status == "completed"
+        text = response.output_text
+    document = json.loads(text)
+    assert set(document) == {"answer", "sure"}
+    assert document["answer"] in ("yes", "no") and isinstance(document["sure"], bool)
+
+
+def test_text_format_json_object_starts_an_object(client):
+    response = client.responses.create(
+        model=MODEL,
+        input=QUESTION,
+        max_output_tokens=8,
+        temperature=0.0,
+        text={"format": {"type": "json_object"}},
+    )
+    assert response.output_text.startswith("{")
+
+
 @pytest.mark.parametrize(
     ("extra", "param", "words"),
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id", "stored responses are not supported"),
         ({"store": True}, "store", "stored responses are not supported"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "not supported"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "needs a schema"),
         (
-            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+            {
+                "text": {
+                    "format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "not": {}}}
+                }
+            },
             "text",
-            "not supported",
+            "not",
         ),
         ({"reasoning": {"effort": "low"}}, "reasoning", "not supported"),
         ({"input": []}, "input", "empty"),

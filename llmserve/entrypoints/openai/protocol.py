@@ -28,6 +28,7 @@ from pydantic_core import CoreSchema, core_schema
 
 from llmserve.outputs import SpecDecodeStats
 from llmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from llmserve.structured.params import StructuredOutputsParams
 
 MAX_N = 16  # choices per prompt
 MAX_STOP_SEQUENCES = 16
@@ -108,6 +109,33 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """response_format's json_schema: OpenAI's structured outputs."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
+
+
+class ResponseFormat(_Request):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` extra body: exactly one of these constraints."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -147,6 +175,14 @@ class _SamplingRequest(_Request):
 
     # seconds: refused (429) if the predicted queue wait exceeds it, aborted (408) when it passes
     timeout: float | None = Field(None, gt=0.0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False)
+    # structured outputs (llmserve/structured): OpenAI's response_format, vLLM's extra body and its
+    # older guided_* names; at most one of them
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -225,7 +261,65 @@ class _SamplingRequest(_Request):
             stop_token_ids=list(self.stop_token_ids),
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=self.requested_prompt_logprobs(),
+            structured_outputs=structured_outputs_params(self),
         )
+
+    def structured_outputs_field(self) -> str | None:
+        """The field that asked for structured outputs, for error messages."""
+        return next((name for name in STRUCTURED_OUTPUT_FIELDS if _asks_for_structure(self, name)), None)
+
+
+STRUCTURED_OUTPUT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
+def _asks_for_structure(request: _SamplingRequest, name: str) -> bool:
+    value = getattr(request, name)
+    if name == "response_format":
+        return value is not None and value.type != "text"
+    return value is not None
+
+
+def structured_outputs_params(request: _SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's constraint; ValueError (starting with the field's name) if malformed or doubled."""
+    asked = [name for name in STRUCTURED_OUTPUT_FIELDS if _asks_for_structure(request, name)]
+    if len(asked) > 1:
+        raise ValueError(f"{asked[1]} cannot be combined with {asked[0]}: set one structured-output field")
+    if not asked:
+        return None
+    name = asked[0]
+    value = getattr(request, name)
+    try:
+        if name == "response_format":
+            if value.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if value.json_schema is None or value.json_schema.schema_ is None:
+                raise ValueError("type json_schema needs json_schema.schema")
+            return StructuredOutputsParams.from_schema(value.json_schema.schema_)
+        if name == "structured_outputs":
+            fields = value.model_dump(exclude_none=True)
+            if fields.get("json_object") is False:
+                del fields["json_object"]
+            if "json_" in fields:
+                schema = fields.pop("json_")
+                if fields:
+                    raise ValueError(f"sets json and {', '.join(fields)}: set exactly one")
+                return StructuredOutputsParams.from_schema(schema)
+            kwargs = {k: tuple(v) if k == "choice" else v for k, v in fields.items()}
+            return StructuredOutputsParams(**kwargs)
+        if name == "guided_json":
+            return StructuredOutputsParams.from_schema(value)
+        if name == "guided_choice":
+            return StructuredOutputsParams(choice=tuple(value))
+        return StructuredOutputsParams(**{name.removeprefix("guided_"): value})
+    except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{name} {error}") from error
 
 
 # -- /v1/completions -------------------------------------------------------------------------------
@@ -395,7 +489,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    response_format: Annotated[Any, Unsupported({"type": "text"})] = None
     tools: Annotated[Any, Unsupported([])] = None
     tool_choice: Annotated[Any, Unsupported("none")] = None
     functions: Annotated[Any, Unsupported([])] = None
@@ -605,7 +698,23 @@ class ResponseInputMessage(_Request):
 
 
 class ResponseTextFormat(_Request):
+    """The Responses API's output format: json_schema's fields sit beside `type` (chat nests them)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is enforced either way
+
+    def to_structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.schema_ is None:
+            raise ValueError("text.format of type json_schema needs a schema")
+        return StructuredOutputsParams.from_schema(self.schema_)
 
 
 class ResponseTextConfig(_Request):
@@ -666,7 +775,19 @@ class ResponsesRequest(_Request):
         return "max_output_tokens"
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=max_tokens)
+        text_format = self.text.format if self.text is not None else None
+        structured = None if text_format is None else text_format.to_structured_outputs()
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=max_tokens,
+            structured_outputs=structured,
+        )
+
+    def structured_outputs_field(self) -> str | None:
+        """The field that asked for structured outputs, for error messages."""
+        text_format = self.text.format if self.text is not None else None
+        return "text" if text_format is not None and text_format.type != "text" else None
 
 
 class ResponseOutputText(_Response):

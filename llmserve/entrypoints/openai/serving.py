@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -82,6 +82,7 @@ class ServerContext:
     max_in_flight: int
     in_flight: int = 0
     admission: Admission | None = None  # deadline and queued-token bounds (admission.py)
+    grammar_compiler: Any = None  # structured outputs: made on first use (structured_outputs.py)
 
     @property
     def max_model_len(self) -> int:

@@ -45,6 +45,7 @@ from llmserve.entrypoints.openai.serving import (
     top_entries,
     until_disconnected,
 )
+from llmserve.entrypoints.openai.structured_outputs import check_structured_outputs
 
 
 class ChatHandler:
@@ -59,6 +60,7 @@ class ChatHandler:
             self.render(request.template_messages(), request.add_generation_prompt), param="messages"
         )
         params = ctx.sampling_params(request, [len(prompt_ids)], default_max=None)
+        await check_structured_outputs(ctx, request, params)
         release = ctx.admit(1, [len(prompt_ids)], request.timeout, params.max_tokens)
         requests = EngineRequests(
             ctx.engine,

@@ -46,6 +46,7 @@ from llmserve.entrypoints.openai.serving import (
     sse_event,
     until_disconnected,
 )
+from llmserve.entrypoints.openai.structured_outputs import check_structured_outputs
 from llmserve.outputs import CompletionOutput, RequestOutput
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -66,6 +67,7 @@ class CompletionHandler:
         else:
             prompt_ids = [ctx.encode_prompt(prompt) for prompt in prompts]
         params = ctx.sampling_params(request, [len(ids) for ids in prompt_ids], DEFAULT_MAX_TOKENS)
+        await check_structured_outputs(ctx, request, params)
         echoes = [
             self._echo_text(p, ids) if request.echo else ""
             for p, ids in zip(prompts, prompt_ids, strict=True)

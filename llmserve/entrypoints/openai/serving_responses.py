@@ -38,6 +38,7 @@ from llmserve.entrypoints.openai.serving import (
     until_disconnected,
 )
 from llmserve.entrypoints.openai.serving_chat import ChatHandler
+from llmserve.entrypoints.openai.structured_outputs import check_structured_outputs
 
 
 class ResponsesHandler:
@@ -51,6 +52,7 @@ class ResponsesHandler:
         _check_supported(request)
         prompt_ids = ctx.encode_prompt(self.chat.render(request.template_messages()), param="input")
         params = ctx.sampling_params(request, [len(prompt_ids)], default_max=None)
+        await check_structured_outputs(ctx, request, params)
         release = ctx.admit(1)
         requests = EngineRequests(
             ctx.engine, f"resp_{uuid.uuid4().hex}", [prompt_ids], params, 0, request.stream
@@ -158,8 +160,3 @@ def _check_supported(request: ResponsesRequest) -> None:
         raise ApiError(f"store: true is not supported: {STORED_RESPONSES}", param="store")
     if request.tools:
         raise ApiError("tools are not supported on /v1/responses yet", param="tools")
-    text_format = request.text.format if request.text is not None else None
-    if text_format is not None and text_format.type != "text":
-        raise ApiError(
-            f"text.format of type {text_format.type!r} is not supported on /v1/responses yet", param="text"
-        )
