@@ -22,6 +22,10 @@ class Attention(nn.Module):
         self.value_cache: torch.Tensor | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return self._attend(query, key, value)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options) -> torch.Tensor:
+        """The backend on this layer's heads and KV views; `options`: a layer's own window, soft-cap."""
         num_tokens = query.shape[0]
         out = self.backend.forward(
             query.view(num_tokens, self.num_heads, self.head_dim),
@@ -31,6 +35,7 @@ class Attention(nn.Module):
             self.value_cache,
             get_attention_metadata(),
             self.scale,
+            **options,
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
@@ -55,16 +60,4 @@ class LocalAttention(Attention):
         self.softcap = softcap
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        num_tokens = query.shape[0]
-        out = self.backend.forward(
-            query.view(num_tokens, self.num_heads, self.head_dim),
-            key.view(num_tokens, self.num_kv_heads, self.head_dim),
-            value.view(num_tokens, self.num_kv_heads, self.head_dim),
-            self.key_cache,
-            self.value_cache,
-            get_attention_metadata(),
-            self.scale,
-            window=self.sliding_window,
-            softcap=self.softcap,
-        )
-        return out.view(num_tokens, self.num_heads * self.head_dim)
+        return self._attend(query, key, value, window=self.sliding_window, softcap=self.softcap)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from llmserve.benchmarks.results import pyplot, save_figure
+
 GREEDY_PROMPTS = [f"Item {i}: the story of the number {i * 7} begins" for i in range(16)]
 KINDS = ("greedy", "stream", "n2", "stop", "logprobs", "disconnect", "bad", "slow_reader")
 WEIGHTS = (20, 15, 10, 10, 10, 30, 5, 2)  # disconnects: 30 of 102
@@ -91,6 +93,20 @@ def rss_slope(samples: list[tuple[int, float]], after: int) -> float | None:
     cov = sum((n - mean_n) * (mb - mean_mb) for n, mb in points)
     var = sum((n - mean_n) ** 2 for n, _ in points)
     return 1000.0 * cov / var
+
+
+def plot_rss(samples: list[tuple[int, float]], warmup_requests: int, path) -> None:
+    """RSS of the server's process tree against requests done, one point per sample; the warm-up
+    the slope leaves out is shaded."""
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot([n for n, _ in samples], [mb for _, mb in samples], marker="o", markersize=3)
+    axis.axvspan(0, warmup_requests, color="0.9", label="warm-up (not in the slope)")
+    axis.set_xlabel("requests done")
+    axis.set_ylabel("RSS of server, engine and workers (MB)")
+    axis.set_title("soak: memory over requests")
+    axis.legend()
+    save_figure(figure, path)
 
 
 def tree_rss_mb(pid: int) -> float:

@@ -14,7 +14,7 @@ from llmserve.benchmarks.table_plot import TablePanel, plot_table
 def figures(monkeypatch):
     """The figures the plot functions would save, kept for inspection instead."""
     drawn = []
-    for module in ("latency", "memory", "throughput", "serve", "table_plot"):
+    for module in ("latency", "memory", "throughput", "serve", "table_plot", "soak"):
         monkeypatch.setattr(
             importlib.import_module(f"llmserve.benchmarks.{module}"),
             "save_figure",
@@ -91,6 +91,13 @@ def test_table_commands_one_bar_per_row(figures):
     priority = [{"policy": p, "interactive_p99_ms": 40.0} for p in ("fcfs", "priority")]
     plot_table([TablePanel("p99", priority, ["policy"], "interactive_p99_ms")], "y.png")
     assert [bars(axis) for axis in figures[1].axes] == [2]
+
+
+def test_soak_one_point_per_rss_sample(figures):
+    from llmserve.benchmarks.soak import plot_rss
+
+    plot_rss([(100 * i, 300.0 + i) for i in range(1, 12)], 300, "x.png")
+    assert points(figures[0].axes[0]) == [11]
 
 
 def test_every_bench_command_with_a_result_file_draws_with_plot():

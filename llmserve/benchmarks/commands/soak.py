@@ -52,4 +52,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
     )
     print("PASS" if not failures else "FAIL:\n  " + "\n  ".join(failures))
     save(args, "soak", {"config": asdict(config), "report": asdict(report), "failures": failures})
+    if args.plot:
+        from llmserve.benchmarks.soak import plot_rss
+
+        plot_rss(report.rss_mb, config.warmup_requests, args.plot)
     return 1 if failures else 0
