@@ -240,6 +240,7 @@ class Soak:
 
 
 def scrape(base_url: str) -> dict[str, float]:
+    """The server's unlabelled series by name (every series carries the served model's `model_name`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(base_url + "/metrics", timeout=30).text
@@ -247,7 +248,7 @@ def scrape(base_url: str) -> dict[str, float]:
         sample.name: sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if not sample.labels
+        if set(sample.labels) <= {"model_name"}
     }
 
 
