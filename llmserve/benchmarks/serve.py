@@ -182,6 +182,7 @@ class LoadGenerator:
     max_concurrency: int | None = None
     seed: int = 0
     prompt_format: str = "ids"  # "ids" sends prompt_token_ids (exact lengths), "text" the prompt text
+    extra_body: dict | None = None  # fields added to every request (a response_format, say)
 
     async def run(self, requests: Sequence[BenchRequest], progress=None) -> tuple[list[RequestResult], float]:
         """Results in request order, and seconds from the first send to the last response."""
@@ -208,7 +209,7 @@ class LoadGenerator:
         progress,
     ) -> RequestResult:
         await asyncio.sleep(max(0.0, run_start + offset - time.perf_counter()))
-        payload = completion_payload(request, self.model, self.prompt_format)
+        payload = completion_payload(request, self.model, self.prompt_format) | (self.extra_body or {})
         async with limit or contextlib.nullcontext():
             sent = time.perf_counter()
             result = await send_request(client, self.url, payload, request.prompt_len)

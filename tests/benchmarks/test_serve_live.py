@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from llmserve.benchmarks.commands.serve import response_format_body
 from llmserve.benchmarks.serve import LoadGenerator, pick_salts, salt_requests, served_model_name, summarize
 from llmserve.benchmarks.workload import BenchRequest
 from llmserve.cli.main import main
@@ -85,6 +86,25 @@ def test_text_prompts_and_a_sweep_from_the_command_line(server_url, tiny_model_d
     assert len(salts) == 2 and salts[0] != salts[1]
     # each run's prompts carry its salt text: more prompt tokens than the workload itself
     assert all(run["prompt_tokens"] > result["workload"]["prompt_tokens"] for run in result["runs"])
+
+
+def test_a_json_schema_constrains_every_request(server_url, tiny_model_dir, tmp_path):
+    """--json-schema sends response_format json_schema with every request (an open-ended array, so
+    that ignore_eos never meets a finished document); a schema the server refuses fails the requests."""
+    schema, output = tmp_path / "schema.json", tmp_path / "serve.json"
+    schema.write_text(json.dumps({"type": "array", "items": {"type": "integer"}}))
+    argv = ["bench", "serve", "--url", server_url, "--tokenizer", tiny_model_dir, "--num-requests", "3",
+            "--prompt-len-median", "8", "--output-len-median", "6", "--output-len-range", "4,8"]  # fmt: skip
+    assert main([*argv, "--json-schema", str(schema), "--output", str(output)]) == 0
+    (run,) = json.loads(output.read_text())["runs"]
+    assert run["num_ok"] == 3
+    schema.write_text(json.dumps({"type": "object", "not": {}}))  # a keyword the grammar engine refuses
+    main([*argv, "--json-schema", str(schema), "--output", str(output)])
+    (run,) = json.loads(output.read_text())["runs"]
+    assert run["num_ok"] == 0
+    assert response_format_body(None) is None
+    with pytest.raises(ValueError, match="--json-schema /nonexistent"):
+        response_format_body("/nonexistent")
 
 
 def test_salts_are_distinct_workload_tokens_put_before_every_prompt():

@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
 import time
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -37,9 +39,23 @@ def register(commands) -> None:
     parser.add_argument("--cache-bust", action=argparse.BooleanOptionalAction, default=True,
                         help="put a random run-specific token before every prompt, so that no run "
                         "finds an earlier run's prompts in the server's prefix cache")  # fmt: skip
+    parser.add_argument("--json-schema", default=None, metavar="FILE",
+                        help="constrain every request's output to this JSON schema (response_format "
+                        "json_schema): structured outputs' cost against a run without")  # fmt: skip
     add_workload_arguments(parser, with_seed=True)
     add_output_arguments(parser)
     parser.set_defaults(handler=cmd_serve)
+
+
+def response_format_body(path: str | None) -> dict | None:
+    """The request field that constrains the output to the JSON schema in `path`; None without one."""
+    if path is None:
+        return None
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--json-schema {path}: {error}") from None
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}}
 
 
 def rate_list(text: str) -> list[float]:
@@ -97,7 +113,10 @@ def _serve_once(args: argparse.Namespace, url: str, model: str, requests: list[B
     from llmserve.benchmarks.prefix_hits import read_prefix_cache_counters
     from llmserve.benchmarks.serve import LoadGenerator, summarize
 
-    generator = LoadGenerator(url, model, rate, args.max_concurrency, args.seed, args.prompt_format)
+    extra_body = response_format_body(args.json_schema)
+    generator = LoadGenerator(
+        url, model, rate, args.max_concurrency, args.seed, args.prompt_format, extra_body
+    )
     before = read_prefix_cache_counters(url)
     with tqdm(total=len(requests), desc=f"rate {rate:g}/s", unit="req") as progress:
         cpu = time.process_time()
