@@ -98,7 +98,8 @@ def _json_default(value: Any) -> Any:
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """Rows as an aligned text table: floats to 2 decimals (3 significant digits below 1)."""
     cells = [[_format_cell(row.get(column)) for column in columns] for row in rows]
-    widths = [max(len(column), *(len(r[i]) for r in cells)) for i, column in enumerate(columns)]
+    # a list, so that a table without rows (every request failed) still has its header widths
+    widths = [max([len(column), *(len(r[i]) for r in cells)]) for i, column in enumerate(columns)]
     lines = [_align(columns, widths), "  ".join("-" * w for w in widths)]
     lines += [_align(r, widths) for r in cells]
     return "\n".join(lines)
