@@ -322,8 +322,9 @@ class AsyncLLM:
     def _read_outputs(self, process: multiprocessing.Process, pipe) -> None:
         try:
             while True:
-                self._handle(pipe.recv())
-                if self.gauges.failure is not None and self._supervised:
+                message = pipe.recv()
+                self._handle(message)
+                if self.gauges.failure is not None and self._supervised and self._failure_told(message):
                     process.kill()  # a dead rank: a new engine process brings up all the ranks again
         except (EOFError, OSError):
             pass
@@ -341,6 +342,13 @@ class AsyncLLM:
         self._commands.put(None)  # the sender of this engine process ends
         self._fail_in_flight(message)
         self._restart_or_give_up(message)
+
+    def _failure_told(self, message: EngineMessage) -> bool:
+        """Whether the streams in flight have heard why the engine failed (its RequestsFailed follows
+        the status that reports a dead rank): only then may the engine process be stopped, or they
+        would end as a plain abort without the rank's name."""
+        told = isinstance(message, RequestsFailed) and message.kind is FailureKind.FAILED
+        return told or not self._streams
 
     def _fail_in_flight(self, message: str) -> None:
         """End every stream with EngineDeadError; the engine that knew these requests is gone."""

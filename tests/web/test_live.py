@@ -4,16 +4,19 @@ the traffic; no console errors and no horizontal scrolling at a phone's width.""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 
 import httpx
+from selenium.common.exceptions import ElementClickInterceptedException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
 from tests.entrypoints.conftest import API_KEY
 from tests.entrypoints.test_server_lifecycle import MODEL, delta, wait_idle
 from tests.web.browser import console_errors, horizontal_overflow, screenshot, wait_until
+from tests.web.test_playground_scripted import RECORD_BODIES
 
 ABORTED = "llmserve:request_success_total{finished_reason=abort}"
 
@@ -33,6 +36,44 @@ def open_playground(page, server, max_tokens: int) -> None:
 
 def last_reply(page):
     return page.find_elements(By.CSS_SELECTOR, ".message.assistant")[-1]
+
+
+def click(page, element) -> None:
+    """Click `element` as a user would, once streaming text stops moving it under the pointer."""
+
+    def clicked() -> bool:
+        page.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
+        try:
+            element.click()
+        except ElementClickInterceptedException:  # the reply grew between the scroll and the click
+            return False
+        return True
+
+    wait_until(clicked, 10, "a click on the element")
+
+
+ANSWER_SCHEMA = json.dumps(
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+)
+
+
+def test_the_json_schema_box_constrains_the_reply(page, server):
+    """The box sends response_format json_schema; the reply is a document valid against the schema."""
+    open_playground(page, server, max_tokens=40)
+    page.execute_script(RECORD_BODIES)
+    page.find_element(By.ID, "json-schema").send_keys(ANSWER_SCHEMA)
+    page.find_element(By.ID, "chat-input").send_keys("Answer in JSON", Keys.ENTER)
+    wait_until(lambda: "TTFT" in last_reply(page).text, 120, "the reply")
+    body = page.execute_script("return window.__bodies")[-1]
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "playground", "schema": json.loads(ANSWER_SCHEMA), "strict": True},
+    }
+    reply = last_reply(page).find_element(By.CLASS_NAME, "content")
+    assert "error" not in reply.get_attribute("class"), reply.text
+    assert json.loads(reply.text)["answer"] in ("yes", "no")
+    assert console_errors(page) == []
+    screenshot(page, "playground-json-schema")
 
 
 def test_a_chat_streams_into_the_page(page, server):
@@ -63,7 +104,7 @@ def test_stop_aborts_the_request_in_the_engine(page, server):
     wait_until(
         lambda: last_reply(page).find_element(By.CLASS_NAME, "content").text.strip(), 120, "streamed text"
     )
-    page.find_element(By.ID, "stop").click()
+    click(page, page.find_element(By.ID, "stop"))
     stats = lambda: last_reply(page).find_element(By.CLASS_NAME, "stats").text  # noqa: E731
     wait_until(
         lambda: re.fullmatch(r"TTFT \d+ ms · stopped", stats()),

@@ -64,17 +64,18 @@ async def playground_config(raw_request: Request) -> Response:
     return JSONResponse({"api_key_required": getattr(raw_request.app.state, "api_key_required", False)})
 
 
-@routes.get("/")
+# pages and their files, not API operations: left out of the OpenAPI schema (and of its fuzzing)
+@routes.get("/", include_in_schema=False)
 async def playground() -> Response:
     return _static(_PAGES["/"])
 
 
-@routes.get("/dashboard")
+@routes.get("/dashboard", include_in_schema=False)
 async def dashboard() -> Response:
     return _static(_PAGES["/dashboard"])
 
 
-@routes.get("/static/{name}")
+@routes.get("/static/{name}", include_in_schema=False)
 async def asset(name: str) -> Response:
     if name not in _ASSETS:
         return JSONResponse(
