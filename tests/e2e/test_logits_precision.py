@@ -34,7 +34,10 @@ QUESTIONS = [
     "Recommend a book for a long flight.",
 ]
 MAX_NEW = 32
-CLEAR_GAP = 0.1  # float32's top-two gap above which bf16 must pick the same token
+# float32's top-two gap above which bf16 must pick the same token. bf16's rounding of the weights and
+# activations moves this model's logits (about 30 at the top) by up to ~0.1 on its own: on an AMX
+# CPU (oneDNN's bf16 GEMMs there) one answer token at a 0.104 gap flipped, on AVX-512 CPUs none did.
+CLEAR_GAP = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -74,4 +77,5 @@ def test_bfloat16_argmax_agrees_with_float32_wherever_float32_is_clear(llm_bf16,
         differs = reference.argmax(dim=-1) != ours.argmax(dim=-1)
         assert not (clear & differs).any(), (question, (clear & differs).nonzero().flatten().tolist())
         checked += int(clear.sum())
+    print(f"{checked} clear positions")
     assert checked >= 400  # most positions are clear; the test is not vacuous
