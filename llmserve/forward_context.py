@@ -45,6 +45,8 @@ class AttentionMetadata:
     block_size: int = 16
     sliding_window: int = 0  # keys further back than this from a query are hidden (0: no window)
     attention_sinks: int = 0  # ... except the sequence's first this many tokens (StreamingLLM)
+    # KV-cache groups 1.. (config/kv_groups.py): their own slots and tables; this one is group 0's
+    other_groups: tuple[AttentionMetadata, ...] = ()
 
 
 _context: AttentionMetadata | None = None
@@ -60,7 +62,8 @@ def set_forward_context(metadata: AttentionMetadata) -> Iterator[None]:
         _context = previous
 
 
-def get_attention_metadata() -> AttentionMetadata:
+def get_attention_metadata(group: int = 0) -> AttentionMetadata:
+    """The step's metadata for the layers of KV-cache group `group`."""
     if _context is None:
         raise RuntimeError("attention called outside set_forward_context")
-    return _context
+    return _context.other_groups[group - 1] if group else _context

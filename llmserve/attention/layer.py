@@ -20,6 +20,7 @@ class Attention(nn.Module):
         # Bound by the model runner to views of the preallocated pool: [num_slots, kv_heads, head_dim].
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+        self.kv_group = 0  # its KV-cache group (config/kv_groups.py), whose block table it reads
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return self._attend(query, key, value)
@@ -33,7 +34,7 @@ class Attention(nn.Module):
             value.view(num_tokens, self.num_kv_heads, self.head_dim),
             self.key_cache,
             self.value_cache,
-            get_attention_metadata(),
+            get_attention_metadata(self.kv_group),
             self.scale,
             **options,
         )
@@ -42,8 +43,9 @@ class Attention(nn.Module):
 
 class LocalAttention(Attention):
     """Attention with options of its own layer: a scale other than head_dim's, a sliding window of
-    its layer kind (Gemma's interleaved local and global layers; the KV cache keeps every position,
-    the window only masks), and soft-capped scores (Gemma 2: cap * tanh(scores / cap))."""
+    its layer kind (Gemma's interleaved local and global layers; the KV cache keeps only the window's
+    positions where its KV-cache group is a sliding one, else the window only masks), and soft-capped
+    scores (Gemma 2: cap * tanh(scores / cap))."""
 
     def __init__(
         self,

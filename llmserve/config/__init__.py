@@ -20,7 +20,8 @@ import torch
 from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.config.families import check_family_features
 from llmserve.config.kv_events import KVEventsConfig
-from llmserve.config.parallel import NodeArgs, ParallelConfig
+from llmserve.config.kv_groups import KVCacheGroup, group_size, kv_cache_groups
+from llmserve.config.parallel import NodeArgs, ParallelConfig, stage_layer_ranges
 from llmserve.config.quantization import QuantizationConfig
 from llmserve.config.speculative import SpeculativeConfig
 from llmserve.config.structured_outputs import StructuredOutputsConfig
@@ -112,6 +113,9 @@ class CacheConfig:
     sliding_window: int = 0  # keep only the last this many tokens' KV (0: keep all)
     attention_sinks: int = 0  # with a window: also keep the first this many tokens (StreamingLLM)
     kv_events: KVEventsConfig | None = None  # publish the prefix cache's changes; None: off
+    # layers by attention kind, one block table each (config/kv_groups.py); (): one group of every
+    # layer, with `sliding_window`
+    kv_groups: tuple[KVCacheGroup, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,11 @@ class EngineArgs:
     )
     attention_sinks: int = _arg(
         0, "with a sliding window: also keep the first S tokens (StreamingLLM attention sinks)"
+    )
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        False,
+        "keep every position's KV in the sliding layers of a model mixing sliding and global layers "
+        "(Gemma 2/3; the window then only masks) instead of only their window's",
     )
     seed: int = _arg(0, "seed for requests that sample without their own seed")
     attention_backend: str = _arg(
@@ -322,11 +331,16 @@ class EngineArgs:
         # rank with the most heads in the stage with the most layers
         kv_heads = parallel.max_kv_heads_per_rank(arch.num_key_value_heads)
         num_layers = parallel.max_layers_per_stage(arch.num_hidden_layers)
+        window, sinks = self._window(arch, max_model_len)
+        kv_groups = self._kv_groups(arch, max_model_len, parallel, draft_arch)
+        if kv_groups:  # a block holds one group's layers
+            num_layers = group_size(
+                kv_groups, stage_layer_ranges(arch.num_hidden_layers, parallel.pipeline_parallel_size)
+            )
         bytes_per_token = arch.kv_bytes_per_token(dtype, self.kv_cache_dtype, kv_heads, num_layers)
         pool_bytes_per_token = bytes_per_token  # + the draft model's KV, which uses the same block ids
         if draft_arch is not None:
             pool_bytes_per_token += draft_arch.kv_bytes_per_token(dtype, self.kv_cache_dtype)
-        window, sinks = self._window(arch, max_model_len)
         if self.num_kv_blocks is not None:
             num_blocks = self.num_kv_blocks
         else:
@@ -372,12 +386,13 @@ class EngineArgs:
                 block_size=block_size,
                 num_blocks=num_blocks,
                 kv_cache_memory=num_blocks * block_size * pool_bytes_per_token,
-                enable_prefix_caching=self.prefix_caching and not window,
+                enable_prefix_caching=self.prefix_caching and not sinks,
                 num_swap_blocks=parse_bytes(self.swap_space) // (bytes_per_token * block_size),
                 kv_cache_dtype=self.kv_cache_dtype,
                 sliding_window=window,
                 attention_sinks=sinks,
                 kv_events=self._kv_events(),
+                kv_groups=kv_groups,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -447,9 +462,33 @@ class EngineArgs:
             raise ValueError("attention_sinks needs a sliding window (--sliding-window)")
         if not window or window + self.attention_sinks >= max_model_len:
             return 0, 0
-        if self.prefix_caching:
-            logger.info("prefix caching is off: it does not combine with a sliding window")
+        if self.prefix_caching and self.attention_sinks:
+            logger.info("prefix caching is off: it does not combine with attention sinks")
         return window, self.attention_sinks
+
+    def _kv_groups(
+        self, arch: ModelArchConfig, max_model_len: int, parallel: ParallelConfig, draft_arch
+    ) -> tuple[KVCacheGroup, ...]:
+        """Per-layer KV-cache groups where sliding layers' KV is bounded by their window; () where the
+        model has one kind of layer, no sequence outgrows the window, or the user keeps full KV."""
+        types = arch.layer_types
+        window = arch.sliding_window or 0
+        if types is None or not window or window >= max_model_len or self.disable_hybrid_kv_cache_manager:
+            return ()
+        groups = kv_cache_groups(types, window)
+        if len(groups) == 1 and not groups[0].window:
+            return ()
+        feature = None
+        if draft_arch is not None:
+            feature = "a draft model (speculative_method draft)"
+        elif self._kv_events() is not None:
+            feature = "--kv-events-config"
+        if feature is not None:
+            raise ValueError(
+                f"{feature} does not combine with {arch.architecture}'s bounded sliding-window KV; "
+                "pass --disable-hybrid-kv-cache-manager to keep full KV in its sliding layers"
+            )
+        return groups
 
 
 def _flag_type(hint) -> type:

@@ -18,7 +18,21 @@ return to the pool and their table entries become NULL_BLOCK; sink blocks and wi
                sinks '-- freed, never read --' '- window -'
 
 So a sequence holds at most ceil(S / B) + ceil(W / B) + 1 blocks however long it grows (plus its
-current step's new tokens). Prefix caching is off with a window (the engine config turns it off).
+current step's new tokens). Prefix caching is off with attention sinks (the engine config turns it off).
+
+KV-cache groups (config/kv_groups.py): a model mixing sliding and global layers (Gemma 2/3) has one
+block table per group, each with its own window (0: global). A request's tables are stored as one
+flat list, the groups' entries interleaved (entry i * G + g: group g's i-th block), so the step plan
+and the runner carry a single list; group g's table is `table[g::G]`. With one group (every model
+without per-layer kinds) it is the plain table above:
+
+    G = 2, group 0 global, group 1 window 8, B = 4, 14 tokens computed (next query sees 7..14)
+    flat     [ 3, NULL | 5, NULL | 8, 9 | 10, 11 ]     group 0: [3, 5, 8, 10]
+    logical      0        1        2       3           group 1: [NULL, NULL, 9, 11]
+
+A sliding group's prefix-cache hit needs only the blocks of the last window before the hit's end
+(`_sliding_hit`); the hit of the request is the longest one every group has (`_hybrid_hit`). Cache
+keys carry the group (a block's KV is of its group's layers).
 
 Prefix caching: every full block whose KV has been computed is registered under a hash chained
 over its parent block's hash and its own token ids (plus an optional extra key for anything else
@@ -62,11 +76,21 @@ class KVCacheManager:
         sliding_window: int = 0,
         attention_sinks: int = 0,
         enable_kv_events: bool = False,
+        group_windows: tuple[int, ...] | None = None,
     ) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window  # 0: keep every block
-        self.num_sink_blocks = cdiv(attention_sinks, block_size) if sliding_window else 0
-        self._window_start: dict[str, int] = {}  # request id -> first table entry not yet freed
+        # KV-cache groups' windows (0: global); None: one group of every layer with `sliding_window`
+        self.windows = group_windows if group_windows is not None else (sliding_window,)
+        self.num_groups = len(self.windows)
+        if self.num_groups > 1 and attention_sinks:
+            raise ValueError("attention sinks apply to a model-wide window, not per-layer windows")
+        if self.num_groups > 1 and enable_kv_events and enable_prefix_caching:
+            raise ValueError("KV events do not combine with per-layer KV-cache groups (sliding layers)")
+        self.has_window = any(self.windows)
+        self.num_sink_blocks = cdiv(attention_sinks, block_size) if self.has_window else 0
+        # request id -> per group, the first logical block not yet freed by its window
+        self._window_start: dict[str, list[int]] = {}
         self.num_window_evicted_blocks = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, record_events=enable_kv_events and enable_prefix_caching)
@@ -97,22 +121,54 @@ class KVCacheManager:
 
     @property
     def max_blocks_per_sequence(self) -> int:
-        """Blocks a decoding sequence holds at most: all of them without a window."""
-        if not self.sliding_window:
+        """Blocks a decoding sequence holds at most: all of them while a group keeps every block."""
+        if not all(self.windows):
             return self.pool.num_blocks
-        return self.num_sink_blocks + cdiv(self.sliding_window, self.block_size) + 1
+        return sum(self.max_blocks_in_group(g) for g in range(self.num_groups))
+
+    def max_blocks_in_group(self, group: int) -> int:
+        """Live blocks a decoding sequence holds in a sliding group: its sinks and its window."""
+        return self.num_sink_blocks + cdiv(self.windows[group], self.block_size) + 1
 
     def blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+        """Table entries (all groups) covering `num_tokens` tokens."""
+        return cdiv(num_tokens, self.block_size) * self.num_groups
+
+    def num_cached_tokens(self, computed_blocks: list[int]) -> int:
+        """Tokens a prefix-cache hit (`get_computed_blocks`) covers."""
+        return len(computed_blocks) // self.num_groups * self.block_size
+
+    def num_missing_blocks(self, request: Request, computed_blocks: list[int] = ()) -> int:
+        """Blocks the request would still take from the pool to hold all its tokens (an estimate
+        for admission: a sliding group takes at most its window's)."""
+        table = self.block_tables.get(request.request_id, computed_blocks)
+        logical = cdiv(request.num_tokens, self.block_size)
+        if not self.has_window:
+            return max(0, logical * self.num_groups - len(table))
+        missing = 0
+        for group, window in enumerate(self.windows):
+            entries = table[group :: self.num_groups]
+            want = min(logical, self.max_blocks_in_group(group)) if window else logical
+            missing += max(0, want - len(_live(entries)))
+        return missing
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether one sequence of this many tokens fits in the whole pool."""
         return self.blocks_for(num_tokens) <= self.pool.num_blocks
 
+    def group_table(self, request_id: str, group: int) -> list[int]:
+        """One group's block table of the request (NULL_BLOCK where its window freed a block)."""
+        return self.block_tables.get(request_id, [])[group :: self.num_groups]
+
+    def _key(self, block_hash: bytes, group: int) -> bytes:
+        """The cache key of a block of `group` (the plain hash with one group)."""
+        return block_hash if self.num_groups == 1 else block_hash + bytes((group,))
+
     # -- prefix cache -------------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> list[int]:
-        """The longest run of cached blocks that starts the request's tokens.
+        """The longest run of cached blocks that starts the request's tokens (with groups: the flat
+        entries of every group, NULL_BLOCK where a sliding group needs no block).
 
         At least one token is always left to compute, because the model must produce the logits
         of the last one.
@@ -121,6 +177,8 @@ class KVCacheManager:
             return []
         hashes = self._hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.has_window:
+            return self._hybrid_hit(request, hashes, max_blocks)
         tokens, size = request.all_token_ids, self.block_size
         hits = []
         for index, block_hash in enumerate(hashes[:max_blocks]):
@@ -129,6 +187,50 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def _hybrid_hit(self, request: Request, hashes: list[bytes], max_blocks: int) -> list[int]:
+        """The longest hit of `max_blocks` blocks at most that every group has (each group's hit
+        shrinks the candidate until all agree), as flat table entries."""
+        found: list[dict[int, int]] = [{} for _ in self.windows]
+
+        def lookup(group: int, index: int) -> int | None:
+            if index not in found[group]:
+                size = self.block_size
+                tokens = tuple(request.all_token_ids[index * size : (index + 1) * size])
+                found[group][index] = self.pool.lookup(self._key(hashes[index], group), tokens)
+            return found[group][index]
+
+        num_hit = max_blocks
+        while True:
+            agreed = num_hit
+            for group, window in enumerate(self.windows):
+                agreed = self._group_hit(group, window, agreed, lookup)
+            if agreed == num_hit:
+                break
+            num_hit = agreed
+        entries = []
+        for index in range(num_hit):
+            for group, window in enumerate(self.windows):
+                needed = not window or index >= self._first_needed_block(num_hit * self.block_size, window)
+                entries.append(lookup(group, index) if needed else NULL_BLOCK)
+        return entries
+
+    def _group_hit(self, group: int, window: int, limit: int, lookup) -> int:
+        """The most blocks (<= limit) this group can adopt: a global group's leading run of cached
+        blocks; a sliding group's longest hit whose last window's blocks are all cached."""
+        if not window:
+            return next((i for i in range(limit) if lookup(group, i) is None), limit)
+        end = limit  # candidate hit: blocks [first needed, end) must be cached
+        for index in range(limit - 1, -1, -1):
+            if lookup(group, index) is None:
+                end = index
+            elif index <= self._first_needed_block(end * self.block_size, window):
+                return end
+        return 0
+
+    def _first_needed_block(self, position: int, window: int) -> int:
+        """The first block a query at `position` can see under `window` (sinks aside)."""
+        return max(position - window + 1, 0) // self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count a request's lookup at its first admission (not retries of a request that did not fit,
@@ -147,6 +249,9 @@ class KVCacheManager:
         if num_full <= start:
             return
         table, hashes, size = self.block_tables[rid], self._hashes(request), self.block_size
+        if self.has_window:
+            self._cache_group_blocks(request, table, hashes, start, num_full)
+            return
         stored = []
         for index in range(start, num_full):
             tokens = tuple(request.all_token_ids[index * size : (index + 1) * size])
@@ -155,6 +260,17 @@ class KVCacheManager:
         self._num_registered[rid] = num_full
         if stored and self.pool.events is not None:
             self._record_stored(hashes, request.all_token_ids, stored)
+
+    def _cache_group_blocks(self, request: Request, table, hashes, start: int, num_full: int) -> None:
+        """cache_computed_blocks with groups (or a window): each group's live blocks under its key."""
+        size, groups = self.block_size, self.num_groups
+        for index in range(start, num_full):
+            tokens = tuple(request.all_token_ids[index * size : (index + 1) * size])
+            for group in range(groups):
+                block = table[index * groups + group]
+                if block != NULL_BLOCK:
+                    self.pool.cache_block(block, self._key(hashes[index], group), tokens)
+        self._num_registered[request.request_id] = num_full
 
     def _record_stored(self, hashes: list[bytes], tokens, indices: list[int]) -> None:
         """One BlockStored event per run of consecutive blocks new to the cache."""
@@ -193,43 +309,64 @@ class KVCacheManager:
         first: the copy is queued in `pending_copies` for the model runner.
         """
         table = self.block_tables.setdefault(request.request_id, [])
-        if self.sliding_window:
+        if self.has_window:
             self._free_out_of_window(request, table)
-        num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_tokens = request.num_computed_tokens + self.num_cached_tokens(computed_blocks) + num_new_tokens
         needed = self.blocks_for(num_tokens) - len(table) - len(computed_blocks)
-        revived = sum(1 for block in computed_blocks if self.pool.ref_counts[block] == 0)
-        write_index = request.num_computed_tokens // self.block_size
-        copy_on_write = write_index < len(table) and self.pool.ref_counts[table[write_index]] > 1
-        if max(needed, 0) + revived + copy_on_write > self.pool.num_free_blocks:
+        revived = sum(
+            1 for block in computed_blocks if block != NULL_BLOCK and self.pool.ref_counts[block] == 0
+        )
+        shared = self._shared_write_entries(request, table)
+        if max(needed, 0) + revived + len(shared) > self.pool.num_free_blocks:
             return False
-        if copy_on_write:
+        for entry in shared:
             (private,) = self.pool.allocate(1)
-            self.pending_copies.append((table[write_index], private))
-            self.pool.free([table[write_index]])
-            table[write_index] = private
+            self.pending_copies.append((table[entry], private))
+            self.pool.free([table[entry]])
+            table[entry] = private
             self.rewritten_tables.add(request.request_id)
         if computed_blocks:
-            self.pool.incref(computed_blocks)
+            self.pool.incref(_live(computed_blocks))
             table.extend(computed_blocks)
-            self._num_registered[request.request_id] = len(computed_blocks)
+            num_hit = len(computed_blocks) // self.num_groups
+            self._num_registered[request.request_id] = num_hit
+            if self.has_window:
+                self._window_start[request.request_id] = [
+                    self._first_needed_block(num_hit * self.block_size, w) if w else 0 for w in self.windows
+                ]
         if needed > 0:
             table.extend(self.pool.allocate(needed))
         return True
 
+    def _shared_write_entries(self, request: Request, table: list[int]) -> list[int]:
+        """Entries of the first block to be written that are shared (a fork's partial last block)."""
+        first = request.num_computed_tokens // self.block_size * self.num_groups
+        return [
+            entry
+            for entry in range(first, min(first + self.num_groups, len(table)))
+            if table[entry] != NULL_BLOCK and self.pool.ref_counts[table[entry]] > 1
+        ]
+
     def _free_out_of_window(self, request: Request, table: list[int]) -> None:
-        """Return the blocks whose positions are all past the sinks and before the window of the next
-        query (position num_computed_tokens): no query from now on can see them."""
-        first_visible = request.num_computed_tokens - self.sliding_window + 1
-        end = min(max(first_visible, 0) // self.block_size, len(table))
-        start = self._window_start.get(request.request_id, self.num_sink_blocks)
-        if end <= start:
-            return
-        dead = [block for block in table[start:end] if block != NULL_BLOCK]
-        self.pool.free(dead)
-        table[start:end] = [NULL_BLOCK] * (end - start)
-        self.rewritten_tables.add(request.request_id)
-        self._window_start[request.request_id] = end
-        self.num_window_evicted_blocks += len(dead)
+        """Return each sliding group's blocks whose positions are all past the sinks and before the
+        window of the next query (position num_computed_tokens): no query from now on can see them."""
+        groups, rid = self.num_groups, request.request_id
+        starts = self._window_start.setdefault(rid, [self.num_sink_blocks] * groups)
+        num_logical = len(table) // groups
+        dead = []
+        for group, window in enumerate(self.windows):
+            end = min(self._first_needed_block(request.num_computed_tokens, window), num_logical)
+            if not window or end <= starts[group]:
+                continue
+            for entry in range(starts[group] * groups + group, end * groups, groups):
+                if table[entry] != NULL_BLOCK:
+                    dead.append(table[entry])
+                    table[entry] = NULL_BLOCK
+            starts[group] = end
+        if dead:
+            self.pool.free(dead)
+            self.rewritten_tables.add(rid)
+            self.num_window_evicted_blocks += len(dead)
 
     def fork(self, source: Request, child: Request, num_tokens: int) -> None:
         """Let `child` share the blocks holding `source`'s first `num_tokens` tokens (parallel
@@ -239,7 +376,7 @@ class KVCacheManager:
         self.pool.incref(_live(shared))
         self.block_tables[child.request_id] = list(shared)
         if source.request_id in self._window_start:
-            self._window_start[child.request_id] = self._window_start[source.request_id]
+            self._window_start[child.request_id] = list(self._window_start[source.request_id])
         self._num_registered[child.request_id] = num_tokens // self.block_size
 
     def take_rewritten_tables(self) -> set[str]:
@@ -264,8 +401,9 @@ class KVCacheManager:
     def free_excess_blocks(self, request: Request) -> None:
         """Speculative decoding: return the blocks past the request's computed tokens to the pool, i.e.
         blocks that held only rejected drafts or a proposer's lookahead (core/draft_planner.py). They
-        are never in the prefix cache (only full blocks of computed tokens are registered) and never
-        shared (allocated for this request's drafts)."""
+        are never in the prefix cache (only full blocks of computed tokens are registered), never
+        shared (allocated for this request's drafts) and never freed by a window (they are past every
+        query's window start)."""
         table = self.block_tables.get(request.request_id)
         keep = self.blocks_for(request.num_computed_tokens)
         if table is not None and len(table) > keep:
@@ -317,7 +455,9 @@ class KVCacheManager:
         return self.block_tables.get(request_id, [])
 
     def check_integrity(self) -> None:
-        """Every used block is owned by exactly its ref count of tables; free + used = total."""
+        """Every used block is owned by exactly its ref count of tables; free + used = total; per
+        group, a block belongs to one group only, a global group has no holes and a sliding group
+        holds nothing before its window start."""
         self.pool.check_integrity()
         if self.swap_pool is not None:
             self.swap_pool.check_integrity()
@@ -331,6 +471,25 @@ class KVCacheManager:
             for block in _live(table):
                 owners[block] += 1
         assert owners == self.pool.ref_counts, "block tables and ref counts disagree"
+        if self.num_groups > 1 or self.has_window:
+            self._check_groups()
+
+    def _check_groups(self) -> None:
+        groups, group_of = self.num_groups, {}
+        for rid, table in self.block_tables.items():
+            assert len(table) % groups == 0, f"{rid}: table of {len(table)} entries for {groups} groups"
+            starts = self._window_start.get(rid, [self.num_sink_blocks] * groups)
+            for entry, block in enumerate(table):
+                group, index = entry % groups, entry // groups
+                if block == NULL_BLOCK:
+                    assert self.windows[group], f"{rid}: a hole in global group {group}"
+                    continue
+                assert group_of.setdefault(block, group) == group, f"block {block} is in two groups"
+                if self.windows[group]:
+                    sinks = index < self.num_sink_blocks
+                    assert sinks or index >= starts[group], (
+                        f"{rid}: block {block} left group {group}'s window"
+                    )
 
 
 def _live(table: list[int]) -> list[int]:

@@ -287,10 +287,8 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         kv = self.kv_cache
-        running_needs = sum(
-            max(0, kv.blocks_for(r.num_tokens) - len(kv.get_block_table(r.request_id))) for r in self.running
-        )
-        needed = kv.blocks_for(request.num_tokens) - len(kv.get_computed_blocks(request))
+        running_needs = sum(kv.num_missing_blocks(r) for r in self.running)
+        needed = kv.num_missing_blocks(request, kv.get_computed_blocks(request))
         return running_needs + needed <= kv.pool.num_free_blocks
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
@@ -315,7 +313,7 @@ class Scheduler:
                 budget -= output.plan.num_scheduled_tokens[request.request_id]
                 continue
             cached_blocks = self.kv_cache.get_computed_blocks(request)
-            num_cached = len(cached_blocks) * self.kv_cache.block_size
+            num_cached = self.kv_cache.num_cached_tokens(cached_blocks)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:

@@ -77,6 +77,7 @@ class LLMEngine:
             sliding_window=cache.sliding_window,
             attention_sinks=cache.attention_sinks,
             enable_kv_events=cache.kv_events is not None,
+            group_windows=tuple(group.window for group in cache.kv_groups) or None,
         )
         self.kv_event_publisher = None  # the prefix cache's changes, for a router (--kv-events-config)
         if cache.kv_events is not None:
@@ -225,6 +226,12 @@ class LLMEngine:
                 parallel.pipeline_parallel_size,
                 "/".join(str(len(run)) for run in layers),
                 parallel.pipeline_parallel_size,
+            )
+        if cache.kv_groups:
+            logger.info(
+                "KV-cache groups (window, layers): %s; a block holds %d layers of one group",
+                ", ".join(f"({g.window}, {len(g.layers)})" for g in cache.kv_groups),
+                max(len(g.layers) for g in cache.kv_groups),
             )
         if cache.sliding_window:
             logger.info(

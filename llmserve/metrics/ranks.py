@@ -84,4 +84,5 @@ def blocks_in_use(block_tables: Iterable[list[int]]) -> int:
     used: set[int] = set()
     for table in block_tables:
         used.update(table)
+    used.discard(-1)  # NULL_BLOCK: an entry a sliding window freed
     return len(used)

@@ -6,8 +6,9 @@
 - GeGLU (GELU with the tanh approximation) in the MLP; attention scaled by query_pre_attn_scalar^-1/2.
 - Norms after attention and after the MLP as well as before (four per layer).
 - Layers alternate between sliding (local) and global attention (`layer_types`); Gemma 3's local
-  layers have their own rope base, its global ones the rope scaling. The KV cache keeps every
-  position for every layer; a local layer's window only masks (attention/layer.py: LocalAttention).
+  layers have their own rope base, its global ones the rope scaling. The KV cache keeps only the
+  window of a local layer (its KV-cache group frees the rest: config/kv_groups.py), unless
+  --disable-hybrid-kv-cache-manager keeps every position and the window only masks.
 - Gemma 2 soft-caps attention scores and final logits (cap * tanh(x / cap)): the compiled paged
   attention kernel has no soft-cap, so those models take the reference attention backend.
 - Gemma 3 normalizes each query and key head (q_norm, k_norm, also (1 + w)).

@@ -3,6 +3,9 @@
 The runner holds each request it runs (worker/request_state.py), updated from the step plan's deltas
 (core/step_plan.py): it never reads the scheduler's objects. The KV pool is one preallocated tensor
 [layers, 2, num_slots, kv_heads, head_dim]; each attention layer gets views of its K and V slices.
+With KV-cache groups (config/kv_groups.py: sliding and global layers) it is [group_size, 2, ...]: the
+j-th layer of every group uses the j-th tensor, and each group gets its own attention metadata,
+built from its columns of the requests' interleaved block tables.
 Input bookkeeping is vectorized with numpy; the only Python loops are over requests (gathering their
 new token ids and block tables), never over tokens.
 """
@@ -21,6 +24,7 @@ from torch import nn
 from llmserve.attention.registry import select_attention_backend
 from llmserve.attention.window import decode_context_positions, prefill_context_positions
 from llmserve.config import EngineConfig
+from llmserve.config.kv_groups import stage_layers
 from llmserve.core.step_plan import StepPlan
 from llmserve.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
 from llmserve.models.decode_stack import build_decode_stack
@@ -84,6 +88,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request the plans named
         self.device = config.model.device
         self.block_size = config.cache.block_size
+        self.kv_groups = config.cache.kv_groups  # (): one group of every layer
         self.vocab_size = config.model.arch.vocab_size
         self.sampler = Sampler()
         # structured outputs: the engine's grammar compiler (set by LLMEngine on the rank that samples)
@@ -130,8 +135,12 @@ class ModelRunner:
         # Devices get explicit zeros.
         allocate = torch.empty if self.device.type == "cpu" else torch.zeros
         kv_format = self.attention_backend.kv_format  # 8-bit rows carry their scale (kv_format.py)
+        groups = [tuple(range(len(layers)))]  # one group: this stage's layers in order
+        if cache.kv_groups:  # a group's layers of this stage (model layer indices), by position
+            position = {index: i for i, index in enumerate(self.model.stage.layers)}
+            groups = [tuple(position[i] for i in stage_layers(g, position)) for g in cache.kv_groups]
         kv_cache = allocate(
-            len(layers),
+            max(len(group) for group in groups),
             2,
             cache.num_blocks * cache.block_size,
             layers[0].num_kv_heads,  # this rank's KV heads (all of them without tensor parallelism)
@@ -139,9 +148,10 @@ class ModelRunner:
             dtype=kv_format.storage_dtype(self.config.model.dtype),
             device=self.device,
         )
-        for index, layer in enumerate(layers):
-            layer.key_cache, layer.value_cache = kv_cache[index, 0], kv_cache[index, 1]
-            layer.backend = self.attention_backend
+        for group_index, group in enumerate(groups):
+            for index, layer in enumerate(layers[i] for i in group):
+                layer.key_cache, layer.value_cache = kv_cache[index, 0], kv_cache[index, 1]
+                layer.backend, layer.kv_group = self.attention_backend, group_index
         return kv_cache
 
     def wait_for_kv_prefault(self) -> None:
@@ -326,7 +336,11 @@ class ModelRunner:
         positions = np.arange(ends[-1]) - np.repeat(starts - computed, num_new)
         block_tables = self._block_tables(requests, int(seq_lens.max()))
         token_rows = np.repeat(np.arange(len(requests)), num_new)
-        slot_mapping = self._slots(block_tables[token_rows, positions // self.block_size], positions)
+        if self.kv_groups:
+            attention = self._group_metadata(block_tables, token_rows, positions, num_new, seq_lens, starts)
+        else:
+            slot_mapping = self._slots(block_tables[token_rows, positions // self.block_size], positions)
+            attention = self._attention_metadata(block_tables, num_new, seq_lens, starts, slot_mapping)
 
         num_drafts = np.array([len(r.spec_token_ids) for r in requests], dtype=np.int64)
         caught_up = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens + num_drafts[i]]
@@ -337,7 +351,7 @@ class ModelRunner:
             requests=requests,
             input_ids=to_device(np.asarray(token_ids, dtype=np.int64)),
             positions=to_device(positions),
-            attention=self._attention_metadata(block_tables, num_new, seq_lens, starts, slot_mapping),
+            attention=attention,
             sample_rows=sample_rows,
             logits_indices=to_device(_logits_indices(ends[sample_rows], num_drafts[sample_rows])),
             prompt_logprob_rows=select_prompt_logprob_rows(requests, computed, num_new, starts, self.device),
@@ -345,20 +359,37 @@ class ModelRunner:
             pool_indices=to_device(ends[pool_rows] - 1) if pool_rows else None,
         )
 
-    def _attention_metadata(self, block_tables, num_new, seq_lens, starts, slot_mapping) -> AttentionMetadata:
+    def _group_metadata(self, flat_tables, token_rows, positions, num_new, seq_lens, starts):
+        """Group 0's metadata carrying the other groups': each from its columns of the flat tables."""
+        metadata = []
+        for index, group in enumerate(self.kv_groups):
+            tables = np.ascontiguousarray(flat_tables[:, index :: len(self.kv_groups)])
+            slot_mapping = self._slots(tables[token_rows, positions // self.block_size], positions)
+            metadata.append(
+                self._attention_metadata(tables, num_new, seq_lens, starts, slot_mapping, group.window, 0)
+            )
+        metadata[0].other_groups = tuple(metadata[1:])
+        return metadata[0]
+
+    def _attention_metadata(
+        self, block_tables, num_new, seq_lens, starts, slot_mapping, window=None, sinks=None
+    ) -> AttentionMetadata:
+        """One group's metadata; `window`, `sinks`: the group's (None: the engine's model-wide ones)."""
         num_decodes = int(np.count_nonzero(num_new <= self.attention_backend.max_decode_query_len))
         decode_query_starts = np.concatenate(([0], np.cumsum(num_new[:num_decodes])))
         cache = self.config.cache
+        window = cache.sliding_window if window is None else window
+        sinks = cache.attention_sinks if sinks is None else sinks
         decode_slots = decode_mask = None
         if num_decodes and self.attention_backend.needs_gathered_decode:
-            context, valid = decode_context_positions(
-                seq_lens[:num_decodes], cache.attention_sinks, cache.sliding_window
-            )
+            context, valid = decode_context_positions(seq_lens[:num_decodes], sinks, window)
             decode_blocks = np.take_along_axis(block_tables[:num_decodes], context // self.block_size, axis=1)
             decode_slots = self._to_device(self._slots(decode_blocks, context))
             decode_mask = self._to_device(valid)[:, None, None, :]
         prefills = [
-            self._prefill_span(block_tables[i], int(starts[i]), int(num_new[i]), int(seq_lens[i]))
+            self._prefill_span(
+                block_tables[i], int(starts[i]), int(num_new[i]), int(seq_lens[i]), window, sinks
+            )
             for i in range(num_decodes, len(num_new))
         ]
         return AttentionMetadata(
@@ -371,15 +402,16 @@ class ModelRunner:
             decode_seq_lens=self._to_device(seq_lens[:num_decodes]) if num_decodes else None,
             decode_query_starts=self._to_device(decode_query_starts) if num_decodes else None,
             block_size=self.block_size,
-            sliding_window=cache.sliding_window,
-            attention_sinks=cache.attention_sinks,
+            sliding_window=window,
+            attention_sinks=sinks,
         )
 
-    def _prefill_span(self, block_table: np.ndarray, start: int, num_new: int, seq_len: int) -> PrefillSpan:
+    def _prefill_span(
+        self, block_table: np.ndarray, start: int, num_new: int, seq_len: int, window: int, sinks: int
+    ) -> PrefillSpan:
         """A sequence's queries and its context slots: all positions, or with a sliding window only
         the live ones (sinks and window; their blocks are the ones still in the table)."""
-        cache = self.config.cache
-        live = prefill_context_positions(seq_len, num_new, cache.attention_sinks, cache.sliding_window)
+        live = prefill_context_positions(seq_len, num_new, sinks, window)
         positions = np.arange(seq_len) if live is None else live
         slots = self._slots(block_table[positions // self.block_size], positions)
         return PrefillSpan(
@@ -390,7 +422,8 @@ class ModelRunner:
         )
 
     def _block_tables(self, requests: list[BatchRow], max_len: int) -> np.ndarray:
-        num_columns = -(-max_len // self.block_size)
+        """[requests, columns] of their tables (with groups: interleaved, as the plan carries them)."""
+        num_columns = -(-max_len // self.block_size) * max(len(self.kv_groups), 1)
         tables = np.zeros((len(requests), num_columns), dtype=np.int64)
         for row, request in enumerate(requests):
             table = request.block_ids[:num_columns]
