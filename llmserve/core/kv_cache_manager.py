@@ -263,14 +263,18 @@ class KVCacheManager:
 
     def _cache_group_blocks(self, request: Request, table, hashes, start: int, num_full: int) -> None:
         """cache_computed_blocks with groups (or a window): each group's live blocks under its key."""
-        size, groups = self.block_size, self.num_groups
+        size, groups, stored = self.block_size, self.num_groups, []
         for index in range(start, num_full):
             tokens = tuple(request.all_token_ids[index * size : (index + 1) * size])
             for group in range(groups):
                 block = table[index * groups + group]
-                if block != NULL_BLOCK:
-                    self.pool.cache_block(block, self._key(hashes[index], group), tokens)
+                if block != NULL_BLOCK and self.pool.cache_block(
+                    block, self._key(hashes[index], group), tokens
+                ):
+                    stored.append(index)
         self._num_registered[request.request_id] = num_full
+        if stored and self.pool.events is not None:  # one group only (config refuses events with more)
+            self._record_stored(hashes, request.all_token_ids, stored)
 
     def _record_stored(self, hashes: list[bytes], tokens, indices: list[int]) -> None:
         """One BlockStored event per run of consecutive blocks new to the cache."""

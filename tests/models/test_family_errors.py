@@ -92,3 +92,26 @@ def test_soft_capped_models_refuse_the_compiled_attention_kernel():
     )
     assert "cannot soft-cap" in message
     assert select_attention_backend("auto", torch.device("cpu"), reference_only=True).name == "torch"
+
+
+def test_bounded_sliding_kv_refuses_what_it_cannot_combine_with(family_dirs):
+    """KV events and a draft model's pool (both keyed by one block table) are one-line errors with
+    Gemma's per-layer KV groups; --disable-hybrid-kv-cache-manager keeps full KV and allows them."""
+    path = family_dirs["gemma2"]
+    arch = load_arch_config(path)
+    events = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:5599"})
+    args = EngineArgs(model=path, max_model_len=64, kv_events_config=events)
+    message = _one_line_error(ValueError, args.create_config, arch, path)
+    assert "--kv-events-config does not combine with gemma2's bounded sliding-window KV" in message
+    message = _one_line_error(
+        ValueError, EngineArgs(model=path, max_model_len=64).create_config, arch, path, arch
+    )
+    assert "a draft model (speculative_method draft) does not combine" in message
+    assert "--disable-hybrid-kv-cache-manager" in message
+    full = EngineArgs(
+        model=path, max_model_len=64, kv_events_config=events, disable_hybrid_kv_cache_manager=True
+    )
+    assert full.create_config(arch, path).cache.kv_groups == ()
+    within_window = EngineArgs(model=path, max_model_len=16)  # no sequence outgrows the window of 16
+    assert within_window.create_config(arch, path).cache.kv_groups == ()
+    assert len(EngineArgs(model=path, max_model_len=64).create_config(arch, path).cache.kv_groups) == 3
