@@ -1,0 +1,114 @@
+"""Latency targets in the scheduler: each step's time budget for prompt chunks, and prompts' slack.
+
+Every request has a TTFT and a TPOT target (its own `ttft_target_ms` / `tpot_target_ms`, else the
+server's `--ttft-target-ms` / `--tpot-target-ms`; none where both are unset). With the step-time cost
+model (core/step_cost.py) the scheduler plans each step so that:
+
+  - the step's predicted time stays within the TPOT slack of every decoding request in it. A request with
+    g generated tokens, the first at time f, meets its target if its next token comes by f + TPOT x g; the
+    slack is that deadline minus now, and never less than one TPOT target (a request behind its target is
+    not held to a step shorter than the target). Decodes always run; prompt chunks get what is left of
+    the smallest slack after the decodes' predicted time, sized by the model;
+  - a prompt whose TTFT slack (arrival + TTFT target - now - its predicted prefill time) is under one
+    step, or already spent, gets its whole chunk at once whatever the decodes' slack: prompts are
+    delayed, never starved;
+  - waiting prompts are taken in order of slack within each priority level, requests that have already
+    produced tokens (preempted, resumed) first.
+
+Until the cost model is fitted (its first steps) nothing is capped and the order is FCFS.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Set
+from dataclasses import dataclass
+
+from llmserve.core.step_cost import StepCostModel, StepShape
+from llmserve.request import Request
+
+
+@dataclass(frozen=True)
+class LatencyTargets:
+    """The server's targets in seconds; None: no target."""
+
+    ttft: float | None = 1.0
+    tpot: float | None = 0.05
+
+    @classmethod
+    def from_ms(cls, ttft_ms: float | None, tpot_ms: float | None) -> LatencyTargets:
+        return cls(_seconds(ttft_ms), _seconds(tpot_ms))
+
+    def ttft_of(self, request: Request) -> float | None:
+        own = request.sampling_params.ttft_target_ms
+        return self.ttft if own is None else own / 1e3
+
+    def tpot_of(self, request: Request) -> float | None:
+        own = request.sampling_params.tpot_target_ms
+        return self.tpot if own is None else own / 1e3
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if not ms else ms / 1e3  # 0 turns a target off
+
+
+class StepBudget:
+    """One step's time for prompt chunks: the smallest TPOT slack among the running decodes, less the
+    decodes' predicted time. `seconds_left` is None when nothing caps prompts (no decode with a
+    target, or the cost model not fitted yet)."""
+
+    def __init__(
+        self,
+        model: StepCostModel,
+        targets: LatencyTargets,
+        running: Iterable[Request],
+        in_flight: Set[str] = frozenset(),
+        now: float | None = None,
+    ) -> None:
+        self.model, self.targets = model, targets
+        self.now = time.monotonic() if now is None else now
+        rows = context = 0
+        slack = math.inf
+        for request in running:
+            if request.first_token_time is None or request.request_id in in_flight:
+                continue
+            rows += 1
+            context += request.num_tokens
+            tpot = targets.tpot_of(request)
+            if tpot is not None:
+                deadline = request.first_token_time + tpot * request.num_output_tokens
+                slack = min(slack, max(tpot, deadline - self.now))
+        predicted = model.predict(StepShape(rows, 0, context, 0))
+        self.step_seconds = predicted or 0.0  # the decodes' predicted step
+        self.seconds_left = None if predicted is None or math.isinf(slack) else slack - predicted
+
+    def ttft_slack(self, request: Request, num_computed: int | None = None) -> float:
+        """Seconds to spare before the request's TTFT target, after its predicted prefill from
+        `num_computed` tokens (default: its computed ones); -inf for a request that has produced
+        tokens (its first token is behind it: it catches up first)."""
+        if request.first_token_time is not None or request.num_output_tokens:
+            return -math.inf
+        ttft = self.targets.ttft_of(request)
+        if ttft is None:
+            return math.inf
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        prefill = self.model.chunk_seconds(request.num_tokens - computed, computed)
+        return request.arrival_time + ttft - self.now - prefill
+
+    def prompt_chunk(self, request: Request, num_new: int, num_computed: int) -> int:
+        """How many of `num_new` prompt tokens, after `num_computed`, the request computes this step
+        (0: none); their predicted time is charged to the budget."""
+        if self.seconds_left is None:
+            return num_new
+        if self.ttft_slack(request, num_computed) >= self.step_seconds:  # not urgent: what slack allows
+            bound = self.model.max_chunk(self.seconds_left, num_computed)
+            if bound is not None:
+                num_new = min(num_new, bound)
+        if num_new:
+            self.seconds_left -= self.model.chunk_seconds(num_new, num_computed)
+        return num_new
+
+    def order(self, waiting: Iterable[Request], level) -> list[Request]:
+        """The waiting requests by (priority level, TTFT slack); ties keep the queue's order."""
+        return sorted(waiting, key=lambda request: (level(request), self.ttft_slack(request)))
