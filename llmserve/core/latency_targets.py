@@ -12,8 +12,8 @@ model (core/step_cost.py) the scheduler plans each step so that:
   - a prompt whose TTFT slack (arrival + TTFT target - now - its predicted prefill time) is under one
     step, or already spent, gets its whole chunk at once whatever the decodes' slack: prompts are
     delayed, never starved;
-  - waiting prompts are taken in order of slack within each priority level, requests that have already
-    produced tokens (preempted, resumed) first.
+  - waiting prompts are taken in order of slack within each priority level (a run of equal priority in
+    the queue's order, which ages them), requests that have already produced tokens (preempted) first.
 
 Until the cost model is fitted (its first steps) nothing is capped and the order is FCFS.
 """
@@ -109,6 +109,15 @@ class StepBudget:
             self.seconds_left -= self.model.chunk_seconds(num_new, num_computed)
         return num_new
 
-    def order(self, waiting: Iterable[Request], level) -> list[Request]:
-        """The waiting requests by (priority level, TTFT slack); ties keep the queue's order."""
-        return sorted(waiting, key=lambda request: (level(request), self.ttft_slack(request)))
+    def order(self, waiting: Iterable[Request], by_priority: bool) -> list[Request]:
+        """The waiting requests (in the queue's order) with each run of one priority level sorted by
+        TTFT slack (stable: ties keep the queue's order). `by_priority`: levels are `priority` values,
+        else one level holds all. Runs keep their place, so the queue's aging still interleaves them."""
+        ordered: list[Request] = []
+        run: list[Request] = []
+        for request in waiting:
+            if run and by_priority and request.priority != run[0].priority:
+                ordered += sorted(run, key=self.ttft_slack)
+                run = []
+            run.append(request)
+        return ordered + sorted(run, key=self.ttft_slack)

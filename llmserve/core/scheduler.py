@@ -34,7 +34,6 @@ while a stage still computes it; `update_from_output` takes each batch when its 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Set
 from dataclasses import dataclass, field
@@ -330,14 +329,7 @@ class Scheduler:
         by TTFT slack within each priority level."""
         if self._step_budget is None or len(self.waiting) < 2:
             return list(self.waiting)
-        return self._step_budget.order(self.waiting, self._priority_level)
-
-    def _priority_level(self, request: Request) -> int:
-        """The request's priority after aging (request_queue.py); one level for all under FCFS."""
-        if not isinstance(self.waiting, PriorityQueue):
-            return 0
-        waited = self._step_budget.now - request.arrival_time
-        return math.floor(request.priority - waited / self.waiting.aging_seconds)
+        return self._step_budget.order(self.waiting, isinstance(self.waiting, PriorityQueue))
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         if not self.waiting:

@@ -21,6 +21,7 @@ The scheduler (core/scheduler.py) predicts each step with it; the admission pred
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -69,6 +70,14 @@ class StepCostModel:
         self._moment = np.zeros(_NUM_FEATURES)  # sum of decayed x y
         self._num_steps = 0
         self._coefficients: tuple[float, ...] | None = None
+
+    @classmethod
+    def fixed(cls, coefficients: tuple[float, ...]) -> StepCostModel:
+        """A model with known coefficients (c0..c4) that keeps them: a calibration, or a test's."""
+        model = cls()
+        model._coefficients = tuple(map(float, coefficients))
+        model._min_steps = math.inf  # never refitted
+        return model
 
     @property
     def fitted(self) -> bool:
