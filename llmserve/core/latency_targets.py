@@ -11,7 +11,9 @@ model (core/step_cost.py) the scheduler plans each step so that:
     the smallest slack after the decodes' predicted time, sized by the model;
   - a prompt whose TTFT slack (arrival + TTFT target - now - its predicted prefill time) is under one
     step, or already spent, gets its whole chunk at once whatever the decodes' slack: prompts are
-    delayed, never starved;
+    delayed, never starved. And while the prompts, served one after another at full speed in the
+    order below, would not all meet their TTFT targets (a backlog: a burst, or more load than the
+    machine sustains), no chunk is capped: the TPOT cap only spends slack the TTFT targets can spare;
   - waiting prompts are taken in order of slack within each priority level (a run of equal priority in
     the queue's order, which ages them), requests that have already produced tokens (preempted) first.
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 from llmserve.core.step_cost import StepCostModel, StepShape
@@ -56,13 +58,17 @@ def _seconds(ms: float | None) -> float | None:
 class StepBudget:
     """One step's time for prompt chunks: the smallest TPOT slack among the running decodes, less the
     decodes' predicted time. `seconds_left` is None when nothing caps prompts (no decode with a
-    target, or the cost model not fitted yet)."""
+    target, or the cost model not fitted yet). `waiting_order` is the order waiting requests are
+    admitted in; `rush` is set when some prompt (running or waiting, served in that order at full speed
+    after this step) would miss its TTFT target: then no prompt chunk is capped."""
 
     def __init__(
         self,
         model: StepCostModel,
         targets: LatencyTargets,
-        running: Iterable[Request],
+        running: Sequence[Request],
+        waiting: Sequence[Request] = (),
+        by_priority: bool = False,
         in_flight: Set[str] = frozenset(),
         now: float | None = None,
     ) -> None:
@@ -70,8 +76,12 @@ class StepBudget:
         self.now = time.monotonic() if now is None else now
         rows = context = 0
         slack = math.inf
+        prompts = []
         for request in running:
-            if request.first_token_time is None or request.request_id in in_flight:
+            if request.request_id in in_flight:
+                continue
+            if request.first_token_time is None:
+                prompts.append(request)
                 continue
             rows += 1
             context += request.num_tokens
@@ -82,6 +92,9 @@ class StepBudget:
         predicted = model.predict(StepShape(rows, 0, context, 0))
         self.step_seconds = predicted or 0.0  # the decodes' predicted step
         self.seconds_left = None if predicted is None or math.isinf(slack) else slack - predicted
+        fitted = predicted is not None
+        self.waiting_order = self._order(waiting, by_priority) if fitted else list(waiting)
+        self.rush = self.seconds_left is not None and self._backlog_misses(prompts + self.waiting_order)
 
     def ttft_slack(self, request: Request, num_computed: int | None = None) -> float:
         """Seconds to spare before the request's TTFT target, after its predicted prefill from
@@ -101,15 +114,29 @@ class StepBudget:
         (0: none); their predicted time is charged to the budget."""
         if self.seconds_left is None:
             return num_new
-        if self.ttft_slack(request, num_computed) >= self.step_seconds:  # not urgent: what slack allows
-            bound = self.model.max_chunk(self.seconds_left, num_computed)
+        if not self.rush and self.ttft_slack(request, num_computed) >= self.step_seconds:
+            bound = self.model.max_chunk(self.seconds_left, num_computed)  # not urgent: what slack allows
             if bound is not None:
                 num_new = min(num_new, bound)
         if num_new:
             self.seconds_left -= self.model.chunk_seconds(num_new, num_computed)
         return num_new
 
-    def order(self, waiting: Iterable[Request], by_priority: bool) -> list[Request]:
+    def _backlog_misses(self, prompts: Iterable[Request]) -> bool:
+        """Whether serving the prompts in turn at full speed after this step misses a TTFT target
+        (earliest-deadline feasibility: each waits for the prefill of those before it)."""
+        elapsed = self.step_seconds
+        for request in prompts:
+            if request.first_token_time is not None or request.num_output_tokens:
+                continue  # a resumed request: no TTFT left to meet
+            computed = request.num_computed_tokens
+            elapsed += self.model.chunk_seconds(request.num_tokens - computed, computed)
+            ttft = self.targets.ttft_of(request)
+            if ttft is not None and request.arrival_time + ttft - self.now < elapsed:
+                return True
+        return False
+
+    def _order(self, waiting: Iterable[Request], by_priority: bool) -> list[Request]:
         """The waiting requests (in the queue's order) with each run of one priority level sorted by
         TTFT slack (stable: ties keep the queue's order). `by_priority`: levels are `priority` values,
         else one level holds all. Runs keep their place, so the queue's aging still interleaves them."""

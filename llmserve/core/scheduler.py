@@ -153,15 +153,22 @@ class Scheduler:
         `max_batch_seqs`: requests in this batch at most (max_num_seqs still caps all running)."""
         output = SchedulerOutput()
         self._in_flight, self._batch_seqs = in_flight, max_batch_seqs or self.config.max_num_seqs
-        targets = self.targets
-        self._step_budget = (
-            StepBudget(self.cost_model, targets, self.running, in_flight)
-            if targets.ttft is not None or targets.tpot is not None
-            else None
-        )
         if isinstance(self.waiting, PriorityQueue):
             self.running.sort(key=self.waiting.key)
             self._preempt_for_urgent_waiting(output)
+        targets = self.targets
+        self._step_budget = (
+            StepBudget(
+                self.cost_model,
+                targets,
+                self.running,
+                list(self.waiting),
+                isinstance(self.waiting, PriorityQueue),
+                in_flight,
+            )
+            if targets.ttft is not None or targets.tpot is not None
+            else None
+        )
         num_preempted_before = len(output.preempted)
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if len(output.preempted) == num_preempted_before:  # no KV pressure from running requests
@@ -327,12 +334,12 @@ class Scheduler:
     def _waiting_order(self) -> list[Request]:
         """The waiting requests in the order they are admitted: the queue's, or with latency targets
         by TTFT slack within each priority level."""
-        if self._step_budget is None or len(self.waiting) < 2:
+        if self._step_budget is None:
             return list(self.waiting)
-        return self._step_budget.order(self.waiting, isinstance(self.waiting, PriorityQueue))
+        return self._step_budget.waiting_order
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        if not self.waiting:
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return
         for request in self._waiting_order():
             if not (

@@ -155,3 +155,18 @@ def test_a_preempted_request_resumes_before_waiting_prompts():
     scheduler.add_request(urgent_prompt)
     order = [request_id for request_id, _ in plan_of(scheduler.schedule())]
     assert order == [resumed.request_id, urgent_prompt.request_id]
+
+
+def test_no_chunk_is_capped_while_the_prompt_backlog_would_miss_its_ttft_targets():
+    """Prompts of 0.4 s of prefill each, served one after another: two fit in their 1 s TTFT target, so
+    the first is capped to the decodes' TPOT slack; with a third behind them they would not, so the
+    first goes at the full token budget (a burst is cleared as fast as the machine can)."""
+    for num_prompts, capped in ((2, True), (3, False)):
+        scheduler = make_scheduler(budget=2048)
+        a, b = with_two_decodes(scheduler)
+        prompts = [prompt(4000) for _ in range(num_prompts)]
+        for request in prompts:
+            scheduler.add_request(request)
+        plan = dict(plan_of(scheduler.schedule()))
+        assert (plan[prompts[0].request_id] < 400) is capped
+        assert sum(plan.values()) == (2 + plan[prompts[0].request_id] if capped else 2048)
