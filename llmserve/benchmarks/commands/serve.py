@@ -35,8 +35,8 @@ def register(commands) -> None:
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson rate, req/s (inf: all)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     parser.add_argument("--sweep", "--request-rates", dest="sweep", type=rate_list, default=None,
-                        metavar="RATES", help="several rates, one run each: 1,2,4,inf or START:STOP:STEP (1:2:0.25 is "
-                        "1,1.25,...,2), mixable: 0.5,1:2:0.25,inf")  # fmt: skip
+                        metavar="RATES", help="several rates, one run each: 1,2,4,inf or "
+                        "START:STOP:STEP (1:2:0.25 is 1,1.25,...,2), mixable: 0.5,1:2:0.25,inf")  # fmt: skip
     parser.add_argument("--goodput", nargs="+", type=goodput_pair, default=None, metavar="KEY:MS",
                         help="latency targets a request must all meet to count in request_goodput, as "
                         "vLLM: ttft:1000 tpot:50 (keys ttft, tpot, e2el; milliseconds); default "
