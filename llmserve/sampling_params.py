@@ -45,6 +45,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # log-probs of the prompt's tokens (and their top-N), vLLM's field
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text in it
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    ttft_target_ms: float | None = None  # the scheduler's time-to-first-token target; None: the server's
+    tpot_target_ms: float | None = None  # its time-per-output-token target; None: the server's
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +91,13 @@ class SamplingParams:
                 "num_speculative_tokens",
                 self.num_speculative_tokens is None or self.num_speculative_tokens >= 0,
                 "must be None or >= 0",
+            ),
+            *(
+                (name, value is None or 0 < value < float("inf"), "must be None or > 0")
+                for name, value in (
+                    ("ttft_target_ms", self.ttft_target_ms),
+                    ("tpot_target_ms", self.tpot_target_ms),
+                )
             ),
         ]
         for name, ok, message in checks:

@@ -10,8 +10,9 @@ reader cost the client a fraction of httpx's CPU. The run reports that CPU time 
 throughput.
 
 Metrics per request: TTFT (send -> first chunk with a token), TPOT ((e2e - TTFT) / (tokens - 1)),
-inter-token latency (gaps between chunks) and e2e. Goodput counts only requests meeting both the TTFT
-and the TPOT service-level objectives: throughput that misses its SLOs is not useful throughput.
+inter-token latency (gaps between chunks) and e2e. Goodput (benchmarks/goodput.py, vLLM's
+`request_goodput`) counts only requests meeting every latency target: throughput that misses its targets
+is not useful throughput, and a failed or refused request is a miss.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import aiohttp
 import httpx
 import numpy as np
 
+from llmserve.benchmarks.goodput import DEFAULT_GOODPUT, finite_or_text, meets_targets, offered_percentiles
 from llmserve.benchmarks.results import format_table, pyplot, save_figure
 from llmserve.benchmarks.workload import BenchRequest
 
@@ -54,11 +56,9 @@ class RequestResult:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
-    def meets(self, slo_ttft: float, slo_tpot: float) -> bool:
-        tpot = self.tpot
-        return (
-            self.ok and self.ttft is not None and self.ttft <= slo_ttft and (tpot is None or tpot <= slo_tpot)
-        )
+    def meets(self, targets_ms: dict[str, float]) -> bool:
+        """Completed within every latency target (ms by metric: ttft, tpot, e2el)."""
+        return meets_targets(self.ok, self.ttft, self.tpot, self.e2e, targets_ms)
 
 
 class StreamTracker:
@@ -257,11 +257,12 @@ class ServeMetrics:
     request_throughput: float  # completed requests / s
     output_throughput: float  # output tokens / s
     total_token_throughput: float  # (prompt + output) tokens / s
-    goodput: float  # requests / s meeting both SLOs
-    slo_attainment: float  # fraction of all requests meeting both SLOs
-    slo_ttft_ms: float
-    slo_tpot_ms: float
-    latency_ms: dict[str, Distribution | None]  # ttft, tpot, itl, e2e
+    request_goodput: float  # requests / s meeting every latency target (vLLM's field)
+    slo_attainment: float  # fraction of the offered requests meeting every target
+    goodput_targets_ms: dict[str, float]  # metric (ttft, tpot, e2el) -> target
+    latency_ms: dict[str, Distribution | None]  # ttft, tpot, itl, e2e, over the completed requests
+    # ttft, tpot, e2e percentiles over every offered request, a failed one ranked as inf (goodput.py)
+    latency_ms_offered: dict[str, dict[str, float]]
     errors: list[str]
     # CPU the load generator itself used during the run: on a machine with few cores it is taken
     # from the server, so a reader needs it next to the throughput
@@ -274,20 +275,26 @@ class ServeMetrics:
     per_request: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data["latency_ms_offered"] = {
+            metric: {name: finite_or_text(value) for name, value in values.items()}
+            for metric, values in self.latency_ms_offered.items()
+        }
+        return data
 
 
 def summarize(
     results: Sequence[RequestResult],
     duration: float,
-    slo_ttft_ms: float,
-    slo_tpot_ms: float,
+    goodput: dict[str, float] | None = None,
     client_cpu_seconds: float | None = None,
 ) -> ServeMetrics:
+    """The run's metrics; `goodput`: latency targets in ms by metric (default ttft 1000, tpot 50)."""
+    targets = dict(DEFAULT_GOODPUT if goodput is None else goodput)
     ok = [r for r in results if r.ok]
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
-    meeting = sum(r.meets(slo_ttft_ms / 1e3, slo_tpot_ms / 1e3) for r in results)
+    meeting = sum(r.meets(targets) for r in results)
     samples = {
         "ttft": [r.ttft for r in ok],
         "tpot": [r.tpot for r in ok if r.tpot is not None],
@@ -303,15 +310,35 @@ def summarize(
         request_throughput=len(ok) / duration,
         output_throughput=output_tokens / duration,
         total_token_throughput=(prompt_tokens + output_tokens) / duration,
-        goodput=meeting / duration,
+        request_goodput=meeting / duration,
         slo_attainment=meeting / len(results) if results else 0.0,
-        slo_ttft_ms=slo_ttft_ms,
-        slo_tpot_ms=slo_tpot_ms,
+        goodput_targets_ms=targets,
         latency_ms={name: Distribution.of(values) for name, values in samples.items()},
+        latency_ms_offered=offered_latencies(results),
         errors=sorted({r.error for r in results if not r.ok})[:10],
         client_cpu_seconds=client_cpu_seconds,
         per_request=[request_record(r) for r in results],
     )
+
+
+def offered_latencies(results: Sequence[RequestResult]) -> dict[str, dict[str, float]]:
+    """TTFT, TPOT and e2e percentiles (ms) over every offered request, a failed one as inf."""
+    columns = {
+        "ttft": [r.ttft if r.ok else None for r in results],
+        "tpot": [(r.tpot or 0.0) if r.ok else None for r in results],  # one token: no TPOT to miss
+        "e2e": [r.e2e if r.ok else None for r in results],
+    }
+    return {
+        metric: dict(
+            zip((f"p{p}" for p in PERCENTILES), offered_percentiles(values, PERCENTILES), strict=True)
+        )
+        for metric, values in columns.items()
+    }
+
+
+def describe_targets(targets_ms: dict[str, float]) -> str:
+    names = {"ttft": "TTFT", "tpot": "TPOT", "e2el": "e2e"}
+    return " and ".join(f"{names[key]} <= {value:g} ms" for key, value in targets_ms.items())
 
 
 def request_record(result: RequestResult) -> dict:
@@ -340,9 +367,15 @@ def format_report(metrics: ServeMetrics, label: str = "") -> str:
             if metrics.client_cpu_seconds is not None
             else []
         ),
-        f"goodput (TTFT <= {metrics.slo_ttft_ms:g} ms and TPOT <= {metrics.slo_tpot_ms:g} ms): "
-        f"{metrics.goodput:.2f} req/s, {100 * metrics.slo_attainment:.1f}% of requests",
+        f"request goodput ({describe_targets(metrics.goodput_targets_ms)}): "
+        f"{metrics.request_goodput:.2f} req/s, {100 * metrics.slo_attainment:.1f}% of "
+        f"{metrics.num_requests} offered requests",
         format_table(rows, ("metric", "mean", "p50", "p90", "p99")) + "\n(latencies in ms)",
+        "over every offered request (a failed one as inf): "
+        + ", ".join(
+            f"{metric.upper()} p99 {values['p99']:,.1f} ms"
+            for metric, values in metrics.latency_ms_offered.items()
+        ),
     ]
     timed = [(index, r) for index, r in enumerate(metrics.per_request) if r["ttft_ms"] is not None]
     if timed:
@@ -363,11 +396,13 @@ def format_report(metrics: ServeMetrics, label: str = "") -> str:
 
 
 def plot_sweep(rates: Sequence[float], sweep: Sequence[ServeMetrics], path) -> None:
-    """Latency against achieved output throughput, one point per request rate."""
+    """Goodput and completed requests against offered load, and latency against achieved output
+    throughput; one point per request rate (an all-at-once run has no offered rate to plot against)."""
     plt = pyplot()
-    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    figure, axes = plt.subplots(1, 4, figsize=(18, 4))
+    _plot_goodput(axes[0], rates, sweep)
     throughput = [m.output_throughput for m in sweep]
-    for axis, metric in zip(axes, ("ttft", "tpot", "e2e"), strict=True):
+    for axis, metric in zip(axes[1:], ("ttft", "tpot", "e2e"), strict=True):
         for percentile, style in (("p50", "-o"), ("p99", "--s")):
             values = [getattr(m.latency_ms[metric], percentile, math.nan) for m in sweep]  # nan: no data
             axis.plot(throughput, values, style, label=percentile)
@@ -377,6 +412,17 @@ def plot_sweep(rates: Sequence[float], sweep: Sequence[ServeMetrics], path) -> N
         axis.set(xlabel="output tokens / s", ylabel=f"{metric.upper()} (ms)", title=metric.upper())
         axis.legend()
     save_figure(figure, path)
+
+
+def _plot_goodput(axis, rates: Sequence[float], sweep: Sequence[ServeMetrics]) -> None:
+    points = [(rate, m) for rate, m in zip(rates, sweep, strict=True) if math.isfinite(rate)]
+    offered = [rate for rate, _ in points]
+    axis.plot(offered, offered, ":", color="grey", label="offered")
+    axis.plot(offered, [m.request_throughput for _, m in points], "-o", label="completed")
+    axis.plot(offered, [m.request_goodput for _, m in points], "-s", label="goodput")
+    targets = describe_targets(sweep[0].goodput_targets_ms) if sweep else ""
+    axis.set(xlabel="offered load (req/s)", ylabel="requests / s", title=f"goodput ({targets})")
+    axis.legend()
 
 
 def plot_distributions(results: Sequence[RequestResult], path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -127,6 +128,8 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower priority value = more urgent)
     priority_aging_seconds: float = 60.0  # waiting this long improves a request's priority by one
     preemption_mode: str = "auto"  # "recompute", "swap" (to CPU) or "auto" (cheaper by estimate)
+    ttft_target_ms: float | None = 1000.0  # time-to-first-token target of every request (None: none)
+    tpot_target_ms: float | None = 50.0  # time-per-output-token target of every request (None: none)
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,16 @@ class EngineArgs:
     )
     preemption_mode: str = _arg(
         "auto", "recompute | swap | auto: how to preempt (auto: cheaper by cost estimate)"
+    )
+    ttft_target_ms: float = _arg(
+        1000.0,
+        "time-to-first-token target (ms) the scheduler plans for; a request's ttft_target_ms overrides "
+        "it; 0: none (docs/scheduling.md)",
+    )
+    tpot_target_ms: float = _arg(
+        50.0,
+        "time-per-output-token target (ms): prompt chunks are sized so that the running decodes meet it; "
+        "a request's tpot_target_ms overrides it; 0: none",
     )
     swap_space: int | str = _arg("1GiB", "CPU memory for the KV of requests preempted by swapping")
     prefix_caching: bool = _arg(True, "reuse the KV of identical prompt prefixes (automatic prefix caching)")
@@ -359,6 +372,8 @@ class EngineArgs:
             raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
         if self.priority_aging_seconds <= 0:
             raise ValueError("priority_aging_seconds must be > 0")
+        if not (0 <= self.ttft_target_ms < math.inf and 0 <= self.tpot_target_ms < math.inf):
+            raise ValueError("ttft_target_ms and tpot_target_ms must be >= 0 (0: no target)")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
@@ -402,6 +417,8 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 priority_aging_seconds=self.priority_aging_seconds,
                 preemption_mode=self.preemption_mode,
+                ttft_target_ms=self.ttft_target_ms or None,
+                tpot_target_ms=self.tpot_target_ms or None,
             ),
             speculative=SpeculativeConfig.create(
                 method=self.speculative_method,

@@ -21,6 +21,11 @@ When the KV pool cannot hold a running request's next tokens, the least urgent r
 failing the step. Under the priority policy a waiting request that is more urgent than a running
 one, and does not fit, preempts it too (see request_queue.py for the order and its aging rule).
 
+Latency targets (core/latency_targets.py) shape each step: a step-time cost model fitted from the
+measured steps (core/step_cost.py) sizes prompt chunks to what the running decodes' TPOT slack allows,
+admits a prompt about to miss its TTFT target whatever that slack, and orders waiting prompts by TTFT
+slack within each priority level. Tokens are never changed by it, only when they are computed.
+
 Pipeline parallelism schedules while earlier batches are still in the pipeline
 (engine/batch_queue.py): `schedule(in_flight)` leaves the requests of those batches out, neither
 scheduling nor preempting them, so no request is in two batches at once and none loses its KV
@@ -36,8 +41,10 @@ from dataclasses import dataclass, field
 from llmserve.config import SchedulerConfig
 from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.latency_targets import LatencyTargets, StepBudget
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.request_queue import PriorityQueue, create_request_queue
+from llmserve.core.step_cost import StepCostModel, StepShape, chunk_pairs
 from llmserve.core.step_plan import CachedRequestData, NewRequestData, StepPlan
 from llmserve.outputs import SpecDecodeStats
 from llmserve.request import DraftProposal, Request, RequestStatus
@@ -53,6 +60,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # ended while planning (outgrew the pool)
     num_prompt_tokens: int = 0  # prompt tokens among the scheduled ones (drafts and outputs are not)
+    shape: StepShape = StepShape()  # what the step computes, for the step-time cost model
 
     @property
     def is_empty(self) -> bool:
@@ -98,6 +106,9 @@ class Scheduler:
         self.num_swapped_out_blocks = 0
         self._in_flight: Set[str] = frozenset()  # the current schedule() call's arguments
         self._batch_seqs = config.max_num_seqs
+        self.targets = LatencyTargets.from_ms(config.ttft_target_ms, config.tpot_target_ms)
+        self.cost_model = StepCostModel()  # fed by the engine with each step's measured time
+        self._step_budget: StepBudget | None = None  # the current schedule() call's (None: no targets)
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -145,6 +156,19 @@ class Scheduler:
         if isinstance(self.waiting, PriorityQueue):
             self.running.sort(key=self.waiting.key)
             self._preempt_for_urgent_waiting(output)
+        targets = self.targets
+        self._step_budget = (
+            StepBudget(
+                self.cost_model,
+                targets,
+                self.running,
+                list(self.waiting),
+                isinstance(self.waiting, PriorityQueue),
+                in_flight,
+            )
+            if targets.ttft is not None or targets.tpot is not None
+            else None
+        )
         num_preempted_before = len(output.preempted)
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if len(output.preempted) == num_preempted_before:  # no KV pressure from running requests
@@ -159,6 +183,11 @@ class Scheduler:
                 request.first_scheduled_time = now
         return output
 
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """The measured time of a step this scheduler planned, for the cost model."""
+        if output.requests:
+            self.cost_model.observe(output.shape, seconds)
+
     def _describe_requests(self, output: SchedulerOutput) -> None:
         """Fill the plan's request data: in full for a request the runner does not hold, else what
         changed since the runner last saw it."""
@@ -167,14 +196,17 @@ class Scheduler:
             sent = self._sent.get(request_id)
             if sent is not None:
                 sent.table_rewritten = True
+        decode_tokens = prefill_tokens = decode_context = prefill_pairs = 0
         for request in output.requests:
             request_id, table = request.request_id, kv.get_block_table(request.request_id)
-            num_new = plan.num_scheduled_tokens[request_id]
-            output.num_prompt_tokens += max(
-                0,
-                min(request.num_computed_tokens + num_new, request.num_prompt_tokens)
-                - request.num_computed_tokens,
-            )
+            num_new, computed = plan.num_scheduled_tokens[request_id], request.num_computed_tokens
+            output.num_prompt_tokens += max(0, min(computed + num_new, request.num_prompt_tokens) - computed)
+            if request.num_tokens - computed <= 1:  # a decode row (its drafts included)
+                decode_tokens += num_new
+                decode_context += computed + num_new
+            else:
+                prefill_tokens += num_new
+                prefill_pairs += chunk_pairs(num_new, computed)
             sent = self._sent.get(request_id)
             if sent is None:
                 plan.new_requests.append(
@@ -204,6 +236,7 @@ class Scheduler:
             )
             sent.num_tokens, sent.num_blocks = request.num_tokens, len(table)
             sent.table_rewritten = sent.resumed = False
+        output.shape = StepShape(decode_tokens, prefill_tokens, decode_context, prefill_pairs)
         if output.requests:  # finished requests reach the runner with the next step it runs
             plan.finished_request_ids, self._finished_sent = self._finished_sent, []
 
@@ -217,6 +250,11 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.first_token_time is None and self._step_budget is not None:  # a prompt's chunk
+                num_new = self._step_budget.prompt_chunk(request, num_new, request.num_computed_tokens)
+                if not num_new:  # the decodes' TPOT slack leaves it nothing this step
+                    index += 1
+                    continue
             num_drafts = self._plan_drafts(request, budget, share) if speculate else 0
             samples = num_new == request.num_tokens - request.num_computed_tokens
             lookahead = planner.num_lookahead_tokens(request, share) if speculate and samples else 0
@@ -291,14 +329,23 @@ class Scheduler:
         needed = kv.num_missing_blocks(request, kv.get_computed_blocks(request))
         return running_needs + needed <= kv.pool.num_free_blocks
 
+    def _waiting_order(self) -> list[Request]:
+        """The waiting requests in the order they are admitted: the queue's, or with latency targets
+        by TTFT slack within each priority level."""
+        if self._step_budget is None:
+            return list(self.waiting)
+        return self._step_budget.waiting_order
+
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-            and len(output.requests) < self._batch_seqs
-        ):
-            request = self.waiting.peek()
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return
+        for request in self._waiting_order():
+            if not (
+                budget > 0
+                and len(self.running) < self.config.max_num_seqs
+                and len(output.requests) < self._batch_seqs
+            ):
+                break
             if self.kv_cache.is_swapped(request):
                 if not self._swap_in(request, output, budget):
                     break
@@ -319,9 +366,13 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
+            if self._step_budget is not None and self.config.enable_chunked_prefill:
+                num_new = self._step_budget.prompt_chunk(request, num_new, num_cached)
+                if not num_new:
+                    break  # the decodes' TPOT slack leaves no room; later prompts are less urgent
             if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
                 break
-            self.waiting.pop()
+            self.waiting.remove(request)
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:  # a recompute's lookup is not counted again (as vLLM)
                 request.num_cached_tokens = num_cached
@@ -342,7 +393,7 @@ class Scheduler:
             self.kv_cache.free(request)
             request.num_computed_tokens = 0
             return False
-        self.waiting.pop()
+        self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         output.add(request, num_new)
@@ -354,7 +405,7 @@ class Scheduler:
         if moves is None:
             return False
         output.plan.swap_in.extend(moves)
-        self.waiting.pop()
+        self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         output.add(request, num_new)

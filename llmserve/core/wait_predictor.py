@@ -2,11 +2,13 @@
 
 wait = (prompt tokens queued ahead) x (seconds per token computed)
      + (requests ahead beyond the free running slots) x (seconds per finished request)
-service = (its prompt tokens) x (seconds per token) + (its max_tokens) x (seconds per step)
+service = (its prompt's prefill) + (its max_tokens) x (seconds per step)
 
 Both rates are measured over the engine's recent steps, in step time (idle time between bursts does not
-dilute them). The server's admission (entrypoints/openai/admission.py) refuses a request whose wait
-exceeds its deadline; a scheduler with latency targets can share the same numbers.
+dilute them). The prompt's prefill is the step-time cost model's (core/step_cost.py: the one the
+scheduler plans its steps with, fitted here from the same steps' shapes) once it is fitted, else its
+tokens x seconds per token. The server's admission (entrypoints/openai/admission.py) refuses a request
+whose wait exceeds its deadline.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llmserve.core.step_cost import StepCostModel, StepShape
 from llmserve.metrics.stats import StepStats
 from llmserve.outputs import RequestOutput
 
@@ -36,6 +39,7 @@ class WaitPredictor:
         self._tokens = 0
         self._finished = 0
         self._seconds = 0.0
+        self.step_cost = StepCostModel(recent_steps)
 
     def on_step(self, stats: StepStats | None, outputs: Sequence[RequestOutput]) -> None:
         if stats is None:  # an abort's output, not a step
@@ -48,6 +52,8 @@ class WaitPredictor:
         if len(self._steps) == self._steps.maxlen:
             self._drop(self._steps[0])
         self._steps.append(step)
+        if stats.step_shape:
+            self.step_cost.observe(StepShape(*stats.step_shape), stats.step_seconds)
         self._tokens += step.tokens
         self._finished += step.finished
         self._seconds += step.seconds
@@ -79,4 +85,8 @@ class WaitPredictor:
     def service(self, prompt_tokens: int, max_tokens: int) -> float:
         """Seconds a request takes once scheduled: its prefill, then a step per output token (at most
         max_tokens); 0 before anything was measured."""
-        return prompt_tokens * (self.seconds_per_token or 0.0) + max_tokens * (self.seconds_per_step or 0.0)
+        if self.step_cost.fitted:
+            prefill = self.step_cost.chunk_seconds(prompt_tokens, 0)
+        else:
+            prefill = prompt_tokens * (self.seconds_per_token or 0.0)
+        return prefill + max_tokens * (self.seconds_per_step or 0.0)

@@ -421,7 +421,10 @@ class LLMEngine:
             self.fail_requests(self.failed_requests)
         if result.pooled:
             outputs += self._finish_pooled(result.pooled)
-        self.last_step = self._step_stats(scheduled, accepted, num_sampled, time.monotonic() - start)
+        seconds = time.monotonic() - start
+        if self.batch_queue is None:  # a pipeline's batches overlap: their times are not step costs
+            self.scheduler.observe_step(scheduled, seconds)
+        self.last_step = self._step_stats(scheduled, accepted, num_sampled, seconds)
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(self.kv_cache_manager.take_events())
         if self.invariants is not None:
@@ -470,6 +473,7 @@ class LLMEngine:
             num_swapped_out_blocks=len(scheduled.plan.swap_out),
             num_swapped_in_blocks=len(scheduled.plan.swap_in),
             accepted_per_position=accepted_per_position(accepted),
+            step_shape=tuple(scheduled.shape),
         )
 
     def _prefix_cache_delta(self) -> tuple[int, int]:

@@ -29,6 +29,7 @@ class StepStats:
     num_swapped_out_blocks: int = 0  # KV blocks copied to the CPU swap space in the step
     num_swapped_in_blocks: int = 0  # KV blocks copied back from it
     accepted_per_position: tuple[int, ...] = ()  # speculative decoding: drafts accepted at position 0, 1, ...
+    step_shape: tuple[int, ...] = ()  # the step's core/step_cost.py StepShape, for the cost model
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 from types import SimpleNamespace as NS
 
 import pytest
@@ -67,11 +68,19 @@ def test_serve_sweep_one_point_per_rate_and_cdf_one_per_request(figures):
 
     percentiles = NS(p50=10.0, p99=20.0)
     sweep = [
-        NS(output_throughput=100.0 * i, latency_ms={m: percentiles for m in ("ttft", "tpot", "e2e")})
-        for i in (1, 2, 3)
+        NS(
+            output_throughput=100.0 * i,
+            request_throughput=0.9 * rate,
+            request_goodput=0.5 * rate,
+            goodput_targets_ms={"ttft": 1000.0, "tpot": 50.0},
+            latency_ms={m: percentiles for m in ("ttft", "tpot", "e2e")},
+        )
+        for i, rate in ((1, 1.0), (2, 2.0), (3, 4.0), (4, math.inf))
     ]
-    plot_sweep([1.0, 2.0, 4.0], sweep, "x.png")
-    assert all(points(axis) == [3, 3] for axis in figures[0].axes)
+    plot_sweep([1.0, 2.0, 4.0, math.inf], sweep, "x.png")
+    goodput, *latencies = figures[0].axes
+    assert points(goodput) == [3, 3]  # completed and goodput at the finite rates (offered: a guide line)
+    assert all(points(axis) == [4, 4] for axis in latencies)
     requests = [NS(ok=True, ttft=0.1 * i, tpot=0.01, e2e=1.0 + i) for i in range(7)]
     plot_distributions(requests, "y.png")
     assert [len(axis.get_lines()[0].get_xdata()) for axis in figures[1].axes] == [7, 7, 7]

@@ -79,12 +79,12 @@ def test_summary_throughput_goodput_and_slo_attainment():
         RequestResult(**ok, output_tokens=1, ttft=0.2, e2e=0.2),  # meets: one token has no TPOT
         RequestResult(error="HTTP 500"),
     ]
-    metrics = summarize(results, duration=2.0, slo_ttft_ms=300, slo_tpot_ms=100)
+    metrics = summarize(results, duration=2.0, goodput={"ttft": 300, "tpot": 100})
     assert (metrics.num_requests, metrics.num_ok) == (5, 4)
     assert metrics.request_throughput == 2.0
     assert metrics.output_throughput == pytest.approx(28 / 2)
     assert metrics.total_token_throughput == pytest.approx((40 + 28) / 2)
-    assert metrics.goodput == pytest.approx(1.0) and metrics.slo_attainment == pytest.approx(0.4)
+    assert metrics.request_goodput == pytest.approx(1.0) and metrics.slo_attainment == pytest.approx(0.4)
     assert metrics.latency_ms["ttft"].p50 == pytest.approx(200)
     assert metrics.latency_ms["tpot"].mean == pytest.approx((50 + 50 + 200) / 3)
     assert metrics.latency_ms["itl"].mean == pytest.approx(1e3 * (20 * 0.05 + 4 * 0.2) / 24)

@@ -64,7 +64,7 @@ def test_streamed_completions_are_timed_and_counted(server_url):
     for result in results:
         assert 0 < result.ttft <= result.e2e <= duration
         assert len(result.itls) <= result.output_tokens - 1
-    metrics = summarize(results, duration, slo_ttft_ms=1e6, slo_tpot_ms=1e6)
+    metrics = summarize(results, duration, goodput={"ttft": 1e6, "tpot": 1e6})
     assert metrics.output_tokens == 11 and metrics.slo_attainment == 1.0
     assert [r["prompt_tokens"] for r in metrics.per_request] == [5, 9, 3]
     sent = [r["sent_s"] for r in metrics.per_request]
@@ -75,15 +75,18 @@ def test_text_prompts_and_a_sweep_from_the_command_line(server_url, tiny_model_d
     output, plot = tmp_path / "serve.json", tmp_path / "sweep.png"
     argv = ["bench", "serve", "--url", server_url, "--tokenizer", tiny_model_dir, "--num-requests", "3",
             "--prompt-len-median", "8", "--output-len-median", "3", "--output-len-range", "2,4",
-            "--prompt-format", "text", "--sweep", "50,inf"]  # fmt: skip
+            "--prompt-format", "text", "--request-rates", "25:50:25,inf", "--goodput", "ttft:60000",
+            "e2el:60000"]  # fmt: skip
     assert main([*argv, "--output", str(output), "--plot", str(plot)]) == 0
     result = json.loads(output.read_text())
-    assert [run["request_rate"] for run in result["runs"]] == [50, "inf"]
+    assert [run["request_rate"] for run in result["runs"]] == [25, 50, "inf"]
     assert all(run["num_ok"] == 3 for run in result["runs"])
+    assert all(run["goodput_targets_ms"] == {"ttft": 60000, "e2el": 60000} for run in result["runs"])
+    assert all(run["slo_attainment"] == 1.0 and run["request_goodput"] > 0 for run in result["runs"])
     assert all(run["client_cpu_seconds"] > 0 for run in result["runs"])  # the load generator's own CPU
     assert plot.stat().st_size > 0
     salts = result["cache_bust_salt_token_ids"]
-    assert len(salts) == 2 and salts[0] != salts[1]
+    assert len(salts) == 3 and len(set(salts)) == 3
     # each run's prompts carry its salt text: more prompt tokens than the workload itself
     assert all(run["prompt_tokens"] > result["workload"]["prompt_tokens"] for run in result["runs"])
 

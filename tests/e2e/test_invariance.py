@@ -81,3 +81,43 @@ def test_the_shipped_draft_head_on_the_default_model(prompts_5_to_600, reference
     stats = llm.engine.spec_decode_stats
     assert stats.num_draft_tokens > 20
     assert stats.acceptance_rate > 0.15
+
+
+def test_latency_targets_change_when_prompt_tokens_are_computed_never_which_tokens(
+    prompts_5_to_600, reference
+):
+    """Prompts arrive while others decode, and a cost model with dear prefill (1 ms a token) chops them
+    into chunks of what the decodes' 50 ms TPOT target leaves: the same greedy tokens as whole prompts."""
+    from collections import defaultdict
+
+    from llmserve.core.step_cost import StepCostModel
+
+    llm = LLM(dtype="float32", kv_cache_memory="256MiB", ttft_target_ms=60_000, tpot_target_ms=50)
+    engine = llm.engine
+    engine.scheduler.cost_model = StepCostModel.fixed((0.01, 0.001, 0.001, 0.0, 0.0))
+    chunks, schedule = defaultdict(list), engine.scheduler.schedule
+
+    def recording(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        for request in output.requests:
+            if request.first_token_time is None:
+                chunks[request.request_id].append(output.plan.num_scheduled_tokens[request.request_id])
+        return output
+
+    engine.scheduler.schedule = recording
+    for index in range(2):
+        engine.add_request(str(index), prompts_5_to_600[index], GREEDY)
+    finished = {}
+    for step in range(10**4):
+        if step == 3:  # the first two decode by now; the rest arrive
+            for index in range(2, len(prompts_5_to_600)):
+                engine.add_request(str(index), prompts_5_to_600[index], GREEDY)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+        if step > 3 and not engine.has_unfinished_requests():
+            break
+    assert [finished[str(i)] for i in range(len(prompts_5_to_600))] == reference
+    # the longest prompt goes first (the least TTFT slack), in chunks; the others share its prefix
+    longest = max(range(len(prompts_5_to_600)), key=lambda index: len(prompts_5_to_600[index]))
+    assert len(chunks[str(longest)]) >= 3 and max(chunks[str(longest)]) < len(prompts_5_to_600[longest])

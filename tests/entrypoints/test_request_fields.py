@@ -188,3 +188,20 @@ def test_refused_fields_accept_null_and_the_value_that_asks_for_nothing(http, ba
         response = http.post(path, json={**BASE[endpoint], row.field: value})
         assert response.status_code == 200, f"{row.field}={value!r}: {response.text}"
         assert reply_text(endpoint, response.json()) == baseline[endpoint]
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_latency_target_fields_reach_the_scheduler_and_change_no_token(http, baseline, endpoint):
+    """llmserve's own fields (docs/server.md): a request's TTFT / TPOT targets change when its tokens are
+    computed, never which; a value that is not a positive number of ms is a 400 naming the field."""
+    path, model, _ = ENDPOINTS[endpoint]
+    targets = {"ttft_target_ms": 250.0, "tpot_target_ms": 20}
+    params = model(**BASE[endpoint], **targets).to_sampling_params(max_tokens=3)
+    assert (params.ttft_target_ms, params.tpot_target_ms) == (250.0, 20.0)
+    response = http.post(path, json={**BASE[endpoint], **targets})
+    assert response.status_code == 200, response.text
+    assert reply_text(endpoint, response.json()) == baseline[endpoint]
+    for field, value in (("ttft_target_ms", 0), ("tpot_target_ms", -5), ("tpot_target_ms", "fast")):
+        response = http.post(path, json={**BASE[endpoint], field: value})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field

@@ -1,6 +1,7 @@
 """`llmserve bench serve`: load an OpenAI-compatible server at a request rate (or a sweep of rates)
-and measure what a user sees: TTFT, time per output token, goodput under SLOs; where the server has
-Prometheus prefix-cache counters (llmserve, vLLM, a router's per replica), each run's hit rate too."""
+and measure what a user sees: TTFT, time per output token, goodput under latency targets (vLLM's
+`--goodput`); where the server has Prometheus prefix-cache counters (llmserve, vLLM, a router's per
+replica), each run's hit rate too. A sweep of rates plots goodput against offered load."""
 
 from __future__ import annotations
 
@@ -21,19 +22,27 @@ from llmserve.benchmarks.commands.common import (
     load_workload,
     save,
 )
+from llmserve.benchmarks.goodput import goodput_pair, goodput_targets
 from llmserve.benchmarks.workload import BenchRequest, describe
 
 
 def register(commands) -> None:
     parser = commands.add_parser("serve", help="online: load an OpenAI-compatible server, measure latency")
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    parser.add_argument("--url", "--base-url", dest="url", default="http://127.0.0.1:8000",
+                        help="server base URL (any OpenAI-compatible server)")  # fmt: skip
     parser.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     parser.add_argument("--tokenizer", default=None, help="model dir/GGUF whose tokenizer draws the workload")
     parser.add_argument("--request-rate", type=float, default=math.inf, help="Poisson rate, req/s (inf: all)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    parser.add_argument("--sweep", type=rate_list, default=None, help="several rates, e.g. 1,2,4,8,inf")
-    parser.add_argument("--slo-ttft-ms", type=float, default=300.0)
-    parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    parser.add_argument("--sweep", "--request-rates", dest="sweep", type=rate_list, default=None,
+                        metavar="RATES", help="several rates, one run each: 1,2,4,inf or "
+                        "START:STOP:STEP (1:2:0.25 is 1,1.25,...,2), mixable: 0.5,1:2:0.25,inf")  # fmt: skip
+    parser.add_argument("--goodput", nargs="+", type=goodput_pair, default=None, metavar="KEY:MS",
+                        help="latency targets a request must all meet to count in request_goodput, as "
+                        "vLLM: ttft:1000 tpot:50 (keys ttft, tpot, e2el; milliseconds); default "
+                        "ttft:1000 tpot:50")  # fmt: skip
+    parser.add_argument("--slo-ttft-ms", type=positive_ms, default=None, help="the same as --goodput ttft:MS")
+    parser.add_argument("--slo-tpot-ms", type=positive_ms, default=None, help="the same as --goodput tpot:MS")
     parser.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                         help="send token ids (exact lengths, same tokenizer) or the prompt text")  # fmt: skip
     parser.add_argument("--cache-bust", action=argparse.BooleanOptionalAction, default=True,
@@ -59,7 +68,31 @@ def response_format_body(path: str | None) -> dict | None:
 
 
 def rate_list(text: str) -> list[float]:
-    return [float(item) for item in text.split(",") if item]  # float("inf") parses "inf"
+    """Comma-separated rates and START:STOP:STEP ranges (STOP included), in order."""
+    rates = []
+    for item in filter(None, text.split(",")):
+        try:
+            parts = [float(part) for part in item.split(":")]  # float("inf") parses "inf"
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a rate or START:STOP:STEP") from None
+        if len(parts) == 1:
+            rates += parts
+            continue
+        if len(parts) != 3 or not all(map(math.isfinite, parts)) or parts[2] <= 0 or parts[1] < parts[0]:
+            raise argparse.ArgumentTypeError(f"{item!r}: a range is START:STOP:STEP, finite, STEP > 0")
+        start, stop, step = parts
+        count = math.floor((stop - start) / step + 1e-9) + 1
+        rates += [round(start + index * step, 9) for index in range(count)]
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"rates must be > 0 (or inf), got {text!r}")
+    return rates
+
+
+def positive_ms(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of ms, got {text!r}")
+    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -75,6 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
     url = args.url.rstrip("/")
+    args.goodput = goodput_targets(args.goodput, {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms})
     try:
         model = args.model or served_model_name(url)
     except httpx.HTTPError as error:
@@ -123,7 +157,7 @@ def _serve_once(args: argparse.Namespace, url: str, model: str, requests: list[B
         request_results, duration = asyncio.run(generator.run(requests, progress))
         cpu = time.process_time() - cpu
     after = read_prefix_cache_counters(url)
-    metrics = summarize(request_results, duration, args.slo_ttft_ms, args.slo_tpot_ms, client_cpu_seconds=cpu)
+    metrics = summarize(request_results, duration, args.goodput, client_cpu_seconds=cpu)
     if before is not None and after is not None:
         metrics = dataclasses.replace(metrics, prefix_cache=after.minus(before).to_json())
     return metrics, request_results

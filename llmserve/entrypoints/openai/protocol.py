@@ -175,6 +175,9 @@ class _SamplingRequest(_Request):
 
     # seconds: refused (429) if the predicted queue wait exceeds it, aborted (408) when it passes
     timeout: float | None = Field(None, gt=0.0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False)
+    # latency targets the scheduler plans this request for (None: the server's --ttft/tpot-target-ms)
+    ttft_target_ms: float | None = Field(None, gt=0.0, le=1e3 * MAX_TIMEOUT_SECONDS, allow_inf_nan=False)
+    tpot_target_ms: float | None = Field(None, gt=0.0, le=1e3 * MAX_TIMEOUT_SECONDS, allow_inf_nan=False)
     # structured outputs (llmserve/structured): OpenAI's response_format, vLLM's extra body and its
     # older guided_* names; at most one of them
     response_format: ResponseFormat | None = None
@@ -262,6 +265,8 @@ class _SamplingRequest(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=self.requested_prompt_logprobs(),
             structured_outputs=structured_outputs_params(self),
+            ttft_target_ms=self.ttft_target_ms,
+            tpot_target_ms=self.tpot_target_ms,
         )
 
     def structured_outputs_field(self) -> str | None:

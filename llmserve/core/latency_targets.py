@@ -1,0 +1,150 @@
+"""Latency targets in the scheduler: each step's time budget for prompt chunks, and prompts' slack.
+
+Every request has a TTFT and a TPOT target (its own `ttft_target_ms` / `tpot_target_ms`, else the
+server's `--ttft-target-ms` / `--tpot-target-ms`; none where both are unset). With the step-time cost
+model (core/step_cost.py) the scheduler plans each step so that:
+
+  - the step's predicted time stays within the TPOT slack of every decoding request in it. A request with
+    g generated tokens, the first at time f, meets its target if its next token comes by f + TPOT x g; the
+    slack is that deadline minus now, and never less than one TPOT target (a request behind its target is
+    not held to a step shorter than the target). Decodes always run; prompt chunks get what is left of
+    the smallest slack after the decodes' predicted time, sized by the model;
+  - a prompt whose TTFT slack (arrival + TTFT target - now - its predicted prefill time) is under one
+    step, or already spent, gets its whole chunk at once whatever the decodes' slack: prompts are
+    delayed, never starved. And while the prompts, served one after another at full speed in the
+    order below, would not all meet their TTFT targets (a backlog: a burst, or more load than the
+    machine sustains), no chunk is capped: the TPOT cap only spends slack the TTFT targets can spare;
+  - waiting prompts are taken in order of slack within each priority level (a run of equal priority in
+    the queue's order, which ages them), requests that have already produced tokens (preempted) first.
+
+Until the cost model is fitted (its first steps) nothing is capped and the order is FCFS.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence, Set
+from dataclasses import dataclass
+
+from llmserve.core.step_cost import StepCostModel, StepShape
+from llmserve.request import Request
+
+
+@dataclass(frozen=True)
+class LatencyTargets:
+    """The server's targets in seconds; None: no target."""
+
+    ttft: float | None = 1.0
+    tpot: float | None = 0.05
+
+    @classmethod
+    def from_ms(cls, ttft_ms: float | None, tpot_ms: float | None) -> LatencyTargets:
+        return cls(_seconds(ttft_ms), _seconds(tpot_ms))
+
+    def ttft_of(self, request: Request) -> float | None:
+        own = request.sampling_params.ttft_target_ms
+        return self.ttft if own is None else own / 1e3
+
+    def tpot_of(self, request: Request) -> float | None:
+        own = request.sampling_params.tpot_target_ms
+        return self.tpot if own is None else own / 1e3
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if not ms else ms / 1e3  # 0 turns a target off
+
+
+class StepBudget:
+    """One step's time for prompt chunks: the smallest TPOT slack among the running decodes, less the
+    decodes' predicted time. `seconds_left` is None when nothing caps prompts (no decode with a
+    target, or the cost model not fitted yet). `waiting_order` is the order waiting requests are
+    admitted in; `rush` is set when some prompt (running or waiting, served in that order at full speed
+    after this step) would miss its TTFT target: then no prompt chunk is capped."""
+
+    def __init__(
+        self,
+        model: StepCostModel,
+        targets: LatencyTargets,
+        running: Sequence[Request],
+        waiting: Sequence[Request] = (),
+        by_priority: bool = False,
+        in_flight: Set[str] = frozenset(),
+        now: float | None = None,
+    ) -> None:
+        self.model, self.targets = model, targets
+        self.now = time.monotonic() if now is None else now
+        rows = context = 0
+        slack = math.inf
+        prompts = []
+        for request in running:
+            if request.request_id in in_flight:
+                continue
+            if request.first_token_time is None:
+                prompts.append(request)
+                continue
+            rows += 1
+            context += request.num_tokens
+            tpot = targets.tpot_of(request)
+            if tpot is not None:
+                deadline = request.first_token_time + tpot * request.num_output_tokens
+                slack = min(slack, max(tpot, deadline - self.now))
+        predicted = model.predict(StepShape(rows, 0, context, 0))
+        self.step_seconds = predicted or 0.0  # the decodes' predicted step
+        self.seconds_left = None if predicted is None or math.isinf(slack) else slack - predicted
+        fitted = predicted is not None
+        self.waiting_order = self._order(waiting, by_priority) if fitted else list(waiting)
+        self.rush = self.seconds_left is not None and self._backlog_misses(prompts + self.waiting_order)
+
+    def ttft_slack(self, request: Request, num_computed: int | None = None) -> float:
+        """Seconds to spare before the request's TTFT target, after its predicted prefill from
+        `num_computed` tokens (default: its computed ones); -inf for a request that has produced
+        tokens (its first token is behind it: it catches up first)."""
+        if request.first_token_time is not None or request.num_output_tokens:
+            return -math.inf
+        ttft = self.targets.ttft_of(request)
+        if ttft is None:
+            return math.inf
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        prefill = self.model.chunk_seconds(request.num_tokens - computed, computed)
+        return request.arrival_time + ttft - self.now - prefill
+
+    def prompt_chunk(self, request: Request, num_new: int, num_computed: int) -> int:
+        """How many of `num_new` prompt tokens, after `num_computed`, the request computes this step
+        (0: none); their predicted time is charged to the budget."""
+        if self.seconds_left is None:
+            return num_new
+        if not self.rush and self.ttft_slack(request, num_computed) >= self.step_seconds:
+            bound = self.model.max_chunk(self.seconds_left, num_computed)  # not urgent: what slack allows
+            if bound is not None:
+                num_new = min(num_new, bound)
+        if num_new:
+            self.seconds_left -= self.model.chunk_seconds(num_new, num_computed)
+        return num_new
+
+    def _backlog_misses(self, prompts: Iterable[Request]) -> bool:
+        """Whether serving the prompts in turn at full speed after this step misses a TTFT target
+        (earliest-deadline feasibility: each waits for the prefill of those before it)."""
+        elapsed = self.step_seconds
+        for request in prompts:
+            if request.first_token_time is not None or request.num_output_tokens:
+                continue  # a resumed request: no TTFT left to meet
+            computed = request.num_computed_tokens
+            elapsed += self.model.chunk_seconds(request.num_tokens - computed, computed)
+            ttft = self.targets.ttft_of(request)
+            if ttft is not None and request.arrival_time + ttft - self.now < elapsed:
+                return True
+        return False
+
+    def _order(self, waiting: Iterable[Request], by_priority: bool) -> list[Request]:
+        """The waiting requests (in the queue's order) with each run of one priority level sorted by
+        TTFT slack (stable: ties keep the queue's order). `by_priority`: levels are `priority` values,
+        else one level holds all. Runs keep their place, so the queue's aging still interleaves them."""
+        ordered: list[Request] = []
+        run: list[Request] = []
+        for request in waiting:
+            if run and by_priority and request.priority != run[0].priority:
+                ordered += sorted(run, key=self.ttft_slack)
+                run = []
+            run.append(request)
+        return ordered + sorted(run, key=self.ttft_slack)
