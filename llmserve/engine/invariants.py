@@ -1,4 +1,5 @@
-"""--check-invariants: the KV cache manager's and block pool's integrity checks after every step.
+"""--check-invariants: the KV cache manager's and block pool's integrity checks after every step (with
+KV-cache groups, per group too: a block in one group only, no hole in a global group's table).
 
 A violation is counted (`llmserve:invariant_violations_total` on /metrics) and logged with what
 disagreed; serving goes on, so a soak test sees every violation rather than the first.
