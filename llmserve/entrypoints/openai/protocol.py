@@ -38,7 +38,7 @@ MAX_SEED = 2**63 - 1 - MAX_N  # parallel samples use seed + index, which must st
 MAX_PRIORITY = 2**63 - 1  # an int64: the scheduler adds it to a float, which a huger int overflows
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class _Request(BaseModel):
@@ -469,18 +469,92 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCallText(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(_Request):
+    """A call in an earlier assistant turn of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallText
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns only
+    tool_call_id: str | None = None  # tool turns only: the call this is the result of
 
-    def to_template_message(self) -> dict[str, str]:
-        """The {role, content} dict chat templates expect; text parts are joined by newlines."""
+    @field_validator("tool_calls")
+    @classmethod
+    def _check_tool_calls(cls, calls: list | None, info: ValidationInfo) -> list | None:
+        if calls and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _check_tool_call_id(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        if call_id is not None and info.data.get("role") != "tool":
+            raise ValueError("only tool messages have a tool_call_id")
+        return call_id
+
+    def to_template_message(self) -> dict[str, Any]:
+        """The dict chat templates expect: {role, content} (text parts joined by newlines), plus an
+        assistant turn's tool_calls (arguments parsed, as templates index them) or a tool turn's id."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _arguments_value(call)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id or ""
+        return message
+
+
+def _arguments_value(call: AssistantToolCall) -> Any:
+    """The arguments as an object when they are JSON (templates write them out), else the text."""
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the schema is enforced under tool_choice required or named either way
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -489,8 +563,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: Annotated[Any, Unsupported([])] = None
-    tool_choice: Annotated[Any, Unsupported("none")] = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     functions: Annotated[Any, Unsupported([])] = None
     function_call: Annotated[Any, Unsupported("none")] = None
     modalities: Annotated[Any, Unsupported(["text"])] = None
@@ -518,8 +594,23 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template_message() for message in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (unset fields left out)."""
+        return None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_choice_value(self) -> str | dict[str, str] | None:
+        """tool_choice as a string, or a named function as {"name": ...}."""
+        choice = self.tool_choice
+        return {"name": choice.function.name} if isinstance(choice, NamedToolChoice) else choice
+
+    def structured_outputs_field(self) -> str | None:
+        forced = self.tools and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        )
+        return super().structured_outputs_field() or ("tool_choice" if forced else None)
 
 
 class ChatTopLogprob(_Response):
@@ -537,10 +628,24 @@ class ChatChoiceLogprobs(_Response):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    # vLLM's field for split-off reasoning (older vLLM named it reasoning_content); set by --reasoning-parser
+    reasoning: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    tool_calls: list[ChatToolCall] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatChoice(_Response):
@@ -560,9 +665,31 @@ class ChatCompletionResponse(_Response):
     prompt_logprobs: PromptLogprobList | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
+class _Sparse(_Response):
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Sparse):
+    """A streamed piece of a call: index, id, type and name first, then fragments of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

@@ -55,13 +55,22 @@ def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> i
 
     from llmserve.entrypoints.openai import api_server
     from llmserve.entrypoints.openai.admission import AdmissionConfig
+    from llmserve.entrypoints.openai.chat_options import ChatOptions
     from llmserve.metrics.prometheus import PrometheusMetrics
 
     api_key = args.api_key or os.environ.get(api_server.API_KEY_ENV) or None
     name = args.served_model_name or api_server.default_served_model_name(engine.config.model.path)
     metrics = PrometheusMetrics(model_name=name, metric_names=getattr(args, "metric_names", "both"))
     admission = AdmissionConfig(args.max_waiting_tokens, args.max_queue_delay)
-    app = api_server.build_app(engine, name, api_key, args.max_waiting, metrics=metrics, admission=admission)
+    app = api_server.build_app(
+        engine,
+        name,
+        api_key,
+        args.max_waiting,
+        metrics=metrics,
+        admission=admission,
+        chat_options=ChatOptions.from_cli_args(args),
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
