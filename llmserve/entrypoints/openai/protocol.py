@@ -492,7 +492,7 @@ class ChatMessage(_Request):
     @field_validator("tool_calls")
     @classmethod
     def _check_tool_calls(cls, calls: list | None, info: ValidationInfo) -> list | None:
-        if calls and info.data.get("role") != "assistant":
+        if calls is not None and info.data.get("role") != "assistant":
             raise ValueError("only assistant messages have tool_calls")
         return calls
 
@@ -824,6 +824,49 @@ class ResponseInputMessage(_Request):
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
+class ResponseFunctionCallInput(_Request):
+    """An earlier turn's call, as the Responses API returned it."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseFunctionCallOutputInput(_Request):
+    """The result of a call, sent back by the client."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+ResponseInputItem = ResponseInputMessage | ResponseFunctionCallInput | ResponseFunctionCallOutputInput
+
+
+class ResponseTool(_Request):
+    """A function tool; the Responses API has its fields beside `type` (chat nests them)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def to_chat_tool(self) -> dict[str, Any]:
+        function = self.model_dump(exclude_none=True, exclude={"type"})
+        return {"type": "function", "function": function}
+
+
+class ResponseNamedToolChoice(_Request):
+    type: Literal["function"]
+    name: str
+
+
 class ResponseTextFormat(_Request):
     """The Responses API's output format: json_schema's fields sit beside `type` (chat nests them)."""
 
@@ -856,7 +899,7 @@ class ResponsesRequest(_Request):
     """OpenAI's Responses API without stored state: every request carries its whole conversation."""
 
     model: str | None = None
-    input: str | list[ResponseInputMessage]
+    input: str | list[ResponseInputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -865,11 +908,11 @@ class ResponsesRequest(_Request):
     text: ResponseTextConfig | None = None
     store: bool = False  # true asks the server to keep the response: refused (STORED_RESPONSES)
     previous_response_id: str | None = None  # refused (STORED_RESPONSES)
-    tools: list[Any] = Field(default_factory=list)  # refused until tool calling is merged here
-    tool_choice: Annotated[Any, Unsupported("none", "auto")] = None
+    tools: list[ResponseTool] = Field(default_factory=list)  # function tools only
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
     user: str | None = None  # no effect, as on chat
     metadata: dict[str, str] | None = None  # no effect: nothing is stored
-    parallel_tool_calls: bool | None = None  # no effect without tools
+    parallel_tool_calls: bool = True
     truncation: Annotated[Any, Unsupported("disabled")] = None
     background: Annotated[Any, Unsupported(False)] = None
     conversation: Annotated[Any, Unsupported()] = None
@@ -881,17 +924,48 @@ class ResponsesRequest(_Request):
 
     @field_validator("input")
     @classmethod
-    def _check_input(cls, value: str | list[ResponseInputMessage]) -> str | list[ResponseInputMessage]:
+    def _check_input(cls, value: str | list[ResponseInputItem]) -> str | list[ResponseInputItem]:
         if isinstance(value, list) and not value:
             raise ValueError("must not be an empty list")
         return value
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The conversation for the chat template: the instructions as a system message first."""
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation for the chat template: the instructions as a system message first, calls
+        as assistant turns' tool_calls (consecutive ones in one turn), their outputs as tool turns."""
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
-        return [*messages, *(message.to_template_message() for message in self.input)]
+        for item in self.input:
+            if isinstance(item, ResponseInputMessage):
+                messages.append(item.to_template_message())
+            elif isinstance(item, ResponseFunctionCallOutputInput):
+                messages.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+            else:
+                call = AssistantToolCall(
+                    id=item.call_id, function=FunctionCallText(name=item.name, arguments=item.arguments)
+                )
+                call_dict = {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": _arguments_value(call)},
+                }
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call_dict)
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call_dict]})
+        return messages
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [tool.to_chat_tool() for tool in self.tools]
+
+    def tool_dicts_flat(self) -> list[dict[str, Any]]:
+        """The tools as the Responses API echoes them."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_choice_value(self) -> str | dict[str, str] | None:
+        choice = self.tool_choice
+        return {"name": choice.name} if isinstance(choice, ResponseNamedToolChoice) else choice
 
     # what ServerContext.sampling_params reads of a request
     def requested_max_tokens(self) -> int | None:
@@ -914,7 +988,12 @@ class ResponsesRequest(_Request):
     def structured_outputs_field(self) -> str | None:
         """The field that asked for structured outputs, for error messages."""
         text_format = self.text.format if self.text is not None else None
-        return "text" if text_format is not None and text_format.type != "text" else None
+        if text_format is not None and text_format.type != "text":
+            return "text"
+        forced = self.tools and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, ResponseNamedToolChoice)
+        )
+        return "tool_choice" if forced else None
 
 
 class ResponseOutputText(_Response):
@@ -929,6 +1008,15 @@ class ResponseOutputMessage(_Response):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[ResponseOutputText]
+
+
+class ResponseFunctionCall(_Response):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 class ResponseUsage(_Response):
@@ -964,10 +1052,10 @@ class ResponseObject(_Response):
     max_output_tokens: int | None = None
     temperature: float
     top_p: float
-    output: list[ResponseOutputMessage] = Field(default_factory=list)
-    parallel_tool_calls: bool = False
-    tool_choice: str = "none"
-    tools: list[Any] = Field(default_factory=list)
+    output: list[ResponseOutputMessage | ResponseFunctionCall] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    tool_choice: str | dict[str, str] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     store: bool = False
     previous_response_id: None = None

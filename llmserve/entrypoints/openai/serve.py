@@ -20,6 +20,7 @@ from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.health import WatchdogConfig
 from llmserve.engine.supervision import RestartPolicy
+from llmserve.entrypoints.openai.chat_options import ChatOptions
 
 logger = logging.getLogger("llmserve.server")
 
@@ -30,6 +31,7 @@ def run_server(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM/Ctrl-C, exit 0."""
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    args.chat_options = ChatOptions.from_cli_args(args)  # a bad --chat-template fails before the model loads
     with bound_socket(args.host, args.port) as sock:
         engine = AsyncLLM(
             EngineArgs.from_cli_args(args),
@@ -55,7 +57,6 @@ def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> i
 
     from llmserve.entrypoints.openai import api_server
     from llmserve.entrypoints.openai.admission import AdmissionConfig
-    from llmserve.entrypoints.openai.chat_options import ChatOptions
     from llmserve.metrics.prometheus import PrometheusMetrics
 
     api_key = args.api_key or os.environ.get(api_server.API_KEY_ENV) or None
@@ -69,7 +70,7 @@ def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> i
         args.max_waiting,
         metrics=metrics,
         admission=admission,
-        chat_options=ChatOptions.from_cli_args(args),
+        chat_options=args.chat_options,
     )
     config = uvicorn.Config(
         app,
