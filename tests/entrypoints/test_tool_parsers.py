@@ -188,3 +188,43 @@ def test_fallback_rewrites_tool_turns_in_the_parsers_format():
     for name in TOOL_PARSERS:
         parsed = TOOL_PARSERS[name]().parse(format_calls(calls * 2, name))
         assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("f", {"x": 1})] * 2
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def accepts(grammar: str, text: str) -> bool:
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return _is_grammar_accept_string(grammar, text)
+
+
+def test_required_grammar_accepts_only_calls_valid_against_their_schemas():
+    from llmserve.entrypoints.openai.tool_grammar import tool_call_grammar
+
+    grammar = tool_call_grammar([("get_weather", CITY), ("get_time", None)], "hermes", parallel=True)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    other = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert accepts(grammar, call) and accepts(grammar, f"{call}\n{other}")
+    assert not accepts(grammar, "")  # at least one call
+    assert not accepts(grammar, "Sure. " + call)  # nothing but calls
+    assert not accepts(grammar, call.replace('"Paris"}', '"Paris", "extra": 1}'))  # strict schema
+    assert not accepts(grammar, call.replace('{"city": "Paris"}', "{}"))  # a required property
+    assert not accepts(grammar, call.replace("get_weather", "get_news"))  # only listed functions
+    single = tool_call_grammar([("get_weather", CITY)], "llama3_json", parallel=False)
+    one = '{"name": "get_weather", "parameters": {"city": "P"}}'
+    assert accepts(single, one) and not accepts(single, f"{one}; {one}")
+    # what the grammar allows, the parser reads back as the same calls
+    parsed = TOOL_PARSERS["hermes"]().parse(f"{call}\n{other}")
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}'),
+        ("get_time", "{}"),
+    ]
+
+
+def test_a_schema_the_grammar_engine_would_ignore_is_refused():
+    from llmserve.entrypoints.openai.tool_grammar import tool_call_grammar
+    from llmserve.structured.params import GrammarError
+
+    with pytest.raises(GrammarError, match="'f'.*not"):
+        tool_call_grammar([("f", {"type": "object", "not": {"required": ["a"]}})], "hermes", parallel=True)

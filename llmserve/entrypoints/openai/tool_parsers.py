@@ -142,8 +142,15 @@ def _is_call(value: object) -> bool:
 
 
 def _arguments_text(value: dict) -> str:
+    """The arguments as JSON text (a string holding JSON, as some models write them, as it is)."""
     arguments = value.get("arguments", value.get("parameters", {}))
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+            return arguments
+        except ValueError:
+            pass
+    return json.dumps(arguments, ensure_ascii=False)
 
 
 def _held_prefix(text: str, tag: str) -> int:
