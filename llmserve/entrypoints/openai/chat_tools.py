@@ -4,6 +4,8 @@ that splits generated text into reasoning, content and tool calls (docs/server.m
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,9 +75,8 @@ async def enforced_grammar(
     if spec is None or not spec.enforced:
         return None
     try:
-        grammar = await asyncio.wait_for(
-            asyncio.to_thread(tool_call_grammar, spec.functions(), parser, spec.parallel), timeout
-        )
+        key = json.dumps(spec.functions(), sort_keys=True)
+        grammar = await asyncio.wait_for(asyncio.to_thread(_grammar, key, parser, spec.parallel), timeout)
     except GrammarError as error:
         raise ApiError(f"tools: {error}", param="tools") from error
     except TimeoutError as error:
@@ -84,6 +85,12 @@ async def enforced_grammar(
             param="tools",
         ) from error
     return StructuredOutputsParams(grammar=grammar)
+
+
+@functools.lru_cache(maxsize=64)
+def _grammar(functions: str, parser: str, parallel: bool) -> str:
+    """tool_call_grammar of the functions' JSON, cached: a tool set comes back request after request."""
+    return tool_call_grammar([tuple(pair) for pair in json.loads(functions)], parser, parallel)
 
 
 @dataclass

@@ -147,17 +147,15 @@ class ChatHandler:
         self, params: SamplingParams, spec: ToolSpec | None, structured_field: str | None
     ) -> SamplingParams:
         """`params` constrained to the calls that tool_choice required or named asks for."""
-        timeout = self.ctx.engine.config.structured_outputs.compile_timeout
-        grammar = await enforced_grammar(spec, self.ctx.chat_options.tool_call_parser, timeout)
-        if grammar is None:
-            return params
-        if structured_field is not None and structured_field != "tool_choice":
+        if spec is not None and spec.enforced and structured_field not in (None, "tool_choice"):
             raise ApiError(
                 f"tool_choice {spec.choice} cannot be combined with {structured_field}: the output "
                 "must be the tool calls",
                 param="tool_choice",
             )
-        return replace(params, structured_outputs=grammar)
+        timeout = self.ctx.engine.config.structured_outputs.compile_timeout
+        grammar = await enforced_grammar(spec, self.ctx.chat_options.tool_call_parser, timeout)
+        return params if grammar is None else replace(params, structured_outputs=grammar)
 
     def _parsers(self, spec: ToolSpec | None, prompt_text: str, n: int) -> list[OutputParser] | None:
         """One output parser per choice, or None when the text is passed through as it is."""
