@@ -156,12 +156,17 @@ def test_round_trip(client, stream):
 
 @pytest.mark.slow
 def test_required_and_named_are_enforced(client):
+    """Every call the grammar let through is whole and valid (a tiny model may go on calling until
+    max_tokens cuts it, leaving the cut call's text as content)."""
     for seed in range(6):
         kwargs = {"model": MODEL, "tools": TOOLS, "max_tokens": 160, "temperature": 1.0, "seed": seed}
         required = client.chat.completions.create(messages=QUESTION, tool_choice="required", **kwargs)
-        check_calls(required.choices[0].message.tool_calls)
-        assert required.choices[0].finish_reason == "tool_calls"
-        assert required.choices[0].message.content is None
+        (choice,) = required.choices
+        check_calls(choice.message.tool_calls)
+        if choice.finish_reason == "tool_calls":
+            assert choice.message.content is None
+        else:
+            assert choice.finish_reason == "length" and choice.message.content.lstrip().startswith("<")
         named = client.chat.completions.create(
             messages=[{"role": "user", "content": "Tell me a joke."}],
             tool_choice={"type": "function", "function": {"name": "get_time"}},
@@ -183,9 +188,10 @@ def test_parallel_tool_calls_false_gives_one_call(client):
             temperature=1.0,
             seed=seed,
         )
-        calls = response.choices[0].message.tool_calls
-        assert len(calls) == 1
-        check_calls(calls)
+        (choice,) = response.choices
+        assert len(choice.message.tool_calls) == 1
+        check_calls(choice.message.tool_calls)
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
 
 
 @pytest.mark.slow
@@ -193,8 +199,11 @@ def test_parallel_tool_calls_false_gives_one_call(client):
     "choice", ["required", "auto", {"type": "function", "function": {"name": "get_weather"}}], ids=str
 )
 def test_streamed_deltas_join_to_the_plain_reply(client, choice):
+    """One call at most, so that the grammar ends the reply: a call cut by max_tokens stays a call in a
+    stream (its name streamed) but is content in the plain reply (docs/server.md, "Tool calling")."""
     for seed in (1, 2):
         kwargs = {
+            "parallel_tool_calls": False,
             "model": MODEL,
             "messages": QUESTION,
             "tools": TOOLS,
