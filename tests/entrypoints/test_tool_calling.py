@@ -17,7 +17,9 @@ import pytest
 from tests.entrypoints.conftest import ServerProcess, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
-ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "128MiB"]
+# no prefix cache: a bf16 prefill over a cached prefix rounds differently, and a seeded temperature-1
+# reply compared streamed and not would hinge on it
+ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--no-prefix-caching"]
 WEATHER = {
     "type": "object",
     "properties": {
@@ -166,7 +168,8 @@ def test_required_and_named_are_enforced(client):
         if choice.finish_reason == "tool_calls":
             assert choice.message.content is None
         else:
-            assert choice.finish_reason == "length" and choice.message.content.lstrip().startswith("<")
+            assert choice.finish_reason == "length"
+            assert (choice.message.content or "<").lstrip().startswith("<")  # the cut call, if any
         named = client.chat.completions.create(
             messages=[{"role": "user", "content": "Tell me a joke."}],
             tool_choice={"type": "function", "function": {"name": "get_time"}},
