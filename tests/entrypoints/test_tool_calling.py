@@ -226,7 +226,13 @@ def test_streamed_deltas_join_to_the_plain_reply(client, choice):
 @pytest.mark.parametrize("stream", [False, True])
 def test_responses_function_calls(client, stream):
     tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
-    kwargs = {"model": MODEL, "input": "Weather in Paris?", "tools": tools, "tool_choice": "required"}
+    kwargs = {
+        "model": MODEL,
+        "input": "Weather in Paris?",
+        "tools": tools,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,  # one call, then the grammar ends the reply
+    }
     if stream:
         events = list(client.responses.create(stream=True, max_output_tokens=120, **kwargs))
         kinds = [event.type for event in events]
@@ -239,7 +245,8 @@ def test_responses_function_calls(client, stream):
     else:
         response = client.responses.create(max_output_tokens=120, **kwargs)
     calls = [item for item in response.output if item.type == "function_call"]
-    assert calls and response.status == "completed"
+    assert len(calls) == 1 and response.status == "completed"
+    assert calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_")
     for call in calls:
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
     answer = client.responses.create(
