@@ -487,7 +487,8 @@ class ChatMessage(_Request):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # assistant turns only
-    tool_call_id: str | None = None  # tool turns only: the call this is the result of
+    # tool turns only, and required there: the call this is the result of
+    tool_call_id: str | None = Field(None, validate_default=True)
 
     @field_validator("tool_calls")
     @classmethod
@@ -501,6 +502,8 @@ class ChatMessage(_Request):
     def _check_tool_call_id(cls, call_id: str | None, info: ValidationInfo) -> str | None:
         if call_id is not None and info.data.get("role") != "tool":
             raise ValueError("only tool messages have a tool_call_id")
+        if call_id is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return call_id
 
     def to_template_message(self) -> dict[str, Any]:
