@@ -328,8 +328,11 @@ def test_bad_tool_input_is_400(default_server, body, param, words):
     assert words in error["message"]
 
 
-THINKING_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+THINKING_TEMPLATE = (  # reads tools, so they and the tool turns are its to render
+    "{% if tools %}<|im_start|>system\nTOOLS {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if m.tool_calls %}CALLS {{ m.tool_calls | tojson }}{% endif %}"
+    "{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
     "{% else %}<think>\n{% endif %}{% endif %}"
@@ -381,3 +384,21 @@ def test_chat_template_override_renders_the_prompt(thinking_client):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert off.endswith("<think>\n\n</think>\n\n")
+
+
+@pytest.mark.slow
+def test_a_template_that_reads_tools_renders_them(thinking_client):
+    call = {
+        "id": "call_7",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": '{"city": "Oslo"}'},
+    }
+    history = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "noon"},
+    ]
+    text = prompt_text(thinking_client, model=MODEL, messages=history, tools=TOOLS)
+    assert "TOOLS [" in text and '"name": "get_weather"' in text and "You may call" not in text
+    assert '"arguments": {"city": "Oslo"}' in text  # as an object, as templates index them
+    assert "<|im_start|>tool\nnoon FOR call_7<|im_end|>" in text

@@ -339,6 +339,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "add_generation_prompt",
         "continue_final_message",
         "tokenize",
+        "sanitize_control_tokens",
         "padding",
         "truncation",
         "max_length",
