@@ -63,27 +63,46 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+class JsonScanner:
+    """Where the JSON object or array opening at `start` ends, reading only the text added since the
+    last `scan` (a stream's deltas cost their own length, not the whole call's each time)."""
+
+    def __init__(self, start: int) -> None:
+        self.pos = start
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.end: int | None = None
+
+    def scan(self, text: str) -> int | None:
+        """The index just past the value's end, or None while it is not closed."""
+        if self.end is not None:
+            return self.end
+        for index in range(self.pos, len(text)):
+            char = text[index]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = index + 1
+                    return self.end
+        self.pos = len(text)
+        return None
+
+
 def json_end(text: str, start: int) -> int | None:
     """The index just past the JSON object or array opening at text[start], or None if not closed yet."""
-    depth, in_string, escaped = 0, False, False
-    for index in range(start, len(text)):
-        char = text[index]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return index + 1
-    return None
+    return JsonScanner(start).scan(text)
 
 
 class _Call:
@@ -96,15 +115,29 @@ class _Call:
         self.header_sent = False
         self.args_sent = 0  # characters of the raw arguments text sent so far
         self.done = False
+        self.name = ""
+        self.scanner: JsonScanner | None = None  # the arguments' end, once the name is known
+        self.scanner_start = 0  # where the arguments start in the body
+        self.outer: JsonScanner | None = None  # llama3_json: the end of the call's own object
 
     def progress(self, body: str) -> list[ToolCallDelta]:
-        match = _NAME_THEN_ARGS.match(body)
-        if match is None:
-            return []
-        out = self._header(json.loads(f'"{match.group(1)}"'))
-        end = json_end(body, match.end())
-        raw = body[match.end() : end] if end is not None else body[match.end() :].rstrip()
-        return out + self._args(raw)
+        """What `body` (the call's JSON so far, growing by appends) adds to the call."""
+        if self.scanner is None:
+            match = _NAME_THEN_ARGS.match(body)
+            if match is None:
+                return []
+            self.name = json.loads(f'"{match.group(1)}"')
+            self.scanner, self.scanner_start = JsonScanner(match.end()), match.end()
+        start = self.scanner_start
+        end = self.scanner.scan(body)
+        if end is None:  # trailing whitespace may be the end of the arguments: it waits
+            end = len(body)
+            while end > start and body[end - 1] in " \t\r\n":
+                end -= 1
+        out = self._header(self.name)
+        piece = body[start + self.args_sent : end]
+        self.args_sent = end - start
+        return out + ([ToolCallDelta(self.index, arguments=piece)] if piece else [])
 
     def complete(self, body: str) -> list[ToolCallDelta] | None:
         """The rest of the call, its JSON now whole; None when it is not a valid call."""
@@ -315,7 +348,8 @@ class Llama3JsonToolParser(ToolParser):
                 return out
             if not self.calls or self.calls[-1].done:
                 self.calls.append(_Call(len(self.calls)))
-            end = json_end(rest, start)
+                self.calls[-1].outer = JsonScanner(start)  # `rest` only grows until the call is done
+            end = self.calls[-1].outer.scan(rest)
             if end is None and not final:
                 out.tool_calls += self.calls[-1].progress(rest[start:])
                 return out
