@@ -1022,6 +1022,21 @@ class ResponseFunctionCall(_Response):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
+class ResponseReasoningText(_Response):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ResponseReasoningItem(_Response):
+    """The reply's reasoning, split off by --reasoning-parser."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ResponseReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
 class ResponseUsage(_Response):
     input_tokens: int
     input_tokens_details: dict[str, int]
@@ -1055,7 +1070,9 @@ class ResponseObject(_Response):
     max_output_tokens: int | None = None
     temperature: float
     top_p: float
-    output: list[ResponseOutputMessage | ResponseFunctionCall] = Field(default_factory=list)
+    output: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionCall] = Field(
+        default_factory=list
+    )
     parallel_tool_calls: bool = True
     tool_choice: str | dict[str, str] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)

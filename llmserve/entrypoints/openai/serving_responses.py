@@ -8,20 +8,16 @@ response.output_item.added, response.content_part.added, response.output_text.de
 text, response.output_text.done, response.content_part.done, response.output_item.done, and finally
 response.completed (or response.incomplete when max_output_tokens cut it).
 
-With tools, each call the model makes is a `function_call` output item (its `call_id` is what a
-`function_call_output` input item answers), streamed as response.output_item.added, one
-response.function_call_arguments.delta per piece of its arguments, response.function_call_arguments.done
-and response.output_item.done; the text around calls is the message item, added when its first piece
-comes.
+With tools or a reasoning parser the reply is split by an OutputParser (chat_tools.py) into a
+`reasoning` item, the `message` and a `function_call` item per call (its `call_id` is what a
+`function_call_output` input item answers), streamed as responses_items.py describes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -30,13 +26,13 @@ from starlette.responses import Response
 from llmserve.entrypoints.openai.chat_tools import OutputParser, resolve_tools
 from llmserve.entrypoints.openai.protocol import (
     STORED_RESPONSES,
-    ResponseFunctionCall,
     ResponseObject,
     ResponseOutputMessage,
     ResponseOutputText,
     ResponsesRequest,
     ResponseUsage,
 )
+from llmserve.entrypoints.openai.responses_items import Events, StreamedItems, function_call, reasoning_item
 from llmserve.entrypoints.openai.serving import (
     ApiError,
     EngineRequests,
@@ -48,7 +44,6 @@ from llmserve.entrypoints.openai.serving import (
 )
 from llmserve.entrypoints.openai.serving_chat import ChatHandler
 from llmserve.entrypoints.openai.structured_outputs import check_structured_outputs
-from llmserve.entrypoints.openai.tool_parsers import ParsedDelta
 
 
 class ResponsesHandler:
@@ -66,9 +61,9 @@ class ResponsesHandler:
         params = ctx.sampling_params(request, [len(prompt_ids)], default_max=None)
         params = await self.chat.with_tool_grammar(params, spec, request.structured_outputs_field())
         await check_structured_outputs(ctx, request, params)
-        parser = (
-            None if spec is None else OutputParser(spec, replace(ctx.chat_options, reasoning_parser=None), "")
-        )
+        parser = None
+        if spec is not None or ctx.chat_options.reasoning_parser is not None:
+            parser = OutputParser(spec, ctx.chat_options, prompt_text)
         release = ctx.admit(1)
         requests = EngineRequests(
             ctx.engine, f"resp_{uuid.uuid4().hex}", [prompt_ids], params, 0, request.stream
@@ -77,7 +72,7 @@ class ResponsesHandler:
             stream = (
                 self._stream(request, requests)
                 if parser is None
-                else self._stream_tools(request, requests, parser)
+                else self._stream_parsed(request, requests, parser)
             )
             return SSEResponse(stream, on_close=release)
         try:
@@ -104,40 +99,44 @@ class ResponsesHandler:
         self,
         request: ResponsesRequest,
         requests: EngineRequests,
-        message_id: str,
-        text: str,
         finish: str | None,
-        calls: list[ResponseFunctionCall] | None = None,
+        output: list[Any],
     ) -> ResponseObject:
         complete = finish != "length"
-        status = "completed" if complete else "incomplete"
-        message = ResponseOutputMessage(id=message_id, status=status, content=[ResponseOutputText(text=text)])
         return self._response(
             request,
             requests,
-            status=status,
+            status="completed" if complete else "incomplete",
             incomplete_details=None if complete else {"reason": "max_output_tokens"},
-            output=[message, *(calls or [])] if text or not calls else list(calls),
+            output=output,
             usage=ResponseUsage.of(requests.usage()),
         )
+
+    @staticmethod
+    def _message(text: str, finish: str | None, message_id: str | None = None) -> ResponseOutputMessage:
+        status = "completed" if finish != "length" else "incomplete"
+        message_id = message_id or f"msg_{uuid.uuid4().hex}"
+        return ResponseOutputMessage(id=message_id, status=status, content=[ResponseOutputText(text=text)])
 
     async def _complete(
         self, request: ResponsesRequest, requests: EngineRequests, parser: OutputParser | None
     ) -> Response:
         (output,) = await requests.final()
         (completion,) = output.outputs
-        message_id = f"msg_{uuid.uuid4().hex}"
-        text, calls = completion.text, []
-        if parser is not None:
-            parsed = parser.parse(text)
-            text = parsed.content or ""
-            calls = [_function_call(call.id, call.name, call.arguments) for call in parsed.tool_calls]
-        return json_response(
-            self._finished(request, requests, message_id, text, completion.finish_reason, calls)
-        )
+        finish = completion.finish_reason
+        if parser is None:
+            return json_response(
+                self._finished(request, requests, finish, [self._message(completion.text, finish)])
+            )
+        parsed = parser.parse(completion.text)
+        items: list[Any] = [reasoning_item(parsed.reasoning)] if parsed.reasoning else []
+        if parsed.content or not parsed.tool_calls:
+            items.append(self._message(parsed.content or "", finish))
+        items += [function_call(call.id, call.name, call.arguments) for call in parsed.tool_calls]
+        return json_response(self._finished(request, requests, finish, items))
 
     async def _stream(self, request: ResponsesRequest, requests: EngineRequests) -> AsyncGenerator[str, None]:
-        events = _Events()
+        events = Events()
         message_id = f"msg_{uuid.uuid4().hex}"
         item = {"output_index": 0, "item_id": message_id, "content_index": 0}
         in_progress = self._response(request, requests, status="in_progress").model_dump(mode="json")
@@ -162,7 +161,7 @@ class ResponsesHandler:
             yield sse_error(error)
             return
         text = "".join(pieces)
-        final = self._finished(request, requests, message_id, text, finish)
+        final = self._finished(request, requests, finish, [self._message(text, finish, message_id)])
         yield events.send("response.output_text.done", **item, text=text, logprobs=[])
         done_part = ResponseOutputText(text=text).model_dump(mode="json")
         yield events.send("response.content_part.done", **item, part=done_part)
@@ -171,151 +170,36 @@ class ResponsesHandler:
         kind = "response.completed" if final.status == "completed" else "response.incomplete"
         yield events.send(kind, response=final.model_dump(mode="json"))
 
-    async def _stream_tools(
+    async def _stream_parsed(
         self, request: ResponsesRequest, requests: EngineRequests, parser: OutputParser
     ) -> AsyncGenerator[str, None]:
-        """The events of a reply that may call tools: items are added as they start."""
-        events = _Events()
+        """The events of a reply split into reasoning, text and calls: items are added as they start."""
+        events = Events()
         in_progress = self._response(request, requests, status="in_progress").model_dump(mode="json")
         yield events.send("response.created", response=in_progress)
         yield events.send("response.in_progress", response=in_progress)
-        items = _StreamedItems(events)
+        items = StreamedItems(events)
         finish = None
         try:
             async with contextlib.aclosing(requests.outputs()) as outputs:
                 async for _, output in outputs:
                     for completion in output.outputs:
                         finish = completion.finish_reason or finish
-                        piece = parser.feed(completion.text) if completion.text else None
-                        if finish is not None:
-                            final = parser.finish()
-                            piece = final if piece is None else piece
-                            if piece is not final:
-                                piece.parsed.add(final.parsed)
-                        if piece is not None:
-                            for event in items.add(piece.parsed):
+                        if completion.text:
+                            for event in items.add(parser.feed(completion.text)):
+                                yield event
+                        if completion.finish_reason is not None:
+                            for event in items.add(parser.finish()):
                                 yield event
         except Exception as error:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(error)
             return
         for event in items.close():
             yield event
-        text = "".join(items.text)
-        calls = [_function_call(c["call_id"], c["name"], c["arguments"], c["id"]) for c in items.calls]
-        final_response = self._finished(request, requests, items.message_id, text, finish, calls)
-        final_response.output = [*items.ordered(final_response.output)]
-        kind = "response.completed" if final_response.status == "completed" else "response.incomplete"
-        yield events.send(kind, response=final_response.model_dump(mode="json"))
-
-
-class _StreamedItems:
-    """The output items of a streamed reply with tools, in the order they started."""
-
-    def __init__(self, events: _Events) -> None:
-        self.events = events
-        self.message_id = f"msg_{uuid.uuid4().hex}"
-        self.message_index: int | None = None
-        self.text: list[str] = []
-        self.calls: list[dict[str, Any]] = []  # per call: its item fields and output index
-        self.order: list[str] = []  # item ids by output index
-
-    def add(self, parsed: ParsedDelta) -> list[str]:
-        out = []
-        if parsed.content:
-            if self.message_index is None:
-                out += self._open_message()
-            self.text.append(parsed.content)
-            item = {"output_index": self.message_index, "item_id": self.message_id, "content_index": 0}
-            out.append(
-                self.events.send("response.output_text.delta", **item, delta=parsed.content, logprobs=[])
-            )
-        for delta in parsed.tool_calls:
-            if delta.id is not None:
-                call = {
-                    "id": f"fc_{uuid.uuid4().hex}",
-                    "call_id": delta.id,
-                    "name": delta.name,
-                    "arguments": "",
-                }
-                call["output_index"] = len(self.order)
-                self.order.append(call["id"])
-                self.calls.append(call)
-                item = _function_call(delta.id, delta.name or "", "", call["id"], "in_progress")
-                out.append(
-                    self.events.send(
-                        "response.output_item.added",
-                        output_index=call["output_index"],
-                        item=item.model_dump(mode="json"),
-                    )
-                )
-            call = self.calls[delta.index]
-            if delta.arguments:
-                call["arguments"] += delta.arguments
-                out.append(
-                    self.events.send(
-                        "response.function_call_arguments.delta",
-                        item_id=call["id"],
-                        output_index=call["output_index"],
-                        delta=delta.arguments,
-                    )
-                )
-        return out
-
-    def _open_message(self) -> list[str]:
-        self.message_index = len(self.order)
-        self.order.append(self.message_id)
-        empty = ResponseOutputMessage(id=self.message_id, status="in_progress", content=[])
-        item = {"output_index": self.message_index, "item_id": self.message_id, "content_index": 0}
-        part = ResponseOutputText(text="").model_dump(mode="json")
-        return [
-            self.events.send(
-                "response.output_item.added",
-                output_index=self.message_index,
-                item=empty.model_dump(mode="json"),
-            ),
-            self.events.send("response.content_part.added", **item, part=part),
-        ]
-
-    def close(self) -> list[str]:
-        """The done events of every item; a reply with neither text nor calls gets an empty message."""
-        out = self._open_message() if self.message_index is None and not self.calls else []
-        if self.message_index is not None:
-            text = "".join(self.text)
-            item = {"output_index": self.message_index, "item_id": self.message_id, "content_index": 0}
-            out.append(self.events.send("response.output_text.done", **item, text=text, logprobs=[]))
-            part = ResponseOutputText(text=text).model_dump(mode="json")
-            out.append(self.events.send("response.content_part.done", **item, part=part))
-            message = ResponseOutputMessage(id=self.message_id, status="completed", content=[part])
-            out.append(
-                self.events.send(
-                    "response.output_item.done",
-                    output_index=self.message_index,
-                    item=message.model_dump(mode="json"),
-                )
-            )
-        for call in self.calls:
-            index = call["output_index"]
-            out.append(
-                self.events.send(
-                    "response.function_call_arguments.done",
-                    item_id=call["id"],
-                    output_index=index,
-                    name=call["name"],
-                    arguments=call["arguments"],
-                )
-            )
-            item = _function_call(call["call_id"], call["name"], call["arguments"], call["id"])
-            out.append(
-                self.events.send(
-                    "response.output_item.done", output_index=index, item=item.model_dump(mode="json")
-                )
-            )
-        return out
-
-    def ordered(self, items: list) -> list:
-        """`items` (the final response's output) in the order they were streamed."""
-        by_id = {item.id: item for item in items}
-        return [by_id[item_id] for item_id in self.order if item_id in by_id]
+        status = "completed" if finish != "length" else "incomplete"
+        final = self._finished(request, requests, finish, items.output(status))
+        kind = "response.completed" if final.status == "completed" else "response.incomplete"
+        yield events.send(kind, response=final.model_dump(mode="json"))
 
 
 def _echoed_choice(request: ResponsesRequest) -> str | dict[str, str]:
@@ -323,26 +207,6 @@ def _echoed_choice(request: ResponsesRequest) -> str | dict[str, str]:
     if choice is None:
         return "auto" if request.tools else "none"
     return choice if isinstance(choice, str) else choice.model_dump()
-
-
-def _function_call(
-    call_id: str, name: str, arguments: str, item_id: str | None = None, status: str = "completed"
-) -> ResponseFunctionCall:
-    return ResponseFunctionCall(
-        id=item_id or f"fc_{uuid.uuid4().hex}", call_id=call_id, name=name, arguments=arguments, status=status
-    )
-
-
-class _Events:
-    """Typed server-sent events with OpenAI's growing sequence number."""
-
-    def __init__(self) -> None:
-        self.sequence_number = 0
-
-    def send(self, kind: str, **fields: Any) -> str:
-        body = {"type": kind, "sequence_number": self.sequence_number, **fields}
-        self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def _check_supported(request: ResponsesRequest) -> None:
