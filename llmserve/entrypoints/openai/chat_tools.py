@@ -124,6 +124,15 @@ class OutputParser:
     def finish(self) -> ChoiceDelta:
         return self._split(self.reasoning.finish() if self.reasoning else None, "", final=True)
 
+    def step(self, text: str, finished: bool) -> ChoiceDelta:
+        """A stream's delta of text; `finished`: the choice ended with it, so everything held is let go."""
+        piece = self.feed(text) if text else ChoiceDelta("", ParsedDelta())
+        if finished:
+            final = self.finish()
+            piece.reasoning += final.reasoning
+            piece.parsed.add(final.parsed)
+        return piece
+
     def parse(self, text: str) -> ParsedChoice:
         """The whole text at once (as one final delta)."""
         if self.reasoning is not None:

@@ -294,16 +294,7 @@ def _parsed_delta(
     parser: OutputParser, text: str, finish: str | None
 ) -> tuple[DeltaMessage | None, str | None]:
     """The delta's reasoning, content and call pieces (the parser flushed when the choice finished)."""
-    piece = parser.feed(text) if text else None
-    if finish is not None:
-        final = parser.finish()
-        if piece is None:
-            piece = final
-        else:
-            piece.reasoning += final.reasoning
-            piece.parsed.add(final.parsed)
-    if piece is None:
-        return None, finish
+    piece = parser.step(text, finish is not None)
     calls = [_delta_call(call) for call in piece.parsed.tool_calls]
     reasoning, content = piece.reasoning or None, piece.parsed.content or None
     message = DeltaMessage(reasoning=reasoning, content=content, tool_calls=calls or None)

@@ -185,12 +185,9 @@ class ResponsesHandler:
                 async for _, output in outputs:
                     for completion in output.outputs:
                         finish = completion.finish_reason or finish
-                        if completion.text:
-                            for event in items.add(parser.feed(completion.text)):
-                                yield event
-                        if completion.finish_reason is not None:
-                            for event in items.add(parser.finish()):
-                                yield event
+                        piece = parser.step(completion.text, completion.finish_reason is not None)
+                        for event in items.add(piece):
+                            yield event
         except Exception as error:  # noqa: BLE001 - the status line is sent; report in-band
             yield sse_error(error)
             return
