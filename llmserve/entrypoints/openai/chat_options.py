@@ -36,6 +36,18 @@ class ChatOptions:
         )
 
 
+def chat_flags(args: argparse.Namespace) -> list[str]:
+    """The chat flags given on the command line, for a child server (a data-parallel replica)."""
+    flags = []
+    if getattr(args, "chat_template", None) is not None:
+        flags += ["--chat-template", str(Path(args.chat_template).resolve())]
+    if getattr(args, "tool_call_parser", ChatOptions.tool_call_parser) != ChatOptions.tool_call_parser:
+        flags += ["--tool-call-parser", args.tool_call_parser]
+    if getattr(args, "reasoning_parser", None) is not None:
+        flags += ["--reasoning-parser", args.reasoning_parser]
+    return flags
+
+
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("chat")
     group.add_argument(
