@@ -2,8 +2,9 @@
 template knows nothing of tools, so the fallback prompt lists them): a round trip (tools -> tool_calls
 -> tool message -> answer) streamed and not, `required` and named choices enforced (arguments valid
 against the schema by jsonschema), parallel_tool_calls false, streamed deltas joined equal to the plain
-reply, /v1/responses function calls, bad input as 400s; and a server with --chat-template and
---reasoning-parser qwen3 splitting reasoning, streamed and not, with chat_template_kwargs."""
+reply, /v1/responses function calls, bad input as 400s; and a server with --chat-template,
+--reasoning-parser qwen3 and --tool-call-parser llama3_json: reasoning split streamed and not,
+chat_template_kwargs, a template that renders tools itself, llama3_json calls after reasoning."""
 
 from __future__ import annotations
 
@@ -345,6 +346,7 @@ def thinking_client(tmp_path_factory) -> Iterator[openai.OpenAI]:
     folder = tmp_path_factory.mktemp("thinking")
     (folder / "template.jinja").write_text(THINKING_TEMPLATE)
     args = [*ARGS, "--chat-template", str(folder / "template.jinja"), "--reasoning-parser", "qwen3"]
+    args += ["--tool-call-parser", "llama3_json"]
     process = start_server(args, folder / "server.log")
     yield openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="x", max_retries=0, timeout=600)
     process.stop()
@@ -429,3 +431,28 @@ def test_responses_reasoning_item(thinking_client, stream):
     assert "</think>" not in reasoning.content[0].text
     if stream:
         assert reasoning.content[0].text == deltas
+
+
+@pytest.mark.slow
+def test_llama3_json_calls_after_the_reasoning_parser(thinking_client):
+    """Thinking off (the prompt closes its think block), so the enforced call is the content, which
+    the llama3_json parser reads; streamed and plain replies agree."""
+    for seed in (1, 2):
+        kwargs = {
+            "model": MODEL,
+            "messages": QUESTION,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "max_tokens": 120,
+            "temperature": 1.0,
+            "seed": seed,
+            "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
+        }
+        one, other = plain(thinking_client, **kwargs), streamed(thinking_client, **kwargs)
+        assert one["finish"] == "tool_calls" and one["reasoning"] is None and one["content"] is None
+        (call,) = one["calls"]
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        for reply in (one, other):
+            reply["calls"][0].pop("id")
+        assert one == other
