@@ -435,8 +435,8 @@ def test_responses_reasoning_item(thinking_client, stream):
 
 @pytest.mark.slow
 def test_llama3_json_calls_after_the_reasoning_parser(thinking_client):
-    """Thinking off (the prompt closes its think block), so the enforced call is the content, which
-    the llama3_json parser reads; streamed and plain replies agree."""
+    """The enforced call is the content (the reasoning parser steps aside under required), which the
+    llama3_json parser reads; streamed and plain replies agree."""
     for seed in (1, 2):
         kwargs = {
             "model": MODEL,
@@ -447,7 +447,8 @@ def test_llama3_json_calls_after_the_reasoning_parser(thinking_client):
             "max_tokens": 120,
             "temperature": 1.0,
             "seed": seed,
-            "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
+            # thinking on or off: the grammar makes the reply the call, which no reasoning swallows
+            "extra_body": {"chat_template_kwargs": {"enable_thinking": seed == 1}},
         }
         one, other = plain(thinking_client, **kwargs), streamed(thinking_client, **kwargs)
         assert one["finish"] == "tool_calls" and one["reasoning"] is None and one["content"] is None

@@ -112,7 +112,8 @@ class OutputParser:
 
     def __init__(self, spec: ToolSpec | None, options: ChatOptions, prompt_text: str) -> None:
         self.reasoning: ReasoningParser | None = None
-        if options.reasoning_parser is not None:
+        # under required or named choices the grammar makes the output the calls alone: no reasoning
+        if options.reasoning_parser is not None and (spec is None or not spec.enforced):
             self.reasoning = REASONING_PARSERS[options.reasoning_parser](prompt_text)
         self.tools: ToolParser | None = None if spec is None else TOOL_PARSERS[options.tool_call_parser]()
         self.max_calls = None if spec is None or spec.parallel else 1
