@@ -37,7 +37,7 @@ CASES = [
         None,
         [("a", '{"x": 1}')],
     ),
-    (  # a list of calls in one block (SmolLM2's own format)
+    (  # a list of calls in one block, as some models write them
         "hermes",
         '<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]</tool_call>',
         None,

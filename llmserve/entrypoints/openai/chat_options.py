@@ -60,7 +60,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
         default=ChatOptions.tool_call_parser,
-        help="tool-call format: hermes (<tool_call>{json}</tool_call>: Hermes, Qwen, SmolLM; the default) "
+        help="tool-call format: hermes (<tool_call>{json}</tool_call>: Hermes, Qwen; the default) "
         'or llama3_json ({"name": ..., "parameters": ...}: Llama 3)',
     )
     group.add_argument(

@@ -2,7 +2,7 @@
 delta) and a plain response (fed the whole text once), so the streamed pieces join to the plain result.
 
 Two formats, under vLLM's `--tool-call-parser` names:
-- `hermes` (Hermes, Qwen, SmolLM): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
+- `hermes` (Hermes, Qwen): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
   number of them, with text around them as content; a block may also hold a JSON list of calls.
 - `llama3_json` (Llama 3.x): the whole output is `{"name": ..., "parameters": {...}}`, several joined
   by `;`, optionally after `<|python_tag|>`; output that does not start with `{` is content.
