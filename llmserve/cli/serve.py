@@ -6,6 +6,7 @@ import argparse
 
 from llmserve.cli import router
 from llmserve.config import EngineArgs
+from llmserve.entrypoints.openai.chat_options import add_chat_arguments
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -96,6 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --nnodes and --node-rank >= 1: run only this machine's tensor-parallel ranks, which "
         "join node 0's engine at --master-addr (no server, no engine; docs/parallelism.md)",
     )
+    add_chat_arguments(serve)
     router.add_routing_arguments(serve)
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(handler=_serve)

@@ -95,19 +95,44 @@ class Tokenizer:
         Raises ValueError when the model has no template, a message is malformed, or the template
         itself rejects the conversation (e.g. roles out of order).
         """
+        text = self.render_chat(messages, add_generation_prompt)
+        # The template writes any BOS itself; encoding must not add a second one.
+        return self.encode(text, add_special_tokens=False)
+
+    def chat_template_text(self, override: str | None = None, tools: bool = False) -> str | None:
+        """The Jinja source that renders chats: `override`, else the model's (its `tool_use` one, if it
+        has named templates, when tools are given)."""
+        template = override or self.hf.chat_template
+        if isinstance(template, dict):
+            template = template.get("tool_use" if tools else "default") or template.get("default")
+        return template or None
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """The conversation as the chat template (or `chat_template`, replacing it) writes it;
+        `tools` and `template_kwargs` become template variables. ValueError as apply_chat_template."""
         import jinja2
 
-        if not self.hf.chat_template:
+        if not self.chat_template_text(chat_template):
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
         _check_messages(messages)
         try:
-            text = self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            return self.hf.apply_chat_template(
+                messages,
+                tools=tools,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **(template_kwargs or {}),
             )
         except (jinja2.TemplateError, TypeError, LookupError) as error:  # the template's own checks and slips
             raise ValueError(f"the chat template rejected the messages: {error}") from error
-        # The template writes any BOS itself; encoding must not add a second one.
-        return self.encode(text, add_special_tokens=False)
 
 
 def _unencodable(text: str) -> str:

@@ -31,6 +31,7 @@ import httpx
 from llmserve.config import EngineArgs
 from llmserve.config.router import RouterConfig
 from llmserve.entrypoints.openai.api_server import API_KEY_ENV
+from llmserve.entrypoints.openai.chat_options import chat_flags
 from llmserve.entrypoints.openai.serve import bound_socket
 from llmserve.router.app import load_router_tokenizer, run_router
 
@@ -173,6 +174,7 @@ def _replica_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--no-cpu-binding")
     if args.verbose:
         flags.append("--verbose")
+    flags += chat_flags(args)
     for spec in dataclasses.fields(EngineArgs):
         value = getattr(args, spec.name)
         if spec.name == "kv_events_config" or value == spec.default:

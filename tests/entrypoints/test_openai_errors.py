@@ -159,7 +159,9 @@ BAD_CHATS = [
         id="messages-too-long",
     ),
     pytest.param(chat(temperature="hot"), "temperature", id="temperature-wrong-type"),
-    pytest.param(chat(messages=[{"role": "tool", "content": "x"}]), "messages", id="role-tool"),
+    pytest.param(
+        chat(messages=[{"role": "tool", "content": "x"}]), "messages", id="tool-without-tool_call_id"
+    ),
     pytest.param(chat(messages=[{"role": 1, "content": "x"}]), "messages", id="role-wrong-type"),
     pytest.param(chat(messages=[{"content": "x"}]), "messages", id="role-missing"),
     pytest.param(chat(messages=["hi"]), "messages", id="message-not-an-object"),
@@ -365,11 +367,13 @@ def test_messages_without_content_render_as_empty(http, messages):
     ids=["raise_exception", "type-error", "undefined"],
 )
 def test_chat_template_errors_are_400(tiny_model_dir, template):
+    from llmserve.entrypoints.openai.chat_options import ChatOptions
     from llmserve.model_loader import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model_dir)
     tokenizer.hf.chat_template = template
-    handler = ChatHandler(SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer)))
+    ctx = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer), chat_options=ChatOptions())
+    handler = ChatHandler(ctx)
     with pytest.raises(ApiError) as raised:
         handler.render([{"role": "user", "content": "hi"}])
     assert raised.value.status == 400 and raised.value.param == "messages"

@@ -133,7 +133,8 @@ def test_text_format_json_object_starts_an_object(client):
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id", "stored responses are not supported"),
         ({"store": True}, "store", "stored responses are not supported"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "not supported"),
+        ({"tools": [{"type": "web_search"}]}, "tools", "function"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "needs a schema"),
         (
             {

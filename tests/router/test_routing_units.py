@@ -182,3 +182,18 @@ def test_kv_events_config_takes_vllms_keys():
     )
     assert config.enabled and config.replay_endpoint == "tcp://*:5558" and config.buffer_steps == 100
     assert not KVEventsConfig.from_json('{"enable_kv_cache_events": false}').enabled
+
+
+def test_replicas_get_the_chat_flags(tmp_path):
+    from llmserve.cli.main import build_parser
+
+    template = tmp_path / "t.jinja"
+    argv = ["serve", "--data-parallel-size", "2", "--chat-template", str(template)]
+    args = build_parser().parse_args(
+        [*argv, "--tool-call-parser", "llama3_json", "--reasoning-parser", "qwen3"]
+    )
+    flags = data_parallel._replica_flags(args)
+    assert flags[flags.index("--chat-template") + 1] == str(template.resolve())
+    assert flags[flags.index("--tool-call-parser") + 1] == "llama3_json"
+    assert flags[flags.index("--reasoning-parser") + 1] == "qwen3"
+    assert "--tool-call-parser" not in data_parallel._replica_flags(build_parser().parse_args(argv[:3]))

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineFailedError, RequestFailedError
 from llmserve.entrypoints.openai.admission import Admission, AdmissionConfig
+from llmserve.entrypoints.openai.chat_options import ChatOptions
 from llmserve.entrypoints.openai.health import health_of
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -85,6 +86,7 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     metrics: PrometheusMetrics | None = None,
     admission: AdmissionConfig | None = None,
+    chat_options: ChatOptions | None = None,
 ) -> FastAPI:
     """The app; `max_waiting` bounds the engine requests in flight (running + waiting) before 429s."""
     if max_waiting < 1:
@@ -94,7 +96,11 @@ def build_app(
     metrics.attach(engine)
     metrics.registry.register(health_counters(engine))
     ctx = ServerContext(
-        engine, served_model_name, max_waiting, admission=Admission(engine, admission or AdmissionConfig())
+        engine,
+        served_model_name,
+        max_waiting,
+        admission=Admission(engine, admission or AdmissionConfig()),
+        chat_options=chat_options or ChatOptions(),
     )
     app = FastAPI(title="llmserve", lifespan=_lifespan, strict_content_type=False)
     app.state.llmserve = AppState(ctx, CompletionHandler(ctx), ChatHandler(ctx), metrics)

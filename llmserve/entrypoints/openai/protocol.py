@@ -38,7 +38,7 @@ MAX_SEED = 2**63 - 1 - MAX_N  # parallel samples use seed + index, which must st
 MAX_PRIORITY = 2**63 - 1  # an int64: the scheduler adds it to a float, which a huger int overflows
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class _Request(BaseModel):
@@ -474,18 +474,95 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCallText(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(_Request):
+    """A call in an earlier assistant turn of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallText
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns only
+    # tool turns only, and required there: the call this is the result of
+    tool_call_id: str | None = Field(None, validate_default=True)
 
-    def to_template_message(self) -> dict[str, str]:
-        """The {role, content} dict chat templates expect; text parts are joined by newlines."""
+    @field_validator("tool_calls")
+    @classmethod
+    def _check_tool_calls(cls, calls: list | None, info: ValidationInfo) -> list | None:
+        if calls is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _check_tool_call_id(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        if call_id is not None and info.data.get("role") != "tool":
+            raise ValueError("only tool messages have a tool_call_id")
+        if call_id is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return call_id
+
+    def to_template_message(self) -> dict[str, Any]:
+        """The dict chat templates expect: {role, content} (text parts joined by newlines), plus an
+        assistant turn's tool_calls (arguments parsed, as templates index them) or a tool turn's id."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _arguments_value(call)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id or ""
+        return message
+
+
+def _arguments_value(call: AssistantToolCall) -> Any:
+    """The arguments as an object when they are JSON (templates write them out), else the text."""
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the schema is enforced under tool_choice required or named either way
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -494,8 +571,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: Annotated[Any, Unsupported([])] = None
-    tool_choice: Annotated[Any, Unsupported("none")] = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     functions: Annotated[Any, Unsupported([])] = None
     function_call: Annotated[Any, Unsupported("none")] = None
     modalities: Annotated[Any, Unsupported(["text"])] = None
@@ -523,8 +602,23 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [message.to_template_message() for message in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (unset fields left out)."""
+        return None if self.tools is None else [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_choice_value(self) -> str | dict[str, str] | None:
+        """tool_choice as a string, or a named function as {"name": ...}."""
+        choice = self.tool_choice
+        return {"name": choice.function.name} if isinstance(choice, NamedToolChoice) else choice
+
+    def structured_outputs_field(self) -> str | None:
+        forced = self.tools and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        )
+        return super().structured_outputs_field() or ("tool_choice" if forced else None)
 
 
 class ChatTopLogprob(_Response):
@@ -542,10 +636,24 @@ class ChatChoiceLogprobs(_Response):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    # vLLM's field for split-off reasoning (older vLLM named it reasoning_content); set by --reasoning-parser
+    reasoning: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    tool_calls: list[ChatToolCall] | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatChoice(_Response):
@@ -565,9 +673,31 @@ class ChatCompletionResponse(_Response):
     prompt_logprobs: PromptLogprobList | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
+class _Sparse(_Response):
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Sparse):
+    """A streamed piece of a call: index, id, type and name first, then fragments of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
@@ -702,6 +832,49 @@ class ResponseInputMessage(_Request):
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
+class ResponseFunctionCallInput(_Request):
+    """An earlier turn's call, as the Responses API returned it."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseFunctionCallOutputInput(_Request):
+    """The result of a call, sent back by the client."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+ResponseInputItem = ResponseInputMessage | ResponseFunctionCallInput | ResponseFunctionCallOutputInput
+
+
+class ResponseTool(_Request):
+    """A function tool; the Responses API has its fields beside `type` (chat nests them)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def to_chat_tool(self) -> dict[str, Any]:
+        function = self.model_dump(exclude_none=True, exclude={"type"})
+        return {"type": "function", "function": function}
+
+
+class ResponseNamedToolChoice(_Request):
+    type: Literal["function"]
+    name: str
+
+
 class ResponseTextFormat(_Request):
     """The Responses API's output format: json_schema's fields sit beside `type` (chat nests them)."""
 
@@ -734,7 +907,7 @@ class ResponsesRequest(_Request):
     """OpenAI's Responses API without stored state: every request carries its whole conversation."""
 
     model: str | None = None
-    input: str | list[ResponseInputMessage]
+    input: str | list[ResponseInputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -743,11 +916,11 @@ class ResponsesRequest(_Request):
     text: ResponseTextConfig | None = None
     store: bool = False  # true asks the server to keep the response: refused (STORED_RESPONSES)
     previous_response_id: str | None = None  # refused (STORED_RESPONSES)
-    tools: list[Any] = Field(default_factory=list)  # refused until tool calling is merged here
-    tool_choice: Annotated[Any, Unsupported("none", "auto")] = None
+    tools: list[ResponseTool] = Field(default_factory=list)  # function tools only
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
     user: str | None = None  # no effect, as on chat
     metadata: dict[str, str] | None = None  # no effect: nothing is stored
-    parallel_tool_calls: bool | None = None  # no effect without tools
+    parallel_tool_calls: bool = True
     truncation: Annotated[Any, Unsupported("disabled")] = None
     background: Annotated[Any, Unsupported(False)] = None
     conversation: Annotated[Any, Unsupported()] = None
@@ -759,17 +932,48 @@ class ResponsesRequest(_Request):
 
     @field_validator("input")
     @classmethod
-    def _check_input(cls, value: str | list[ResponseInputMessage]) -> str | list[ResponseInputMessage]:
+    def _check_input(cls, value: str | list[ResponseInputItem]) -> str | list[ResponseInputItem]:
         if isinstance(value, list) and not value:
             raise ValueError("must not be an empty list")
         return value
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The conversation for the chat template: the instructions as a system message first."""
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation for the chat template: the instructions as a system message first, calls
+        as assistant turns' tool_calls (consecutive ones in one turn), their outputs as tool turns."""
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
-        return [*messages, *(message.to_template_message() for message in self.input)]
+        for item in self.input:
+            if isinstance(item, ResponseInputMessage):
+                messages.append(item.to_template_message())
+            elif isinstance(item, ResponseFunctionCallOutputInput):
+                messages.append({"role": "tool", "content": item.output, "tool_call_id": item.call_id})
+            else:
+                call = AssistantToolCall(
+                    id=item.call_id, function=FunctionCallText(name=item.name, arguments=item.arguments)
+                )
+                call_dict = {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": _arguments_value(call)},
+                }
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call_dict)
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call_dict]})
+        return messages
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [tool.to_chat_tool() for tool in self.tools]
+
+    def tool_dicts_flat(self) -> list[dict[str, Any]]:
+        """The tools as the Responses API echoes them."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_choice_value(self) -> str | dict[str, str] | None:
+        choice = self.tool_choice
+        return {"name": choice.name} if isinstance(choice, ResponseNamedToolChoice) else choice
 
     # what ServerContext.sampling_params reads of a request
     def requested_max_tokens(self) -> int | None:
@@ -792,7 +996,12 @@ class ResponsesRequest(_Request):
     def structured_outputs_field(self) -> str | None:
         """The field that asked for structured outputs, for error messages."""
         text_format = self.text.format if self.text is not None else None
-        return "text" if text_format is not None and text_format.type != "text" else None
+        if text_format is not None and text_format.type != "text":
+            return "text"
+        forced = self.tools and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, ResponseNamedToolChoice)
+        )
+        return "tool_choice" if forced else None
 
 
 class ResponseOutputText(_Response):
@@ -807,6 +1016,30 @@ class ResponseOutputMessage(_Response):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[ResponseOutputText]
+
+
+class ResponseFunctionCall(_Response):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+class ResponseReasoningText(_Response):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ResponseReasoningItem(_Response):
+    """The reply's reasoning, split off by --reasoning-parser."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ResponseReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 class ResponseUsage(_Response):
@@ -842,10 +1075,12 @@ class ResponseObject(_Response):
     max_output_tokens: int | None = None
     temperature: float
     top_p: float
-    output: list[ResponseOutputMessage] = Field(default_factory=list)
-    parallel_tool_calls: bool = False
-    tool_choice: str = "none"
-    tools: list[Any] = Field(default_factory=list)
+    output: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionCall] = Field(
+        default_factory=list
+    )
+    parallel_tool_calls: bool = True
+    tool_choice: str | dict[str, str] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     store: bool = False
     previous_response_id: None = None

@@ -20,6 +20,7 @@ from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.health import WatchdogConfig
 from llmserve.engine.supervision import RestartPolicy
+from llmserve.entrypoints.openai.chat_options import ChatOptions
 
 logger = logging.getLogger("llmserve.server")
 
@@ -30,6 +31,7 @@ def run_server(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGTERM/Ctrl-C, exit 0."""
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    args.chat_options = ChatOptions.from_cli_args(args)  # a bad --chat-template fails before the model loads
     with bound_socket(args.host, args.port) as sock:
         engine = AsyncLLM(
             EngineArgs.from_cli_args(args),
@@ -61,7 +63,15 @@ def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> i
     name = args.served_model_name or api_server.default_served_model_name(engine.config.model.path)
     metrics = PrometheusMetrics(model_name=name, metric_names=getattr(args, "metric_names", "both"))
     admission = AdmissionConfig(args.max_waiting_tokens, args.max_queue_delay)
-    app = api_server.build_app(engine, name, api_key, args.max_waiting, metrics=metrics, admission=admission)
+    app = api_server.build_app(
+        engine,
+        name,
+        api_key,
+        args.max_waiting,
+        metrics=metrics,
+        admission=admission,
+        chat_options=args.chat_options,
+    )
     config = uvicorn.Config(
         app,
         host=args.host,

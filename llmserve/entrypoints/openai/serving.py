@@ -14,7 +14,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from llmserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineFailedError, RequestFailedError
 from llmserve.engine.llm_engine import check_params
 from llmserve.entrypoints.openai.admission import Admission, Refused
+from llmserve.entrypoints.openai.chat_options import ChatOptions
 from llmserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo, _SamplingRequest
 from llmserve.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
@@ -83,6 +84,7 @@ class ServerContext:
     in_flight: int = 0
     admission: Admission | None = None  # deadline and queued-token bounds (admission.py)
     grammar_compiler: Any = None  # structured outputs: made on first use (structured_outputs.py)
+    chat_options: ChatOptions = field(default_factory=ChatOptions)  # template override, output parsers
 
     @property
     def max_model_len(self) -> int:

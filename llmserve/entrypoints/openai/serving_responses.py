@@ -7,12 +7,15 @@ JSON with a growing `sequence_number`: response.created, response.in_progress,
 response.output_item.added, response.content_part.added, response.output_text.delta per piece of
 text, response.output_text.done, response.content_part.done, response.output_item.done, and finally
 response.completed (or response.incomplete when max_output_tokens cut it).
+
+With tools or a reasoning parser the reply is split by an OutputParser (chat_tools.py) into a
+`reasoning` item, the `message` and a `function_call` item per call (its `call_id` is what a
+`function_call_output` input item answers), streamed as responses_items.py describes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -20,6 +23,7 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import Response
 
+from llmserve.entrypoints.openai.chat_tools import OutputParser, resolve_tools
 from llmserve.entrypoints.openai.protocol import (
     STORED_RESPONSES,
     ResponseObject,
@@ -28,6 +32,7 @@ from llmserve.entrypoints.openai.protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
+from llmserve.entrypoints.openai.responses_items import Events, StreamedItems, function_call, reasoning_item
 from llmserve.entrypoints.openai.serving import (
     ApiError,
     EngineRequests,
@@ -50,17 +55,28 @@ class ResponsesHandler:
         ctx = self.ctx
         ctx.check_model(request.model)
         _check_supported(request)
-        prompt_ids = ctx.encode_prompt(self.chat.render(request.template_messages()), param="input")
+        spec = resolve_tools(request.tool_dicts(), request.tool_choice_value(), request.parallel_tool_calls)
+        prompt_text = self.chat.render_text(request.template_messages(), True, spec)
+        prompt_ids = ctx.encode_prompt(self.chat.encode(prompt_text), param="input")
         params = ctx.sampling_params(request, [len(prompt_ids)], default_max=None)
+        params = await self.chat.with_tool_grammar(params, spec, request.structured_outputs_field())
         await check_structured_outputs(ctx, request, params)
+        parser = None
+        if spec is not None or ctx.chat_options.reasoning_parser is not None:
+            parser = OutputParser(spec, ctx.chat_options, prompt_text)
         release = ctx.admit(1)
         requests = EngineRequests(
             ctx.engine, f"resp_{uuid.uuid4().hex}", [prompt_ids], params, 0, request.stream
         )
         if request.stream:
-            return SSEResponse(self._stream(request, requests), on_close=release)
+            stream = (
+                self._stream(request, requests)
+                if parser is None
+                else self._stream_parsed(request, requests, parser)
+            )
+            return SSEResponse(stream, on_close=release)
         try:
-            return await until_disconnected(raw_request, self._complete(request, requests))
+            return await until_disconnected(raw_request, self._complete(request, requests, parser))
         finally:
             release()
 
@@ -73,6 +89,9 @@ class ResponsesHandler:
             temperature=request.temperature,
             top_p=request.top_p,
             metadata=request.metadata or {},
+            tools=request.tool_dicts_flat(),
+            tool_choice=_echoed_choice(request),
+            parallel_tool_calls=request.parallel_tool_calls,
             **fields,
         )
 
@@ -80,32 +99,44 @@ class ResponsesHandler:
         self,
         request: ResponsesRequest,
         requests: EngineRequests,
-        message_id: str,
-        text: str,
         finish: str | None,
+        output: list[Any],
     ) -> ResponseObject:
         complete = finish != "length"
-        status = "completed" if complete else "incomplete"
-        message = ResponseOutputMessage(id=message_id, status=status, content=[ResponseOutputText(text=text)])
         return self._response(
             request,
             requests,
-            status=status,
+            status="completed" if complete else "incomplete",
             incomplete_details=None if complete else {"reason": "max_output_tokens"},
-            output=[message],
+            output=output,
             usage=ResponseUsage.of(requests.usage()),
         )
 
-    async def _complete(self, request: ResponsesRequest, requests: EngineRequests) -> Response:
+    @staticmethod
+    def _message(text: str, finish: str | None, message_id: str | None = None) -> ResponseOutputMessage:
+        status = "completed" if finish != "length" else "incomplete"
+        message_id = message_id or f"msg_{uuid.uuid4().hex}"
+        return ResponseOutputMessage(id=message_id, status=status, content=[ResponseOutputText(text=text)])
+
+    async def _complete(
+        self, request: ResponsesRequest, requests: EngineRequests, parser: OutputParser | None
+    ) -> Response:
         (output,) = await requests.final()
         (completion,) = output.outputs
-        message_id = f"msg_{uuid.uuid4().hex}"
-        return json_response(
-            self._finished(request, requests, message_id, completion.text, completion.finish_reason)
-        )
+        finish = completion.finish_reason
+        if parser is None:
+            return json_response(
+                self._finished(request, requests, finish, [self._message(completion.text, finish)])
+            )
+        parsed = parser.parse(completion.text)
+        items: list[Any] = [reasoning_item(parsed.reasoning)] if parsed.reasoning else []
+        if parsed.content or not parsed.tool_calls:
+            items.append(self._message(parsed.content or "", finish))
+        items += [function_call(call.id, call.name, call.arguments) for call in parsed.tool_calls]
+        return json_response(self._finished(request, requests, finish, items))
 
     async def _stream(self, request: ResponsesRequest, requests: EngineRequests) -> AsyncGenerator[str, None]:
-        events = _Events()
+        events = Events()
         message_id = f"msg_{uuid.uuid4().hex}"
         item = {"output_index": 0, "item_id": message_id, "content_index": 0}
         in_progress = self._response(request, requests, status="in_progress").model_dump(mode="json")
@@ -130,7 +161,7 @@ class ResponsesHandler:
             yield sse_error(error)
             return
         text = "".join(pieces)
-        final = self._finished(request, requests, message_id, text, finish)
+        final = self._finished(request, requests, finish, [self._message(text, finish, message_id)])
         yield events.send("response.output_text.done", **item, text=text, logprobs=[])
         done_part = ResponseOutputText(text=text).model_dump(mode="json")
         yield events.send("response.content_part.done", **item, part=done_part)
@@ -139,17 +170,40 @@ class ResponsesHandler:
         kind = "response.completed" if final.status == "completed" else "response.incomplete"
         yield events.send(kind, response=final.model_dump(mode="json"))
 
+    async def _stream_parsed(
+        self, request: ResponsesRequest, requests: EngineRequests, parser: OutputParser
+    ) -> AsyncGenerator[str, None]:
+        """The events of a reply split into reasoning, text and calls: items are added as they start."""
+        events = Events()
+        in_progress = self._response(request, requests, status="in_progress").model_dump(mode="json")
+        yield events.send("response.created", response=in_progress)
+        yield events.send("response.in_progress", response=in_progress)
+        items = StreamedItems(events)
+        finish = None
+        try:
+            async with contextlib.aclosing(requests.outputs()) as outputs:
+                async for _, output in outputs:
+                    for completion in output.outputs:
+                        finish = completion.finish_reason or finish
+                        piece = parser.step(completion.text, completion.finish_reason is not None)
+                        for event in items.add(piece):
+                            yield event
+        except Exception as error:  # noqa: BLE001 - the status line is sent; report in-band
+            yield sse_error(error)
+            return
+        for event in items.close():
+            yield event
+        status = "completed" if finish != "length" else "incomplete"
+        final = self._finished(request, requests, finish, items.output(status))
+        kind = "response.completed" if final.status == "completed" else "response.incomplete"
+        yield events.send(kind, response=final.model_dump(mode="json"))
 
-class _Events:
-    """Typed server-sent events with OpenAI's growing sequence number."""
 
-    def __init__(self) -> None:
-        self.sequence_number = 0
-
-    def send(self, kind: str, **fields: Any) -> str:
-        body = {"type": kind, "sequence_number": self.sequence_number, **fields}
-        self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+def _echoed_choice(request: ResponsesRequest) -> str | dict[str, str]:
+    choice = request.tool_choice
+    if choice is None:
+        return "auto" if request.tools else "none"
+    return choice if isinstance(choice, str) else choice.model_dump()
 
 
 def _check_supported(request: ResponsesRequest) -> None:
@@ -158,5 +212,3 @@ def _check_supported(request: ResponsesRequest) -> None:
         raise ApiError(STORED_RESPONSES, param="previous_response_id")
     if request.store:
         raise ApiError(f"store: true is not supported: {STORED_RESPONSES}", param="store")
-    if request.tools:
-        raise ApiError("tools are not supported on /v1/responses yet", param="tools")
