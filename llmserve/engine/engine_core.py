@@ -26,12 +26,14 @@ from llmserve.engine.messages import (
     EngineOutput,
     EngineReady,
     EngineStatus,
+    EngineWarmedUp,
     FailureKind,
     RequestAborted,
     RequestsFailed,
     Shutdown,
     StepOutputs,
 )
+from llmserve.engine.warmup import warm_up
 from llmserve.log import configure_logging
 from llmserve.metrics.stats import EngineGauges
 from llmserve.worker.cpu_binding import bind_engine_threads
@@ -89,6 +91,7 @@ class EngineCore:
 
     def run(self) -> None:
         try:
+            self.outputs.send(EngineWarmedUp(_warm_up(self.engine)))  # before any command is read
             while self._receive(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._step()
@@ -191,6 +194,15 @@ class EngineCore:
             failure=self.engine.failure,
             invariant_violations=0 if self.engine.invariants is None else self.engine.invariants.violations,
         )
+
+
+def _warm_up(engine: LLMEngine) -> list:
+    """The warm-up's measured steps; none if it raised (the first requests will show the fault)."""
+    try:
+        return warm_up(engine)
+    except Exception:  # noqa: BLE001 - serve without a prior rather than not at all
+        logger.exception("the engine's warm-up failed; serving without measured step rates")
+        return []
 
 
 def _picklable(error: BaseException) -> BaseException:
