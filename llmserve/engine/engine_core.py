@@ -43,6 +43,10 @@ logger = logging.getLogger("llmserve")
 
 # What a failed request's client reads: the cause, with its internals, goes to the server log only.
 _STEP_FAILED = "the engine step running this request failed; the server log has the cause"
+_LOGITS_FAILED = (
+    "applying this request's logits processors (structured-output grammar, logit_bias) failed; "
+    "the server log has the cause"
+)
 _OUTPUT_FAILED = (
     "processing this request's output (text, stop strings, logprobs) failed; the server log has the cause"
 )
@@ -172,6 +176,10 @@ class EngineCore:
             return
         if self.engine.failed_requests:  # their output processing raised; the server log says why
             self.outputs.send(RequestsFailed(self.engine.failed_requests, FailureKind.STEP, _OUTPUT_FAILED))
+        if self.engine.failed_logits_requests:  # a logits processor of theirs (a grammar mask) raised
+            self.outputs.send(
+                RequestsFailed(self.engine.failed_logits_requests, FailureKind.STEP, _LOGITS_FAILED)
+            )
         wire = [EngineOutput.of(output) for output in outputs]
         self.outputs.send(StepOutputs(wire, self.engine.last_step, self._gauges()))
 

@@ -49,6 +49,7 @@ class ModelRunnerOutput:
     sample_hidden: torch.Tensor | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # requests that asked
     pooled: dict[str, list[float]] = field(default_factory=dict)  # embedding requests whose prompt is done
+    failed: list[str] = field(default_factory=list)  # requests whose logits processor raised: they fail
 
 
 class BatchRow(Protocol):
@@ -285,7 +286,12 @@ class ModelRunner:
             device=self.device,
             grammars=[r.grammar for r in sampling_requests],
         )
-        return self._to_output(sampling_requests, self.sampler(logits, metadata))
+        output = self._to_output(sampling_requests, self.sampler(logits, metadata))
+        if metadata.logits_processing is not None and metadata.logits_processing.failed_rows:
+            output.failed = [
+                sampling_requests[row].request_id for row in metadata.logits_processing.failed_rows
+            ]
+        return output
 
     @staticmethod
     def _to_output(requests: list[CachedRequestState], sampled: SamplerOutput) -> ModelRunnerOutput:

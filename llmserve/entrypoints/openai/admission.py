@@ -82,7 +82,12 @@ class Admission:
             total = wait + service
             if total > timeout:
                 raise Refused(
-                    f"the predicted time of {total:.1f} s (queue wait {wait:.1f} s) exceeds the request's "
+                    f"the predicted time of {_seconds(total)} s (queue wait {wait:.1f} s) exceeds the request's "
                     f"timeout of {timeout:g} s; retry later",
                     wait if total - wait > timeout else total - timeout,  # never fits: retry when idle
                 )
+
+
+def _seconds(value: float) -> str:
+    """Tenths of a second, or two significant digits below one second (a tiny model's 0.041 s)."""
+    return f"{value:.1f}" if value >= 1 else f"{value:.2g}"

@@ -45,17 +45,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass  # probes every second would flood the log
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 2048  # uvicorn's backlog: connections wait there for the app
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that hung up mid-answer: nothing to report (the stdlib prints a traceback)
+
+
 class StartupResponder:
     """Answers on `sock` from `start` until `stop`; the socket stays open for the app."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self._server = http.server.ThreadingHTTPServer(
-            sock.getsockname()[:2], _Handler, bind_and_activate=False
-        )
+        self._server = _Server(sock.getsockname()[:2], _Handler, bind_and_activate=False)
         self._server.socket.close()  # its own unbound socket: the server's bound one replaces it
         self._server.socket = sock
-        self._server.daemon_threads = True
-        self._server.request_queue_size = 2048  # uvicorn's backlog: connections wait for the app there
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
