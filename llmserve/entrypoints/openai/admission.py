@@ -82,8 +82,8 @@ class Admission:
             total = wait + service
             if total > timeout:
                 raise Refused(
-                    f"the predicted time of {_seconds(total)} s (queue wait {wait:.1f} s) exceeds the request's "
-                    f"timeout of {timeout:g} s; retry later",
+                    f"the predicted time of {_seconds(total)} s (queue wait {wait:.1f} s) exceeds the "
+                    f"request's timeout of {timeout:g} s; retry later",
                     wait if total - wait > timeout else total - timeout,  # never fits: retry when idle
                 )
 
