@@ -100,6 +100,9 @@ class LogitsProcessing:
     work: list[tuple[LogitsProcessor, list[int]]]
     params: list[SamplingParams]
     output_token_ids: list[list[int]]
+    # The caller fails the requests of `failed_rows` (the model runner's sampler path); otherwise a
+    # raising processor raises, so no path goes on with a row left unprocessed.
+    isolate_failures: bool = False
     failed_rows: set[int] = field(default_factory=set)  # rows whose processor raised (after `apply`)
 
     @classmethod
@@ -121,13 +124,15 @@ class LogitsProcessing:
         return cls(work, list(params), list(output_token_ids)) if work else None
 
     def apply(self, logits: torch.Tensor) -> None:
-        """In place, on float32 logits whose rows are the batch's rows. A processor that raises is run
-        again one row at a time: the rows that raise alone go to `failed_rows` (their requests fail,
-        the engine's concern) and the others get their processing."""
+        """In place, on float32 logits whose rows are the batch's rows. With `isolate_failures`, a
+        processor that raises is run again one row at a time: the rows that raise alone go to
+        `failed_rows` (the caller fails their requests) and the others get their processing."""
         for processor, rows in self.work:
             try:
                 self._apply(processor, logits, rows)
             except Exception:  # noqa: BLE001 - one request's processor must not fail the batch
+                if not self.isolate_failures:
+                    raise
                 logger.exception(
                     "logits processor %s raised; retrying its %d rows one by one", processor, len(rows)
                 )

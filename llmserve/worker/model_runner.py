@@ -286,11 +286,12 @@ class ModelRunner:
             device=self.device,
             grammars=[r.grammar for r in sampling_requests],
         )
+        processing = metadata.logits_processing
+        if processing is not None:
+            processing.isolate_failures = True  # a raising processor fails its requests (output.failed)
         output = self._to_output(sampling_requests, self.sampler(logits, metadata))
-        if metadata.logits_processing is not None and metadata.logits_processing.failed_rows:
-            output.failed = [
-                sampling_requests[row].request_id for row in metadata.logits_processing.failed_rows
-            ]
+        if processing is not None and processing.failed_rows:
+            output.failed = [sampling_requests[row].request_id for row in sorted(processing.failed_rows)]
         return output
 
     @staticmethod

@@ -92,6 +92,9 @@ def test_a_raising_processor_fails_only_the_rows_that_raise_alone(monkeypatch):
     monkeypatch.setattr(processors, "PROCESSORS", (_RaisesOnMarkedRows(),))
     batch = [params(logit_bias={1: 0.0}), params(logit_bias={3: 0.0}), params(), params(logit_bias={2: 0.0})]
     processing = LogitsProcessing.build(batch, [[], [], [], []])
+    with pytest.raises(KeyError):  # a path that does not fail requests alone: the step fails
+        processing.apply(torch.zeros(4, 4))
+    processing.isolate_failures = True
     logits = torch.zeros(4, 4)
     processing.apply(logits)
     assert processing.failed_rows == {1}
