@@ -121,7 +121,7 @@ def test_a_raising_output_stage_fails_its_request_alone(engine_args):
 def test_a_raising_logits_processor_fails_its_request_alone(engine_args):
     llm = AsyncLLM(engine_args, engine_factory=_FaultyProcessorEngine)
     try:
-        greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
         biased = SamplingParams(max_tokens=8, ignore_eos=True, logit_bias={11: 100.0})
         marked_params = SamplingParams(max_tokens=8, ignore_eos=True, logit_bias={MARK: 0.0})
         alone = [asyncio.run(_collect(llm, [7, 8, 9], greedy, "alone"))]  # the reference, alone
