@@ -99,7 +99,9 @@ class AsyncLLM:
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self.request_listeners: list[Callable[[list[int], SamplingParams], None]] = []  # at each arrival
         # the engine's warm-up steps (engine/warmup.py), after each start: the wait predictor's prior
-        self.warmup_listeners: list[Callable[[list[StepStats]], None]] = []
+        self._warmup_listeners: list[Callable[[list[StepStats]], None]] = []
+        self._warmup_steps: list[StepStats] | None = None  # the latest warm-up's, once it is done
+        self._warmup_lock = threading.Lock()
         self.gauges = EngineGauges()
         self.health = EngineHealth(watchdog or WatchdogConfig())
         self.on_engine_lost: Callable[[str], None] | None = None  # the engine is gone and not restarted
@@ -263,6 +265,14 @@ class AsyncLLM:
         self._queued[request_id] = len(prompt_ids)
         self._output_kinds.add_request(request_id, kind)
         return stream
+
+    def add_warmup_listener(self, listener: Callable[[list[StepStats]], None]) -> None:
+        """Call `listener` with the steps of every engine warm-up, at once with the last one if it is
+        done (it may finish before the server's app is built)."""
+        with self._warmup_lock:
+            self._warmup_listeners.append(listener)
+            if self._warmup_steps is not None:
+                listener(self._warmup_steps)
 
     def abort(self, request_id: str) -> None:
         """Abort from outside the stream: its iterator receives the final "abort" output."""
@@ -429,8 +439,10 @@ class AsyncLLM:
             self.gauges = message.gauges
         elif isinstance(message, EngineWarmedUp):
             self.health.on_warmed_up(message.steps)
-            for listener in self.warmup_listeners:
-                listener(message.steps)
+            with self._warmup_lock:
+                self._warmup_steps = message.steps
+                for listener in self._warmup_listeners:
+                    listener(message.steps)
 
     def _request_output(self, wire) -> RequestOutput | None:
         """The delta as a RequestOutput with its prompt; None for a request this side forgot."""

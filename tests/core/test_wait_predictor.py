@@ -79,6 +79,7 @@ class _Engine(SimpleNamespace):
         super().__init__(
             step_listeners=[],
             warmup_listeners=[],
+            add_warmup_listener=lambda listener: self.warmup_listeners.append(listener),
             queued_prompt_tokens=queued,
             config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs)),
         )

@@ -6,6 +6,7 @@ engine kill: test_engine_supervision.py.)"""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def test_every_health_state_is_observable_over_http(tiny_model_dir, tmp_path):
         assert hung[0].status_code == 200, hung[0].text
         assert stalled[-1] == (503, "stalled")
         metrics = httpx.get(base_url + "/metrics", timeout=5).text
-        assert "llmserve:engine_stalls_total 1.0" in metrics
+        assert re.search(r"^llmserve:engine_stalls_total(\{[^}]*\})? 1\.0$", metrics, re.MULTILINE), metrics
 
         proc.send_signal(signal.SIGTERM)
         watch(base_url, lambda now: now == (503, "stopping"), 10)  # draining: still answering

@@ -39,7 +39,7 @@ class Admission:
         self.config = config
         self.predictor = WaitPredictor()
         engine.step_listeners.append(self.predictor.on_step)
-        engine.warmup_listeners.append(self.predictor.prime)
+        engine.add_warmup_listener(self.predictor.prime)
 
     def predicted_wait(self, in_flight: int, num_requests: int = 1, service: float = 0.0) -> float:
         """Seconds before `num_requests` arriving now, behind `in_flight` admitted requests (the
