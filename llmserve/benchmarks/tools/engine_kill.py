@@ -8,7 +8,8 @@
 after 0.1 s). After `--load-seconds` of load the engine process (the server's child; found from the
 process listening on the URL's port, or `--server-pid`) gets SIGKILL, and the tool times, from the
 kill: /health turning 503, /health 200 again, and the first request sent after the kill that completes.
-It counts the streams the kill ended and the requests refused while the engine restarted, and checks
+It counts the streams the kill ended and the outcomes of the requests sent while the engine restarted
+(503, a stream's in-band error, or served once the new engine took them), and checks
 that the killed process and its workers are gone. Each of `--kills` rounds waits for /health 200 first.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import signal
 import statistics
@@ -124,7 +126,8 @@ async def one_kill(http: httpx.AsyncClient, load: Load, pid: int, args: argparse
         - killed,
         "in_flight_at_kill": len(ended),
         "in_flight_ended_with_error": sum(outcome != "ok" for _, _, outcome in ended),
-        "refused_while_restarting": sum(outcome.startswith("http_5") for _, _, outcome in after),
+        # sent between the kill and /health 200: refused (a 503, or a stream's in-band error) or served
+        "sent_while_restarting": dict(collections.Counter(outcome for _, _, outcome in after)),
         "killed_pid": engine.pid,
         "orphans": [p.pid for p in group if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
     }
