@@ -9,6 +9,7 @@ cache entries, KV events and speculative-decoding counters are dropped and the s
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -31,7 +32,9 @@ def warm_up(engine: LLMEngine) -> list[StepStats]:
     start = time.monotonic()
     publisher, engine.kv_event_publisher = engine.kv_event_publisher, None  # a router must not see it
     try:
+        cost_model = copy.deepcopy(engine.scheduler.cost_model)
         _run(engine, _REQUEST_IDS[0], offset=1)
+        engine.scheduler.cost_model = cost_model  # the kernel-building steps would skew its fit
         steps = _run(engine, _REQUEST_IDS[1], offset=2)
     finally:
         engine.kv_event_publisher = publisher
