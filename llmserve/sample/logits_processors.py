@@ -100,8 +100,8 @@ class LogitsProcessing:
     work: list[tuple[LogitsProcessor, list[int]]]
     params: list[SamplingParams]
     output_token_ids: list[list[int]]
-    # The caller fails the requests of `failed_rows` (the model runner's sampler path); otherwise a
-    # raising processor raises, so no path goes on with a row left unprocessed.
+    # The caller fails the requests of `failed_rows` (the sampler's and the verifier's paths); otherwise
+    # a raising processor raises, so no path goes on with a row left unprocessed.
     isolate_failures: bool = False
     failed_rows: set[int] = field(default_factory=set)  # rows whose processor raised (after `apply`)
 

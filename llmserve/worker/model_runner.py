@@ -275,7 +275,9 @@ class ModelRunner:
             draft_probs = {  # sampled drafts carry their q
                 r.request_id: r.spec_token_probs for r in sampling_requests if r.spec_token_probs is not None
             }
-            return ModelRunnerOutput(*self.verifier(logits, sampling_requests, draft_probs))
+            failed: list[str] = []  # a raising logits processor fails only its requests
+            tokens, logprobs = self.verifier(logits, sampling_requests, draft_probs, failed)
+            return ModelRunnerOutput(tokens, logprobs, failed=failed)
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in sampling_requests],
             prompt_token_ids=[r.prompt_token_ids for r in sampling_requests],
