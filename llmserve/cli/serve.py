@@ -78,6 +78,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "turns /health to 503 'stalled' (the limit grows with the predicted step time)",
     )
     group.add_argument(
+        "--shutdown-drain-seconds",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, go on answering this long (/health 503 'stopping', requests 503) before the "
+        "listener closes, so a load balancer sees the server leave",
+    )
+    group.add_argument(
         "--cpu-binding",
         action=argparse.BooleanOptionalAction,
         default=True,

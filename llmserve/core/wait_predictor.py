@@ -7,8 +7,10 @@ service = (its prompt's prefill) + (its max_tokens) x (seconds per step)
 Both rates are measured over the engine's recent steps, in step time (idle time between bursts does not
 dilute them). The prompt's prefill is the step-time cost model's (core/step_cost.py: the one the
 scheduler plans its steps with, fitted here from the same steps' shapes) once it is fitted, else its
-tokens x seconds per token. The server's admission (entrypoints/openai/admission.py) refuses a request
-whose wait exceeds its deadline.
+tokens x seconds per token. The engine's warm-up steps (engine/warmup.py) are the first of them
+(`prime`), so the first burst after start-up is predicted too; until a request has finished there is
+no finish rate, and the admission assumes the requests ahead are as long as the new one. The server's
+admission (entrypoints/openai/admission.py) refuses a request whose wait exceeds its deadline.
 """
 
 from __future__ import annotations
@@ -44,11 +46,15 @@ class WaitPredictor:
     def on_step(self, stats: StepStats | None, outputs: Sequence[RequestOutput]) -> None:
         if stats is None:  # an abort's output, not a step
             return
-        step = _Step(
-            stats.num_prompt_tokens + stats.num_generation_tokens,
-            sum(1 for output in outputs if output.finished),
-            stats.step_seconds,
-        )
+        self._add(stats, sum(1 for output in outputs if output.finished))
+
+    def prime(self, steps: Sequence[StepStats]) -> None:
+        """Take the engine's warm-up steps as measured ones (their requests' finishes do not count)."""
+        for stats in steps:
+            self._add(stats, 0)
+
+    def _add(self, stats: StepStats, finished: int) -> None:
+        step = _Step(stats.num_prompt_tokens + stats.num_generation_tokens, finished, stats.step_seconds)
         if len(self._steps) == self._steps.maxlen:
             self._drop(self._steps[0])
         self._steps.append(step)

@@ -36,6 +36,7 @@ from llmserve.engine.messages import (
     EngineLoadFailed,
     EngineMessage,
     EngineStatus,
+    EngineWarmedUp,
     FailureKind,
     RequestAborted,
     RequestsFailed,
@@ -97,6 +98,10 @@ class AsyncLLM:
         """
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self.request_listeners: list[Callable[[list[int], SamplingParams], None]] = []  # at each arrival
+        # the engine's warm-up steps (engine/warmup.py), after each start: the wait predictor's prior
+        self._warmup_listeners: list[Callable[[list[StepStats]], None]] = []
+        self._warmup_steps: list[StepStats] | None = None  # the latest warm-up's, once it is done
+        self._warmup_lock = threading.Lock()
         self.gauges = EngineGauges()
         self.health = EngineHealth(watchdog or WatchdogConfig())
         self.on_engine_lost: Callable[[str], None] | None = None  # the engine is gone and not restarted
@@ -126,7 +131,7 @@ class AsyncLLM:
         if engine_main_cpu is not None:  # before the threads below start: they inherit it
             keep_process_off(engine_main_cpu)
         self.health.max_step_tokens = self.config.scheduler.max_num_batched_tokens
-        self.health.set(HealthState.WARMING, "the engine's first step has not finished yet")
+        self.health.set(HealthState.WARMING, "the engine is warming up")
         self._start_threads()
         self.health.start_watchdog(lambda: bool(self._prompts))
 
@@ -261,6 +266,14 @@ class AsyncLLM:
         self._output_kinds.add_request(request_id, kind)
         return stream
 
+    def add_warmup_listener(self, listener: Callable[[list[StepStats]], None]) -> None:
+        """Call `listener` with the steps of every engine warm-up, at once with the last one if it is
+        done (it may finish before the server's app is built)."""
+        with self._warmup_lock:
+            self._warmup_listeners.append(listener)
+            if self._warmup_steps is not None:
+                listener(self._warmup_steps)
+
     def abort(self, request_id: str) -> None:
         """Abort from outside the stream: its iterator receives the final "abort" output."""
         self._commands.put(AbortRequest(request_id))
@@ -339,6 +352,10 @@ class AsyncLLM:
         if self.gauges.failure is not None:
             message = f"{self.gauges.failure}; the engine process was stopped"
         logger.error(message)
+        # /health turns 503 before any stream hears of it (the supervisor may say stopping instead)
+        self.health.set(
+            HealthState.RESTARTING if self._restarts is not None else HealthState.STOPPING, message
+        )
         self._commands.put(None)  # the sender of this engine process ends
         self._fail_in_flight(message)
         self._restart_or_give_up(message)
@@ -388,7 +405,7 @@ class AsyncLLM:
             if engine_main_cpu is not None:
                 keep_process_off(engine_main_cpu)
             self.health.num_restarts += 1
-            self.health.set(HealthState.WARMING, "the restarted engine's first step has not finished yet")
+            self.health.set(HealthState.WARMING, "the restarted engine is warming up")
             logger.warning("the engine process restarted (restart %d)", self.health.num_restarts)
             self._start_threads()
             return
@@ -420,6 +437,12 @@ class AsyncLLM:
             self._deliver_all([(request_id, error) for request_id in message.request_ids])
         elif isinstance(message, EngineStatus):
             self.gauges = message.gauges
+        elif isinstance(message, EngineWarmedUp):
+            self.health.on_warmed_up(message.steps)
+            with self._warmup_lock:
+                self._warmup_steps = message.steps
+                for listener in self._warmup_listeners:
+                    listener(message.steps)
 
     def _request_output(self, wire) -> RequestOutput | None:
         """The delta as a RequestOutput with its prompt; None for a request this side forgot."""

@@ -26,12 +26,14 @@ from llmserve.engine.messages import (
     EngineOutput,
     EngineReady,
     EngineStatus,
+    EngineWarmedUp,
     FailureKind,
     RequestAborted,
     RequestsFailed,
     Shutdown,
     StepOutputs,
 )
+from llmserve.engine.warmup import warm_up
 from llmserve.log import configure_logging
 from llmserve.metrics.stats import EngineGauges
 from llmserve.worker.cpu_binding import bind_engine_threads
@@ -41,6 +43,10 @@ logger = logging.getLogger("llmserve")
 
 # What a failed request's client reads: the cause, with its internals, goes to the server log only.
 _STEP_FAILED = "the engine step running this request failed; the server log has the cause"
+_LOGITS_FAILED = (
+    "applying this request's logits processors (structured-output grammar, logit_bias) failed; "
+    "the server log has the cause"
+)
 _OUTPUT_FAILED = (
     "processing this request's output (text, stop strings, logprobs) failed; the server log has the cause"
 )
@@ -89,6 +95,7 @@ class EngineCore:
 
     def run(self) -> None:
         try:
+            self.outputs.send(EngineWarmedUp(_warm_up(self.engine)))  # before any command is read
             while self._receive(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._step()
@@ -169,6 +176,10 @@ class EngineCore:
             return
         if self.engine.failed_requests:  # their output processing raised; the server log says why
             self.outputs.send(RequestsFailed(self.engine.failed_requests, FailureKind.STEP, _OUTPUT_FAILED))
+        if self.engine.failed_logits_requests:  # a logits processor of theirs (a grammar mask) raised
+            self.outputs.send(
+                RequestsFailed(self.engine.failed_logits_requests, FailureKind.STEP, _LOGITS_FAILED)
+            )
         wire = [EngineOutput.of(output) for output in outputs]
         self.outputs.send(StepOutputs(wire, self.engine.last_step, self._gauges()))
 
@@ -191,6 +202,15 @@ class EngineCore:
             failure=self.engine.failure,
             invariant_violations=0 if self.engine.invariants is None else self.engine.invariants.violations,
         )
+
+
+def _warm_up(engine: LLMEngine) -> list:
+    """The warm-up's measured steps; none if it raised (the first requests will show the fault)."""
+    try:
+        return warm_up(engine)
+    except Exception:  # noqa: BLE001 - serve without a prior rather than not at all
+        logger.exception("the engine's warm-up failed; serving without measured step rates")
+        return []
 
 
 def _picklable(error: BaseException) -> BaseException:

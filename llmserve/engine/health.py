@@ -1,8 +1,9 @@
 """The server's health: one state the engine's client and the server report into, and the watchdog.
 
-States (what /health says; only `ready` and `warming` answer 200):
-  starting    the engine process is loading the model
-  warming     loaded; its first step has not finished yet (kernels build, pages fault in)
+States (what /health says; only `ready` answers 200):
+  starting    the engine process is loading the model (answered by serve.py's start-up responder,
+              before the app runs)
+  warming     loaded; its warm-up (engine/warmup.py) has not finished yet; requests are queued
   ready       serving
   stalled     requests are in flight and no step has finished within the watchdog's limit
   restarting  the engine process (or one of its workers) died; a new one is loading
@@ -12,8 +13,8 @@ The watchdog judges progress, not time alone: a step may take up to `factor` tim
 of the largest step the scheduler can plan, and never less than `min_seconds`; so a long prefill is not
 a hang. The prediction is the scheduler's token budget at the seconds per token of the largest recent
 step (a prefill: per-step overheads weigh least there), or the slowest recent step if that is longer.
-The first step after (re)start is left out (kernels warm up in it); until it finishes (warming) the
-limit is `warmup_seconds`.
+The warm-up's measured steps are the first recent steps; until the warm-up (or, without one, the
+first step) has finished, the limit is `warmup_seconds`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class HealthState(enum.Enum):
 
     @property
     def serving(self) -> bool:
+        """The engine takes requests (a warming one queues them); the watchdog judges its progress."""
         return self in (HealthState.READY, HealthState.WARMING)
 
 
@@ -94,13 +96,21 @@ class EngineHealth:
             self._state, self._reason = state, reason
             self._last_progress = time.monotonic()
 
+    def on_warmed_up(self, steps: list[StepStats]) -> None:
+        """The engine's warm-up finished: ready, with its measured steps as the first speeds."""
+        with self._lock:
+            self._last_progress = time.monotonic()
+            self._steps.extend((s.num_prompt_tokens + s.num_generation_tokens, s.step_seconds) for s in steps)
+            if self._state is HealthState.WARMING:
+                self._state, self._reason = HealthState.READY, ""
+
     def on_step(self, stats: StepStats | None) -> None:
         """A step finished (the engine's reader thread): progress, and its speed for the prediction."""
         now = time.monotonic()
         with self._lock:
             self._last_progress = now
             tokens = 0 if stats is None else stats.num_prompt_tokens + stats.num_generation_tokens
-            if tokens and self._state is not HealthState.WARMING:  # the warm-up step predicts nothing
+            if tokens and self._state is not HealthState.WARMING:  # a first step builds kernels: no speed
                 self._steps.append((tokens, stats.step_seconds))
             if self._state in (HealthState.WARMING, HealthState.STALLED):
                 if self._state is HealthState.STALLED:

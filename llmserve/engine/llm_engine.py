@@ -107,6 +107,7 @@ class LLMEngine:
         self.model_runner.grammar_compiler = self.grammar_gate.compiler
         self.last_step: StepStats | None = None
         self.failed_requests: list[str] = []  # of the last step: their output processing raised
+        self.failed_logits_requests: list[str] = []  # of the last step: a logits processor of theirs raised
         self.invariants = InvariantChecker(self.kv_cache_manager) if args.check_invariants else None
         self._prefix_cache_reported = (0, 0)  # the cache manager's (queries, hits) in StepStats so far
         self._swap_preemptions_reported = 0  # the scheduler's swap preemptions in StepStats so far
@@ -399,6 +400,22 @@ class LLMEngine:
             self.output_processor.forget(request_id)
             self.output_kinds.forget(request_id)
 
+    def _fail_children(self, child_ids: list[str]) -> list[str]:
+        """Fail the requests these child ids belong to (a finished child's new token is then ignored)."""
+        parents = sorted(
+            {
+                self.output_processor.child_index[c][0]
+                for c in child_ids
+                if c in self.output_processor.child_index
+            }
+        )
+        for parent_id in parents:
+            logger.error(
+                "request %s failed: its logits processor raised (the cause is logged above)", parent_id
+            )
+        self.fail_requests(parents)
+        return parents
+
     def _process(
         self, scheduled: SchedulerOutput, result: ModelRunnerOutput, start: float
     ) -> list[RequestOutput]:
@@ -414,6 +431,7 @@ class LLMEngine:
         accepted = [len(sampled[r]) - 1 for r in plan.spec_token_ids]  # per request, not per token
         if result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
+        self.failed_logits_requests = self._fail_children(result.failed)  # before their tokens count
         if scheduled.requests:
             updated = self.scheduler.update_from_output(scheduled, sampled, proposals)
             outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)

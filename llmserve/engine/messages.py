@@ -5,9 +5,10 @@ request's outputs cross as deltas (`RequestOutputKind.DELTA`): each `EngineOutpu
 is new since the previous one, and the prompt never crosses back (the server tokenized it).
 
   server -> engine, a list per send: AddRequest, AddPoolingRequest, AbortRequest, Shutdown.
-  engine -> server: EngineReady or EngineLoadFailed once; then StepOutputs after every step,
-      RequestAborted for every AbortRequest, RequestsFailed for requests the engine gave up on,
-      EngineStatus when its state changed without a step (a tensor-parallel rank exited while idle).
+  engine -> server: EngineReady or EngineLoadFailed once, then EngineWarmedUp once; then StepOutputs
+      after every step, RequestAborted for every AbortRequest, RequestsFailed for requests the engine
+      gave up on, EngineStatus when its state changed without a step (a tensor-parallel rank exited
+      while idle).
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ class FailureKind(enum.Enum):
 class EngineReady(_Message):
     config: Any  # EngineConfig
     main_cpu: int | None  # the CPU the engine's main thread is pinned to, if any
+
+
+class EngineWarmedUp(_Message):
+    """Sent once after EngineReady: the warm-up is done (engine/warmup.py); its measured steps."""
+
+    steps: list[StepStats]
 
 
 class EngineLoadFailed(_Message):
@@ -139,4 +146,12 @@ class EngineStatus(_Message):
     gauges: EngineGauges
 
 
-EngineMessage = EngineReady | EngineLoadFailed | StepOutputs | RequestAborted | RequestsFailed | EngineStatus
+EngineMessage = (
+    EngineReady
+    | EngineWarmedUp
+    | EngineLoadFailed
+    | StepOutputs
+    | RequestAborted
+    | RequestsFailed
+    | EngineStatus
+)

@@ -12,13 +12,16 @@ step to the rows' grammar states, which live on the runner's requests.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("llmserve")
 
 if TYPE_CHECKING:
     from llmserve.structured.matcher import GrammarState
@@ -36,7 +39,8 @@ class LogitsProcessor(Protocol):
         params: Sequence[SamplingParams],
         output_token_ids: Sequence[Sequence[int]],
     ) -> None:
-        """Change logits[rows[i]] in place for the request with params[i] after output_token_ids[i]."""
+        """Change logits[rows[i]] in place for the request with params[i] after output_token_ids[i].
+        One that raises must have left the logits unchanged (it is run again on each row alone)."""
         ...
 
 
@@ -96,6 +100,10 @@ class LogitsProcessing:
     work: list[tuple[LogitsProcessor, list[int]]]
     params: list[SamplingParams]
     output_token_ids: list[list[int]]
+    # The caller fails the requests of `failed_rows` (the sampler's and the verifier's paths); otherwise
+    # a raising processor raises, so no path goes on with a row left unprocessed.
+    isolate_failures: bool = False
+    failed_rows: set[int] = field(default_factory=set)  # rows whose processor raised (after `apply`)
 
     @classmethod
     def build(
@@ -116,7 +124,24 @@ class LogitsProcessing:
         return cls(work, list(params), list(output_token_ids)) if work else None
 
     def apply(self, logits: torch.Tensor) -> None:
-        """In place, on float32 logits whose rows are the batch's rows."""
+        """In place, on float32 logits whose rows are the batch's rows. With `isolate_failures`, a
+        processor that raises is run again one row at a time: the rows that raise alone go to
+        `failed_rows` (the caller fails their requests) and the others get their processing."""
         for processor, rows in self.work:
-            params = [self.params[row] for row in rows]
-            processor.apply(logits, rows, params, [self.output_token_ids[row] for row in rows])
+            try:
+                self._apply(processor, logits, rows)
+            except Exception:  # noqa: BLE001 - one request's processor must not fail the batch
+                if not self.isolate_failures:
+                    raise
+                logger.exception(
+                    "logits processor %s raised; retrying its %d rows one by one", processor, len(rows)
+                )
+                for row in rows:
+                    try:
+                        self._apply(processor, logits, [row])
+                    except Exception:  # noqa: BLE001 - this row's request fails alone
+                        self.failed_rows.add(row)
+
+    def _apply(self, processor: LogitsProcessor, logits: torch.Tensor, rows: list[int]) -> None:
+        params = [self.params[row] for row in rows]
+        processor.apply(logits, rows, params, [self.output_token_ids[row] for row in rows])

@@ -42,18 +42,27 @@ class DraftVerifier:
         self.rejection_sampler = RejectionSampler()
 
     def __call__(
-        self, logits: torch.Tensor, requests: Sequence[SamplingRequest], draft_probs: dict[str, torch.Tensor]
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[SamplingRequest],
+        draft_probs: dict[str, torch.Tensor],
+        failed: list[str] | None = None,
     ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
         """New tokens per request (accepted drafts, then the recovered or bonus token) and their logprobs.
 
         `draft_probs` holds each request's [k, V] q when its drafts were sampled from a distribution;
         empty means one-hot q (n-gram drafts, or greedy drafts that only greedy requests verify).
+        `failed`: given, a logits processor that raises fails only its requests, whose ids are added
+        to it (the caller fails them; their tokens here mean nothing); else it raises.
         """
         num_drafts = [len(r.spec_token_ids) for r in requests]
         if not draft_probs and all(_plain_greedy(r) for r in requests):
             return self._verify_plain_greedy(logits, requests, num_drafts), {}
         rows, drafts_before = expand_rows(requests, [k + 1 for k in num_drafts])
         metadata = build_row_metadata(rows, drafts_before, self.vocab_size, self.device)
+        processing = metadata.logits_processing
+        if processing is not None and failed is not None:
+            processing.isolate_failures = True
         draft_ids = [t for r in requests for t in r.spec_token_ids]
         q = None
         if draft_probs:
@@ -62,6 +71,8 @@ class DraftVerifier:
             logits, num_drafts, torch.tensor(draft_ids, dtype=torch.int64, device=self.device), q, metadata
         )
         accepted, next_ids = output.num_accepted.tolist(), output.next_token_ids.tolist()  # the host sync
+        if processing is not None and processing.failed_rows and failed is not None:
+            failed.extend(dict.fromkeys(rows[row].request_id for row in sorted(processing.failed_rows)))
         token_ids = [r.spec_token_ids[:a] + [t] for r, a, t in zip(requests, accepted, next_ids, strict=True)]
         new_tokens = {r.request_id: ids for r, ids in zip(requests, token_ids, strict=True)}
         if metadata.max_num_logprobs is None:

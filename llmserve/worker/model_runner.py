@@ -53,6 +53,7 @@ class ModelRunnerOutput:
     sample_hidden: torch.Tensor | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # requests that asked
     pooled: dict[str, list[float]] = field(default_factory=dict)  # embedding requests whose prompt is done
+    failed: list[str] = field(default_factory=list)  # requests whose logits processor raised: they fail
 
 
 class BatchRow(Protocol):
@@ -284,7 +285,9 @@ class ModelRunner:
             draft_probs = {  # sampled drafts carry their q
                 r.request_id: r.spec_token_probs for r in sampling_requests if r.spec_token_probs is not None
             }
-            return ModelRunnerOutput(*self.verifier(logits, sampling_requests, draft_probs))
+            failed: list[str] = []  # a raising logits processor fails only its requests
+            tokens, logprobs = self.verifier(logits, sampling_requests, draft_probs, failed)
+            return ModelRunnerOutput(tokens, logprobs, failed=failed)
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in sampling_requests],
             prompt_token_ids=[r.prompt_token_ids for r in sampling_requests],
@@ -295,7 +298,13 @@ class ModelRunner:
             device=self.device,
             grammars=[r.grammar for r in sampling_requests],
         )
-        return self._to_output(sampling_requests, self.sampler(logits, metadata))
+        processing = metadata.logits_processing
+        if processing is not None:
+            processing.isolate_failures = True  # a raising processor fails its requests (output.failed)
+        output = self._to_output(sampling_requests, self.sampler(logits, metadata))
+        if processing is not None and processing.failed_rows:
+            output.failed = [sampling_requests[row].request_id for row in sorted(processing.failed_rows)]
+        return output
 
     @staticmethod
     def _to_output(requests: list[CachedRequestState], sampled: SamplerOutput) -> ModelRunnerOutput:

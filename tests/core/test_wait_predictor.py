@@ -33,6 +33,37 @@ def test_the_prediction_is_tokens_ahead_over_the_measured_rate_plus_slots_over_t
     assert predictor.predict(2200, requests_over_slots=-3) == pytest.approx(2.0)  # free slots: no wait
 
 
+def test_the_warm_up_steps_are_the_prior_and_give_no_finish_rate():
+    predictor = WaitPredictor()
+    predictor.prime([_step(27, 1, 0.028), _step(0, 1, 0.004), _step(0, 1, 0.004), _step(0, 1, 0.004)])
+    assert predictor.seconds_per_token == pytest.approx(0.04 / 31)
+    assert predictor.seconds_per_step == pytest.approx(0.01)
+    assert predictor.seconds_per_finished_request is None  # its requests' ends are not a workload's
+    assert predictor.predict(3100) == pytest.approx(4.0)
+    predictor.on_step(_step(0, 2, 0.01), _finished(2))  # the first real finishes give the rate
+    assert predictor.seconds_per_finished_request == pytest.approx(0.025)
+
+
+def test_a_cold_start_burst_is_refused_from_the_warm_up_prior():
+    engine = _Engine(queued=0, max_num_seqs=2)
+    admission = Admission(engine, AdmissionConfig())
+    admission.check([10], timeout=0.5, in_flight=5, max_tokens=100)  # nothing measured: admitted
+    warm_up = [_step(10, 0, 0.01)] + [_step(0, 1, 0.01)] * 4  # 10 ms a step
+    engine.warmup_listeners[0](warm_up)
+    # its service: 10 prompt tokens (10 x 1/14 x 50 ms) and 100 steps of 10 ms = 1.036 s
+    admission.check([10], timeout=1.1, in_flight=1, max_tokens=100)  # a free slot: no wait
+    # 5 in flight on 2 slots, nothing finished yet: they started together; the 6th waits for 2 rounds
+    assert admission.predicted_wait(in_flight=5, service=1.0) == pytest.approx(2.0)
+    with pytest.raises(Refused, match=r"predicted time of 3.1 s \(queue wait 2.1 s\)") as refused:
+        admission.check([10], timeout=2.5, in_flight=5, max_tokens=100)
+    assert refused.value.retry_after == 1  # ceil(3.11 - 2.5)
+    tight = Admission(engine, AdmissionConfig(max_queue_delay=1.0))
+    engine.warmup_listeners[1](warm_up)
+    with pytest.raises(Refused, match="--max-queue-delay of 1 s") as refused:
+        tight.check([10], None, in_flight=5, max_tokens=100)
+    assert refused.value.retry_after == 2  # ceil(2.07 - 1)
+
+
 def test_only_the_recent_steps_count():
     predictor = WaitPredictor(recent_steps=2)
     predictor.on_step(_step(1000, 0, 100.0), [])  # slow, then forgotten
@@ -47,6 +78,8 @@ class _Engine(SimpleNamespace):
     def __init__(self, queued: int, max_num_seqs: int = 4) -> None:
         super().__init__(
             step_listeners=[],
+            warmup_listeners=[],
+            add_warmup_listener=lambda listener: self.warmup_listeners.append(listener),
             queued_prompt_tokens=queued,
             config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=max_num_seqs)),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -27,30 +28,25 @@ def server(tiny_model_dir, tmp_path_factory):
     process.stop()
 
 
-def test_a_request_past_its_timeout_is_aborted_with_408_and_its_blocks_freed(server):
-    # First in the module: nothing is measured yet, so the predictor admits it; then it runs past 0.5 s
-    with httpx.Client(base_url=server.base_url, timeout=60) as http:
-        response = http.post("/v1/completions", json={**LONG, "timeout": 0.5})
-        assert response.status_code == 408, response.text
-        error = response.json()["error"]
-        assert error["code"] == "timeout" and error["param"] == "timeout" and "0.5 s" in error["message"]
-        wait_idle(server)  # aborted mid-generation: its blocks are back
-        bad = http.post("/v1/completions", json={**LONG, "timeout": -1})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"
-
-
-def test_a_queued_stream_past_its_timeout_ends_with_an_in_band_408(server):
+def test_queued_requests_past_their_timeout_are_aborted_with_408(server):
     stop = threading.Event()
-    threads = _hold_slots(server, 2, stop)  # it waits behind them longer than predicted
+    threads = _hold_slots(server, 2, stop)  # they wait behind them longer than predicted
+    unstreamed: list[httpx.Response] = []
     try:
-        body = {**LONG, "max_tokens": 4, "timeout": 1.0, "stream": True}
-        with (
-            httpx.Client(base_url=server.base_url, timeout=60) as http,
-            http.stream("POST", "/v1/completions", json=body) as stream,
-        ):
-            assert stream.status_code == 200
-            lines = [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")]
-        assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "408"
+        body = {**LONG, "max_tokens": 4, "timeout": 1.0}
+        with httpx.Client(base_url=server.base_url, timeout=60) as http:
+            post = threading.Thread(target=lambda: unstreamed.append(http.post("/v1/completions", json=body)))
+            post.start()
+            with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+                assert stream.status_code == 200
+                lines = [
+                    line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")
+                ]
+            post.join(60)
+        assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "408"  # in-band
+        assert unstreamed[0].status_code == 408, unstreamed[0].text
+        error = unstreamed[0].json()["error"]
+        assert error["code"] == "timeout" and error["param"] == "timeout" and "1 s" in error["message"]
     finally:
         stop.set()
         for thread in threads:
@@ -133,3 +129,45 @@ def test_queued_prompt_tokens_are_bounded(server):
     metrics = wait_idle(server)
     assert metrics["llmserve:invariant_violations_total"] == 0  # --check-invariants ran every step
     assert "llmserve:engine_stalls_total" in metrics
+
+
+@pytest.fixture
+def fresh_server(tiny_model_dir, tmp_path):
+    """A server of its own: no request has run on it, only the engine's warm-up."""
+    args = tiny_server_args(tiny_model_dir, "--max-num-seqs", "2")
+    process = start_server(args, tmp_path / "server.log")
+    yield process
+    process.stop()
+
+
+def test_a_cold_start_burst_is_refused_with_429_and_a_computed_retry_after(fresh_server):
+    server = fresh_server  # its predictor has only the warm-up's steps (the prior)
+    burst = {**LONG, "max_tokens": 100}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        probe = http.post("/v1/completions", json={**burst, "timeout": 0.001})
+        assert probe.status_code == 429, probe.text  # refused before anything ran
+        assert int(probe.headers["Retry-After"]) >= 1
+        message = probe.json()["error"]["message"]
+        service = float(re.search(r"predicted time of ([\d.]+) s", message).group(1))
+        assert service > 0, message
+        bad = http.post("/v1/completions", json={**LONG, "timeout": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"
+
+    # 12 at once on 2 running slots, each given 3 of its services: two rounds fit, the rest cannot
+    def post(results: list) -> None:
+        with httpx.Client(base_url=server.base_url, timeout=120) as own:
+            results.append(own.post("/v1/completions", json={**burst, "timeout": max(3 * service, 1.0)}))
+
+    results: list[httpx.Response] = []
+    threads = [threading.Thread(target=post, args=(results,)) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    statuses = sorted(response.status_code for response in results)
+    refused = [response for response in results if response.status_code == 429]
+    assert set(statuses) <= {200, 408, 429} and len(refused) >= 4 and statuses.count(200) >= 2, statuses
+    assert all(int(response.headers["Retry-After"]) >= 1 for response in refused)
+    assert all("exceeds the request's timeout" in r.json()["error"]["message"] for r in refused)
+    assert statuses.count(408) <= 2, statuses  # admitted ones were predicted to fit, and nearly all did
+    wait_idle(server)  # the timed-out ones' blocks are back

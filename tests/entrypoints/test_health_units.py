@@ -45,6 +45,35 @@ def test_a_long_prefill_within_the_limit_is_not_a_stall_and_a_hang_is():
     assert health.state is HealthState.READY
 
 
+def test_the_warm_up_ends_warming_and_its_steps_are_the_first_speeds():
+    health = EngineHealth(
+        WatchdogConfig(min_seconds=1.0, factor=10.0, warmup_seconds=99.0), max_step_tokens=2048
+    )
+    health.set(HealthState.WARMING)
+    assert not health.check(busy=True, now=health._last_progress + 98.0)  # warming: the warm-up limit
+    health.on_warmed_up([_step(512, 0.512), _step(1, 0.01)])
+    assert health.state is HealthState.READY
+    assert health.step_limit() == pytest.approx(10.0 * 2.048)  # measured from the warm-up alone
+
+
+def test_only_ready_answers_200():
+    from types import SimpleNamespace
+
+    from llmserve.entrypoints.openai.health import health_of
+
+    health = EngineHealth()
+    engine = SimpleNamespace(health=health, failure=None, is_running=True)
+    assert health_of(engine)[1] == 503 and health_of(engine)[0].state == "starting"
+    health.set(HealthState.WARMING, "the engine is warming up")
+    body, status = health_of(engine)
+    assert (status, body.status, body.reason) == (503, "warming", "the engine is warming up")
+    assert body.error.type == "server_error"
+    health.on_warmed_up([])
+    assert health_of(engine)[0].model_dump(exclude_none=True) == {"status": "healthy", "state": "ready"}
+    engine.is_running = False
+    assert health_of(engine)[0].state == "stopping"
+
+
 def test_stopping_is_final():
     health = EngineHealth()
     health.set(HealthState.STOPPING, "bye")

@@ -1,4 +1,5 @@
-"""Faults injected into one marked request: it alone fails; and a hung step turns /health 'stalled'."""
+"""Faults injected into one marked request (its output stage, its logits processor): it alone fails;
+a raising forward pass fails its batch; and a hung step turns /health 'stalled'."""
 
 from __future__ import annotations
 
@@ -39,6 +40,30 @@ class _FaultyForwardEngine(LLMEngine):
         if any(r.prompt_token_ids[0] == MARK for r in self.scheduler.running):
             raise RuntimeError("injected forward failure")
         return super()._execute(plan)
+
+
+class _RaisingProcessor:
+    """A logits processor (as a grammar mask is) that raises for the marked request once it has two
+    output tokens; on other rows it leaves the logits alone. Every row with a logit_bias gets it."""
+
+    def applies_to(self, params: SamplingParams) -> bool:
+        return bool(params.logit_bias)
+
+    def apply(self, logits, rows, params, output_token_ids) -> None:
+        for p, tokens in zip(params, output_token_ids, strict=True):
+            if MARK in p.logit_bias and len(tokens) >= 2:
+                raise KeyError("/internal/path/grammar.py: injected processor fault")
+
+
+class _FaultyProcessorEngine(LLMEngine):
+    """The raising processor joins the engine-wide ones (in the engine process: this module is imported
+    there to build it)."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        import llmserve.sample.logits_processors as processors
+
+        processors.PROCESSORS = (*processors.PROCESSORS, _RaisingProcessor())
+        super().__init__(args)
 
 
 class _HangingEngine(LLMEngine):
@@ -93,6 +118,36 @@ def test_a_raising_output_stage_fails_its_request_alone(engine_args):
         llm.shutdown()
 
 
+def test_a_raising_logits_processor_fails_its_request_alone(engine_args):
+    llm = AsyncLLM(engine_args, engine_factory=_FaultyProcessorEngine)
+    try:
+        greedy = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+        biased = SamplingParams(max_tokens=8, ignore_eos=True, logit_bias={11: 100.0})
+        marked_params = SamplingParams(max_tokens=8, ignore_eos=True, logit_bias={MARK: 0.0})
+        alone = [asyncio.run(_collect(llm, [7, 8, 9], greedy, "alone"))]  # the reference, alone
+
+        async def batch():
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    _collect(llm, [MARK, 5, 6], marked_params, "marked"),
+                    _collect(llm, [7, 8, 9], greedy, "plain"),
+                    _collect(llm, [1, 2, 3], biased, "biased"),  # same processor, other row: not failed
+                    return_exceptions=True,
+                ),
+                timeout=120,
+            )
+
+        marked, plain, biased_out = asyncio.run(batch())
+        assert isinstance(marked, RequestFailedError), marked
+        assert "applying this request's logits processors" in str(marked)
+        assert "internal" not in str(marked) and "KeyError" not in str(marked)
+        assert plain.outputs[0].token_ids == alone[0].outputs[0].token_ids  # its normal output
+        assert biased_out.outputs[0].token_ids == [11] * 8  # its logit_bias still applied
+        assert llm.gauges.num_running == 0 and llm.gauges.kv_cache_usage == 0
+    finally:
+        llm.shutdown()
+
+
 def test_a_raising_forward_pass_fails_only_its_batch(engine_args):
     args = EngineArgs(**{**engine_args.__dict__, "max_num_seqs": 1})  # the other request waits its turn
     llm = AsyncLLM(args, engine_factory=_FaultyForwardEngine)
@@ -112,7 +167,10 @@ def test_a_hung_step_turns_health_stalled_then_ready(engine_args):
     args = EngineArgs(**{**engine_args.__dict__, "max_num_batched_tokens": 256})
     llm = AsyncLLM(args, engine_factory=_HangingEngine, watchdog=watchdog)
     try:
-        assert llm.health.state is HealthState.WARMING
+        deadline = time.monotonic() + 60
+        while llm.health.state is HealthState.WARMING:  # the engine's own warm-up (engine/warmup.py)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         asyncio.run(_collect(llm, [7, 8], SamplingParams(max_tokens=2), "warm-up"))
         asyncio.run(_collect(llm, list(range(10, 200)), SamplingParams(max_tokens=4), "measured"))
         assert llm.health.state is HealthState.READY

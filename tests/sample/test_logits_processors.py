@@ -69,3 +69,39 @@ def test_bias_values_are_checked():
     with pytest.raises(ValueError, match="logit_bias"):
         params(logit_bias={-1: 1.0})
     assert params(logit_bias={"7": 2}).logit_bias == {7: 2.0}
+
+
+class _RaisesOnMarkedRows:
+    """A processor (as a grammar mask is) that raises, leaving the logits unchanged, when a row it is
+    given has the marked bias; on the other rows it adds 10 to token 0."""
+
+    MARK = 3
+
+    def applies_to(self, p) -> bool:
+        return bool(p.logit_bias)
+
+    def apply(self, logits, rows, params, output_token_ids) -> None:
+        if any(self.MARK in p.logit_bias for p in params):
+            raise KeyError("injected processor fault")
+        logits[list(rows), 0] += 10.0
+
+
+def test_a_raising_processor_fails_only_the_rows_that_raise_alone(monkeypatch):
+    import llmserve.sample.logits_processors as processors
+
+    monkeypatch.setattr(processors, "PROCESSORS", (_RaisesOnMarkedRows(),))
+    batch = [params(logit_bias={1: 0.0}), params(logit_bias={3: 0.0}), params(), params(logit_bias={2: 0.0})]
+    processing = LogitsProcessing.build(batch, [[], [], [], []])
+    with pytest.raises(KeyError):  # a path that does not fail requests alone: the step fails
+        processing.apply(torch.zeros(4, 4))
+    processing.isolate_failures = True
+    logits = torch.zeros(4, 4)
+    processing.apply(logits)
+    assert processing.failed_rows == {1}
+    assert logits[:, 0].tolist() == [10.0, 0.0, 0.0, 10.0]  # the others got their processing, once
+
+
+def test_a_processor_that_does_not_raise_fails_no_row():
+    processing = LogitsProcessing.build([params(logit_bias={1: 5.0})], [[]])
+    processing.apply(torch.zeros(1, 4))
+    assert processing.failed_rows == set()

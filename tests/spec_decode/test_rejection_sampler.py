@@ -243,3 +243,32 @@ def test_penalized_greedy_requests_take_the_full_path():
     request = _request(0, penalized, [3], prompt=[3])  # token 3 is in the prompt: its logit is penalized
     tokens, _ = DraftVerifier(V, torch.device("cpu"))(logits, [request], {})
     assert tokens["0"][0] != 3  # the plain argmax would have accepted 3
+
+
+class _RaisesForRequestOne:
+    """A logits processor (as a grammar mask is) that raises on the rows of request "1"."""
+
+    def applies_to(self, params) -> bool:
+        return bool(params.logit_bias)
+
+    def apply(self, logits, rows, params, output_token_ids) -> None:
+        if any(1 in p.logit_bias for p in params):
+            raise KeyError("injected processor fault")
+
+
+def test_a_raising_logits_processor_fails_only_its_request_in_verification(monkeypatch):
+    import llmserve.sample.logits_processors as processors
+
+    monkeypatch.setattr(processors, "PROCESSORS", (*processors.PROCESSORS, _RaisesForRequestOne()))
+    logits = torch.log(_one_hot_rows(3, 5, 2, 4, 6))  # rows: request 0 (3 drafts + 1), request 1 (0 + 1)
+    requests = [
+        _request(0, SamplingParams(temperature=0.0, max_tokens=64, logit_bias={7: 0.0}), [3, 5, 2]),
+        _request(1, SamplingParams(temperature=0.0, max_tokens=64, logit_bias={1: 0.0}), []),
+    ]
+    verifier = DraftVerifier(V, torch.device("cpu"))
+    with pytest.raises(KeyError):  # no caller to fail its request: the step fails
+        verifier(logits, requests, {})
+    failed: list[str] = []
+    tokens, _ = verifier(logits, requests, {}, failed)
+    assert failed == ["1"]
+    assert tokens["0"] == [3, 5, 2, 4]  # every draft accepted, then the bonus token: unaffected

@@ -39,12 +39,20 @@ class Admission:
         self.config = config
         self.predictor = WaitPredictor()
         engine.step_listeners.append(self.predictor.on_step)
+        engine.add_warmup_listener(self.predictor.prime)
 
-    def predicted_wait(self, in_flight: int, num_requests: int = 1) -> float:
+    def predicted_wait(self, in_flight: int, num_requests: int = 1, service: float = 0.0) -> float:
         """Seconds before `num_requests` arriving now, behind `in_flight` admitted requests (the
-        server's count: the engine's gauges lag a burst), would be first scheduled."""
-        over_slots = in_flight + num_requests - self.engine.config.scheduler.max_num_seqs
-        return self.predictor.predict(self.engine.queued_prompt_tokens, over_slots)
+        server's count: the engine's gauges lag a burst), would be first scheduled. Before any request
+        has finished (a cold start) the ones ahead are taken to have started together and to take
+        `service` seconds each, as the new one: a running slot frees after one such service per
+        round of `max_num_seqs`."""
+        slots = self.engine.config.scheduler.max_num_seqs
+        over_slots = in_flight + num_requests - slots
+        wait = self.predictor.predict(self.engine.queued_prompt_tokens, over_slots)
+        if over_slots > 0 and self.predictor.seconds_per_finished_request is None:
+            wait += math.ceil(over_slots / slots) * service
+        return wait
 
     def check(
         self, prompt_tokens: Sequence[int], timeout: float | None, in_flight: int = 0, max_tokens: int = 0
@@ -61,7 +69,8 @@ class Admission:
             )
         if timeout is None and self.config.max_queue_delay is None:
             return
-        wait = self.predicted_wait(in_flight, len(prompt_tokens))
+        service = self.predictor.service(max(prompt_tokens, default=0), max_tokens)
+        wait = self.predicted_wait(in_flight, len(prompt_tokens), service)
         delay = self.config.max_queue_delay
         if delay is not None and wait > delay:
             raise Refused(
@@ -70,10 +79,15 @@ class Admission:
                 wait - delay,
             )
         if timeout is not None:
-            total = wait + self.predictor.service(max(prompt_tokens, default=0), max_tokens)
+            total = wait + service
             if total > timeout:
                 raise Refused(
-                    f"the predicted time of {total:.1f} s (queue wait {wait:.1f} s) exceeds the request's "
-                    f"timeout of {timeout:g} s; retry later",
+                    f"the predicted time of {_seconds(total)} s (queue wait {wait:.1f} s) exceeds the "
+                    f"request's timeout of {timeout:g} s; retry later",
                     wait if total - wait > timeout else total - timeout,  # never fits: retry when idle
                 )
+
+
+def _seconds(value: float) -> str:
+    """Tenths of a second, or two significant digits below one second (a tiny model's 0.041 s)."""
+    return f"{value:.1f}" if value >= 1 else f"{value:.2g}"

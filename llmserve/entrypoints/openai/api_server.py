@@ -2,9 +2,10 @@
 
 Every error a client can cause is a 4xx with OpenAI's body `{"error": {message, type, param, code}}`;
 an internal failure is a 500 with the same body and never a traceback. serve.py binds the port before
-the model loads (a busy port fails at once); uvicorn listens once it has loaded, so /health answering
-means ready. SIGTERM or Ctrl-C stops the engine, which ends every in-flight request (streams get a
-final chunk with finish_reason "abort"), then uvicorn drains the connections and the process exits 0.
+the model loads (a busy port fails at once) and answers 503 `starting` there until uvicorn takes it
+over; /health is 200 once the engine is warmed up (health.py). SIGTERM or Ctrl-C stops the engine,
+which ends every in-flight request (streams get a final chunk with finish_reason "abort"), then
+uvicorn drains the connections and the process exits 0.
 """
 
 from __future__ import annotations
@@ -394,11 +395,22 @@ class UvicornServer(uvicorn.Server):
 
     uvicorn re-raises a caught SIGTERM once it has shut down, which would kill the process with
     status -15; a graceful shutdown is a success, so the process returns normally instead.
+    `drain_seconds`: how long to go on answering (/health 503 `stopping`, requests 503) before the
+    listener closes, so that a load balancer sees the server leave rather than refuse connections.
     """
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_exit: Callable[[], None], drain_seconds: float = 0.0
+    ) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self._drain_seconds = drain_seconds
+
+    async def shutdown(self, sockets=None) -> None:
+        if self._drain_seconds > 0:
+            logger.info("draining for %.1f s before closing the listener", self._drain_seconds)
+            await asyncio.sleep(self._drain_seconds)
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
         if not self.should_exit:

@@ -1,5 +1,5 @@
-"""The body of GET /health: `{"status": "healthy", "state": ...}` with 200 while the engine serves, else
-503 with the state, the reason and an OpenAI-style `error` (states: engine/health.py)."""
+"""The body of GET /health: `{"status": "healthy", "state": "ready"}` with 200 once the engine is ready,
+else 503 with the state, the reason and an OpenAI-style `error` (states: engine/health.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,12 @@ def health_of(engine: AsyncLLM) -> tuple[HealthResponse, int]:
         state, reason = HealthState.STOPPING, engine.failure
     elif state.serving and not engine.is_running:
         state, reason = HealthState.STOPPING, "the engine has stopped"
-    if state.serving:
+    if state is HealthState.READY:
         return HealthResponse(status="healthy", state=state.value), 200
+    return unhealthy(state, reason), 503
+
+
+def unhealthy(state: HealthState, reason: str) -> HealthResponse:
+    """The 503 body of a state other than ready."""
     error = ErrorInfo(message=f"the server is {state.value}: {reason}", type="server_error", code="503")
-    return HealthResponse(status=state.value, state=state.value, reason=reason, error=error), 503
+    return HealthResponse(status=state.value, state=state.value, reason=reason, error=error)

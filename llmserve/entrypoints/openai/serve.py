@@ -3,7 +3,8 @@
 The port is bound first (a busy port fails at once), then the engine process is forked with torch
 already imported; FastAPI, uvicorn and the app's modules load in this process while the engine
 process loads the model, so their imports are off the start-up's critical path (docs/benchmarks.md,
-"Start-up").
+"Start-up"). Meanwhile a start-up responder answers on the port (503, /health `starting`); the app
+then answers `warming` until the engine's warm-up is done, and `ready`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.health import WatchdogConfig
 from llmserve.engine.supervision import RestartPolicy
 from llmserve.entrypoints.openai.chat_options import ChatOptions
+from llmserve.entrypoints.openai.startup_responder import StartupResponder
 
 logger = logging.getLogger("llmserve.server")
 
@@ -33,22 +35,27 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     args.chat_options = ChatOptions.from_cli_args(args)  # a bad --chat-template fails before the model loads
     with bound_socket(args.host, args.port) as sock:
-        engine = AsyncLLM(
-            EngineArgs.from_cli_args(args),
-            fork=_can_fork(),
-            fork_closes=(sock.fileno(),),
-            while_loading=_import_app,
-            bind_cpus=args.cpu_binding,
-            restart=RestartPolicy(max_restarts=args.max_engine_restarts) if args.engine_restart else None,
-            watchdog=WatchdogConfig(min_seconds=args.watchdog_min_seconds),
-        )
+        responder = StartupResponder(sock)
+        try:
+            engine = AsyncLLM(
+                EngineArgs.from_cli_args(args),
+                fork=_can_fork(),
+                fork_closes=(sock.fileno(),),
+                while_loading=lambda: _while_loading(responder),  # after the fork: no thread is copied
+                bind_cpus=args.cpu_binding,
+                restart=RestartPolicy(max_restarts=args.max_engine_restarts) if args.engine_restart else None,
+                watchdog=WatchdogConfig(min_seconds=args.watchdog_min_seconds),
+            )
+        finally:
+            responder.stop()
         try:
             return _serve(engine, sock, args)
         finally:
             engine.shutdown()
 
 
-def _import_app() -> None:
+def _while_loading(responder: StartupResponder) -> None:
+    responder.start()
     import llmserve.entrypoints.openai.api_server  # noqa: F401 - imported now, beside the model's loading
 
 
@@ -80,7 +87,11 @@ def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> i
         access_log=False,
         timeout_graceful_shutdown=api_server.GRACEFUL_SHUTDOWN_SECONDS,
     )
-    server = api_server.UvicornServer(config, on_exit=lambda: engine.shutdown(timeout=0))
+    server = api_server.UvicornServer(
+        config,
+        on_exit=lambda: engine.shutdown(timeout=0),
+        drain_seconds=getattr(args, "shutdown_drain_seconds", 0.0),
+    )
     lost: list[str] = []
 
     def on_engine_lost(reason: str) -> None:  # the reader thread: uvicorn polls should_exit

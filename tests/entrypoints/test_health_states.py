@@ -1,0 +1,125 @@
+"""Every /health state seen over HTTP on a real `llmserve serve`: starting while a slow model load is
+injected, warming during a slowed warm-up, ready, stalled while an injected hang holds a step past the
+watchdog's limit, ready again, and stopping while the server drains on SIGTERM. (`restarting` after an
+engine kill: test_engine_supervision.py.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from tests.entrypoints.conftest import free_port, tiny_server_args
+
+MARK = 4242  # a prompt starting with this token id hangs its step until the test releases it
+
+# The server, with faults injected into the engine before it is forked (so its engine process has them).
+LAUNCH = """
+import sys, time
+from pathlib import Path
+import llmserve.engine.engine_core as engine_core
+from llmserve.cli.main import main
+from llmserve.engine.llm_engine import LLMEngine
+
+release = Path(sys.argv[1])
+load, warm_up, execute = LLMEngine.__init__, engine_core.warm_up, LLMEngine._execute
+
+def slow_load(self, args):
+    time.sleep(4.0)
+    load(self, args)
+
+def slow_warm_up(engine):
+    time.sleep(4.0)
+    return warm_up(engine)
+
+def hanging_execute(self, plan):
+    if any(r.prompt_token_ids[0] == MARK for r in self.scheduler.running):
+        deadline = time.monotonic() + 120
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return execute(self, plan)
+
+LLMEngine.__init__, engine_core.warm_up, LLMEngine._execute = slow_load, slow_warm_up, hanging_execute
+sys.exit(main(sys.argv[2:]))
+""".replace("MARK", str(MARK))
+
+
+def probe(base_url: str) -> tuple[int, str] | None:
+    """/health's (status, state); None while nothing listens."""
+    try:
+        response = httpx.get(base_url + "/health", timeout=2)
+    except httpx.TransportError:
+        return None
+    return response.status_code, response.json()["state"]
+
+
+def watch(base_url: str, until, timeout: float) -> list[tuple[int, str]]:
+    """The distinct (status, state) in order, polled until `until(last)` holds."""
+    seen: list[tuple[int, str]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = probe(base_url)
+        if now is not None and (not seen or seen[-1] != now):
+            seen.append(now)
+        if now is not None and until(now):
+            return seen
+        time.sleep(0.05)
+    raise AssertionError(f"timed out; /health was {seen}")
+
+
+def test_every_health_state_is_observable_over_http(tiny_model_dir, tmp_path):
+    port, release = free_port(), tmp_path / "release"
+    base_url = f"http://127.0.0.1:{port}"
+    args = tiny_server_args(tiny_model_dir, "--watchdog-min-seconds", "1", "--shutdown-drain-seconds", "3")
+    command = [sys.executable, "-c", LAUNCH, str(release), "serve", "--port", str(port), *args]
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        seen = watch(base_url, lambda now: now == (503, "starting"), 120)
+        early = httpx.post(base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=5)
+        assert early.status_code == 503 and early.json()["error"]["type"] == "server_error"
+        body = httpx.get(base_url + "/health", timeout=5).json()
+        assert body["status"] == "starting" and body["error"]["code"] == "503", body
+        seen += watch(base_url, lambda now: now == (200, "ready"), 180)[1:]
+        assert _in_order(seen, [(503, "starting"), (503, "warming"), (200, "ready")]), seen
+
+        hung: list[httpx.Response] = []
+        body = {"prompt": [MARK, 5, 6], "max_tokens": 2}
+        request = threading.Thread(
+            target=lambda: hung.append(httpx.post(base_url + "/v1/completions", json=body, timeout=180))
+        )
+        request.start()
+        stalled = watch(base_url, lambda now: now == (503, "stalled"), 120)
+        release.touch()  # the step finishes: progress again
+        watch(base_url, lambda now: now == (200, "ready"), 60)
+        request.join(60)
+        assert hung[0].status_code == 200, hung[0].text
+        assert stalled[-1] == (503, "stalled")
+        metrics = httpx.get(base_url + "/metrics", timeout=5).text
+        assert re.search(r"^llmserve:engine_stalls_total(\{[^}]*\})? 1\.0$", metrics, re.MULTILINE), metrics
+
+        proc.send_signal(signal.SIGTERM)
+        watch(base_url, lambda now: now == (503, "stopping"), 10)  # draining: still answering
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert "engine stalled" in text and "Traceback" not in text, text[-3000:]
+
+
+def _in_order(seen: list, expected: list) -> bool:
+    """Whether `expected` occurs in `seen` in this order (other entries may come between)."""
+    position = 0
+    for entry in seen:
+        if position < len(expected) and entry == expected[position]:
+            position += 1
+    return position == len(expected)
