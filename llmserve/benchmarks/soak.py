@@ -82,11 +82,21 @@ class SoakReport:
         return failed
 
 
+def _in_band_error(line: str) -> bool:
+    """An SSE event whose payload is an error object (not a completion whose text says "error")."""
+    if not line.startswith("data: {"):
+        return False
+    try:
+        return "error" in json.loads(line[len("data: ") :])
+    except ValueError:
+        return True  # a malformed event is a server fault too
+
+
 def rss_slope(samples: list[tuple[int, float]], after: int) -> float | None:
     """Least-squares slope of RSS (MB) over requests, per 1,000 requests, of the samples past `after`;
     None with fewer than RSS_MIN_REQUESTS requests past it."""
     points = [(n, mb) for n, mb in samples if n > after]
-    if len(points) < 3 or points[-1][0] - points[0][0] < RSS_MIN_REQUESTS:
+    if len(points) < 3 or points[-1][0] - after < RSS_MIN_REQUESTS:
         return None
     mean_n = sum(n for n, _ in points) / len(points)
     mean_mb = sum(mb for _, mb in points) / len(points)
@@ -190,7 +200,7 @@ class Soak:
                 return
             count = 0
             async for line in response.aiter_lines():
-                if '"error"' in line:
+                if _in_band_error(line):
                     self._server_error(f"{kind}: {line[:200]}")
                 count += 1
                 if stop_after is not None and count >= stop_after:

@@ -27,3 +27,12 @@ def test_ci_sized_soak_passes_its_gates(tiny_model_dir, tmp_path):
     assert report.greedy_checked > 20 and report.disconnects > 40 and report.bad_requests_4xx > 0
     assert report.invariant_violations == 0 and report.rss_mb and report.preemptions > 0
     print(report.requests, "preemptions:", report.preemptions)
+
+
+def test_an_in_band_error_is_an_error_event_not_a_text_that_says_error():
+    from llmserve.benchmarks.soak import _in_band_error
+
+    text = '{"id":"c","object":"text_completion","choices":[{"index":0,"text":"error","finish_reason":null}]}'
+    assert not _in_band_error(f"data: {text}")
+    assert _in_band_error('data: {"error": {"message": "boom", "type": "server_error"}}')
+    assert not _in_band_error("data: [DONE]") and not _in_band_error("")
