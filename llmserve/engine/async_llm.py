@@ -36,6 +36,7 @@ from llmserve.engine.messages import (
     EngineLoadFailed,
     EngineMessage,
     EngineStatus,
+    EngineWarming,
     FailureKind,
     RequestAborted,
     RequestsFailed,
@@ -80,6 +81,7 @@ class AsyncLLM:
         bind_cpus: bool = False,
         restart: RestartPolicy | None = None,
         watchdog: WatchdogConfig | None = None,
+        warmup: bool = True,
     ) -> None:
         """Start the engine process and wait until its model is loaded.
 
@@ -93,7 +95,8 @@ class AsyncLLM:
         `bind_cpus` pins a CPU engine's threads one per CPU and keeps this process's threads off the
         engine's main thread's CPU (worker/cpu_binding.py). `restart`: start a new engine process
         (spawned) when this one dies, within the policy's bounds (supervision.py); None: do not, and
-        call `on_engine_lost`. `watchdog`: when a busy engine counts as stalled (health.py).
+        call `on_engine_lost`. `watchdog`: when a busy engine counts as stalled (health.py). `warmup`:
+        the engine runs its warm-up (engine/warmup.py) before this returns, and after each restart.
         """
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self.request_listeners: list[Callable[[list[int], SamplingParams], None]] = []  # at each arrival
@@ -105,7 +108,7 @@ class AsyncLLM:
         self._output_kinds = OutputAccumulator()
         self._queued: dict[str, int] = {}  # prompt tokens of requests sent that have no output yet
         self._stopping = threading.Event()
-        self._launch = (engine_args, engine_factory, bind_cpus)
+        self._launch = (engine_args, engine_factory, bind_cpus, warmup)
         self._restarts = None if restart is None else RestartBudget(restart)
         self._start_process(
             multiprocessing.get_context("fork" if fork else "spawn"), fork_closes if fork else None
@@ -126,13 +129,13 @@ class AsyncLLM:
         if engine_main_cpu is not None:  # before the threads below start: they inherit it
             keep_process_off(engine_main_cpu)
         self.health.max_step_tokens = self.config.scheduler.max_num_batched_tokens
-        self.health.set(HealthState.WARMING, "the engine's first step has not finished yet")
+        self.health.set(HealthState.READY)
         self._start_threads()
         self.health.start_watchdog(lambda: bool(self._prompts))
 
     def _start_process(self, context, fork_closes: Sequence[int] | None) -> None:
         """A new engine process with its two pipes and command queue; `fork_closes` None: spawned."""
-        engine_args, engine_factory, bind_cpus = self._launch
+        engine_args, engine_factory, bind_cpus, warmup = self._launch
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         engine_commands, self._command_pipe = context.Pipe(duplex=False)
         self._output_pipe, engine_outputs = context.Pipe(duplex=False)
@@ -148,6 +151,7 @@ class AsyncLLM:
                 inherited,
                 logger.getEffectiveLevel(),
                 bind_cpus,
+                warmup,
             ),
             name="llmserve-engine",
             # Not daemonic: a daemonic process may not start children (tensor-parallel workers). It
@@ -178,8 +182,13 @@ class AsyncLLM:
         reader.start()
 
     def _wait_until_ready(self) -> tuple[EngineConfig, int | None]:
+        """The engine's config and main CPU once it is loaded and warmed up; /health says `warming`
+        while it warms up (engine/warmup.py)."""
         try:
             message = self._output_pipe.recv()
+            if isinstance(message, EngineWarming):
+                self.health.set(HealthState.WARMING, "the engine is warming up")
+                message = self._output_pipe.recv()
         except EOFError:
             self._process.join()
             raise EngineDeadError(
@@ -388,7 +397,7 @@ class AsyncLLM:
             if engine_main_cpu is not None:
                 keep_process_off(engine_main_cpu)
             self.health.num_restarts += 1
-            self.health.set(HealthState.WARMING, "the restarted engine's first step has not finished yet")
+            self.health.set(HealthState.READY)
             logger.warning("the engine process restarted (restart %d)", self.health.num_restarts)
             self._start_threads()
             return

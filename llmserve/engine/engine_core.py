@@ -26,12 +26,14 @@ from llmserve.engine.messages import (
     EngineOutput,
     EngineReady,
     EngineStatus,
+    EngineWarming,
     FailureKind,
     RequestAborted,
     RequestsFailed,
     Shutdown,
     StepOutputs,
 )
+from llmserve.engine.warmup import warm_up
 from llmserve.log import configure_logging
 from llmserve.metrics.stats import EngineGauges
 from llmserve.worker.cpu_binding import bind_engine_threads
@@ -54,10 +56,12 @@ def run_engine_core(
     inherited_fds: tuple[int, ...] = (),
     log_level: int = logging.WARNING,
     bind_cpus: bool = False,
+    warmup: bool = False,
 ) -> None:
     """The engine process's entry point; `inherited_fds` are the server's descriptors a fork copied,
     `log_level` the server's level for llmserve's loggers (a spawned process starts without it),
-    `bind_cpus` pins a CPU engine's threads one per CPU (worker/cpu_binding.py)."""
+    `bind_cpus` pins a CPU engine's threads one per CPU (worker/cpu_binding.py), `warmup` runs the
+    warm-up (engine/warmup.py) between EngineWarming and EngineReady."""
     # Not a daemonic process (tensor-parallel workers are its children), so it ends itself with the server.
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
@@ -74,6 +78,9 @@ def run_engine_core(
     main_cpu = None
     if bind_cpus and engine.config.model.device.type == "cpu":
         main_cpu = bind_engine_threads()
+    if warmup:  # on the bound threads, so the warm-up is what the first requests find
+        outputs.send(EngineWarming())
+        warm_up(engine)
     outputs.send(EngineReady(engine.config, main_cpu))
     try:
         EngineCore(engine, commands, outputs).run()

@@ -1,8 +1,8 @@
 """The server's health: one state the engine's client and the server report into, and the watchdog.
 
-States (what /health says; only `ready` and `warming` answer 200):
+States (what /health says; only `ready` answers 200):
   starting    the engine process is loading the model
-  warming     loaded; its first step has not finished yet (kernels build, pages fault in)
+  warming     loaded; the engine runs its warm-up requests (engine/warmup.py), then says it is ready
   ready       serving
   stalled     requests are in flight and no step has finished within the watchdog's limit
   restarting  the engine process (or one of its workers) died; a new one is loading
@@ -12,8 +12,8 @@ The watchdog judges progress, not time alone: a step may take up to `factor` tim
 of the largest step the scheduler can plan, and never less than `min_seconds`; so a long prefill is not
 a hang. The prediction is the scheduler's token budget at the seconds per token of the largest recent
 step (a prefill: per-step overheads weigh least there), or the slowest recent step if that is longer.
-The first step after (re)start is left out (kernels warm up in it); until it finishes (warming) the
-limit is `warmup_seconds`.
+Until the engine has finished a step the limit is `warmup_seconds` (without warm-up, `--no-warmup`,
+kernels build and pages fault in during the first steps).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class HealthState(enum.Enum):
 
     @property
     def serving(self) -> bool:
-        return self in (HealthState.READY, HealthState.WARMING)
+        return self is HealthState.READY
 
 
 @dataclass(frozen=True)

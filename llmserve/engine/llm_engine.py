@@ -465,6 +465,13 @@ class LLMEngine:
             accepted_per_position=accepted_per_position(accepted),
         )
 
+    def reset_step_counters(self) -> None:
+        """Start StepStats' deltas from the cache manager's totals as they are now (after warm-up)."""
+        kv = self.kv_cache_manager
+        self._prefix_cache_reported = (kv.prefix_cache_queries, kv.prefix_cache_hits)
+        self._swap_preemptions_reported = self.scheduler.preemptions_by_mode["swap"]
+        self.last_step = None
+
     def _prefix_cache_delta(self) -> tuple[int, int]:
         """Prefix-cache (queries, hits) in tokens since the last StepStats; taken from the running totals
         so that lookups of a step that raised are reported with the next one."""

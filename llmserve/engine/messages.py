@@ -5,7 +5,8 @@ request's outputs cross as deltas (`RequestOutputKind.DELTA`): each `EngineOutpu
 is new since the previous one, and the prompt never crosses back (the server tokenized it).
 
   server -> engine, a list per send: AddRequest, AddPoolingRequest, AbortRequest, Shutdown.
-  engine -> server: EngineReady or EngineLoadFailed once; then StepOutputs after every step,
+  engine -> server: EngineWarming (loaded, warming up) then EngineReady, or EngineLoadFailed, once;
+      then StepOutputs after every step,
       RequestAborted for every AbortRequest, RequestsFailed for requests the engine gave up on,
       EngineStatus when its state changed without a step (a tensor-parallel rank exited while idle).
 """
@@ -71,6 +72,10 @@ class FailureKind(enum.Enum):
 class EngineReady(_Message):
     config: Any  # EngineConfig
     main_cpu: int | None  # the CPU the engine's main thread is pinned to, if any
+
+
+class EngineWarming(_Message):
+    """The model is loaded and the engine warms up (engine/warmup.py); EngineReady follows."""
 
 
 class EngineLoadFailed(_Message):
@@ -139,4 +144,12 @@ class EngineStatus(_Message):
     gauges: EngineGauges
 
 
-EngineMessage = EngineReady | EngineLoadFailed | StepOutputs | RequestAborted | RequestsFailed | EngineStatus
+EngineMessage = (
+    EngineReady
+    | EngineWarming
+    | EngineLoadFailed
+    | StepOutputs
+    | RequestAborted
+    | RequestsFailed
+    | EngineStatus
+)

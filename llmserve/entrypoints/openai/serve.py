@@ -37,6 +37,7 @@ def run_server(args: argparse.Namespace) -> int:
             fork_closes=(sock.fileno(),),
             while_loading=_import_app,
             bind_cpus=args.cpu_binding,
+            warmup=args.warmup,
             restart=RestartPolicy(max_restarts=args.max_engine_restarts) if args.engine_restart else None,
             watchdog=WatchdogConfig(min_seconds=args.watchdog_min_seconds),
         )
