@@ -145,10 +145,13 @@ class ModelRunner:
         return kv_cache
 
     def wait_for_kv_prefault(self) -> None:
-        """Block until the KV pool's pages are mapped. Benchmarks call it before timing anything: the
-        background prefault (one core, for a while) would otherwise share the cores with the first
-        measurements."""
-        if self.kv_prefault is not None:
+        """Block until the KV pool's pages are mapped, mapping them in this thread too. Benchmarks and
+        the warm-up call it before timing or serving anything: the background prefault (one core, for a
+        while) would otherwise share the cores with the first requests."""
+        finish = getattr(self.kv_prefault, "finish", None)
+        if finish is not None:
+            finish()
+        elif self.kv_prefault is not None:
             self.kv_prefault.join()
 
     def keep_draft_probs(self, proposals: dict[str, DraftProposal | None]) -> None:
