@@ -8,7 +8,8 @@ to a step's temporaries, and with speculative decoding the proposer's and the ve
 ranks warm up too) covering those paths, then forgets them:
 
     A  a prompt of `prompt_len` random tokens, greedy, 3 tokens: a prefill, batch-1 decodes
-    B  A's full blocks and a short suffix (a prefix-cache hit), with C: a batch of two decodes
+    B  A's full blocks and a short suffix (a prefix-cache hit), with C: a batch of two decodes; no
+       repeats, so a draft head drafts with its own network
     C  a sentence repeated, greedy: prompt lookup drafts and the greedy verifier (speculation on)
     D  another sentence repeated, seeded top-k/top-p sampling with a penalty and log-probs: the
        sampler, and the rejection sampler with drafts
@@ -34,7 +35,7 @@ from llmserve.sampling_params import SamplingParams
 logger = logging.getLogger("llmserve")
 
 # The warm-up prefill: past the small-batch kernels' rows, so the GEMM path and the prefill attention
-# kernel run; longer prompts cost start-up time (about 1 ms a token on 2 cores) for nothing new.
+# kernel run; a longer prompt costs start-up time in proportion and runs no other path.
 DEFAULT_PROMPT_LEN = 128
 _SUFFIX_LEN = 16  # B's new tokens after its cached prefix
 _REPEATING_LEN = 48  # C's and D's prompts, a sentence repeated: prompt lookup finds matches there
@@ -70,8 +71,8 @@ def warmup_requests(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> 
         max_tokens=6,
         ignore_eos=True,
     )
-    repeat = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    waves = [[("warmup-a", a, greedy)], [("warmup-b", b, greedy), ("warmup-c", c, repeat)]]
+    longer = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)  # room for drafts
+    waves = [[("warmup-a", a, greedy)], [("warmup-b", b, longer), ("warmup-c", c, longer)]]
     return [*waves, [("warmup-d", d, sampled)]]
 
 

@@ -154,3 +154,11 @@ def test_the_default_model_follows_the_repeating_prompt_so_prompt_lookup_drafts_
     llm.engine.step = recorded
     warm_up(llm.engine)
     assert sum(s.num_accepted_tokens for s in steps) > 0
+
+
+@pytest.mark.slow
+def test_a_draft_head_drafts_with_its_network_in_warm_up():
+    """B's prompt does not repeat, so the head itself (its compiled chain, built on first use) runs."""
+    llm = LLM(speculative_method="draft_head", max_model_len=1024)
+    warm_up(llm.engine)
+    assert "compiled_chain" in vars(llm.engine.proposer)
