@@ -42,7 +42,7 @@ from llmserve.spec_decode.registry import create_proposer
 from llmserve.spec_decode.target_vocabulary import TargetVocabulary
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.worker.executor import TensorParallelExecutor
-from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput, allocate_kv_pool_early
 from llmserve.worker.pipeline_stage import PipelineDriver
 
 logger = logging.getLogger("llmserve")
@@ -118,6 +118,7 @@ class LLMEngine:
         of the whole vocabulary (the shard holds a block of it)."""
         group = None if self.executor is None else self.executor.group
         config = self.config.model
+        early_kv_pool = allocate_kv_pool_early(self.config)  # its prefault runs while the weights load
         weights = load_weights(path, config.dtype)
         target_vocabulary = None
         spec = self.config.speculative
@@ -136,7 +137,7 @@ class LLMEngine:
                 model, config, self.tokenizer, lambda: build_model(config, load_weights(path, config.dtype))
             )
         use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
-        runner = ModelRunner(self.config, model)
+        runner = ModelRunner(self.config, model, early_kv_pool)
         if self.executor is not None:
             self.executor.wait_until_ready()
         return runner, target_vocabulary

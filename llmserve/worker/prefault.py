@@ -67,6 +67,11 @@ class _Chunks:
         self._lock = threading.Lock()
         self.failed = False
 
+    def stop(self) -> None:
+        """Hand out no more chunks (the memory is being given back)."""
+        with self._lock:
+            self._next = self._end
+
     def take(self) -> tuple[int, int] | None:
         with self._lock:
             if self.failed or self._next >= self._end:

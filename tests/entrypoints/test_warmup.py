@@ -162,3 +162,36 @@ def test_a_draft_head_drafts_with_its_network_in_warm_up():
     llm = LLM(speculative_method="draft_head", max_model_len=1024)
     warm_up(llm.engine)
     assert "compiled_chain" in vars(llm.engine.proposer)
+
+
+def test_the_kv_pool_is_allocated_and_prefaulting_before_the_weights_load(tiny_model_dir, monkeypatch):
+    import llmserve.engine.llm_engine as llm_engine
+    from llmserve.worker import model_runner
+
+    early = []
+    allocate = model_runner.allocate_kv_pool_early
+
+    def recorded(config):
+        early.append(allocate(config))
+        return early[-1]
+
+    monkeypatch.setattr(llm_engine, "allocate_kv_pool_early", recorded)
+    runner = _llm(tiny_model_dir).engine.model_runner
+    [pool] = early
+    assert runner.kv_cache is pool.tensor and runner.kv_prefault is pool.prefault
+    runner.wait_for_kv_prefault()
+    assert not pool.prefault.chunks.failed and pool.prefault.chunks.take() is None
+
+
+def test_an_early_pool_of_another_shape_is_not_taken_and_its_prefault_stops(tiny_model_dir):
+    import torch
+
+    from llmserve.worker.model_runner import EarlyKVPool, ModelRunner
+    from llmserve.worker.prefault import populate_in_background
+
+    engine = _llm(tiny_model_dir).engine
+    wrong = torch.empty(1 << 20, dtype=torch.uint8)
+    early = EarlyKVPool(wrong, populate_in_background(wrong))
+    runner = ModelRunner(engine.config, engine.model_runner.model, early)
+    assert runner.kv_cache is not wrong and runner.kv_cache.shape == engine.model_runner.kv_cache.shape
+    assert runner.kv_prefault is not early.prefault and early.prefault.chunks.take() is None
