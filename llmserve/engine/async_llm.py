@@ -357,6 +357,7 @@ class AsyncLLM:
                 message = pipe.recv()
                 self._handle(message)
                 if self.gauges.failure is not None and self._supervised and self._failure_told(message):
+                    self._set_gone(self.gauges.failure)  # /health 503 before the kill, not `stopping`
                     process.kill()  # a dead rank: a new engine process brings up all the ranks again
         except (EOFError, OSError):
             pass
@@ -371,13 +372,16 @@ class AsyncLLM:
         if self.gauges.failure is not None:
             message = f"{self.gauges.failure}; the engine process was stopped"
         logger.error(message)
-        # /health turns 503 before any stream hears of it (the supervisor may say stopping instead)
-        self.health.set(
-            HealthState.RESTARTING if self._restarts is not None else HealthState.STOPPING, message
-        )
+        self._set_gone(message)  # /health turns 503 before any stream hears of it
         self._commands.put(None)  # the sender of this engine process ends
         self._fail_in_flight(message)
         self._restart_or_give_up(message)
+
+    def _set_gone(self, message: str) -> None:
+        """/health for an engine process that is gone: restarting, or stopping without supervision
+        (the supervisor may say stopping instead)."""
+        state = HealthState.RESTARTING if self._restarts is not None else HealthState.STOPPING
+        self.health.set(state, message)
 
     def _failure_told(self, message: EngineMessage) -> bool:
         """Whether the streams in flight have heard why the engine failed (its RequestsFailed follows
