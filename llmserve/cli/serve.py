@@ -92,6 +92,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "main thread (default on)",
     )
     group.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before /health says ready, run a few short requests through the engine (a prefill, decodes, "
+        "a prefix-cache hit, sampling, speculation) and finish faulting in the KV pool, so the first "
+        "requests pay no first-use costs; /health answers 503 'warming' meanwhile (default on)",
+    )
+    group.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,

@@ -36,7 +36,7 @@ from llmserve.engine.messages import (
     EngineLoadFailed,
     EngineMessage,
     EngineStatus,
-    EngineWarmedUp,
+    EngineWarming,
     FailureKind,
     RequestAborted,
     RequestsFailed,
@@ -77,12 +77,13 @@ class AsyncLLM:
         fork: bool = False,
         engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
         fork_closes: Sequence[int] = (),
-        while_loading: Callable[[], None] | None = None,
+        while_loading: Callable[[EngineHealth], None] | None = None,
         bind_cpus: bool = False,
         restart: RestartPolicy | None = None,
         watchdog: WatchdogConfig | None = None,
+        warmup: bool = True,
     ) -> None:
-        """Start the engine process and wait until its model is loaded.
+        """Start the engine process and wait until its model is loaded and warmed up.
 
         `fork=True` starts it with every module already imported (a spawned one re-imports torch,
         which takes seconds), but is safe only from a process that has not yet run a parallel torch op:
@@ -90,11 +91,14 @@ class AsyncLLM:
         The server forks before anything runs; everything else gets the default, spawn. A forked
         child inherits every descriptor: it closes this side's pipe ends (else it would never see
         this process exit) and `fork_closes` (the server's listening socket). `while_loading` is
-        this process's own start-up work (the server's imports), run while the model loads.
+        this process's own start-up work (the server's imports, its start-up responder answering from
+        the health it is given: starting, then warming), run while the model loads.
         `bind_cpus` pins a CPU engine's threads one per CPU and keeps this process's threads off the
         engine's main thread's CPU (worker/cpu_binding.py). `restart`: start a new engine process
         (spawned) when this one dies, within the policy's bounds (supervision.py); None: do not, and
-        call `on_engine_lost`. `watchdog`: when a busy engine counts as stalled (health.py).
+        call `on_engine_lost`. `watchdog`: when a busy engine counts as stalled (health.py). `warmup`:
+        the engine runs its warm-up (engine/warmup.py) before this returns, and after each restart;
+        without it the warm-up listeners get no steps (the wait predictor starts with no prior).
         """
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
         self.request_listeners: list[Callable[[list[int], SamplingParams], None]] = []  # at each arrival
@@ -110,20 +114,20 @@ class AsyncLLM:
         self._output_kinds = OutputAccumulator()
         self._queued: dict[str, int] = {}  # prompt tokens of requests sent that have no output yet
         self._stopping = threading.Event()
-        self._launch = (engine_args, engine_factory, bind_cpus)
+        self._launch = (engine_args, engine_factory, bind_cpus, warmup)
         self._restarts = None if restart is None else RestartBudget(restart)
         self._start_process(
             multiprocessing.get_context("fork" if fork else "spawn"), fork_closes if fork else None
         )
         try:
             if while_loading is not None:
-                while_loading()
+                while_loading(self.health)
             # The tokenizer loads here while the engine process loads the model, on the other core,
             # with what renders chat templates (not left to the first chat request).
             self.tokenizer = load_tokenizer(resolve_model_path(engine_args.model))
             self.tokenizer.load_chat_template()
             self.config: EngineConfig
-            self.config, engine_main_cpu = self._wait_until_ready()
+            self.config, engine_main_cpu, warmup_steps = self._wait_until_ready()
         except BaseException:
             self._process.kill()
             self._process.join()
@@ -131,13 +135,13 @@ class AsyncLLM:
         if engine_main_cpu is not None:  # before the threads below start: they inherit it
             keep_process_off(engine_main_cpu)
         self.health.max_step_tokens = self.config.scheduler.max_num_batched_tokens
-        self.health.set(HealthState.WARMING, "the engine is warming up")
+        self._warmed_up(warmup_steps)
         self._start_threads()
         self.health.start_watchdog(lambda: bool(self._prompts))
 
     def _start_process(self, context, fork_closes: Sequence[int] | None) -> None:
         """A new engine process with its two pipes and command queue; `fork_closes` None: spawned."""
-        engine_args, engine_factory, bind_cpus = self._launch
+        engine_args, engine_factory, bind_cpus, warmup = self._launch
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         engine_commands, self._command_pipe = context.Pipe(duplex=False)
         self._output_pipe, engine_outputs = context.Pipe(duplex=False)
@@ -153,6 +157,7 @@ class AsyncLLM:
                 inherited,
                 logger.getEffectiveLevel(),
                 bind_cpus,
+                warmup,
             ),
             name="llmserve-engine",
             # Not daemonic: a daemonic process may not start children (tensor-parallel workers). It
@@ -182,9 +187,14 @@ class AsyncLLM:
         sender.start()
         reader.start()
 
-    def _wait_until_ready(self) -> tuple[EngineConfig, int | None]:
+    def _wait_until_ready(self) -> tuple[EngineConfig, int | None, list[StepStats]]:
+        """The engine's config, main CPU and warm-up steps once it is loaded and warmed up; /health
+        says `warming` while it warms up (engine/warmup.py)."""
         try:
             message = self._output_pipe.recv()
+            if isinstance(message, EngineWarming):
+                self.health.set(HealthState.WARMING, "the engine is warming up")
+                message = self._output_pipe.recv()
         except EOFError:
             self._process.join()
             raise EngineDeadError(
@@ -193,7 +203,16 @@ class AsyncLLM:
         if isinstance(message, EngineLoadFailed):
             self._process.join()
             raise message.error  # bad model or flags: the caller reports it, as in one process
-        return message.config, message.main_cpu
+        return message.config, message.main_cpu, message.warmup_steps
+
+    def _warmed_up(self, steps: list[StepStats]) -> None:
+        """A new engine is ready: its warm-up's steps are the first speeds (health) and the wait
+        predictor's prior (the warm-up listeners); none without a warm-up."""
+        self.health.on_warmed_up(steps)
+        with self._warmup_lock:
+            self._warmup_steps = steps
+            for listener in self._warmup_listeners:
+                listener(steps)
 
     # -- the API the server calls ------------------------------------------------------------------
 
@@ -338,6 +357,7 @@ class AsyncLLM:
                 message = pipe.recv()
                 self._handle(message)
                 if self.gauges.failure is not None and self._supervised and self._failure_told(message):
+                    self._set_gone(self.gauges.failure)  # /health 503 before the kill, not `stopping`
                     process.kill()  # a dead rank: a new engine process brings up all the ranks again
         except (EOFError, OSError):
             pass
@@ -352,13 +372,16 @@ class AsyncLLM:
         if self.gauges.failure is not None:
             message = f"{self.gauges.failure}; the engine process was stopped"
         logger.error(message)
-        # /health turns 503 before any stream hears of it (the supervisor may say stopping instead)
-        self.health.set(
-            HealthState.RESTARTING if self._restarts is not None else HealthState.STOPPING, message
-        )
+        self._set_gone(message)  # /health turns 503 before any stream hears of it
         self._commands.put(None)  # the sender of this engine process ends
         self._fail_in_flight(message)
         self._restart_or_give_up(message)
+
+    def _set_gone(self, message: str) -> None:
+        """/health for an engine process that is gone: restarting, or stopping without supervision
+        (the supervisor may say stopping instead)."""
+        state = HealthState.RESTARTING if self._restarts is not None else HealthState.STOPPING
+        self.health.set(state, message)
 
     def _failure_told(self, message: EngineMessage) -> bool:
         """Whether the streams in flight have heard why the engine failed (its RequestsFailed follows
@@ -391,7 +414,7 @@ class AsyncLLM:
                 return
             try:
                 self._start_process(multiprocessing.get_context("spawn"), None)
-                _, engine_main_cpu = self._wait_until_ready()
+                _, engine_main_cpu, warmup_steps = self._wait_until_ready()
             except BaseException as error:  # noqa: BLE001 - the next try, or giving up, follows
                 self._process.kill()
                 self._process.join()
@@ -405,7 +428,7 @@ class AsyncLLM:
             if engine_main_cpu is not None:
                 keep_process_off(engine_main_cpu)
             self.health.num_restarts += 1
-            self.health.set(HealthState.WARMING, "the restarted engine is warming up")
+            self._warmed_up(warmup_steps)
             logger.warning("the engine process restarted (restart %d)", self.health.num_restarts)
             self._start_threads()
             return
@@ -437,12 +460,6 @@ class AsyncLLM:
             self._deliver_all([(request_id, error) for request_id in message.request_ids])
         elif isinstance(message, EngineStatus):
             self.gauges = message.gauges
-        elif isinstance(message, EngineWarmedUp):
-            self.health.on_warmed_up(message.steps)
-            with self._warmup_lock:
-                self._warmup_steps = message.steps
-                for listener in self._warmup_listeners:
-                    listener(message.steps)
 
     def _request_output(self, wire) -> RequestOutput | None:
         """The delta as a RequestOutput with its prompt; None for a request this side forgot."""

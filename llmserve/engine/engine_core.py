@@ -26,7 +26,7 @@ from llmserve.engine.messages import (
     EngineOutput,
     EngineReady,
     EngineStatus,
-    EngineWarmedUp,
+    EngineWarming,
     FailureKind,
     RequestAborted,
     RequestsFailed,
@@ -60,10 +60,12 @@ def run_engine_core(
     inherited_fds: tuple[int, ...] = (),
     log_level: int = logging.WARNING,
     bind_cpus: bool = False,
+    warmup: bool = False,
 ) -> None:
     """The engine process's entry point; `inherited_fds` are the server's descriptors a fork copied,
     `log_level` the server's level for llmserve's loggers (a spawned process starts without it),
-    `bind_cpus` pins a CPU engine's threads one per CPU (worker/cpu_binding.py)."""
+    `bind_cpus` pins a CPU engine's threads one per CPU (worker/cpu_binding.py), `warmup` runs the
+    warm-up (engine/warmup.py) between EngineWarming and EngineReady, which carries its measured steps."""
     # Not a daemonic process (tensor-parallel workers are its children), so it ends itself with the server.
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
@@ -80,7 +82,11 @@ def run_engine_core(
     main_cpu = None
     if bind_cpus and engine.config.model.device.type == "cpu":
         main_cpu = bind_engine_threads()
-    outputs.send(EngineReady(engine.config, main_cpu))
+    steps = []
+    if warmup:  # on the bound threads, so the warm-up is what the first requests find
+        outputs.send(EngineWarming())
+        steps = warm_up(engine)
+    outputs.send(EngineReady(engine.config, main_cpu, steps))
     try:
         EngineCore(engine, commands, outputs).run()
     finally:
@@ -95,7 +101,6 @@ class EngineCore:
 
     def run(self) -> None:
         try:
-            self.outputs.send(EngineWarmedUp(_warm_up(self.engine)))  # before any command is read
             while self._receive(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._step()
@@ -202,15 +207,6 @@ class EngineCore:
             failure=self.engine.failure,
             invariant_violations=0 if self.engine.invariants is None else self.engine.invariants.violations,
         )
-
-
-def _warm_up(engine: LLMEngine) -> list:
-    """The warm-up's measured steps; none if it raised (the first requests will show the fault)."""
-    try:
-        return warm_up(engine)
-    except Exception:  # noqa: BLE001 - serve without a prior rather than not at all
-        logger.exception("the engine's warm-up failed; serving without measured step rates")
-        return []
 
 
 def _picklable(error: BaseException) -> BaseException:

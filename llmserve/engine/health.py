@@ -1,9 +1,9 @@
 """The server's health: one state the engine's client and the server report into, and the watchdog.
 
 States (what /health says; only `ready` answers 200):
-  starting    the engine process is loading the model (answered by serve.py's start-up responder,
-              before the app runs)
-  warming     loaded; its warm-up (engine/warmup.py) has not finished yet; requests are queued
+  starting    the engine process is loading the model (answered by the server's start-up responder,
+              entrypoints/openai/startup_responder.py, before the app runs)
+  warming     loaded; the engine runs its warm-up requests (engine/warmup.py), then says it is ready
   ready       serving
   stalled     requests are in flight and no step has finished within the watchdog's limit
   restarting  the engine process (or one of its workers) died; a new one is loading
@@ -13,8 +13,9 @@ The watchdog judges progress, not time alone: a step may take up to `factor` tim
 of the largest step the scheduler can plan, and never less than `min_seconds`; so a long prefill is not
 a hang. The prediction is the scheduler's token budget at the seconds per token of the largest recent
 step (a prefill: per-step overheads weigh least there), or the slowest recent step if that is longer.
-The warm-up's measured steps are the first recent steps; until the warm-up (or, without one, the
-first step) has finished, the limit is `warmup_seconds`.
+The warm-up's measured steps are the first recent steps; until a step has been measured (a restart
+without warm-up, `--no-warmup`: kernels build and pages fault in during the first steps) the limit is
+`warmup_seconds`.
 """
 
 from __future__ import annotations
@@ -42,15 +43,15 @@ class HealthState(enum.Enum):
 
     @property
     def serving(self) -> bool:
-        """The engine takes requests (a warming one queues them); the watchdog judges its progress."""
-        return self in (HealthState.READY, HealthState.WARMING)
+        """The engine takes requests and the watchdog judges its progress."""
+        return self is HealthState.READY
 
 
 @dataclass(frozen=True)
 class WatchdogConfig:
     min_seconds: float = 30.0  # the shortest time without a finished step that counts as a stall
     factor: float = 20.0  # the limit is this many times the predicted time of the largest step
-    warmup_seconds: float = 300.0  # the limit before the first step has finished (kernels build)
+    warmup_seconds: float = 300.0  # the limit before a step has been measured (kernels build in the first)
     poll_seconds: float = 0.5  # how often the watchdog looks
 
 
@@ -97,12 +98,11 @@ class EngineHealth:
             self._last_progress = time.monotonic()
 
     def on_warmed_up(self, steps: list[StepStats]) -> None:
-        """The engine's warm-up finished: ready, with its measured steps as the first speeds."""
+        """A new engine is ready: its warm-up's measured steps (none without one) are the first speeds."""
         with self._lock:
-            self._last_progress = time.monotonic()
+            self._steps.clear()  # the previous engine's speeds predict nothing of this one
             self._steps.extend((s.num_prompt_tokens + s.num_generation_tokens, s.step_seconds) for s in steps)
-            if self._state is HealthState.WARMING:
-                self._state, self._reason = HealthState.READY, ""
+        self.set(HealthState.READY)
 
     def on_step(self, stats: StepStats | None) -> None:
         """A step finished (the engine's reader thread): progress, and its speed for the prediction."""

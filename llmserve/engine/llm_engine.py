@@ -42,7 +42,7 @@ from llmserve.spec_decode.registry import create_proposer
 from llmserve.spec_decode.target_vocabulary import TargetVocabulary
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.worker.executor import TensorParallelExecutor
-from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput, allocate_kv_pool_early
 from llmserve.worker.pipeline_stage import PipelineDriver
 
 logger = logging.getLogger("llmserve")
@@ -120,6 +120,7 @@ class LLMEngine:
         of the whole vocabulary (the shard holds a block of it)."""
         group = None if self.executor is None else self.executor.group
         config = self.config.model
+        early_kv_pool = allocate_kv_pool_early(self.config)  # its prefault runs while the weights load
         weights = load_weights(path, config.dtype)
         target_vocabulary = None
         spec = self.config.speculative
@@ -138,7 +139,7 @@ class LLMEngine:
                 model, config, self.tokenizer, lambda: build_model(config, load_weights(path, config.dtype))
             )
         use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
-        runner = ModelRunner(self.config, model)
+        runner = ModelRunner(self.config, model, early_kv_pool)
         if self.executor is not None:
             self.executor.wait_until_ready()
         return runner, target_vocabulary
@@ -493,6 +494,13 @@ class LLMEngine:
             accepted_per_position=accepted_per_position(accepted),
             step_shape=tuple(scheduled.shape),
         )
+
+    def reset_step_counters(self) -> None:
+        """Start StepStats' deltas from the cache manager's totals as they are now (after warm-up)."""
+        kv = self.kv_cache_manager
+        self._prefix_cache_reported = (kv.prefix_cache_queries, kv.prefix_cache_hits)
+        self._swap_preemptions_reported = self.scheduler.preemptions_by_mode["swap"]
+        self.last_step = None
 
     def _prefix_cache_delta(self) -> tuple[int, int]:
         """Prefix-cache (queries, hits) in tokens since the last StepStats; taken from the running totals

@@ -5,10 +5,10 @@ request's outputs cross as deltas (`RequestOutputKind.DELTA`): each `EngineOutpu
 is new since the previous one, and the prompt never crosses back (the server tokenized it).
 
   server -> engine, a list per send: AddRequest, AddPoolingRequest, AbortRequest, Shutdown.
-  engine -> server: EngineReady or EngineLoadFailed once, then EngineWarmedUp once; then StepOutputs
-      after every step, RequestAborted for every AbortRequest, RequestsFailed for requests the engine
-      gave up on, EngineStatus when its state changed without a step (a tensor-parallel rank exited
-      while idle).
+  engine -> server: EngineWarming (loaded, warming up; not sent with --no-warmup) then EngineReady
+      (with the warm-up's measured steps), or EngineLoadFailed, once; then StepOutputs after every
+      step, RequestAborted for every AbortRequest, RequestsFailed for requests the engine gave up on,
+      EngineStatus when its state changed without a step (a tensor-parallel rank exited while idle).
 """
 
 from __future__ import annotations
@@ -72,12 +72,11 @@ class FailureKind(enum.Enum):
 class EngineReady(_Message):
     config: Any  # EngineConfig
     main_cpu: int | None  # the CPU the engine's main thread is pinned to, if any
+    warmup_steps: list[StepStats]  # the warm-up's measured steps (engine/warmup.py); none without it
 
 
-class EngineWarmedUp(_Message):
-    """Sent once after EngineReady: the warm-up is done (engine/warmup.py); its measured steps."""
-
-    steps: list[StepStats]
+class EngineWarming(_Message):
+    """The model is loaded and the engine warms up (engine/warmup.py); EngineReady follows."""
 
 
 class EngineLoadFailed(_Message):
@@ -148,7 +147,7 @@ class EngineStatus(_Message):
 
 EngineMessage = (
     EngineReady
-    | EngineWarmedUp
+    | EngineWarming
     | EngineLoadFailed
     | StepOutputs
     | RequestAborted

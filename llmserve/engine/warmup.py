@@ -1,10 +1,29 @@
-"""The engine process's warm-up, between loading the model and taking requests: two short greedy
-requests run through the whole engine (scheduler, forward, sampler, output processing).
+"""Warm-up before ready: a fresh engine's one-time costs, paid before the server says it serves.
 
-The first builds kernels and faults pages in; the steps of the second are the measured prior that
-the server's wait predictor starts from (core/wait_predictor.py), so that admission by deadline
-protects even the first burst after start-up or a restart. Nothing of the warm-up stays: its prefix
-cache entries, KV events and speculative-decoding counters are dropped and the seed is set again.
+A fresh engine's first requests pay what later ones do not: the KV pool's pages faulting in (the
+background prefault, worker/prefault.py, still running and sharing the cores), the first call of each
+kernel and GEMM shape (oneDNN primitives, the compiled kernels' first dispatch), the allocator growing
+to a step's temporaries, and with speculative decoding the proposer's and the verifier's first use.
+`warm_up` runs a few short requests through the engine's own `step` (so tensor- and pipeline-parallel
+ranks warm up too) covering those paths, then forgets them:
+
+    A  a prompt of `prompt_len` random tokens, greedy, 3 tokens: a prefill, batch-1 decodes
+    B  A's full blocks and a short suffix (a prefix-cache hit), with C: a batch of two decodes; no
+       repeats, so a draft head drafts with its own network
+    C  a sentence repeated, greedy: prompt lookup drafts and the greedy verifier (speculation on)
+    D  another sentence repeated, seeded top-k/top-p sampling with a penalty and log-probs: the
+       sampler, and the rejection sampler with drafts
+
+A builds the kernels; the steps of the waves after it are measured, on warm kernels: the engine
+returns them to the server (EngineReady), whose wait predictor starts from them (core/wait_predictor.py)
+so that admission by deadline protects even the first burst after start-up or a restart, and they are
+the scheduler's step-cost model's first observations (A's are left out of it).
+
+First the KV prefault is finished (this thread helps the background one); afterwards nothing of the
+warm-up stays: a router hears none of it (KV events are held back, then dropped), the prefix cache is
+emptied, the counters that reach metrics are rewound and the global seed is set again (a seedless
+sampled request draws as without warm-up). `llmserve serve --no-warmup` skips it: the first requests
+pay those costs, and the wait predictor has no prior until steps are measured.
 """
 
 from __future__ import annotations
@@ -13,63 +32,124 @@ import copy
 import logging
 import time
 
+import numpy as np
 import torch
 
-from llmserve.engine.llm_engine import LLMEngine, check_prompt
+from llmserve.engine.llm_engine import LLMEngine
 from llmserve.metrics.stats import StepStats
 from llmserve.outputs import SpecDecodeStats
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("llmserve")
 
-_PROMPT_TOKENS = 32  # one prefill of this many tokens, then decode steps
-_MAX_TOKENS = 4
-_REQUEST_IDS = ("warmup-kernels", "warmup-measured")
+# The warm-up prefill: past the small-batch kernels' rows, so the GEMM path and the prefill attention
+# kernel run; a longer prompt costs start-up time in proportion and runs no other path.
+DEFAULT_PROMPT_LEN = 128
+_SUFFIX_LEN = 16  # B's new tokens after its cached prefix
+_REPEATING_LEN = 48  # C's and D's prompts, a sentence repeated: prompt lookup finds matches there
+_MAX_STEPS = 200  # a bound on the warm-up's steps; the requests finish in about 20
 
 
-def warm_up(engine: LLMEngine) -> list[StepStats]:
-    """Run the warm-up; the steps of its measured request (empty if no prompt fits this engine)."""
+def warmup_requests(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[list[tuple]]:
+    """The warm-up's waves of (request id, prompt ids, params), each wave run to its end before the
+    next; prompts fit the engine's context, step budget and pool."""
+    config = engine.config
+    vocab = config.model.arch.vocab_size
+    block = config.cache.block_size
+    pool_tokens = config.cache.num_blocks * block
+    length = max(2, min(prompt_len, config.scheduler.max_num_batched_tokens, config.model.max_model_len // 2))
+    length = min(length, max(2, pool_tokens // 4))
+    rng = np.random.default_rng(0)
+    low = min(100, vocab // 2)  # past the special tokens of common vocabularies
+    a = rng.integers(low, vocab, length).tolist()
+    cached = (length - 1) // block * block  # A's full blocks; at least one token of B is new
+    suffix = min(_SUFFIX_LEN, max(1, config.model.max_model_len // 2 - cached))
+    b = a[:cached] + rng.integers(low, vocab, suffix).tolist()
+    repeat_len = max(2, min(_REPEATING_LEN, config.model.max_model_len // 2))
+    c = _repeating(engine, "The cat sat on the mat. ", repeat_len, vocab)
+    d = _repeating(engine, "One, two, three, four. ", repeat_len, vocab)
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    sampled = SamplingParams(
+        temperature=0.8,
+        top_k=50,
+        top_p=0.9,
+        presence_penalty=0.1,
+        seed=0,
+        logprobs=2,
+        max_tokens=6,
+        ignore_eos=True,
+    )
+    longer = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)  # room for drafts
+    waves = [[("warmup-a", a, greedy)], [("warmup-b", b, longer), ("warmup-c", c, longer)]]
+    return [*waves, [("warmup-d", d, sampled)]]
+
+
+def _repeating(engine: LLMEngine, text: str, length: int, vocab: int) -> list[int]:
+    """`length` tokens of `text` repeated: a model continues the loop, so prompt lookup drafts."""
+    ids = [token % vocab for token in engine.tokenizer.encode(text * length)]
+    return ids[:length]
+
+
+def warm_up(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[StepStats]:
+    """Finish the KV prefault, then run the warm-up requests and forget them; the measured steps
+    (those after the first wave). A failure is logged and the engine serves cold, without measured
+    steps (its requests are aborted): warm-up is an optimization.
+
+    The prefault comes first and this thread helps it: the warm-up's forward passes would otherwise
+    share the cores with it (their OpenMP threads spin between parallel regions)."""
     start = time.monotonic()
+    engine.model_runner.wait_for_kv_prefault()
+    prefaulted = time.monotonic()
     publisher, engine.kv_event_publisher = engine.kv_event_publisher, None  # a router must not see it
+    cost_model = copy.deepcopy(engine.scheduler.cost_model)
+    measured: list[StepStats] = []
     try:
-        cost_model = copy.deepcopy(engine.scheduler.cost_model)
-        _run(engine, _REQUEST_IDS[0], offset=1)
-        engine.scheduler.cost_model = cost_model  # the kernel-building steps would skew its fit
-        steps = _run(engine, _REQUEST_IDS[1], offset=2)
+        first, *rest = warmup_requests(engine, prompt_len)
+        _run_wave(engine, first)
+        engine.scheduler.cost_model = copy.deepcopy(cost_model)  # A's kernel-building steps would skew it
+        for wave in rest:
+            measured += _run_wave(engine, wave)
+    except Exception:  # noqa: BLE001 - the engine may still serve; say so and go on cold
+        logger.warning("engine warm-up failed; serving without it", exc_info=True)
+        for request_id in list(engine.output_processor.parents):
+            engine.abort_request(request_id)
+        engine.scheduler.cost_model, measured = cost_model, []
     finally:
         engine.kv_event_publisher = publisher
-        for request_id in _REQUEST_IDS:  # left by a step that raised
-            if engine.output_processor.has_request(request_id):
-                engine.abort_request(request_id)
-    engine.kv_cache_manager.pool.reset_prefix_cache()
-    engine.kv_cache_manager.take_events()
-    engine.scheduler.spec_decode_stats = SpecDecodeStats()
-    engine.last_step = None
-    torch.manual_seed(engine.config.model.seed)
+    _forget(engine)
+    seconds = time.monotonic() - start
     logger.info(
-        "warm-up done in %.2f s (%d measured steps, %d tokens)",
-        time.monotonic() - start,
-        len(steps),
-        sum(s.num_prompt_tokens + s.num_generation_tokens for s in steps),
+        "engine warmed up in %.2f s (the rest of the KV prefault %.2f s, then requests %.2f s; "
+        "%d measured steps)",
+        seconds,
+        prefaulted - start,
+        seconds - (prefaulted - start),
+        len(measured),
     )
-    return steps
+    return measured
 
 
-def _run(engine: LLMEngine, request_id: str, offset: int) -> list[StepStats]:
-    """One greedy request of a synthetic prompt (distinct per `offset`: no prefix-cache hit) to its end."""
-    config = engine.config
-    pool_tokens = config.cache.num_blocks * config.cache.block_size
-    length = min(_PROMPT_TOKENS, config.model.max_model_len, pool_tokens) - _MAX_TOKENS - 1
-    if length < 1:  # a context or KV pool too small for it: serve without a measured prior
-        return []
-    vocab = config.model.arch.vocab_size
-    prompt = [(offset + 7 * index) % vocab for index in range(length)]
-    check_prompt(prompt, config)
-    params = SamplingParams(max_tokens=_MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    engine.add_tokenized_request(request_id, prompt, params)
+def _run_wave(engine: LLMEngine, wave: list[tuple]) -> list[StepStats]:
+    """Run the wave's requests to their end; the stats of its steps."""
+    for request_id, prompt_ids, params in wave:
+        engine.add_tokenized_request(request_id, prompt_ids, params)
     steps = []
-    while engine.has_unfinished_requests():
+    for _ in range(_MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            return steps
         engine.step()
         if engine.last_step is not None:
             steps.append(engine.last_step)
-    return steps
+    raise RuntimeError(f"the warm-up requests did not finish within {_MAX_STEPS} steps")
+
+
+def _forget(engine: LLMEngine) -> None:
+    """Leave no trace of the warm-up a client, a router or metrics could see: no cached prefixes, no
+    KV events, no counts."""
+    kv = engine.kv_cache_manager
+    kv.pool.reset_prefix_cache()
+    kv.take_events()  # the warm-up's stored blocks and their clearing: held back from the router
+    kv.prefix_cache_queries = kv.prefix_cache_hits = 0
+    engine.reset_step_counters()
+    engine.scheduler.spec_decode_stats = SpecDecodeStats()
+    torch.manual_seed(engine.config.model.seed)

@@ -172,6 +172,8 @@ def _replica_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--served-model-name", args.served_model_name]
     if not args.cpu_binding:
         flags.append("--no-cpu-binding")
+    if not args.warmup:
+        flags.append("--no-warmup")
     if args.verbose:
         flags.append("--verbose")
     flags += chat_flags(args)

@@ -60,8 +60,13 @@ class SampledBatch:
 
     def draft_limit(self, index: int, k: int) -> int:
         """Drafts worth proposing for request `index`, at most `k`: within the auto-mode share and
-        short of its max_tokens (verifying k drafts yields up to k + 1 tokens)."""
+        short of its max_tokens (verifying k drafts yields up to k + 1 tokens). Zero for a request
+        whose first token this step sampled: its first token leaves with the step that finished its
+        prompt, before any drafting for it (a draft model's catch-up on the prompt included); it
+        drafts from its first decode on."""
         request = self.requests[index]
+        if request.num_output_tokens == 0:
+            return 0
         left = request.sampling_params.max_tokens - request.num_output_tokens - len(self.new_token_ids[index])
         cap = k if self.max_drafts is None else min(k, self.max_drafts)
         return max(0, min(cap, left - 1))

@@ -104,3 +104,14 @@ def test_the_pool_is_advised_into_huge_pages_and_keeps_its_contents():
 def test_huge_page_advice_skips_tensors_without_a_whole_huge_page():
     assert not advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))  # no aligned 2 MiB inside
     assert not advise_huge_pages(torch.empty(1024, device="meta"))
+
+
+def test_a_waiter_helps_the_background_thread_and_every_page_is_mapped():
+    memory = mmap.mmap(-1, 64 << 20)
+    tensor = torch.frombuffer(memory, dtype=torch.uint8)
+    thread = populate_in_background(tensor)
+    thread.finish()  # populates beside the thread, then joins it
+    assert not thread.is_alive() and not thread.chunks.failed
+    assert thread.chunks.take() is None  # nothing left to hand out
+    assert _resident_fraction(tensor) == 1.0
+    del tensor

@@ -181,7 +181,8 @@ class _FailingStepEngine(LLMEngine):
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine_args):
-    llm = AsyncLLM(engine_args, engine_factory=_FailingStepEngine)
+    # without warm-up, whose first step would take the failure
+    llm = AsyncLLM(engine_args, engine_factory=_FailingStepEngine, warmup=False)
     try:
         params = SamplingParams(max_tokens=4)
         with pytest.raises(RuntimeError, match="the engine step running this request failed"):

@@ -54,7 +54,7 @@ def wait_for(predicate, timeout: float, what: str):
 def test_a_killed_engine_fails_its_streams_and_is_restarted(tiny_model_dir, tmp_path):
     server = start_server(tiny_server_args(tiny_model_dir), tmp_path / "server.log")
     try:
-        assert health(server) == (200, {"status": "healthy", "state": "ready"})  # warmed up
+        assert health(server) == (200, {"status": "healthy", "state": "ready"})  # warmed up first
         [engine] = engine_processes(server)
         results: list = []
         started = [threading.Event() for _ in range(3)]

@@ -174,10 +174,10 @@ def _request(request_id: str, tokens: list[int], **params) -> Request:
 
 
 def _state(request_id: str, tokens: list[int], **params) -> CachedRequestState:
-    """A request as the model runner holds it (what proposers draft for)."""
-    data = NewRequestData(
-        request_id, tokens, [], SamplingParams(max_tokens=32, **params), (), [], len(tokens) - 1
-    )
+    """A decoding request as the model runner holds it (what proposers draft for): `tokens` end
+    with its one output token (a request at its first token gets no drafts)."""
+    params = SamplingParams(max_tokens=32, **params)
+    data = NewRequestData(request_id, tokens[:-1], tokens[-1:], params, (), [], len(tokens) - 1)
     return CachedRequestState.from_new(data, torch.device("cpu"))
 
 

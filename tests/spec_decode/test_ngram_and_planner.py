@@ -80,6 +80,13 @@ def _request(tokens: list[int], **params) -> Request:
     return Request("r", tokens, SamplingParams(**params))
 
 
+def _decoding(tokens: list[int], **params) -> Request:
+    """A request past its first token: `tokens` end with its one output token."""
+    request = _request(tokens[:-1], **params)
+    request.append_output_token(tokens[-1])
+    return request
+
+
 def _proposed(tokens: list[int], drafts: list[int], **params) -> Request:
     request = _request(tokens, **params)
     request.draft_proposal = DraftProposal(request.num_tokens, drafts)
@@ -89,10 +96,10 @@ def _proposed(tokens: list[int], drafts: list[int], **params) -> Request:
 def test_ngram_proposes_after_the_step_from_the_tokens_including_the_new_ones():
     proposer = NgramProposer(_config(k=3))
     requests = [
-        _request([5, 1, 2, 1, 2, 1]),
-        _request([1, 2, 3]),  # no match
-        _request([5, 1, 2, 1, 2, 1], num_speculative_tokens=0),  # does not speculate
-        _request([5, 1, 2, 1, 2, 1], max_tokens=3),  # room for one draft before max_tokens
+        _decoding([5, 1, 2, 1, 2, 1]),
+        _decoding([1, 2, 3]),  # no match
+        _decoding([5, 1, 2, 1, 2, 1], num_speculative_tokens=0),  # does not speculate
+        _decoding([5, 1, 2, 1, 2, 1], max_tokens=4),  # room for one draft before max_tokens
     ]
     for index, request in enumerate(requests):
         request.request_id = f"r{index}"

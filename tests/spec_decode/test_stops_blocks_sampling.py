@@ -167,7 +167,8 @@ def test_seeded_sampling_is_reproducible_alone_or_batched(target_dir, other_draf
 def test_sampled_self_draft_accepts_nearly_everything(self_draft_llm):
     """p == q (up to float32 rounding across batch shapes): min(1, p/q) accepts every draft."""
     before = copy.copy(self_draft_llm.engine.spec_decode_stats)
-    self_draft_llm.generate(PROMPTS, [_sampled(seed=i) for i in range(len(PROMPTS))], use_tqdm=False)
+    prompts = PROMPTS * 2  # enough drafts to judge the rate (each request drafts from its first decode on)
+    self_draft_llm.generate(prompts, [_sampled(seed=i) for i in range(len(prompts))], use_tqdm=False)
     after = self_draft_llm.engine.spec_decode_stats
     drafted = after.num_draft_tokens - before.num_draft_tokens
     accepted = after.num_accepted_tokens - before.num_accepted_tokens

@@ -3,8 +3,8 @@
 The port is bound first (a busy port fails at once), then the engine process is forked with torch
 already imported; FastAPI, uvicorn and the app's modules load in this process while the engine
 process loads the model, so their imports are off the start-up's critical path (docs/benchmarks.md,
-"Start-up"). Meanwhile a start-up responder answers on the port (503, /health `starting`); the app
-then answers `warming` until the engine's warm-up is done, and `ready`.
+"Start-up"). Meanwhile a start-up responder answers on the port (503, /health `starting`, then
+`warming` while the engine warms up, engine/warmup.py); the app runs once the engine is ready.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
-from llmserve.engine.health import WatchdogConfig
+from llmserve.engine.health import EngineHealth, WatchdogConfig
 from llmserve.engine.supervision import RestartPolicy
 from llmserve.entrypoints.openai.chat_options import ChatOptions
 from llmserve.entrypoints.openai.startup_responder import StartupResponder
@@ -41,8 +41,10 @@ def run_server(args: argparse.Namespace) -> int:
                 EngineArgs.from_cli_args(args),
                 fork=_can_fork(),
                 fork_closes=(sock.fileno(),),
-                while_loading=lambda: _while_loading(responder),  # after the fork: no thread is copied
+                # after the fork: no thread is copied
+                while_loading=lambda health: _while_loading(responder, health),
                 bind_cpus=args.cpu_binding,
+                warmup=args.warmup,
                 restart=RestartPolicy(max_restarts=args.max_engine_restarts) if args.engine_restart else None,
                 watchdog=WatchdogConfig(min_seconds=args.watchdog_min_seconds),
             )
@@ -54,8 +56,8 @@ def run_server(args: argparse.Namespace) -> int:
             engine.shutdown()
 
 
-def _while_loading(responder: StartupResponder) -> None:
-    responder.start()
+def _while_loading(responder: StartupResponder, health: EngineHealth) -> None:
+    responder.start(health)  # starting, then warming: the engine's state while it loads and warms up
     import llmserve.entrypoints.openai.api_server  # noqa: F401 - imported now, beside the model's loading
 
 

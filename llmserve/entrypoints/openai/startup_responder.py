@@ -1,9 +1,11 @@
-"""HTTP answers while the model loads, so that `starting` is a state a probe can read, not a refused
-connection: serve.py binds the port first and the app (uvicorn) runs only once the engine is up.
+"""HTTP answers while the model loads and warms up, so that `starting` and `warming` are states a probe
+can read, not a refused connection: serve.py binds the port first and the app (uvicorn) runs only
+once the engine is ready.
 
 A small stdlib HTTP server on the already-bound socket answers every request with 503: /health with
-its `starting` body (health.py), any other path with an OpenAI-style error. It stops before uvicorn
-takes the socket over; connections made meanwhile wait in the listen backlog for uvicorn.
+the engine's state (`starting`, then `warming`: engine/health.py) in the app's body (health.py), any
+other path with an OpenAI-style error. It stops before uvicorn takes the socket over; connections made
+meanwhile wait in the listen backlog for uvicorn.
 """
 
 from __future__ import annotations
@@ -13,23 +15,27 @@ import json
 import socket
 import threading
 
-_REASON = "the engine is loading the model"
+from llmserve.engine.health import EngineHealth, HealthState
+
 _POLL_SECONDS = 0.05  # how soon `stop` returns: this delays the app's start by at most this much
 
 
-def _body(path: str) -> bytes:
-    message = f"the server is starting: {_REASON}; retry shortly"
+def _body(path: str, health: EngineHealth) -> bytes:
+    state, reason = health.state.value, health.reason
+    if health.state not in (HealthState.STARTING, HealthState.WARMING):  # ready: the app takes over now
+        state, reason = HealthState.STARTING.value, "the server's app is starting"
+    message = f"the server is {state}: {reason}; retry shortly"
     error = {"message": message, "type": "server_error", "param": None, "code": "503"}
     if path.split("?", 1)[0] == "/health":
-        return json.dumps(
-            {"status": "starting", "state": "starting", "reason": _REASON, "error": error}
-        ).encode()
+        return json.dumps({"status": state, "state": state, "reason": reason, "error": error}).encode()
     return json.dumps({"error": error}).encode()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+
     def _answer(self) -> None:
-        body = _body(self.path)
+        body = _body(self.path, self.server.health)
         self.send_response(503)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -48,6 +54,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 2048  # uvicorn's backlog: connections wait there for the app
+    health: EngineHealth  # what /health reports
 
     def handle_error(self, request, client_address) -> None:
         pass  # a client that hung up mid-answer: nothing to report (the stdlib prints a traceback)
@@ -60,9 +67,13 @@ class StartupResponder:
         self._server = _Server(sock.getsockname()[:2], _Handler, bind_and_activate=False)
         self._server.socket.close()  # its own unbound socket: the server's bound one replaces it
         self._server.socket = sock
+        self._server.health = EngineHealth()  # starting, until `start` is given the engine's
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, health: EngineHealth | None = None) -> None:
+        """Answer from `health`'s state (starting, then warming) until `stop`."""
+        if health is not None:
+            self._server.health = health
         self._server.server_activate()  # listen()
         self._thread = threading.Thread(
             target=self._server.serve_forever,
