@@ -25,16 +25,20 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, record_events: bool = False, reuse_latest: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        order = reversed(range(num_blocks)) if reuse_latest else range(num_blocks)  # block 0 goes first
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(order)
         self._cached: dict[bytes, int] = {}  # block hash -> block holding that content
         self._block_keys: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # block -> (hash, its tokens)
         self.num_evictions = 0
         self.events: list[KVCacheEvent] | None = [] if record_events else None  # None: not recorded
+        # a pool without a prefix cache (swap space) hands out the blocks freed last: lazily mapped
+        # memory then stays within the peak in use instead of every page being touched in turn
+        self._take_oldest = not reuse_latest
 
     @property
     def num_free_blocks(self) -> int:
@@ -46,10 +50,12 @@ class BlockPool:
         return 1.0 - len(self._free) / self.num_blocks
 
     def allocate(self, count: int) -> list[int]:
-        """Take `count` blocks from the head of the free queue, each with ref count 1."""
+        """Take `count` blocks from the head of the free queue (its tail with `reuse_latest`), each
+        with ref count 1."""
         if count > len(self._free):
             raise NoFreeBlocksError(f"need {count} blocks, {len(self._free)} free")
-        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
+        oldest = self._take_oldest
+        blocks = [self._free.popitem(last=not oldest)[0] for _ in range(count)]
         evicted = []
         for block in blocks:
             self.ref_counts[block] = 1

@@ -94,7 +94,8 @@ class KVCacheManager:
         self.num_window_evicted_blocks = 0
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, record_events=enable_kv_events and enable_prefix_caching)
-        self.swap_pool = BlockPool(num_swap_blocks) if num_swap_blocks else None  # CPU swap space
+        # CPU swap space
+        self.swap_pool = BlockPool(num_swap_blocks, reuse_latest=True) if num_swap_blocks else None
         self.block_tables: dict[str, list[int]] = {}
         self.swapped_tables: dict[str, list[int]] = {}  # request id -> its blocks in the swap space
         self._block_hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks

@@ -50,3 +50,26 @@ def test_usage_fraction():
     pool = BlockPool(4)
     pool.allocate(1)
     assert pool.usage == 0.25
+
+
+def test_a_pool_that_reuses_latest_touches_only_its_peak_in_use():
+    """Swap space is mapped lazily: cycling through every block would fault all of it in over time."""
+    fifo, lifo = BlockPool(8), BlockPool(8, reuse_latest=True)
+    touched = {id(fifo): set(), id(lifo): set()}
+    for _ in range(6):
+        for pool in (fifo, lifo):
+            blocks = pool.allocate(2)
+            touched[id(pool)].update(blocks)
+            pool.free(blocks)
+            pool.check_integrity()
+    assert len(touched[id(lifo)]) == 2
+    assert len(touched[id(fifo)]) == 8
+
+
+def test_the_kv_cache_managers_swap_pool_reuses_latest():
+    from llmserve.core.kv_cache_manager import KVCacheManager
+
+    kv = KVCacheManager(4, block_size=4, enable_prefix_caching=False, num_swap_blocks=8)
+    first = kv.swap_pool.allocate(2)
+    kv.swap_pool.free(first)
+    assert sorted(kv.swap_pool.allocate(2)) == sorted(first)
