@@ -49,6 +49,9 @@ class FailingEngine:
     def has_request(self, request_id: str) -> bool:
         return False
 
+    def add_warmup_listener(self, listener) -> None:
+        pass  # never warms up: admission keeps no prior
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
