@@ -41,7 +41,9 @@ class FailingEngine:
         self.request_listeners: list = []
         self.is_running = True
         model = types.SimpleNamespace(max_model_len=64, arch=types.SimpleNamespace(vocab_size=256))
-        self.config = types.SimpleNamespace(model=model)
+        self.config = types.SimpleNamespace(
+            model=model, structured_outputs=types.SimpleNamespace(compile_timeout=10.0)
+        )
         self.gauges = EngineGauges()
         self.health = EngineHealth()
         self.queued_prompt_tokens = 0

@@ -26,7 +26,7 @@ REPLY = "<script>window.__injected = 1</script><b>not bold</b> <img src=x onerro
 
 
 class _ChatTokenizer:
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(text.encode())
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -34,6 +34,12 @@ class _ChatTokenizer:
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages))
+
+    def chat_template_text(self, override: str | None = None, tools: bool = False) -> str:
+        return override or "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+
+    def render_chat(self, messages, *_template_args, **_template_kwargs) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
 
 
 class ScriptedEngine(FailingEngine):
@@ -43,7 +49,7 @@ class ScriptedEngine(FailingEngine):
         super().__init__(fail_after=None)
         self.tokenizer = _ChatTokenizer()
         cache = types.SimpleNamespace(kv_events=None, block_size=16, enable_prefix_caching=True)
-        self.config = types.SimpleNamespace(model=self.config.model, cache=cache)
+        self.config = types.SimpleNamespace(**vars(self.config), cache=cache)
         self.config.model.max_model_len = 4096
 
     async def generate(
