@@ -78,9 +78,13 @@ def test_schema_keywords_the_engine_would_ignore_are_refused(compiler, schema, k
         compiler.compile(StructuredOutputsParams.from_schema(schema))
 
 
-def test_a_property_named_like_a_keyword_is_fine(compiler):
-    schema = {"type": "object", "properties": {"not": {"type": "string"}}}
-    compiler.compile(StructuredOutputsParams.from_schema(schema))
+def test_a_property_named_like_a_keyword_is_fine(compiler, tokenizer):
+    schema = {"type": "object", "properties": {"not": {"type": "string"}}, "required": ["not"]}
+    grammar = GrammarState(compiler.compile(StructuredOutputsParams.from_schema(schema)))
+    assert grammar.sync(ids(tokenizer, '{"not": "x"}'))  # the keyword-named property is a property
+    assert not GrammarState(compiler.compile(StructuredOutputsParams.from_schema(schema))).sync(
+        ids(tokenizer, '{"other": "x"}')
+    )
 
 
 def test_invalid_grammars_are_refused(compiler):
