@@ -7,12 +7,14 @@ if compilation fails the engine falls back to the pure-PyTorch reference backend
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -57,23 +59,23 @@ def _build_directory(root: str) -> str:
     return str(path)
 
 
-# A build takes minutes on a small machine; a lock this old was left by a build that was killed.
-_STALE_LOCK_SECONDS = 30 * 60
-
-
-def remove_stale_lock(build_directory: str) -> bool:
-    """Remove the build lock a killed build left behind; whether one was removed. torch's loader
-    waits for `lock` to disappear, so a lock whose build died would make every later start hang."""
-    lock = Path(build_directory) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < _STALE_LOCK_SECONDS:
-        return False  # a build may still be running: wait for it as torch does
-    logger.warning("removing a stale kernel build lock (%.0f minutes old): %s", age / 60, lock)
-    lock.unlink(missing_ok=True)
-    return True
+@contextlib.contextmanager
+def build_lock(build_directory: str) -> Iterator[bool]:
+    """Held while this process loads (and maybe builds) the kernels; yields whether it removed a lock
+    file left by a killed build. torch's loader waits for its `lock` file to disappear, and a build
+    killed midway leaves that file forever; an flock is dropped by the kernel when its holder dies,
+    so once this process holds it no live build owns torch's lock and the file can go."""
+    with open(Path(build_directory) / "build.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        lock = Path(build_directory) / "lock"
+        stale = lock.exists()
+        if stale:
+            logger.warning("removing the lock of a kernel build that was killed: %s", lock)
+            lock.unlink(missing_ok=True)
+        try:
+            yield stale
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.cache
@@ -90,15 +92,15 @@ def load_cpu_ops() -> ModuleType | None:
             Path.home() / ".cache" / "llmserve" / "torch_extensions"
         )
         build_directory = _build_directory(build_root)
-        remove_stale_lock(build_directory)
-        return load(
-            name="llmserve_cpu_ops",
-            sources=_SOURCES,
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=build_directory,
-            verbose=False,
-        )
+        with build_lock(build_directory):
+            return load(
+                name="llmserve_cpu_ops",
+                sources=_SOURCES,
+                extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=build_directory,
+                verbose=False,
+            )
     except Exception as error:  # noqa: BLE001 - any build failure means "use the fallback"
         logger.warning("compiled CPU kernels unavailable (%s); using the torch reference paths", error)
         return None

@@ -145,6 +145,8 @@ def use_small_batch_linear(model: nn.Module, float32_kernel_weights: torch.dtype
     `PackedLinear`s where this build has the float32 kernel or oneDNN can pack them, their kernel copy
     in `float32_kernel_weights` (float32; bf16 for a draft head);
     returns how many."""
+    if all(param.device.type != "cpu" for param in model.parameters()):
+        return 0  # nothing to swap: the CPU kernels are not even built (a minute, once) on CUDA
     ops = load_cpu_ops()
     has_kernel = ops is not None and ops.small_batch_linear_supported()
     has_float32_kernel = ops is not None and ops.small_batch_linear_f32_supported()

@@ -118,17 +118,17 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
 
     if not isinstance(model, LlamaForCausalLM) or not model.fused_decode_stack:
         return None  # a family whose layers differ from Llama's runs its modules
-    ops = load_cpu_ops()
     inner = model.model
     layers = list(inner.layers)
     if (
-        ops is None
-        or not hasattr(ops, "DecodeStack")
-        or not isinstance(attention_backend, CPUPagedBackend)
+        not isinstance(attention_backend, CPUPagedBackend)
         or attention_backend.kv_format.kernel_code != 0
         or inner.norm.weight.dtype not in (torch.bfloat16, torch.float32)
         or inner.norm.weight.device.type != "cpu"
     ):
+        return None  # checked first: off the CPU the kernels are not built at all
+    ops = load_cpu_ops()
+    if ops is None or not hasattr(ops, "DecodeStack"):
         return None
     dtype = inner.norm.weight.dtype
     tensors: list[torch.Tensor] = []

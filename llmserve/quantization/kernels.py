@@ -212,6 +212,8 @@ def _small_batch_int8_ops(codes: torch.Tensor):
     """The compiled kernels, where this build has the small-batch int8/int4 kernels and the codes
     suit them: a width that is a multiple of 32, and int8 codes within [-127, 127] (the kernel
     stores q + 128 unsigned; a checkpoint's -128 keeps the packed op)."""
+    if codes.device.type != "cpu":
+        return None
     ops = load_cpu_ops()
     if ops is None or not ops.small_batch_linear_int8_supported() or codes.shape[-1] % 32:
         return None
