@@ -108,7 +108,8 @@ class Scheduler:
         self._batch_seqs = config.max_num_seqs
         self.targets = LatencyTargets.from_ms(config.ttft_target_ms, config.tpot_target_ms)
         self.cost_model = StepCostModel()  # fed by the engine with each step's measured time
-        self._step_budget: StepBudget | None = None  # the current schedule() call's (None: no targets)
+        self._step_budget: StepBudget | None = None  # the current schedule() call's, once built
+        self._budget_inputs: tuple | None = None  # what it is built from (None: no targets)
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -156,19 +157,16 @@ class Scheduler:
         if isinstance(self.waiting, PriorityQueue):
             self.running.sort(key=self.waiting.key)
             self._preempt_for_urgent_waiting(output)
-        targets = self.targets
-        self._step_budget = (
-            StepBudget(
-                self.cost_model,
-                targets,
-                self.running,
+        self._step_budget = self._budget_inputs = None
+        if self.targets.ttft is not None or self.targets.tpot is not None:
+            # built on first use: a step of decodes alone with nothing waiting never reads it
+            self._budget_inputs = (
+                list(self.running),
                 list(self.waiting),
                 isinstance(self.waiting, PriorityQueue),
                 in_flight,
+                time.monotonic(),
             )
-            if targets.ttft is not None or targets.tpot is not None
-            else None
-        )
         num_preempted_before = len(output.preempted)
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if len(output.preempted) == num_preempted_before:  # no KV pressure from running requests
@@ -182,6 +180,15 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         return output
+
+    def _budget(self) -> StepBudget:
+        """This step's latency budget, built the first time the step needs it."""
+        if self._step_budget is None:
+            running, waiting, by_priority, in_flight, now = self._budget_inputs
+            self._step_budget = StepBudget(
+                self.cost_model, self.targets, running, waiting, by_priority, in_flight, now
+            )
+        return self._step_budget
 
     def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
         """The measured time of a step this scheduler planned, for the cost model."""
@@ -250,8 +257,8 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if request.first_token_time is None and self._step_budget is not None:  # a prompt's chunk
-                num_new = self._step_budget.prompt_chunk(request, num_new, request.num_computed_tokens)
+            if request.first_token_time is None and self._budget_inputs is not None:  # a prompt's chunk
+                num_new = self._budget().prompt_chunk(request, num_new, request.num_computed_tokens)
                 if not num_new:  # the decodes' TPOT slack leaves it nothing this step
                     index += 1
                     continue
@@ -332,9 +339,9 @@ class Scheduler:
     def _waiting_order(self) -> list[Request]:
         """The waiting requests in the order they are admitted: the queue's, or with latency targets
         by TTFT slack within each priority level."""
-        if self._step_budget is None:
+        if self._budget_inputs is None:
             return list(self.waiting)
-        return self._step_budget.waiting_order
+        return self._budget().waiting_order
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
@@ -366,8 +373,8 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self._step_budget is not None and self.config.enable_chunked_prefill:
-                num_new = self._step_budget.prompt_chunk(request, num_new, num_cached)
+            if self._budget_inputs is not None and self.config.enable_chunked_prefill:
+                num_new = self._budget().prompt_chunk(request, num_new, num_cached)
                 if not num_new:
                     break  # the decodes' TPOT slack leaves no room; later prompts are less urgent
             if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):

@@ -432,7 +432,8 @@ class LLMEngine:
         accepted = [len(sampled[r]) - 1 for r in plan.spec_token_ids]  # per request, not per token
         if result.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(result.prompt_logprobs)
-        self.failed_logits_requests = self._fail_children(result.failed)  # before their tokens count
+        # before their tokens count
+        self.failed_logits_requests = self._fail_children(result.failed) if result.failed else []
         if scheduled.requests:
             updated = self.scheduler.update_from_output(scheduled, sampled, proposals)
             outputs += self.output_processor.process(updated, result.logprobs, self.scheduler.finish_request)

@@ -45,6 +45,36 @@ def test_the_fit_recovers_known_coefficients_from_noisy_step_times():
     assert model.predict(shape) == pytest.approx(truth(shape), rel=0.01)
 
 
+def test_steps_folded_in_batches_give_the_sums_of_one_step_at_a_time():
+    rng = np.random.default_rng(1)
+    model = StepCostModel(recent_steps=64)
+    decay, gram, moment = 1 - 1 / 64, np.zeros((5, 5)), np.zeros(5)
+    for count, shape in enumerate(random_shapes(rng, 45), start=1):
+        seconds = truth(shape)
+        model.observe(shape, seconds)
+        x = np.array(
+            [
+                1.0,
+                shape.decode_tokens,
+                shape.prefill_tokens,
+                shape.decode_context / 1e3,
+                shape.prefill_pairs / 1e6,
+            ]
+        )
+        gram, moment = gram * decay + np.outer(x, x), moment * decay + seconds * x
+        assert len(model._pending) < 8 or count < model._min_steps
+    model.refit()  # folds the 5 steps since the last refit
+    np.testing.assert_allclose(model._gram, gram, rtol=1e-12)
+    np.testing.assert_allclose(model._moment, moment, rtol=1e-12)
+
+
+def test_a_fixed_model_keeps_no_growing_backlog_of_steps():
+    model = StepCostModel.fixed(TRUE)
+    for shape in random_shapes(np.random.default_rng(2), 100):
+        model.observe(shape, truth(shape))
+    assert len(model._pending) < 8 and model.coefficients == TRUE
+
+
 def test_the_fit_follows_a_change_in_speed_within_its_recent_steps():
     rng = np.random.default_rng(1)
     model = StepCostModel(recent_steps=64)
