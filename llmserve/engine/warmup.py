@@ -23,7 +23,9 @@ First the KV prefault is finished (this thread helps the background one); afterw
 warm-up stays: a router hears none of it (KV events are held back, then dropped), the prefix cache is
 emptied, the counters that reach metrics are rewound and the global seed is set again (a seedless
 sampled request draws as without warm-up). `llmserve serve --no-warmup` skips it: the first requests
-pay those costs, and the wait predictor has no prior until steps are measured.
+pay those costs, and the wait predictor has no prior until steps are measured. Structured outputs'
+one-time costs are paid here too (about a second): xgrammar's import while the KV prefault finishes,
+the vocabulary table in the grammar compiler's thread beside the requests.
 """
 
 from __future__ import annotations
@@ -98,6 +100,12 @@ def warm_up(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[Ste
     The prefault comes first and this thread helps it: the warm-up's forward passes would otherwise
     share the cores with it (their OpenMP threads spin between parallel regions)."""
     start = time.monotonic()
+    # structured outputs: xgrammar's import here, while the prefault still runs (importing it in another
+    # thread races this one's imports of transformers' lazy modules), then the vocabulary table in the
+    # compiler's thread
+    import xgrammar  # noqa: F401
+
+    vocabulary = engine.grammar_gate.compiler.prepare()
     engine.model_runner.wait_for_kv_prefault()
     prefaulted = time.monotonic()
     publisher, engine.kv_event_publisher = engine.kv_event_publisher, None  # a router must not see it
@@ -117,6 +125,10 @@ def warm_up(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[Ste
     finally:
         engine.kv_event_publisher = publisher
     _forget(engine)
+    try:
+        vocabulary.result()
+    except Exception:  # noqa: BLE001 - structured requests would then fail with the same error
+        logger.warning("structured outputs' vocabulary table did not build", exc_info=True)
     seconds = time.monotonic() - start
     logger.info(
         "engine warmed up in %.2f s (the rest of the KV prefault %.2f s, then requests %.2f s; "

@@ -70,6 +70,11 @@ class GrammarCompiler:
             if self._cache.get(key) is future:
                 del self._cache[key]
 
+    def prepare(self) -> Future:
+        """Build the vocabulary table in the pool now (xgrammar's import and the tokenizer's table take
+        about a second): a server calls it at start so that its first structured request does not."""
+        return self._pool.submit(self._xgrammar)
+
     def _xgrammar(self) -> xgrammar.GrammarCompiler:
         with self._build_lock:  # the tokenizer's vocabulary table is built once, on the first compile
             if self._compiler is None:

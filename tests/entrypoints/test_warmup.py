@@ -47,7 +47,9 @@ def test_warm_up_runs_a_prefill_decodes_a_cache_hit_and_drafts_then_forgets_them
         return outputs
 
     engine.step = recorded
+    assert engine.grammar_gate.compiler._compiler is None  # built on the first structured request
     warm_up(engine, prompt_len=100)
+    assert engine.grammar_gate.compiler._compiler is not None  # structured outputs' vocabulary table
     prompt_len = len(warmup_requests(engine, 100)[0][0][1])
     assert prompt_len == 100
     assert any(s.num_prompt_tokens == prompt_len for s in steps)  # the prefill

@@ -58,7 +58,10 @@ def run_server(args: argparse.Namespace) -> int:
 
 def _while_loading(responder: StartupResponder, health: EngineHealth) -> None:
     responder.start(health)  # starting, then warming: the engine's state while it loads and warms up
-    import llmserve.entrypoints.openai.api_server  # noqa: F401 - imported now, beside the model's loading
+    # imported now, beside the model's loading: the app, and the first structured request's xgrammar
+    import xgrammar  # noqa: F401
+
+    import llmserve.entrypoints.openai.api_server  # noqa: F401
 
 
 def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> int:
@@ -66,6 +69,7 @@ def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> i
 
     from llmserve.entrypoints.openai import api_server
     from llmserve.entrypoints.openai.admission import AdmissionConfig
+    from llmserve.entrypoints.openai.structured_outputs import prepare_grammars
     from llmserve.metrics.prometheus import PrometheusMetrics
 
     api_key = args.api_key or os.environ.get(api_server.API_KEY_ENV) or None
@@ -81,6 +85,7 @@ def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> i
         admission=admission,
         chat_options=args.chat_options,
     )
+    prepare_grammars(app.state.llmserve.ctx)
     config = uvicorn.Config(
         app,
         host=args.host,

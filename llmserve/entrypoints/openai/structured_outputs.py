@@ -36,6 +36,12 @@ async def check_structured_outputs(
         raise ApiError(f"{param}: {error}", param=param) from error
 
 
+def prepare_grammars(ctx: ServerContext) -> None:
+    """Start building the server's vocabulary table in the background (the first structured request
+    waits only for what is left of it)."""
+    _compiler(ctx).prepare()
+
+
 def _compiler(ctx: ServerContext) -> GrammarCompiler:
     if ctx.grammar_compiler is None:
         engine = ctx.engine
