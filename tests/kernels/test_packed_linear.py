@@ -201,4 +201,7 @@ def test_onednn_sees_only_the_rounded_row_counts_and_the_rows_asked_for_come_bac
         out = proj(x)
         assert out.shape == (*shape[:-1], 96)
         torch.testing.assert_close(out, F.linear(x, proj.weight, proj.bias), atol=1e-5, rtol=1e-5)
+        # the zero rows change no bit of the others: the decode stack's unpadded call stays identical
+        flat = x.reshape(-1, 64)
+        assert torch.equal(out.reshape(-1, 96), pointwise(flat, proj.packed_weight, proj.bias))
     assert seen == [40, 224, 112]  # 217 and 111 rows rounded up
