@@ -14,9 +14,10 @@ Above 8 rows the layer runs oneDNN's GEMM on a copy of its weight packed once in
 layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does): `F.linear`
 on a plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs, faster
 at every row count above 8, for a second copy of the weights in memory. oneDNN builds (and caches,
-up to 1,024) a primitive for each row count it sees, ~100 KB of JIT code each: left alone, the
-varied token counts of a server's steps grow its memory until that cache is full, so the rows it
-gets are rounded up to one of 8 sizes per octave (`onednn_rows`: at most 1/8 more rows, zeros).
+up to 1,024) a primitive for each (row count, layer shape) it sees, ~100 KB each at the tiny test
+model's shapes: left alone, the varied token counts of a server's steps grew its memory until that
+cache was full, so the rows it gets are rounded up to one of 8 sizes per octave (`onednn_rows`: at
+most 1/8 more rows, zeros; the other rows' bits do not change).
 
 float32 weights on the CPU (the default dtype where the CPU has no native bf16) become
 `PackedLinear`s: the compiled float32 kernel (linear_f32.cpp, AVX2 and FMA) on its own packed copy
