@@ -58,7 +58,10 @@ class SoakReport:
     invariant_violations: float = 0.0
     leaked: dict[str, float] = field(default_factory=dict)  # running, waiting, KV usage at the end
     rss_mb: list[tuple[int, float]] = field(default_factory=list)  # (requests done, MB)
+    server_rss_mb: list[tuple[int, float]] = field(default_factory=list)  # the API server alone
     rss_slope_mb_per_1k: float | None = None
+    server_rss_slope_mb_per_1k: float | None = None  # its share of the slope; the rest is the engine's
+    allocator: str = ""  # what the server's processes malloc with: "tcmalloc", "system" or "mixed"
     log_errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -119,16 +122,31 @@ def plot_rss(samples: list[tuple[int, float]], warmup_requests: int, path) -> No
     save_figure(figure, path)
 
 
-def tree_rss_mb(pid: int) -> float:
-    """RSS of a process and all its descendants (the server, its engine and any workers), in MB."""
+def tree_rss_mb(pid: int) -> tuple[float, float]:
+    """RSS of a process and all its descendants (the server, its engine and any workers), and of the
+    process alone, in MB: which side grows tells where to look."""
     import psutil
 
     root = psutil.Process(pid)
-    total = 0
-    for process in [root, *root.children(recursive=True)]:
+    own = root.memory_info().rss
+    total = own
+    for process in root.children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):
             total += process.memory_info().rss
-    return total / 2**20
+    return total / 2**20, own / 2**20
+
+
+def tree_allocator(pid: int) -> str:
+    """Which malloc the tree runs on: "tcmalloc" where every process maps it, "system" where none does,
+    else "mixed"."""
+    import psutil
+
+    root = psutil.Process(pid)
+    mapped = set()
+    for process in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            mapped.add(any("libtcmalloc" in region.path for region in process.memory_maps()))
+    return {frozenset({True}): "tcmalloc", frozenset({False}): "system"}.get(frozenset(mapped), "mixed")
 
 
 class Soak:
@@ -147,6 +165,7 @@ class Soak:
 
     async def run(self) -> SoakReport:
         start = time.monotonic()
+        self.report.allocator = tree_allocator(self.server_pid)
         async with httpx.AsyncClient(base_url=self.base_url, timeout=300) as http:
             for prompt in GREEDY_PROMPTS:  # references: each alone
                 response = await http.post("/v1/completions", json=self.body(prompt, temperature=0))
@@ -158,6 +177,9 @@ class Soak:
             await asyncio.gather(*(self.worker(http, queue) for _ in range(self.config.concurrency)))
         self.report.seconds = time.monotonic() - start
         self.report.rss_slope_mb_per_1k = rss_slope(self.report.rss_mb, self.config.warmup_requests)
+        self.report.server_rss_slope_mb_per_1k = rss_slope(
+            self.report.server_rss_mb, self.config.warmup_requests
+        )
         return self.report
 
     async def worker(self, http: httpx.AsyncClient, queue: asyncio.Queue) -> None:
@@ -170,7 +192,9 @@ class Soak:
             self.report.requests[kind] += 1
             self.done += 1
             if self.done % RSS_EVERY == 0:
-                self.report.rss_mb.append((self.done, tree_rss_mb(self.server_pid)))
+                total, server = tree_rss_mb(self.server_pid)
+                self.report.rss_mb.append((self.done, total))
+                self.report.server_rss_mb.append((self.done, server))
 
     def _server_error(self, text: str) -> None:
         if len(self.report.server_errors) < 20:
@@ -275,9 +299,15 @@ def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
         time.sleep(0.2)
 
 
+def server_command(model: str, port: int, server_args: list[str]) -> list[str]:
+    """`llmserve serve` as users run it: through the console script's set-up (cli/launch.py: tcmalloc
+    where installed, glibc's fixed mmap threshold otherwise), whose allocator the RSS slope measures."""
+    command = [sys.executable, "-m", "llmserve.cli.launch", "serve", "--model", model, "--port", str(port)]
+    return [*command, "--check-invariants", *server_args]
+
+
 def start_server(model: str, port: int, server_args: list[str], log_path: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "llmserve.cli", "serve", "--model", model, "--port", str(port)]
-    command += ["--check-invariants", *server_args]
+    command = server_command(model, port, server_args)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600

@@ -1,5 +1,6 @@
 """The `llmserve` console script: puts the process on tcmalloc where the system has it, then runs
-the CLI.
+the CLI. `python -m llmserve.cli.launch ...` is the same for tools that start a server as users do
+(the soak); `python -m llmserve.cli` skips this set-up.
 
 glibc's malloc is slow for the engine's pattern (thousands of short-lived tensors per step, freed on
 another thread than the one that allocated some of them): tcmalloc makes decode steps markedly
@@ -87,3 +88,7 @@ def main() -> int:
     from llmserve.cli.main import main as cli_main
 
     return cli_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

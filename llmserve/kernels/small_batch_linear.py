@@ -13,7 +13,11 @@ so that it streams sequentially and needs no horizontal sums.
 Above 8 rows the layer runs oneDNN's GEMM on a copy of its weight packed once into oneDNN's blocked
 layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does): `F.linear`
 on a plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs, faster
-at every row count above 8, for a second copy of the weights in memory.
+at every row count above 8, for a second copy of the weights in memory. oneDNN builds (and caches,
+up to 1,024) a primitive for each (row count, layer shape) it sees, ~100 KB each at the tiny test
+model's shapes: left alone, the varied token counts of a server's steps grew its memory until that
+cache was full, so the rows it gets are rounded up to one of 8 sizes per octave (`onednn_rows`: at
+most 1/8 more rows, zeros; the other rows' bits do not change).
 
 float32 weights on the CPU (the default dtype where the CPU has no native bf16) become
 `PackedLinear`s: the compiled float32 kernel (linear_f32.cpp, AVX2 and FMA) on its own packed copy
@@ -51,7 +55,7 @@ class SmallBatchLinear(nn.Linear):
             )
             return out if self.bias is None else out + self.bias
         if self.packed_weight is not None and input.dtype == torch.bfloat16:
-            return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
+            return onednn_linear(input, self.packed_weight, self.bias)
         return F.linear(input, self.weight, self.bias)
 
 
@@ -89,7 +93,7 @@ class PackedLinear(nn.Linear):
             out = load_cpu_ops().small_batch_linear_f32(rows, self.small_batch_weight, self.out_features)
             out = out.view(*input.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
-        return torch.ops.mkldnn._linear_pointwise(input, self.packed_weight, self.bias, "none", [], "")
+        return onednn_linear(input, self.packed_weight, self.bias)
 
     def _pack_again(self) -> None:
         """The copy again from the current weight; the kernel's in place where the shape allows,
@@ -102,6 +106,32 @@ class PackedLinear(nn.Linear):
         else:
             self.small_batch_weight = small_batch
         self.packed_from = _identity(self.weight)
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count oneDNN runs for `rows`: rounded up to a multiple of 1/8 of the power of two below
+    it (9-16 rows as they are), so at most 1/8 more rows and 8 sizes per octave (module docstring)."""
+    step = 1 << max(rows.bit_length() - 4, 0)
+    return -(-rows // step) * step
+
+
+def onednn_linear(
+    input: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`input @ weight.T + bias` by oneDNN on its packed copy, its rows padded to `onednn_rows`."""
+    rows = input.numel() // input.shape[-1]
+    padded = onednn_rows(rows)
+    if padded == rows:
+        return _onednn_pointwise(input, packed_weight, bias)
+    flat = F.pad(input.reshape(rows, input.shape[-1]), (0, 0, 0, padded - rows))
+    out = _onednn_pointwise(flat, packed_weight, bias)[:rows]
+    return out.view(*input.shape[:-1], out.shape[-1])
+
+
+def _onednn_pointwise(
+    input: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(input, packed_weight, bias, "none", [], "")
 
 
 def _pack_float32(

@@ -4,6 +4,7 @@ slope (which needs 3,000 requests after warm-up: `llmserve bench soak` at full s
 from __future__ import annotations
 
 from llmserve.benchmarks.soak import SoakConfig, rss_slope, run_soak
+from llmserve.cli.launch import find_tcmalloc
 from tests.entrypoints.conftest import free_port
 
 
@@ -26,6 +27,9 @@ def test_ci_sized_soak_passes_its_gates(tiny_model_dir, tmp_path):
     )
     assert report.greedy_checked > 20 and report.disconnects > 40 and report.bad_requests_4xx > 0
     assert report.invariant_violations == 0 and report.rss_mb and report.preemptions > 0
+    assert len(report.server_rss_mb) == len(report.rss_mb)
+    # the server runs as users run it: on tcmalloc wherever the console script would preload it
+    assert report.allocator == ("tcmalloc" if find_tcmalloc() else "system")
     print(report.requests, "preemptions:", report.preemptions)
 
 

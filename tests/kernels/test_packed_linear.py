@@ -164,3 +164,44 @@ def test_other_dtypes_fall_back_to_f_linear():
     x = torch.randn(2, 64, dtype=torch.float64)
     out = proj.double()(x)
     torch.testing.assert_close(out, F.linear(x, proj.weight, proj.bias))
+
+
+def test_onednn_row_counts_are_few_and_padding_is_at_most_an_eighth():
+    """oneDNN keeps a primitive (~100 KB) for each row count it sees: a server's varied step sizes
+    grew its memory by one per new count until the cache was full (the soak's RSS slope)."""
+    sizes = {small_batch_linear.onednn_rows(rows) for rows in range(MAX_ROWS + 1, 8193)}
+    assert len(sizes) <= 8 * 10  # 8 per octave, 9 to 8,192 rows
+    for rows in range(MAX_ROWS + 1, 8193):
+        assert rows <= small_batch_linear.onednn_rows(rows) <= rows * 9 // 8
+    assert [small_batch_linear.onednn_rows(r) for r in (9, 16, 17, 33, 100, 1025)] == [
+        9,
+        16,
+        18,
+        36,
+        104,
+        1152,
+    ]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+@torch.no_grad()
+def test_onednn_sees_only_the_rounded_row_counts_and_the_rows_asked_for_come_back(monkeypatch):
+    monkeypatch.setattr(small_batch_linear, "kernel_takes_every_row_count", lambda: False)
+    seen = []
+    pointwise = small_batch_linear._onednn_pointwise
+    monkeypatch.setattr(
+        small_batch_linear,
+        "_onednn_pointwise",
+        lambda x, *args: seen.append(x.shape[0]) or pointwise(x, *args),
+    )
+    proj = _swapped_model()["proj"]
+    assert proj.packed_weight is not None
+    for shape in [(40, 64), (217, 64), (3, 37, 64)]:
+        x = torch.randn(*shape)
+        out = proj(x)
+        assert out.shape == (*shape[:-1], 96)
+        torch.testing.assert_close(out, F.linear(x, proj.weight, proj.bias), atol=1e-5, rtol=1e-5)
+        # the zero rows change no bit of the others: the decode stack's unpadded call stays identical
+        flat = x.reshape(-1, 64)
+        assert torch.equal(out.reshape(-1, 96), pointwise(flat, proj.packed_weight, proj.bias))
+    assert seen == [40, 224, 112]  # 217 and 111 rows rounded up

@@ -49,6 +49,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     print(
         "RSS slope: "
         + ("n/a (under 3,000 requests after warm-up)" if slope is None else f"{slope:.2f} MB/1k")
+        + ("" if slope is None else f" (API server alone: {report.server_rss_slope_mb_per_1k:.2f})")
     )
     print("PASS" if not failures else "FAIL:\n  " + "\n  ".join(failures))
     save(args, "soak", {"config": asdict(config), "report": asdict(report), "failures": failures})
