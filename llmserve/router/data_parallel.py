@@ -148,7 +148,9 @@ def _start_replica(rank: int, cpus: list[int], args: argparse.Namespace) -> Repl
         "endpoint": f"tcp://127.0.0.1:{events_port}",
         "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
     }
-    command = [sys.executable, "-m", "llmserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    # the console script's set-up (tcmalloc, the OpenMP spin), as a single server gets
+    command = [sys.executable, "-m", "llmserve.cli.launch", "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port)]
     command += ["--kv-events-config", json.dumps(events), *_replica_flags(args)]
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus))}
     if args.api_key:

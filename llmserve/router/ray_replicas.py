@@ -47,7 +47,7 @@ class ReplicaServer:
             "endpoint": f"tcp://{host}:{events_port}",
             "replay_endpoint": f"tcp://{host}:{replay_port}",
         }
-        command = [sys.executable, "-m", "llmserve.cli", "serve", "--host", host, "--port", str(port)]
+        command = [sys.executable, "-m", "llmserve.cli.launch", "serve", "--host", host, "--port", str(port)]
         command += ["--kv-events-config", json.dumps(events), *self.flags]
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         # Ray set OMP_NUM_THREADS to the actor's CPUs; the server inherits it
