@@ -88,11 +88,14 @@ class WaitPredictor:
             wait += requests_over_slots * (self.seconds_per_finished_request or 0.0)
         return wait
 
-    def service(self, prompt_tokens: int, max_tokens: int) -> float:
+    def service(self, prompt_tokens: int, max_tokens: int, rows: int = 1) -> float:
         """Seconds a request takes once scheduled: its prefill, then a step per output token (at most
-        max_tokens); 0 before anything was measured."""
-        if self.step_cost.fitted:
-            prefill = self.step_cost.chunk_seconds(prompt_tokens, 0)
-        else:
-            prefill = prompt_tokens * (self.seconds_per_token or 0.0)
-        return prefill + max_tokens * (self.seconds_per_step or 0.0)
+        max_tokens) in a batch of `rows` decodes like it (the cost model's step at that batch: a burst
+        runs at the batch it makes, not at the recent steps' pace); 0 before anything was measured."""
+        if not self.step_cost.fitted:
+            return (prompt_tokens * (self.seconds_per_token or 0.0)) + max_tokens * (
+                self.seconds_per_step or 0.0
+            )
+        prefill = self.step_cost.chunk_seconds(prompt_tokens, 0)
+        context = rows * (prompt_tokens + max_tokens // 2)  # the decodes' KV, each halfway through
+        return prefill + max_tokens * self.step_cost.predict(StepShape(rows, 0, context, 0))

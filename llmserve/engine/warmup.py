@@ -13,6 +13,9 @@ ranks warm up too) covering those paths, then forgets them:
     C  a sentence repeated, greedy: prompt lookup drafts and the greedy verifier (speculation on)
     D  another sentence repeated, seeded top-k/top-p sampling with a penalty and log-probs: the
        sampler, and the rejection sampler with drafts
+    E  16 short prompts at once (at most max_num_seqs, half the pool's blocks), greedy, 3 tokens: the
+       GEMMs of a wide decode batch, and steps of many rows for the cost model, so that admission
+       predicts a burst's step time from its first request on
 
 A builds the kernels; the steps of the waves after it are measured, on warm kernels: the engine
 returns them to the server (EngineReady), whose wait predictor starts from them (core/wait_predictor.py)
@@ -50,6 +53,8 @@ DEFAULT_PROMPT_LEN = 128
 _SUFFIX_LEN = 16  # B's new tokens after its cached prefix
 _REPEATING_LEN = 48  # C's and D's prompts, a sentence repeated: prompt lookup finds matches there
 _MAX_STEPS = 200  # a bound on the warm-up's steps; the requests finish in about 20
+_WIDE_ROWS = 16  # E's requests: a batch past the small-batch kernels' 8 rows
+_WIDE_PROMPT_LEN = 8
 
 
 def warmup_requests(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[list[tuple]]:
@@ -83,7 +88,10 @@ def warmup_requests(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> 
     )
     longer = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)  # room for drafts
     waves = [[("warmup-a", a, greedy)], [("warmup-b", b, longer), ("warmup-c", c, longer)]]
-    return [*waves, [("warmup-d", d, sampled)]]
+    wide = min(_WIDE_ROWS, config.scheduler.max_num_seqs, config.cache.num_blocks // 2)
+    short = [rng.integers(low, vocab, _WIDE_PROMPT_LEN).tolist() for _ in range(wide)]
+    e = [(f"warmup-e{i}", prompt, greedy) for i, prompt in enumerate(short)]
+    return [*waves, [("warmup-d", d, sampled)], *([e] if wide > 2 else [])]
 
 
 def _repeating(engine: LLMEngine, text: str, length: int, vocab: int) -> list[int]:

@@ -114,3 +114,30 @@ def test_admission_bounds_the_queued_prompt_tokens():
     with pytest.raises(Refused, match="holds 900 prompt tokens and admits at most 1000") as refused:
         admission.check([60, 50], timeout=None)
     assert refused.value.retry_after == 1  # nothing measured yet: the minimum
+
+
+def _shaped(rows: int, prefill: int, context: int, seconds: float) -> StepStats:
+    return StepStats(0, 0, 0.0, rows, prefill, rows, 0, seconds, step_shape=(rows, prefill, context, 0))
+
+
+def test_a_burst_is_served_at_the_batch_it_makes_not_at_the_recent_pace():
+    # steps cost 10 ms + 2 ms a decode row (+ 0.1 ms a prompt token): the cost model learns it
+    predictor = WaitPredictor()
+    predictor.prime(
+        [
+            _shaped(rows, prefill, 0, 0.010 + 0.002 * rows + 0.0001 * prefill)
+            for rows in (1, 2, 16)
+            for prefill in (0, 64)
+        ]
+        * 4
+    )
+    assert predictor.step_cost.fitted
+    alone = predictor.service(10, 100)  # 100 steps of one row (12 ms) after a 1 ms prefill
+    assert alone == pytest.approx(0.001 + 100 * 0.012, rel=0.05)
+    assert predictor.service(10, 100, rows=16) == pytest.approx(0.001 + 100 * 0.042, rel=0.05)
+    engine = _Engine(queued=0, max_num_seqs=16)
+    admission = Admission(engine, AdmissionConfig())
+    engine.warmup_listeners[0]([_shaped(rows, 0, 0, 0.010 + 0.002 * rows) for rows in (1, 2, 16)] * 4)
+    admission.check([10], timeout=2.0, in_flight=0, max_tokens=100)  # alone: 1.2 s
+    with pytest.raises(Refused):  # the 16th of a burst: 100 steps of 16 rows, 4.2 s
+        admission.check([10], timeout=2.0, in_flight=15, max_tokens=100)

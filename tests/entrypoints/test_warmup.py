@@ -56,6 +56,7 @@ def test_warm_up_runs_a_prefill_decodes_a_cache_hit_and_drafts_then_forgets_them
     assert any(s.num_prefix_cache_hits > 0 for s in steps)  # B found A's blocks
     assert any(s.num_batched_seqs == 2 and s.num_prompt_tokens == 0 for s in steps)  # two decodes
     assert any(s.num_draft_tokens > 0 for s in steps)  # drafts verified
+    assert any(s.num_batched_seqs == 16 and s.num_prompt_tokens == 0 for s in steps)  # a wide decode
     # forgotten: nothing running, nothing cached, no counts
     kv = engine.kv_cache_manager
     assert not engine.has_unfinished_requests()

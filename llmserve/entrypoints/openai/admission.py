@@ -3,7 +3,8 @@
 A request is refused when
   - the prompt tokens already queued plus its own would exceed `max_waiting_tokens`, or
   - its predicted queue wait (core/wait_predictor.py) exceeds `max_queue_delay`, or its predicted
-    wait plus its own service time (prefill, max_tokens steps) exceeds its `timeout`.
+    wait plus its own service time (prefill, max_tokens steps at the batch the requests in flight
+    make with it) exceeds its `timeout`.
 Retry-After is the predicted time until the request would be admitted if nothing else arrived. A request
 admitted with a `timeout` is aborted (its KV blocks freed) when the timeout passes: serving.py's
 EngineRequests arms the timer and answers 408.
@@ -69,7 +70,8 @@ class Admission:
             )
         if timeout is None and self.config.max_queue_delay is None:
             return
-        service = self.predictor.service(max(prompt_tokens, default=0), max_tokens)
+        rows = min(in_flight + len(prompt_tokens), self.engine.config.scheduler.max_num_seqs)
+        service = self.predictor.service(max(prompt_tokens, default=0), max_tokens, rows)
         wait = self.predicted_wait(in_flight, len(prompt_tokens), service)
         delay = self.config.max_queue_delay
         if delay is not None and wait > delay:
