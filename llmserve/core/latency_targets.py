@@ -4,11 +4,15 @@ Every request has a TTFT and a TPOT target (its own `ttft_target_ms` / `tpot_tar
 server's `--ttft-target-ms` / `--tpot-target-ms`; none where both are unset). With the step-time cost
 model (core/step_cost.py) the scheduler plans each step so that:
 
-  - the step's predicted time stays within the TPOT slack of every decoding request in it. A request with
-    g generated tokens, the first at time f, meets its target if its next token comes by f + TPOT x g; the
-    slack is that deadline minus now, and never less than one TPOT target (a request behind its target is
-    not held to a step shorter than the target). Decodes always run; prompt chunks get what is left of
-    the smallest slack after the decodes' predicted time, sized by the model;
+  - the step's predicted time stays within the TPOT slack of every decoding request in it. A request's
+    TPOT is measured over its whole output: expected to produce H tokens (its max_tokens, or fewer:
+    the typical length of the requests finished so far, and at least g + 1 once it has g), the first
+    at time f, it meets its target if its last token comes by f + TPOT x (H - 1). After this step its
+    other H - g - 1 tokens take a predicted decode step each; the time left is this step's slack (never
+    less than one TPOT target: a request behind its target is not held to a step shorter than the
+    target). Before any request has finished H is g + 1: each next token is due by f + TPOT x g.
+    Decodes always run; prompt chunks get what is left of the smallest slack after the decodes'
+    predicted time, sized by the model;
   - a prompt whose TTFT slack (arrival + TTFT target - now - its predicted prefill time) is under one
     step, or already spent, gets its whole chunk at once whatever the decodes' slack: prompts are
     delayed, never starved. And while the prompts, served one after another at full speed in the
@@ -55,6 +59,20 @@ def _seconds(ms: float | None) -> float | None:
     return None if not ms else ms / 1e3  # 0 turns a target off
 
 
+class OutputLengths:
+    """The typical output length of finished requests (an exponential moving average): how many tokens
+    a decoding request's TPOT is expected to be measured over."""
+
+    def __init__(self, weight: float = 0.1) -> None:
+        self.weight = weight
+        self.typical: float | None = None  # None until a request finishes
+
+    def add(self, num_tokens: int) -> None:
+        self.typical = (
+            num_tokens if self.typical is None else self.typical + self.weight * (num_tokens - self.typical)
+        )
+
+
 class StepBudget:
     """One step's time for prompt chunks: the smallest TPOT slack among the running decodes, less the
     decodes' predicted time. `seconds_left` is None when nothing caps prompts (no decode with a
@@ -71,12 +89,13 @@ class StepBudget:
         by_priority: bool = False,
         in_flight: Set[str] = frozenset(),
         now: float | None = None,
+        typical_output: float | None = None,
     ) -> None:
         self.model, self.targets = model, targets
         self.now = time.monotonic() if now is None else now
         rows = context = 0
-        slack = math.inf
         prompts = []
+        ends = []  # per decoding request with a TPOT target: (its last token's deadline, steps to it, TPOT)
         for request in running:
             if request.request_id in in_flight:
                 continue
@@ -87,10 +106,17 @@ class StepBudget:
             context += request.num_tokens
             tpot = targets.tpot_of(request)
             if tpot is not None:
-                deadline = request.first_token_time + tpot * request.num_output_tokens
-                slack = min(slack, max(tpot, deadline - self.now))
+                done = request.num_output_tokens
+                horizon = max(done + 1, min(request.sampling_params.max_tokens, int(typical_output or 0)))
+                ends.append((request.first_token_time + tpot * (horizon - 1), horizon - done, tpot))
         predicted = model.predict(StepShape(rows, 0, context, 0))
         self.step_seconds = predicted or 0.0  # the decodes' predicted step
+        # this step may take what leaves each request's remaining steps, at the predicted pace, within
+        # its TPOT over the tokens it is expected to produce
+        slack = min(
+            (max(tpot, end - self.now - (steps - 1) * self.step_seconds) for end, steps, tpot in ends),
+            default=math.inf,
+        )
         self.seconds_left = None if predicted is None or math.isinf(slack) else slack - predicted
         fitted = predicted is not None
         self.waiting_order = self._order(waiting, by_priority) if fitted else list(waiting)

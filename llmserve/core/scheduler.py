@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from llmserve.config import SchedulerConfig
 from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.core.latency_targets import LatencyTargets, StepBudget
+from llmserve.core.latency_targets import LatencyTargets, OutputLengths, StepBudget
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.request_queue import PriorityQueue, create_request_queue
 from llmserve.core.step_cost import StepCostModel, StepShape, chunk_pairs
@@ -110,6 +110,7 @@ class Scheduler:
         self.cost_model = StepCostModel()  # fed by the engine with each step's measured time
         self._step_budget: StepBudget | None = None  # the current schedule() call's, once built
         self._budget_inputs: tuple | None = None  # what it is built from (None: no targets)
+        self.output_lengths = OutputLengths()  # of finished requests: a TPOT target's horizon
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -127,6 +128,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.finished_time = time.monotonic()
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.output_lengths.add(request.num_output_tokens)
         self.kv_cache.free(request)
         self.kv_cache.forget(request)
         del self.requests[request.request_id]
@@ -186,7 +189,14 @@ class Scheduler:
         if self._step_budget is None:
             running, waiting, by_priority, in_flight, now = self._budget_inputs
             self._step_budget = StepBudget(
-                self.cost_model, self.targets, running, waiting, by_priority, in_flight, now
+                self.cost_model,
+                self.targets,
+                running,
+                waiting,
+                by_priority,
+                in_flight,
+                now,
+                self.output_lengths.typical,
             )
         return self._step_budget
 

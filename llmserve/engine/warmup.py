@@ -40,6 +40,7 @@ import time
 import numpy as np
 import torch
 
+from llmserve.core.latency_targets import OutputLengths
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.metrics.stats import StepStats
 from llmserve.outputs import SpecDecodeStats
@@ -172,4 +173,5 @@ def _forget(engine: LLMEngine) -> None:
     kv.prefix_cache_queries = kv.prefix_cache_hits = 0
     engine.reset_step_counters()
     engine.scheduler.spec_decode_stats = SpecDecodeStats()
+    engine.scheduler.output_lengths = OutputLengths()  # the warm-up's short outputs are no workload's
     torch.manual_seed(engine.config.model.seed)

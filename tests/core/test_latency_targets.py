@@ -87,6 +87,24 @@ def test_a_prompt_chunk_is_capped_to_keep_the_step_within_the_decodes_tpot_slack
     assert plan_of(second)[2][1] >= allowed
 
 
+def test_once_requests_have_finished_a_young_decode_spends_the_slack_of_its_whole_output():
+    # the decodes (max_tokens 64) are expected to produce 64 tokens, as the finished ones did: at 12 ms
+    # a step their TPOT over 63 tokens leaves 63 x (50 - 12) ms for this step: the prompt is not capped
+    scheduler = make_scheduler()
+    scheduler.output_lengths.add(64)
+    a, b = with_two_decodes(scheduler)
+    long = prompt(2000)
+    scheduler.add_request(long)
+    assert plan_of(scheduler.schedule()) == [(a.request_id, 1), (b.request_id, 1), (long.request_id, 2000)]
+    # short outputs so far: a horizon of 2 tokens leaves one TPOT target, as before any finished
+    short = make_scheduler()
+    short.output_lengths.add(2)
+    a, b = with_two_decodes(short)
+    other = prompt(2000)
+    short.add_request(other)
+    assert 370 <= dict(plan_of(short.schedule()))[other.request_id] <= 380
+
+
 def test_without_decodes_or_before_the_model_is_fitted_nothing_is_capped():
     scheduler = make_scheduler(budget=1500)
     long = prompt(2000)
