@@ -37,6 +37,8 @@ def test_engine_kill_times_the_restart_under_load(server, tmp_path):
     [kill] = result["rounds"]
     assert 0 < kill["kill_to_health_503_s"] < kill["kill_to_health_200_s"]
     assert kill["kill_to_first_completion_s"] > kill["kill_to_health_503_s"]
-    assert kill["in_flight_at_kill"] >= 1 and kill["in_flight_ended_with_error"] == kill["in_flight_at_kill"]
+    # in flight as the client sees it: a request whose last chunk was already on its way at the kill
+    # ends ok, so at least one, not every one, ends with an error
+    assert kill["in_flight_at_kill"] >= 1 and kill["in_flight_ended_with_error"] >= 1
     assert kill["orphans"] == [] and sum(kill["sent_while_restarting"].values()) > 0
     assert engine_kill.engine_process(server.proc.pid).pid != kill["killed_pid"]  # a new one serves
