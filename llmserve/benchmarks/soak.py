@@ -55,6 +55,8 @@ class SoakReport:
     greedy_mismatches: int = 0
     server_errors: list[str] = field(default_factory=list)  # 5xx or unexpected bodies, first 20
     preemptions: float = 0.0
+    draft_tokens: float = 0.0  # speculative decoding: drafts verified, and of them accepted
+    accepted_tokens: float = 0.0
     invariant_violations: float = 0.0
     leaked: dict[str, float] = field(default_factory=dict)  # running, waiting, KV usage at the end
     rss_mb: list[tuple[int, float]] = field(default_factory=list)  # (requests done, MB)
@@ -341,6 +343,8 @@ def run_soak(model: str, server_args: list[str], config: SoakConfig, log_path: P
         metrics = wait_idle(base_url)
         report.leaked = {k.removeprefix("leaked:"): v for k, v in metrics.items() if k.startswith("leaked:")}
         report.preemptions = metrics.get("llmserve:num_preemptions_total", 0.0)
+        report.draft_tokens = metrics.get("llmserve:spec_decode_num_draft_tokens_total", 0.0)
+        report.accepted_tokens = metrics.get("llmserve:spec_decode_num_accepted_tokens_total", 0.0)
         report.invariant_violations = metrics.get("llmserve:invariant_violations_total", 0.0)
     finally:
         server.terminate()

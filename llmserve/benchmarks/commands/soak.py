@@ -45,6 +45,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
     print(f"disconnects: {report.disconnects}, preemptions: {report.preemptions:g}, "
           f"invariant violations: {report.invariant_violations:g}, leaked: {report.leaked}")  # fmt: skip
     print(f"greedy checked: {report.greedy_checked}, mismatches: {report.greedy_mismatches}")
+    if report.draft_tokens:
+        print(f"speculative drafts verified: {report.draft_tokens:g}, accepted: {report.accepted_tokens:g}")
     slope = report.rss_slope_mb_per_1k
     print(
         "RSS slope: "
