@@ -39,7 +39,7 @@ def run(model_dir: str, params: SamplingParams, repeats: int = 1, **engine) -> l
     return finals
 
 
-def check(logprobs, reference: torch.Tensor) -> None:
+def assert_matches_reference(logprobs, reference: torch.Tensor) -> None:
     assert logprobs.first_position == 0 and len(logprobs.token_logprobs) == len(PROMPT) - 1
     targets = torch.tensor(PROMPT[1:])
     expected = reference.gather(1, targets[:, None])[:, 0]
@@ -55,7 +55,7 @@ def check(logprobs, reference: torch.Tensor) -> None:
 def test_prompt_logprobs_match_transformers(model_dir, reference, budget):
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=TOP_N)
     (output,) = run(model_dir, params, max_num_batched_tokens=budget)
-    check(output.prompt_logprobs, reference)
+    assert_matches_reference(output.prompt_logprobs, reference)
 
 
 def test_prompt_logprobs_with_n_and_a_cached_prompt(model_dir, reference):
@@ -64,7 +64,7 @@ def test_prompt_logprobs_with_n_and_a_cached_prompt(model_dir, reference):
     assert len(outputs) == 2 and outputs[1].num_cached_tokens == 0  # the cache is not read for them
     for output in outputs:
         assert len(output.outputs) == 3
-        check(output.prompt_logprobs, reference)
+        assert_matches_reference(output.prompt_logprobs, reference)
 
 
 def test_requests_without_prompt_logprobs_get_none(model_dir):
