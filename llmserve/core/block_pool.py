@@ -38,7 +38,7 @@ class BlockPool:
         self.events: list[KVCacheEvent] | None = [] if record_events else None  # None: not recorded
         # a pool without a prefix cache (swap space) hands out the blocks freed last: lazily mapped
         # memory then stays within the peak in use instead of every page being touched in turn
-        self._take_oldest = not reuse_latest
+        self._take_latest = reuse_latest
 
     @property
     def num_free_blocks(self) -> int:
@@ -54,8 +54,8 @@ class BlockPool:
         with ref count 1."""
         if count > len(self._free):
             raise NoFreeBlocksError(f"need {count} blocks, {len(self._free)} free")
-        oldest = self._take_oldest
-        blocks = [self._free.popitem(last=not oldest)[0] for _ in range(count)]
+        latest = self._take_latest
+        blocks = [self._free.popitem(last=latest)[0] for _ in range(count)]
         evicted = []
         for block in blocks:
             self.ref_counts[block] = 1

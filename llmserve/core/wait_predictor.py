@@ -93,9 +93,8 @@ class WaitPredictor:
         max_tokens) in a batch of `rows` decodes like it (the cost model's step at that batch: a burst
         runs at the batch it makes, not at the recent steps' pace); 0 before anything was measured."""
         if not self.step_cost.fitted:
-            return (prompt_tokens * (self.seconds_per_token or 0.0)) + max_tokens * (
-                self.seconds_per_step or 0.0
-            )
+            per_token, per_step = self.seconds_per_token or 0.0, self.seconds_per_step or 0.0
+            return prompt_tokens * per_token + max_tokens * per_step
         prefill = self.step_cost.chunk_seconds(prompt_tokens, 0)
         context = rows * (prompt_tokens + max_tokens // 2)  # the decodes' KV, each halfway through
         return prefill + max_tokens * self.step_cost.predict(StepShape(rows, 0, context, 0))
