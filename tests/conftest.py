@@ -11,8 +11,8 @@ mark, naming the instruction sets its kernel needs, if any (keys of CPU_FEATURES
   tests are then skipped with a reason naming the variable, and the rest run on the PyTorch fallbacks.
   CI (.ci/run) never sets it.
 - The kernels built but this CPU lacks an instruction set a test names: that test is skipped, a hardware
-  limit rather than a failure, and `make test` prints the reason (-rs). The CI machine (AVX-512 BF16
-  and VNNI) skips none.
+  limit rather than a failure, and `make test` prints the reason (-rs). The CI machine (AVX-512 BF16,
+  VNNI and AMX) skips none.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ CPU_FEATURES: dict[str, tuple[str, Callable[[ModuleType], bool]]] = {
     "avx2": ("AVX2 and FMA", lambda ops: ops.small_batch_linear_f32_supported()),
     "avx512_bf16": ("AVX-512 BF16", lambda ops: ops.small_batch_linear_supported()),
     "avx512_vnni": ("AVX-512 VNNI and BF16", lambda ops: ops.small_batch_linear_int8_supported()),
+    "amx_bf16": ("AMX (BF16 tiles)", lambda ops: ops.prefill_attention_amx_supported()),
 }
 
 

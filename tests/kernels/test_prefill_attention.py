@@ -16,6 +16,12 @@ needs_bf16 = pytest.mark.cpu_kernels("avx512_bf16")
 # and the probabilities to bf16 allows (PyTorch's own bf16 SDPA is held to the same bound).
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 1.2e-2, "rtol": 1.6e-2}}
 DTYPES = [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32]
+# bf16 runs on AMX's tile products where the CPU has them, else on AVX-512 BF16: each path checked
+KERNELS = [
+    pytest.param((torch.bfloat16, True), marks=pytest.mark.cpu_kernels("avx512_bf16", "amx_bf16"), id="bf16-amx"),
+    pytest.param((torch.bfloat16, False), marks=needs_bf16, id="bf16-avx512"),
+    pytest.param((torch.float32, False), id="float32"),
+]
 
 
 def random_problem(num_queries, context, heads=9, kv_heads=3, head_dim=64, seed=0, dtype=torch.bfloat16):
@@ -49,17 +55,18 @@ def float_reference(query, key_cache, value_cache, slots, scale):
     [(1, 1), (17, 17), (31, 31), (32, 32), (33, 33), (100, 100), (513, 513), (20, 300), (64, 97), (5, 70)],
 )
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 64), (8, 1, 64), (4, 2, 128)])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_float_reference(num_queries, context, heads, kv_heads, head_dim, dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_matches_float_reference(num_queries, context, heads, kv_heads, head_dim, kernel):
     """Spans from one token to past several key tiles (16 keys in float32, 32 in bf16), whole prompts
     and chunks after a cached prefix, GQA groups of 3, 1 and 8, query-row blocks cut short at the
     span's end: within the dtype's rounding."""
+    dtype, use_amx = kernel
     query, key_cache, value_cache, slots = random_problem(
         num_queries, context, heads, kv_heads, head_dim, dtype=dtype
     )
     scale = head_dim**-0.5
     expected = float_reference(query, key_cache, value_cache, slots, scale)
-    actual = ops.prefill_attention(query, key_cache, value_cache, slots, scale)
+    actual = ops.prefill_attention(query, key_cache, value_cache, slots, scale, use_amx)
     assert actual.shape == (num_queries, heads, head_dim) and actual.dtype == dtype
     torch.testing.assert_close(actual.double(), expected, **TOLERANCE[dtype])
     if dtype == torch.float32:
@@ -75,15 +82,16 @@ def test_matches_float_reference(num_queries, context, heads, kv_heads, head_dim
     torch.testing.assert_close(torch_bf16.double(), expected, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_large_scores_do_not_overflow(dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_large_scores_do_not_overflow(kernel):
     """Scores in the hundreds (outlier activations) still give a normalized, finite softmax. In
     float32 a score near 300 carries a rounding error near 3e-5, which the probabilities inherit:
     PyTorch's float32 SDPA is off by 2.5e-5 here, so the bound is 1e-4 rather than 2e-5."""
+    dtype, use_amx = kernel
     query, key_cache, value_cache, slots = random_problem(70, 150, seed=3, dtype=dtype)
     query = (query.float() * 30).to(dtype)
     expected = float_reference(query, key_cache, value_cache, slots, 0.125)
-    actual = ops.prefill_attention(query, key_cache, value_cache, slots, 0.125)
+    actual = ops.prefill_attention(query, key_cache, value_cache, slots, 0.125, use_amx)
     assert torch.isfinite(actual).all()
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else TOLERANCE[dtype]
     torch.testing.assert_close(actual.double(), expected, **tolerance)

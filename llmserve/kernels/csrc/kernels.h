@@ -11,8 +11,9 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                               int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                torch::Tensor context_slots, double scale);
+                                torch::Tensor context_slots, double scale, bool use_amx);
 bool prefill_attention_supported(at::ScalarType dtype);
+bool prefill_attention_amx_supported();
 bool prefill_attention_f32_supported();
 // the float32 body of prefill_attention, after its checks: out [Q, H, D] is filled
 void prefill_attention_f32(const torch::Tensor& query, const torch::Tensor& key_cache,

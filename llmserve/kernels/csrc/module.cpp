@@ -8,7 +8,13 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)");
-  m.def("prefill_attention", &prefill_attention, "Causal attention of a long prompt span over its paged context (bf16 or float32)");
+  m.def("prefill_attention", &prefill_attention,
+        "Causal attention of a long prompt span over its paged context (bf16 or float32); use_amx: bf16 on "
+        "AMX's tile products where the CPU has them",
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("context_slots"), py::arg("scale"),
+        py::arg("use_amx") = true);
+  m.def("prefill_attention_amx_supported", &prefill_attention_amx_supported,
+        "Whether bf16 prefill_attention runs on AMX here");
   m.def("prefill_attention_supported", &prefill_attention_supported, "Whether prefill_attention takes this dtype here");
   m.def("small_batch_pack", &small_batch_pack, "A bf16 weight [N, K] in the layout small_batch_linear reads");
   m.def("small_batch_linear", &small_batch_linear, "x W^T for 1-8 bfloat16 rows, W packed (AVX-512 BF16)");

@@ -10,6 +10,10 @@
 //   keys   [tile][D/2 pairs][32 keys] (the pair p of each key, so one register holds one pair of 16 keys)
 //   values [tile][16 key pairs][D][2] (values of keys 2m and 2m+1 side by side for each of D columns)
 // and the probabilities are rounded to bf16 before the second product, as PyTorch's flash kernel does.
+// Where the CPU has AMX (and the kernel lets the process use its tile registers), the same tiles feed
+// AMX's tile products instead: blocks of 16 query rows, scores and the output accumulators in tile
+// registers' shape (16 x 16 floats) kept in L1, the online softmax between the two products in AVX-512
+// as before. Same packed layouts, same bf16 products with float32 sums (in another order).
 // The entry point at the end checks a call for both dtypes and hands float32 to prefill_attention_f32.cpp.
 #include <torch/extension.h>
 #include <omp.h>
@@ -29,6 +33,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define LLMSERVE_PREFILL_FAST_PATH 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LLMSERVE_PREFILL_AMX 1
+#endif
 #endif
 
 #ifdef LLMSERVE_PREFILL_FAST_PATH
@@ -155,9 +164,178 @@ void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, const ui
   }
 }
 
+#ifdef LLMSERVE_PREFILL_AMX
+// Linux hands out AMX's tile state only to a process that asks for it (oneDNN asks too; asking twice is fine).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+// Palette 1, tiles 0-7 all 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+constexpr int kAmxRows = 16;
+
+// A row's running maximum is raised only when a score passes it by more than this (natural log units):
+// probabilities relative to a slightly stale maximum stay below e^8 (no overflow in float32 sums, and
+// bf16 rounds them to the same relative precision), and the output rarely needs rescaling after the
+// first tiles, so it can stay in tile registers.
+constexpr float kRescaleMargin = 8.0f;
+
+// attend_rows on AMX: 16 query rows (copied, zero past the span) against every tile they can see. Per key
+// tile: scores S = Q K^T into two 16 x 16 float tiles (tmm0, tmm1; tmm2 = Q's 32-column slices, tmm3 =
+// the keys), the online softmax on them in AVX-512, then O += P V per 16 output columns (tmm2 = P,
+// tmm3 = V). At D = 64 the four O tiles stay in tmm4-7 and go to L1 only when some row's maximum rises;
+// at D = 128 (eight O tiles, more than there are registers) O lives in L1 and tmm4 visits it.
 template <int D>
-void run(const Problem& pb) {
+void attend_rows_amx(const Problem& pb, int64_t kv_head, int64_t first_row, const uint32_t* packed_keys,
+                     const uint16_t* packed_values) {
+  constexpr int R = kAmxRows;
+  constexpr bool kResident = D == 64;
+  const int64_t group = pb.group(), num_rows = pb.num_queries * group;
+  alignas(64) uint16_t q[R][D];
+  alignas(64) float scores[R][kTile];
+  alignas(64) uint16_t probabilities[R][kTile];
+  alignas(64) float acc[R][D];
+  alignas(64) float sums[R][16];  // each row's running sum, 16 lanes apart (added up at the end)
+  int64_t position[R];
+  float running_max[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = std::min(first_row + r, num_rows - 1), token = row / group;
+    std::memcpy(q[r], pb.query + token * pb.query_stride + (kv_head * group + row % group) * D, D * 2);
+    position[r] = pb.first_position() + token;
+    running_max[r] = -std::numeric_limits<float>::infinity();
+  }
+  std::memset(acc, 0, sizeof(acc));
+  std::memset(sums, 0, sizeof(sums));
+  if constexpr (kResident) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  const int64_t first_position = position[0], end_tile = position[R - 1] / kTile + 1;
+  const int64_t tile_words = static_cast<int64_t>(kTile) * D / 2;
+  const __m512 scale = _mm512_set1_ps(pb.scale);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t tile = 0; tile < end_tile; ++tile) {
+    const uint32_t* keys = packed_keys + tile * tile_words;
+    const uint16_t* values = packed_values + tile * tile_words * 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int c = 0; c < D / 32; ++c) {  // 16 pairs of dimensions per product
+      _tile_loadd(2, q[0] + 32 * c, D * 2);
+      _tile_loadd(3, keys + 16 * c * kTile, kTile * 4);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_loadd(3, keys + 16 * c * kTile + 16, kTile * 4);
+      _tile_dpbf16ps(1, 2, 3);
+    }
+    _tile_stored(0, scores[0], kTile * 4);
+    _tile_stored(1, scores[0] + 16, kTile * 4);
+    const int64_t first_key = tile * kTile;
+    const bool needs_mask = first_key + kTile - 1 > first_position;
+    float correction[R];
+    bool rescale = false;
+    for (int r = 0; r < R; ++r) {
+      __mmask16 visible0 = 0xFFFF, visible1 = 0xFFFF;
+      if (needs_mask) {
+        const __m512i limit = _mm512_set1_epi32(static_cast<int>(position[r] - first_key));
+        visible0 = _mm512_cmple_epi32_mask(lane, limit);
+        visible1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit);
+      }
+      const __m512 s0 = _mm512_mask_mul_ps(minus_inf, visible0, _mm512_load_ps(scores[r]), scale);
+      const __m512 s1 = _mm512_mask_mul_ps(minus_inf, visible1, _mm512_load_ps(scores[r] + 16), scale);
+      const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      correction[r] = 1.0f;
+      if (tile_max > running_max[r] + kRescaleMargin) {  // what was summed so far, to the new maximum
+        correction[r] = vexp(running_max[r] - tile_max);
+        running_max[r] = tile_max;
+        rescale = true;
+      }
+      const __m512 m = _mm512_set1_ps(running_max[r]);
+      // Hidden keys get exactly 0 (exp512 of -inf would be tiny, not zero).
+      const __m512 p0 = _mm512_maskz_mov_ps(visible0, exp512(_mm512_sub_ps(s0, m)));
+      const __m512 p1 = _mm512_maskz_mov_ps(visible1, exp512(_mm512_sub_ps(s1, m)));
+      const __m512 sum = _mm512_mul_ps(_mm512_load_ps(sums[r]), _mm512_set1_ps(correction[r]));
+      _mm512_store_ps(sums[r], _mm512_add_ps(sum, _mm512_add_ps(p0, p1)));
+      _mm512_store_si512(probabilities[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    if (rescale) {
+      if constexpr (kResident) {
+        _tile_stored(4, acc[0], D * 4);
+        _tile_stored(5, acc[0] + 16, D * 4);
+        _tile_stored(6, acc[0] + 32, D * 4);
+        _tile_stored(7, acc[0] + 48, D * 4);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 factor = _mm512_set1_ps(correction[r]);
+        for (int v = 0; v < D / 16; ++v)
+          _mm512_store_ps(acc[r] + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * v), factor));
+      }
+      if constexpr (kResident) {
+        _tile_loadd(4, acc[0], D * 4);
+        _tile_loadd(5, acc[0] + 16, D * 4);
+        _tile_loadd(6, acc[0] + 32, D * 4);
+        _tile_loadd(7, acc[0] + 48, D * 4);
+      }
+    }
+    _tile_loadd(2, probabilities[0], kTile * 2);
+    if constexpr (kResident) {  // 16 key pairs x 16 columns of V per product
+      _tile_loadd(3, values, D * 4);
+      _tile_dpbf16ps(4, 2, 3);
+      _tile_loadd(3, values + 32, D * 4);
+      _tile_dpbf16ps(5, 2, 3);
+      _tile_loadd(3, values + 64, D * 4);
+      _tile_dpbf16ps(6, 2, 3);
+      _tile_loadd(3, values + 96, D * 4);
+      _tile_dpbf16ps(7, 2, 3);
+    } else {
+      for (int c = 0; c < D / 16; ++c) {
+        _tile_loadd(4, acc[0] + 16 * c, D * 4);
+        _tile_loadd(3, values + 32 * c, D * 4);
+        _tile_dpbf16ps(4, 2, 3);
+        _tile_stored(4, acc[0] + 16 * c, D * 4);
+      }
+    }
+  }
+  if constexpr (kResident) {
+    _tile_stored(4, acc[0], D * 4);
+    _tile_stored(5, acc[0] + 16, D * 4);
+    _tile_stored(6, acc[0] + 32, D * 4);
+    _tile_stored(7, acc[0] + 48, D * 4);
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = first_row + r;
+    if (row >= num_rows) break;
+    const int64_t token = row / group;
+    uint16_t* o = pb.out + (token * pb.num_heads + kv_head * group + row % group) * D;
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(sums[r])));
+    for (int c = 0; c < D / 16; ++c) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), inverse));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)rounded);
+    }
+  }
+}
+#endif  // LLMSERVE_PREFILL_AMX
+
+template <int D>
+void run(const Problem& pb, bool use_amx) {
+#ifdef LLMSERVE_PREFILL_AMX
+  use_amx = use_amx && amx_permitted();
+  const int R = use_amx ? kAmxRows : (D <= 64 ? 4 : 2);
+#else
+  use_amx = false;
   constexpr int R = D <= 64 ? 4 : 2;  // R * D / 16 accumulators stay in registers
+#endif
   const int64_t tile_words = static_cast<int64_t>(kTile) * D / 2;
   const int64_t head_words = pb.num_tiles * tile_words;
   static thread_local std::vector<uint32_t> keys_buffer, values_buffer;  // grown once, reused per layer
@@ -178,12 +356,28 @@ void run(const Problem& pb) {
                    packed_values + (kv_head * head_words + tile * tile_words) * 2);
     }
     // Later rows see more keys: deal out the costliest blocks first, one at a time.
+#ifdef LLMSERVE_PREFILL_AMX
+    if (use_amx) {
+      const TileConfig config;
+      _tile_loadconfig(&config);
+    }
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t block = row_blocks - 1 - item / pb.num_kv_heads, kv_head = item % pb.num_kv_heads;
-      attend_rows<D, R>(pb, kv_head, block * R, packed_keys + kv_head * head_words,
-                        packed_values + kv_head * head_words * 2);
+      const uint32_t* keys = packed_keys + kv_head * head_words;
+      const uint16_t* values = packed_values + kv_head * head_words * 2;
+#ifdef LLMSERVE_PREFILL_AMX
+      if (use_amx) {
+        attend_rows_amx<D>(pb, kv_head, block * R, keys, values);
+        continue;
+      }
+#endif
+      attend_rows<D, D <= 64 ? 4 : 2>(pb, kv_head, block * R, keys, values);
     }
+#ifdef LLMSERVE_PREFILL_AMX
+    if (use_amx) _tile_release();
+#endif
   }
 }
 
@@ -203,8 +397,16 @@ bool prefill_attention_supported(at::ScalarType dtype) {
 // [slots, KVH, D] of the query's dtype, contiguous; context_slots [C] int64 with C >= Q: the slots of
 // positions 0..C-1, the queries being positions C-Q..C-1. Returns the causal attention output [Q, H, D].
 // float32 goes to prefill_attention_f32.cpp.
+bool prefill_attention_amx_supported() {
+#ifdef LLMSERVE_PREFILL_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                torch::Tensor context_slots, double scale) {
+                                torch::Tensor context_slots, double scale, bool use_amx) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "prefill_attention takes queries and caches of one dtype");
@@ -235,8 +437,8 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, to
   }
 #ifdef LLMSERVE_PREFILL_FAST_PATH
   const Problem pb = prefill_problem<uint16_t>(query, key_cache, value_cache, slot_data, context, out, kTile, scale);
-  if (head_dim == 64) run<64>(pb);
-  else run<128>(pb);
+  if (head_dim == 64) run<64>(pb, use_amx);
+  else run<128>(pb, use_amx);
 #endif
   return out;
 }
