@@ -17,7 +17,8 @@ at every row count above 8, for a second copy of the weights in memory. oneDNN b
 up to 1,024) a primitive for each (row count, layer shape) it sees, ~100 KB each at the tiny test
 model's shapes: left alone, the varied token counts of a server's steps grew its memory until that
 cache was full, so the rows it gets are rounded up to one of 8 sizes per octave (`onednn_rows`: at
-most 1/8 more rows, zeros; the other rows' bits do not change).
+most 1/8 more rows, left unset: a row's result depends only on that row, so the others' bits do not
+change).
 
 float32 weights on the CPU (the default dtype where the CPU has no native bf16) become
 `PackedLinear`s: the compiled float32 kernel (linear_f32.cpp, AVX2 and FMA) on its own packed copy
@@ -123,7 +124,8 @@ def onednn_linear(
     padded = onednn_rows(rows)
     if padded == rows:
         return _onednn_pointwise(input, packed_weight, bias)
-    flat = F.pad(input.reshape(rows, input.shape[-1]), (0, 0, 0, padded - rows))
+    flat = input.new_empty(padded, input.shape[-1])  # the extra rows are never read back: no zeros written
+    flat[:rows].copy_(input.reshape(rows, input.shape[-1]))
     out = _onednn_pointwise(flat, packed_weight, bias)[:rows]
     return out.view(*input.shape[:-1], out.shape[-1])
 
