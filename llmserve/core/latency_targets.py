@@ -18,8 +18,16 @@ model (core/step_cost.py) the scheduler plans each step so that:
     delayed, never starved. And while the prompts, served one after another at full speed in the
     order below, would not all meet their TTFT targets (a backlog: a burst, or more load than the
     machine sustains), no chunk is capped: the TPOT cap only spends slack the TTFT targets can spare;
-  - waiting prompts are taken in order of slack within each priority level (a run of equal priority in
-    the queue's order, which ages them), requests that have already produced tokens (preempted) first.
+  - waiting prompts are taken in order of TTFT deadline (arrival + target) within each priority level
+    (a run of equal priority in the queue's order, which ages them), requests that have already
+    produced tokens (preempted) first. Earliest deadline first keeps the latest first token as early
+    as any order can on one machine; least slack first (the deadline less each prompt's own prefill)
+    would put a long prompt ahead of a short one that came a little earlier, which then waits for it;
+  - a step that finishes a prompt (its first token comes out of this step) takes no further prompt
+    chunk that costs more than the step's decodes: that chunk would delay the finished prompt's first
+    token by its whole prefill, while waiting a step costs its own prompt only the next step's decodes
+    (prefill is compute-bound: two prompts in one step take as long as one after the other, and the
+    first waits for both). An urgent prompt, or any during a backlog, is taken as before.
 
 Until the cost model is fitted (its first steps) nothing is capped and the order is FCFS.
 """
@@ -120,7 +128,9 @@ class StepBudget:
         self.seconds_left = None if predicted is None or math.isinf(slack) else slack - predicted
         fitted = predicted is not None
         self.waiting_order = self._order(waiting, by_priority) if fitted else list(waiting)
-        self.rush = self.seconds_left is not None and self._backlog_misses(prompts + self.waiting_order)
+        self.fitted = fitted
+        self.rush = fitted and self._backlog_misses(prompts + self.waiting_order)
+        self.finishes_prompt = False  # whether a chunk given out so far completes its prompt
 
     def ttft_slack(self, request: Request, num_computed: int | None = None) -> float:
         """Seconds to spare before the request's TTFT target, after its predicted prefill from
@@ -138,14 +148,19 @@ class StepBudget:
     def prompt_chunk(self, request: Request, num_new: int, num_computed: int) -> int:
         """How many of `num_new` prompt tokens, after `num_computed`, the request computes this step
         (0: none); their predicted time is charged to the budget."""
-        if self.seconds_left is None:
+        if not self.fitted:
             return num_new
-        if not self.rush and self.ttft_slack(request, num_computed) >= self.step_seconds:
-            bound = self.model.max_chunk(self.seconds_left, num_computed)  # not urgent: what slack allows
-            if bound is not None:
-                num_new = min(num_new, bound)
+        if not self.rush and self.ttft_slack(request, num_computed) >= self.step_seconds:  # not urgent
+            if self.seconds_left is not None:
+                bound = self.model.max_chunk(self.seconds_left, num_computed)  # what the slack allows
+                if bound is not None:
+                    num_new = min(num_new, bound)
+            if self.finishes_prompt and self.model.chunk_seconds(num_new, num_computed) > self.step_seconds:
+                return 0  # it would hold back the first token this step gives another prompt
         if num_new:
-            self.seconds_left -= self.model.chunk_seconds(num_new, num_computed)
+            if self.seconds_left is not None:
+                self.seconds_left -= self.model.chunk_seconds(num_new, num_computed)
+            self.finishes_prompt |= num_computed + num_new == request.num_tokens
         return num_new
 
     def _backlog_misses(self, prompts: Iterable[Request]) -> bool:
@@ -162,15 +177,24 @@ class StepBudget:
                 return True
         return False
 
+    def ttft_deadline(self, request: Request) -> float:
+        """When the request's first token is due (arrival + its TTFT target); -inf for a request that
+        has produced tokens (it catches up first), inf without a target."""
+        if request.first_token_time is not None or request.num_output_tokens:
+            return -math.inf
+        ttft = self.targets.ttft_of(request)
+        return math.inf if ttft is None else request.arrival_time + ttft
+
     def _order(self, waiting: Iterable[Request], by_priority: bool) -> list[Request]:
         """The waiting requests (in the queue's order) with each run of one priority level sorted by
-        TTFT slack (stable: ties keep the queue's order). `by_priority`: levels are `priority` values,
-        else one level holds all. Runs keep their place, so the queue's aging still interleaves them."""
+        TTFT deadline (stable: ties keep the queue's order). `by_priority`: levels are `priority`
+        values, else one level holds all. Runs keep their place, so the queue's aging still
+        interleaves them."""
         ordered: list[Request] = []
         run: list[Request] = []
         for request in waiting:
             if run and by_priority and request.priority != run[0].priority:
-                ordered += sorted(run, key=self.ttft_slack)
+                ordered += sorted(run, key=self.ttft_deadline)
                 run = []
             run.append(request)
-        return ordered + sorted(run, key=self.ttft_slack)
+        return ordered + sorted(run, key=self.ttft_deadline)

@@ -1,5 +1,5 @@
 """The scheduler under latency targets, with a known step-time cost model: prompt chunks are sized to the
-decodes' TPOT slack, a prompt near its TTFT deadline is admitted anyway, waiting prompts go by slack."""
+decodes' TPOT slack, a prompt near its TTFT deadline is admitted anyway, waiting prompts go by deadline."""
 
 from __future__ import annotations
 
@@ -138,29 +138,32 @@ def test_a_prompt_whose_ttft_slack_is_nearly_exhausted_is_admitted_whole(waited,
     assert chunk == 2000 if urgent else chunk < 400
 
 
-def test_waiting_prompts_go_by_ttft_slack_and_fcfs_without_targets():
+def test_waiting_prompts_go_by_ttft_deadline_and_fcfs_without_targets():
     scheduler = make_scheduler(budget=600)
-    short_early = prompt(10, waited=0.05)  # slack 0.95 s - 1 ms
-    long_late = prompt(3000)  # slack 1 s - 0.3 s: less, so first
-    tight = prompt(10, ttft_target_ms=200.0)  # slack 0.2 s - 1 ms: first of all
-    for request in (short_early, long_late, tight):
+    short_early = prompt(10, waited=0.05)  # due in 0.95 s
+    long_late = prompt(3000)  # due in 1 s (its slack, less its 0.3 s of prefill, is the smaller)
+    tight = prompt(10, ttft_target_ms=200.0)  # due in 0.2 s: first of all
+    for request in (long_late, short_early, tight):
         scheduler.add_request(request)
-    assert plan_of(scheduler.schedule()) == [(tight.request_id, 10), (long_late.request_id, 590)]
+    # by deadline, not slack: `short_early` came first and does not wait for `long_late`'s prefill;
+    # both short prompts finish in this step, and `long_late` (59 ms of its chunk) waits for the next
+    assert plan_of(scheduler.schedule()) == [(tight.request_id, 10), (short_early.request_id, 10)]
     plain = make_scheduler(budget=600, ttft_ms=0, tpot_ms=0)  # no targets: arrival order
-    for request in (prompt(10, waited=0.05), prompt(3000), prompt(10, ttft_target_ms=200.0)):
+    for request in (prompt(3000), prompt(10, waited=0.05), prompt(10, ttft_target_ms=200.0)):
         plain.add_request(request)
-    assert [n for _, n in plan_of(plain.schedule())] == [10, 590]
+    assert [n for _, n in plan_of(plain.schedule())] == [600]
 
 
-def test_slack_orders_prompts_within_a_priority_level_not_across_levels():
+def test_deadlines_order_prompts_within_a_priority_level_not_across_levels():
     scheduler = make_scheduler(budget=4000, policy="priority")
-    lax_long = prompt(3000, priority=1)  # the least slack, but a lower priority
-    short = prompt(10, priority=0, waited=0.01)
-    long = prompt(2000, priority=0)  # less slack than `short`: first among priority 0
-    for request in (lax_long, short, long):
+    early_low = prompt(3000, priority=1, waited=0.1)  # the earliest deadline, but a lower priority
+    late = prompt(10, priority=0)
+    early = prompt(2000, priority=0, waited=0.01)  # due before `late`: first among priority 0
+    for request in (early_low, late, early):
         scheduler.add_request(request)
     order = [request_id for request_id, _ in plan_of(scheduler.schedule())]
-    assert order == [long.request_id, short.request_id, lax_long.request_id]
+    # `early_low` waits: this step finishes `early` (and `late`, whose 1 ms of prefill it can spare)
+    assert order == [early.request_id, late.request_id]
 
 
 def test_a_preempted_request_resumes_before_waiting_prompts():
@@ -188,3 +191,39 @@ def test_no_chunk_is_capped_while_the_prompt_backlog_would_miss_its_ttft_targets
         plan = dict(plan_of(scheduler.schedule()))
         assert (plan[prompts[0].request_id] < 400) is capped
         assert sum(plan.values()) == (2 + plan[prompts[0].request_id] if capped else 2048)
+
+
+@pytest.mark.parametrize(
+    ("second", "taken"),
+    [
+        ({"size": 300}, False),  # 30 ms of prefill, more than the decodes' 12 ms: the next step
+        ({"size": 50}, True),  # 5 ms: cheaper than a step of its own
+        ({"size": 300, "waited": 0.95}, True),  # urgent: its TTFT target is at stake
+    ],
+)
+def test_a_step_that_finishes_a_prompt_takes_no_costlier_prompt_chunk(second, taken):
+    """A second prompt in the step that gives a first prompt its first token would delay that token by
+    its whole prefill; it waits a step instead, unless it costs less than the step's decodes or is urgent."""
+    scheduler = make_scheduler()
+    a, b = with_two_decodes(scheduler)
+    first = prompt(100, waited=0.1)  # 10 ms of prefill, the least slack: first
+    other = prompt(second["size"], waited=second.get("waited", 0.0))
+    for request in (first, other):
+        scheduler.add_request(request)
+    plan = dict(plan_of(scheduler.schedule()))
+    assert first.request_id in plan
+    assert plan.get(other.request_id) == (second["size"] if taken else None)
+    if not taken:
+        assert plan[first.request_id] == 100
+
+
+def test_a_backlog_batches_prompts_even_without_decodes():
+    """With nothing decoding, prompts that would miss their TTFT targets one after another (a burst
+    at an idle server) share steps up to the token budget; a lone pair does not."""
+    for num_prompts, batched in ((2, False), (12, True)):
+        scheduler = make_scheduler(budget=2048)
+        prompts = [prompt(1000) for _ in range(num_prompts)]  # 0.1 s of prefill each
+        for request in prompts:
+            scheduler.add_request(request)
+        plan = dict(plan_of(scheduler.schedule()))
+        assert (len(plan) > 1) is batched
