@@ -27,7 +27,9 @@ model (core/step_cost.py) the scheduler plans each step so that:
     chunk that costs more than the step's decodes: that chunk would delay the finished prompt's first
     token by its whole prefill, while waiting a step costs its own prompt only the next step's decodes
     (prefill is compute-bound: two prompts in one step take as long as one after the other, and the
-    first waits for both). An urgent prompt, or any during a backlog, is taken as before.
+    first waits for both). An urgent prompt, or any during a backlog, is taken as before, and so are
+    prompts in a step with no decodes (a batch given at once, as offline generation does, is computed
+    as it would be without targets).
 
 Until the cost model is fitted (its first steps) nothing is capped and the order is FCFS.
 """
@@ -128,8 +130,7 @@ class StepBudget:
         self.seconds_left = None if predicted is None or math.isinf(slack) else slack - predicted
         fitted = predicted is not None
         self.waiting_order = self._order(waiting, by_priority) if fitted else list(waiting)
-        self.fitted = fitted
-        self.rush = fitted and self._backlog_misses(prompts + self.waiting_order)
+        self.rush = self.seconds_left is not None and self._backlog_misses(prompts + self.waiting_order)
         self.finishes_prompt = False  # whether a chunk given out so far completes its prompt
 
     def ttft_slack(self, request: Request, num_computed: int | None = None) -> float:
@@ -148,18 +149,16 @@ class StepBudget:
     def prompt_chunk(self, request: Request, num_new: int, num_computed: int) -> int:
         """How many of `num_new` prompt tokens, after `num_computed`, the request computes this step
         (0: none); their predicted time is charged to the budget."""
-        if not self.fitted:
+        if self.seconds_left is None:
             return num_new
         if not self.rush and self.ttft_slack(request, num_computed) >= self.step_seconds:  # not urgent
-            if self.seconds_left is not None:
-                bound = self.model.max_chunk(self.seconds_left, num_computed)  # what the slack allows
-                if bound is not None:
-                    num_new = min(num_new, bound)
+            bound = self.model.max_chunk(self.seconds_left, num_computed)  # what the slack allows
+            if bound is not None:
+                num_new = min(num_new, bound)
             if self.finishes_prompt and self.model.chunk_seconds(num_new, num_computed) > self.step_seconds:
                 return 0  # it would hold back the first token this step gives another prompt
         if num_new:
-            if self.seconds_left is not None:
-                self.seconds_left -= self.model.chunk_seconds(num_new, num_computed)
+            self.seconds_left -= self.model.chunk_seconds(num_new, num_computed)
             self.finishes_prompt |= num_computed + num_new == request.num_tokens
         return num_new
 

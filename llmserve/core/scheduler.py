@@ -23,8 +23,9 @@ one, and does not fit, preempts it too (see request_queue.py for the order and i
 
 Latency targets (core/latency_targets.py) shape each step: a step-time cost model fitted from the
 measured steps (core/step_cost.py) sizes prompt chunks to what the running decodes' TPOT slack allows,
-admits a prompt about to miss its TTFT target whatever that slack, and orders waiting prompts by TTFT
-slack within each priority level. Tokens are never changed by it, only when they are computed.
+admits a prompt about to miss its TTFT target whatever that slack, orders waiting prompts by TTFT
+deadline within each priority level, and gives a step that finishes a prompt no costlier prompt chunk
+besides. Tokens are never changed by it, only when they are computed.
 
 Pipeline parallelism schedules while earlier batches are still in the pipeline
 (engine/batch_queue.py): `schedule(in_flight)` leaves the requests of those batches out, neither
@@ -348,7 +349,7 @@ class Scheduler:
 
     def _waiting_order(self) -> list[Request]:
         """The waiting requests in the order they are admitted: the queue's, or with latency targets
-        by TTFT slack within each priority level."""
+        by TTFT deadline within each priority level."""
         if self._budget_inputs is None:
             return list(self.waiting)
         return self._budget().waiting_order

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from tests.entrypoints.conftest import ServerProcess, start_server, tiny_server_args
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_TOKENS = 200
+MAX_TOKENS = 256
 DEFAULT_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "128MiB"]
 
 

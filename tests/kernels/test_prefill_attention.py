@@ -17,8 +17,9 @@ needs_bf16 = pytest.mark.cpu_kernels("avx512_bf16")
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 1.2e-2, "rtol": 1.6e-2}}
 DTYPES = [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32]
 # bf16 runs on AMX's tile products where the CPU has them, else on AVX-512 BF16: each path checked
+needs_amx = pytest.mark.cpu_kernels("avx512_bf16", "amx_bf16")
 KERNELS = [
-    pytest.param((torch.bfloat16, True), marks=pytest.mark.cpu_kernels("avx512_bf16", "amx_bf16"), id="bf16-amx"),
+    pytest.param((torch.bfloat16, True), marks=needs_amx, id="bf16-amx"),
     pytest.param((torch.bfloat16, False), marks=needs_bf16, id="bf16-avx512"),
     pytest.param((torch.float32, False), id="float32"),
 ]
