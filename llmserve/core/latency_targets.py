@@ -16,8 +16,9 @@ model (core/step_cost.py) the scheduler plans each step so that:
   - a prompt whose TTFT slack (arrival + TTFT target - now - its predicted prefill time) is under one
     step, or already spent, gets its whole chunk at once whatever the decodes' slack: prompts are
     delayed, never starved. And while the prompts, served one after another at full speed in the
-    order below, would not all meet their TTFT targets (a backlog: a burst, or more load than the
-    machine sustains), no chunk is capped: the TPOT cap only spends slack the TTFT targets can spare;
+    order below, each in a step beside the running decodes, would not all meet their TTFT targets (a
+    backlog: a burst, or more load than the machine sustains), no chunk is capped: the TPOT cap only
+    spends slack the TTFT targets can spare;
   - waiting prompts are taken in order of TTFT deadline (arrival + target) within each priority level
     (a run of equal priority in the queue's order, which ages them), requests that have already
     produced tokens (preempted) first. Earliest deadline first keeps the latest first token as early
@@ -163,14 +164,15 @@ class StepBudget:
         return num_new
 
     def _backlog_misses(self, prompts: Iterable[Request]) -> bool:
-        """Whether serving the prompts in turn at full speed after this step misses a TTFT target
-        (earliest-deadline feasibility: each waits for the prefill of those before it)."""
-        elapsed = self.step_seconds
+        """Whether serving the prompts in turn at full speed, from this step on, misses a TTFT target
+        (earliest-deadline feasibility: each waits for the prefill of those before it, and each takes
+        a step of its own beside the running decodes, as a step gives one prompt its first token)."""
+        elapsed = 0.0
         for request in prompts:
             if request.first_token_time is not None or request.num_output_tokens:
                 continue  # a resumed request: no TTFT left to meet
             computed = request.num_computed_tokens
-            elapsed += self.model.chunk_seconds(request.num_tokens - computed, computed)
+            elapsed += self.step_seconds + self.model.chunk_seconds(request.num_tokens - computed, computed)
             ttft = self.targets.ttft_of(request)
             if ttft is not None and request.arrival_time + ttft - self.now < elapsed:
                 return True

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from llmserve.benchmarks import results
-from llmserve.benchmarks.tools import ab_checkouts, dp_prefix_hits, linear_micro, side_by_side
+from llmserve.benchmarks.tools import (
+    ab_checkouts,
+    dp_prefix_hits,
+    linear_micro,
+    prefill_attention_micro,
+    side_by_side,
+)
 from llmserve.benchmarks.workload import WorkloadSpec, build_workload
 
 SPEC = WorkloadSpec(num_requests=5, seed=0, prompt_len_median=12, output_len_median=4,
@@ -159,6 +165,17 @@ def test_linear_micro_times_every_format_this_build_has():
     results = linear_micro.run(rows=[1, 2], num_layers=1, vocab=64, repeats=1, copy_mib=1)
     assert {result["format"] for result in results} >= {"bf16"}
     assert all(result["ms"] > 0 and result["GB/s"] > 0 for result in results)
+
+
+# -- prefill_attention_micro ------------------------------------------------------------------------
+
+
+@pytest.mark.cpu_kernels("avx512_bf16")
+def test_prefill_attention_micro_times_each_kernel_this_cpu_has():
+    (row,) = prefill_attention_micro.run([40], repeats=1)
+    assert row["tokens"] == 40 and row["avx512_bf16_ms"] > 0 and row["torch_sdpa_ms"] > 0
+    if "amx_ms" in row:  # the two kernels agree within bf16 rounding of the output
+        assert row["amx_ms"] > 0 and row["max_abs_diff"] < 0.05
 
 
 # -- results.git_commit ---------------------------------------------------------------------------

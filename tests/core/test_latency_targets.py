@@ -217,3 +217,16 @@ def test_a_step_that_finishes_a_prompt_takes_no_costlier_prompt_chunk(second, ta
     assert plan.get(other.request_id) == (second["size"] if taken else None)
     if not taken:
         assert plan[first.request_id] == 100
+
+
+def test_the_backlog_check_counts_a_step_of_decodes_per_prompt():
+    """35 prompts of 20 ms of prefill each fit their 1 s TTFT targets on prefill alone (0.7 s), but not
+    served one per step beside the decodes' 12 ms (1.1 s): that backlog lifts the caps, so the first
+    step takes as many prompts as the token budget holds rather than one."""
+    scheduler = make_scheduler(budget=2048)
+    a, b = with_two_decodes(scheduler)
+    prompts = [prompt(200) for _ in range(35)]
+    for request in prompts:
+        scheduler.add_request(request)
+    plan = dict(plan_of(scheduler.schedule()))
+    assert sum(request.request_id in plan for request in prompts) == 11  # 10 whole, 46 tokens of one
