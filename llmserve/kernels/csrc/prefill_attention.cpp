@@ -190,6 +190,21 @@ constexpr int kAmxRows = 16;
 // first tiles, so it can stay in tile registers.
 constexpr float kRescaleMargin = 8.0f;
 
+// The four output tiles of attend_rows_amx at D = 64 (tmm4-7), to and from its accumulator rows in L1.
+inline void store_output_tiles(float* acc) {
+  _tile_stored(4, acc, 64 * 4);
+  _tile_stored(5, acc + 16, 64 * 4);
+  _tile_stored(6, acc + 32, 64 * 4);
+  _tile_stored(7, acc + 48, 64 * 4);
+}
+
+inline void load_output_tiles(const float* acc) {
+  _tile_loadd(4, acc, 64 * 4);
+  _tile_loadd(5, acc + 16, 64 * 4);
+  _tile_loadd(6, acc + 32, 64 * 4);
+  _tile_loadd(7, acc + 48, 64 * 4);
+}
+
 // attend_rows on AMX: 16 query rows (copied, zero past the span) against every tile they can see. Per key
 // tile: scores S = Q K^T into two 16 x 16 float tiles (tmm0, tmm1; tmm2 = Q's 32-column slices, tmm3 =
 // the keys), the online softmax on them in AVX-512, then O += P V per 16 output columns (tmm2 = P,
@@ -271,10 +286,7 @@ void attend_rows_amx(const Problem& pb, int64_t kv_head, int64_t first_row, cons
     }
     if (rescale) {
       if constexpr (kResident) {
-        _tile_stored(4, acc[0], D * 4);
-        _tile_stored(5, acc[0] + 16, D * 4);
-        _tile_stored(6, acc[0] + 32, D * 4);
-        _tile_stored(7, acc[0] + 48, D * 4);
+        store_output_tiles(acc[0]);
       }
       for (int r = 0; r < R; ++r) {
         const __m512 factor = _mm512_set1_ps(correction[r]);
@@ -282,10 +294,7 @@ void attend_rows_amx(const Problem& pb, int64_t kv_head, int64_t first_row, cons
           _mm512_store_ps(acc[r] + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * v), factor));
       }
       if constexpr (kResident) {
-        _tile_loadd(4, acc[0], D * 4);
-        _tile_loadd(5, acc[0] + 16, D * 4);
-        _tile_loadd(6, acc[0] + 32, D * 4);
-        _tile_loadd(7, acc[0] + 48, D * 4);
+        load_output_tiles(acc[0]);
       }
     }
     _tile_loadd(2, probabilities[0], kTile * 2);
@@ -307,12 +316,7 @@ void attend_rows_amx(const Problem& pb, int64_t kv_head, int64_t first_row, cons
       }
     }
   }
-  if constexpr (kResident) {
-    _tile_stored(4, acc[0], D * 4);
-    _tile_stored(5, acc[0] + 16, D * 4);
-    _tile_stored(6, acc[0] + 32, D * 4);
-    _tile_stored(7, acc[0] + 48, D * 4);
-  }
+  if constexpr (kResident) store_output_tiles(acc[0]);
   for (int r = 0; r < R; ++r) {
     const int64_t row = first_row + r;
     if (row >= num_rows) break;
