@@ -71,6 +71,14 @@ void pack_tile(const Problem& pb, int64_t kv_head, int64_t tile, uint32_t* keys,
   }
 }
 
+// Which of a tile's 32 keys (two masks of 16) a query row sees: those at most `last` past its first.
+inline void visible_keys(int64_t last, __mmask16& first_half, __mmask16& second_half) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i limit = _mm512_set1_epi32(static_cast<int>(last));
+  first_half = _mm512_cmple_epi32_mask(lane, limit);
+  second_half = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit);
+}
+
 // Query rows [first_row, first_row + R) of KV head `kv_head` (row = token * group + head in group;
 // rows past the span repeat its last row and are not stored) against every tile they can see.
 template <int D, int R>
@@ -96,7 +104,6 @@ void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, const ui
     running_max[r] = -std::numeric_limits<float>::infinity();
   }
   const __m512 scale = _mm512_set1_ps(pb.scale);
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const int64_t end_tile = last_position / kTile + 1;
   const int64_t tile_words = static_cast<int64_t>(kTile) * D / 2;  // uint32 per packed tile
   for (int64_t tile = 0; tile < end_tile; ++tile) {
@@ -119,11 +126,7 @@ void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, const ui
     alignas(64) uint32_t probabilities[R][kTile / 2];  // bf16 pairs of each row's 32 probabilities
     for (int r = 0; r < R; ++r) {
       __mmask16 visible0 = 0xFFFF, visible1 = 0xFFFF;
-      if (needs_mask) {
-        const __m512i limit = _mm512_set1_epi32(static_cast<int>(position[r] - first_key));
-        visible0 = _mm512_cmple_epi32_mask(lane, limit);
-        visible1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit);
-      }
+      if (needs_mask) visible_keys(position[r] - first_key, visible0, visible1);
       const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       const __m512 s0 = _mm512_mask_mul_ps(minus_inf, visible0, s[r][0], scale);
       const __m512 s1 = _mm512_mask_mul_ps(minus_inf, visible1, s[r][1], scale);
@@ -240,7 +243,6 @@ void attend_rows_amx(const Problem& pb, int64_t kv_head, int64_t first_row, cons
   const int64_t first_position = position[0], end_tile = position[R - 1] / kTile + 1;
   const int64_t tile_words = static_cast<int64_t>(kTile) * D / 2;
   const __m512 scale = _mm512_set1_ps(pb.scale);
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t tile = 0; tile < end_tile; ++tile) {
     const uint32_t* keys = packed_keys + tile * tile_words;
@@ -262,11 +264,7 @@ void attend_rows_amx(const Problem& pb, int64_t kv_head, int64_t first_row, cons
     bool rescale = false;
     for (int r = 0; r < R; ++r) {
       __mmask16 visible0 = 0xFFFF, visible1 = 0xFFFF;
-      if (needs_mask) {
-        const __m512i limit = _mm512_set1_epi32(static_cast<int>(position[r] - first_key));
-        visible0 = _mm512_cmple_epi32_mask(lane, limit);
-        visible1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit);
-      }
+      if (needs_mask) visible_keys(position[r] - first_key, visible0, visible1);
       const __m512 s0 = _mm512_mask_mul_ps(minus_inf, visible0, _mm512_load_ps(scores[r]), scale);
       const __m512 s1 = _mm512_mask_mul_ps(minus_inf, visible1, _mm512_load_ps(scores[r] + 16), scale);
       const float tile_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
