@@ -137,29 +137,28 @@ class StepBudget:
     def ttft_slack(self, request: Request, num_computed: int | None = None) -> float:
         """Seconds to spare before the request's TTFT target, after its predicted prefill from
         `num_computed` tokens (default: its computed ones); -inf for a request that has produced
-        tokens (its first token is behind it: it catches up first)."""
-        if request.first_token_time is not None or request.num_output_tokens:
-            return -math.inf
-        ttft = self.targets.ttft_of(request)
-        if ttft is None:
-            return math.inf
+        tokens (its first token is behind it: it catches up first), inf without a target."""
+        deadline = self.ttft_deadline(request)
+        if math.isinf(deadline):
+            return deadline
         computed = request.num_computed_tokens if num_computed is None else num_computed
-        prefill = self.model.chunk_seconds(request.num_tokens - computed, computed)
-        return request.arrival_time + ttft - self.now - prefill
+        return deadline - self.now - self.model.chunk_seconds(request.num_tokens - computed, computed)
 
     def prompt_chunk(self, request: Request, num_new: int, num_computed: int) -> int:
         """How many of `num_new` prompt tokens, after `num_computed`, the request computes this step
         (0: none); their predicted time is charged to the budget."""
         if self.seconds_left is None:
             return num_new
-        if not self.rush and self.ttft_slack(request, num_computed) >= self.step_seconds:  # not urgent
+        urgent = self.rush or self.ttft_slack(request, num_computed) < self.step_seconds
+        if not urgent:
             bound = self.model.max_chunk(self.seconds_left, num_computed)  # what the slack allows
             if bound is not None:
                 num_new = min(num_new, bound)
-            if self.finishes_prompt and self.model.chunk_seconds(num_new, num_computed) > self.step_seconds:
-                return 0  # it would hold back the first token this step gives another prompt
+        cost = self.model.chunk_seconds(num_new, num_computed) if num_new else 0.0
+        if not urgent and self.finishes_prompt and cost > self.step_seconds:
+            return 0  # it would hold back the first token this step gives another prompt
         if num_new:
-            self.seconds_left -= self.model.chunk_seconds(num_new, num_computed)
+            self.seconds_left -= cost
             self.finishes_prompt |= num_computed + num_new == request.num_tokens
         return num_new
 
@@ -169,12 +168,12 @@ class StepBudget:
         a step of its own beside the running decodes, as a step gives one prompt its first token)."""
         elapsed = 0.0
         for request in prompts:
-            if request.first_token_time is not None or request.num_output_tokens:
+            deadline = self.ttft_deadline(request)
+            if deadline == -math.inf:
                 continue  # a resumed request: no TTFT left to meet
             computed = request.num_computed_tokens
             elapsed += self.step_seconds + self.model.chunk_seconds(request.num_tokens - computed, computed)
-            ttft = self.targets.ttft_of(request)
-            if ttft is not None and request.arrival_time + ttft - self.now < elapsed:
+            if deadline - self.now < elapsed:
                 return True
         return False
 
