@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -52,6 +53,17 @@ def test_queued_requests_past_their_timeout_are_aborted_with_408(server):
         for thread in threads:
             thread.join(60)
     wait_idle(server)
+
+
+def _predicted_service(http: httpx.Client, body: dict) -> float:
+    """The server's predicted time for `body` on an idle engine, read from the 429 of a tiny timeout."""
+    probe = http.post("/v1/completions", json={**body, "timeout": 0.001})
+    assert probe.status_code == 429, probe.text  # refused before anything ran
+    assert int(probe.headers["Retry-After"]) >= 1
+    message = probe.json()["error"]["message"]
+    service = float(re.search(r"predicted time of ([\d.]+) s", message).group(1))
+    assert service > 0, message
+    return service
 
 
 def _hold_slots(
@@ -144,19 +156,17 @@ def test_a_cold_start_burst_is_refused_with_429_and_a_computed_retry_after(fresh
     server = fresh_server  # its predictor has only the warm-up's steps (the prior)
     burst = {**LONG, "max_tokens": 100}
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
-        probe = http.post("/v1/completions", json={**burst, "timeout": 0.001})
-        assert probe.status_code == 429, probe.text  # refused before anything ran
-        assert int(probe.headers["Retry-After"]) >= 1
-        message = probe.json()["error"]["message"]
-        service = float(re.search(r"predicted time of ([\d.]+) s", message).group(1))
-        assert service > 0, message
+        service = _predicted_service(http, burst)
+        # long enough that scheduling jitter is small beside it, on a fast machine too
+        burst["max_tokens"] = min(900, max(100, math.ceil(100 * 0.5 / service)))
+        service = _predicted_service(http, burst)
         bad = http.post("/v1/completions", json={**LONG, "timeout": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"
 
-    # 12 at once on 2 running slots, each given 3 of its services: two rounds fit, the rest cannot
+    # 12 at once on 2 running slots, each given 3 of its services: at most three rounds fit, the rest cannot
     def post(results: list) -> None:
         with httpx.Client(base_url=server.base_url, timeout=120) as own:
-            results.append(own.post("/v1/completions", json={**burst, "timeout": max(3 * service, 1.0)}))
+            results.append(own.post("/v1/completions", json={**burst, "timeout": 3 * service}))
 
     results: list[httpx.Response] = []
     threads = [threading.Thread(target=post, args=(results,)) for _ in range(12)]
