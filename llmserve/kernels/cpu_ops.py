@@ -28,6 +28,7 @@ _SOURCE_NAMES = (
     "prefill_attention.cpp",
     "prefill_attention_f32.cpp",
     "linear.cpp",
+    "linear_amx.cpp",
     "linear_f32.cpp",
     "linear_quantized.cpp",
     "elementwise.cpp",

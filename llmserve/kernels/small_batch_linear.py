@@ -10,11 +10,19 @@ this is a transform of the loaded model: the model file does not change. The ker
 copy of the weight, packed once in blocks of 32 output rows (`small_batch_pack`, see linear.cpp),
 so that it streams sequentially and needs no horizontal sums.
 
-Above 8 rows the layer runs oneDNN's GEMM on a copy of its weight packed once into oneDNN's blocked
-layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does): `F.linear`
-on a plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs, faster
-at every row count above 8, for a second copy of the weights in memory. oneDNN builds (and caches,
-up to 1,024) a primitive for each (row count, layer shape) it sees, ~100 KB each at the tiny test
+Above 8 rows, on a CPU with AMX, the layer runs the AMX kernel (linear_amx.cpp) on the small-batch
+kernel's own copy, whose blocks are already the tile product's B operand (no padding), up to
+`AMX_MAX_ROWS`; beyond, oneDNN's GEMM (below) was faster again. Over the model's 30 layers with
+their own weights (`python -m llmserve.benchmarks.tools.linear_micro --amx` times one layer at a
+time) AMX took 13.7 / 20.5 / 27.2 / 78.9 / 132 ms at 16 / 64 / 128 / 650 / 1,024 rows where oneDNN
+took 18.0 / 25.4 / 30.4 / 101.4 / 182.5, and 256 / 177 ms at 2,048 / 1,536 rows against oneDNN's 206
+/ 171; the output projection of a 96-row decode took 4.2 ms instead of the small-batch kernel's 28
+ms. Where the CPU has no AMX (or `use_small_batch_linear(..., amx=False)`), every row count above 8
+runs oneDNN's GEMM on a copy of its weight packed once into oneDNN's blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does): `F.linear` on a
+plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs, faster at
+every row count above 8, for a second copy of the weights in memory. oneDNN builds (and caches, up
+to 1,024) a primitive for each (row count, layer shape) it sees, ~100 KB each at the tiny test
 model's shapes: left alone, the varied token counts of a server's steps grew its memory until that
 cache was full, so the rows it gets are rounded up to one of 8 sizes per octave (`onednn_rows`: at
 most 1/8 more rows, left unset: a row's result depends only on that row, so the others' bits do not
@@ -43,10 +51,13 @@ from llmserve.kernels.cpu_ops import load_cpu_ops
 
 # Above this the GEMM in F.linear is compute-bound and faster (kSmallBatchRows in decode_stack.cpp).
 MAX_ROWS = 8
+# Above this oneDNN's GEMM beats the AMX kernel on this project's machine (module docstring).
+AMX_MAX_ROWS = 1280
 
 
 class SmallBatchLinear(nn.Linear):
     small_batch_weight: torch.Tensor  # `weight` in the small-batch kernel's layout (32-row blocks)
+    amx: bool = False  # 9 to AMX_MAX_ROWS rows by the AMX kernel on that same copy (linear_amx.cpp)
     packed_weight: torch.Tensor | None = None  # oneDNN-blocked copy of `weight` (see the module docstring)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -55,21 +66,31 @@ class SmallBatchLinear(nn.Linear):
                 input.contiguous(), self.small_batch_weight, self.out_features
             )
             return out if self.bias is None else out + self.bias
+        if self.amx and input.dtype == torch.bfloat16 and input.numel() <= AMX_MAX_ROWS * self.in_features:
+            rows = input.reshape(-1, self.in_features).contiguous()
+            out = load_cpu_ops().amx_linear(rows, self.small_batch_weight, self.bias, self.out_features)
+            return out.view(*input.shape[:-1], self.out_features)
         if self.packed_weight is not None and input.dtype == torch.bfloat16:
             return onednn_linear(input, self.packed_weight, self.bias)
         return F.linear(input, self.weight, self.bias)
 
 
 class LogitsLinear(nn.Linear):
-    """A bf16 output projection (a module with `float_logits`, models/layers/lm_head.py): the kernel at
-    every row count with float32 out, on the kernel's layout alone (each tile of 8 rows reuses a block
-    of weights from cache, so they are read once: no oneDNN copy)."""
+    """A bf16 output projection (a module with `float_logits`, models/layers/lm_head.py): float32 out,
+    on the kernel's layout alone (no oneDNN copy): the small-batch kernel up to 8 rows, AMX's above
+    where the CPU has it, else the small-batch kernel at every row count (each tile of 8 rows reuses a
+    block of weights from cache, so they are read once)."""
 
     float_logits = True
     small_batch_weight: torch.Tensor
 
+    amx: bool = False  # rows above 8 by the AMX kernel on the same copy (linear_amx.cpp)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rows = input.reshape(-1, self.in_features).contiguous()
+        if self.amx and rows.shape[0] > MAX_ROWS:
+            out = load_cpu_ops().amx_linear(rows, self.small_batch_weight, self.bias, self.out_features, True)
+            return out.view(*input.shape[:-1], self.out_features)
         out = load_cpu_ops().small_batch_linear_float_out(rows, self.small_batch_weight, self.out_features)
         out = out.view(*input.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.float()
@@ -170,18 +191,21 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def use_small_batch_linear(model: nn.Module, float32_kernel_weights: torch.dtype = torch.float32) -> int:
+def use_small_batch_linear(
+    model: nn.Module, float32_kernel_weights: torch.dtype = torch.float32, amx: bool = True
+) -> int:
     """Swap every plain `nn.Linear` on the CPU for its faster layout: bf16 weights with an input width
     the compiled kernel takes (a multiple of 32) become `SmallBatchLinear`s where this build has the
     kernel (an output projection, `float_logits`, a `LogitsLinear`), float32 weights become
     `PackedLinear`s where this build has the float32 kernel or oneDNN can pack them, their kernel copy
-    in `float32_kernel_weights` (float32; bf16 for a draft head);
-    returns how many."""
+    in `float32_kernel_weights` (float32; bf16 for a draft head); bf16 rows above 8 run on AMX where the
+    CPU has it (`amx=False`: on a oneDNN copy, as elsewhere); returns how many."""
     if all(param.device.type != "cpu" for param in model.parameters()):
         return 0  # nothing to swap: the CPU kernels are not even built (a minute, once) on CUDA
     ops = load_cpu_ops()
     has_kernel = ops is not None and ops.small_batch_linear_supported()
     has_float32_kernel = ops is not None and ops.small_batch_linear_f32_supported()
+    has_amx = amx and has_kernel and ops.amx_linear_supported()
     swapped = 0
     # shared weights (tied embeddings) share one copy of each layout
     packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # float32
@@ -198,7 +222,8 @@ def use_small_batch_linear(model: nn.Module, float32_kernel_weights: torch.dtype
             if id(weight) not in kernel_copies:
                 kernel_copies[id(weight)] = ops.small_batch_pack(weight.detach())
             module.small_batch_weight = kernel_copies[id(weight)]
-            if head:  # the kernel takes every row count: no oneDNN copy
+            module.amx = has_amx
+            if head:  # the kernels take every row count: no oneDNN copy
                 module.__class__ = LogitsLinear
             else:
                 if id(weight) not in onednn_copies:

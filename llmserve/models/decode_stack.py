@@ -8,10 +8,11 @@ applies: every sequence this step is a decode or a short span (speculative verif
 model runs on the CPU with the in-place paged attention backend and a plain KV cache, either in bf16
 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise int4 with their
 small-batch kernels, or in float32 with every linear layer on the float32 kernel (where the CPU has
-no native bf16). Above the small-batch kernel's 8 rows it takes oneDNN's GEMM on each layer's
-blocked copy, as the modules do, where every layer is a bf16 `SmallBatchLinear` with one; with int8,
-int4 or float32 layers it serves up to 8 rows. Anything else (prefill chunks, other quantized
-formats, 8-bit KV caches, CUDA) takes the module path.
+no native bf16). Above the small-batch kernel's 8 rows, where every layer is a bf16
+`SmallBatchLinear` (with its oneDNN copy), it takes what the modules take: the AMX kernel on the
+packed copy up to `AMX_MAX_ROWS` where the CPU has AMX, oneDNN's GEMM on the blocked copy beyond or
+without AMX; with int8, int4 or float32 layers it serves up to 8 rows. Anything else (prefill
+chunks, other quantized formats, 8-bit KV caches, CUDA) takes the module path.
 
 Under tensor parallelism the stack holds the rank's shards and sums the o and down projections'
 outputs over the ranks inside the call, through the group's shared-memory collectives (one host) or
@@ -26,7 +27,7 @@ import torch
 from llmserve.distributed.group import TensorParallelGroup
 from llmserve.forward_context import AttentionMetadata
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.kernels.small_batch_linear import MAX_ROWS, PackedLinear, SmallBatchLinear
+from llmserve.kernels.small_batch_linear import AMX_MAX_ROWS, MAX_ROWS, PackedLinear, SmallBatchLinear
 from llmserve.quantization.kernels import Int4PackedKernel, Int8GroupedPackedKernel, Int8PackedKernel
 
 
@@ -175,6 +176,7 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         len(model.shard.intermediate),
         inner.norm.eps,
         first.attn.scale,
+        AMX_MAX_ROWS if getattr(first.qkv_proj, "amx", False) else 0,  # as the modules choose
     )
     max_rows = float("inf") if any_rows else MAX_ROWS
     attention_layers = [layer.self_attn.attn for layer in layers]

@@ -167,6 +167,14 @@ def test_linear_micro_times_every_format_this_build_has():
     assert all(result["ms"] > 0 and result["GB/s"] > 0 for result in results)
 
 
+@pytest.mark.cpu_kernels("amx_bf16")
+def test_linear_micro_compares_amx_with_the_kernels_before_it():
+    results = linear_micro.compare_amx(rows=[9, 40], vocab=64, repeats=1)
+    assert [(r["layer"], r["rows"]) for r in results][:2] == [("qkv", 9), ("qkv", 40)] and len(results) == 10
+    assert {r["before"] for r in results} == {"oneDNN", "small-batch"}
+    assert all(r["before_us"] > 0 and r["amx_us"] > 0 and r["amx_GFLOPs"] > 0 for r in results)
+
+
 # -- prefill_attention_micro ------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.small_batch_linear import (
+    AMX_MAX_ROWS,
     MAX_ROWS,
     LogitsLinear,
     SmallBatchLinear,
@@ -126,16 +127,21 @@ def test_output_projection_becomes_logits_linear_and_writes_float32():
     torch.testing.assert_close(model["odd"](x), x.float() @ odd.weight.float().T)
 
 
-@pytest.mark.parametrize("rows", [9, 16, 64, 300])
-def test_packed_weight_gemm_is_bit_identical_to_f_linear(rows):
-    """Above MAX_ROWS the swapped layer multiplies by its oneDNN-packed weight copy: one copy per
-    shared weight, and exactly F.linear's result (with and without bias)."""
-    torch.manual_seed(rows)
+def _model_with_a_tied_linear() -> nn.ModuleDict:
     model = nn.ModuleDict({"embed": nn.Embedding(200, 64), "proj": nn.Linear(64, 96, bias=True)}).bfloat16()
     head = nn.Linear(64, 200, bias=False).bfloat16()
     head.weight = model["embed"].weight
     model["head"] = head
-    assert use_small_batch_linear(model) == 2
+    return model
+
+
+@pytest.mark.parametrize("rows", [9, 16, 64, 300])
+def test_packed_weight_gemm_is_bit_identical_to_f_linear(rows):
+    """Without AMX, above MAX_ROWS the swapped layer multiplies by its oneDNN-packed weight copy: one
+    copy per shared weight, and exactly F.linear's result (with and without bias)."""
+    torch.manual_seed(rows)
+    model = _model_with_a_tied_linear()
+    assert use_small_batch_linear(model, amx=False) == 2
     assert model["proj"].packed_weight is not None and model["head"].packed_weight is not None
     x = torch.randn(rows, 64).bfloat16()
     for name in ("proj", "head"):
@@ -143,6 +149,28 @@ def test_packed_weight_gemm_is_bit_identical_to_f_linear(rows):
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), name
     model["proj"].packed_weight = None  # the unpacked fallback gives the same
     assert torch.equal(model["proj"](x), F.linear(x, model["proj"].weight, model["proj"].bias))
+
+
+@pytest.mark.cpu_kernels("amx_bf16")
+@pytest.mark.parametrize("rows", [9, 64, 300, AMX_MAX_ROWS, AMX_MAX_ROWS + 1])
+def test_with_amx_rows_above_8_run_on_the_kernels_own_copy_up_to_amx_max_rows(rows):
+    """With AMX, 9 to AMX_MAX_ROWS rows run amx_linear on the small-batch layout, within bf16 rounding
+    of F.linear; more rows run oneDNN on its copy (exactly F.linear)."""
+    torch.manual_seed(rows)
+    model = _model_with_a_tied_linear()
+    assert use_small_batch_linear(model) == 2
+    x = torch.randn(rows, 64).bfloat16()
+    for name in ("proj", "head"):
+        layer = model[name]
+        assert layer.amx and layer.packed_weight is not None, name
+        out = layer(x)
+        if rows <= AMX_MAX_ROWS:
+            amx = ops.amx_linear(x, layer.small_batch_weight, layer.bias, layer.out_features)
+            assert torch.equal(out, amx), name
+            torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
+        else:
+            assert torch.equal(out, F.linear(x, layer.weight, layer.bias)), name
+    assert torch.equal(model["proj"](x[None]), model["proj"](x)[None])  # a batch dimension passes through
 
 
 def _rounded_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

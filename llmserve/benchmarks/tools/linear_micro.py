@@ -1,11 +1,16 @@
 """The small-batch linear kernels over one decode step's shapes: ms per step and the GB/s they stream.
 
     python -m llmserve.benchmarks.tools.linear_micro [--rows 1,4,8] [--layers 30] [--repeats 5]
+    python -m llmserve.benchmarks.tools.linear_micro --amx [--rows 16,64,128,256,650,1024,2048]
 
 Every layer gets its own weights (qkv, o, gate_up, down of SmolLM2-135M, then the lm_head), so they
 come from memory as in a real step, for each format this build has (bf16; int8 per channel and int4
 in groups of 64 on AVX-512 VNNI). Next to it, the machine's copy bandwidth (read + write of 512 MiB):
 a kernel near that rate is bound by memory, not by its arithmetic. Median of --repeats.
+
+`--amx` compares the kernels for rows above 8 instead, one layer shape at a time (microseconds and
+GFLOP/s): oneDNN's GEMM on its blocked copy against the AMX kernel on the small-batch copy, and for the
+lm_head (float32 out) the small-batch kernel against the AMX kernel.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -98,16 +104,69 @@ def run(rows: Sequence[int], num_layers: int, vocab: int, repeats: int, copy_mib
     return results
 
 
+def _median_seconds(call: Callable[[], object], repeats: int) -> float:
+    call()  # first calls build oneDNN's primitive and grow the allocator
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compare_amx(rows: Sequence[int], vocab: int, repeats: int) -> list[dict]:
+    """Per layer shape and row count: the kernel rows above 8 took before AMX, and AMX's."""
+    from llmserve.kernels.small_batch_linear import onednn_linear, pack_for_onednn
+
+    ops = load_cpu_ops()
+    if ops is None or not ops.amx_linear_supported():
+        raise SystemExit("this CPU (or build) has no AMX kernel")
+    torch.manual_seed(0)
+    names = ["qkv", "o", "gate_up", "down", "lm_head"]
+    results = []
+    for name, (out_features, in_features) in zip(names, [*LAYER_SHAPES, (vocab, 576)], strict=True):
+        weight = torch.randn(out_features, in_features).bfloat16()
+        packed = ops.small_batch_pack(weight)
+        logits = name == "lm_head"
+        onednn = None if logits else pack_for_onednn(weight)
+        before_name = "small-batch" if logits else "oneDNN"
+        for count in rows:
+            x = torch.randn(count, in_features).bfloat16()
+            if logits:
+                old = _median_seconds(
+                    partial(ops.small_batch_linear_float_out, x, packed, out_features), repeats
+                )
+            else:
+                old = _median_seconds(partial(onednn_linear, x, onednn, None), repeats)
+            new = _median_seconds(partial(ops.amx_linear, x, packed, None, out_features, logits), repeats)
+            flops = 2 * count * out_features * in_features
+            row = {"layer": name, "rows": count, "before": before_name, "before_us": old * 1e6}
+            row |= {"amx_us": new * 1e6, "before_GFLOPs": flops / old / 1e9, "amx_GFLOPs": flops / new / 1e9}
+            results.append(row)
+            print(
+                f"{name:8s} {count:5d} rows: {before_name} {old * 1e6:9.1f} us "
+                f"({row['before_GFLOPs']:5.0f} GFLOP/s), AMX {new * 1e6:9.1f} us "
+                f"({row['amx_GFLOPs']:5.0f} GFLOP/s), x{old / new:.2f}",
+                flush=True,
+            )
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1,4,8", help="comma-separated row counts (at most 8)")
+    parser.add_argument("--rows", help="comma-separated row counts (default 1,4,8; with --amx 16 to 2048)")
+    parser.add_argument("--amx", action="store_true", help="rows above 8: oneDNN or small-batch against AMX")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=VOCAB, help="lm_head rows")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--copy-mib", type=int, default=512)
     args = parser.parse_args(argv)
-    rows = [int(item) for item in args.rows.split(",") if item]
-    run(rows, args.layers, args.vocab, args.repeats, args.copy_mib)
+    default = "16,64,128,256,650,1024,2048" if args.amx else "1,4,8"
+    rows = [int(item) for item in (args.rows or default).split(",") if item]
+    if args.amx:
+        compare_amx(rows, args.vocab, args.repeats)
+    else:
+        run(rows, args.layers, args.vocab, args.repeats, args.copy_mib)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 // write_kv_rows, paged_attention, add_rms_norm, silu_and_mul, the residual add), so its output is
 // bit-identical to the Python path (tested); only the dispatch goes. Linear layers may be bf16,
 // per-channel int8 or group-wise int4, each through its small-batch kernel, or float32 in a float32
-// model (linear_f32.cpp); above 8 rows, bf16 ones go to oneDNN's GEMM on their blocked copy. The model
+// model (linear_f32.cpp); above 8 rows, bf16 ones go to AMX (linear_amx.cpp) or oneDNN's GEMM as the modules do. The model
 // uses it when every sequence is a decode or a short span (models/decode_stack.py says when). Under
 // tensor parallelism the layers are one rank's shards, and the o and down projections' outputs are
 // summed over the ranks in the stack (shm_collectives.cpp on one host), as the modules sum them.
@@ -43,10 +43,17 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 // x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel up to
-// kSmallBatchRows (the bias added after), oneDNN on its blocked copy above that.
+// kSmallBatchRows (the bias added after); above that AMX on the same bf16 copy up to amx_max_rows,
+// oneDNN on its blocked copy beyond.
 torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
-                           const torch::Tensor& onednn_weight, const torch::Tensor& bias, int64_t out_features) {
+                           const torch::Tensor& onednn_weight, const torch::Tensor& bias, int64_t out_features,
+                           int64_t amx_max_rows) {
   if (x.size(0) > kSmallBatchRows) {
+    if (x.size(0) <= amx_max_rows && weight.scalar_type() == torch::kBFloat16) {
+      const bool has_bias = bias.defined() && bias.numel();
+      return amx_linear(x.contiguous(), weight, has_bias ? std::optional<torch::Tensor>(bias) : std::nullopt,
+                        out_features, false);
+    }
     TORCH_CHECK(onednn_weight.numel(), "DecodeStack: more rows than the small-batch kernels take need the layers' oneDNN copies");
     return onednn_linear(x, onednn_weight, bias);
   }
@@ -58,7 +65,7 @@ torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, 
 
 DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
                          torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t intermediate_size, double eps, double scale)
+                         int64_t intermediate_size, double eps, double scale, int64_t amx_max_rows)
     : tensors_(std::move(layer_tensors)),
       final_norm_(std::move(final_norm)),
       cos_(std::move(cos)),
@@ -68,6 +75,7 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor
       head_dim_(head_dim),
       intermediate_size_(intermediate_size),
       hidden_size_(final_norm_.numel()),
+      amx_max_rows_(amx_max_rows),
       eps_(eps),
       scale_(scale) {
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kTensorsPerLayer == 0,
@@ -89,7 +97,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
         std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12]);
     const auto& [qkv_onednn, o_onednn, gate_up_onednn, down_onednn] = std::tie(t[13], t[14], t[15], t[16]);
     // attention block
-    auto qkv = stack_linear(rms_norm(hidden, input_norm, eps_), qkv_weight, qkv_scales, qkv_onednn, qkv_bias, qkv_size);
+    auto qkv = stack_linear(rms_norm(hidden, input_norm, eps_), qkv_weight, qkv_scales, qkv_onednn, qkv_bias, qkv_size,
+                            amx_max_rows_);
     auto query = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
     auto value = qkv.narrow(1, q_size + kv_size, kv_size);
     rotary_embedding(positions, query, key, cos_, sin_, head_dim_);
@@ -98,12 +107,14 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
     auto attention = paged_attention(query.view({tokens, num_heads_, head_dim_}).contiguous(), key_cache,
                                      value_cache, block_tables, seq_lens, query_starts, block_size, scale_,
                                      /*kv_format=*/0, sinks, window);
-    auto attention_out = stack_linear(attention.view({tokens, q_size}), o_weight, o_scales, o_onednn, kNone, hidden_size_);
+    auto attention_out = stack_linear(attention.view({tokens, q_size}), o_weight, o_scales, o_onednn, kNone,
+                                      hidden_size_, amx_max_rows_);
     if (all_reduce_) all_reduce_(attention_out);
     // attention_out becomes the residual stream; its norm feeds the MLP
     auto normed = add_rms_norm(attention_out, hidden, post_norm, eps_);
-    auto gate_up = stack_linear(normed, gate_up_weight, gate_up_scales, gate_up_onednn, kNone, 2 * intermediate_size_);
-    auto mlp_out = stack_linear(silu_and_mul(gate_up), down_weight, down_scales, down_onednn, kNone, hidden_size_);
+    auto gate_up = stack_linear(normed, gate_up_weight, gate_up_scales, gate_up_onednn, kNone, 2 * intermediate_size_,
+                                amx_max_rows_);
+    auto mlp_out = stack_linear(silu_and_mul(gate_up), down_weight, down_scales, down_onednn, kNone, hidden_size_, amx_max_rows_);
     if (all_reduce_) all_reduce_(mlp_out);
     hidden = attention_out + mlp_out;
   }

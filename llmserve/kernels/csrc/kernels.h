@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <optional>
 #include <vector>
 
 // paged_attention.cpp, prefill_attention.cpp, prefill_attention_f32.cpp
@@ -25,6 +26,10 @@ torch::Tensor small_batch_pack(torch::Tensor weight);
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 torch::Tensor small_batch_linear_float_out(torch::Tensor x, torch::Tensor packed, int64_t out_features);
 bool small_batch_linear_supported();
+// linear_amx.cpp: the same packed bf16 weight, any row count, on AMX's tile products
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, const std::optional<torch::Tensor>& bias,
+                         int64_t out_features, bool float_out);
+bool amx_linear_supported();
 
 // linear_f32.cpp
 torch::Tensor small_batch_pack_f32(torch::Tensor weight);

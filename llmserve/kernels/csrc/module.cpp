@@ -20,6 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_batch_linear", &small_batch_linear, "x W^T for 1-8 bfloat16 rows, W packed (AVX-512 BF16)");
   m.def("small_batch_linear_float_out", &small_batch_linear_float_out,
         "x W^T for any number of bfloat16 rows, W packed, float32 out (the logits)");
+  m.def("amx_linear", &amx_linear, "x W^T (+ bias) for any number of bfloat16 rows, W packed by small_batch_pack, on AMX",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"), py::arg("float_out") = false);
+  m.def("amx_linear_supported", &amx_linear_supported, "Whether amx_linear runs here (AMX BF16, permitted)");
   m.def("small_batch_pack_f32", &small_batch_pack_f32, "A float32 weight [N, K] in the layout small_batch_linear_f32 reads");
   m.def("small_batch_linear_f32", &small_batch_linear_f32, "x W^T for 1-8 float32 rows, W packed (AVX2 and FMA)");
   m.def("small_batch_linear_f32_supported", &small_batch_linear_f32_supported,
@@ -45,7 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_omp_thread_cpus", &set_omp_thread_cpus, "OpenMP thread t may run only on the CPUs of entry t");
   pybind11::class_<DecodeStack>(m, "DecodeStack", "A model's decoder layers for a decode-only step, one call")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
-                          int64_t, int64_t, double, double>())
+                          int64_t, int64_t, double, double, int64_t>())
       .def("forward", &DecodeStack::forward)
       .def("set_shm_all_reduce",
            [](DecodeStack& stack, std::shared_ptr<ShmCollectives> shm) {

@@ -30,12 +30,12 @@
 #include "bf16_pairs.h"
 #include "vector_math.h"
 
+#include "amx.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define LLMSERVE_PREFILL_FAST_PATH 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#ifdef LLMSERVE_AMX
 #define LLMSERVE_PREFILL_AMX 1
 #endif
 #endif
@@ -168,23 +168,6 @@ void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, const ui
 }
 
 #ifdef LLMSERVE_PREFILL_AMX
-// Linux hands out AMX's tile state only to a process that asks for it (oneDNN asks too; asking twice is fine).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return permitted;
-}
-
-// Palette 1, tiles 0-7 all 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-
 constexpr int kAmxRows = 16;
 
 // A row's running maximum is raised only when a score passes it by more than this (natural log units):
