@@ -83,7 +83,6 @@ class LogitsLinear(nn.Linear):
 
     float_logits = True
     small_batch_weight: torch.Tensor
-
     amx: bool = False  # rows above 8 by the AMX kernel on the same copy (linear_amx.cpp)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
