@@ -75,7 +75,7 @@ class AsyncLLM:
         self,
         engine_args: EngineArgs,
         fork: bool = False,
-        engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
+        engine_factory: Callable[..., LLMEngine] = LLMEngine,
         fork_closes: Sequence[int] = (),
         while_loading: Callable[[EngineHealth], None] | None = None,
         bind_cpus: bool = False,

@@ -56,7 +56,7 @@ def run_engine_core(
     engine_args: EngineArgs,
     commands: Connection,
     outputs: Connection,
-    engine_factory: Callable[[EngineArgs], LLMEngine] = LLMEngine,
+    engine_factory: Callable[..., LLMEngine] = LLMEngine,
     inherited_fds: tuple[int, ...] = (),
     log_level: int = logging.WARNING,
     bind_cpus: bool = False,
@@ -74,8 +74,12 @@ def run_engine_core(
     for fd in inherited_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
-    try:
-        engine = engine_factory(engine_args)
+    try:  # a warm-up waits for structured outputs' one-time costs: started beside the model's loading
+        engine = (
+            engine_factory(engine_args, prepare_structured_outputs=True)
+            if warmup
+            else engine_factory(engine_args)
+        )
     except BaseException as error:  # noqa: BLE001 - the server process raises it in its own
         outputs.send(EngineLoadFailed(_picklable(error)))
         return

@@ -109,14 +109,17 @@ def warm_up(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[Ste
     The prefault comes first and this thread helps it: the warm-up's forward passes would otherwise
     share the cores with it (their OpenMP threads spin between parallel regions)."""
     start = time.monotonic()
-    # structured outputs: xgrammar's import here, while the prefault still runs (importing it in another
-    # thread races this one's imports of transformers' lazy modules), then the vocabulary table in the
-    # compiler's thread
-    import xgrammar  # noqa: F401
-
-    vocabulary = engine.grammar_gate.compiler.prepare()
-    engine.model_runner.wait_for_kv_prefault()
+    engine.model_runner.wait_for_kv_prefault(head_only=True)
     prefaulted = time.monotonic()
+    # structured outputs: xgrammar's import and the vocabulary table, started beside the model's loading
+    # (LLMEngine's prepare_structured_outputs) or now; done before the requests, whose imports of
+    # transformers' lazy modules would race xgrammar's
+    vocabulary = engine.structured_outputs_ready or engine.grammar_gate.compiler.prepare()
+    try:
+        vocabulary.result()
+    except Exception:  # noqa: BLE001 - structured requests would then fail with the same error
+        logger.warning("structured outputs' vocabulary table did not build", exc_info=True)
+    prepared = time.monotonic()
     publisher, engine.kv_event_publisher = engine.kv_event_publisher, None  # a router must not see it
     cost_model = copy.deepcopy(engine.scheduler.cost_model)
     measured: list[StepStats] = []
@@ -134,17 +137,14 @@ def warm_up(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[Ste
     finally:
         engine.kv_event_publisher = publisher
     _forget(engine)
-    try:
-        vocabulary.result()
-    except Exception:  # noqa: BLE001 - structured requests would then fail with the same error
-        logger.warning("structured outputs' vocabulary table did not build", exc_info=True)
     seconds = time.monotonic() - start
     logger.info(
-        "engine warmed up in %.2f s (the rest of the KV prefault %.2f s, then requests %.2f s; "
-        "%d measured steps)",
+        "engine warmed up in %.2f s (the rest of the KV prefault's head %.2f s, structured outputs %.2f s, "
+        "then requests %.2f s; %d measured steps)",
         seconds,
         prefaulted - start,
-        seconds - (prefaulted - start),
+        prepared - prefaulted,
+        seconds - (prepared - start),
         len(measured),
     )
     return measured

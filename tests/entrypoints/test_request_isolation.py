@@ -28,8 +28,8 @@ class _FaultyOutputProcessor(OutputProcessor):
 class _FaultyOutputEngine(LLMEngine):
     """Detokenizing the marked request raises once it has two tokens."""
 
-    def __init__(self, args: EngineArgs) -> None:
-        super().__init__(args)
+    def __init__(self, args: EngineArgs, **kwargs) -> None:
+        super().__init__(args, **kwargs)
         self.output_processor = _FaultyOutputProcessor(self.tokenizer)
 
 
@@ -59,11 +59,11 @@ class _FaultyProcessorEngine(LLMEngine):
     """The raising processor joins the engine-wide ones (in the engine process: this module is imported
     there to build it)."""
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, **kwargs) -> None:
         import llmserve.sample.logits_processors as processors
 
         processors.PROCESSORS = (*processors.PROCESSORS, _RaisingProcessor())
-        super().__init__(args)
+        super().__init__(args, **kwargs)
 
 
 class _HangingEngine(LLMEngine):

@@ -394,6 +394,23 @@ def test_second_load_is_served_from_the_cache(tmp_path, cache_dir, monkeypatch):
     assert load_arch_config(path).eos_token_ids == (2, 3)
 
 
+def test_a_files_hash_is_remembered_until_the_file_changes(tmp_path, cache_dir):
+    import hashlib
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"a" * 1000)
+    assert weights_cache.file_sha256(str(path)) == hashlib.sha256(b"a" * 1000).hexdigest()
+    [remembered] = (cache_dir / "sha256").iterdir()
+    entry = json.loads(remembered.read_text())
+    remembered.write_text(json.dumps({**entry, "sha256": "f" * 64}))  # proves the next start reads it
+    weights_cache._sha256.cache_clear()  # a new process
+    assert weights_cache.file_sha256(str(path)) == "f" * 64
+    path.write_bytes(b"b" * 1000)  # same size, new content
+    stat = path.stat()  # two writes within one tick of the file system's clock share a timestamp
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert weights_cache.file_sha256(str(path)) == hashlib.sha256(b"b" * 1000).hexdigest()
+
+
 def test_a_damaged_or_unwritable_cache_only_costs_time(tmp_path, cache_dir, monkeypatch):
     path = str(tmp_path / "tiny.gguf")
     state = write_tiny_gguf(Path(path))
