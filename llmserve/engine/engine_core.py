@@ -37,6 +37,7 @@ from llmserve.engine.warmup import warm_up
 from llmserve.log import configure_logging
 from llmserve.metrics.stats import EngineGauges
 from llmserve.worker.cpu_binding import bind_engine_threads
+from llmserve.worker.malloc_tuning import keep_large_allocations_on_the_heap
 from llmserve.worker.parent_watch import exit_with_parent
 
 logger = logging.getLogger("llmserve")
@@ -74,6 +75,7 @@ def run_engine_core(
     for fd in inherited_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+    keep_large_allocations_on_the_heap()  # so the model's loading does not wait for the KV prefault
     try:  # a warm-up waits for structured outputs' one-time costs: started beside the model's loading
         engine = (
             engine_factory(engine_args, prepare_structured_outputs=True)

@@ -42,7 +42,7 @@ from llmserve.spec_decode.registry import create_proposer
 from llmserve.spec_decode.target_vocabulary import TargetVocabulary
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.worker.executor import TensorParallelExecutor
-from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput, allocate_kv_pool_early
 from llmserve.worker.pipeline_stage import PipelineDriver
 
 logger = logging.getLogger("llmserve")
@@ -53,8 +53,9 @@ _IDLE_COMPILE_WAIT = 0.05  # seconds an engine with only compiling requests slee
 class LLMEngine:
     def __init__(self, args: EngineArgs, prepare_structured_outputs: bool = False) -> None:
         """`prepare_structured_outputs`: start xgrammar's import and the vocabulary table in the grammar
-        compiler's thread now, beside the model's loading (a server's warm-up then waits for it): the
-        loading imports nothing of transformers, whose lazy modules race an import in another thread."""
+        compiler's thread once the model is loaded, beside the KV prefault (a server's warm-up then waits
+        for both); this thread imports nothing of transformers meanwhile, whose lazy modules race an
+        import in another thread."""
         start = time.monotonic()
         path = resolve_model_path(args.model)
         draft_arch = load_draft_arch(args)  # speculative decoding: its KV pool shares the memory
@@ -64,6 +65,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or arch.eos_token_ids
         # structured outputs: grammars compile in threads; their requests wait in the gate meanwhile
         self.grammar_gate = GrammarGate(GrammarCompiler(self.tokenizer, arch.vocab_size, self.eos_token_ids))
+        # beside the model's loading and the KV prefault
         self.structured_outputs_ready = (
             self.grammar_gate.compiler.prepare() if prepare_structured_outputs else None
         )
@@ -126,6 +128,7 @@ class LLMEngine:
         of the whole vocabulary (the shard holds a block of it)."""
         group = None if self.executor is None else self.executor.group
         config = self.config.model
+        early_kv_pool = allocate_kv_pool_early(self.config)  # its prefault runs while the weights load
         weights = load_weights(path, config.dtype)
         target_vocabulary = None
         spec = self.config.speculative
@@ -144,7 +147,7 @@ class LLMEngine:
                 model, config, self.tokenizer, lambda: build_model(config, load_weights(path, config.dtype))
             )
         use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
-        runner = ModelRunner(self.config, model)
+        runner = ModelRunner(self.config, model, early_kv_pool)
         if self.executor is not None:
             self.executor.wait_until_ready()
         return runner, target_vocabulary

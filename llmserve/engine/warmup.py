@@ -109,7 +109,7 @@ def warm_up(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[Ste
     The prefault comes first and this thread helps it: the warm-up's forward passes would otherwise
     share the cores with it (their OpenMP threads spin between parallel regions)."""
     start = time.monotonic()
-    engine.model_runner.wait_for_kv_prefault(head_only=True)
+    engine.model_runner.wait_for_kv_prefault()
     prefaulted = time.monotonic()
     # structured outputs: xgrammar's import and the vocabulary table, started beside the model's loading
     # (LLMEngine's prepare_structured_outputs) or now; done before the requests, whose imports of
@@ -139,7 +139,7 @@ def warm_up(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[Ste
     _forget(engine)
     seconds = time.monotonic() - start
     logger.info(
-        "engine warmed up in %.2f s (the rest of the KV prefault's head %.2f s, structured outputs %.2f s, "
+        "engine warmed up in %.2f s (the rest of the KV prefault %.2f s, structured outputs %.2f s, "
         "then requests %.2f s; %d measured steps)",
         seconds,
         prefaulted - start,

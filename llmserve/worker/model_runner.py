@@ -21,10 +21,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.attention.registry import select_attention_backend
 from llmserve.attention.window import decode_context_positions, prefill_context_positions
 from llmserve.config import EngineConfig
-from llmserve.config.kv_groups import stage_layers
+from llmserve.config.kv_groups import group_size, stage_layers
 from llmserve.core.step_plan import StepPlan
 from llmserve.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
 from llmserve.models.decode_stack import build_decode_stack
@@ -35,7 +36,7 @@ from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.sample.verifier import DraftVerifier
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import GrammarState
-from llmserve.worker.prefault import populate_in_background
+from llmserve.worker.prefault import PrefaultThread, populate_in_background
 from llmserve.worker.prompt_logprobs import PromptLogprobRows
 from llmserve.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from llmserve.worker.prompt_logprobs import select_rows as select_prompt_logprob_rows
@@ -82,8 +83,37 @@ class StepInputs:
     pool_indices: torch.Tensor | None = None  # flat index of each one's last prompt token
 
 
+@dataclass
+class EarlyKVPool:
+    """A KV pool allocated before the model loads, with its prefault already running."""
+
+    tensor: torch.Tensor
+    prefault: PrefaultThread | None
+
+
+def allocate_kv_pool_early(config: EngineConfig) -> EarlyKVPool | None:
+    """The CPU KV pool of a one-rank engine, allocated and prefaulting before the model loads: its
+    prefault then runs beside the weights' loading, which leaves a core idle. `ModelRunner` takes it
+    where its shape is the one it needs (else it allocates its own). None elsewhere."""
+    model, cache, arch = config.model, config.cache, config.model.arch
+    if model.device.type != "cpu" or config.parallel.world_size > 1:
+        return None
+    kv_format = get_kv_cache_format(cache.kv_cache_dtype)
+    pool = torch.empty(
+        group_size(cache.kv_groups) if cache.kv_groups else arch.num_hidden_layers,  # the pool's tensors
+        2,
+        cache.num_blocks * cache.block_size,
+        arch.num_key_value_heads,
+        kv_format.row_size(arch.head_dim),
+        dtype=kv_format.storage_dtype(model.dtype),
+    )
+    return EarlyKVPool(pool, populate_in_background(pool, *_prefault_order(config, pool)))
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module) -> None:
+    def __init__(
+        self, config: EngineConfig, model: nn.Module, early_kv_pool: EarlyKVPool | None = None
+    ) -> None:
         self.config = config
         self.model = model
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request the plans named
@@ -102,9 +132,13 @@ class ModelRunner:
             config.cache.kv_cache_dtype,
             reference_only=getattr(model, "reference_attention_only", False),
         )
+        self._early_kv_pool = early_kv_pool
         self.kv_cache = self._allocate_kv_cache()
-        # CPU: map its pages ahead of use, the first requests' blocks first (`_prefault_order`)
-        self.kv_prefault = populate_in_background(self.kv_cache, *_prefault_order(config, self.kv_cache))
+        self._early_kv_pool = None
+        # CPU: map its pages ahead of use (an early pool's prefault is already running)
+        self.kv_prefault = _take_prefault(early_kv_pool, self.kv_cache) or populate_in_background(
+            self.kv_cache, *_prefault_order(config, self.kv_cache)
+        )
         # decode-only steps run every decoder layer in one compiled call where it applies (CPU); it
         # runs the whole model (embedding to norm), so a pipeline stage runs the modules
         pipeline = config.parallel.pipeline_parallel_size > 1
@@ -149,25 +183,31 @@ class ModelRunner:
             kv_format.row_size(arch.head_dim),
         )
         dtype = kv_format.storage_dtype(self.config.model.dtype)
-        kv_cache = allocate(*shape, dtype=dtype, device=self.device)
+        early = None if self._early_kv_pool is None else self._early_kv_pool.tensor
+        if (
+            early is not None
+            and early.shape == shape
+            and early.dtype == dtype
+            and early.device == self.device
+        ):
+            kv_cache = early
+        else:
+            kv_cache = allocate(*shape, dtype=dtype, device=self.device)
         for group_index, group in enumerate(groups):
             for index, layer in enumerate(layers[i] for i in group):
                 layer.key_cache, layer.value_cache = kv_cache[index, 0], kv_cache[index, 1]
                 layer.backend, layer.kv_group = self.attention_backend, group_index
         return kv_cache
 
-    def wait_for_kv_prefault(self, head_only: bool = False) -> None:
-        """Block until the KV pool's pages are mapped, mapping them in this thread too. Benchmarks call
-        it before timing anything: the background prefault (one core, for a while) would otherwise
-        share the cores with what they time. `head_only`: until the blocks the first requests take
-        are mapped (`_prefault_order`); the warm-up's wait, the rest mapping at the lowest priority."""
-        prefault = self.kv_prefault
-        if head_only and hasattr(prefault, "finish_head"):
-            prefault.finish_head()
-        elif hasattr(prefault, "finish"):
-            prefault.finish()
-        elif prefault is not None:
-            prefault.join()
+    def wait_for_kv_prefault(self) -> None:
+        """Block until the KV pool's pages are mapped, mapping them in this thread too. Benchmarks and
+        the warm-up call it before timing or serving anything: the background prefault (one core, for a
+        while) would otherwise share the cores with the first requests."""
+        finish = getattr(self.kv_prefault, "finish", None)
+        if finish is not None:
+            finish()
+        elif self.kv_prefault is not None:
+            self.kv_prefault.join()
 
     def keep_draft_probs(self, proposals: dict[str, DraftProposal | None]) -> None:
         """Hold the q of each new proposal for the step that verifies (a prefix of) its drafts."""
@@ -454,19 +494,29 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
 
-# The KV blocks mapped before the server says ready: a burst's first steps' worth (the block pool hands
-# out the lowest free blocks first); the rest of the pool maps at the lowest priority afterwards. On a
-# VM whose host takes back free memory, a 2 MiB page costs milliseconds the first time: all of a
-# 1 GiB pool before ready was seconds of start-up.
-_PREFAULT_STEPS_BEFORE_READY = 4
+# The KV blocks mapped first, at the engine's priority: a burst's first steps' worth (the block pool
+# hands out the lowest free blocks first); the rest at the lowest priority. The warm-up waits for all
+# of it; without a warm-up the first requests find their blocks mapped and the cores free.
+_PREFAULT_HEAD_STEPS = 4
 
 
 def _prefault_order(config: EngineConfig, pool: torch.Tensor) -> tuple[int, float]:
     """The pool's planes (one layer's K or V, each block-indexed from its start) and the fraction of
-    each that the warm-up waits for."""
+    each mapped first."""
     cache = config.cache
-    tokens = _PREFAULT_STEPS_BEFORE_READY * config.scheduler.max_num_batched_tokens
+    tokens = _PREFAULT_HEAD_STEPS * config.scheduler.max_num_batched_tokens
     return pool.shape[0] * pool.shape[1], min(1.0, tokens / (cache.num_blocks * cache.block_size))
+
+
+def _take_prefault(early: EarlyKVPool | None, kv_cache: torch.Tensor) -> PrefaultThread | None:
+    """The early pool's prefault where the runner took that pool; else it is stopped (its memory goes
+    back) and None."""
+    if early is None or early.prefault is None:
+        return None
+    if early.tensor is kv_cache:
+        return early.prefault
+    early.prefault.chunks.stop()
+    return None
 
 
 def _logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:

@@ -13,11 +13,12 @@ enable THP only where advised): a decode step reads blocks scattered over the wh
 4 KiB pages nearly every block of one layer's K or V costs a TLB miss of its own (offline
 throughput was higher with 2 MiB pages in alternated runs).
 
-The order serves start-up: the head (the low blocks of every layer's K and V, which the block pool
-hands out first) is mapped before the server says ready, the rest after it at the lowest priority.
-A fresh 2 MiB page can cost milliseconds (on a VM whose host took the free memory back: 2.2-2.4 s
-for 1 GiB against 0.4 s in 4 KiB pages), and each populate call holds the process's memory-map
-lock, so every mmap of the engine meanwhile waits for it.
+The head (the low blocks of every layer's K and V, which the block pool hands out first) is mapped
+first, the rest at the lowest priority: the model's loading beside it, or an engine serving before
+it ends (`--no-warmup`), finds the first blocks mapped and the cores free. A fresh 2 MiB page can
+cost milliseconds (on a VM whose host took the free memory back: 2.0-2.4 s for 1 GiB, against 0.4 s
+in 4 KiB pages), and each populate call holds the process's memory-map lock, so that an mmap waits
+meanwhile (worker/malloc_tuning.py keeps the engine's large allocations off mmap).
 """
 
 from __future__ import annotations
@@ -68,15 +69,14 @@ def _whole_pages(tensor: torch.Tensor, page: int) -> tuple[int, int] | None:
 
 class _Chunks:
     """Ranges of memory handed out one at a time, in order, to whichever thread asks: the background
-    thread, and a caller that would otherwise wait for it (`PrefaultThread.finish`). The first `head`
-    ranges are the ones `wait_for_head` waits for."""
+    thread, and a caller that would otherwise wait for it (`PrefaultThread.finish`). After the first
+    `head` ranges the background thread lowers its priority."""
 
     def __init__(self, ranges: list[tuple[int, int]], head: int | None = None) -> None:
         self._ranges = ranges
         self._next = 0
         self.head = len(ranges) if head is None else min(head, len(ranges))
-        self._head_in_flight = 0  # head ranges handed out and not yet mapped
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self.failed = False
 
     def stop(self) -> None:
@@ -84,62 +84,30 @@ class _Chunks:
         with self._lock:
             self._next = len(self._ranges)
 
-    def take(self) -> tuple[int, int, bool] | None:
-        """The next (address, length, in the head) or None."""
+    def take(self, below: int | None = None) -> tuple[int, int] | None:
+        """The next (address, length), or None when none is left (or none with an index below `below`)."""
         with self._lock:
-            if self.failed or self._next >= len(self._ranges):
+            end = len(self._ranges) if below is None else min(below, len(self._ranges))
+            if self.failed or self._next >= end:
                 return None
-            index, self._next = self._next, self._next + 1
-            in_head = index < self.head
-            self._head_in_flight += in_head
-            return (*self._ranges[index], in_head)
+            self._next += 1
+            return self._ranges[self._next - 1]
 
-    def _done(self, in_head: bool, ok: bool) -> None:
-        with self._lock:
-            self.failed |= not ok
-            self._head_in_flight -= in_head
-            self._lock.notify_all()
-
-    def head_mapped(self) -> bool:
-        with self._lock:
-            return self._head_mapped_locked()
-
-    def _head_mapped_locked(self) -> bool:
-        return self.failed or (self._next >= self.head and self._head_in_flight == 0)
-
-    def wait_for_head(self) -> None:
-        """Populate head ranges here too, then block until every head range is mapped (or failed)."""
-        while not self.head_mapped() and self._populate_one(head_only=True):
-            pass
-        with self._lock:
-            self._lock.wait_for(self._head_mapped_locked)
-
-    def _populate_one(self, head_only: bool = False) -> bool:
-        """Map the next range; False when there is none (or, with `head_only`, none in the head)."""
-        with self._lock:
-            if head_only and self._next >= self.head:
-                return False
-        taken = self.take()
-        if taken is None:
-            return False
-        address, length, in_head = taken
-        ok = _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE) == 0
-        if not ok:
-            logger.debug("KV pool prefault stopped: madvise errno %d", ctypes.get_errno())
-        self._done(in_head, ok)
-        return True
-
-    def populate(self) -> bool:
-        """Populate ranges until none is left; False where the OS refused one (the others stop too)."""
-        while self._populate_one():
-            pass
+    def populate(self, below: int | None = None) -> bool:
+        """Populate ranges until none is left (below `below`); False where the OS refused one (the
+        others stop too)."""
+        libc = _libc()
+        while (chunk := self.take(below)) is not None:
+            address, length = chunk
+            if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE) != 0:
+                logger.debug("KV pool prefault stopped: madvise errno %d", ctypes.get_errno())
+                self.failed = True
         return not self.failed
 
     def populate_head_then_rest(self) -> None:
         """The background thread's order: the head at this thread's priority, then the rest at the
         lowest (`_yield_to_the_engine`)."""
-        while self._populate_one(head_only=True):
-            pass
+        self.populate(below=self.head)
         _yield_to_the_engine()
         self.populate()
 
@@ -193,16 +161,12 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 
 
 class PrefaultThread(threading.Thread):
-    """The background prefault: the head first, then the rest at the lowest priority; `finish` and
-    `finish_head` populate alongside it in the calling thread."""
+    """The background prefault: the head first, then the rest at the lowest priority; `finish`
+    populates alongside it in the calling thread."""
 
     def __init__(self, chunks: _Chunks) -> None:
         super().__init__(target=chunks.populate_head_then_rest, name="kv-prefault", daemon=True)
         self.chunks = chunks
-
-    def finish_head(self) -> None:
-        """Block until the head (the low blocks of every plane) is mapped; the thread goes on."""
-        self.chunks.wait_for_head()
 
     def finish(self) -> None:
         """Block until every page is mapped, mapping chunks here too (ctypes releases the GIL, so both
@@ -216,8 +180,8 @@ def populate_in_background(
 ) -> PrefaultThread | None:
     """Huge pages advised, then `populate` on a daemon thread (ctypes releases the GIL for the call);
     None off the CPU. The tensor's memory is `planes` equal planes block-indexed from their starts
-    (the pool's [layer, K/V] slices): the first `head_fraction` of every plane is mapped first (what
-    `finish_head` waits for), the rest after it at the lowest priority."""
+    (the pool's [layer, K/V] slices): the first `head_fraction` of every plane is mapped first, the
+    rest after it at the lowest priority."""
     pages = _whole_pages(tensor, _PAGE) if tensor.device.type == "cpu" else None
     if pages is None:
         return None

@@ -143,21 +143,6 @@ def test_chunks_go_by_their_offset_in_a_plane_so_every_plane_starts_first():
     assert _ranges(start, start + plane, 1)[1] == len(_ranges(start, start + plane, 1)[0])
 
 
-def test_the_head_is_mapped_first_and_the_rest_after_it():
-    planes, plane = 4, 8 << 20
-    memory = mmap.mmap(-1, planes * plane)
-    tensor = torch.frombuffer(memory, dtype=torch.uint8)
-    thread = populate_in_background(tensor, planes, head_fraction=0.25)
-    thread.finish_head()
-    assert thread.chunks.head_mapped()
-    for p in range(planes):
-        head = tensor[p * plane : p * plane + plane // 4]
-        assert _resident_fraction(head) == 1.0
-    thread.finish()
-    assert _resident_fraction(tensor) == 1.0
-    del tensor
-
-
 def test_the_background_thread_yields_the_cpu_to_the_engine():
     policies = []
 
@@ -170,3 +155,22 @@ def test_the_background_thread_yields_the_cpu_to_the_engine():
     thread.join()
     assert policies[0][0] == os.SCHED_IDLE or policies[0][1] == 19
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the calling thread is left as it was
+
+
+@pytest.mark.parametrize("tuned", [False, True])
+def test_the_engine_process_keeps_large_allocations_on_the_heap(tuned):
+    """With the settings a 64 MiB allocation comes from the heap; by default it is a mapping of its own."""
+    import subprocess
+
+    code = (
+        "import ctypes\n"
+        "from llmserve.worker.malloc_tuning import keep_large_allocations_on_the_heap\n"
+        f"assert {tuned} is False or keep_large_allocations_on_the_heap()\n"
+        "libc = ctypes.CDLL('libc.so.6'); libc.malloc.restype = ctypes.c_void_p\n"
+        "address = libc.malloc(64 << 20)\n"
+        "heap = [line for line in open('/proc/self/maps') if '[heap]' in line][0].split()[0].split('-')\n"
+        "print(int(heap[0], 16) <= address < int(heap[1], 16))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(tuned)

@@ -1,0 +1,44 @@
+"""glibc malloc settings for an engine process: large allocations from the heap, and kept there.
+
+By default glibc serves an allocation above its mmap threshold (dynamic, from 128 KiB up to 32 MiB)
+with a fresh `mmap` and returns it with `munmap` when freed. Both take the process's memory-map lock
+for writing, so each waits for the KV prefault's populate calls, which hold it for reading while
+they fault a 2 MiB page in (milliseconds each on a VM whose host has taken the free memory back).
+Loading the default model beside the prefault took 2.8-3.5 s against 0.8-1.1 s alone; with these
+settings 1.1-1.3 s, and the prefault had finished by then. Offline throughput and batch-1 latency
+were the same with and without them (alternated runs).
+
+The settings: allocations below 512 MiB come from the heap (the KV pool, larger, stays a mapping of
+its own, advised into huge pages); the heap grows 64 MiB past each request, so that few `brk` calls
+take the lock; and up to 1 GiB free at its top is kept for the next step's temporaries instead of
+being returned and faulted in again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+logger = logging.getLogger("llmserve")
+
+_M_TRIM_THRESHOLD = -1  # malloc.h
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+_SETTINGS = ((_M_MMAP_THRESHOLD, 512 << 20), (_M_TOP_PAD, 64 << 20), (_M_TRIM_THRESHOLD, 1 << 30))
+
+
+def keep_large_allocations_on_the_heap() -> bool:
+    """Apply the settings to this process (glibc on Linux); False where they do not apply."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    applied = all(mallopt(option, value) == 1 for option, value in _SETTINGS)
+    if not applied:
+        logger.debug("malloc settings not applied (mallopt refused one)")
+    return applied
