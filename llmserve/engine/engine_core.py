@@ -37,7 +37,7 @@ from llmserve.engine.warmup import warm_up
 from llmserve.log import configure_logging
 from llmserve.metrics.stats import EngineGauges
 from llmserve.worker.cpu_binding import bind_engine_threads
-from llmserve.worker.malloc_tuning import keep_large_allocations_on_the_heap
+from llmserve.worker.malloc_tuning import keep_large_allocations_on_the_heap, release_free_heap
 from llmserve.worker.parent_watch import exit_with_parent
 
 logger = logging.getLogger("llmserve")
@@ -85,6 +85,7 @@ def run_engine_core(
     except BaseException as error:  # noqa: BLE001 - the server process raises it in its own
         outputs.send(EngineLoadFailed(_picklable(error)))
         return
+    release_free_heap()
     main_cpu = None
     if bind_cpus and engine.config.model.device.type == "cpu":
         main_cpu = bind_engine_threads()

@@ -53,9 +53,9 @@ _IDLE_COMPILE_WAIT = 0.05  # seconds an engine with only compiling requests slee
 class LLMEngine:
     def __init__(self, args: EngineArgs, prepare_structured_outputs: bool = False) -> None:
         """`prepare_structured_outputs`: start xgrammar's import and the vocabulary table in the grammar
-        compiler's thread once the model is loaded, beside the KV prefault (a server's warm-up then waits
-        for both); this thread imports nothing of transformers meanwhile, whose lazy modules race an
-        import in another thread."""
+        compiler's thread now, beside the model's loading and the KV prefault (a server's warm-up waits
+        for it); the loading imports nothing of transformers, whose lazy modules race an import in
+        another thread."""
         start = time.monotonic()
         path = resolve_model_path(args.model)
         draft_arch = load_draft_arch(args)  # speculative decoding: its KV pool shares the memory

@@ -4,18 +4,19 @@ By default glibc serves an allocation above its mmap threshold (dynamic, from 12
 with a fresh `mmap` and returns it with `munmap` when freed. Both take the process's memory-map lock
 for writing, so each waits for the KV prefault's populate calls, which hold it for reading while
 they fault a 2 MiB page in (milliseconds each on a VM whose host has taken the free memory back).
-Loading the default model beside the prefault took 2.8-3.5 s against 0.8-1.1 s alone; with these
-settings 1.1-1.3 s, and the prefault had finished by then. Offline throughput and batch-1 latency
-were the same with and without them (alternated runs).
+Loading the default model beside the prefault of its 1 GiB pool took 2.7-3.5 s (once 1.3 s) against
+0.8-1.1 s alone; with these settings 1.1-1.4 s, the prefault finished by then. Offline throughput and
+batch-1 latency were the same with and without them (alternated runs).
 
-The settings: allocations below 512 MiB come from the heap (the KV pool, larger, stays a mapping of
-its own, advised into huge pages); the heap grows 64 MiB past each request, so that few `brk` calls
-take the lock; and up to 1 GiB free at its top is kept for the next step's temporaries instead of
-being returned and faulted in again.
+The settings: allocations below 512 MiB come from the heap (a KV pool of 512 MiB or more stays a
+mapping of its own); the heap grows 64 MiB past each request, so that few `brk` calls take the lock;
+and up to 1 GiB free at its top is kept for the next step's temporaries instead of being returned and
+faulted in again. Once the model is loaded, `release_free_heap` gives back what the loading freed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -42,3 +43,12 @@ def keep_large_allocations_on_the_heap() -> bool:
     if not applied:
         logger.debug("malloc settings not applied (mallopt refused one)")
     return applied
+
+
+def release_free_heap() -> None:
+    """Return the heap's free pages to the OS (`malloc_trim`): the loading's temporaries (a converted
+    copy of the weights) would otherwise stay resident."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)

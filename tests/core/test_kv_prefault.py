@@ -174,3 +174,25 @@ def test_the_engine_process_keeps_large_allocations_on_the_heap(tuned):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(tuned)
+
+
+def test_freed_heap_memory_goes_back_after_the_loading():
+    """With the settings a freed 256 MiB stays resident (kept for the next step) until
+    `release_free_heap`, which the engine process calls once the model is loaded."""
+    import subprocess
+
+    code = (
+        "import ctypes, os\n"
+        "from llmserve.worker.malloc_tuning import keep_large_allocations_on_the_heap, release_free_heap\n"
+        "assert keep_large_allocations_on_the_heap()\n"
+        "libc = ctypes.CDLL('libc.so.6'); libc.malloc.restype = ctypes.c_void_p\n"
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') >> 20\n"
+        "keep = libc.malloc(1 << 20)\n"
+        "big = libc.malloc(256 << 20); ctypes.memset(big, 1, 256 << 20)\n"
+        "guard = libc.malloc(1 << 20)  # above it: the freed block is not the heap's top\n"
+        "libc.free(ctypes.c_void_p(big)); held = rss()\n"
+        "release_free_heap(); print(held - rss())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.strip()) > 200  # MiB given back
