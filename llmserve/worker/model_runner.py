@@ -107,7 +107,7 @@ def allocate_kv_pool_early(config: EngineConfig) -> EarlyKVPool | None:
         kv_format.row_size(arch.head_dim),
         dtype=kv_format.storage_dtype(model.dtype),
     )
-    return EarlyKVPool(pool, populate_in_background(pool, *_prefault_order(config, pool)))
+    return EarlyKVPool(pool, populate_in_background(pool, planes=pool.shape[0] * pool.shape[1]))
 
 
 class ModelRunner:
@@ -137,7 +137,7 @@ class ModelRunner:
         self._early_kv_pool = None
         # CPU: map its pages ahead of use (an early pool's prefault is already running)
         self.kv_prefault = _take_prefault(early_kv_pool, self.kv_cache) or populate_in_background(
-            self.kv_cache, *_prefault_order(config, self.kv_cache)
+            self.kv_cache, planes=self.kv_cache.shape[0] * self.kv_cache.shape[1]
         )
         # decode-only steps run every decoder layer in one compiled call where it applies (CPU); it
         # runs the whole model (embedding to norm), so a pipeline stage runs the modules
@@ -492,20 +492,6 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
-
-
-# The KV blocks mapped first, at the engine's priority: a burst's first steps' worth (the block pool
-# hands out the lowest free blocks first); the rest at the lowest priority. The warm-up waits for all
-# of it; without a warm-up the first requests find their blocks mapped and the cores free.
-_PREFAULT_HEAD_STEPS = 4
-
-
-def _prefault_order(config: EngineConfig, pool: torch.Tensor) -> tuple[int, float]:
-    """The pool's planes (one layer's K or V, each block-indexed from its start) and the fraction of
-    each mapped first."""
-    cache = config.cache
-    tokens = _PREFAULT_HEAD_STEPS * config.scheduler.max_num_batched_tokens
-    return pool.shape[0] * pool.shape[1], min(1.0, tokens / (cache.num_blocks * cache.block_size))
 
 
 def _take_prefault(early: EarlyKVPool | None, kv_cache: torch.Tensor) -> PrefaultThread | None:

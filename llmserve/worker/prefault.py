@@ -13,22 +13,21 @@ enable THP only where advised): a decode step reads blocks scattered over the wh
 4 KiB pages nearly every block of one layer's K or V costs a TLB miss of its own (offline
 throughput was higher with 2 MiB pages in alternated runs).
 
-The head (the low blocks of every layer's K and V, which the block pool hands out first) is mapped
-first, the rest at the lowest priority: the model's loading beside it, or an engine serving before
-it ends (`--no-warmup`), finds the first blocks mapped and the cores free. A fresh 2 MiB page can
-cost milliseconds (on a VM whose host took the free memory back: 2.0-2.4 s for 1 GiB, against 0.4 s
-in 4 KiB pages), and each populate call holds the process's memory-map lock, so that an mmap waits
-meanwhile (worker/malloc_tuning.py keeps the engine's large allocations off mmap).
+The low blocks of every layer's K and V, which the block pool hands out first, are mapped first: an
+engine serving before the prefault ends (`--no-warmup`, or offline) writes there. A fresh 2 MiB page
+can cost milliseconds (on a VM whose host took the free memory back: 2.0-2.4 s for 1 GiB, against
+0.4 s in 4 KiB pages), and each populate call holds the process's memory-map lock, so that an mmap
+waits meanwhile (worker/malloc_tuning.py keeps the engine process's large allocations off mmap). The
+thread keeps its priority: lowered to SCHED_IDLE it never finished during a busy offline run, and its
+calls in the gaps cost 8-11% of throughput and batch-1 latency.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 import sys
 import threading
 
@@ -69,13 +68,11 @@ def _whole_pages(tensor: torch.Tensor, page: int) -> tuple[int, int] | None:
 
 class _Chunks:
     """Ranges of memory handed out one at a time, in order, to whichever thread asks: the background
-    thread, and a caller that would otherwise wait for it (`PrefaultThread.finish`). After the first
-    `head` ranges the background thread lowers its priority."""
+    thread, and a caller that would otherwise wait for it (`PrefaultThread.finish`)."""
 
-    def __init__(self, ranges: list[tuple[int, int]], head: int | None = None) -> None:
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
         self._ranges = ranges
         self._next = 0
-        self.head = len(ranges) if head is None else min(head, len(ranges))
         self._lock = threading.Lock()
         self.failed = False
 
@@ -84,41 +81,29 @@ class _Chunks:
         with self._lock:
             self._next = len(self._ranges)
 
-    def take(self, below: int | None = None) -> tuple[int, int] | None:
-        """The next (address, length), or None when none is left (or none with an index below `below`)."""
+    def take(self) -> tuple[int, int] | None:
+        """The next (address, length), or None when none is left."""
         with self._lock:
-            end = len(self._ranges) if below is None else min(below, len(self._ranges))
-            if self.failed or self._next >= end:
+            if self.failed or self._next >= len(self._ranges):
                 return None
             self._next += 1
             return self._ranges[self._next - 1]
 
-    def populate(self, below: int | None = None) -> bool:
-        """Populate ranges until none is left (below `below`); False where the OS refused one (the
-        others stop too)."""
+    def populate(self) -> bool:
+        """Populate ranges until none is left; False where the OS refused one (the others stop too)."""
         libc = _libc()
-        while (chunk := self.take(below)) is not None:
+        while (chunk := self.take()) is not None:
             address, length = chunk
             if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE) != 0:
                 logger.debug("KV pool prefault stopped: madvise errno %d", ctypes.get_errno())
                 self.failed = True
         return not self.failed
 
-    def populate_head_then_rest(self) -> None:
-        """The background thread's order: the head at this thread's priority, then the rest at the
-        lowest (`_yield_to_the_engine`)."""
-        self.populate(below=self.head)
-        _yield_to_the_engine()
-        self.populate()
 
-
-def _ranges(
-    start: int, end: int, planes: int, head_fraction: float = 1.0
-) -> tuple[list[tuple[int, int]], int]:
-    """[start, end) in `_CHUNK`-sized ranges, and how many of them hold the first `head_fraction` of
-    a plane. With `planes` equal planes (the pool's K or V of one layer, each block-indexed from its
-    start) they are ordered by their offset in their plane, so that the low blocks of every plane
-    come first (a range across a plane boundary holds a plane's start: offset 0)."""
+def _ranges(start: int, end: int, planes: int) -> list[tuple[int, int]]:
+    """[start, end) in `_CHUNK`-sized ranges. With `planes` equal planes (the pool's K or V of one
+    layer, each block-indexed from its start) they go by their offset in their plane, so that the low
+    blocks of every plane come first (a range across a plane boundary holds a plane's start: offset 0)."""
     chunks = [(address, min(address + _CHUNK, end) - address) for address in range(start, end, _CHUNK)]
     plane = max(1, (end - start) // max(1, planes))
 
@@ -126,25 +111,13 @@ def _ranges(
         first, last = chunk[0] - start, chunk[0] + chunk[1] - 1 - start
         return 0 if first // plane != last // plane else first % plane
 
-    chunks.sort(key=offset)
-    limit = head_fraction * plane
-    return chunks, sum(offset(chunk) < limit for chunk in chunks)
-
-
-def _yield_to_the_engine() -> None:
-    """Lower the calling thread to SCHED_IDLE (Linux: it runs only on a CPU nothing else wants), else
-    to the lowest nice; a refusal leaves it as it was."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        with contextlib.suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    return sorted(chunks, key=offset)
 
 
 def populate(tensor: torch.Tensor) -> bool:
     """Map every whole page of a CPU tensor's memory writable now; False where the OS cannot."""
     pages = _whole_pages(tensor, _PAGE)
-    return pages is not None and _Chunks(_ranges(*pages, 1)[0]).populate()
+    return pages is not None and _Chunks(_ranges(*pages, 1)).populate()
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
@@ -161,11 +134,10 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 
 
 class PrefaultThread(threading.Thread):
-    """The background prefault: the head first, then the rest at the lowest priority; `finish`
-    populates alongside it in the calling thread."""
+    """The background prefault; `finish` populates alongside it in the calling thread, then joins."""
 
     def __init__(self, chunks: _Chunks) -> None:
-        super().__init__(target=chunks.populate_head_then_rest, name="kv-prefault", daemon=True)
+        super().__init__(target=chunks.populate, name="kv-prefault", daemon=True)
         self.chunks = chunks
 
     def finish(self) -> None:
@@ -175,17 +147,14 @@ class PrefaultThread(threading.Thread):
         self.join()
 
 
-def populate_in_background(
-    tensor: torch.Tensor, planes: int = 1, head_fraction: float = 1.0
-) -> PrefaultThread | None:
+def populate_in_background(tensor: torch.Tensor, planes: int = 1) -> PrefaultThread | None:
     """Huge pages advised, then `populate` on a daemon thread (ctypes releases the GIL for the call);
     None off the CPU. The tensor's memory is `planes` equal planes block-indexed from their starts
-    (the pool's [layer, K/V] slices): the first `head_fraction` of every plane is mapped first, the
-    rest after it at the lowest priority."""
+    (the pool's [layer, K/V] slices), mapped low blocks of every plane first."""
     pages = _whole_pages(tensor, _PAGE) if tensor.device.type == "cpu" else None
     if pages is None:
         return None
     advise_huge_pages(tensor)
-    thread = PrefaultThread(_Chunks(*_ranges(*pages, planes, head_fraction)))
+    thread = PrefaultThread(_Chunks(_ranges(*pages, planes)))
     thread.start()
     return thread

@@ -6,7 +6,6 @@ import mmap
 import os
 import platform
 import sys
-import threading
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ import torch
 from llmserve.worker.prefault import (
     _CHUNK,
     _ranges,
-    _yield_to_the_engine,
     advise_huge_pages,
     populate,
     populate_in_background,
@@ -127,34 +125,14 @@ def test_a_waiter_helps_the_background_thread_and_every_page_is_mapped():
 
 def test_chunks_go_by_their_offset_in_a_plane_so_every_plane_starts_first():
     start, plane, planes = 4096, 5 * _CHUNK + 12288, 6  # planes not aligned to chunks, as in a pool
-    chunks, head = _ranges(start, start + planes * plane, planes, head_fraction=0.25)
-    assert sorted(chunks) == [
-        (a, min(a + _CHUNK, start + planes * plane) - a) for a in range(start, start + planes * plane, _CHUNK)
-    ]
-    covered = [[a - start, a - start + length] for a, length in chunks]
-    first = covered[: len(chunks) // 3]
-    for p in range(planes):  # each plane's first bytes are in the first third of the order
-        assert any(lo <= p * plane < hi for lo, hi in first)
-    head_ranges = covered[:head]
-    for p in range(planes):  # the head covers the first quarter of every plane
-        for offset in range(0, plane // 4, 4096):
-            assert any(lo <= p * plane + offset < hi for lo, hi in head_ranges)
-    assert head < len(chunks)
-    assert _ranges(start, start + plane, 1)[1] == len(_ranges(start, start + plane, 1)[0])
-
-
-def test_the_background_thread_yields_the_cpu_to_the_engine():
-    policies = []
-
-    def lowered():
-        _yield_to_the_engine()
-        policies.append((os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)))
-
-    thread = threading.Thread(target=lowered)
-    thread.start()
-    thread.join()
-    assert policies[0][0] == os.SCHED_IDLE or policies[0][1] == 19
-    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the calling thread is left as it was
+    end = start + planes * plane
+    chunks = _ranges(start, end, planes)
+    assert sorted(chunks) == [(a, min(a + _CHUNK, end) - a) for a in range(start, end, _CHUNK)]
+    covered = [(a - start, a - start + length) for a, length in chunks]
+    for p in range(planes):  # every plane's first block is in one of the first `planes` ranges
+        assert any(lo <= p * plane < hi for lo, hi in covered[:planes])
+    in_plane = [0 if lo // plane != (hi - 1) // plane else lo % plane for lo, hi in covered]
+    assert in_plane == sorted(in_plane)  # then by the offset in their plane: low blocks first
 
 
 @pytest.mark.parametrize("tuned", [False, True])

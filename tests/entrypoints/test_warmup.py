@@ -167,12 +167,11 @@ def test_a_draft_head_drafts_with_its_network_in_warm_up():
     assert "compiled_chain" in vars(llm.engine.proposer)
 
 
-def test_the_warm_up_maps_the_whole_kv_pool_every_layers_first_blocks_first(tiny_model_dir):
-    """Waiting for the head only left the first requests 20-35% slower (the rest mapped beside them)."""
+def test_the_warm_up_maps_the_whole_kv_pool(tiny_model_dir):
+    """Mapping only the first blocks before ready left the first requests 20-35% slower."""
     engine = LLM(tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory="256MiB").engine
-    chunks = engine.model_runner.kv_prefault.chunks
-    assert 0 < chunks.head < len(chunks._ranges)  # a 256 MiB pool holds more than 4 steps' tokens
     warm_up(engine, prompt_len=100)
+    chunks = engine.model_runner.kv_prefault.chunks
     assert chunks.take() is None and not chunks.failed
 
 
