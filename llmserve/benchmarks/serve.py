@@ -34,6 +34,7 @@ from llmserve.benchmarks.results import format_table, pyplot, save_figure
 from llmserve.benchmarks.workload import BenchRequest
 
 PERCENTILES = (50, 90, 99)
+_KEEPALIVE_SECONDS = 2.0  # an idle client connection's life: under the servers' keep-alive
 
 
 @dataclass
@@ -188,7 +189,10 @@ class LoadGenerator:
         """Results in request order, and seconds from the first send to the last response."""
         offsets = arrival_offsets(len(requests), self.request_rate, self.seed)
         limit = asyncio.Semaphore(self.max_concurrency) if self.max_concurrency else None
-        connector = aiohttp.TCPConnector(limit=0)  # no cap of its own: max_concurrency is the only one
+        # no cap of its own (max_concurrency is the only one); an idle connection is dropped before the
+        # server's keep-alive ends (uvicorn's: 5 s), or a send may reuse one the server is closing
+        # ("Can not write request body": one request of a sweep lost so)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_SECONDS)
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
             start = time.perf_counter()
