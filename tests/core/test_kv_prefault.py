@@ -135,35 +135,41 @@ def test_chunks_go_by_their_offset_in_a_plane_so_every_plane_starts_first():
     assert in_plane == sorted(in_plane)  # then by the offset in their plane: low blocks first
 
 
+_MALLOC_PRELUDE = (
+    "import ctypes, os\n"
+    "from llmserve.worker.malloc_tuning import keep_large_allocations_on_the_heap, release_free_heap\n"
+    "libc = ctypes.CDLL('libc.so.6'); libc.malloc.restype = ctypes.c_void_p\n"
+)
+
+
+def _fresh_process(code: str) -> str:
+    """stdout of `code` in a fresh interpreter (malloc's settings are the process's)."""
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-c", _MALLOC_PRELUDE + code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
 @pytest.mark.parametrize("tuned", [False, True])
 def test_the_engine_process_keeps_large_allocations_on_the_heap(tuned):
     """With the settings a 64 MiB allocation comes from the heap; by default it is a mapping of its own."""
-    import subprocess
-
     code = (
-        "import ctypes\n"
-        "from llmserve.worker.malloc_tuning import keep_large_allocations_on_the_heap\n"
         f"assert {tuned} is False or keep_large_allocations_on_the_heap()\n"
-        "libc = ctypes.CDLL('libc.so.6'); libc.malloc.restype = ctypes.c_void_p\n"
         "address = libc.malloc(64 << 20)\n"
         "heap = [line for line in open('/proc/self/maps') if '[heap]' in line][0].split()[0].split('-')\n"
         "print(int(heap[0], 16) <= address < int(heap[1], 16))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(tuned)
+    assert _fresh_process(code) == str(tuned)
 
 
 def test_freed_heap_memory_goes_back_after_the_loading():
     """With the settings a freed 256 MiB stays resident (kept for the next step) until
     `release_free_heap`, which the engine process calls once the model is loaded."""
-    import subprocess
-
     code = (
-        "import ctypes, os\n"
-        "from llmserve.worker.malloc_tuning import keep_large_allocations_on_the_heap, release_free_heap\n"
         "assert keep_large_allocations_on_the_heap()\n"
-        "libc = ctypes.CDLL('libc.so.6'); libc.malloc.restype = ctypes.c_void_p\n"
         "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE') >> 20\n"
         "keep = libc.malloc(1 << 20)\n"
         "big = libc.malloc(256 << 20); ctypes.memset(big, 1, 256 << 20)\n"
@@ -171,6 +177,4 @@ def test_freed_heap_memory_goes_back_after_the_loading():
         "libc.free(ctypes.c_void_p(big)); held = rss()\n"
         "release_free_heap(); print(held - rss())\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert int(result.stdout.strip()) > 200  # MiB given back
+    assert int(_fresh_process(code)) > 200  # MiB given back
