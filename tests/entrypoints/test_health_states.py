@@ -30,9 +30,9 @@ from llmserve.engine.llm_engine import LLMEngine
 release = Path(sys.argv[1])
 load, warm_up, execute = LLMEngine.__init__, engine_core.warm_up, LLMEngine._execute
 
-def slow_load(self, args):
+def slow_load(self, args, **kwargs):
     time.sleep(4.0)
-    load(self, args)
+    load(self, args, **kwargs)
 
 def slow_warm_up(engine):
     time.sleep(4.0)
