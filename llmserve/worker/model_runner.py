@@ -107,7 +107,7 @@ def allocate_kv_pool_early(config: EngineConfig) -> EarlyKVPool | None:
         kv_format.row_size(arch.head_dim),
         dtype=kv_format.storage_dtype(model.dtype),
     )
-    return EarlyKVPool(pool, populate_in_background(pool, planes=pool.shape[0] * pool.shape[1]))
+    return EarlyKVPool(pool, _prefault(pool))
 
 
 class ModelRunner:
@@ -136,9 +136,7 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         self._early_kv_pool = None
         # CPU: map its pages ahead of use (an early pool's prefault is already running)
-        self.kv_prefault = _take_prefault(early_kv_pool, self.kv_cache) or populate_in_background(
-            self.kv_cache, planes=self.kv_cache.shape[0] * self.kv_cache.shape[1]
-        )
+        self.kv_prefault = _take_prefault(early_kv_pool, self.kv_cache) or _prefault(self.kv_cache)
         # decode-only steps run every decoder layer in one compiled call where it applies (CPU); it
         # runs the whole model (embedding to norm), so a pipeline stage runs the modules
         pipeline = config.parallel.pipeline_parallel_size > 1
@@ -492,6 +490,11 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+
+def _prefault(pool: torch.Tensor) -> PrefaultThread | None:
+    """The pool's background prefault; its planes are [tensor, K/V] slices, each block-indexed."""
+    return populate_in_background(pool, planes=pool.shape[0] * pool.shape[1])
 
 
 def _take_prefault(early: EarlyKVPool | None, kv_cache: torch.Tensor) -> PrefaultThread | None:

@@ -167,12 +167,16 @@ def test_a_draft_head_drafts_with_its_network_in_warm_up():
     assert "compiled_chain" in vars(llm.engine.proposer)
 
 
-def test_the_warm_up_maps_the_whole_kv_pool(tiny_model_dir):
+def test_the_warm_up_maps_the_whole_kv_pool_before_its_first_step(tiny_model_dir, monkeypatch):
     """Mapping only the first blocks before ready left the first requests 20-35% slower."""
     engine = LLM(tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory="256MiB").engine
+    runner, events = engine.model_runner, []
+    wait, step = runner.wait_for_kv_prefault, engine.step
+    monkeypatch.setattr(runner, "wait_for_kv_prefault", lambda: (events.append("prefault"), wait())[1])
+    monkeypatch.setattr(engine, "step", lambda: (events.append("step"), step())[1])
     warm_up(engine, prompt_len=100)
-    chunks = engine.model_runner.kv_prefault.chunks
-    assert chunks.take() is None and not chunks.failed
+    assert events[0] == "prefault" and "step" in events
+    assert runner.kv_prefault.chunks.take() is None and not runner.kv_prefault.chunks.failed
 
 
 def test_a_server_engine_prepares_structured_outputs_beside_the_model_loading(tiny_model_dir):
