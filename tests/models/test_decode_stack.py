@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory) -> str:
 
 class _Counting:
     def __init__(self, stack) -> None:
-        self.stack, self.calls, self.max_rows_seen = stack, 0, 0
+        self.stack, self.calls, self.max_rows_seen, self.rows_seen = stack, 0, 0, set()
 
     def serves(self, *args) -> bool:
         return self.stack.serves(*args)
@@ -36,6 +36,7 @@ class _Counting:
     def __call__(self, hidden, *args):
         self.calls += 1
         self.max_rows_seen = max(self.max_rows_seen, hidden.shape[0])
+        self.rows_seen.add(hidden.shape[0])
         return self.stack(hidden, *args)
 
 
@@ -99,20 +100,41 @@ def qwen2_dir(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture
+def without_amx(monkeypatch):
+    """Models built as on an AVX-512 BF16 CPU without AMX: their rows above 8 go to oneDNN's GEMM."""
+    import llmserve.kernels.small_batch_linear as small_batch_linear
+
+    class NoAmx:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        @staticmethod
+        def amx_linear_supported() -> bool:
+            return False
+
+    monkeypatch.setattr(small_batch_linear, "load_cpu_ops", NoAmx)
+
+
 @needs_bf16
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-where-present", "onednn"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_batches_above_the_small_batch_kernel_bit_identical(model_dir, qwen2_dir, architecture):
-    """Above 8 rows the stack runs oneDNN's GEMM on the layers' blocked copies, as the modules do: a
-    batch of 13 decodes (rows 13 down to 1 as they finish at different lengths) gives the very same
-    tokens and log-probabilities with the stack and without it, with and without a q/k/v bias."""
+def test_batches_above_the_small_batch_kernel_bit_identical(model_dir, qwen2_dir, architecture, amx, request):
+    """Above 8 rows the stack runs AMX or oneDNN's GEMM (rows padded as the modules pad them) on the
+    layers' copies, as the modules do: a batch of 19 decodes (rows 19 down to 1 as they finish at
+    different lengths) gives the very same tokens and log-probabilities with the stack and without
+    it, with and without a q/k/v bias."""
+    if not amx:
+        request.getfixturevalue("without_amx")
     path = model_dir if architecture == "llama" else qwen2_dir
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
     runner, inner = llm.engine.model_runner, llm.engine.model_runner.model.model
     assert runner.decode_stack.max_rows > 8
     assert (inner.layers[0].self_attn.qkv_proj.bias is not None) == (architecture == "qwen2")
-    prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(13)]
+    assert amx or not inner.layers[0].self_attn.qkv_proj.amx
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(19)]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=3) for i in range(13)
+        SamplingParams(temperature=0.0, max_tokens=6 + 2 * i, ignore_eos=True, logprobs=3) for i in range(19)
     ]
 
     def run():
@@ -121,9 +143,30 @@ def test_batches_above_the_small_batch_kernel_bit_identical(model_dir, qwen2_dir
 
     runner.decode_stack = counting = _Counting(runner.decode_stack)
     fused = run()
-    assert counting.max_rows_seen == 13 and counting.calls >= 20
+    assert counting.max_rows_seen == 19 and counting.calls >= 30
     runner.decode_stack = None
     assert run() == fused
+
+
+@needs_bf16
+def test_onednn_in_the_stack_runs_the_padded_row_counts(model_dir, without_amx, capfd):
+    """oneDNN builds and caches a primitive per row count: the stack hands it the modules' rounded
+    counts (17 decodes run as 18 rows), so a server's varied batches do not fill its cache."""
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
+    runner = llm.engine.model_runner
+    prompts = [[(5 * i + j) % 400 + 3 for j in range(12)] for i in range(17)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # prefill first: its rows are the modules'
+    runner.decode_stack = counting = _Counting(runner.decode_stack)
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        llm.generate(prompts, params, use_tqdm=False)
+    lines = [
+        line for line in capfd.readouterr().out.splitlines() if "onednn_verbose" in line and ",exec," in line
+    ]
+    assert 17 in counting.rows_seen  # the decode steps
+    assert any("mb18ic" in line for line in lines)
+    assert not any("mb17ic" in line for line in lines)
 
 
 def test_rebound_caches_take_the_module_path(model_dir):

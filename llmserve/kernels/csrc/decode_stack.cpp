@@ -32,15 +32,32 @@ namespace {
 // oneDNN); FusedDecodeStack.max_rows says whether the stack may be handed more.
 constexpr int64_t kSmallBatchRows = 8;
 
+// The rows oneDNN runs for `rows` (onednn_rows in small_batch_linear.py): rounded up to a multiple of 1/8
+// of the power of two below, so its primitive cache holds 8 sizes per octave, not every count a step has.
+int64_t onednn_rows(int64_t rows) {
+  int64_t bits = 0;
+  for (int64_t r = rows; r > 0; r >>= 1) ++bits;
+  const int64_t step = int64_t{1} << std::max<int64_t>(bits - 4, 0);
+  return (rows + step - 1) / step * step;
+}
+
 // torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""): the call SmallBatchLinear makes
-// above 8 rows, through the dispatcher (a boxed call: a few microseconds, 4 per layer).
+// above 8 rows, through the dispatcher (a boxed call: a few microseconds, 4 per layer), on as many
+// rows as it pads to (the extra rows are never read back: a row's result depends only on that row).
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, packed, bias.defined() && bias.numel() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
-                          c10::List<std::optional<c10::Scalar>>(), std::string("")};
+  const int64_t rows = x.size(0), padded = onednn_rows(rows);
+  torch::Tensor input = x;
+  if (padded != rows) {
+    input = at::empty({padded, x.size(1)}, x.options());
+    input.narrow(0, 0, rows).copy_(x);
+  }
+  torch::jit::Stack stack{input, packed, bias.defined() && bias.numel() ? c10::IValue(bias) : c10::IValue(),
+                          std::string("none"), c10::List<std::optional<c10::Scalar>>(), std::string("")};
   op.callBoxed(&stack);
-  return stack[0].toTensor();
+  torch::Tensor out = stack[0].toTensor();
+  return padded == rows ? out : out.narrow(0, 0, rows);
 }
 
 // x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel up to
