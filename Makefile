@@ -31,12 +31,12 @@ chat: venv
 	$(BIN)/llmserve chat
 
 lint: venv
-	$(BIN)/ruff check llmserve tests
-	$(BIN)/ruff format --check llmserve tests
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .  # the docs' Python examples too
 
 format: venv
-	$(BIN)/ruff format llmserve tests
-	$(BIN)/ruff check --fix llmserve tests
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
