@@ -431,6 +431,13 @@ def test_responses_reasoning_item(thinking_client, stream):
     assert "</think>" not in reasoning.content[0].text
     if stream:
         assert reasoning.content[0].text == deltas
+    # the tokens through </think>: fewer than all exactly when some text came after it
+    usage = response.usage
+    content = "".join(
+        part.text for item in response.output if item.type == "message" for part in item.content
+    )
+    assert 0 < usage.output_tokens_details.reasoning_tokens <= usage.output_tokens
+    assert (usage.output_tokens_details.reasoning_tokens < usage.output_tokens) == bool(content)
 
 
 @pytest.mark.slow

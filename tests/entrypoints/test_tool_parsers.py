@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from llmserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+from llmserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, count_reasoning_tokens
 from llmserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, ParsedDelta, json_end
 from llmserve.entrypoints.openai.tool_prompt import format_calls, rewrite_for_plain_template
 
@@ -163,6 +163,35 @@ def test_reasoning_parsers(name, prompt, text, reasoning, content):
         pieces.append(parser.finish())
         got = "".join(p.reasoning for p in pieces), "".join(p.content for p in pieces)
         assert got == (reasoning or "", content), seed
+
+
+@pytest.mark.parametrize(
+    ("name", "prompt", "pieces", "reasoning_pieces"),
+    [
+        ("qwen3", "", ["<think>Let me see.", "</think>", "Paris."], 2),
+        ("qwen3", "<|im_start|>assistant\n<think>\n", ["Hmm, rain", "</think>", "Paris."], 2),
+        ("qwen3", "", ["Paris, no thinking.", "</think>", "Or is it?"], 0),  # not opened: no reasoning
+        ("deepseek_r1", "", ["Thinking hard", "</think>", "Answer"], 2),
+        ("deepseek_r1", "", ["all of it is reasoning, cut off"], 1),
+    ],
+)
+def test_reasoning_tokens_are_the_output_tokens_through_the_end_tag(name, prompt, pieces, reasoning_pieces):
+    """Pieces tokenized one by one: the reasoning's tokens are exactly those of its pieces (the tag's
+    included), however the decoded text splits."""
+    from llmserve.model_loader import default_model_path, load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    encoded = [tokenizer.encode(piece, add_special_tokens=False) for piece in pieces]
+    token_ids = [token for ids in encoded for token in ids]
+    parser = REASONING_PARSERS[name](prompt)
+    parser.parse(tokenizer.decode(token_ids))
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    expected = sum(len(ids) for ids in encoded[:reasoning_pieces])
+    assert count_reasoning_tokens(token_ids, decode, parser) == expected
+    assert count_reasoning_tokens(token_ids, decode, None) == 0  # no parser: no reasoning
 
 
 def test_fallback_rewrites_tool_turns_in_the_parsers_format():

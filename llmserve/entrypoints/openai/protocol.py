@@ -1050,7 +1050,7 @@ class ResponseUsage(_Response):
     total_tokens: int
 
     @classmethod
-    def of(cls, usage: UsageInfo) -> ResponseUsage:
+    def of(cls, usage: UsageInfo, reasoning_tokens: int = 0) -> ResponseUsage:
         return cls(
             input_tokens=usage.prompt_tokens,
             input_tokens_details={
@@ -1058,7 +1058,7 @@ class ResponseUsage(_Response):
                 "cache_write_tokens": 0,
             },
             output_tokens=usage.completion_tokens,
-            output_tokens_details={"reasoning_tokens": 0},
+            output_tokens_details={"reasoning_tokens": reasoning_tokens},
             total_tokens=usage.total_tokens,
         )
 

@@ -10,6 +10,7 @@ stream fed each delta and a plain response fed the whole text), under vLLM's `--
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
@@ -93,3 +94,25 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     DeepSeekR1ReasoningParser.name: DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser.name: Qwen3ReasoningParser,
 }
+
+
+def count_reasoning_tokens(
+    token_ids: Sequence[int], decode: Callable[[list[int]], str], parser: ReasoningParser | None
+) -> int:
+    """How many of an output's tokens are its reasoning (the Responses API's `reasoning_tokens`): those
+    up to the one that completes `</think>`, the tags' own tokens included; all of them when it never
+    comes; none when `parser` (fed the whole output) found no reasoning. The end is found by bisection
+    over the decoded prefixes, since a prefix that holds `</think>` keeps it as it grows."""
+    if parser is None or not parser.opened:
+        return 0
+    ids = list(token_ids)
+    if END not in decode(ids):
+        return len(ids)
+    low, high = 0, len(ids)  # the shortest prefix that holds END has `high` tokens
+    while low < high:
+        middle = (low + high) // 2
+        if END in decode(ids[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return high

@@ -32,6 +32,7 @@ from llmserve.entrypoints.openai.protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
+from llmserve.entrypoints.openai.reasoning_parsers import count_reasoning_tokens
 from llmserve.entrypoints.openai.responses_items import Events, StreamedItems, function_call, reasoning_item
 from llmserve.entrypoints.openai.serving import (
     ApiError,
@@ -68,15 +69,18 @@ class ResponsesHandler:
         requests = EngineRequests(
             ctx.engine, f"resp_{uuid.uuid4().hex}", [prompt_ids], params, 0, request.stream
         )
+        skip_special = params.skip_special_tokens
         if request.stream:
             stream = (
                 self._stream(request, requests)
                 if parser is None
-                else self._stream_parsed(request, requests, parser)
+                else self._stream_parsed(request, requests, parser, skip_special)
             )
             return SSEResponse(stream, on_close=release)
         try:
-            return await until_disconnected(raw_request, self._complete(request, requests, parser))
+            return await until_disconnected(
+                raw_request, self._complete(request, requests, parser, skip_special)
+            )
         finally:
             release()
 
@@ -101,6 +105,7 @@ class ResponsesHandler:
         requests: EngineRequests,
         finish: str | None,
         output: list[Any],
+        reasoning_tokens: int = 0,
     ) -> ResponseObject:
         complete = finish != "length"
         return self._response(
@@ -109,7 +114,7 @@ class ResponsesHandler:
             status="completed" if complete else "incomplete",
             incomplete_details=None if complete else {"reason": "max_output_tokens"},
             output=output,
-            usage=ResponseUsage.of(requests.usage()),
+            usage=ResponseUsage.of(requests.usage(), reasoning_tokens),
         )
 
     @staticmethod
@@ -118,8 +123,18 @@ class ResponsesHandler:
         message_id = message_id or f"msg_{uuid.uuid4().hex}"
         return ResponseOutputMessage(id=message_id, status=status, content=[ResponseOutputText(text=text)])
 
+    def _reasoning_tokens(self, token_ids: list[int], parser: OutputParser, skip_special: bool) -> int:
+        def decode(ids: list[int]) -> str:
+            return self.ctx.engine.tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+        return count_reasoning_tokens(token_ids, decode, parser.reasoning)
+
     async def _complete(
-        self, request: ResponsesRequest, requests: EngineRequests, parser: OutputParser | None
+        self,
+        request: ResponsesRequest,
+        requests: EngineRequests,
+        parser: OutputParser | None,
+        skip_special: bool = True,
     ) -> Response:
         (output,) = await requests.final()
         (completion,) = output.outputs
@@ -133,7 +148,8 @@ class ResponsesHandler:
         if parsed.content or not parsed.tool_calls:
             items.append(self._message(parsed.content or "", finish))
         items += [function_call(call.id, call.name, call.arguments) for call in parsed.tool_calls]
-        return json_response(self._finished(request, requests, finish, items))
+        reasoning_tokens = self._reasoning_tokens(list(completion.token_ids), parser, skip_special)
+        return json_response(self._finished(request, requests, finish, items, reasoning_tokens))
 
     async def _stream(self, request: ResponsesRequest, requests: EngineRequests) -> AsyncGenerator[str, None]:
         events = Events()
@@ -171,7 +187,7 @@ class ResponsesHandler:
         yield events.send(kind, response=final.model_dump(mode="json"))
 
     async def _stream_parsed(
-        self, request: ResponsesRequest, requests: EngineRequests, parser: OutputParser
+        self, request: ResponsesRequest, requests: EngineRequests, parser: OutputParser, skip_special: bool
     ) -> AsyncGenerator[str, None]:
         """The events of a reply split into reasoning, text and calls: items are added as they start."""
         events = Events()
@@ -179,12 +195,13 @@ class ResponsesHandler:
         yield events.send("response.created", response=in_progress)
         yield events.send("response.in_progress", response=in_progress)
         items = StreamedItems(events)
-        finish = None
+        finish, token_ids = None, []
         try:
             async with contextlib.aclosing(requests.outputs()) as outputs:
                 async for _, output in outputs:
                     for completion in output.outputs:
                         finish = completion.finish_reason or finish
+                        token_ids += completion.token_ids
                         piece = parser.step(completion.text, completion.finish_reason is not None)
                         for event in items.add(piece):
                             yield event
@@ -194,7 +211,8 @@ class ResponsesHandler:
         for event in items.close():
             yield event
         status = "completed" if finish != "length" else "incomplete"
-        final = self._finished(request, requests, finish, items.output(status))
+        reasoning_tokens = self._reasoning_tokens(token_ids, parser, skip_special)
+        final = self._finished(request, requests, finish, items.output(status), reasoning_tokens)
         kind = "response.completed" if final.status == "completed" else "response.incomplete"
         yield events.send(kind, response=final.model_dump(mode="json"))
 
