@@ -160,7 +160,10 @@ class CompletionHandler:
                         prompt = self._prompt_tokens(request, output) if first else None
                         echoed.add(index)
                         yield chunk([self._choice(request, index, delta, echo, prompt, offsets[index])])
-                        offsets[index] += len(echo) + sum(len(self.token_text(t)) for t in delta.token_ids)
+                        if with_logprobs:  # text offsets are reported in logprobs only
+                            offsets[index] += len(echo) + sum(
+                                len(self.token_text(t)) for t in delta.token_ids
+                            )
         except EngineDeadError:
             for index, choice in enumerate(progress):  # shutting down: end every open choice
                 if not choice.finished:
