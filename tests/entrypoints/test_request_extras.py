@@ -101,6 +101,7 @@ def test_echo_with_logprobs_reports_the_prompt_first(client, prompt_ids, referen
     pieces = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     streamed = [token for piece in pieces for token in piece.tokens]
     assert streamed == logprobs.tokens
+    assert [offset for piece in pieces for offset in piece.text_offset] == logprobs.text_offset
 
 
 def test_best_of_returns_the_likeliest_candidate(client):
