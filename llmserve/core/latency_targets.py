@@ -24,13 +24,9 @@ model (core/step_cost.py) the scheduler plans each step so that:
     produced tokens (preempted) first. Earliest deadline first keeps the latest first token as early
     as any order can on one machine; least slack first (the deadline less each prompt's own prefill)
     would put a long prompt ahead of a short one that came a little earlier, which then waits for it;
-  - a step that finishes a prompt (its first token comes out of this step) takes no further prompt
-    chunk that costs more than the step's decodes: that chunk would delay the finished prompt's first
-    token by its whole prefill, while waiting a step costs its own prompt only the next step's decodes
-    (prefill is compute-bound: two prompts in one step take as long as one after the other, and the
-    first waits for both). An urgent prompt, or any during a backlog, is taken as before, and so are
-    prompts in a step with no decodes (a batch given at once, as offline generation does, is computed
-    as it would be without targets).
+  - a step may give several prompts their first tokens, as far as the slack allows: holding every
+    further prompt back a step (one first token per step, unless cheaper than the decodes) cost
+    goodput and both tails at 1.5 req/s (docs/scheduling.md).
 
 Until the cost model is fitted (its first steps) nothing is capped and the order is FCFS.
 """
@@ -132,7 +128,6 @@ class StepBudget:
         fitted = predicted is not None
         self.waiting_order = self._order(waiting, by_priority) if fitted else list(waiting)
         self.rush = self.seconds_left is not None and self._backlog_misses(prompts + self.waiting_order)
-        self.finishes_prompt = False  # whether a chunk given out so far completes its prompt
 
     def ttft_slack(self, request: Request, num_computed: int | None = None) -> float:
         """Seconds to spare before the request's TTFT target, after its predicted prefill from
@@ -154,18 +149,14 @@ class StepBudget:
             bound = self.model.max_chunk(self.seconds_left, num_computed)  # what the slack allows
             if bound is not None:
                 num_new = min(num_new, bound)
-        cost = self.model.chunk_seconds(num_new, num_computed) if num_new else 0.0
-        if not urgent and self.finishes_prompt and cost > self.step_seconds:
-            return 0  # it would hold back the first token this step gives another prompt
         if num_new:
-            self.seconds_left -= cost
-            self.finishes_prompt |= num_computed + num_new == request.num_tokens
+            self.seconds_left -= self.model.chunk_seconds(num_new, num_computed)
         return num_new
 
     def _backlog_misses(self, prompts: Iterable[Request]) -> bool:
         """Whether serving the prompts in turn at full speed, from this step on, misses a TTFT target
         (earliest-deadline feasibility: each waits for the prefill of those before it, and each takes
-        a step of its own beside the running decodes, as a step gives one prompt its first token)."""
+        a step of its own beside the running decodes, as the slack need not let them share one)."""
         elapsed = 0.0
         for request in prompts:
             deadline = self.ttft_deadline(request)

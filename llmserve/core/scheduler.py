@@ -24,8 +24,7 @@ one, and does not fit, preempts it too (see request_queue.py for the order and i
 Latency targets (core/latency_targets.py) shape each step: a step-time cost model fitted from the
 measured steps (core/step_cost.py) sizes prompt chunks to what the running decodes' TPOT slack allows,
 admits a prompt about to miss its TTFT target whatever that slack, orders waiting prompts by TTFT
-deadline within each priority level, and gives a step that finishes a prompt no costlier prompt chunk
-besides. Tokens are never changed by it, only when they are computed.
+deadline within each priority level. Tokens are never changed by it, only when they are computed.
 
 Pipeline parallelism schedules while earlier batches are still in the pipeline
 (engine/batch_queue.py): `schedule(in_flight)` leaves the requests of those batches out, neither

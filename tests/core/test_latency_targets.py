@@ -195,28 +195,18 @@ def test_no_chunk_is_capped_while_the_prompt_backlog_would_miss_its_ttft_targets
         assert sum(plan.values()) == (2 + plan[prompts[0].request_id] if capped else 2048)
 
 
-@pytest.mark.parametrize(
-    ("second", "taken"),
-    [
-        ({"size": 300}, False),  # 30 ms of prefill, more than the decodes' 12 ms: the next step
-        ({"size": 50}, True),  # 5 ms: cheaper than a step of its own
-        ({"size": 300, "waited": 0.95}, True),  # urgent: its TTFT target is at stake
-    ],
-)
-def test_a_step_that_finishes_a_prompt_takes_no_costlier_prompt_chunk(second, taken):
-    """A second prompt in the step that gives a first prompt its first token would delay that token by
-    its whole prefill; it waits a step instead, unless it costs less than the step's decodes or is urgent."""
+def test_prompts_share_a_step_as_far_as_the_decodes_slack_allows():
+    """Two prompts whose prefill (10 + 25 ms) fits the 38 ms the decodes' TPOT slack leaves both get
+    their first tokens from one step; a third is capped to what is left of it."""
     scheduler = make_scheduler()
     a, b = with_two_decodes(scheduler)
-    first = prompt(100, waited=0.1)  # 10 ms of prefill, the least slack: first
-    other = prompt(second["size"], waited=second.get("waited", 0.0))
-    for request in (first, other):
+    first, second, third = prompt(100, waited=0.2), prompt(250, waited=0.1), prompt(300)
+    for request in (first, second, third):
         scheduler.add_request(request)
     plan = dict(plan_of(scheduler.schedule()))
-    assert first.request_id in plan
-    assert plan.get(other.request_id) == (second["size"] if taken else None)
-    if not taken:
-        assert plan[first.request_id] == 100
+    assert plan[first.request_id] == 100 and plan[second.request_id] == 250
+    left = TPOT - (0.010 + 2 * 0.001) - 0.035  # 3 ms: about 30 tokens of the third
+    assert 0 < plan[third.request_id] <= scheduler.cost_model.max_chunk(left, 0) + 1
 
 
 def test_the_backlog_check_counts_a_step_of_decodes_per_prompt():
