@@ -75,7 +75,7 @@ def run_engine_core(
     for fd in inherited_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
-    keep_large_allocations_on_the_heap()  # so the model's loading does not wait for the KV prefault
+    keep_large_allocations_on_the_heap()  # so the model's loading waits less for the KV prefault
     try:  # a warm-up waits for structured outputs' one-time costs: started beside the model's loading
         engine = engine_factory(engine_args, prepare_structured_outputs=warmup)
     except BaseException as error:  # noqa: BLE001 - the server process raises it in its own
