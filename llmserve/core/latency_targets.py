@@ -13,17 +13,19 @@ model (core/step_cost.py) the scheduler plans each step so that:
     target). Before any request has finished H is g + 1: each next token is due by f + TPOT x g.
     Decodes always run; prompt chunks get what is left of the smallest slack after the decodes'
     predicted time, sized by the model;
-  - a prompt whose TTFT slack (arrival + TTFT target - now - its predicted prefill time) is under one
-    step, or already spent, gets its whole chunk at once whatever the decodes' slack: prompts are
-    delayed, never starved. And while the prompts, served one after another at full speed in the
-    order below, each in a step beside the running decodes, would not all meet their TTFT targets (a
-    backlog: a burst, or more load than the machine sustains), no chunk is capped: the TPOT cap only
-    spends slack the TTFT targets can spare;
-  - waiting prompts are taken in order of TTFT deadline (arrival + target) within each priority level
-    (a run of equal priority in the queue's order, which ages them), requests that have already
-    produced tokens (preempted) first. Earliest deadline first keeps the latest first token as early
-    as any order can on one machine; least slack first (the deadline less each prompt's own prefill)
-    would put a long prompt ahead of a short one that came a little earlier, which then waits for it;
+  - a prompt's first token is planned by half its TTFT target (the rest is a margin for the cost
+    model's errors and for bursts); a prompt whose TTFT slack (that planned time - now - its predicted
+    prefill time) is under one step, or already spent, gets its whole chunk at once whatever the
+    decodes' slack: prompts are delayed, never starved. And while the prompts, served one after
+    another at full speed in the order below, each in a step beside the running decodes, would not all
+    meet their planned times (a backlog: a burst, or more load than the machine sustains), no chunk is
+    capped: the TPOT cap only spends slack the TTFT targets can spare;
+  - waiting prompts are taken in order of TTFT deadline (the planned first token) within each
+    priority level (a run of equal priority in the queue's order, which ages them), requests that
+    have already produced tokens (preempted) first. Earliest deadline first keeps the latest first
+    token as early as any order can on one machine; least slack first (the deadline less each
+    prompt's own prefill) would put a long prompt ahead of a short one that came a little earlier,
+    which then waits for it;
   - a step may give several prompts their first tokens, as far as the slack allows: holding every
     further prompt back a step (one first token per step, unless cheaper than the decodes) cost
     goodput and both tails at 1.5 req/s (docs/scheduling.md).
@@ -40,6 +42,10 @@ from dataclasses import dataclass
 
 from llmserve.core.step_cost import StepCostModel, StepShape
 from llmserve.request import Request
+
+# The scheduler plans each first token by this share of its TTFT target: the rest is a margin for the
+# cost model's errors and for bursts, which would otherwise turn deferred prompts into misses.
+PLANNED_TTFT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ class StepBudget:
         self.rush = self.seconds_left is not None and self._backlog_misses(prompts + self.waiting_order)
 
     def ttft_slack(self, request: Request, num_computed: int | None = None) -> float:
-        """Seconds to spare before the request's TTFT target, after its predicted prefill from
+        """Seconds to spare before the request's planned first token, after its predicted prefill from
         `num_computed` tokens (default: its computed ones); -inf for a request that has produced
         tokens (its first token is behind it: it catches up first), inf without a target."""
         deadline = self.ttft_deadline(request)
@@ -169,12 +175,12 @@ class StepBudget:
         return False
 
     def ttft_deadline(self, request: Request) -> float:
-        """When the request's first token is due (arrival + its TTFT target); -inf for a request that
-        has produced tokens (it catches up first), inf without a target."""
+        """When the request's first token is planned (arrival + PLANNED_TTFT_SHARE x its TTFT target);
+        -inf for a request that has produced tokens (it catches up first), inf without a target."""
         if request.first_token_time is not None or request.num_output_tokens:
             return -math.inf
         ttft = self.targets.ttft_of(request)
-        return math.inf if ttft is None else request.arrival_time + ttft
+        return math.inf if ttft is None else request.arrival_time + PLANNED_TTFT_SHARE * ttft
 
     def _order(self, waiting: Iterable[Request], by_priority: bool) -> list[Request]:
         """The waiting requests (in the queue's order) with each run of one priority level sorted by

@@ -120,13 +120,14 @@ def test_without_decodes_or_before_the_model_is_fitted_nothing_is_capped():
 @pytest.mark.parametrize(
     ("waited", "params", "urgent"),
     [
-        (0.0, {}, False),  # 1 s - 0.2 s of prefill: plenty of slack
-        (0.7, {}, False),  # 0.1 s of slack: still more than a step (12 ms)
-        (0.79, {}, True),  # 10 ms of slack: under one step, nearly exhausted
+        (0.0, {}, False),  # planned by 0.5 s (half its 1 s target) - 0.2 s of prefill: plenty of slack
+        (0.2, {}, False),  # 0.1 s of slack: still more than a step (12 ms)
+        (0.29, {}, True),  # 10 ms of slack: under one step, nearly exhausted
+        (0.7, {}, True),  # past its planned first token, its target still in reach: it goes at once
         (0.95, {}, True),  # its prefill can no longer meet the target: it goes at once, not last
         (5.0, {}, True),  # long past its deadline: never starved
-        (0.0, {"ttft_target_ms": 150.0}, True),  # its own tighter target
-        (0.79, {"ttft_target_ms": 5000.0}, False),  # its own looser target
+        (0.0, {"ttft_target_ms": 300.0}, True),  # its own tighter target: 0.15 s planned, 0.2 s to prefill
+        (0.29, {"ttft_target_ms": 5000.0}, False),  # its own looser target
     ],
 )
 def test_a_prompt_whose_ttft_slack_is_nearly_exhausted_is_admitted_whole(waited, params, urgent):
@@ -181,13 +182,14 @@ def test_a_preempted_request_resumes_before_waiting_prompts():
 
 
 def test_no_chunk_is_capped_while_the_prompt_backlog_would_miss_its_ttft_targets():
-    """Prompts of 0.4 s of prefill each, served one after another: two fit in their 1 s TTFT target, so
-    the first is capped to the decodes' TPOT slack; with a third behind them they would not, so the
-    first goes at the full token budget (a burst is cleared as fast as the machine can)."""
+    """Prompts of 0.2 s of prefill each, served one after another: two fit in the half of their 1 s TTFT
+    target the scheduler plans by, so the first is capped to the decodes' TPOT slack; with a third
+    behind them they would not, so the first goes at the full token budget (a burst is cleared as fast
+    as the machine can)."""
     for num_prompts, capped in ((2, True), (3, False)):
         scheduler = make_scheduler(budget=2048)
         a, b = with_two_decodes(scheduler)
-        prompts = [prompt(4000) for _ in range(num_prompts)]
+        prompts = [prompt(2000) for _ in range(num_prompts)]
         for request in prompts:
             scheduler.add_request(request)
         plan = dict(plan_of(scheduler.schedule()))
@@ -210,12 +212,13 @@ def test_prompts_share_a_step_as_far_as_the_decodes_slack_allows():
 
 
 def test_the_backlog_check_counts_a_step_of_decodes_per_prompt():
-    """35 prompts of 20 ms of prefill each fit their 1 s TTFT targets on prefill alone (0.7 s), but not
-    served one per step beside the decodes' 12 ms (1.1 s): that backlog lifts the caps, so the first
-    step takes as many prompts as the token budget holds rather than one."""
+    """20 prompts of 20 ms of prefill each fit the half of their 1 s TTFT targets the scheduler plans by
+    on prefill alone (0.4 s), but not served one per step beside the decodes' 12 ms (0.64 s): that
+    backlog lifts the caps, so the first step takes as many prompts as the token budget holds rather
+    than one."""
     scheduler = make_scheduler(budget=2048)
     a, b = with_two_decodes(scheduler)
-    prompts = [prompt(200) for _ in range(35)]
+    prompts = [prompt(200) for _ in range(20)]
     for request in prompts:
         scheduler.add_request(request)
     plan = dict(plan_of(scheduler.schedule()))
