@@ -10,7 +10,8 @@ model (core/step_cost.py) the scheduler plans each step so that:
     at time f, it meets its target if its last token comes by f + TPOT x (H - 1). After this step its
     other H - g - 1 tokens take a predicted decode step each; the time left is this step's slack (never
     less than one TPOT target: a request behind its target is not held to a step shorter than the
-    target). Before any request has finished H is g + 1: each next token is due by f + TPOT x g.
+    target). Before any request has finished H is the request's max_tokens, the one expectation
+    there is (g + 1 there held the first requests' prompts to one TPOT a step, one after another).
     Decodes always run; prompt chunks get what is left of the smallest slack after the decodes'
     predicted time, sized by the model;
   - a prompt's first token is planned by half its TTFT target (the rest is a margin for the cost
@@ -120,7 +121,8 @@ class StepBudget:
             tpot = targets.tpot_of(request)
             if tpot is not None:
                 done = request.num_output_tokens
-                horizon = max(done + 1, min(request.sampling_params.max_tokens, int(typical_output or 0)))
+                limit = request.sampling_params.max_tokens
+                horizon = max(done + 1, limit if typical_output is None else min(limit, int(typical_output)))
                 ends.append((request.first_token_time + tpot * (horizon - 1), horizon - done, tpot))
         predicted = model.predict(StepShape(rows, 0, context, 0))
         self.step_seconds = predicted or 0.0  # the decodes' predicted step

@@ -21,7 +21,9 @@ COST = (0.010, 0.001, 0.0001, 0.0, 0.0)
 TPOT = 0.050
 
 
-def make_scheduler(budget=2048, ttft_ms=1000.0, tpot_ms=50.0, policy="fcfs", cost=COST):
+def make_scheduler(budget=2048, ttft_ms=1000.0, tpot_ms=50.0, policy="fcfs", cost=COST, finished=2):
+    """`finished`: the output length of requests finished so far (None: none has). The default, 2
+    tokens, holds a young decode's next token to one TPOT target after its last."""
     kv = KVCacheManager(1024, 16)
     config = SchedulerConfig(
         budget, 16, 8192, scheduling_policy=policy, ttft_target_ms=ttft_ms, tpot_target_ms=tpot_ms
@@ -29,6 +31,8 @@ def make_scheduler(budget=2048, ttft_ms=1000.0, tpot_ms=50.0, policy="fcfs", cos
     scheduler = Scheduler(config, kv)
     if cost is not None:
         scheduler.cost_model = StepCostModel.fixed(cost)
+    if finished is not None:
+        scheduler.output_lengths.add(finished)
     return scheduler
 
 
@@ -87,22 +91,16 @@ def test_a_prompt_chunk_is_capped_to_keep_the_step_within_the_decodes_tpot_slack
     assert plan_of(second)[2][1] >= allowed
 
 
-def test_once_requests_have_finished_a_young_decode_spends_the_slack_of_its_whole_output():
-    # the decodes (max_tokens 64) are expected to produce 64 tokens, as the finished ones did: at 12 ms
-    # a step their TPOT over 63 tokens leaves 63 x (50 - 12) ms for this step: the prompt is not capped
-    scheduler = make_scheduler()
-    scheduler.output_lengths.add(64)
+@pytest.mark.parametrize("finished", [None, 64])
+def test_a_young_decode_spends_the_slack_of_its_whole_expected_output(finished):
+    # the decodes (max_tokens 64) are expected to produce 64 tokens: their max_tokens before any request
+    # has finished, else the finished ones' typical length. At 12 ms a step their TPOT over 63 tokens
+    # leaves 63 x (50 - 12) ms for this step: the prompt is not capped
+    scheduler = make_scheduler(finished=finished)
     a, b = with_two_decodes(scheduler)
     long = prompt(2000)
     scheduler.add_request(long)
     assert plan_of(scheduler.schedule()) == [(a.request_id, 1), (b.request_id, 1), (long.request_id, 2000)]
-    # short outputs so far: a horizon of 2 tokens leaves one TPOT target, as before any finished
-    short = make_scheduler()
-    short.output_lengths.add(2)
-    a, b = with_two_decodes(short)
-    other = prompt(2000)
-    short.add_request(other)
-    assert 370 <= dict(plan_of(short.schedule()))[other.request_id] <= 380
 
 
 def test_without_decodes_or_before_the_model_is_fitted_nothing_is_capped():

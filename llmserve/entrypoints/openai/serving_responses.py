@@ -134,7 +134,7 @@ class ResponsesHandler:
         request: ResponsesRequest,
         requests: EngineRequests,
         parser: OutputParser | None,
-        skip_special: bool = True,
+        skip_special: bool,
     ) -> Response:
         (output,) = await requests.final()
         (completion,) = output.outputs
