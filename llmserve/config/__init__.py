@@ -207,8 +207,8 @@ class EngineArgs:
     )
     ttft_target_ms: float = _arg(
         1000.0,
-        "time-to-first-token target (ms) the scheduler plans for; a request's ttft_target_ms overrides "
-        "it; 0: none (docs/scheduling.md)",
+        "time-to-first-token target (ms); the scheduler plans first tokens by half of it, keeping the "
+        "rest as a margin; a request's ttft_target_ms overrides it; 0: none (docs/scheduling.md)",
     )
     tpot_target_ms: float = _arg(
         50.0,
