@@ -9,6 +9,7 @@ import pytest
 
 from llmserve.config import SchedulerConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.latency_targets import MIN_CAPPED_CHUNK
 from llmserve.core.scheduler import Scheduler
 from llmserve.core.step_cost import StepCostModel
 from llmserve.request import Request
@@ -197,7 +198,8 @@ def test_no_chunk_is_capped_while_the_prompt_backlog_would_miss_its_ttft_targets
 
 def test_prompts_share_a_step_as_far_as_the_decodes_slack_allows():
     """Two prompts whose prefill (10 + 25 ms) fits the 38 ms the decodes' TPOT slack leaves both get
-    their first tokens from one step; a third is capped to what is left of it."""
+    their first tokens from one step; a third would get a sliver of what is left (3 ms: about 30
+    tokens), under the smallest capped chunk, so it waits; with more slack left it gets its share."""
     scheduler = make_scheduler()
     a, b = with_two_decodes(scheduler)
     first, second, third = prompt(100, waited=0.2), prompt(250, waited=0.1), prompt(300)
@@ -205,8 +207,16 @@ def test_prompts_share_a_step_as_far_as_the_decodes_slack_allows():
         scheduler.add_request(request)
     plan = dict(plan_of(scheduler.schedule()))
     assert plan[first.request_id] == 100 and plan[second.request_id] == 250
-    left = TPOT - (0.010 + 2 * 0.001) - 0.035  # 3 ms: about 30 tokens of the third
-    assert 0 < plan[third.request_id] <= scheduler.cost_model.max_chunk(left, 0) + 1
+    assert third.request_id not in plan
+    roomier = make_scheduler()
+    with_two_decodes(roomier)
+    first, third = prompt(100, waited=0.2), prompt(300)
+    for request in (first, third):
+        roomier.add_request(request)
+    plan = dict(plan_of(roomier.schedule()))
+    left = TPOT - (0.010 + 2 * 0.001) - 0.010  # 28 ms: about 280 tokens of the third
+    assert plan[first.request_id] == 100
+    assert MIN_CAPPED_CHUNK <= plan[third.request_id] <= roomier.cost_model.max_chunk(left, 0) + 1 < 300
 
 
 def test_the_backlog_check_counts_a_step_of_decodes_per_prompt():
