@@ -120,4 +120,4 @@ def test_latency_targets_change_when_prompt_tokens_are_computed_never_which_toke
     assert [finished[str(i)] for i in range(len(prompts_5_to_600))] == reference
     # the longest prompt goes first (the least TTFT slack), in chunks; the others share its prefix
     longest = max(range(len(prompts_5_to_600)), key=lambda index: len(prompts_5_to_600[index]))
-    assert len(chunks[str(longest)]) >= 3 and max(chunks[str(longest)]) < len(prompts_5_to_600[longest])
+    assert len(chunks[str(longest)]) >= 2 and max(chunks[str(longest)]) < len(prompts_5_to_600[longest])
