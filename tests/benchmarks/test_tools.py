@@ -16,10 +16,12 @@ import pytest
 from llmserve.benchmarks import results
 from llmserve.benchmarks.tools import (
     ab_checkouts,
+    decode_attention_micro,
     dp_prefix_hits,
     linear_micro,
     prefill_attention_micro,
     side_by_side,
+    step_split,
 )
 from llmserve.benchmarks.workload import WorkloadSpec, build_workload
 
@@ -184,6 +186,41 @@ def test_prefill_attention_micro_times_each_kernel_this_cpu_has():
     assert row["tokens"] == 40 and row["avx512_bf16_ms"] > 0 and row["torch_sdpa_ms"] > 0
     if "amx_ms" in row:  # the two kernels agree within bf16 rounding of the output
         assert row["amx_ms"] > 0 and row["max_abs_diff"] < 0.05
+
+
+# -- decode_attention_micro -------------------------------------------------------------------------
+
+
+@pytest.mark.cpu_kernels
+def test_decode_attention_micro_times_the_kernel_from_memory_and_from_cache():
+    (row,) = decode_attention_micro.run([(3, 40)], layers=2, repeats=1)
+    assert (row["sequences"], row["context"]) == (3, 40)
+    assert row["memory_ms"] > 0 and row["cached_ms"] > 0
+    # the bytes per second are the K and V rows read: 2 layers x K and V x 120 tokens x 3 heads x 64 x 2 B
+    assert row["memory_gbs"] == pytest.approx(2 * 2 * 120 * 3 * 64 * 2 / (row["memory_ms"] / 1e3) / 1e9)
+    assert decode_attention_micro.parse_batches("96x270,8x1000") == [(96, 270), (8, 1000)]
+
+
+# -- step_split -------------------------------------------------------------------------------------
+
+
+def test_step_split_runs_a_workload_at_once_and_splits_its_decode_steps(tiny_model_dir):
+    from llmserve.config import EngineArgs
+    from llmserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(
+        EngineArgs(model=tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", prefix_caching=False)
+    )
+    requests = build_workload(SPEC, engine.tokenizer)
+    seconds, steps = step_split.run(engine, requests)
+    assert seconds > 0 and not engine.has_unfinished_requests()
+    # every prompt token and every output token after the first is in some step
+    assert sum(step[1] for step in steps) == sum(r.prompt_len for r in requests)
+    assert sum(step[0] for step in steps) == sum(r.max_tokens - 1 for r in requests)
+    result = step_split.split(steps)
+    assert result["decode_only_steps"] + result["steps_with_prompt_tokens"] == len(steps)
+    assert sum(group["steps"] for group in result["by_rows"]) == result["decode_only_steps"]
+    assert sum(result["decode_seconds_fixed_rows_context"]) == pytest.approx(result["decode_only_seconds"])
 
 
 # -- results.git_commit ---------------------------------------------------------------------------
