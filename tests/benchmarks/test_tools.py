@@ -3,6 +3,7 @@ is asserted, only that the figures are there and the plumbing (worktrees, steps,
 
 from __future__ import annotations
 
+import argparse
 import http.server
 import json
 import socket
@@ -199,6 +200,8 @@ def test_decode_attention_micro_times_the_kernel_from_memory_and_from_cache():
     # the bytes per second are the K and V rows read: 2 layers x K and V x 120 tokens x 3 heads x 64 x 2 B
     assert row["memory_gbs"] == pytest.approx(2 * 2 * 120 * 3 * 64 * 2 / (row["memory_ms"] / 1e3) / 1e9)
     assert decode_attention_micro.parse_batches("96x270,8x1000") == [(96, 270), (8, 1000)]
+    with pytest.raises(argparse.ArgumentTypeError, match="'9x' is not SEQUENCESxCONTEXT"):
+        decode_attention_micro.parse_batches("96x270,9x")
 
 
 # -- step_split -------------------------------------------------------------------------------------

@@ -83,9 +83,12 @@ def measure(ops, sequences: int, context: int, layers: int, repeats: int, genera
 
 
 def parse_batches(text: str) -> list[tuple[int, int]]:
+    """`96x270,8x1000` -> [(96, 270), (8, 1000)]; argparse's type for --batches."""
     batches = []
     for item in text.split(","):
         sequences, _, context = item.partition("x")
+        if not (sequences.isdigit() and context.isdigit() and int(sequences) > 0 and int(context) > 0):
+            raise argparse.ArgumentTypeError(f"{item!r} is not SEQUENCESxCONTEXT (e.g. 96x270)")
         batches.append((int(sequences), int(context)))
     return batches
 
@@ -95,7 +98,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--batches", default="96x270,32x500,8x1000", help="SEQUENCESxCONTEXT, comma-separated"
+        "--batches",
+        type=parse_batches,
+        default="96x270,32x500,8x1000",
+        help="SEQUENCESxCONTEXT, comma-separated",
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="OpenMP threads (default: torch's)")
@@ -104,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}; streaming read {streaming_read_gbs():.1f} GB/s")
     print(f"one decode step's attention over {LAYERS} layers (9 query heads, 3 KV heads, head_dim 64, bf16)")
-    for row in run(parse_batches(args.batches), repeats=args.repeats):
+    for row in run(args.batches, repeats=args.repeats):
         print(
             f"{row['sequences']} x {row['context']}: from memory {row['memory_ms']:.2f} ms "
             f"({row['memory_gbs']:.1f} GB/s), one layer's cache {row['cached_ms']:.2f} ms "
