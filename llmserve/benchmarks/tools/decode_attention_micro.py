@@ -14,30 +14,15 @@ memory system gives a simple loop. Best of --repeats; `--threads 1`: what one co
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from llmserve.benchmarks.latency import best_seconds, measure_read_bandwidth
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.worker.prefault import advise_huge_pages, populate
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
-
-
-def best_seconds(call: Callable[[], object], repeats: int) -> float:
-    call()  # first-use costs out of the timing
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def streaming_read_gbs(mib: int = 512, repeats: int = 5) -> float:
-    data = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    return data.numel() * 4 / best_seconds(data.sum, repeats) / 1e9
 
 
 def run(batches: Sequence[tuple[int, int]], layers: int = LAYERS, repeats: int = 5) -> list[dict]:
@@ -70,8 +55,9 @@ def measure(ops, sequences: int, context: int, layers: int, repeats: int, genera
             )  # fmt: skip
 
     read = layers * 2 * sequences * context * KV_HEADS * HEAD_DIM * 2
-    memory = best_seconds(lambda: step(True), repeats)
-    cached = best_seconds(lambda: step(False), repeats)
+    cpu = torch.device("cpu")
+    memory = best_seconds(lambda: step(True), cpu, repeats)
+    cached = best_seconds(lambda: step(False), cpu, repeats)
     return {
         "sequences": sequences,
         "context": context,
@@ -108,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"threads {torch.get_num_threads()}; streaming read {streaming_read_gbs():.1f} GB/s")
+    read_gbs = measure_read_bandwidth(torch.device("cpu")) / 1e9
+    print(f"threads {torch.get_num_threads()}; streaming read {read_gbs:.1f} GB/s")
     print(f"one decode step's attention over {LAYERS} layers (9 query heads, 3 KV heads, head_dim 64, bf16)")
     for row in run(args.batches, repeats=args.repeats):
         print(

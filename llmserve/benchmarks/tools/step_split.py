@@ -16,7 +16,6 @@ import argparse
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 
@@ -98,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--output", default=None, help="write the steps and the split here (JSON)")
     args = parser.parse_args(argv)
-    engine = LLMEngine(replace(EngineArgs(), model=args.model, prefix_caching=False))
+    engine = LLMEngine(EngineArgs(model=args.model, prefix_caching=False))
     requests = load_jsonl(args.workload, engine.tokenizer)
     total, steps = run(engine, requests)
     tokens = sum(request.prompt_len + request.max_tokens for request in requests)
