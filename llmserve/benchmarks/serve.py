@@ -173,6 +173,14 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int = 0) -> np
     return np.cumsum(gaps) - gaps[0]  # the first request goes at once
 
 
+def drawn_rate(offsets: np.ndarray) -> float | None:
+    """The rate a draw of send times offers: its gaps over its span, None for fewer than two sends or
+    all at once. A finite draw strays from its nominal rate (seed 0's 800 arrivals at 2/s span 415.6 s,
+    1.92/s), so a server keeping up completes this many per second, not the nominal rate."""
+    span = float(offsets[-1] - offsets[0]) if len(offsets) > 1 else 0.0
+    return (len(offsets) - 1) / span if span > 0 else None
+
+
 @dataclass
 class LoadGenerator:
     """Sends requests at Poisson arrival times (all at once for rate inf), at most C in flight."""
@@ -262,6 +270,9 @@ class ServeMetrics:
     output_throughput: float  # output tokens / s
     total_token_throughput: float  # (prompt + output) tokens / s
     request_goodput: float  # requests / s meeting every latency target (vLLM's field)
+    # the send schedule's own rate (drawn_rate), None for all at once; request_throughput over it is
+    # the share of the offered load the server kept up with, the drain of the last requests included
+    offered_rate: float | None
     slo_attainment: float  # fraction of the offered requests meeting every target
     goodput_targets_ms: dict[str, float]  # metric (ttft, tpot, e2el) -> target
     latency_ms: dict[str, Distribution | None]  # ttft, tpot, itl, e2e, over the completed requests
@@ -292,6 +303,7 @@ def summarize(
     duration: float,
     goodput: dict[str, float] | None = None,
     client_cpu_seconds: float | None = None,
+    offered_rate: float | None = None,
 ) -> ServeMetrics:
     """The run's metrics; `goodput`: latency targets in ms by metric (default ttft 1000, tpot 50)."""
     targets = dict(DEFAULT_GOODPUT if goodput is None else goodput)
@@ -315,6 +327,7 @@ def summarize(
         output_throughput=output_tokens / duration,
         total_token_throughput=(prompt_tokens + output_tokens) / duration,
         request_goodput=meeting / duration,
+        offered_rate=offered_rate,
         slo_attainment=meeting / len(results) if results else 0.0,
         goodput_targets_ms=targets,
         latency_ms={name: Distribution.of(values) for name, values in samples.items()},
@@ -366,6 +379,14 @@ def format_report(metrics: ServeMetrics, label: str = "") -> str:
         f"{label}{metrics.num_ok}/{metrics.num_requests} requests ok in {metrics.duration:.2f} s",
         f"throughput: {metrics.request_throughput:.2f} req/s, {metrics.output_throughput:,.1f} output tok/s, "
         f"{metrics.total_token_throughput:,.1f} total tok/s",
+        *(
+            [
+                f"offered as drawn: {metrics.offered_rate:.2f} req/s; completed "
+                f"{metrics.request_throughput / metrics.offered_rate:.3f}x that"
+            ]
+            if metrics.offered_rate
+            else []
+        ),
         *(
             [f"load generator CPU: {metrics.client_cpu_seconds:.2f} s"]
             if metrics.client_cpu_seconds is not None

@@ -17,6 +17,7 @@ from llmserve.benchmarks.serve import (
     StreamTracker,
     arrival_offsets,
     completion_payload,
+    drawn_rate,
     send_request,
     summarize,
 )
@@ -166,3 +167,16 @@ def test_poisson_arrivals_have_the_requested_rate_and_inf_sends_all_at_once():
     assert arrival_offsets(10, 4.0, seed=3).tolist() == arrival_offsets(10, 4.0, seed=3).tolist()
     with pytest.raises(ValueError):
         arrival_offsets(3, 0.0)
+
+
+def test_the_drawn_rate_is_the_schedules_own_and_the_report_compares_completions_with_it():
+    offsets = np.array([0.0, 1.0, 3.0, 5.0])  # three gaps over 5 s
+    assert drawn_rate(offsets) == pytest.approx(0.6)
+    assert drawn_rate(arrival_offsets(5, math.inf)) is None and drawn_rate(np.zeros(1)) is None
+    # seed 0's 800 arrivals run slow of the nominal rate: a server that keeps up completes fewer a second
+    assert drawn_rate(arrival_offsets(800, 2.0, seed=0)) == pytest.approx(799 / 415.6, rel=1e-3)
+    results = [RequestResult(ok=True, prompt_tokens=4, output_tokens=2, ttft=0.1, e2e=0.2, sent_at=0.0)] * 3
+    metrics = summarize(results, duration=6.0, offered_rate=0.6)
+    assert metrics.offered_rate == 0.6 and metrics.to_json()["offered_rate"] == 0.6
+    assert "offered as drawn: 0.60 req/s; completed 0.833x that" in serve_report(metrics)
+    assert "offered as drawn" not in serve_report(summarize(results, duration=6.0))

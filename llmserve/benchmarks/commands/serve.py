@@ -145,7 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_once(args: argparse.Namespace, url: str, model: str, requests: list[BenchRequest], rate: float):
     from llmserve.benchmarks.prefix_hits import read_prefix_cache_counters
-    from llmserve.benchmarks.serve import LoadGenerator, summarize
+    from llmserve.benchmarks.serve import LoadGenerator, arrival_offsets, drawn_rate, summarize
 
     extra_body = response_format_body(args.json_schema)
     generator = LoadGenerator(
@@ -157,7 +157,8 @@ def _serve_once(args: argparse.Namespace, url: str, model: str, requests: list[B
         request_results, duration = asyncio.run(generator.run(requests, progress))
         cpu = time.process_time() - cpu
     after = read_prefix_cache_counters(url)
-    metrics = summarize(request_results, duration, args.goodput, client_cpu_seconds=cpu)
+    offered = drawn_rate(arrival_offsets(len(requests), rate, args.seed))
+    metrics = summarize(request_results, duration, args.goodput, client_cpu_seconds=cpu, offered_rate=offered)
     if before is not None and after is not None:
         metrics = dataclasses.replace(metrics, prefix_cache=after.minus(before).to_json())
     return metrics, request_results
