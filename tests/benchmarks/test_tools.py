@@ -215,8 +215,11 @@ def test_step_split_runs_a_workload_at_once_and_splits_its_decode_steps(tiny_mod
         EngineArgs(model=tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", prefix_caching=False)
     )
     requests = build_workload(SPEC, engine.tokenizer)
-    seconds, steps = step_split.run(engine, requests)
+    phases = {}
+    seconds, steps = step_split.run(engine, requests, phases)
     assert seconds > 0 and not engine.has_unfinished_requests()
+    assert set(phases) == set(step_split.step_phases(engine)) and 0 < sum(phases.values()) < seconds
+    assert phases["forward"] > 0 and "schedule" not in vars(engine.scheduler)  # the wrappers are gone
     # every prompt token and every output token after the first is in some step
     assert sum(step[1] for step in steps) == sum(r.prompt_len for r in requests)
     assert sum(step[0] for step in steps) == sum(r.max_tokens - 1 for r in requests)

@@ -7,15 +7,20 @@ the end; each step's shape (the scheduler's StepShape: decode rows, prompt token
 its measured seconds are kept. It prints the time in steps that carry prompt tokens and in decode-only
 steps, a least-squares split of the decode-only steps into a fixed cost per step, a cost per decode
 row (the linear layers' work) and a cost per thousand tokens of decode context (attention over the KV
-cache), and the decode-only steps grouped by batch size. `--output` keeps the steps as JSON.
+cache), the decode-only steps grouped by batch size, and the run's seconds in each phase of a step
+(scheduling, input preparation, the forward pass, the output projection, sampling, the step's output
+processing): the host-side share of the run is what the forward and projection leave. `--output`
+keeps the steps as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -27,9 +32,49 @@ from llmserve.sampling_params import SamplingParams
 ROW_GROUPS = ((1, 8), (9, 32), (33, 64), (65, 128), (129, 1 << 30))
 
 
-def run(engine: LLMEngine, requests: Sequence[BenchRequest]) -> tuple[float, list[tuple[int, ...]]]:
+def step_phases(engine: LLMEngine) -> dict[str, tuple[object, str]]:
+    """Each phase of a step: the object and method the engine calls for it."""
+    runner = engine.model_runner
+    return {
+        "schedule": (engine.scheduler, "schedule"),
+        "prepare inputs": (runner, "prepare"),
+        "forward": (runner, "_forward"),
+        "output projection": (runner.model, "compute_logits"),
+        "sample": (runner, "_sample_or_verify"),
+        "process outputs": (engine, "_process"),
+    }
+
+
+@contextlib.contextmanager
+def timed_phases(engine: LLMEngine) -> Iterator[dict[str, float]]:
+    """Seconds spent in each phase while the block runs (instance attributes wrap the methods and are
+    removed after, so the engine is as it was)."""
+    seconds: dict[str, float] = defaultdict(float)
+    wrapped = []
+    for name, (owner, method) in step_phases(engine).items():
+        inner = getattr(owner, method)
+
+        def timer(*args, _inner=inner, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                seconds[_name] += time.perf_counter() - start
+
+        setattr(owner, method, timer)
+        wrapped.append((owner, method))
+    try:
+        yield seconds
+    finally:
+        for owner, method in wrapped:
+            delattr(owner, method)
+
+
+def run(
+    engine: LLMEngine, requests: Sequence[BenchRequest], phases: dict[str, float] | None = None
+) -> tuple[float, list[tuple[int, ...]]]:
     """Seconds for the whole workload and each step's (decode rows, prompt tokens, decode context,
-    prefill pairs, microseconds)."""
+    prefill pairs, microseconds); `phases`, if given, gets each phase's seconds (timed_phases)."""
     engine.model_runner.wait_for_kv_prefault()
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("warm-up", requests[0].prompt_token_ids, warm)
@@ -39,14 +84,18 @@ def run(engine: LLMEngine, requests: Sequence[BenchRequest]) -> tuple[float, lis
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request(str(index), request.prompt_token_ids, params)
     steps = []
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        step_start = time.perf_counter()
-        engine.step()
-        seconds = time.perf_counter() - step_start
-        if engine.last_step is not None:
-            steps.append((*engine.last_step.step_shape, round(seconds * 1e6)))
-    return time.perf_counter() - start, steps
+    with timed_phases(engine) as timed:
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            step_start = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - step_start
+            if engine.last_step is not None:
+                steps.append((*engine.last_step.step_shape, round(seconds * 1e6)))
+        total = time.perf_counter() - start
+    if phases is not None:
+        phases.update(timed)
+    return total, steps
 
 
 def split(steps: Sequence[tuple[int, ...]]) -> dict:
@@ -99,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     engine = LLMEngine(EngineArgs(model=args.model, prefix_caching=False))
     requests = load_jsonl(args.workload, engine.tokenizer)
-    total, steps = run(engine, requests)
+    phases: dict[str, float] = {}
+    total, steps = run(engine, requests, phases)
     tokens = sum(request.prompt_len + request.max_tokens for request in requests)
     result = split(steps)
     print(
@@ -122,9 +172,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"  rows {group['rows']}: {group['steps']} steps, {group['seconds']:.2f} s, "
             f"mean {group['mean_ms']:.1f} ms, mean context {group['mean_context']:,.0f}"
         )
+    print(
+        "phases (s): "
+        + ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items())
+        + f"; the rest of the steps {total - sum(phases.values()):.2f}"
+    )
     if args.output:
         with open(args.output, "w") as out:
-            json.dump({"total_seconds": total, "tokens": tokens, "split": result, "steps": steps}, out)
+            record = {"total_seconds": total, "tokens": tokens, "split": result, "phases": phases}
+            json.dump({**record, "steps": steps}, out)
 
 
 if __name__ == "__main__":
