@@ -443,6 +443,8 @@ def _plot_goodput(axis, rates: Sequence[float], sweep: Sequence[ServeMetrics]) -
     points = [(rate, m) for rate, m in zip(rates, sweep, strict=True) if math.isfinite(rate)]
     offered = [rate for rate, _ in points]
     axis.plot(offered, offered, ":", color="grey", label="offered")
+    if all(m.offered_rate for _, m in points):  # what each draw actually offered (drawn_rate)
+        axis.plot(offered, [m.offered_rate for _, m in points], "--", color="grey", label="offered as drawn")
     axis.plot(offered, [m.request_throughput for _, m in points], "-o", label="completed")
     axis.plot(offered, [m.request_goodput for _, m in points], "-s", label="goodput")
     targets = describe_targets(sweep[0].goodput_targets_ms) if sweep else ""

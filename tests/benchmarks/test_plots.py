@@ -72,6 +72,7 @@ def test_serve_sweep_one_point_per_rate_and_cdf_one_per_request(figures):
             output_throughput=100.0 * i,
             request_throughput=0.9 * rate,
             request_goodput=0.5 * rate,
+            offered_rate=0.96 * rate,
             goodput_targets_ms={"ttft": 1000.0, "tpot": 50.0},
             latency_ms={m: percentiles for m in ("ttft", "tpot", "e2e")},
         )
@@ -80,6 +81,9 @@ def test_serve_sweep_one_point_per_rate_and_cdf_one_per_request(figures):
     plot_sweep([1.0, 2.0, 4.0, math.inf], sweep, "x.png")
     goodput, *latencies = figures[0].axes
     assert points(goodput) == [3, 3]  # completed and goodput at the finite rates (offered: a guide line)
+    labels = [line.get_label() for line in goodput.get_lines()]
+    assert labels == ["offered", "offered as drawn", "completed", "goodput"]
+    assert list(goodput.get_lines()[1].get_ydata()) == [0.96, 1.92, 3.84]
     assert all(points(axis) == [4, 4] for axis in latencies)
     requests = [NS(ok=True, ttft=0.1 * i, tpot=0.01, e2e=1.0 + i) for i in range(7)]
     plot_distributions(requests, "y.png")
