@@ -20,9 +20,12 @@ import torch
 RESULTS_DIR = "bench_results"
 
 
-def git_commit(start: str | os.PathLike = ".") -> str | None:
-    """The checked-out commit, read from .git without running git (None outside a checkout)."""
-    for folder in [Path(start).resolve(), *Path(start).resolve().parents]:
+def git_commit(start: str | os.PathLike | None = None) -> str | None:
+    """The commit checked out at `start` (default: where this llmserve is imported from, so a run
+    started from another directory still names the code it ran), read from .git without running git;
+    None outside a checkout."""
+    start = Path(__file__).parent if start is None else Path(start)
+    for folder in [start.resolve(), *start.resolve().parents]:
         git_dir = folder / ".git"
         if git_dir.is_dir():
             return _resolve_head(git_dir, git_dir)

@@ -251,6 +251,16 @@ def test_git_commit_is_read_in_a_checkout_and_in_a_linked_worktree(tmp_path):
     assert results.git_commit(repo) == head
     assert results.git_commit(tmp_path / "wt" / "sub") == head
     assert results.git_commit(tmp_path / "detached") == head
+    assert results.git_commit(tmp_path) is None  # no checkout above it
+
+
+def test_a_result_names_the_commit_of_the_code_that_ran_wherever_it_was_started(tmp_path, monkeypatch):
+    checkout = Path(results.__file__).resolve().parents[2]  # the suite runs from a checkout
+    head = subprocess.run(
+        ["git", "-C", str(checkout), "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    monkeypatch.chdir(tmp_path)  # outside any checkout, as a benchmark started from /tmp is
+    assert results.git_commit() == head and results.run_metadata("serve")["git_commit"] == head
 
 
 # -- dp_prefix_hits ---------------------------------------------------------------------------------
