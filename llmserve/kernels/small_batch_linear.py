@@ -53,22 +53,27 @@ from llmserve.kernels.cpu_ops import load_cpu_ops
 MAX_ROWS = 8
 # Above this oneDNN's GEMM beats the AMX kernel on this project's machine (module docstring).
 AMX_MAX_ROWS = 1280
+# Without AMX, bf16 layers run the small-batch kernel up to this many rows, oneDNN's GEMM above
+# (module docstring): decode batches, not prompt chunks.
+KERNEL_MAX_ROWS = 256
 
 
 class SmallBatchLinear(nn.Linear):
     small_batch_weight: torch.Tensor  # `weight` in the small-batch kernel's layout (32-row blocks)
     amx: bool = False  # 9 to AMX_MAX_ROWS rows by the AMX kernel on that same copy (linear_amx.cpp)
+    kernel_max_rows: int = MAX_ROWS  # the small-batch kernel up to this many rows (KERNEL_MAX_ROWS: no AMX)
     packed_weight: torch.Tensor | None = None  # oneDNN-blocked copy of `weight` (see the module docstring)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dim() == 2 and input.shape[0] <= MAX_ROWS:
-            out = load_cpu_ops().small_batch_linear(
-                input.contiguous(), self.small_batch_weight, self.out_features
-            )
+        rows = input.numel() // self.in_features
+        if 0 < rows <= self.kernel_max_rows:
+            flat = input.reshape(rows, self.in_features).contiguous()
+            out = load_cpu_ops().small_batch_linear(flat, self.small_batch_weight, self.out_features)
+            out = out.view(*input.shape[:-1], self.out_features)
             return out if self.bias is None else out + self.bias
         if self.amx and input.dtype == torch.bfloat16 and input.numel() <= AMX_MAX_ROWS * self.in_features:
-            rows = input.reshape(-1, self.in_features).contiguous()
-            out = load_cpu_ops().amx_linear(rows, self.small_batch_weight, self.bias, self.out_features)
+            flat = input.reshape(-1, self.in_features).contiguous()
+            out = load_cpu_ops().amx_linear(flat, self.small_batch_weight, self.bias, self.out_features)
             return out.view(*input.shape[:-1], self.out_features)
         if self.packed_weight is not None and input.dtype == torch.bfloat16:
             return onednn_linear(input, self.packed_weight, self.bias)
@@ -222,6 +227,7 @@ def use_small_batch_linear(
                 kernel_copies[id(weight)] = ops.small_batch_pack(weight.detach())
             module.small_batch_weight = kernel_copies[id(weight)]
             module.amx = has_amx
+            module.kernel_max_rows = MAX_ROWS if has_amx else KERNEL_MAX_ROWS
             if head:  # the kernels take every row count: no oneDNN copy
                 module.__class__ = LogitsLinear
             else:

@@ -177,6 +177,7 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         inner.norm.eps,
         first.attn.scale,
         AMX_MAX_ROWS if getattr(first.qkv_proj, "amx", False) else 0,  # as the modules choose
+        getattr(first.qkv_proj, "kernel_max_rows", MAX_ROWS),
     )
     max_rows = float("inf") if any_rows else MAX_ROWS
     attention_layers = [layer.self_attn.attn for layer in layers]

@@ -8,6 +8,7 @@ from torch import nn
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.small_batch_linear import (
     AMX_MAX_ROWS,
+    KERNEL_MAX_ROWS,
     MAX_ROWS,
     LogitsLinear,
     SmallBatchLinear,
@@ -37,19 +38,21 @@ def test_matches_float64_reference(rows, out_features, in_features):
 
 
 def test_a_row_does_not_depend_on_the_others():
-    """Verifying drafts (several rows) must give each row the bits that decoding it alone gives."""
+    """Verifying drafts (several rows) or a decode batch (tiles of 8 rows) must give each row the bits
+    that decoding it alone gives; and the bf16 output is the float32 variant's sums rounded."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(MAX_ROWS, 576, generator=gen).bfloat16()
+    x = torch.randn(43, 576, generator=gen).bfloat16()
     w = ops.small_batch_pack((torch.randn(100, 576, generator=gen) * 0.05).bfloat16())
     together = ops.small_batch_linear(x, w, 100)
-    for row in range(MAX_ROWS):
+    for row in range(43):
         assert torch.equal(ops.small_batch_linear(x[row : row + 1], w, 100)[0], together[row])
+    assert torch.equal(together, ops.small_batch_linear_float_out(x, w, 100).bfloat16())
 
 
 def test_rejects_what_it_does_not_serve():
     w = ops.small_batch_pack(torch.randn(8, 64).bfloat16())
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        ops.small_batch_linear(torch.randn(9, 64).bfloat16(), w, 8)
+    with pytest.raises(RuntimeError, match="1 to"):
+        ops.small_batch_linear(torch.randn(0, 64).bfloat16(), w, 8)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.small_batch_pack(torch.randn(8, 48).bfloat16())
     with pytest.raises(RuntimeError, match="bfloat16"):
@@ -74,8 +77,29 @@ def test_module_swap_keeps_parameters_and_tied_weights_and_falls_back():
     assert model["head"].weight is model["embed"].weight
     assert all(model[name] is module for name, module in reference.items())
     torch.testing.assert_close(model["proj"](x).float(), before.float(), atol=3e-2, rtol=2e-2)
-    many = torch.randn(MAX_ROWS + 1, 64).bfloat16()  # more rows: F.linear, bit for bit
-    assert torch.equal(model["proj"](many), F.linear(many, model["proj"].weight, model["proj"].bias))
+    proj = model["proj"]
+    proj.packed_weight, proj.amx = None, False  # beyond the kernel's rows: F.linear, bit for bit
+    many = torch.randn(proj.kernel_max_rows + 1, 64).bfloat16()
+    assert torch.equal(proj(many), F.linear(many, proj.weight, proj.bias))
+
+
+@pytest.mark.parametrize("rows", [9, 40, KERNEL_MAX_ROWS])
+def test_without_amx_decode_batches_run_the_kernel_a_row_as_it_runs_alone(rows):
+    """Without AMX the kernel takes up to KERNEL_MAX_ROWS rows (a decode batch): each row gets the
+    bits it gets decoded alone, within bf16 rounding of F.linear; a batch dimension passes through."""
+    torch.manual_seed(rows)
+    model = _model_with_a_tied_linear()
+    assert use_small_batch_linear(model, amx=False) == 2
+    layer = model["proj"]
+    assert layer.kernel_max_rows == KERNEL_MAX_ROWS
+    x = torch.randn(rows, 64).bfloat16()
+    out = layer(x)
+    assert torch.equal(out[rows // 2], layer(x[rows // 2 : rows // 2 + 1])[0])
+    assert torch.equal(
+        out, ops.small_batch_linear(x, layer.small_batch_weight, layer.out_features) + layer.bias
+    )
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=3e-2, rtol=2e-2)
+    assert torch.equal(layer(x[None]), out[None])
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 17, 64, 130])
@@ -135,10 +159,11 @@ def _model_with_a_tied_linear() -> nn.ModuleDict:
     return model
 
 
-@pytest.mark.parametrize("rows", [9, 16, 64, 300])
+@pytest.mark.parametrize("rows", [KERNEL_MAX_ROWS + 1, 300, 700])
 def test_packed_weight_gemm_is_bit_identical_to_f_linear(rows):
-    """Without AMX, above MAX_ROWS the swapped layer multiplies by its oneDNN-packed weight copy: one
-    copy per shared weight, and exactly F.linear's result (with and without bias)."""
+    """Without AMX, above KERNEL_MAX_ROWS the swapped layer multiplies by its oneDNN-packed weight copy:
+    one copy per shared weight, and exactly F.linear's result (with and without bias); the output
+    projection keeps the kernel at every row count (float32 logits, checked above)."""
     torch.manual_seed(rows)
     model = _model_with_a_tied_linear()
     assert use_small_batch_linear(model, amx=False) == 2

@@ -102,7 +102,8 @@ def qwen2_dir(tmp_path_factory) -> str:
 
 @pytest.fixture
 def without_amx(monkeypatch):
-    """Models built as on an AVX-512 BF16 CPU without AMX: their rows above 8 go to oneDNN's GEMM."""
+    """Models built as on an AVX-512 BF16 CPU without AMX: rows above 8 go to the small-batch kernel up
+    to KERNEL_MAX_ROWS, oneDNN's GEMM above."""
     import llmserve.kernels.small_batch_linear as small_batch_linear
 
     class NoAmx:
@@ -116,16 +117,27 @@ def without_amx(monkeypatch):
     monkeypatch.setattr(small_batch_linear, "load_cpu_ops", NoAmx)
 
 
+@pytest.fixture
+def onednn_above_8(without_amx, monkeypatch):
+    """As without AMX, with oneDNN's GEMM from 9 rows (where the kernel's limit is set to 8)."""
+    import llmserve.kernels.small_batch_linear as small_batch_linear
+
+    monkeypatch.setattr(small_batch_linear, "KERNEL_MAX_ROWS", small_batch_linear.MAX_ROWS)
+
+
 @needs_bf16
-@pytest.mark.parametrize("amx", [True, False], ids=["amx-where-present", "onednn"])
+@pytest.mark.parametrize("path_above_8", ["amx-where-present", "without_amx", "onednn_above_8"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_batches_above_the_small_batch_kernel_bit_identical(model_dir, qwen2_dir, architecture, amx, request):
-    """Above 8 rows the stack runs AMX or oneDNN's GEMM (rows padded as the modules pad them) on the
-    layers' copies, as the modules do: a batch of 19 decodes (rows 19 down to 1 as they finish at
-    different lengths) gives the very same tokens and log-probabilities with the stack and without
-    it, with and without a q/k/v bias."""
+def test_batches_above_the_small_batch_kernel_bit_identical(
+    model_dir, qwen2_dir, architecture, path_above_8, request
+):
+    """Above 8 rows the stack runs AMX, the small-batch kernel in tiles of 8 rows (no AMX) or oneDNN's
+    GEMM (rows padded as the modules pad them) on the layers' copies, as the modules do: a batch of 19
+    decodes (rows 19 down to 1 as they finish at different lengths) gives the very same tokens and
+    log-probabilities with the stack and without it, with and without a q/k/v bias."""
+    amx = path_above_8 == "amx-where-present"
     if not amx:
-        request.getfixturevalue("without_amx")
+        request.getfixturevalue(path_above_8)
     path = model_dir if architecture == "llama" else qwen2_dir
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
     runner, inner = llm.engine.model_runner, llm.engine.model_runner.model.model
@@ -149,7 +161,7 @@ def test_batches_above_the_small_batch_kernel_bit_identical(model_dir, qwen2_dir
 
 
 @needs_bf16
-def test_onednn_in_the_stack_runs_the_padded_row_counts(model_dir, without_amx, capfd):
+def test_onednn_in_the_stack_runs_the_padded_row_counts(model_dir, onednn_above_8, capfd):
     """oneDNN builds and caches a primitive per row count: the stack hands it the modules' rounded
     counts (17 decodes run as 18 rows), so a server's varied batches do not fill its cache."""
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
@@ -167,6 +179,26 @@ def test_onednn_in_the_stack_runs_the_padded_row_counts(model_dir, without_amx, 
     assert 17 in counting.rows_seen  # the decode steps
     assert any("mb18ic" in line for line in lines)
     assert not any("mb17ic" in line for line in lines)
+
+
+@needs_bf16
+def test_without_amx_decode_batches_run_the_kernel_not_onednn(model_dir, without_amx, capfd):
+    """Without AMX the stack and the modules run up to KERNEL_MAX_ROWS rows on the small-batch
+    kernel, faster than oneDNN's GEMM there (kernels/small_batch_linear.py): no GEMM for 17 decodes."""
+    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
+    runner = llm.engine.model_runner
+    prompts = [[(5 * i + j) % 400 + 3 for j in range(12)] for i in range(17)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    runner.decode_stack = counting = _Counting(runner.decode_stack)
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        llm.generate(prompts, params, use_tqdm=False)
+    lines = [
+        line for line in capfd.readouterr().out.splitlines() if "onednn_verbose" in line and ",exec," in line
+    ]
+    assert 17 in counting.rows_seen
+    assert not any("mb17ic" in line or "mb18ic" in line for line in lines)
 
 
 def test_rebound_caches_take_the_module_path(model_dir):

@@ -61,12 +61,13 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 // x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel up to
-// kSmallBatchRows (the bias added after); above that AMX on the same bf16 copy up to amx_max_rows,
-// oneDNN on its blocked copy beyond.
+// kSmallBatchRows, bf16 weights up to kernel_max_rows (the bias added after); above that AMX on the
+// same bf16 copy up to amx_max_rows, oneDNN on its blocked copy beyond.
 torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                            const torch::Tensor& onednn_weight, const torch::Tensor& bias, int64_t out_features,
-                           int64_t amx_max_rows) {
-  if (x.size(0) > kSmallBatchRows) {
+                           int64_t amx_max_rows, int64_t kernel_max_rows) {
+  const bool bf16 = weight.scalar_type() == torch::kBFloat16 && x.scalar_type() == torch::kBFloat16;
+  if (x.size(0) > kSmallBatchRows && !(bf16 && x.size(0) <= kernel_max_rows)) {
     if (x.size(0) <= amx_max_rows && weight.scalar_type() == torch::kBFloat16) {
       const bool has_bias = bias.defined() && bias.numel();
       return amx_linear(x.contiguous(), weight, has_bias ? std::optional<torch::Tensor>(bias) : std::nullopt,
@@ -83,7 +84,8 @@ torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, 
 
 DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
                          torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t intermediate_size, double eps, double scale, int64_t amx_max_rows)
+                         int64_t intermediate_size, double eps, double scale, int64_t amx_max_rows,
+                         int64_t kernel_max_rows)
     : tensors_(std::move(layer_tensors)),
       final_norm_(std::move(final_norm)),
       cos_(std::move(cos)),
@@ -94,6 +96,7 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor
       intermediate_size_(intermediate_size),
       hidden_size_(final_norm_.numel()),
       amx_max_rows_(amx_max_rows),
+      kernel_max_rows_(kernel_max_rows),
       eps_(eps),
       scale_(scale) {
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kTensorsPerLayer == 0,
@@ -116,7 +119,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
     const auto& [qkv_onednn, o_onednn, gate_up_onednn, down_onednn] = std::tie(t[13], t[14], t[15], t[16]);
     // attention block
     auto qkv = stack_linear(rms_norm(hidden, input_norm, eps_), qkv_weight, qkv_scales, qkv_onednn, qkv_bias, qkv_size,
-                            amx_max_rows_);
+                            amx_max_rows_, kernel_max_rows_);
     auto query = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
     auto value = qkv.narrow(1, q_size + kv_size, kv_size);
     rotary_embedding(positions, query, key, cos_, sin_, head_dim_);
@@ -126,14 +129,14 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
                                      value_cache, block_tables, seq_lens, query_starts, block_size, scale_,
                                      /*kv_format=*/0, sinks, window);
     auto attention_out = stack_linear(attention.view({tokens, q_size}), o_weight, o_scales, o_onednn, kNone,
-                                      hidden_size_, amx_max_rows_);
+                                      hidden_size_, amx_max_rows_, kernel_max_rows_);
     if (all_reduce_) all_reduce_(attention_out);
     // attention_out becomes the residual stream; its norm feeds the MLP
     auto normed = add_rms_norm(attention_out, hidden, post_norm, eps_);
     auto gate_up = stack_linear(normed, gate_up_weight, gate_up_scales, gate_up_onednn, kNone, 2 * intermediate_size_,
-                                amx_max_rows_);
+                                amx_max_rows_, kernel_max_rows_);
     auto mlp_out = stack_linear(silu_and_mul(gate_up), down_weight, down_scales, down_onednn, kNone, hidden_size_,
-                                amx_max_rows_);
+                                amx_max_rows_, kernel_max_rows_);
     if (all_reduce_) all_reduce_(mlp_out);
     hidden = attention_out + mlp_out;
   }

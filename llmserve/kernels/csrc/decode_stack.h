@@ -16,9 +16,12 @@ class DecodeStack {
   // small_batch_pack_int4 (uint8, with its 4-D parameters); the oneDNN copies are those of
   // SmallBatchLinear.packed_weight (torch.ops.mkldnn._reorder_linear_weight). amx_max_rows: bf16
   // weights take amx_linear from 9 rows to this many (SmallBatchLinear.amx, AMX_MAX_ROWS), 0: never.
+  // kernel_max_rows: bf16 weights take the small-batch kernel up to this many rows (at least 8;
+  // SmallBatchLinear.kernel_max_rows), then AMX or oneDNN.
   DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
               torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-              int64_t intermediate_size, double eps, double scale, int64_t amx_max_rows);
+              int64_t intermediate_size, double eps, double scale, int64_t amx_max_rows,
+              int64_t kernel_max_rows);
 
   // hidden [T, D] in the model's dtype (the embedded tokens), every sequence a decode or a short span;
   // T <= 8, or more where every linear layer has its oneDNN copy (more than 8 rows take AMX or oneDNN's
@@ -36,7 +39,7 @@ class DecodeStack {
   static constexpr int kTensorsPerLayer = 17;
   std::vector<torch::Tensor> tensors_;
   torch::Tensor final_norm_, cos_, sin_;
-  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_, hidden_size_, amx_max_rows_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_, hidden_size_, amx_max_rows_, kernel_max_rows_;
   double eps_, scale_;
   std::function<void(torch::Tensor)> all_reduce_;
 };

@@ -146,9 +146,10 @@ torch::Tensor small_batch_pack(torch::Tensor weight) {
   return rows.view({padded / 32, 32, k_size / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({padded, k_size});
 }
 
-// x [M, K] bf16 with 1 <= M <= 8, packed from small_batch_pack of an [N, K] weight. Returns [M, N] bf16.
+// x [M, K] bf16, packed from small_batch_pack of an [N, K] weight. Returns [M, N] bf16. Above 8 rows
+// the tiles of 8 pass over each block while it is in cache (SmallBatchLinear says where that is used).
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  check_inputs(x, packed, out_features, 8);
+  check_inputs(x, packed, out_features, std::numeric_limits<int64_t>::max());
   auto out = torch::empty({x.size(0), out_features}, x.options());
 #ifdef LLMSERVE_BF16_LINEAR
   linear_packed(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),

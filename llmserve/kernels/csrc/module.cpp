@@ -48,7 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_omp_thread_cpus", &set_omp_thread_cpus, "OpenMP thread t may run only on the CPUs of entry t");
   pybind11::class_<DecodeStack>(m, "DecodeStack", "A model's decoder layers for a decode-only step, one call")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
-                          int64_t, int64_t, double, double, int64_t>())
+                          int64_t, int64_t, double, double, int64_t, int64_t>())
       .def("forward", &DecodeStack::forward)
       .def("set_shm_all_reduce",
            [](DecodeStack& stack, std::shared_ptr<ShmCollectives> shm) {
