@@ -178,6 +178,14 @@ def test_linear_micro_compares_amx_with_the_kernels_before_it():
     assert all(r["before_us"] > 0 and r["amx_us"] > 0 and r["amx_GFLOPs"] > 0 for r in results)
 
 
+@pytest.mark.cpu_kernels("avx512_bf16")
+def test_linear_micro_compares_onednn_with_the_tiled_kernel():
+    results = linear_micro.compare_tiled(rows=[9, 40], repeats=1)
+    assert [r["rows"] for r in results] == [9, 40]
+    assert all(len(r["onednn_us"]) == len(r["kernel_us"]) == 4 for r in results)
+    assert all(min(r["onednn_us"] + r["kernel_us"]) > 0 for r in results)
+
+
 # -- prefill_attention_micro ------------------------------------------------------------------------
 
 

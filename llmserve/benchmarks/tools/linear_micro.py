@@ -2,6 +2,7 @@
 
     python -m llmserve.benchmarks.tools.linear_micro [--rows 1,4,8] [--layers 30] [--repeats 5]
     python -m llmserve.benchmarks.tools.linear_micro --amx [--rows 16,64,128,256,650,1024,2048]
+    python -m llmserve.benchmarks.tools.linear_micro --tiled [--rows 16,48,96,128,256,512]
 
 Every layer gets its own weights (qkv, o, gate_up, down of SmolLM2-135M, then the lm_head), so they
 come from memory as in a real step, for each format this build has (bf16; int8 per channel and int4
@@ -10,7 +11,9 @@ a kernel near that rate is bound by memory, not by its arithmetic. Median of --r
 
 `--amx` compares the kernels for rows above 8 instead, one layer shape at a time (microseconds and
 GFLOP/s): oneDNN's GEMM on its blocked copy against the AMX kernel on the small-batch copy, and for the
-lm_head (float32 out) the small-batch kernel against the AMX kernel.
+lm_head (float32 out) the small-batch kernel against the AMX kernel. `--tiled` compares, without AMX,
+oneDNN's GEMM on its blocked copy against the small-batch kernel in tiles of 8 rows (bf16 out), per
+layer shape and over one decoder layer's four (kernels/small_batch_linear.py: KERNEL_MAX_ROWS).
 """
 
 from __future__ import annotations
@@ -152,19 +155,58 @@ def compare_amx(rows: Sequence[int], vocab: int, repeats: int) -> list[dict]:
     return results
 
 
+def compare_tiled(rows: Sequence[int], repeats: int) -> list[dict]:
+    """Per row count: each layer shape's microseconds on oneDNN and on the small-batch kernel, and
+    their sums over one decoder layer."""
+    from llmserve.kernels.small_batch_linear import onednn_linear, pack_for_onednn
+
+    ops = load_cpu_ops()
+    if ops is None or not ops.small_batch_linear_supported():
+        raise SystemExit("this CPU (or build) has no AVX-512 BF16 small-batch kernel")
+    torch.manual_seed(0)
+    layers = []
+    for out_features, in_features in LAYER_SHAPES:
+        weight = torch.randn(out_features, in_features).bfloat16()
+        layers.append((out_features, in_features, pack_for_onednn(weight), ops.small_batch_pack(weight)))
+    results = []
+    for count in rows:
+        row = {"rows": count, "onednn_us": [], "kernel_us": []}
+        for out_features, in_features, onednn, packed in layers:
+            x = torch.randn(count, in_features).bfloat16()
+            row["onednn_us"].append(1e6 * _median_seconds(partial(onednn_linear, x, onednn, None), repeats))
+            kernel = partial(ops.small_batch_linear, x, packed, out_features)
+            row["kernel_us"].append(1e6 * _median_seconds(kernel, repeats))
+        old, new = sum(row["onednn_us"]), sum(row["kernel_us"])
+        results.append(row)
+        shapes = ", ".join(
+            f"{a:.0f}/{b:.0f}" for a, b in zip(row["onednn_us"], row["kernel_us"], strict=True)
+        )
+        print(
+            f"{count:5d} rows: one layer oneDNN {old:7.0f} us, small-batch {new:7.0f} us, x{old / new:.2f} "
+            f"(qkv, o, gate_up, down: {shapes})",
+            flush=True,
+        )
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", help="comma-separated row counts (default 1,4,8; with --amx 16 to 2048)")
     parser.add_argument("--amx", action="store_true", help="rows above 8: oneDNN or small-batch against AMX")
+    parser.add_argument(
+        "--tiled", action="store_true", help="rows above 8: oneDNN against the small-batch kernel"
+    )
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=VOCAB, help="lm_head rows")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--copy-mib", type=int, default=512)
     args = parser.parse_args(argv)
-    default = "16,64,128,256,650,1024,2048" if args.amx else "1,4,8"
+    default = "16,64,128,256,650,1024,2048" if args.amx else "16,48,96,128,256,512" if args.tiled else "1,4,8"
     rows = [int(item) for item in (args.rows or default).split(",") if item]
     if args.amx:
         compare_amx(rows, args.vocab, args.repeats)
+    elif args.tiled:
+        compare_tiled(rows, args.repeats)
     else:
         run(rows, args.layers, args.vocab, args.repeats, args.copy_mib)
 

@@ -24,8 +24,8 @@ class DecodeStack {
               int64_t kernel_max_rows);
 
   // hidden [T, D] in the model's dtype (the embedded tokens), every sequence a decode or a short span;
-  // T <= 8, or more where every linear layer has its oneDNN copy (more than 8 rows take AMX or oneDNN's
-  // GEMM, as SmallBatchLinear.forward does); returns the final norm of the last layer's output, like
+  // T <= 8, or more where every linear layer has its oneDNN copy (more than 8 rows take AMX, the
+  // small-batch kernel or oneDNN's GEMM, as SmallBatchLinear.forward does); returns the final norm of the last layer's output, like
   // LlamaModel.forward.
   // Under tensor parallelism: the sum over the ranks, in place, of the o and down projections' partial
   // outputs (the layers are the rank's shards); without one the stack is the whole model's.
