@@ -10,9 +10,10 @@ with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise int4 
 small-batch kernels, or in float32 with every linear layer on the float32 kernel (where the CPU has
 no native bf16). Above the small-batch kernel's 8 rows, where every layer is a bf16
 `SmallBatchLinear` (with its oneDNN copy), it takes what the modules take: the AMX kernel on the
-packed copy up to `AMX_MAX_ROWS` where the CPU has AMX, else the small-batch kernel in tiles of 8 rows
-up to `KERNEL_MAX_ROWS`, and oneDNN's GEMM on the blocked copy beyond; with int8, int4 or float32 layers it serves up to 8 rows. Anything else (prefill
-chunks, other quantized formats, 8-bit KV caches, CUDA) takes the module path.
+packed copy up to `AMX_MAX_ROWS` where the CPU has AMX, else the small-batch kernel in tiles of 8
+rows up to `KERNEL_MAX_ROWS`, and oneDNN's GEMM on the blocked copy beyond; with int8, int4 or
+float32 layers it serves up to 8 rows. Anything else (prefill chunks, other quantized formats, 8-bit
+KV caches, CUDA) takes the module path.
 
 Under tensor parallelism the stack holds the rank's shards and sums the o and down projections'
 outputs over the ranks inside the call, through the group's shared-memory collectives (one host) or
