@@ -23,13 +23,13 @@ Where the CPU has no AMX (or `use_small_batch_linear(..., amx=False)`), the smal
 the rows up to `KERNEL_MAX_ROWS` (256: a decode batch), in tiles of 8 that each pass over a block of
 32 output rows while it is in cache, and a row's bits do not depend on the batch. On a 2-core Zen 5
 (AVX-512 BF16, no AMX) it beat oneDNN's GEMM at every decode size: one layer's four matmuls took
-122 / 476 / 679 / 935 us at 16 / 48 / 96 / 128 rows where oneDNN took 189 / 476 / 736 / 1,011 (its
-per-call set-up is ~15 us of it), about even at 512 (`python -m
-llmserve.benchmarks.tools.linear_micro --tiled`). Above that, and above `AMX_MAX_ROWS` with AMX, rows
-run oneDNN's GEMM on a copy of its weight packed once into oneDNN's blocked layout
-(`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does): `F.linear` on a
-plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs, faster at
-every row count, for a second copy of the weights in memory. oneDNN builds (and caches, up
+147 / 358 / 677 / 928 / 1,833 us at 16 / 48 / 96 / 128 / 256 rows where oneDNN took 214 / 496 / 758
+/ 988 / 1,920 (about 15 us of each oneDNN call is its set-up), and about the same at 512 (`python -m
+llmserve.benchmarks.tools.linear_micro --tiled`, docs/benchmarks.md). Above that, and above
+`AMX_MAX_ROWS` with AMX, rows run oneDNN's GEMM on a copy of its weight packed once into oneDNN's
+blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does):
+`F.linear` on a plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs,
+faster at every row count, for a second copy of the weights in memory. oneDNN builds (and caches, up
 to 1,024) a primitive for each (row count, layer shape) it sees, ~100 KB each at the tiny test
 model's shapes: left alone, the varied token counts of a server's steps grew its memory until that
 cache was full, so the rows it gets are rounded up to one of 8 sizes per octave (`onednn_rows`: at
