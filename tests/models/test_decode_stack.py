@@ -160,10 +160,8 @@ def test_batches_above_the_small_batch_kernel_bit_identical(
     assert run() == fused
 
 
-@needs_bf16
-def test_onednn_in_the_stack_runs_the_padded_row_counts(model_dir, onednn_above_8, capfd):
-    """oneDNN builds and caches a primitive per row count: the stack hands it the modules' rounded
-    counts (17 decodes run as 18 rows), so a server's varied batches do not fill its cache."""
+def _decode_17_with_onednn_verbose(model_dir, capfd) -> tuple[_Counting, list[str]]:
+    """17 decodes after their prefill, the stack counted: the rows it saw and oneDNN's exec lines."""
     llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
     runner = llm.engine.model_runner
     prompts = [[(5 * i + j) % 400 + 3 for j in range(12)] for i in range(17)]
@@ -173,9 +171,15 @@ def test_onednn_in_the_stack_runs_the_padded_row_counts(model_dir, onednn_above_
     capfd.readouterr()
     with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
         llm.generate(prompts, params, use_tqdm=False)
-    lines = [
-        line for line in capfd.readouterr().out.splitlines() if "onednn_verbose" in line and ",exec," in line
-    ]
+    lines = capfd.readouterr().out.splitlines()
+    return counting, [line for line in lines if "onednn_verbose" in line and ",exec," in line]
+
+
+@needs_bf16
+def test_onednn_in_the_stack_runs_the_padded_row_counts(model_dir, onednn_above_8, capfd):
+    """oneDNN builds and caches a primitive per row count: the stack hands it the modules' rounded
+    counts (17 decodes run as 18 rows), so a server's varied batches do not fill its cache."""
+    counting, lines = _decode_17_with_onednn_verbose(model_dir, capfd)
     assert 17 in counting.rows_seen  # the decode steps
     assert any("mb18ic" in line for line in lines)
     assert not any("mb17ic" in line for line in lines)
@@ -185,18 +189,7 @@ def test_onednn_in_the_stack_runs_the_padded_row_counts(model_dir, onednn_above_
 def test_without_amx_decode_batches_run_the_kernel_not_onednn(model_dir, without_amx, capfd):
     """Without AMX the stack and the modules run up to KERNEL_MAX_ROWS rows on the small-batch
     kernel, faster than oneDNN's GEMM there (kernels/small_batch_linear.py): no GEMM for 17 decodes."""
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
-    runner = llm.engine.model_runner
-    prompts = [[(5 * i + j) % 400 + 3 for j in range(12)] for i in range(17)]
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)
-    runner.decode_stack = counting = _Counting(runner.decode_stack)
-    capfd.readouterr()
-    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
-        llm.generate(prompts, params, use_tqdm=False)
-    lines = [
-        line for line in capfd.readouterr().out.splitlines() if "onednn_verbose" in line and ",exec," in line
-    ]
+    counting, lines = _decode_17_with_onednn_verbose(model_dir, capfd)
     assert 17 in counting.rows_seen
     assert not any("mb17ic" in line or "mb18ic" in line for line in lines)
 
