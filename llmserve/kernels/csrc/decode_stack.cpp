@@ -66,18 +66,18 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                            const torch::Tensor& onednn_weight, const torch::Tensor& bias, int64_t out_features,
                            int64_t amx_max_rows, int64_t kernel_max_rows) {
-  const bool bf16 = weight.scalar_type() == torch::kBFloat16 && x.scalar_type() == torch::kBFloat16;
-  if (x.size(0) > kSmallBatchRows && !(bf16 && x.size(0) <= kernel_max_rows)) {
-    if (x.size(0) <= amx_max_rows && weight.scalar_type() == torch::kBFloat16) {
-      const bool has_bias = bias.defined() && bias.numel();
-      return amx_linear(x.contiguous(), weight, has_bias ? std::optional<torch::Tensor>(bias) : std::nullopt,
-                        out_features, false);
-    }
-    TORCH_CHECK(onednn_weight.numel(), "DecodeStack: more rows than the small-batch kernels take need the layers' oneDNN copies");
-    return onednn_linear(x, onednn_weight, bias);
+  const int64_t rows = x.size(0);
+  const bool bf16 = weight.scalar_type() == torch::kBFloat16;
+  const bool has_bias = bias.defined() && bias.numel();
+  if (rows <= kSmallBatchRows || (bf16 && rows <= kernel_max_rows)) {
+    auto out = small_batch_linear_packed(x, weight, scales, out_features);
+    return has_bias ? out + bias : out;
   }
-  auto out = small_batch_linear_packed(x, weight, scales, out_features);
-  return bias.defined() && bias.numel() ? out + bias : out;
+  if (bf16 && rows <= amx_max_rows)
+    return amx_linear(x.contiguous(), weight, has_bias ? std::optional<torch::Tensor>(bias) : std::nullopt,
+                      out_features, false);
+  TORCH_CHECK(onednn_weight.numel(), "DecodeStack: more rows than the small-batch kernels take need the layers' oneDNN copies");
+  return onednn_linear(x, onednn_weight, bias);
 }
 
 }  // namespace

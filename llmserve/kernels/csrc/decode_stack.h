@@ -25,8 +25,8 @@ class DecodeStack {
 
   // hidden [T, D] in the model's dtype (the embedded tokens), every sequence a decode or a short span;
   // T <= 8, or more where every linear layer has its oneDNN copy (more than 8 rows take AMX, the
-  // small-batch kernel or oneDNN's GEMM, as SmallBatchLinear.forward does); returns the final norm of the last layer's output, like
-  // LlamaModel.forward.
+  // small-batch kernel or oneDNN's GEMM, as SmallBatchLinear.forward does); returns the final norm of
+  // the last layer's output, like LlamaModel.forward.
   // Under tensor parallelism: the sum over the ranks, in place, of the o and down projections' partial
   // outputs (the layers are the rank's shards); without one the stack is the whole model's.
   void set_all_reduce(std::function<void(torch::Tensor)> all_reduce) { all_reduce_ = std::move(all_reduce); }
@@ -39,7 +39,8 @@ class DecodeStack {
   static constexpr int kTensorsPerLayer = 17;
   std::vector<torch::Tensor> tensors_;
   torch::Tensor final_norm_, cos_, sin_;
-  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_, hidden_size_, amx_max_rows_, kernel_max_rows_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_, hidden_size_;
+  int64_t amx_max_rows_, kernel_max_rows_;
   double eps_, scale_;
   std::function<void(torch::Tensor)> all_reduce_;
 };

@@ -20,7 +20,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
@@ -119,14 +118,14 @@ void linear_packed(const uint16_t* x, const uint16_t* packed, Out* out, int64_t 
 
 #endif  // LLMSERVE_BF16_LINEAR
 
-// Checks shared by the entry points (max_rows: the most rows the entry point serves).
-void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_size, int64_t max_rows) {
+// Checks shared by the entry points (any row count: above 8 the rows run in tiles of 8).
+void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_size) {
   TORCH_CHECK(small_batch_linear_supported(), "small_batch_linear needs a CPU with AVX-512 BF16");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
               "small_batch_linear takes bfloat16 inputs and weights");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1), "shapes must be [M, K] and [N, K]");
   TORCH_CHECK(x.is_contiguous() && packed.is_contiguous(), "small_batch_linear needs contiguous tensors");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, "small_batch_linear serves 1 to ", max_rows, " rows");
+  TORCH_CHECK(x.size(0) >= 1, "small_batch_linear needs at least 1 row");
   TORCH_CHECK(x.size(1) % 32 == 0, "small_batch_linear needs an input width that is a multiple of 32");
   TORCH_CHECK(n_size >= 1 && packed.size(0) == (n_size + 31) / 32 * 32,
               "small_batch_linear takes a weight packed by small_batch_pack for out_features rows");
@@ -149,7 +148,7 @@ torch::Tensor small_batch_pack(torch::Tensor weight) {
 // x [M, K] bf16, packed from small_batch_pack of an [N, K] weight. Returns [M, N] bf16. Above 8 rows
 // the tiles of 8 pass over each block while it is in cache (SmallBatchLinear says where that is used).
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  check_inputs(x, packed, out_features, std::numeric_limits<int64_t>::max());
+  check_inputs(x, packed, out_features);
   auto out = torch::empty({x.size(0), out_features}, x.options());
 #ifdef LLMSERVE_BF16_LINEAR
   linear_packed(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
@@ -162,7 +161,7 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 // x [M, K] bf16 with any M >= 1, the same packed weight. Returns [M, N] float32: the sums unrounded,
 // so logits keep the float32 gaps between near-tied tokens that a bf16 output would erase.
 torch::Tensor small_batch_linear_float_out(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
-  check_inputs(x, packed, out_features, std::numeric_limits<int64_t>::max());
+  check_inputs(x, packed, out_features);
   auto out = torch::empty({x.size(0), out_features}, x.options().dtype(torch::kFloat));
 #ifdef LLMSERVE_BF16_LINEAR
   linear_packed(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
