@@ -129,6 +129,22 @@ def test_float_out_rows_do_not_depend_on_the_others_and_round_to_the_bf16_kernel
     assert torch.equal(ops.small_batch_linear(x[:8].contiguous(), w, 300), together[:8].bfloat16())
 
 
+@pytest.mark.parametrize("out_features", [8208, 8200])
+def test_float_out_streamed_past_the_caches_is_what_a_row_alone_gets(out_features):
+    """Above 1 MiB the logits bypass the cache (aligned rows only: 8,208 columns are, 8,200 are not);
+    every row, the partial last block's included, holds what computing it alone (cached) gives."""
+    gen = torch.Generator().manual_seed(out_features)
+    x = torch.randn(40, 576, generator=gen).bfloat16()
+    w = ops.small_batch_pack((torch.randn(out_features, 576, generator=gen) * 0.05).bfloat16())
+    together = ops.small_batch_linear_float_out(x, w, out_features)
+    assert together.numel() * 4 > 1 << 20
+    for row in (0, 17, 39):
+        assert torch.equal(
+            ops.small_batch_linear_float_out(x[row : row + 1].contiguous(), w, out_features),
+            together[row : row + 1],
+        )
+
+
 def test_output_projection_becomes_logits_linear_and_writes_float32():
     torch.manual_seed(1)
     model = nn.ModuleDict({"embed": nn.Embedding(100, 64), "proj": nn.Linear(64, 96)}).bfloat16()
