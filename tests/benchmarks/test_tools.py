@@ -19,6 +19,7 @@ from llmserve.benchmarks.tools import (
     ab_checkouts,
     decode_attention_micro,
     dp_prefix_hits,
+    elementwise_micro,
     linear_micro,
     prefill_attention_micro,
     side_by_side,
@@ -184,6 +185,27 @@ def test_linear_micro_compares_onednn_with_the_tiled_kernel():
     assert [r["rows"] for r in results] == [9, 40]
     assert all(len(r["onednn_us"]) == len(r["kernel_us"]) == 4 for r in results)
     assert all(min(r["onednn_us"] + r["kernel_us"]) > 0 for r in results)
+
+
+@pytest.mark.cpu_kernels("avx512_bf16")
+def test_linear_micro_times_the_logits_and_a_layer_in_cache_and_streamed():
+    logits = linear_micro.compare_logits(rows=[2, 9], vocab=4096, repeats=1)
+    assert [(r["case"], r["rows"]) for r in logits][:3] == [
+        ("lm_head float32", 2),
+        ("lm_head bf16", 2),
+        ("gate_up bf16", 2),
+    ]
+    assert len(logits) == 6 and all(r["us"] > 0 and r["TFLOP/s"] > 0 for r in logits)
+    streamed = linear_micro.compare_streamed(rows=[9], num_layers=2, repeats=1)
+    assert [r["rows"] for r in streamed] == [9]
+    assert streamed[0]["cached_us"] > 0 and streamed[0]["streamed_us"] > 0
+
+
+@pytest.mark.cpu_kernels
+def test_elementwise_micro_times_swiglu_and_rms_norm():
+    results = elementwise_micro.run(rows=[1, 3], repeats=1)
+    assert [r["rows"] for r in results] == [1, 3]
+    assert all(r["swiglu_us"] > 0 and r["rms_norm_us"] > 0 for r in results)
 
 
 # -- prefill_attention_micro ------------------------------------------------------------------------

@@ -3,6 +3,8 @@
     python -m llmserve.benchmarks.tools.linear_micro [--rows 1,4,8] [--layers 30] [--repeats 5]
     python -m llmserve.benchmarks.tools.linear_micro --amx [--rows 16,64,128,256,650,1024,2048]
     python -m llmserve.benchmarks.tools.linear_micro --tiled [--rows 16,48,96,128,256,512]
+    python -m llmserve.benchmarks.tools.linear_micro --logits [--rows 8,32,96]
+    python -m llmserve.benchmarks.tools.linear_micro --streamed [--rows 32,96] [--layers 30]
 
 Every layer gets its own weights (qkv, o, gate_up, down of SmolLM2-135M, then the lm_head), so they
 come from memory as in a real step, for each format this build has (bf16; int8 per channel and int4
@@ -14,6 +16,10 @@ GFLOP/s): oneDNN's GEMM on its blocked copy against the AMX kernel on the small-
 lm_head (float32 out) the small-batch kernel against the AMX kernel. `--tiled` compares, without AMX,
 oneDNN's GEMM on its blocked copy against the small-batch kernel in tiles of 8 rows (bf16 out), per
 layer shape and over one decoder layer's four (kernels/small_batch_linear.py: KERNEL_MAX_ROWS).
+`--logits` times the output projection on the small-batch kernel with its float32 output (as the
+engine runs it) and with bf16 output, beside gate_up's shape, whose output stays in cache (TFLOP/s).
+`--streamed` times one decoder layer's four projections with one layer's weights reused (in cache)
+and with `--layers` layers' weights in turn (from memory, as in a model's step).
 """
 
 from __future__ import annotations
@@ -189,6 +195,65 @@ def compare_tiled(rows: Sequence[int], repeats: int) -> list[dict]:
     return results
 
 
+def compare_logits(rows: Sequence[int], vocab: int, repeats: int) -> list[dict]:
+    """Per row count: microseconds and TFLOP/s of the output projection (float32 out, then bf16 out)
+    and of gate_up's shape."""
+    ops = load_cpu_ops()
+    if ops is None or not ops.small_batch_linear_supported():
+        raise SystemExit("this CPU (or build) has no AVX-512 BF16 small-batch kernel")
+    torch.manual_seed(0)
+    hidden = LAYER_SHAPES[0][1]
+    lm_head = ops.small_batch_pack((torch.randn(vocab, hidden) * 0.05).bfloat16())
+    gate_up = ops.small_batch_pack((torch.randn(LAYER_SHAPES[2][0], hidden) * 0.05).bfloat16())
+    cases = [
+        ("lm_head float32", ops.small_batch_linear_float_out, lm_head, vocab),
+        ("lm_head bf16", ops.small_batch_linear, lm_head, vocab),
+        ("gate_up bf16", ops.small_batch_linear, gate_up, LAYER_SHAPES[2][0]),
+    ]
+    results = []
+    for count in rows:
+        x = torch.randn(count, hidden).bfloat16()
+        parts = []
+        for name, kernel, packed, out_features in cases:
+            seconds = _median_seconds(partial(kernel, x, packed, out_features), repeats)
+            tflops = 2 * count * out_features * hidden / seconds / 1e12
+            results.append({"case": name, "rows": count, "us": seconds * 1e6, "TFLOP/s": tflops})
+            parts.append(f"{name} {seconds * 1e6:8.0f} us ({tflops:.2f} TFLOP/s)")
+        print(f"{count:5d} rows: " + ", ".join(parts), flush=True)
+    return results
+
+
+def compare_streamed(rows: Sequence[int], num_layers: int, repeats: int) -> list[dict]:
+    """Per row count: microseconds per decoder layer (its four projections) with one layer's weights
+    reused and with `num_layers` layers' weights in turn."""
+    ops = load_cpu_ops()
+    if ops is None or not ops.small_batch_linear_supported():
+        raise SystemExit("this CPU (or build) has no AVX-512 BF16 small-batch kernel")
+    torch.manual_seed(0)
+    stack = [
+        [ops.small_batch_pack((torch.randn(n, k) * 0.05).bfloat16()) for n, k in LAYER_SHAPES]
+        for _ in range(num_layers)
+    ]
+    results = []
+    for count in rows:
+        inputs = [torch.randn(count, k).bfloat16() for _, k in LAYER_SHAPES]
+
+        def one_pass(layers: Sequence[Sequence[torch.Tensor]], inputs=inputs) -> None:
+            for weights in layers:
+                for (out_features, _), packed, x in zip(LAYER_SHAPES, weights, inputs, strict=True):
+                    ops.small_batch_linear(x, packed, out_features)
+
+        cached = _median_seconds(partial(one_pass, stack[:1] * num_layers), repeats) / num_layers
+        streamed = _median_seconds(partial(one_pass, stack), repeats) / num_layers
+        results.append({"rows": count, "cached_us": cached * 1e6, "streamed_us": streamed * 1e6})
+        print(
+            f"{count:5d} rows: a layer {cached * 1e6:6.0f} us with its weights in cache, "
+            f"{streamed * 1e6:6.0f} us with {num_layers} layers' from memory ({streamed / cached - 1:+.0%})",
+            flush=True,
+        )
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", help="comma-separated row counts (default 1,4,8; with --amx 16 to 2048)")
@@ -196,15 +261,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--tiled", action="store_true", help="rows above 8: oneDNN against the small-batch kernel"
     )
+    parser.add_argument(
+        "--logits", action="store_true", help="the output projection's float32 and bf16 output, per row count"
+    )
+    parser.add_argument(
+        "--streamed", action="store_true", help="a decoder layer with its weights in cache and from memory"
+    )
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=VOCAB, help="lm_head rows")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--copy-mib", type=int, default=512)
     args = parser.parse_args(argv)
-    default = "16,64,128,256,650,1024,2048" if args.amx else "16,48,96,128,256,512" if args.tiled else "1,4,8"
+    if args.amx:
+        default = "16,64,128,256,650,1024,2048"
+    elif args.tiled:
+        default = "16,48,96,128,256,512"
+    elif args.logits:
+        default = "8,32,96"
+    elif args.streamed:
+        default = "32,96"
+    else:
+        default = "1,4,8"
     rows = [int(item) for item in (args.rows or default).split(",") if item]
     if args.amx:
         compare_amx(rows, args.vocab, args.repeats)
+    elif args.logits:
+        compare_logits(rows, args.vocab, args.repeats)
+    elif args.streamed:
+        compare_streamed(rows, args.layers, args.repeats)
     elif args.tiled:
         compare_tiled(rows, args.repeats)
     else:

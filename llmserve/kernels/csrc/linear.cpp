@@ -118,8 +118,8 @@ void linear_packed(const uint16_t* x, const uint16_t* packed, Out* out, int64_t 
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (2 * block_elements));
   // Float outputs (logits) larger than L2 are streamed to memory: a normal store to a line not in cache
   // first reads it (a 32-column block of 96 rows misses on 192 lines), and at the output projection's
-  // 49,152 columns those reads held the kernel to 0.67 TFLOP/s at 96 rows, where it reaches 0.9 so
-  // and 1.0 with an output that stays in cache (Zen 5). Aligned rows only (64-byte lines of 16 floats).
+  // 49,152 columns those reads held the kernel to 0.67 TFLOP/s at 96 rows (0.91 streamed; 1.0 where
+  // the output stays in cache, on Zen 5). Aligned rows only (64-byte lines of 16 floats).
   const bool stream = std::is_same_v<Out, float> && m_size * n_size * sizeof(Out) > (1 << 20) && n_size % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(out) % 64 == 0;
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
