@@ -46,17 +46,23 @@ constexpr int kPrefetchBytes = 32 * 64;  // how far ahead of the loads the strea
 
 // Output rows [row, row + 32) of all M inputs from one packed block; rows >= n_size are not written.
 // Out is uint16_t (bf16, rounded from the float32 sums) or float (the sums as they are: logits).
-// `stream`: whole 64-byte lines of float output go around the cache (see linear_packed).
-template <int M, typename Out>
+// `stream`: whole 64-byte lines of float output go around the cache (see linear_packed). Each column
+// pair prefetches from `ahead`: its own two lines kPrefetchBytes on (the block streaming from memory)
+// or, with Paced, one line of the next block (see linear_block_rows).
+template <int M, typename Out, bool Paced = false>
 inline void linear_block(const uint16_t* x, const uint16_t* block, Out* out, int64_t k_size, int64_t n_size,
-                         int64_t row, bool stream) {
+                         int64_t row, bool stream, const char* ahead) {
   __m512 acc[2][M];
   for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
   const int64_t pairs = k_size / 2;
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const uint16_t* weights = block + pair * 2 * kBlockRows;
-    _mm_prefetch(reinterpret_cast<const char*>(weights) + kPrefetchBytes, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(weights) + kPrefetchBytes + 64, _MM_HINT_T0);
+    if constexpr (Paced) {
+      _mm_prefetch(ahead + pair * 64, _MM_HINT_T0);
+    } else {
+      _mm_prefetch(ahead + pair * 4 * kBlockRows, _MM_HINT_T0);
+      _mm_prefetch(ahead + pair * 4 * kBlockRows + 64, _MM_HINT_T0);
+    }
     const __m512bh low = (__m512bh)_mm512_loadu_si512(weights);
     const __m512bh high = (__m512bh)_mm512_loadu_si512(weights + 32);
     for (int m = 0; m < M; ++m) {
@@ -87,23 +93,40 @@ inline void linear_block(const uint16_t* x, const uint16_t* block, Out* out, int
   }
 }
 
+template <typename Out, bool Paced>
+void linear_tile(int64_t rows, const uint16_t* tile, const uint16_t* block, Out* out, int64_t k_size, int64_t n_size,
+                 int64_t row, bool stream, const char* ahead) {
+  switch (rows) {
+    case 1: linear_block<1, Out, Paced>(tile, block, out, k_size, n_size, row, stream, ahead); break;
+    case 2: linear_block<2, Out, Paced>(tile, block, out, k_size, n_size, row, stream, ahead); break;
+    case 3: linear_block<3, Out, Paced>(tile, block, out, k_size, n_size, row, stream, ahead); break;
+    case 4: linear_block<4, Out, Paced>(tile, block, out, k_size, n_size, row, stream, ahead); break;
+    case 5: linear_block<5, Out, Paced>(tile, block, out, k_size, n_size, row, stream, ahead); break;
+    case 6: linear_block<6, Out, Paced>(tile, block, out, k_size, n_size, row, stream, ahead); break;
+    case 7: linear_block<7, Out, Paced>(tile, block, out, k_size, n_size, row, stream, ahead); break;
+    default: linear_block<8, Out, Paced>(tile, block, out, k_size, n_size, row, stream, ahead); break;
+  }
+}
+
 // One packed block for `m_size` rows, in tiles of up to 8: the block (32 x K weights) stays in cache
 // while every tile passes over it, so the weights are read from memory once whatever the row count.
+// The first tile streams the block in; the second and third prefetch the next block (`has_next`: the
+// same thread's next), one line per column pair, half of it each, so that memory is read while the
+// later tiles compute instead of only while the first waits.
 template <typename Out>
 void linear_block_rows(const uint16_t* x, const uint16_t* block, Out* out, int64_t m_size, int64_t k_size,
-                       int64_t n_size, int64_t row, bool stream) {
-  for (int64_t first = 0; first < m_size; first += 8) {
+                       int64_t n_size, int64_t row, bool stream, bool has_next) {
+  const char* own = reinterpret_cast<const char*>(block) + kPrefetchBytes;
+  const char* next = reinterpret_cast<const char*>(block + kBlockRows * k_size);
+  const int64_t pairs = k_size / 2;  // a block is 2 * pairs lines
+  for (int64_t first = 0, t = 0; first < m_size; first += 8, ++t) {
+    const int64_t rows = std::min<int64_t>(8, m_size - first);
     const uint16_t* tile = x + first * k_size;
     Out* tile_out = out + first * n_size;
-    switch (std::min<int64_t>(8, m_size - first)) {
-      case 1: linear_block<1>(tile, block, tile_out, k_size, n_size, row, stream); break;
-      case 2: linear_block<2>(tile, block, tile_out, k_size, n_size, row, stream); break;
-      case 3: linear_block<3>(tile, block, tile_out, k_size, n_size, row, stream); break;
-      case 4: linear_block<4>(tile, block, tile_out, k_size, n_size, row, stream); break;
-      case 5: linear_block<5>(tile, block, tile_out, k_size, n_size, row, stream); break;
-      case 6: linear_block<6>(tile, block, tile_out, k_size, n_size, row, stream); break;
-      case 7: linear_block<7>(tile, block, tile_out, k_size, n_size, row, stream); break;
-      default: linear_block<8>(tile, block, tile_out, k_size, n_size, row, stream); break;
+    if (has_next && (t == 1 || t == 2)) {
+      linear_tile<Out, true>(rows, tile, block, tile_out, k_size, n_size, row, stream, next + (t - 1) * pairs * 64);
+    } else {
+      linear_tile<Out, false>(rows, tile, block, tile_out, k_size, n_size, row, stream, own);
     }
   }
 }
@@ -124,7 +147,8 @@ void linear_packed(const uint16_t* x, const uint16_t* packed, Out* out, int64_t 
                       reinterpret_cast<uintptr_t>(out) % 64 == 0;
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      linear_block_rows(x, packed + b * block_elements, out, m_size, k_size, n_size, b * kBlockRows, stream);
+      linear_block_rows(x, packed + b * block_elements, out, m_size, k_size, n_size, b * kBlockRows, stream,
+                        b + 1 < end);
     if (stream) _mm_sfence();  // the streamed lines reach memory before the region's end
   });
 }
