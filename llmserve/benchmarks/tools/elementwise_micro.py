@@ -10,26 +10,15 @@ Run it in alternated processes against another build to compare (the VM's speed 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from llmserve.benchmarks.tools.prefill_attention_micro import median_ms
 from llmserve.kernels.cpu_ops import load_cpu_ops
 
 INTERMEDIATE = 1536
 HIDDEN = 576
-
-
-def _median_us(call: Callable[[], object], repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def run(rows: Sequence[int], repeats: int) -> list[dict]:
@@ -42,8 +31,8 @@ def run(rows: Sequence[int], repeats: int) -> list[dict]:
     for count in rows:
         gate_up = torch.randn(count, 2 * INTERMEDIATE).bfloat16()
         hidden = torch.randn(count, HIDDEN).bfloat16()
-        swiglu = _median_us(lambda gate_up=gate_up: ops.silu_and_mul(gate_up), repeats)
-        norm = _median_us(lambda hidden=hidden: ops.rms_norm(hidden, weight, 1e-5), repeats)
+        swiglu = 1e3 * median_ms(lambda gate_up=gate_up: ops.silu_and_mul(gate_up), repeats)
+        norm = 1e3 * median_ms(lambda hidden=hidden: ops.rms_norm(hidden, weight, 1e-5), repeats)
         results.append({"rows": count, "swiglu_us": swiglu, "rms_norm_us": norm})
         print(f"{count:5d} rows: SwiGLU {swiglu:7.1f} us, RMSNorm {norm:7.1f} us", flush=True)
     return results
