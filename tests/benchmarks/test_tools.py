@@ -37,12 +37,13 @@ SPEC = WorkloadSpec(num_requests=5, seed=0, prompt_len_median=12, output_len_med
 def test_ab_measure_runs_on_a_tiny_model(tiny_model_dir):
     from llmserve import LLM
 
-    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB")
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", block_size=4)  # prompts fill blocks
     requests = build_workload(SPEC, llm.tokenizer)
     result = ab_checkouts.measure(
         llm, requests, passes=2, decode_prompt_tokens=4, decode_tokens=5, decode_repeats=2
     )
     assert len(result["passes"]) == 2 and result["tok_s"] == pytest.approx(max(result["passes"]), abs=0.1)
+    assert result["cached_prompt_tokens"] == 0  # every pass computes its prompts
     assert len(result["b1_all"]) == 2 and result["b1_ms"] > 0
 
 
