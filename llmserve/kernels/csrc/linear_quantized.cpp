@@ -51,7 +51,9 @@ namespace {
 constexpr int kRows = 32;        // output rows per packed block
 constexpr int kInputBlock = 32;  // input columns per activation scale
 constexpr int kMaxRowsPerPass = 4;
-constexpr int kPrefetchBytes = 32 * 64;  // how far ahead of the loads the weight stream is prefetched
+// How far ahead of the loads the weight stream is prefetched: 8 KiB read 5-12% faster than 2 KiB
+// at 1-8 rows, and 16 KiB no faster (linear_micro, Zen 5).
+constexpr int kPrefetchBytes = 128 * 64;
 
 #ifdef LLMSERVE_INT8_LINEAR
 
