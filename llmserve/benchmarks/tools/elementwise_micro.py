@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llmserve.benchmarks.tools.prefill_attention_micro import median_ms
+from llmserve.benchmarks.tools.timing import median_seconds
 from llmserve.kernels.cpu_ops import load_cpu_ops
 
 INTERMEDIATE = 1536
@@ -31,8 +31,8 @@ def run(rows: Sequence[int], repeats: int) -> list[dict]:
     for count in rows:
         gate_up = torch.randn(count, 2 * INTERMEDIATE).bfloat16()
         hidden = torch.randn(count, HIDDEN).bfloat16()
-        swiglu = 1e3 * median_ms(lambda gate_up=gate_up: ops.silu_and_mul(gate_up), repeats)
-        norm = 1e3 * median_ms(lambda hidden=hidden: ops.rms_norm(hidden, weight, 1e-5), repeats)
+        swiglu = 1e6 * median_seconds(lambda gate_up=gate_up: ops.silu_and_mul(gate_up), repeats)
+        norm = 1e6 * median_seconds(lambda hidden=hidden: ops.rms_norm(hidden, weight, 1e-5), repeats)
         results.append({"rows": count, "swiglu_us": swiglu, "rms_norm_us": norm})
         print(f"{count:5d} rows: SwiGLU {swiglu:7.1f} us, RMSNorm {norm:7.1f} us", flush=True)
     return results

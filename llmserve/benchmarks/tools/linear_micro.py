@@ -32,6 +32,7 @@ from functools import partial
 
 import torch
 
+from llmserve.benchmarks.tools.timing import median_seconds
 from llmserve.kernels.cpu_ops import load_cpu_ops
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
@@ -113,14 +114,12 @@ def run(rows: Sequence[int], num_layers: int, vocab: int, repeats: int, copy_mib
     return results
 
 
-def _median_seconds(call: Callable[[], object], repeats: int) -> float:
-    call()  # first calls build oneDNN's primitive and grow the allocator
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _bf16_kernel_ops():
+    """The compiled kernels, or exit where this CPU (or build) has no bf16 small-batch kernel."""
+    ops = load_cpu_ops()
+    if ops is None or not ops.small_batch_linear_supported():
+        raise SystemExit("this CPU (or build) has no AVX-512 BF16 small-batch kernel")
+    return ops
 
 
 def compare_amx(rows: Sequence[int], vocab: int, repeats: int) -> list[dict]:
@@ -142,12 +141,12 @@ def compare_amx(rows: Sequence[int], vocab: int, repeats: int) -> list[dict]:
         for count in rows:
             x = torch.randn(count, in_features).bfloat16()
             if logits:
-                old = _median_seconds(
+                old = median_seconds(
                     partial(ops.small_batch_linear_float_out, x, packed, out_features), repeats
                 )
             else:
-                old = _median_seconds(partial(onednn_linear, x, onednn, None), repeats)
-            new = _median_seconds(partial(ops.amx_linear, x, packed, None, out_features, logits), repeats)
+                old = median_seconds(partial(onednn_linear, x, onednn, None), repeats)
+            new = median_seconds(partial(ops.amx_linear, x, packed, None, out_features, logits), repeats)
             flops = 2 * count * out_features * in_features
             row = {"layer": name, "rows": count, "before": before_name, "before_us": old * 1e6}
             row |= {"amx_us": new * 1e6, "before_GFLOPs": flops / old / 1e9, "amx_GFLOPs": flops / new / 1e9}
@@ -166,9 +165,7 @@ def compare_tiled(rows: Sequence[int], repeats: int) -> list[dict]:
     their sums over one decoder layer."""
     from llmserve.kernels.small_batch_linear import onednn_linear, pack_for_onednn
 
-    ops = load_cpu_ops()
-    if ops is None or not ops.small_batch_linear_supported():
-        raise SystemExit("this CPU (or build) has no AVX-512 BF16 small-batch kernel")
+    ops = _bf16_kernel_ops()
     torch.manual_seed(0)
     layers = []
     for out_features, in_features in LAYER_SHAPES:
@@ -179,9 +176,9 @@ def compare_tiled(rows: Sequence[int], repeats: int) -> list[dict]:
         row = {"rows": count, "onednn_us": [], "kernel_us": []}
         for out_features, in_features, onednn, packed in layers:
             x = torch.randn(count, in_features).bfloat16()
-            row["onednn_us"].append(1e6 * _median_seconds(partial(onednn_linear, x, onednn, None), repeats))
+            row["onednn_us"].append(1e6 * median_seconds(partial(onednn_linear, x, onednn, None), repeats))
             kernel = partial(ops.small_batch_linear, x, packed, out_features)
-            row["kernel_us"].append(1e6 * _median_seconds(kernel, repeats))
+            row["kernel_us"].append(1e6 * median_seconds(kernel, repeats))
         old, new = sum(row["onednn_us"]), sum(row["kernel_us"])
         results.append(row)
         shapes = ", ".join(
@@ -198,9 +195,7 @@ def compare_tiled(rows: Sequence[int], repeats: int) -> list[dict]:
 def compare_logits(rows: Sequence[int], vocab: int, repeats: int) -> list[dict]:
     """Per row count: microseconds and TFLOP/s of the output projection (float32 out, then bf16 out)
     and of gate_up's shape."""
-    ops = load_cpu_ops()
-    if ops is None or not ops.small_batch_linear_supported():
-        raise SystemExit("this CPU (or build) has no AVX-512 BF16 small-batch kernel")
+    ops = _bf16_kernel_ops()
     torch.manual_seed(0)
     hidden = LAYER_SHAPES[0][1]
     lm_head = ops.small_batch_pack((torch.randn(vocab, hidden) * 0.05).bfloat16())
@@ -215,7 +210,7 @@ def compare_logits(rows: Sequence[int], vocab: int, repeats: int) -> list[dict]:
         x = torch.randn(count, hidden).bfloat16()
         parts = []
         for name, kernel, packed, out_features in cases:
-            seconds = _median_seconds(partial(kernel, x, packed, out_features), repeats)
+            seconds = median_seconds(partial(kernel, x, packed, out_features), repeats)
             tflops = 2 * count * out_features * hidden / seconds / 1e12
             results.append({"case": name, "rows": count, "us": seconds * 1e6, "TFLOP/s": tflops})
             parts.append(f"{name} {seconds * 1e6:8.0f} us ({tflops:.2f} TFLOP/s)")
@@ -226,9 +221,7 @@ def compare_logits(rows: Sequence[int], vocab: int, repeats: int) -> list[dict]:
 def compare_streamed(rows: Sequence[int], num_layers: int, repeats: int) -> list[dict]:
     """Per row count: microseconds per decoder layer (its four projections) with one layer's weights
     reused and with `num_layers` layers' weights in turn."""
-    ops = load_cpu_ops()
-    if ops is None or not ops.small_batch_linear_supported():
-        raise SystemExit("this CPU (or build) has no AVX-512 BF16 small-batch kernel")
+    ops = _bf16_kernel_ops()
     torch.manual_seed(0)
     stack = [
         [ops.small_batch_pack((torch.randn(n, k) * 0.05).bfloat16()) for n, k in LAYER_SHAPES]
@@ -243,8 +236,8 @@ def compare_streamed(rows: Sequence[int], num_layers: int, repeats: int) -> list
                 for (out_features, _), packed, x in zip(LAYER_SHAPES, weights, inputs, strict=True):
                     ops.small_batch_linear(x, packed, out_features)
 
-        cached = _median_seconds(partial(one_pass, stack[:1] * num_layers), repeats) / num_layers
-        streamed = _median_seconds(partial(one_pass, stack), repeats) / num_layers
+        cached = median_seconds(partial(one_pass, stack[:1] * num_layers), repeats) / num_layers
+        streamed = median_seconds(partial(one_pass, stack), repeats) / num_layers
         results.append({"rows": count, "cached_us": cached * 1e6, "streamed_us": streamed * 1e6})
         print(
             f"{count:5d} rows: a layer {cached * 1e6:6.0f} us with its weights in cache, "

@@ -11,24 +11,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from llmserve.benchmarks.tools.timing import median_seconds
 from llmserve.kernels.cpu_ops import load_cpu_ops
-
-
-def median_ms(call: Callable[[], torch.Tensor], repeats: int) -> float:
-    call()  # first-use costs out of the timing
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def run(
@@ -51,7 +40,7 @@ def run(
             call = functools.partial(
                 ops.prefill_attention, query, key_cache, value_cache, slots, scale, use_amx
             )
-            row[f"{name}_ms"] = median_ms(call, repeats)
+            row[f"{name}_ms"] = 1e3 * median_seconds(call, repeats)
             outputs[name] = call().float()
         sdpa = functools.partial(
             F.scaled_dot_product_attention,
@@ -62,7 +51,7 @@ def run(
             scale=scale,
             enable_gqa=True,
         )
-        row["torch_sdpa_ms"] = median_ms(sdpa, repeats)
+        row["torch_sdpa_ms"] = 1e3 * median_seconds(sdpa, repeats)
         if "amx" in outputs:
             row["amx_speedup"] = row["avx512_bf16_ms"] / row["amx_ms"]
             row["max_abs_diff"] = (outputs["amx"] - outputs["avx512_bf16"]).abs().max().item()
