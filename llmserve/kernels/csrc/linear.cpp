@@ -50,8 +50,8 @@ constexpr int kSingleTilePrefetchBytes = 256 * 64;
 // Output rows [row, row + 32) of all M inputs from one packed block; rows >= n_size are not written.
 // Out is uint16_t (bf16, rounded from the float32 sums) or float (the sums as they are: logits).
 // `stream`: whole 64-byte lines of float output go around the cache (see linear_packed). Each column
-// pair prefetches from `ahead`: its own two lines kPrefetchBytes on (the block streaming from memory)
-// or, with Paced, one line of the next block (see linear_block_rows).
+// pair prefetches from `ahead`: its own two lines a fixed distance on (the block streaming from
+// memory; see linear_block_rows for the distance) or, with Paced, one line of the next block.
 template <int M, typename Out, bool Paced = false>
 inline void linear_block(const uint16_t* x, const uint16_t* block, Out* out, int64_t k_size, int64_t n_size,
                          int64_t row, bool stream, const char* ahead) {
