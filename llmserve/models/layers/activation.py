@@ -18,6 +18,11 @@ class SiluAndMul(CustomOp):
             return self.forward_native(gate_up)
         return self.ops.silu_and_mul(gate_up)
 
+    def forward_cuda(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self.ops.takes_rows(gate_up):
+            return self.forward_native(gate_up)
+        return self.ops.silu_and_mul(gate_up)
+
 
 class GeluTanhAndMul(CustomOp):
     """GeGLU's activation on a fused [gate | up] projection: GELU(gate, tanh approximation) * up."""
@@ -25,3 +30,8 @@ class GeluTanhAndMul(CustomOp):
     def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+    def forward_cuda(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self.ops.takes_rows(gate_up):
+            return self.forward_native(gate_up)
+        return self.ops.gelu_tanh_and_mul(gate_up)

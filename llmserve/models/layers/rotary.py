@@ -93,10 +93,20 @@ class RotaryEmbedding(CustomOp):
         self.ops.rotary_embedding(positions, query, key, self.cos, self.sin, head_dim)
         return query, key
 
+    def forward_cuda(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated in place by one Triton launch, on each head's first rotary_dim dimensions (the
+        partial rope's too), as forward_cpu does."""
+        if not self.ops.takes_rows(query, key) or query.dtype != key.dtype:
+            return self.reference(positions, query, key, head_dim)
+        self.ops.rotary_embedding(positions, query, key, self.cos, self.sin, head_dim)
+        return query, key
+
     def reference(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_dim: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The PyTorch formulation: the oracle for the compiled kernel, and the CUDA path."""
+        """The PyTorch formulation: the oracle for the kernels, and the path without them."""
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(query, cos, sin, head_dim), _rotate(key, cos, sin, head_dim)
@@ -112,7 +122,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
 
 class PartialRotaryEmbedding(RotaryEmbedding):
     """Rope on the first `rotary_dim` dimensions of each head, the rest passed through (Phi-3/4's
-    `partial_rotary_factor`); the compiled kernel rotates whole heads, so every device runs this."""
+    `partial_rotary_factor`); the compiled CPU kernel rotates whole heads, so a CPU runs the reference
+    (the Triton kernel of forward_cuda rotates the first rotary_dim)."""
 
     def forward_cpu(self, positions, query, key, head_dim):
         return self.reference(positions, query, key, head_dim)

@@ -1,0 +1,1 @@
+"""Triton kernels for CUDA devices (tested on CPU through the Triton interpreter)."""
