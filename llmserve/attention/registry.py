@@ -8,10 +8,12 @@ import torch
 
 from llmserve.attention.backends.cpu_paged import CPUPagedBackend
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
+from llmserve.attention.backends.triton_paged import TritonPagedBackend
 
 logger = logging.getLogger("llmserve")
 
-_BACKENDS = {backend.name: backend for backend in (TorchSDPABackend, CPUPagedBackend)}
+_BACKENDS = {backend.name: backend for backend in (TorchSDPABackend, CPUPagedBackend, TritonPagedBackend)}
+_SOFT_CAPPING = (TorchSDPABackend.name, TritonPagedBackend.name)  # the backends that soft-cap scores
 
 
 def get_attention_backend(name: str = "torch", kv_cache_dtype: str = "auto"):
@@ -26,19 +28,32 @@ def get_attention_backend(name: str = "torch", kv_cache_dtype: str = "auto"):
 def select_attention_backend(
     name: str, device: torch.device, kv_cache_dtype: str = "auto", reference_only: bool = False
 ):
-    """Resolve "auto": the compiled paged kernel on CPU when it builds, else the reference (always
-    the reference for a model whose scores are soft-capped: `reference_only`)."""
-    if reference_only and name not in ("auto", TorchSDPABackend.name):
+    """Resolve "auto": the compiled paged kernel on CPU when it builds, the Triton kernel on CUDA when
+    triton imports, else the reference. A model whose scores are soft-capped (`reference_only`) runs
+    a backend that soft-caps: on CPU the reference, on CUDA the Triton kernel."""
+    if reference_only and name not in ("auto", *_SOFT_CAPPING):
         raise ValueError(
-            f"attention backend {name!r} cannot soft-cap attention scores (this model's); use auto or torch"
+            f"attention backend {name!r} cannot soft-cap attention scores (this model's); "
+            f"use auto, {' or '.join(_SOFT_CAPPING)}"
         )
-    if reference_only:
-        return get_attention_backend(TorchSDPABackend.name, kv_cache_dtype)
+    if name == TritonPagedBackend.name and not TritonPagedBackend.runs_on(device):
+        raise ValueError(f"attention backend {name!r} runs on CUDA devices, not {device.type}")
     if name != "auto":
         return get_attention_backend(name, kv_cache_dtype)
-    if device.type == "cpu":
+    fast = _in_place_backend(device, reference_only)
+    if fast is not None:
         try:
-            return get_attention_backend(CPUPagedBackend.name, kv_cache_dtype)
-        except RuntimeError:
+            return get_attention_backend(fast, kv_cache_dtype)
+        except RuntimeError:  # not built (CPU) or no triton (CUDA)
             pass
     return get_attention_backend(TorchSDPABackend.name, kv_cache_dtype)
+
+
+def _in_place_backend(device: torch.device, reference_only: bool) -> str | None:
+    """The backend "auto" tries first: Triton's on CUDA; on CPU the compiled one, which cannot
+    soft-cap (soft-capped models keep the reference there)."""
+    if device.type == "cuda":
+        return TritonPagedBackend.name
+    if device.type == "cpu" and not reference_only:
+        return CPUPagedBackend.name
+    return None
