@@ -106,7 +106,7 @@ def live_engine_args(engine_args: EngineArgs, num_requests: int) -> EngineArgs:
     """Only the KV budget may limit concurrency, and shared prefixes must not hide allocation."""
     return replace(
         engine_args,
-        max_num_seqs=max(engine_args.max_num_seqs, num_requests),
+        max_num_seqs=max(engine_args.max_num_seqs or 0, num_requests),
         prefix_caching=False,
     )
 

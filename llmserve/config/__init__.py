@@ -99,8 +99,10 @@ class ModelConfig:
     max_model_len: int  # longest prompt + output a request may have
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0  # seed of the engine-wide generator for unseeded sampled requests
-    attention_backend: str = "auto"  # "auto", "torch" (reference) or "cpu_paged" (compiled, in place)
+    # "auto", "torch" (reference), "cpu_paged" (compiled, in place) or "triton" (CUDA, in place)
+    attention_backend: str = "auto"
     quantization: QuantizationConfig | None = None  # weight quantization (llmserve/quantization); None: float
+    enforce_eager: bool = False  # CUDA: every step eagerly, no decode graphs (worker/cuda_graphs.py)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,10 @@ class CacheConfig:
     # layers by attention kind, one block table each (config/kv_groups.py); (): one group of every
     # layer, with `sliding_window`
     kv_groups: tuple[KVCacheGroup, ...] = ()
+    # CUDA with no size given: the pool holds only the profiling step's blocks until the engine has
+    # measured the device (worker/gpu_memory.py) and resolved the config again, sizing the pool from this
+    # fraction of the device's memory; None: the pool's size is final
+    size_from_gpu_memory: float | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,72 @@ def default_kv_cache_memory(dtype: torch.dtype, kv_cache_dtype: str = "auto") ->
     return 2 << 30 if entry_bytes >= 4 else 1 << 30
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A GPU's memory as the engine measured it after loading the weights and running one profiled
+    step (worker/gpu_memory.py): what `gpu_memory_utilization` sizes the KV pool from."""
+
+    total: int  # bytes the device has
+    free: int  # bytes free once the weights are loaded and the profiled step's activations released
+    weights: int  # bytes the engine holds after loading (the weights)
+    peak_activations: int  # the profiled step's peak above that: activations, logits, sampling
+
+
+def gpu_kv_cache_memory(utilization: float, memory: DeviceMemory) -> int:
+    """The KV pool's bytes on a GPU: what the weights and a step's peak activations leave of
+    `utilization` of the device's memory (vLLM's --gpu-memory-utilization, a per-engine share:
+    other processes' memory does not count against it, but must leave the pool room)."""
+    allowed = int(memory.total * utilization)
+    pool = allowed - memory.weights - memory.peak_activations
+    if pool <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} allows {_gib(allowed)} of the device's "
+            f"{_gib(memory.total)}, and the weights ({_gib(memory.weights)}) and a step's activations "
+            f"({_gib(memory.peak_activations)}) leave nothing for the KV cache: raise it, or lower "
+            "max_num_batched_tokens"
+        )
+    if pool + memory.peak_activations > memory.free:
+        raise ValueError(
+            f"the device has {_gib(memory.free)} free after loading, less than the KV cache and a step's "
+            f"activations take at gpu_memory_utilization={utilization} "
+            f"({_gib(pool + memory.peak_activations)}): other processes hold the rest; lower "
+            "gpu_memory_utilization or give kv_cache_memory"
+        )
+    return pool
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def profile_step_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Prompt lengths of the step the GPU's memory is profiled with, the largest the scheduler can
+    plan: as many sequences as it runs at once, the budget's tokens given to the first ones, each as
+    long as max_model_len lets a prompt be (the longest attention), one token for the rest (every row
+    samples: the most logits)."""
+    rows = min(max_num_seqs, max_num_batched_tokens)
+    lengths = [1] * rows
+    left = max_num_batched_tokens - rows
+    for row in range(rows):
+        extra = min(left, max(max_model_len - 2, 0))  # a prompt leaves room for one token
+        lengths[row] += extra
+        left -= extra
+    return lengths
+
+
+# The scheduler's limits where none are given, by device: (max_num_batched_tokens, max_num_seqs).
+# On a GPU vLLM's: 256 sequences, not its newer 1024 for H100-class cards, because decode graphs are
+# captured per batch size up to max_num_seqs, and past 256 rows a decode step reads the same weights
+# for rows that mostly wait on KV memory anyway.
+_SCHEDULER_DEFAULTS = {"cpu": (2048, 128), "cuda": (8192, 256)}
+
+
+def default_scheduler_limits(device: torch.device) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) where none are given: the CPU's as they always were; on
+    a GPU vLLM's, whose 8192-token steps (prompts chunked) keep the matrix units busy."""
+    return _SCHEDULER_DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
+
+
 def default_block_size(device: torch.device) -> int:
     """Tokens per KV block where none is given: 32 on a CPU, 16 elsewhere (as vLLM, which takes 128 on
     a CPU). Once a server has run a while its free blocks come back in no useful order, so a sequence's
@@ -189,12 +261,20 @@ class EngineArgs:
     block_size: int | None = _arg(None, "tokens per KV-cache block; default 32 on a CPU, 16 on a GPU")
     kv_cache_memory: int | str | None = _arg(
         None,
-        "KV-cache pool size: bytes or with a unit (512MiB, 2GiB); default 1GiB, or 2GiB where K/V are "
-        "stored in float32 (the same number of tokens)",
+        "KV-cache pool size: bytes or with a unit (512MiB, 2GiB); default on a CPU 1GiB, or 2GiB where "
+        "K/V are stored in float32 (the same number of tokens); on a GPU from gpu_memory_utilization",
     )
     num_kv_blocks: int | None = _arg(None, "exact KV pool size in blocks (overrides kv_cache_memory)")
-    max_num_batched_tokens: int = _arg(2048, "token budget of one engine step (prefill chunks + decodes)")
-    max_num_seqs: int = _arg(128, "most requests running at once")
+    gpu_memory_utilization: float = _arg(
+        0.9,
+        "CUDA: the fraction of the device's memory this engine may use; the KV pool gets what the weights "
+        "and a profiled step's activations leave of it (unless kv_cache_memory or num_kv_blocks is given)",
+    )
+    max_num_batched_tokens: int | None = _arg(
+        None,
+        "token budget of one engine step (prefill chunks + decodes); default 2048 on a CPU, 8192 on a GPU",
+    )
+    max_num_seqs: int | None = _arg(None, "most requests running at once; default 128 on a CPU, 256 on a GPU")
     enable_chunked_prefill: bool = _arg(True, "split long prompts across steps, mixed with decodes")
     scheduling_policy: str = _arg(
         "fcfs", "fcfs | priority (lower priority value runs first; aging avoids starvation)"
@@ -233,7 +313,12 @@ class EngineArgs:
     )
     seed: int = _arg(0, "seed for requests that sample without their own seed")
     attention_backend: str = _arg(
-        "auto", "auto | torch (reference) | cpu_paged (compiled kernel, reads the cache in place)"
+        "auto",
+        "auto | torch (reference) | cpu_paged (compiled CPU kernel) | triton (CUDA kernel); "
+        "both kernels read the cache in place",
+    )
+    enforce_eager: bool = _arg(
+        False, "CUDA: run every step eagerly, capturing no CUDA graphs of decode steps (vLLM's flag)"
     )
     kv_events_config: str | None = _arg(
         None,
@@ -326,14 +411,25 @@ class EngineArgs:
         return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
 
     def create_config(
-        self, arch: ModelArchConfig, model_path: str, draft_arch: ModelArchConfig | None = None
+        self,
+        arch: ModelArchConfig,
+        model_path: str,
+        draft_arch: ModelArchConfig | None = None,
+        device_memory: DeviceMemory | None = None,
     ) -> EngineConfig:
-        """`draft_arch`: the draft model's, whose KV pool (as many blocks) shares kv_cache_memory."""
+        """`draft_arch`: the draft model's, whose KV pool (as many blocks) shares kv_cache_memory.
+        `device_memory`: a GPU's, measured after loading (worker/gpu_memory.py), which sizes the pool
+        where no size is given; without it such a pool holds only the profiling step's blocks."""
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         max_model_len = self.max_model_len or min(arch.max_position_embeddings, 4096)
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        default_tokens, default_seqs = default_scheduler_limits(device)
+        max_num_batched_tokens = _given(self.max_num_batched_tokens, default_tokens)
+        max_num_seqs = _given(self.max_num_seqs, default_seqs)
         block_size = self.block_size if self.block_size is not None else default_block_size(device)
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -354,13 +450,15 @@ class EngineArgs:
         pool_bytes_per_token = bytes_per_token  # + the draft model's KV, which uses the same block ids
         if draft_arch is not None:
             pool_bytes_per_token += draft_arch.kv_bytes_per_token(dtype, self.kv_cache_dtype)
-        if self.num_kv_blocks is not None:
-            num_blocks = self.num_kv_blocks
-        else:
-            memory = self.kv_cache_memory
-            if memory is None:
-                memory = default_kv_cache_memory(dtype, self.kv_cache_dtype)
-            num_blocks = parse_bytes(memory) // (pool_bytes_per_token * block_size)
+        lengths = profile_step_lengths(max_num_batched_tokens, max_num_seqs, max_model_len)
+        num_blocks, from_gpu = self._pool_blocks(
+            device,
+            dtype,
+            parallel,
+            pool_bytes_per_token * block_size,
+            sum(-(-length // block_size) for length in lengths),
+            device_memory,
+        )
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={self.kv_cache_memory} holds no block of {block_size} tokens "
@@ -374,11 +472,11 @@ class EngineArgs:
             raise ValueError("priority_aging_seconds must be > 0")
         if not (0 <= self.ttft_target_ms < math.inf and 0 <= self.tpot_target_ms < math.inf):
             raise ValueError("ttft_target_ms and tpot_target_ms must be >= 0 (0: no target)")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) "
                 f"must be >= max_model_len ({max_model_len})"
             )
         return EngineConfig(
@@ -390,6 +488,7 @@ class EngineArgs:
                 device=device,
                 seed=self.seed,
                 attention_backend=self.attention_backend,
+                enforce_eager=self.enforce_eager,
                 quantization=QuantizationConfig.create(
                     self.quantization,
                     self.quantization_group_size,
@@ -408,10 +507,11 @@ class EngineArgs:
                 attention_sinks=sinks,
                 kv_events=self._kv_events(),
                 kv_groups=kv_groups,
+                size_from_gpu_memory=from_gpu,
             ),
             scheduler=SchedulerConfig(
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 scheduling_policy=self.scheduling_policy,
@@ -434,6 +534,30 @@ class EngineArgs:
             parallel=parallel,
             structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout),
         )
+
+    def _pool_blocks(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        parallel: ParallelConfig,
+        block_bytes: int,
+        profile_blocks: int,
+        device_memory: DeviceMemory | None,
+    ) -> tuple[int, float | None]:
+        """(blocks, size_from_gpu_memory): num_kv_blocks, else kv_cache_memory, else in a one-rank CUDA
+        engine what gpu_memory_utilization leaves (the profiling step's blocks until `device_memory`
+        is measured), else the fixed default. Tensor- and pipeline-parallel ranks on CUDA keep the
+        default: each would profile its own shard, and no machine here has two GPUs to test that on."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks, None
+        if self.kv_cache_memory is not None or device.type != "cuda" or parallel.world_size > 1:
+            memory = self.kv_cache_memory
+            if memory is None:
+                memory = default_kv_cache_memory(dtype, self.kv_cache_dtype)
+            return parse_bytes(memory) // block_bytes, None
+        if device_memory is None:
+            return profile_blocks, self.gpu_memory_utilization
+        return gpu_kv_cache_memory(self.gpu_memory_utilization, device_memory) // block_bytes, None
 
     def _parallel(self, arch: ModelArchConfig) -> ParallelConfig:
         parallel = ParallelConfig.create(
@@ -506,6 +630,10 @@ class EngineArgs:
                 "pass --disable-hybrid-kv-cache-manager to keep full KV in its sliding layers"
             )
         return groups
+
+
+def _given(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def _flag_type(hint) -> type:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from llmserve.config import EngineArgs, EngineConfig
+from llmserve.config import DeviceMemory, EngineArgs, EngineConfig
 from llmserve.config.parallel import split_sizes, stage_layer_ranges
 from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
@@ -42,6 +42,7 @@ from llmserve.spec_decode.registry import create_proposer
 from llmserve.spec_decode.target_vocabulary import TargetVocabulary
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.worker.executor import TensorParallelExecutor
+from llmserve.worker.gpu_memory import profile_device_memory
 from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput, allocate_kv_pool_early
 from llmserve.worker.pipeline_stage import PipelineDriver
 
@@ -74,10 +75,13 @@ class LLMEngine:
         if self.executor is not None:
             self.config = self.executor.config  # rank 0's device, where the launcher assigned it
         try:
-            self.model_runner, target_vocabulary = self._load_model_runner(path)
+            self.model_runner, target_vocabulary = self._load_model_runner(
+                path, lambda memory: args.create_config(arch, path, draft_arch, memory)
+            )
         except BaseException:
             self.shutdown()
             raise
+        self.config = self.model_runner.config  # on a GPU: the pool sized from the measured memory
         model = self.model_runner.model
         cache = self.config.cache
         self.kv_cache_manager = KVCacheManager(
@@ -123,9 +127,12 @@ class LLMEngine:
         self.startup_seconds = time.monotonic() - start
         self._log_startup()
 
-    def _load_model_runner(self, path: str) -> tuple[ModelRunner, TargetVocabulary | None]:
+    def _load_model_runner(
+        self, path: str, resolve_config: Callable[[DeviceMemory], EngineConfig]
+    ) -> tuple[ModelRunner, TargetVocabulary | None]:
         """Rank 0's shard and its runner; and, for a draft head under tensor parallelism, rank 0's copy
-        of the whole vocabulary (the shard holds a block of it)."""
+        of the whole vocabulary (the shard holds a block of it). On a GPU with no pool size given,
+        the runner's config is `resolve_config` of the device's memory measured after loading."""
         group = None if self.executor is None else self.executor.group
         config = self.config.model
         early_kv_pool = allocate_kv_pool_early(self.config)  # its prefault runs while the weights load
@@ -147,7 +154,10 @@ class LLMEngine:
                 model, config, self.tokenizer, lambda: build_model(config, load_weights(path, config.dtype))
             )
         use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
-        runner = ModelRunner(self.config, model, early_kv_pool)
+        config = self.config
+        if config.cache.size_from_gpu_memory is not None:  # the pool: what the weights and a step leave
+            config = resolve_config(profile_device_memory(config, model))
+        runner = ModelRunner(config, model, early_kv_pool)
         if self.executor is not None:
             self.executor.wait_until_ready()
         return runner, target_vocabulary

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from llmserve.sample.transfer import to_device
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("llmserve")
@@ -55,8 +56,8 @@ class LogitBias:
         token_ids = [token for p in params for token in p.logit_bias]
         biases = [bias for p in params for bias in p.logit_bias.values()]
         device = logits.device
-        index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
-        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+        index = (to_device(torch.tensor(row_ids), device), to_device(torch.tensor(token_ids), device))
+        logits.index_put_(index, to_device(torch.tensor(biases, dtype=logits.dtype), device), accumulate=True)
 
 
 class GrammarMask:
@@ -83,7 +84,7 @@ class GrammarMask:
             if state.sync(tokens) and state.fill(bitmask, row):  # else a moot row (a refused draft before it)
                 masked.append(row)
         if masked:
-            xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=masked)
+            xgrammar.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device), indices=masked)
 
 
 PROCESSORS: tuple[LogitsProcessor, ...] = (LogitBias(),)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from llmserve.sample.logits_processors import LogitsProcessing
+from llmserve.sample.transfer import to_device
 from llmserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -156,13 +157,6 @@ def _penalty_tensors(params, prompt_token_ids, output_token_ids, vocab_size, dev
 
 def _floats(values: list[float], device: torch.device) -> torch.Tensor:
     return to_device(torch.tensor(values, dtype=torch.float32), device)
-
-
-def to_device(cpu_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy without stalling the host: a pageable copy to CUDA would wait for the queued forward."""
-    if device.type == "cuda":
-        return cpu_tensor.pin_memory().to(device, non_blocking=True)
-    return cpu_tensor.to(device)
 
 
 def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

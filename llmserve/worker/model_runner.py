@@ -7,7 +7,8 @@ With KV-cache groups (config/kv_groups.py: sliding and global layers) it is [gro
 j-th layer of every group uses the j-th tensor, and each group gets its own attention metadata,
 built from its columns of the requests' interleaved block tables.
 Input bookkeeping is vectorized with numpy; the only Python loops are over requests (gathering their
-new token ids and block tables), never over tokens.
+new token ids and block tables), never over tokens. On a one-rank CUDA engine decode steps instead
+run on static buffers, replayed as CUDA graphs (worker/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.sample.verifier import DraftVerifier
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import GrammarState
+from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.prefault import PrefaultThread, populate_in_background
 from llmserve.worker.prompt_logprobs import PromptLogprobRows
 from llmserve.worker.prompt_logprobs import compute as compute_prompt_logprobs
@@ -81,6 +83,7 @@ class StepInputs:
     prompt_logprob_rows: PromptLogprobRows | None = None  # rows of requests asking for prompt log-probs
     pool_rows: list[int] = field(default_factory=list)  # batch indices of embedding requests done now
     pool_indices: torch.Tensor | None = None  # flat index of each one's last prompt token
+    static_size: int | None = None  # a decode step on the static buffers (cuda_graphs.py): its padded size
 
 
 @dataclass
@@ -133,6 +136,7 @@ class ModelRunner:
             reference_only=getattr(model, "reference_attention_only", False),
         )
         self._early_kv_pool = early_kv_pool
+        self._static_decode = self._uses_static_decode()  # decided first: its padding needs a scratch block
         self.kv_cache = self._allocate_kv_cache()
         self._early_kv_pool = None
         # CPU: map its pages ahead of use (an early pool's prefault is already running)
@@ -147,7 +151,7 @@ class ModelRunner:
         cache = config.cache
         # Block-granular views for swapping: [layers, 2, blocks, block_size, kv_heads, head_dim].
         self.kv_blocks = self.kv_cache.view(
-            *self.kv_cache.shape[:2], cache.num_blocks, cache.block_size, *self.kv_cache.shape[3:]
+            *self.kv_cache.shape[:2], -1, cache.block_size, *self.kv_cache.shape[3:]
         )
         self.swap_space = None
         if cache.num_swap_blocks:
@@ -159,8 +163,31 @@ class ModelRunner:
                 device="cpu",
                 pin_memory=self.device.type == "cuda",
             )
+        # after the pool, whose addresses graphs capture (the start-up time includes the capture);
+        # padded rows write to the block past the pool's blocks
+        self.decode_graphs = None
+        if self._static_decode:
+            self.decode_graphs = DecodeGraphs.create(model, config, scratch_block=config.cache.num_blocks)
+
+    def _uses_static_decode(self) -> bool:
+        """Whether decode steps run on static buffers as CUDA graphs: on a one-rank CUDA engine (not
+        --enforce-eager) whose pool is final (not the memory profile's), whose attention reads block
+        tables in place, with one KV-cache group and no mixture of experts (its routing sizes the
+        experts' work on the host). A pipeline stage or tensor-parallel rank runs eagerly."""
+        config = self.config
+        return (
+            self.device.type == "cuda"
+            and not config.model.enforce_eager
+            and config.parallel.world_size == 1
+            and config.cache.size_from_gpu_memory is None
+            and not config.cache.kv_groups
+            and not self.attention_backend.needs_gathered_decode
+            and not config.model.arch.num_experts
+        )
 
     def _allocate_kv_cache(self) -> torch.Tensor:
+        """The pool and each attention layer's views of it; with the static decode step, one scratch
+        block past the blocks the block manager hands out (its padded rows' K/V)."""
         arch, cache = self.config.model.arch, self.config.cache
         layers = self.model.attention_layers()
         # On CPU, torch.empty of a large pool is fresh zero pages from the OS without touching them
@@ -176,7 +203,7 @@ class ModelRunner:
         shape = (
             max(len(group) for group in groups),
             2,
-            cache.num_blocks * cache.block_size,
+            (cache.num_blocks + self._static_decode) * cache.block_size,
             layers[0].num_kv_heads,  # this rank's KV heads (all of them without tensor parallelism)
             kv_format.row_size(arch.head_dim),
         )
@@ -235,6 +262,8 @@ class ModelRunner:
         inputs = self.prepare(plan)
         if inputs is None:
             return ModelRunnerOutput({}, {})
+        if inputs.static_size is not None:
+            return self._execute_static(inputs)
         hidden = self._forward(inputs)
         prompt_logprobs = {}
         if inputs.prompt_logprob_rows is not None:
@@ -252,6 +281,14 @@ class ModelRunner:
         output.prompt_logprobs, output.pooled = prompt_logprobs, pooled
         return output
 
+    def _execute_static(self, inputs: StepInputs) -> ModelRunnerOutput:
+        """A decode step on the static buffers: its size's graph replayed, then sampling as any step.
+        Its hidden states are views the next step overwrites (a proposer reads them before)."""
+        hidden, logits = self.decode_graphs.run(inputs.static_size, len(inputs.requests))
+        for hook in self.hidden_hooks:
+            hook(hidden.clone())  # hooks may keep what they get
+        return self.sample(logits, inputs, hidden)
+
     def _pool(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, list[float]]:
         """Embeddings: each finished embedding request's last-token final hidden state (after the
         model's final norm), in float32, L2-normalized (docs/server.md says why the last token)."""
@@ -265,7 +302,23 @@ class ModelRunner:
         self.move_blocks(plan)
         if not plan.num_scheduled_tokens:
             return None
-        return self._prepare_inputs([(self.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()])
+        rows = [(self.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+        if self.decode_graphs is not None and self.decode_graphs.serves(rows):
+            return self._prepare_static([request for request, _ in rows])
+        return self._prepare_inputs(rows)
+
+    def _prepare_static(self, requests: list[CachedRequestState]) -> StepInputs:
+        """A decode step's inputs staged in the static buffers (one copy), padded to a captured size."""
+        static = self.decode_graphs.stage(requests)
+        return StepInputs(
+            requests=requests,
+            input_ids=static.input_ids,
+            positions=static.positions,
+            attention=static.attention,
+            sample_rows=list(range(len(requests))),
+            logits_indices=static.rows[: len(requests)],
+            static_size=len(static.input_ids),
+        )
 
     @torch.inference_mode()
     def run_stage(self, inputs: StepInputs, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -353,21 +406,23 @@ class ModelRunner:
 
     @staticmethod
     def _to_output(requests: list[CachedRequestState], sampled: SamplerOutput) -> ModelRunnerOutput:
-        token_ids = sampled.sampled_token_ids.tolist()  # the one host sync of the step
-        output = ModelRunnerOutput(
-            sampled_token_ids={r.request_id: [t] for r, t in zip(requests, token_ids, strict=True)},
-            logprobs={},
-        )
         if sampled.logprobs is None:
-            return output
-        top_ids, top_values = sampled.logprobs_token_ids.tolist(), sampled.logprobs.tolist()
-        sampled_values = sampled.sampled_logprobs.tolist()
-        for row, request in enumerate(requests):
+            token_ids = sampled.sampled_token_ids.tolist()  # the one host sync of the step
+            return ModelRunnerOutput(
+                sampled_token_ids={r.request_id: [t] for r, t in zip(requests, token_ids, strict=True)},
+                logprobs={},
+            )
+        rows = _logprob_rows(sampled)  # still the step's one host sync
+        num_top = sampled.logprobs.shape[1]
+        output = ModelRunnerOutput(
+            {r.request_id: [int(row[0])] for r, row in zip(requests, rows, strict=True)}, {}
+        )
+        for row, request in zip(rows, requests, strict=True):
             num = request.sampling_params.logprobs
             if num is None:
                 continue
-            entry = dict(zip(top_ids[row][:num], top_values[row][:num], strict=True))
-            entry[token_ids[row]] = sampled_values[row]
+            entry = dict(zip(map(int, row[1 : 1 + num]), row[1 + num_top : 1 + num_top + num], strict=True))
+            entry[int(row[0])] = row[-1]
             output.logprobs[request.request_id] = [entry]
         return output
 
@@ -506,6 +561,18 @@ def _take_prefault(early: EarlyKVPool | None, kv_cache: torch.Tensor) -> Prefaul
         return early.prefault
     early.prefault.chunks.stop()
     return None
+
+
+def _logprob_rows(sampled: SamplerOutput) -> list[list[float]]:
+    """Per row [sampled id, top-N ids, top-N log-probs, the sampled token's log-prob], moved to the
+    host in one copy: float64 holds the ids (below 2**53) and the float32 values exactly."""
+    columns = (
+        sampled.sampled_token_ids[:, None],
+        sampled.logprobs_token_ids,
+        sampled.logprobs,
+        sampled.sampled_logprobs[:, None],
+    )
+    return torch.cat([column.double() for column in columns], dim=1).tolist()
 
 
 def _logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:

@@ -125,6 +125,9 @@ class DraftModelProposer(ModelRunner):
     def shares_target_kv(self) -> bool:
         return self._shared_kv_cache is not None
 
+    def _uses_static_decode(self) -> bool:
+        return False  # it drafts through propose, never the decode step the graphs replay
+
     def _allocate_kv_cache(self) -> torch.Tensor:
         if self._shared_kv_cache is not None:
             return self._shared_kv_cache  # the layers are the target's, already bound to these views
