@@ -1,17 +1,20 @@
-"""The Triton paged-attention kernel agrees with the reference backend (run by Triton's interpreter).
+"""The Triton paged-attention kernel agrees with the reference backend: run by Triton's interpreter on
+CPU tensors, or compiled on a GPU with LLMSERVE_TEST_DEVICE=cuda (the values drawn on the CPU alike).
 
 Each case is one step over a paged cache with scrambled block tables: decodes, a speculative verify
 span, a prompt chunk over cached context (a prefix hit) and a fresh prompt, in one launch. Unused
 slots and blocks that left the window (pointed at one shared block) hold NaN, so a kernel that reads
 any of them fails. The oracle is TorchSDPABackend with every sequence as a prefill span.
-bfloat16 queries are not covered here: the interpreter's bfloat16 dot is wrong (its loads and casts
-are right, so a bfloat16 cache under float32 queries is); a GPU run of these cases covers them.
+bfloat16 queries are covered only compiled on a GPU: the interpreter's bfloat16 dot is wrong (its loads
+and casts are right, so a bfloat16 cache under float32 queries is covered on the CPU too).
 """
 
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
+TEST_DEVICE = os.environ.get("LLMSERVE_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -26,15 +29,24 @@ from llmserve.attention.window import prefill_context_positions  # noqa: E402
 from llmserve.forward_context import AttentionMetadata, PrefillSpan  # noqa: E402
 from llmserve.kernels.triton import paged_attention  # noqa: E402
 
+DEVICE = torch.device(TEST_DEVICE)
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("LLMSERVE_TEST_DEVICE=cuda but this machine has no CUDA device", allow_module_level=True)
+
 # (seq_len, new tokens): decodes, a verify span of 4, a chunk of 30 over 60 cached, a fresh prompt
 MIXED = [(1, 1), (17, 1), (100, 1), (50, 4), (90, 30), (12, 12)]
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+GPU_ONLY = pytest.mark.skipif(
+    DEVICE.type == "cpu", reason="the Triton interpreter's bfloat16 dot is wrong; compiled on a GPU only"
+)
 
 
 @pytest.fixture(autouse=True)
 def _loop_bounds_from_scalars(monkeypatch):
     """Triton 3.6's interpreter makes a tensor loop bound an int with int(array), which numpy 2.4
-    refuses for the 1-element arrays its scalars are; `.item()` is what it means."""
+    refuses for the 1-element arrays its scalars are; `.item()` is what it means (interpreted only)."""
+    if TEST_DEVICE != "cpu":
+        return
     from triton.runtime import interpreter
 
     patch_tensor = interpreter._patch_lang_tensor
@@ -48,7 +60,8 @@ def _loop_bounds_from_scalars(monkeypatch):
 
 def paged_case(seqs, heads, kv_heads, head_dim, block, dtype, kv_dtype="auto", cache_dtype=None, **options):
     """(query, key, value, key_cache, value_cache, in-place metadata, reference metadata) of a step in
-    which sequence s has seqs[s] = (seq_len, new): its last `new` positions are this step's tokens."""
+    which sequence s has seqs[s] = (seq_len, new): its last `new` positions are this step's tokens.
+    Drawn on the CPU (the same numbers on every device), then moved to DEVICE."""
     window, sinks = options.get("window", 0), options.get("sinks", 0)
     gen = torch.Generator().manual_seed(options.get("seed", 0))
     fmt = get_kv_cache_format(kv_dtype)
@@ -71,8 +84,8 @@ def paged_case(seqs, heads, kv_heads, head_dim, block, dtype, kv_dtype="auto", c
         tables[seq, -(-sinks // block) : max(first_visible, 0) // block] = nan_block  # left the window
         live = prefill_context_positions(n, new, sinks, window)
         live = positions if live is None else torch.from_numpy(live)
-        live_slots = tables[seq, live // block] * block + live % block
-        spans.append(PrefillSpan(start, start + new, live_slots, None if len(live) == n else live))
+        live_slots = (tables[seq, live // block] * block + live % block).to(DEVICE)
+        spans.append(PrefillSpan(start, start + new, live_slots, None if len(live) == n else live.to(DEVICE)))
         start += new
     key, value = (torch.cat(rows) for rows in new_rows)
     if fmt.is_quantized:  # NaN rows quantize to NaN scales: still poison
@@ -82,8 +95,9 @@ def paged_case(seqs, heads, kv_heads, head_dim, block, dtype, kv_dtype="auto", c
         caches = [cache.to(cache_dtype) for cache in caches]
         key, value = key.to(cache_dtype), value.to(cache_dtype)
     query = torch.randn(start + options.get("pad_rows", 0), heads, head_dim, generator=gen).to(dtype)
+    query, key, value, *caches = (tensor.to(DEVICE) for tensor in (query, key, value, *caches))
     common = dict(
-        slot_mapping=torch.cat(slot_mapping),
+        slot_mapping=torch.cat(slot_mapping).to(DEVICE),
         decode_context_slots=None,
         decode_context_mask=None,
         block_size=block,
@@ -95,9 +109,9 @@ def paged_case(seqs, heads, kv_heads, head_dim, block, dtype, kv_dtype="auto", c
     in_place = AttentionMetadata(
         num_decode_tokens=start,
         prefills=[],
-        decode_block_tables=tables,
-        decode_seq_lens=lens,
-        decode_query_starts=starts,
+        decode_block_tables=tables.to(DEVICE),
+        decode_seq_lens=lens.to(DEVICE),
+        decode_query_starts=starts.to(DEVICE),
         **common,
     )
     reference = AttentionMetadata(num_decode_tokens=0, prefills=spans, **common)
@@ -128,10 +142,14 @@ CASES = {  # (heads, kv_heads, head_dim, block, dtype, kv_dtype, window, sinks, 
     "gqa4-f16-int8-window-sinks": (8, 2, 128, 32, torch.float16, "int8", 24, 4, 0.0),
     "mha-f32-fp8-softcap": (4, 4, 64, 32, torch.float32, "fp8", 0, 0, 20.0),
     "gqa8-f16-window-softcap": (8, 1, 128, 16, torch.float16, "auto", 32, 0, 30.0),
+    "gqa3-bf16-softcap": (9, 3, 64, 16, torch.bfloat16, "auto", 0, 0, 30.0),
+    "gqa4-bf16-int8-window-sinks": (8, 2, 128, 32, torch.bfloat16, "int8", 24, 4, 0.0),
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=GPU_ONLY) if "bf16" in name else name for name in CASES]
+)
 def test_mixed_step_matches_reference(name):
     heads, kv_heads, head_dim, block, dtype, kv_dtype, window, sinks, softcap = CASES[name]
     case = paged_case(MIXED, heads, kv_heads, head_dim, block, dtype, kv_dtype, window=window, sinks=sinks)
@@ -195,17 +213,17 @@ def test_metadata_from_the_model_runner():
         _to_device = ModelRunner._to_device
 
         def __init__(self, backend, window, sinks):
-            self.attention_backend, self.block_size, self.device = backend, 16, torch.device("cpu")
+            self.attention_backend, self.block_size, self.device = backend, 16, DEVICE
             cache = type("Cache", (), {"sliding_window": window, "attention_sinks": sinks})
             self.config = type("Config", (), {"cache": cache})
 
     window, sinks = 24, 4
     case = paged_case(MIXED, 9, 3, 64, 16, torch.float16, window=window, sinks=sinks)
-    tables = case[5].decode_block_tables.numpy()
+    tables = case[5].decode_block_tables.cpu().numpy()  # the host arrays the runner is given
     num_new = torch.tensor([new for _, new in MIXED]).numpy()
-    seq_lens = case[5].decode_seq_lens.numpy()
-    starts = case[5].decode_query_starts[:-1].numpy()
-    slot_mapping = case[5].slot_mapping.numpy()
+    seq_lens = case[5].decode_seq_lens.cpu().numpy()
+    starts = case[5].decode_query_starts[:-1].cpu().numpy()
+    slot_mapping = case[5].slot_mapping.cpu().numpy()
     outputs = []
     for backend in (TorchSDPABackend(), TritonPagedBackend()):
         runner = Runner(backend, window, sinks)
