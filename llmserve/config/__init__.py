@@ -26,6 +26,7 @@ from llmserve.config.parallel import NodeArgs, ParallelConfig, stage_layer_range
 from llmserve.config.quantization import QuantizationConfig
 from llmserve.config.speculative import SpeculativeConfig
 from llmserve.config.structured_outputs import StructuredOutputsConfig
+from llmserve.kernels.cpu_isa import selected_level
 
 logger = logging.getLogger("llmserve")
 
@@ -664,12 +665,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_has_native_bf16() -> bool:
+    """Whether the compiled kernels' instruction-set level (kernels/cpu_isa.py: the CPU's best, or the
+    lower one LLMSERVE_CPU_ISA forces) has native bf16 (AVX-512 BF16 or AMX)."""
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
-    except OSError:
+        level = selected_level()
+    except ValueError:  # a forced level this CPU lacks: the kernels' loader says so
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return level is not None and level.name in ("avx512_bf16", "amx")
 
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}

@@ -2,7 +2,8 @@
 norm/rotary/SwiGLU, K/V writes, greedy sampling), built once per machine with torch's C++ extension loader.
 
 `make venv` builds them during set-up (so the first `llmserve serve` does not wait for a compiler);
-if compilation fails the engine falls back to the pure-PyTorch reference backend and says so.
+if compilation fails the engine falls back to the pure-PyTorch reference backend and says so. They are
+compiled for the CPU's instruction-set level (cpu_isa.py), one build per level.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from llmserve.kernels.cpu_isa import IsaLevel, is_forced, selected_level
 
 logger = logging.getLogger("llmserve")
 
@@ -42,20 +45,26 @@ _SOURCE_NAMES = (
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [str(_CSRC / name) for name in _SOURCE_NAMES]
 
+# -mtune=native schedules for this CPU; the binary still runs on any CPU of its level.
+_CFLAGS = ["-O3", "-mtune=native", "-fopenmp"]
 
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+def compiler_flags(level: IsaLevel) -> list[str]:
+    return [*_CFLAGS, *level.compiler_flags]
 
 
-def _build_directory(root: str) -> str:
-    """One build per distinct source, torch, flags and checkout: two checkouts (or versions) on one
-    machine then never rebuild over each other's module, each finds its own build on the next start.
-    The checkout's path counts too, since ninja rebuilds whenever the source paths of its build
-    commands change, even for identical sources."""
+def _build_directory(root: str, level: IsaLevel) -> str:
+    """One build per distinct source, torch, flags (the level's) and paths: two checkouts, versions or
+    levels on one machine never rebuild over each other's module, each finds its own build on the
+    next start. The paths count because ninja rebuilds whenever the command of a build changes, even
+    for identical sources: the checkout's, and torch's headers as this process reaches them (a venv
+    reached through a symlink gives other include paths)."""
     digest = hashlib.sha256()
     for source in sorted(_CSRC.iterdir()):  # the headers too
         digest.update(source.read_bytes())
-    digest.update(f"{torch.__version__} {sys.version_info[:2]} {_CFLAGS} {_CSRC.resolve()}".encode())
-    path = Path(root) / f"llmserve_cpu_ops-{digest.hexdigest()[:16]}"
+    paths = f"{_CSRC.resolve()} {os.path.dirname(torch.__file__)}"
+    digest.update(f"{torch.__version__} {sys.version_info[:2]} {compiler_flags(level)} {paths}".encode())
+    path = Path(root) / f"llmserve_cpu_ops_{level.name}-{digest.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
 
@@ -81,7 +90,15 @@ def build_lock(build_directory: str) -> Iterator[bool]:
 
 @functools.cache
 def load_cpu_ops() -> ModuleType | None:
-    """The compiled module, or None (with a warning) if it cannot be built here."""
+    """The compiled module for this CPU's level, or None (with a warning) if it cannot be built here."""
+    try:
+        level = selected_level()
+    except ValueError as error:  # a forced level this CPU lacks
+        logger.warning("compiled CPU kernels unavailable (%s); using the torch reference paths", error)
+        return None
+    if level is None:
+        logger.warning("compiled CPU kernels need an x86-64 CPU with AVX2; using the torch reference paths")
+        return None
     try:
         from torch.utils.cpp_extension import load
 
@@ -92,16 +109,19 @@ def load_cpu_ops() -> ModuleType | None:
         build_root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(
             Path.home() / ".cache" / "llmserve" / "torch_extensions"
         )
-        build_directory = _build_directory(build_root)
+        build_directory = _build_directory(build_root, level)
         with build_lock(build_directory):
-            return load(
-                name="llmserve_cpu_ops",
+            module = load(
+                name=f"llmserve_cpu_ops_{level.name}",
                 sources=_SOURCES,
-                extra_cflags=_CFLAGS,
+                extra_cflags=compiler_flags(level),
                 extra_ldflags=["-fopenmp"],
                 build_directory=build_directory,
                 verbose=False,
             )
+        how = "forced by LLMSERVE_CPU_ISA" if is_forced() else "the CPU's best"
+        logger.info("compiled CPU kernels: the %s level (%s)", level.name, how)
+        return module
     except Exception as error:  # noqa: BLE001 - any build failure means "use the fallback"
         logger.warning("compiled CPU kernels unavailable (%s); using the torch reference paths", error)
         return None
