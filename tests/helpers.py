@@ -9,7 +9,13 @@ import transformers
 
 from llmserve.model_loader import default_model_path, load_tokenizer
 
-__all__ = ["TINY_LLAMA_CONFIG", "default_model_path", "is_alive", "make_tiny_llama_dir"]
+__all__ = [
+    "TINY_LLAMA_CONFIG",
+    "default_model_path",
+    "is_alive",
+    "make_tiny_llama_dir",
+    "round_inputs_as_the_small_batch_kernels",
+]
 
 # Small enough to build and run in milliseconds; the vocabulary is the default model's so that the
 # real tokenizer and chat template work with it.
@@ -56,3 +62,36 @@ def is_alive(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def round_inputs_as_the_small_batch_kernels(reference: torch.nn.Module, quantized: torch.nn.Module) -> int:
+    """Make a float model of a quantized model's weights round its linear layers' inputs where the
+    quantized layers' float32 small-batch kernels round theirs (quantization/kernels.py:
+    Float32SmallBatchKernel, the AVX2 level): to 8 bits per 32 columns, a step of max|x| / 127 per
+    block. The reference must run its modules (no fused decode stack, which calls no hooks). Returns
+    how many layers round; none where the quantized layers dequantize instead."""
+    from llmserve.quantization.kernels import Float32SmallBatchKernel
+
+    hooked = 0
+    for name, module in quantized.named_modules():
+        kernel = getattr(module, "kernel", None)
+        if isinstance(kernel, Float32SmallBatchKernel):
+            hook = _rounding_hook(kernel, getattr(module, "float_logits", False))
+            reference.get_submodule(name).register_forward_pre_hook(hook)
+            hooked += 1
+    return hooked
+
+
+def _rounding_hook(kernel, logits: bool):
+    def hook(_module, args):
+        (x,) = args
+        rows = x.numel() // x.shape[-1]
+        if not kernel.takes(rows, logits):
+            return None
+        blocks = x.reshape(rows, -1, 32)
+        largest = blocks.abs().amax(dim=-1, keepdim=True)
+        scale = largest / 127
+        inverse = torch.where(largest >= 1e-30, 1 / scale, torch.zeros_like(scale))
+        return (torch.round(blocks * inverse) * scale).view_as(x)
+
+    return hook

@@ -25,7 +25,11 @@ the rows up to `KERNEL_MAX_ROWS` (256: a decode batch), in tiles of 8 that each 
 (AVX-512 BF16, no AMX) it beat oneDNN's GEMM at every decode size: one layer's four matmuls took
 147 / 358 / 677 / 928 / 1,833 us at 16 / 48 / 96 / 128 / 256 rows where oneDNN took 214 / 496 / 758
 / 988 / 1,920 (about 15 us of each oneDNN call is its set-up), and about the same at 512 (`python -m
-llmserve.benchmarks.tools.linear_micro --tiled`, docs/benchmarks.md). Above that, and above
+llmserve.benchmarks.tools.linear_micro --tiled`, docs/benchmarks.md). On AVX2 CPUs (no AVX-512
+BF16) the kernel runs float32 FMAs over the same packed copy (linear.cpp) and keeps the same rows:
+at the forced AVX2 level of that machine, with oneDNN capped at AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2`,
+where it packs no bf16 weight and `F.linear` takes the rows), it took about a quarter of F.linear's
+time at 9 to 256 rows; at 1 row it reads half of float32's bytes. Above that, and above
 `AMX_MAX_ROWS` with AMX, rows run oneDNN's GEMM on a copy of its weight packed once into oneDNN's
 blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does):
 `F.linear` on a plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs,

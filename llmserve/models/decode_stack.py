@@ -7,9 +7,10 @@ C++, so its output is bit-identical to the module path (tested) and the model us
 applies: every sequence this step is a decode or a short span (speculative verification), and the
 model runs on the CPU with the in-place paged attention backend and a plain KV cache, either in bf16
 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise int4 with their
-small-batch kernels, or in float32 with every linear layer on the float32 kernel (where the CPU has
-no native bf16). Above the small-batch kernel's 8 rows, where every layer is a bf16
-`SmallBatchLinear` (with its oneDNN copy), it takes what the modules take: the AMX kernel on the
+small-batch kernels, or in float32 (the dtype of CPUs without native bf16) with every linear layer
+on the float32 kernel or, quantized, on the int8 and int4 kernels where they take float32 inputs.
+Above the small-batch kernel's 8 rows, where every layer is a bf16 `SmallBatchLinear` (with its
+oneDNN copy), it takes what the modules take: the AMX kernel on the
 packed copy up to `AMX_MAX_ROWS` where the CPU has AMX, else the small-batch kernel in tiles of 8
 rows up to `KERNEL_MAX_ROWS`, and oneDNN's GEMM on the blocked copy beyond; with int8, int4 or
 float32 layers it serves up to 8 rows. Anything else (prefill chunks, other quantized formats, 8-bit
@@ -29,7 +30,12 @@ from llmserve.distributed.group import TensorParallelGroup
 from llmserve.forward_context import AttentionMetadata
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.small_batch_linear import AMX_MAX_ROWS, MAX_ROWS, PackedLinear, SmallBatchLinear
-from llmserve.quantization.kernels import Int4PackedKernel, Int8GroupedPackedKernel, Int8PackedKernel
+from llmserve.quantization.kernels import (
+    Float32SmallBatchKernel,
+    Int4PackedKernel,
+    Int8GroupedPackedKernel,
+    Int8PackedKernel,
+)
 
 
 class FusedDecodeStack:
@@ -94,11 +100,14 @@ def _small_batch_weights(module, dtype: torch.dtype) -> StackWeights | None:
     """(packed weight, its scales: none, per row, per 32 columns or int4's parameters, the oneDNN copy
     for more than 8 rows or None) of a linear layer the stack can run in a `dtype` model: bf16
     (SmallBatchLinear), int8 or int4 with a small-batch kernel; float32 (PackedLinear with the float32
-    kernel, whose oneDNN copy is replaced when the weight changes: the stack keeps it to 8 rows);
-    else None."""
+    kernel, whose oneDNN copy is replaced when the weight changes: the stack keeps it to 8 rows; int8
+    or int4 where their small-batch kernels take float32 inputs); else None."""
     if dtype == torch.float32:
         if type(module) is PackedLinear and module.small_batch_weight is not None:
             return module.small_batch_weight, _EMPTY, None
+        kernel = getattr(module, "kernel", None)
+        if isinstance(kernel, Float32SmallBatchKernel):
+            return kernel.small_batch_qweight, kernel.small_batch_scales, None
         return None
     if type(module) is SmallBatchLinear:
         return module.small_batch_weight, _EMPTY, module.packed_weight

@@ -2,9 +2,11 @@
 
 On a CPU with bfloat16 activations the packed kernels read a half or a quarter of bf16's weight
 bytes per decode step, which is what a decode step is bound by, while dequantizing on the fly costs
-more than it saves (docs/quantization.md: how the kernels work). With float32 activations the
-packed ops have no fast path, so float32 and other devices dequantize on the fly: correct everywhere,
-a memory saving but not a speed-up.
+more than it saves (docs/quantization.md: how the kernels work). With float32 activations (the dtype
+of CPUs without native bf16) the compiled small-batch kernels take the decode rows where this build
+has them for float32 inputs (the AVX2 level: `Float32SmallBatchKernel`), and larger batches
+dequantize on the fly, whose float32 GEMM beats the packed ops there. Elsewhere float32 and other
+devices dequantize on the fly: correct everywhere, a memory saving but not a speed-up.
 
 Contract: a kernel maps x [..., in] to x @ W.T [..., out] in x's dtype, and `dequantize()` returns
 the W it multiplies by (what the tests compare a float run against).
@@ -208,18 +210,79 @@ class Int4PackedKernel(LinearKernel):
         return self.forward(eye).t().to(dtype)
 
 
-def _small_batch_int8_ops(codes: torch.Tensor):
-    """The compiled kernels, where this build has the small-batch int8/int4 kernels and the codes
-    suit them: a width that is a multiple of 32, and int8 codes within [-127, 127] (the kernel
-    stores q + 128 unsigned; a checkpoint's -128 keeps the packed op)."""
+def _small_batch_int8_ops(codes: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+    """The compiled kernels, where this build has the small-batch int8/int4 kernels for `dtype` inputs
+    and the codes suit them: a width that is a multiple of 32, and int8 codes within [-127, 127] (the
+    kernel stores q + 128 unsigned; a checkpoint's -128 keeps the packed op)."""
     if codes.device.type != "cpu":
         return None
     ops = load_cpu_ops()
-    if ops is None or not ops.small_batch_linear_int8_supported() or codes.shape[-1] % 32:
+    if ops is None or not ops.small_batch_linear_int8_supported(dtype) or codes.shape[-1] % 32:
         return None
     if codes.dtype == torch.int8 and codes.numel() and int(codes.min()) < -127:
         return None
     return ops
+
+
+class Float32SmallBatchKernel(DequantizeKernel):
+    """float32 activations where this build's small-batch int8/int4 kernels take them (AVX2): up to 8
+    rows (decode, verification) the compiled kernel on its packed copy, the input rounded to 8 bits
+    per 32 columns as with bf16; more rows (a prefill) dequantize on the fly and run float32's GEMM.
+    The kernel multiplies by the weight's own float32 scales (and offsets), as `dequantize` does."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__(weight, dtype)
+        ops = _small_batch_int8_ops(weight.qweight, torch.float32)
+        codes = weight.qweight.contiguous()
+        self._float_out = None
+        if isinstance(weight, Int4Weight):
+            self._small_batch = ops.small_batch_linear_int4
+            packed, scales = ops.small_batch_pack_int4(codes, self.scales, self.offsets)
+        else:
+            self._small_batch = ops.small_batch_linear_int8
+            self._float_out = ops.small_batch_linear_int8_float_out  # float32 x: both write float32
+            packed = ops.small_batch_pack_int8(codes)
+            if weight.group_size == weight.shape[1]:  # per channel
+                scales = self.scales[:, 0].contiguous()
+            else:
+                scales = ops.small_batch_pack_int8_group_scales(self.scales)
+        self.register_buffer("small_batch_qweight", packed)
+        self.register_buffer("small_batch_scales", scales)  # [N], per 32 columns packed, or int4's params
+        self.out_features = weight.shape[0]
+
+    @staticmethod
+    def serves(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+        if device.type != "cpu" or dtype != torch.float32:
+            return False
+        if _small_batch_int8_ops(weight.qweight, torch.float32) is None:
+            return False
+        if isinstance(weight, Int4Weight):
+            return weight.group_size % 32 == 0
+        return weight.group_size in (32, weight.shape[1])
+
+    def takes(self, rows: int, logits: bool = False) -> bool:
+        """Whether `rows` float32 rows run on the compiled kernel, their input rounded (else F.linear):
+        up to 8 rows, and an int8 output projection's at any row count."""
+        return rows <= SMALL_BATCH_MAX_ROWS or (logits and self._float_out is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if x.dtype != torch.float32 or not self.takes(flat.shape[0]):
+            return super().forward(x)
+        out = self._small_batch(
+            flat.contiguous(), self.small_batch_qweight, self.small_batch_scales, self.out_features
+        )
+        return out.view(*x.shape[:-1], -1)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 x: the forward's float32 sums, from int8's kernel at any row count (a row's logits
+        then do not depend on the batch)."""
+        flat = x.reshape(-1, x.shape[-1])
+        if x.dtype != torch.float32 or not self.takes(flat.shape[0], logits=True):
+            return super().logits(x)
+        kernel = self._float_out or self._small_batch
+        out = kernel(flat.contiguous(), self.small_batch_qweight, self.small_batch_scales, self.out_features)
+        return out.view(*x.shape[:-1], -1)
 
 
 def _packed_cpu(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
@@ -234,6 +297,7 @@ _KERNELS: list[tuple[Callable[[QuantizedWeight, torch.dtype, torch.device], bool
         Int8PackedKernel,
     ),
     (lambda w, d, dev: _packed_cpu(w, d, dev) and w.kind == "int8", Int8GroupedPackedKernel),
+    (Float32SmallBatchKernel.serves, Float32SmallBatchKernel),
     (lambda w, d, dev: True, DequantizeKernel),
 ]
 

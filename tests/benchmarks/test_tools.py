@@ -165,7 +165,7 @@ def _free_port() -> int:
 # -- linear_micro -----------------------------------------------------------------------------------
 
 
-@pytest.mark.cpu_kernels("avx512_bf16")
+@pytest.mark.cpu_kernels("bf16_linear")
 def test_linear_micro_times_every_format_this_build_has():
     results = linear_micro.run(rows=[1, 2], num_layers=1, vocab=64, repeats=1, copy_mib=1)
     assert {result["format"] for result in results} >= {"bf16"}
@@ -180,7 +180,7 @@ def test_linear_micro_compares_amx_with_the_kernels_before_it():
     assert all(r["before_us"] > 0 and r["amx_us"] > 0 and r["amx_GFLOPs"] > 0 for r in results)
 
 
-@pytest.mark.cpu_kernels("avx512_bf16")
+@pytest.mark.cpu_kernels("bf16_linear")
 def test_linear_micro_compares_onednn_with_the_tiled_kernel():
     results = linear_micro.compare_tiled(rows=[9, 40], repeats=1)
     assert [r["rows"] for r in results] == [9, 40]
@@ -188,7 +188,7 @@ def test_linear_micro_compares_onednn_with_the_tiled_kernel():
     assert all(min(r["onednn_us"] + r["kernel_us"]) > 0 for r in results)
 
 
-@pytest.mark.cpu_kernels("avx512_bf16")
+@pytest.mark.cpu_kernels("bf16_linear")
 def test_linear_micro_times_the_logits_and_a_layer_in_cache_and_streamed():
     logits = linear_micro.compare_logits(rows=[2, 9], vocab=4096, repeats=1)
     assert [(r["case"], r["rows"]) for r in logits][:3] == [

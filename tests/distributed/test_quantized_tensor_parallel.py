@@ -18,6 +18,7 @@ from llmserve.model_loader import load_weights
 from llmserve.quantization.formats import quantize_int8
 from llmserve.sampling_params import SamplingParams
 from tests.distributed.conftest import assert_same_greedy, engine
+from tests.helpers import round_inputs_as_the_small_batch_kernels
 
 PROMPTS = [[5, 6, 7, 8] * 6, [100, 200, 300] * 5 + [9], list(range(1000, 1040)), [31, 4159, 2653, 17]]
 BF16_TIE = 0.1  # bfloat16 moves this model's logits by a few hundredths between 1 and 2 ranks
@@ -55,11 +56,16 @@ def test_shards_of_one_quantization_decode_like_one_process(
 
 def test_int8_rtn_shards_decode_like_a_float_model_of_their_weights(tiny_llama_dir):
     """int8-rtn scales each rank's rows: in o_proj and down_proj over the rank's columns only, so
-    the reference is one float process whose weights are the ranks' quantized shards put together."""
+    the reference is one float process whose weights are the ranks' quantized shards put together.
+    Where the shards' small-batch kernels round their decode rows (float32 inputs on the AVX2 level;
+    the ranks' cuts fall on the 32-column blocks), the reference's layers round theirs the same way."""
     with engine(tiny_llama_dir, tensor_parallel_size=2, quantization="int8-rtn") as llm:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        rank0 = llm.engine.model_runner.model  # every rank takes the same kernels
     with engine(tiny_llama_dir) as llm:
         model = llm.engine.model_runner.model
+        if round_inputs_as_the_small_batch_kernels(model, rank0):
+            llm.engine.model_runner.decode_stack = None  # the hooks are on the modules
         floats = load_weights(tiny_llama_dir, torch.float32)
         layouts = [ShardLayout.of(model.arch, 2, rank) for rank in range(2)]
         with torch.no_grad():

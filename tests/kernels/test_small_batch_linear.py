@@ -17,7 +17,7 @@ from llmserve.kernels.small_batch_linear import (
 from llmserve.models.layers.lm_head import LMHead
 
 ops = load_cpu_ops()
-pytestmark = pytest.mark.cpu_kernels("avx512_bf16")
+pytestmark = pytest.mark.cpu_kernels("bf16_linear")
 
 
 @pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
@@ -225,7 +225,7 @@ def _rounded_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rounded, scale.double().expand_as(blocks).reshape(x.shape)
 
 
-@pytest.mark.cpu_kernels("avx512_vnni")
+@pytest.mark.cpu_kernels("int8_linear")
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 32), (576, 1536), (45, 64)])
 def test_int8_matches_its_rounded_input_reference(rows, out_features, in_features):
@@ -253,7 +253,7 @@ def test_int8_matches_its_rounded_input_reference(rows, out_features, in_feature
     )
 
 
-@pytest.mark.cpu_kernels("avx512_vnni")
+@pytest.mark.cpu_kernels("int8_linear")
 @pytest.mark.parametrize("rows", [1, 4, 6])
 @pytest.mark.parametrize(
     ("out_features", "in_features", "group_size"),
@@ -283,7 +283,7 @@ def test_int4_matches_its_rounded_input_reference(rows, out_features, in_feature
     assert torch.equal(ops.small_batch_linear_int4(x[-1:], packed, params, out_features)[0], actual[-1])
 
 
-@pytest.mark.cpu_kernels("avx512_vnni")
+@pytest.mark.cpu_kernels("int8_linear")
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (45, 64)])
 def test_int8_with_a_scale_per_32_columns(rows, out_features, in_features):
@@ -303,7 +303,7 @@ def test_int8_with_a_scale_per_32_columns(rows, out_features, in_features):
     assert ((actual.double() - expected).abs() <= 2**-8 * expected.abs() + 1e-5 * magnitude).all()
 
 
-@pytest.mark.cpu_kernels("avx512_vnni")
+@pytest.mark.cpu_kernels("int8_linear")
 def test_quantized_input_edge_cases_zero_tiny_and_nan_blocks():
     """An all-zero or denormal-sized input block contributes nothing; a NaN reaches its outputs."""
     codes = torch.randint(-127, 128, (40, 96), dtype=torch.int8)
@@ -321,7 +321,7 @@ def test_quantized_input_edge_cases_zero_tiny_and_nan_blocks():
     assert out[2].isnan().all()
 
 
-@pytest.mark.cpu_kernels("avx512_vnni")
+@pytest.mark.cpu_kernels("int8_linear")
 def test_int8_rejects_what_it_does_not_serve():
     codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
     packed = ops.small_batch_pack_int8(codes)
@@ -341,7 +341,7 @@ def test_int8_rejects_what_it_does_not_serve():
         ops.small_batch_linear_int4(torch.randn(1, 64).bfloat16(), packed, params, 40)
 
 
-@pytest.mark.cpu_kernels("avx512_vnni")
+@pytest.mark.cpu_kernels("int8_linear")
 @pytest.mark.parametrize("grouped", [False, True])
 def test_int8_float_out_serves_any_rows_and_rounds_to_the_bf16_kernel(grouped):
     """A quantized output projection's logits: the int8 kernel's float32 sums at any row count, each
@@ -363,4 +363,46 @@ def test_int8_float_out_serves_any_rows_and_rounds_to_the_bf16_kernel(grouped):
         assert torch.equal(part, together[first : first + count])
     assert torch.equal(
         ops.small_batch_linear_int8(x[:8].contiguous(), packed, scales, 70), together[:8].bfloat16()
+    )
+
+
+@pytest.mark.cpu_kernels("int8_linear")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_float32_inputs_where_the_build_takes_them(rows):
+    """Where the int8 and int4 kernels take float32 inputs (the AVX2 level, whose models run in float32)
+    they round them as they round bf16 ones and write float32; elsewhere they refuse them."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen)
+    codes = torch.randint(-127, 128, (70, 576), generator=gen, dtype=torch.int8)
+    packed, scales = ops.small_batch_pack_int8(codes), torch.rand(70, generator=gen) * 0.01 + 1e-4
+    nibbles = torch.randint(0, 16, (70, 576), generator=gen, dtype=torch.uint8)
+    int4_scales = torch.rand(70, 9, generator=gen) * 0.02 + 1e-3
+    int4_packed, params = ops.small_batch_pack_int4(nibbles, int4_scales, -8 * int4_scales)
+    if not ops.small_batch_linear_int8_supported(torch.float32):
+        with pytest.raises(RuntimeError, match="bfloat16 inputs"):
+            ops.small_batch_linear_int8(x, packed, scales, 70)
+        with pytest.raises(RuntimeError, match="bfloat16 inputs"):
+            ops.small_batch_linear_int4(x, int4_packed, params, 70)
+        return
+    actual = ops.small_batch_linear_int8(x, packed, scales, 70)
+    assert actual.dtype == torch.float32
+    assert torch.equal(actual, ops.small_batch_linear_int8_float_out(x, packed, scales, 70))
+    rounded, _ = _rounded_input(x)
+    expected = (rounded @ codes.double().T) * scales.double()
+    magnitude = (rounded.abs() @ codes.double().abs().T) * scales.double()
+    assert ((actual.double() - expected).abs() <= 1e-5 * magnitude).all()
+    weight = (nibbles.double().view(70, 9, 64) - 8) * int4_scales.double()[..., None]
+    int4 = ops.small_batch_linear_int4(x, int4_packed, params, 70)
+    assert int4.dtype == torch.float32
+    expected = rounded @ weight.view(70, 576).T
+    assert ((int4.double() - expected).abs() <= 1e-5 * (rounded.abs() @ weight.view(70, 576).abs().T)).all()
+    # bf16 inputs given as float32 are rounded to the same codes: the bf16 kernel's sums, unrounded
+    as_bf16 = x.bfloat16()
+    assert torch.equal(
+        ops.small_batch_linear_int8_float_out(as_bf16.float(), packed, scales, 70),
+        ops.small_batch_linear_int8_float_out(as_bf16, packed, scales, 70),
+    )
+    assert torch.equal(
+        ops.small_batch_linear_int4(as_bf16.float(), int4_packed, params, 70).bfloat16(),
+        ops.small_batch_linear_int4(as_bf16, int4_packed, params, 70),
     )

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from llmserve.config.quantization import QuantizationConfig, resolve_group_size
+from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.quantization.checkpoint import load_quantized, save_quantized
 from llmserve.quantization.formats import Int8Weight, concat_rows, quantize_int4, quantize_int8
 from llmserve.quantization.gptq import gptq_quantize
 from llmserve.quantization.kernels import (
     DequantizeKernel,
+    Float32SmallBatchKernel,
     Int4PackedKernel,
     Int8GroupedPackedKernel,
     Int8PackedKernel,
@@ -127,12 +129,32 @@ def test_int8_packed_kernel_takes_a_weight_at_an_unaligned_address(weight):
     torch.testing.assert_close(kernel(x).double(), expected, rtol=0.02, atol=0.05)
 
 
-def test_float32_dequantizes_on_the_fly(weight):
-    q = quantize_int4(weight, 32)
+@pytest.mark.parametrize(
+    "make",
+    [lambda w: quantize_int8(w), lambda w: quantize_int8(w, 32), lambda w: quantize_int4(w, 32)],
+    ids=["int8", "int8-groups-of-32", "int4"],
+)
+def test_float32_takes_the_small_batch_kernels_where_they_take_float32_else_dequantizes(weight, make):
+    """float32 activations: more than 8 rows multiply by the dequantized weight (F.linear) either way;
+    up to 8 rows take the small-batch kernel where this build has it for float32 inputs (the AVX2
+    level), whose input is rounded to 8 bits per 32 columns, else the same F.linear."""
+    q = make(weight)
     kernel = select_kernel(q, torch.float32, torch.device("cpu"))
-    assert type(kernel) is DequantizeKernel
-    x = torch.randn(3, 128)
-    torch.testing.assert_close(kernel(x), x @ q.dequantize().t())
+    x = torch.randn(9, 128)
+    expected = x @ q.dequantize().t()
+    torch.testing.assert_close(kernel(x), expected)
+    ops = load_cpu_ops()
+    if ops is None or not ops.small_batch_linear_int8_supported(torch.float32):
+        assert type(kernel) is DequantizeKernel
+        torch.testing.assert_close(kernel(x[:3]), expected[:3])
+        return
+    assert type(kernel) is Float32SmallBatchKernel
+    few = kernel(x[:5])
+    assert few.dtype == torch.float32
+    step = x[:5].view(5, -1, 32).abs().amax(dim=-1, keepdim=True).expand(5, 4, 32).reshape(5, 128) / 127
+    rounding = step.double() / 2 @ q.dequantize().double().abs().t()
+    assert ((few.double() - expected[:5].double()).abs() <= 1e-5 + rounding).all()
+    assert torch.equal(kernel.logits(x[:5]), few)  # an output projection's logits: the same sums
 
 
 def test_checkpoint_round_trip(tmp_path, weight):

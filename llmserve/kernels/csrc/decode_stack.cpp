@@ -7,11 +7,12 @@
 // write_kv_rows, paged_attention, add_rms_norm, silu_and_mul, the residual add), so its output is
 // bit-identical to the Python path (tested); only the dispatch goes. Linear layers may be bf16,
 // per-channel int8 or group-wise int4, each through its small-batch kernel, or float32 in a float32
-// model (linear_f32.cpp); above 8 rows, bf16 ones go to AMX (linear_amx.cpp), the small-batch kernel in
-// tiles of 8 (no AMX, up to kernel_max_rows) or oneDNN's GEMM, as the modules choose. The model uses
-// it when every sequence is a decode or a short span (models/decode_stack.py says when). Under tensor
-// parallelism the layers are one rank's shards, and the o and down projections' outputs are summed
-// over the ranks in the stack (shm_collectives.cpp on one host), as the modules sum them.
+// model (linear_f32.cpp; int8 and int4 too where their kernels take float32 inputs); above 8 rows,
+// bf16 ones go to AMX (linear_amx.cpp), the small-batch kernel in tiles of 8 (no AMX, up to
+// kernel_max_rows) or oneDNN's GEMM, as the modules choose. The model uses it when every sequence is
+// a decode or a short span (models/decode_stack.py says when). Under tensor parallelism the layers are
+// one rank's shards, and the o and down projections' outputs are summed over the ranks in the stack
+// (shm_collectives.cpp on one host), as the modules sum them.
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "decode_stack.h"
@@ -19,10 +20,10 @@
 
 torch::Tensor small_batch_linear_packed(const torch::Tensor& x, const torch::Tensor& weight,
                                         const torch::Tensor& scales, int64_t out_features) {
-  if (x.scalar_type() == torch::kFloat) return small_batch_linear_f32(x, weight, out_features);
   if (weight.scalar_type() == torch::kByte && scales.dim() == 4)
     return small_batch_linear_int4(x, weight, scales, out_features);
   if (weight.scalar_type() == torch::kByte) return small_batch_linear_int8(x, weight, scales, out_features);
+  if (x.scalar_type() == torch::kFloat) return small_batch_linear_f32(x, weight, out_features);
   return small_batch_linear(x, weight, out_features);
 }
 

@@ -40,15 +40,15 @@ torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales);
 torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features);
 torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                                                 int64_t out_features);
-bool small_batch_linear_int8_supported();
+bool small_batch_linear_int8_supported(at::ScalarType input = at::kBFloat16);  // for inputs of this dtype
 std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets);
 torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features);
 
-// decode_stack.cpp: x W^T through the small-batch kernel for x's dtype and W's packed format: float32 x
-// -> small_batch_linear_f32 (W packed float32, or bf16 for a draft head); bf16 x -> small_batch_linear
-// (bf16 W), small_batch_linear_int8 (uint8 W, scales [N] or [blocks, groups, 32]) or
-// small_batch_linear_int4 (uint8 W, 4-D params). What SmallBatchLinear, PackedLinear and the quantized
-// kernels run from Python, for the compiled compositions of them (DecodeStack, DraftHeadChain).
+// decode_stack.cpp: x W^T through the small-batch kernel for W's packed format and x's dtype: uint8 W ->
+// small_batch_linear_int8 (scales [N] or [blocks, groups, 32]) or small_batch_linear_int4 (4-D params), for
+// bf16 x or, at the AVX2 level, float32 x; otherwise float32 x -> small_batch_linear_f32 (W packed float32,
+// or bf16 for a draft head), bf16 x -> small_batch_linear (bf16 W). What SmallBatchLinear, PackedLinear and
+// the quantized kernels run from Python, for the compiled compositions of them (DecodeStack, DraftHeadChain).
 torch::Tensor small_batch_linear_packed(const torch::Tensor& x, const torch::Tensor& weight,
                                         const torch::Tensor& scales, int64_t out_features);
 

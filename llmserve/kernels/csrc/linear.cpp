@@ -13,22 +13,29 @@
 // load. A row-major layout (one vector per row, a horizontal sum per output) is compute-bound at 4-8
 // rows because of those sums. A row's result does not depend
 // on M (same products, same order), so verifying drafts gives the bits that decoding gives.
+// On AVX2 CPUs (no AVX-512 BF16) the same packed blocks run on float32 FMAs (the AVX2 section).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include "kernels.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define LLMSERVE_BF16_LINEAR 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include "vector_math.h"
+#define LLMSERVE_BF16_LINEAR_AVX2 1  // the same packed blocks in float32 FMAs (the section's comment says how)
 #endif
 
 bool small_batch_linear_supported() {
-#ifdef LLMSERVE_BF16_LINEAR
+#if defined(LLMSERVE_BF16_LINEAR) || defined(LLMSERVE_BF16_LINEAR_AVX2)
   return true;
 #else
   return false;
@@ -158,9 +165,113 @@ void linear_packed(const uint16_t* x, const uint16_t* packed, Out* out, int64_t 
 
 #endif  // LLMSERVE_BF16_LINEAR
 
+#ifdef LLMSERVE_BF16_LINEAR_AVX2
+
+// -- AVX2 and FMA: the same packed blocks, float32 arithmetic ----------------------------------------
+// Without vdpbf16ps the pairs are widened: a 32-byte load holds 8 rows' (k, k + 1) weights, a shift
+// left by 16 gives column k as float32 and a mask of the high halves column k + 1 (a bf16 is the high
+// half of a float32: both exact), and two FMAs with x[k] and x[k + 1] broadcast (the input converted to
+// float32 once per call) accumulate 8 output rows; 4 such vectors cover a 32-row block. Half of
+// float32's bytes per weight for the same FMAs: faster than the float32 kernel where the weights'
+// read bounds it (few rows). Each output is one FMA chain over the columns in order, whatever M is,
+// so a row's result does not depend on the others. Inputs run in passes of 2 rows over each block
+// (8 accumulators, 4 broadcast inputs and the weight pair fill the 16 registers); the first streams
+// the block in (prefetched ahead, into the next block at its end), later passes read it from cache.
+
+constexpr int kBlockRows = 32;  // output rows per packed block (four vectors of 8 lanes)
+constexpr int kRowsPerPass = 2;
+constexpr int kPrefetchBytes = 128 * 64;  // how far ahead of the loads the first pass prefetches
+
+// Stores 8 float32 sums: as they are, or rounded to bf16 (nearest even, as torch rounds).
+inline void store8(float* dst, __m256 values) { _mm256_storeu_ps(dst, values); }
+inline void store8(uint16_t* dst, __m256 values) {
+  const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_to_bf16_8(values)), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+
+// Output rows [row, row + 32) of inputs x [M][K] (float32) from one packed block; rows >= n_size are
+// not written (a partial last block goes through a buffer: AVX2's masked stores are microcoded on AMD).
+template <int M, typename Out>
+inline void linear_block_avx2(const float* x, const uint16_t* block, Out* out, int64_t k_size, int64_t n_size,
+                              int64_t row, bool prefetch) {
+  const __m256i high_halves = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 acc[4][M];
+  LLMSERVE_UNROLL for (int v = 0; v < 4; ++v)
+    LLMSERVE_UNROLL for (int m = 0; m < M; ++m) acc[v][m] = _mm256_setzero_ps();
+  const int64_t pairs = k_size / 2;
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const uint16_t* weights = block + pair * 2 * kBlockRows;  // two cache lines: rows 0-15, rows 16-31
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(weights) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(weights) + kPrefetchBytes + 64, _MM_HINT_T0);
+    }
+    __m256 even[M], odd[M];
+    LLMSERVE_UNROLL for (int m = 0; m < M; ++m) {
+      even[m] = _mm256_broadcast_ss(x + m * k_size + 2 * pair);
+      odd[m] = _mm256_broadcast_ss(x + m * k_size + 2 * pair + 1);
+    }
+    LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights + 16 * v));
+      const __m256 column = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      const __m256 next_column = _mm256_castsi256_ps(_mm256_and_si256(w, high_halves));
+      LLMSERVE_UNROLL for (int m = 0; m < M; ++m) {
+        acc[v][m] = _mm256_fmadd_ps(column, even[m], acc[v][m]);
+        acc[v][m] = _mm256_fmadd_ps(next_column, odd[m], acc[v][m]);
+      }
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kBlockRows, n_size - row);
+  for (int m = 0; m < M; ++m) {
+    Out* dst = out + m * n_size + row;
+    if (valid == kBlockRows) {
+      for (int v = 0; v < 4; ++v) store8(dst + 8 * v, acc[v][m]);
+    } else {
+      Out buffer[kBlockRows];
+      for (int v = 0; v < 4; ++v) store8(buffer + 8 * v, acc[v][m]);
+      std::copy(buffer, buffer + valid, dst);
+    }
+  }
+}
+
+// x [M][K] bf16 -> float32 (exact: a bf16 is a float32's high half).
+std::vector<float> widen_rows(const uint16_t* x, int64_t elements) {
+  std::vector<float> wide(elements);
+  int64_t i = 0;
+  for (; i + 8 <= elements; i += 8)
+    _mm256_storeu_ps(wide.data() + i, load8(reinterpret_cast<const c10::BFloat16*>(x + i)));
+  for (; i < elements; ++i) wide[i] = static_cast<float>(c10::BFloat16(x[i], c10::BFloat16::from_bits()));
+  return wide;
+}
+
+// A row's result does not depend on m_size: each pass runs the same FMA chains.
+template <typename Out>
+void linear_packed(const uint16_t* x_bf16, const uint16_t* packed, Out* out, int64_t m_size, int64_t k_size,
+                   int64_t n_size) {
+  const std::vector<float> wide = widen_rows(x_bf16, m_size * k_size);
+  const float* x = wide.data();
+  const int64_t blocks = (n_size + kBlockRows - 1) / kBlockRows;
+  const int64_t block_elements = kBlockRows * k_size;
+  // Each task covers at least ~64 KiB of weights, so thread start-up is paid on real work.
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (2 * block_elements));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint16_t* block = packed + b * block_elements;
+      for (int64_t m0 = 0; m0 < m_size; m0 += kRowsPerPass) {
+        if (m_size - m0 >= 2)
+          linear_block_avx2<2>(x + m0 * k_size, block, out + m0 * n_size, k_size, n_size, b * kBlockRows, m0 == 0);
+        else
+          linear_block_avx2<1>(x + m0 * k_size, block, out + m0 * n_size, k_size, n_size, b * kBlockRows, m0 == 0);
+      }
+    }
+  });
+}
+
+#endif  // LLMSERVE_BF16_LINEAR_AVX2
+
 // Checks shared by the entry points (any row count: above 8 the rows run in tiles of 8).
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_size) {
-  TORCH_CHECK(small_batch_linear_supported(), "small_batch_linear needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(small_batch_linear_supported(), "small_batch_linear needs a CPU with AVX2 and FMA");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
               "small_batch_linear takes bfloat16 inputs and weights");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1), "shapes must be [M, K] and [N, K]");
@@ -190,7 +301,7 @@ torch::Tensor small_batch_pack(torch::Tensor weight) {
 torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   check_inputs(x, packed, out_features);
   auto out = torch::empty({x.size(0), out_features}, x.options());
-#ifdef LLMSERVE_BF16_LINEAR
+#if defined(LLMSERVE_BF16_LINEAR) || defined(LLMSERVE_BF16_LINEAR_AVX2)
   linear_packed(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(0), x.size(1), out_features);
@@ -203,7 +314,7 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 torch::Tensor small_batch_linear_float_out(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
   check_inputs(x, packed, out_features);
   auto out = torch::empty({x.size(0), out_features}, x.options().dtype(torch::kFloat));
-#ifdef LLMSERVE_BF16_LINEAR
+#if defined(LLMSERVE_BF16_LINEAR) || defined(LLMSERVE_BF16_LINEAR_AVX2)
   linear_packed(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), out.data_ptr<float>(),
                 x.size(0), x.size(1), out_features);

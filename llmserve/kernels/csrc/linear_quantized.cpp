@@ -1,6 +1,6 @@
-// Quantized linear layers at small batch (bfloat16 x [M, K], M <= 8): int8 codes Q [N, K] (|q| <= 127)
-// with one float scale per output row (per-channel weight-only quantization: `int8`), y = (x Q^T) * s,
-// or per (row, 32 columns) (GGUF Q8_0);
+// Quantized linear layers at small batch (bfloat16 x [M, K], M <= 8; float32 x too on AVX2): int8 codes
+// Q [N, K] (|q| <= 127) with one float scale per output row (per-channel weight-only quantization:
+// `int8`), y = (x Q^T) * s, or per (row, 32 columns) (GGUF Q8_0);
 // and int4 codes 0..15 in groups of G columns with a scale and an offset per (row, group) (`int4`,
 // AWQ, GPTQ, GGUF Q4_0/Q4_1), y = x W^T with W = q * scale + offset.
 //
@@ -26,6 +26,9 @@
 // The input rounding is the only difference from an exact product: a relative error of at most
 // 1/254 of each block's largest input per element, which `llmserve eval ppl` measures on real text
 // (docs/quantization.md).
+//
+// On AVX2 CPUs (no VNNI) the same packed layouts and input rounding run on vpmaddubsw and vpmaddwd,
+// giving the same outputs (the AVX2 section says how), and take float32 inputs too.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -44,6 +47,10 @@
     defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define LLMSERVE_INT8_LINEAR 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include "vector_math.h"
+#define LLMSERVE_INT8_LINEAR_AVX2 1  // the same packed layouts on 8 lanes (the section's comment says how)
 #endif
 
 namespace {
@@ -55,7 +62,7 @@ constexpr int kMaxRowsPerPass = 4;
 // at 1-8 rows, and 16 KiB no faster (linear_micro, Zen 5).
 constexpr int kPrefetchBytes = 128 * 64;
 
-#ifdef LLMSERVE_INT8_LINEAR
+#if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
 
 // Four input codes as one 32-bit lane value (memcpy: no aliasing or alignment assumptions).
 inline int32_t four_codes(const int8_t* codes) {
@@ -71,6 +78,10 @@ struct QuantizedInput {
   std::vector<float> scales;
   std::vector<int32_t> sums;
 };
+
+#endif
+
+#ifdef LLMSERVE_INT8_LINEAR
 
 QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size) {
   const int64_t blocks = k_size / kInputBlock;
@@ -278,11 +289,277 @@ void int4_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed
 
 #endif  // LLMSERVE_INT8_LINEAR
 
+#ifdef LLMSERVE_INT8_LINEAR_AVX2
+
+// -- AVX2: the same packed layouts and input rounding, on 8 lanes -----------------------------------
+// Without VNNI the byte products run on vpmaddubsw (unsigned bytes times signed bytes, adjacent pairs
+// summed into int16, saturating) and vpmaddwd against ones (int16 pairs summed into int32), as
+// llama.cpp's AVX2 paths do. A 32-byte load of either layout holds 8 rows' four bytes, so lanes are
+// still output rows: 4 vectors cover a 32-row block.
+// int8: the packed q + 128 reaches 255, and a pair of 255 x 127 products saturates int16. So each
+// weight is turned back into q (xor 0x80), the input's sign moves onto it (vpsignb) and the input
+// gives its magnitude: |a| x (sign(a) q), a pair at most 2 x 128 x 127 < 32,768, the int32 sums exact
+// and equal to sum q a, with no + 128 to take back out.
+// int4: codes are at most 15, a pair at most 2 x 15 x 128, so the int16 sums of a whole 32-column block
+// (eight products per lane) stay below 32,768: one widening per block instead of one per chunk.
+// The input codes and scales, the exact int32 block sums and the float32 operations after them are
+// the AVX-512 kernel's, in the same order, so both levels compute the same outputs. float32 inputs
+// (the dtype AVX2 CPUs serve models in) are rounded the same way from their own values. Inputs run in
+// passes of up to 4 rows over a block, as on AVX-512 (fewer rows per pass ran slower at 8 rows,
+// although their accumulators spill less); later passes read the block from cache.
+
+inline __m256 load_input8(const uint16_t* x) { return load8(reinterpret_cast<const c10::BFloat16*>(x)); }
+inline __m256 load_input8(const float* x) { return _mm256_loadu_ps(x); }
+
+inline int32_t horizontal_sum8_epi32(__m256i v) {
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+// As the AVX-512 quantize_input: max|x| / 127 per block, codes rounded to nearest even, NaN blocks
+// NaN-scaled with codes 0, (nearly) zero blocks scale 0. In is uint16_t (bf16 bits) or float.
+template <typename In>
+QuantizedInput quantize_input(const In* x, int64_t m_size, int64_t k_size) {
+  const int64_t blocks = k_size / kInputBlock;
+  QuantizedInput q{std::vector<int8_t>(m_size * k_size), std::vector<float>(m_size * blocks),
+                   std::vector<int32_t>(m_size * blocks)};
+  const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  // packs_epi32 then packs_epi16 interleave the four vectors' halves per 128-bit lane: back in order
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < m_size; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const In* src = x + m * k_size + b * kInputBlock;
+      __m256 v[4];
+      __m256 unordered = _mm256_setzero_ps(), max_abs8 = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = load_input8(src + 8 * i);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+        max_abs8 = _mm256_max_ps(max_abs8, _mm256_and_ps(v[i], magnitude_bits));
+      }
+      const bool has_nan = _mm256_movemask_ps(unordered) != 0;
+      const float max_abs = horizontal_max8(max_abs8);
+      const bool usable = !has_nan && max_abs >= 1e-30f;
+      const float scale = has_nan ? std::nanf("") : usable ? max_abs / 127.0f : 0.0f;
+      const __m256 inverse = _mm256_set1_ps(usable ? 1.0f / scale : 0.0f);
+      __m256i codes[4];
+      for (int i = 0; i < 4; ++i)
+        codes[i] = usable ? _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse)) : _mm256_setzero_si256();  // nearest even
+      const __m256i bytes =
+          _mm256_packs_epi16(_mm256_packs_epi32(codes[0], codes[1]), _mm256_packs_epi32(codes[2], codes[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.codes.data() + m * k_size + b * kInputBlock),
+                          _mm256_permutevar8x32_epi32(bytes, order));
+      q.scales[m * blocks + b] = scale;
+      q.sums[m * blocks + b] = horizontal_sum8_epi32(
+          _mm256_add_epi32(_mm256_add_epi32(codes[0], codes[1]), _mm256_add_epi32(codes[2], codes[3])));
+    }
+  }
+  return q;
+}
+
+// Stores 8 float32 outputs: as they are, or rounded to bf16 (nearest even, as torch rounds).
+inline void store8(float* dst, __m256 values) { _mm256_storeu_ps(dst, values); }
+inline void store8(uint16_t* dst, __m256 values) {
+  const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_to_bf16_8(values)), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+
+// Rows [row, row + 32) of the outputs of MC inputs, from acc[4 vectors][MC]; rows >= n_size are not
+// written (a partial last block goes through a buffer: AVX2's masked stores are microcoded on AMD).
+template <int MC, typename Out>
+inline void store_block(const __m256 (&acc)[4][MC], Out* out, int64_t n_size, int64_t row) {
+  const int64_t valid = std::min<int64_t>(kRows, n_size - row);
+  for (int m = 0; m < MC; ++m) {
+    Out* dst = out + m * n_size + row;
+    if (valid == kRows) {
+      for (int v = 0; v < 4; ++v) store8(dst + 8 * v, acc[v][m]);
+    } else {
+      Out buffer[kRows];
+      for (int v = 0; v < 4; ++v) store8(buffer + 8 * v, acc[v][m]);
+      std::copy(buffer, buffer + valid, dst);
+    }
+  }
+}
+
+// Rows [row, row + 32) of inputs [m0, m0 + MC) from one packed int8 block (int8_block's contract);
+// `prefetch`: this pass streams the block in.
+template <int MC, bool Grouped, typename Out>
+inline void int8_block_avx2(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* row_scales,
+                            const float* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row,
+                            bool prefetch) {
+  const int64_t blocks = k_size / kInputBlock;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 acc[4][MC];
+  LLMSERVE_UNROLL for (int v = 0; v < 4; ++v)
+    LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) acc[v][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i sums[4][MC];
+    LLMSERVE_UNROLL for (int v = 0; v < 4; ++v)
+      LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) sums[v][m] = _mm256_setzero_si256();
+    const uint8_t* weights = block + b * kInputBlock * kRows;  // 8 column quads x 32 rows x 4 bytes
+    const int8_t* codes = in.codes.data() + m0 * k_size + b * kInputBlock;
+    for (int quad = 0; quad < kInputBlock / 4; ++quad) {
+      const uint8_t* lines = weights + quad * 4 * kRows;  // two cache lines: rows 0-15, rows 16-31
+      if (prefetch) {
+        _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes + 64, _MM_HINT_T0);
+      }
+      __m256i input[MC], magnitude[MC];
+      LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) {
+        input[m] = _mm256_set1_epi32(four_codes(codes + m * k_size + 4 * quad));
+        magnitude[m] = _mm256_abs_epi8(input[m]);
+      }
+      LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
+        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + 32 * v)), flip);
+        LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) {
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude[m], _mm256_sign_epi8(q, input[m]));
+          sums[v][m] = _mm256_add_epi32(sums[v][m], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) {
+      const __m256 scale = _mm256_set1_ps(in.scales[(m0 + m) * blocks + b]);
+      LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
+        const __m256 block_scale =
+            Grouped ? _mm256_mul_ps(scale, _mm256_loadu_ps(group_scales + b * kRows + 8 * v)) : scale;
+        acc[v][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[v][m]), block_scale, acc[v][m]);
+      }
+    }
+  }
+  if constexpr (!Grouped) {  // the row scales, zero past n_size (they are not padded)
+    float scales[kRows] = {};
+    std::copy(row_scales + row, row_scales + row + std::min<int64_t>(kRows, n_size - row), scales);
+    LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
+      const __m256 s = _mm256_loadu_ps(scales + 8 * v);
+      LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) acc[v][m] = _mm256_mul_ps(acc[v][m], s);
+    }
+  }
+  store_block<MC>(acc, out + m0 * n_size, n_size, row);
+}
+
+template <bool Grouped, typename Out>
+void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* scales,
+                 Out* out, int64_t k_size, int64_t n_size) {
+  const int64_t blocks = (n_size + kRows - 1) / kRows;
+  const int64_t block_bytes = kRows * k_size;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = packed + b * block_bytes;
+      const float* group_scales = scales + b * kRows * (k_size / kInputBlock);  // Grouped only
+      const int64_t row = b * kRows;
+      for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
+        const bool first = m0 == 0;
+        switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
+          case 1: int8_block_avx2<1, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
+          case 2: int8_block_avx2<2, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
+          case 3: int8_block_avx2<3, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
+          default: int8_block_avx2<4, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
+        }
+      }
+    }
+  });
+}
+
+// int4: rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block (int4_block's contract).
+template <int MC, typename Out>
+inline void int4_block_avx2(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* params,
+                            const float* group_sums, Out* out, int64_t k_size, int64_t n_size, int64_t row,
+                            int64_t group_size, bool prefetch) {
+  const int64_t blocks = k_size / kInputBlock, groups = k_size / group_size;
+  const int64_t blocks_per_group = group_size / kInputBlock;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[4][MC];
+  LLMSERVE_UNROLL for (int v = 0; v < 4; ++v)
+    LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) acc[v][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* group_params = params + g * 2 * kRows;  // 32 scales, then 32 offsets
+    LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
+      const __m256 offset = _mm256_loadu_ps(group_params + kRows + 8 * v);
+      LLMSERVE_UNROLL for (int m = 0; m < MC; ++m)
+        acc[v][m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(group_sums[(m0 + m) * groups + g]), acc[v][m]);
+    }
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      __m256i sums[4][MC];  // int16 pairs
+      LLMSERVE_UNROLL for (int v = 0; v < 4; ++v)
+        LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) sums[v][m] = _mm256_setzero_si256();
+      const uint8_t* weights = block + b * kInputBlock * kRows / 2;  // 4 chunks of 8 columns x 32 rows
+      const int8_t* codes = in.codes.data() + m0 * k_size + b * kInputBlock;
+      for (int chunk = 0; chunk < kInputBlock / 8; ++chunk) {
+        const uint8_t* lines = weights + chunk * 4 * kRows;  // two cache lines: rows 0-15, rows 16-31
+        if (prefetch) {
+          _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes + 64, _MM_HINT_T0);
+        }
+        __m256i first[MC], second[MC];
+        LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) {
+          first[m] = _mm256_set1_epi32(four_codes(codes + m * k_size + 8 * chunk));
+          second[m] = _mm256_set1_epi32(four_codes(codes + m * k_size + 8 * chunk + 4));
+        }
+        LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + 32 * v));
+          const __m256i low = _mm256_and_si256(packed, nibble);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+          LLMSERVE_UNROLL for (int m = 0; m < MC; ++m)
+            sums[v][m] = _mm256_add_epi16(sums[v][m], _mm256_add_epi16(_mm256_maddubs_epi16(low, first[m]),
+                                                                       _mm256_maddubs_epi16(high, second[m])));
+        }
+      }
+      LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) {
+        const __m256 input_scale = _mm256_set1_ps(in.scales[(m0 + m) * blocks + b]);
+        LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
+          const __m256 scale = _mm256_loadu_ps(group_params + 8 * v);
+          const __m256 block_sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[v][m], ones));
+          acc[v][m] = _mm256_fmadd_ps(block_sums, _mm256_mul_ps(scale, input_scale), acc[v][m]);
+        }
+      }
+    }
+  }
+  store_block<MC>(acc, out + m0 * n_size, n_size, row);
+}
+
+template <typename Out>
+void int4_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* params, Out* out,
+                 int64_t k_size, int64_t n_size, int64_t group_size) {
+  const int64_t blocks = (n_size + kRows - 1) / kRows, groups = k_size / group_size;
+  const int64_t input_blocks = k_size / kInputBlock, blocks_per_group = group_size / kInputBlock;
+  std::vector<float> group_sums(m_size * groups, 0.0f);  // sum x over each group, from the rounded input
+  for (int64_t m = 0; m < m_size; ++m)
+    for (int64_t b = 0; b < input_blocks; ++b)
+      group_sums[m * groups + b / blocks_per_group] += in.scales[m * input_blocks + b] * in.sums[m * input_blocks + b];
+  const int64_t block_bytes = kRows * k_size / 2;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = packed + b * block_bytes;
+      const float* block_params = params + b * groups * 2 * kRows;
+      const int64_t row = b * kRows;
+      for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
+        const bool first = m0 == 0;
+        const float* sums = group_sums.data();
+        switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
+          case 1: int4_block_avx2<1>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+          case 2: int4_block_avx2<2>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+          case 3: int4_block_avx2<3>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+          default: int4_block_avx2<4>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+        }
+      }
+    }
+  });
+}
+
+#endif  // LLMSERVE_INT8_LINEAR_AVX2
+
 }  // namespace
 
-bool small_batch_linear_int8_supported() {
-#ifdef LLMSERVE_INT8_LINEAR
-  return true;
+// Whether this build has the int8 and int4 kernels for inputs of this dtype: bf16 at either level,
+// float32 too at the AVX2 level (the dtype AVX2 CPUs serve models in).
+bool small_batch_linear_int8_supported(at::ScalarType input) {
+#if defined(LLMSERVE_INT8_LINEAR)
+  return input == torch::kBFloat16;
+#elif defined(LLMSERVE_INT8_LINEAR_AVX2)
+  return input == torch::kBFloat16 || input == torch::kFloat;
 #else
   return false;
 #endif
@@ -317,9 +594,9 @@ namespace {
 // The int8 entry points' checks (max_rows: the most rows the entry point serves).
 void check_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t n_size,
                 int64_t max_rows) {
-  TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int8 needs a CPU with AVX-512 VNNI and BF16");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "small_batch_linear_int8 takes contiguous bfloat16 inputs [M, K]");
+  TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int8 needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(small_batch_linear_int8_supported(x.scalar_type()) && x.dim() == 2 && x.is_contiguous(),
+              "small_batch_linear_int8 takes contiguous bfloat16 inputs [M, K] (float32 too at the AVX2 level)");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, "small_batch_linear_int8 serves 1 to ", max_rows, " rows");
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.size(1) == x.size(1) &&
                   packed.is_contiguous(),
@@ -335,11 +612,21 @@ void check_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch
               "scales must be float32 [N], or packed by small_batch_pack_int8_group_scales");
 }
 
+#if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
+// x's rows rounded to 8-bit codes per 32 columns (the entry points checked its dtype).
+QuantizedInput quantized_rows(const torch::Tensor& x) {
+#ifdef LLMSERVE_INT8_LINEAR_AVX2
+  if (x.scalar_type() == torch::kFloat) return quantize_input(x.data_ptr<float>(), x.size(0), x.size(1));
+#endif
+  return quantize_input(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), x.size(0), x.size(1));
+}
+#endif
+
 template <typename Out>
 void run_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, Out* out,
               int64_t n_size) {
-#ifdef LLMSERVE_INT8_LINEAR
-  const auto input = quantize_input(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), x.size(0), x.size(1));
+#if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
+  const auto input = quantized_rows(x);
   if (scales.dim() == 3)
     int8_linear<true>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out, x.size(1), n_size);
   else
@@ -349,17 +636,21 @@ void run_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::
 
 }  // namespace
 
-// x [M, K] bf16 with 1 <= M <= 8, packed from small_batch_pack_int8, and scales: [N] float32 per row, or
-// from small_batch_pack_int8_group_scales for groups of 32 columns. Returns [M, N] bf16: x' W^T with W the
-// scaled codes, x' being x rounded to 8 bits per 32-column block.
+// x [M, K] bf16 (or float32 at the AVX2 level) with 1 <= M <= 8, packed from small_batch_pack_int8, and
+// scales: [N] float32 per row, or from small_batch_pack_int8_group_scales for groups of 32 columns.
+// Returns [M, N] in x's dtype: x' W^T with W the scaled codes, x' being x rounded to 8 bits per 32-column
+// block.
 torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features) {
   check_int8(x, packed, scales, out_features, 8);
   auto out = torch::empty({x.size(0), out_features}, x.options());
-  run_int8(x, packed, scales, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out_features);
+  if (x.scalar_type() == torch::kFloat)
+    run_int8(x, packed, scales, out.data_ptr<float>(), out_features);
+  else
+    run_int8(x, packed, scales, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out_features);
   return out;
 }
 
-// The same for any M >= 1 (each block's weights are re-read from cache by every pass of 4 rows),
+// The same for any M >= 1 (each block's weights are re-read from cache by every pass of rows),
 // returning [M, N] float32: the logits of a quantized output projection, unrounded.
 torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                                                 int64_t out_features) {
@@ -395,12 +686,13 @@ std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Ten
   return {packed, params};
 }
 
-// x [M, K] bf16 with 1 <= M <= 8, (packed, params) from small_batch_pack_int4, N output rows. Returns
-// [M, N] bf16: x' W^T with W = q * scale + offset per group, x' being x rounded to 8 bits per 32 columns.
+// x [M, K] bf16 (or float32 at the AVX2 level) with 1 <= M <= 8, (packed, params) from
+// small_batch_pack_int4, N output rows. Returns [M, N] in x's dtype: x' W^T with W = q * scale + offset
+// per group, x' being x rounded to 8 bits per 32 columns.
 torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features) {
-  TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int4 needs a CPU with AVX-512 VNNI and BF16");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "small_batch_linear_int4 takes contiguous bfloat16 inputs [M, K]");
+  TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int4 needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(small_batch_linear_int8_supported(x.scalar_type()) && x.dim() == 2 && x.is_contiguous(),
+              "small_batch_linear_int4 takes contiguous bfloat16 inputs [M, K] (float32 too at the AVX2 level)");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_batch_linear_int4 serves 1 to 8 rows");
   TORCH_CHECK(x.size(1) % kInputBlock == 0, "small_batch_linear_int4 needs an input width that is a multiple of 32");
   const int64_t padded = (out_features + kRows - 1) / kRows * kRows;
@@ -411,11 +703,18 @@ torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, tor
                   (x.size(1) / params.size(1)) % kInputBlock == 0,
               "small_batch_linear_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
   auto out = torch::empty({x.size(0), out_features}, x.options());
-#ifdef LLMSERVE_INT8_LINEAR
-  const auto input = quantize_input(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), x.size(0), x.size(1));
+#if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
+  const auto input = quantized_rows(x);
+  const int64_t group_size = x.size(1) / params.size(1);
+#ifdef LLMSERVE_INT8_LINEAR_AVX2
+  if (x.scalar_type() == torch::kFloat) {
+    int4_linear(input, x.size(0), packed.data_ptr<uint8_t>(), params.data_ptr<float>(), out.data_ptr<float>(),
+                x.size(1), out_features, group_size);
+    return out;
+  }
+#endif
   int4_linear(input, x.size(0), packed.data_ptr<uint8_t>(), params.data_ptr<float>(),
-              reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(1), out_features,
-              x.size(1) / params.size(1));
+              reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(1), out_features, group_size);
 #endif
   return out;
 }

@@ -17,7 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether bf16 prefill_attention runs on AMX here");
   m.def("prefill_attention_supported", &prefill_attention_supported, "Whether prefill_attention takes this dtype here");
   m.def("small_batch_pack", &small_batch_pack, "A bf16 weight [N, K] in the layout small_batch_linear reads");
-  m.def("small_batch_linear", &small_batch_linear, "x W^T for 1-8 bfloat16 rows, W packed (AVX-512 BF16)");
+  m.def("small_batch_linear", &small_batch_linear,
+        "x W^T for 1-8 bfloat16 rows, W packed (AVX-512 BF16, or float32 FMAs on AVX2)");
   m.def("small_batch_linear_float_out", &small_batch_linear_float_out,
         "x W^T for any number of bfloat16 rows, W packed, float32 out (the logits)");
   m.def("amx_linear", &amx_linear, "x W^T (+ bias) for any number of bfloat16 rows, W packed by small_batch_pack, on AMX",
@@ -31,14 +32,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_batch_pack_int8_group_scales", &small_batch_pack_int8_group_scales,
         "int8 scales per (row, 32 columns) in the layout small_batch_linear_int8 reads");
   m.def("small_batch_linear_int8", &small_batch_linear_int8,
-        "(x qweight^T) * scales for 1-8 bfloat16 rows (8-bit inputs per 32 columns, AVX-512 VNNI)");
+        "(x qweight^T) * scales for 1-8 bfloat16 rows, float32 too on AVX2 (8-bit inputs per 32 columns)");
   m.def("small_batch_linear_int8_float_out", &small_batch_linear_int8_float_out,
         "small_batch_linear_int8 for any number of rows, float32 out (a quantized output projection)");
   m.def("small_batch_pack_int4", &small_batch_pack_int4, "int4 codes, scales, offsets in the layout small_batch_linear_int4 reads");
   m.def("small_batch_linear_int4", &small_batch_linear_int4,
-        "x W^T for 1-8 bfloat16 rows, W int4 in groups (8-bit inputs per 32 columns, AVX-512 VNNI)");
+        "x W^T for 1-8 bfloat16 rows, float32 too on AVX2, W int4 in groups (8-bit inputs per 32 columns)");
   m.def("small_batch_linear_int8_supported", &small_batch_linear_int8_supported,
-        "Whether small_batch_linear_int8 was compiled in");
+        "Whether the int8 and int4 small-batch kernels were compiled in for inputs of this dtype",
+        py::arg("input_dtype") = at::kBFloat16);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, float32 inside");
   m.def("add_rms_norm", &add_rms_norm, "x += residual in place; returns RMSNorm(x)");
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE of query and key rows, in place");
