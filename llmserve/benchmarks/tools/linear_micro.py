@@ -8,7 +8,7 @@
 
 Every layer gets its own weights (qkv, o, gate_up, down of SmolLM2-135M, then the lm_head), so they
 come from memory as in a real step, for each format this build has (bf16; int8 per channel and int4
-in groups of 64 on AVX-512 VNNI). Next to it, the machine's copy bandwidth (read + write of 512 MiB):
+in groups of 64 where the build has them: AVX-512 VNNI or AVX2). Next to it, the machine's copy bandwidth (read + write of 512 MiB):
 a kernel near that rate is bound by memory, not by its arithmetic. Median of --repeats.
 
 `--amx` compares the kernels for rows above 8 instead, one layer shape at a time (microseconds and
@@ -118,7 +118,7 @@ def _bf16_kernel_ops():
     """The compiled kernels, or exit where this CPU (or build) has no bf16 small-batch kernel."""
     ops = load_cpu_ops()
     if ops is None or not ops.small_batch_linear_supported():
-        raise SystemExit("this CPU (or build) has no AVX-512 BF16 small-batch kernel")
+        raise SystemExit("this CPU (or build) has no bf16 small-batch kernel")
     return ops
 
 
