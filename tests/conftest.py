@@ -44,7 +44,17 @@ CPU_FEATURES: dict[str, tuple[str, Callable[[ModuleType], bool]]] = {
     "int8_linear": ("AVX2 and FMA", lambda ops: ops.small_batch_linear_int8_supported()),
     "avx512_bf16": ("AVX-512 BF16", _bf16_prefill),  # the bf16 prefill attention kernel
     "amx_bf16": ("AMX (BF16 tiles)", lambda ops: ops.prefill_attention_amx_supported()),
+    # PyTorch's own oneDNN, whose bf16 GEMM the layers take above the kernels' rows
+    "onednn_bf16": ("oneDNN's bf16 GEMM (AVX-512; ONEDNN_MAX_CPU_ISA caps it)", lambda ops: _onednn_bf16()),
 }
+
+
+def _onednn_bf16() -> bool:
+    import torch
+
+    from llmserve.kernels.small_batch_linear import pack_for_onednn
+
+    return pack_for_onednn(torch.ones(32, 32, dtype=torch.bfloat16)) is not None
 
 
 class _BuildErrors(logging.Handler):

@@ -8,8 +8,8 @@
 
 Every layer gets its own weights (qkv, o, gate_up, down of SmolLM2-135M, then the lm_head), so they
 come from memory as in a real step, for each format this build has (bf16; int8 per channel and int4
-in groups of 64 where the build has them: AVX-512 VNNI or AVX2). Next to it, the machine's copy bandwidth (read + write of 512 MiB):
-a kernel near that rate is bound by memory, not by its arithmetic. Median of --repeats.
+in groups of 64: AVX-512 VNNI or AVX2). Next to it, the machine's copy bandwidth (read + write of 512
+MiB): a kernel near that rate is bound by memory, not by its arithmetic. Median of --repeats.
 
 `--amx` compares the kernels for rows above 8 instead, one layer shape at a time (microseconds and
 GFLOP/s): oneDNN's GEMM on its blocked copy against the AMX kernel on the small-batch copy, and for the
