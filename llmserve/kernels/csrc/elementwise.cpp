@@ -261,13 +261,6 @@ inline __m256 swiglu8(__m256 gate, __m256 up, bool bf16) {
   return _mm256_mul_ps(silu, up);
 }
 
-inline void store8(float* dst, __m256 x) { _mm256_storeu_ps(dst, x); }
-inline void store8(c10::BFloat16* dst, __m256 x) {
-  const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_to_bf16_8(x)), 16);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
-}
-
 template <typename scalar_t>
 void swiglu_row_avx2(const scalar_t* gate, const scalar_t* up, scalar_t* dst, int64_t n) {
   constexpr bool bf16 = std::is_same_v<scalar_t, c10::BFloat16>;

@@ -182,16 +182,7 @@ constexpr int kBlockRows = 32;  // output rows per packed block (four vectors of
 constexpr int kRowsPerPass = 2;
 constexpr int kPrefetchBytes = 128 * 64;  // how far ahead of the loads the first pass prefetches
 
-// Stores 8 float32 sums: as they are, or rounded to bf16 (nearest even, as torch rounds).
-inline void store8(float* dst, __m256 values) { _mm256_storeu_ps(dst, values); }
-inline void store8(uint16_t* dst, __m256 values) {
-  const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_to_bf16_8(values)), 16);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
-                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
-}
-
-// Output rows [row, row + 32) of inputs x [M][K] (float32) from one packed block; rows >= n_size are
-// not written (a partial last block goes through a buffer: AVX2's masked stores are microcoded on AMD).
+// Output rows [row, row + 32) of inputs x [M][K] (float32) from one packed block (store_block_rows).
 template <int M, typename Out>
 inline void linear_block_avx2(const float* x, const uint16_t* block, Out* out, int64_t k_size, int64_t n_size,
                               int64_t row, bool prefetch) {
@@ -221,17 +212,7 @@ inline void linear_block_avx2(const float* x, const uint16_t* block, Out* out, i
       }
     }
   }
-  const int64_t valid = std::min<int64_t>(kBlockRows, n_size - row);
-  for (int m = 0; m < M; ++m) {
-    Out* dst = out + m * n_size + row;
-    if (valid == kBlockRows) {
-      for (int v = 0; v < 4; ++v) store8(dst + 8 * v, acc[v][m]);
-    } else {
-      Out buffer[kBlockRows];
-      for (int v = 0; v < 4; ++v) store8(buffer + 8 * v, acc[v][m]);
-      std::copy(buffer, buffer + valid, dst);
-    }
-  }
+  store_block_rows<M>(acc, out, n_size, row);
 }
 
 // x [M][K] bf16 -> float32 (exact: a bf16 is a float32's high half).

@@ -357,31 +357,6 @@ QuantizedInput quantize_input(const In* x, int64_t m_size, int64_t k_size) {
   return q;
 }
 
-// Stores 8 float32 outputs: as they are, or rounded to bf16 (nearest even, as torch rounds).
-inline void store8(float* dst, __m256 values) { _mm256_storeu_ps(dst, values); }
-inline void store8(uint16_t* dst, __m256 values) {
-  const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_to_bf16_8(values)), 16);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
-                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
-}
-
-// Rows [row, row + 32) of the outputs of MC inputs, from acc[4 vectors][MC]; rows >= n_size are not
-// written (a partial last block goes through a buffer: AVX2's masked stores are microcoded on AMD).
-template <int MC, typename Out>
-inline void store_block(const __m256 (&acc)[4][MC], Out* out, int64_t n_size, int64_t row) {
-  const int64_t valid = std::min<int64_t>(kRows, n_size - row);
-  for (int m = 0; m < MC; ++m) {
-    Out* dst = out + m * n_size + row;
-    if (valid == kRows) {
-      for (int v = 0; v < 4; ++v) store8(dst + 8 * v, acc[v][m]);
-    } else {
-      Out buffer[kRows];
-      for (int v = 0; v < 4; ++v) store8(buffer + 8 * v, acc[v][m]);
-      std::copy(buffer, buffer + valid, dst);
-    }
-  }
-}
-
 // Rows [row, row + 32) of inputs [m0, m0 + MC) from one packed int8 block (int8_block's contract);
 // `prefetch`: this pass streams the block in.
 template <int MC, bool Grouped, typename Out>
@@ -435,7 +410,7 @@ inline void int8_block_avx2(const QuantizedInput& in, int64_t m0, const uint8_t*
       LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) acc[v][m] = _mm256_mul_ps(acc[v][m], s);
     }
   }
-  store_block<MC>(acc, out + m0 * n_size, n_size, row);
+  store_block_rows<MC>(acc, out + m0 * n_size, n_size, row);
 }
 
 template <bool Grouped, typename Out>
@@ -516,7 +491,7 @@ inline void int4_block_avx2(const QuantizedInput& in, int64_t m0, const uint8_t*
       }
     }
   }
-  store_block<MC>(acc, out + m0 * n_size, n_size, row);
+  store_block_rows<MC>(acc, out + m0 * n_size, n_size, row);
 }
 
 template <typename Out>

@@ -79,6 +79,33 @@ inline __m256 round_to_bf16_8(__m256 x) {
   return _mm256_blendv_ps(kept, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
 }
 
+// 8 float32 lanes stored as they are, or rounded to bf16 (nearest even, as torch rounds).
+inline void store8(float* dst, __m256 x) { _mm256_storeu_ps(dst, x); }
+inline void store8(uint16_t* dst, __m256 x) {
+  const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(round_to_bf16_8(x)), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+inline void store8(c10::BFloat16* dst, __m256 x) { store8(reinterpret_cast<uint16_t*>(dst), x); }
+
+// Output rows [row, row + 32) of M inputs from acc[4 vectors of 8 rows][M] (a small-batch kernel's
+// packed block); rows >= n_size are not written: a partial last block goes through a buffer, since
+// AVX2's masked stores are microcoded on AMD.
+template <int M, typename Out>
+inline void store_block_rows(const __m256 (&acc)[4][M], Out* out, int64_t n_size, int64_t row) {
+  const int64_t valid = std::min<int64_t>(32, n_size - row);
+  for (int m = 0; m < M; ++m) {
+    Out* dst = out + m * n_size + row;
+    if (valid == 32) {
+      for (int v = 0; v < 4; ++v) store8(dst + 8 * v, acc[v][m]);
+    } else {
+      Out buffer[32];
+      for (int v = 0; v < 4; ++v) store8(buffer + 8 * v, acc[v][m]);
+      std::copy(buffer, buffer + valid, dst);
+    }
+  }
+}
+
 inline float horizontal_max8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
