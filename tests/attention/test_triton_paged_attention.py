@@ -126,7 +126,7 @@ def run(backend, case, metadata, **options):
     )
 
 
-def check(case, kv_dtype="auto", num_splits=None, softcap=0.0):
+def assert_matches_reference(case, kv_dtype="auto", num_splits=None, softcap=0.0):
     """The kernel's rows against the reference's (padding rows past the last sequence excluded)."""
     num_rows = case[5].num_decode_tokens
     actual = run(TritonPagedBackend(kv_dtype, num_splits), case, case[5], softcap=softcap)[:num_rows]
@@ -153,16 +153,20 @@ CASES = {  # (heads, kv_heads, head_dim, block, dtype, kv_dtype, window, sinks, 
 def test_mixed_step_matches_reference(name):
     heads, kv_heads, head_dim, block, dtype, kv_dtype, window, sinks, softcap = CASES[name]
     case = paged_case(MIXED, heads, kv_heads, head_dim, block, dtype, kv_dtype, window=window, sinks=sinks)
-    check(case, kv_dtype, softcap=softcap)
+    assert_matches_reference(case, kv_dtype, softcap=softcap)
 
 
 def test_padded_head_dim_bfloat16_cache_and_padding_rows():
     """head_dim 80 (lanes masked up to 128), a bfloat16 cache read by float32 queries, and query rows
-    past the last sequence (a padded batch) that the kernel leaves alone."""
-    case = paged_case(
-        MIXED, 9, 3, 80, 16, torch.float32, cache_dtype=torch.bfloat16, window=24, sinks=4, pad_rows=5
-    )
-    check(case)
+    past the last sequence (a padded batch): the sequences' rows are the reference's, and the very
+    bits of the same step without the padding (the first rows of the padded query are the same draw)."""
+    options = dict(cache_dtype=torch.bfloat16, window=24, sinks=4)
+    padded = paged_case(MIXED, 9, 3, 80, 16, torch.float32, pad_rows=5, **options)
+    plain = paged_case(MIXED, 9, 3, 80, 16, torch.float32, **options)
+    num_rows = plain[5].num_decode_tokens
+    assert padded[0].shape[0] == num_rows + 5 and torch.equal(padded[0][:num_rows], plain[0])
+    rows = assert_matches_reference(padded)
+    assert torch.equal(rows, assert_matches_reference(plain))
 
 
 @pytest.mark.parametrize(("kv_dtype", "window", "sinks"), [("auto", 0, 0), ("int8", 40, 4)])
@@ -171,8 +175,8 @@ def test_split_kv_matches_one_pass(kv_dtype, window, sinks):
     empty) or not, the same output."""
     seqs = [(300, 1), (70, 1), (260, 3), (5, 1)]
     case = paged_case(seqs, 8, 2, 64, 16, torch.float32, kv_dtype, window=window, sinks=sinks, seed=1)
-    one_pass = check(case, kv_dtype, num_splits=1)
-    split = check(case, kv_dtype, num_splits=3)
+    one_pass = assert_matches_reference(case, kv_dtype, num_splits=1)
+    split = assert_matches_reference(case, kv_dtype, num_splits=3)
     torch.testing.assert_close(split, one_pass, atol=1e-5, rtol=1e-5)
 
 
