@@ -48,6 +48,12 @@ class AttentionMetadata:
     # KV-cache groups 1.. (config/kv_groups.py): their own slots and tables; this one is group 0's
     other_groups: tuple[AttentionMetadata, ...] = ()
 
+    def query_starts(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """decode_query_starts, or where it is None one query row for each of the `num_rows` decodes."""
+        if self.decode_query_starts is not None:
+            return self.decode_query_starts
+        return torch.arange(num_rows + 1, device=device)
+
 
 _context: AttentionMetadata | None = None
 

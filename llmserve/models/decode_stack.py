@@ -67,9 +67,7 @@ class FusedDecodeStack:
         if not self._all_reduce_bound:  # the group connects after the model is built
             self._bind_all_reduce()
         self.calls += 1
-        query_starts = metadata.decode_query_starts
-        if query_starts is None:  # one query row per sequence
-            query_starts = torch.arange(input_ids.shape[0] + 1)
+        query_starts = metadata.query_starts(input_ids.shape[0], input_ids.device)
         return self.stack.forward(
             self.embed_tokens(input_ids),
             positions,

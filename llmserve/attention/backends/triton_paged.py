@@ -40,9 +40,7 @@ class TritonPagedBackend(TorchSDPABackend):
     def _decode(
         self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, window=0, softcap=0.0
     ) -> torch.Tensor:
-        query_starts = metadata.decode_query_starts
-        if query_starts is None:  # one query row per sequence
-            query_starts = torch.arange(query.shape[0] + 1, device=query.device)
+        query_starts = metadata.query_starts(query.shape[0], query.device)
         return self._paged_attention(
             query,
             key_cache,
