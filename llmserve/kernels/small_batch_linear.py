@@ -2,7 +2,7 @@
 
 At 1-8 rows a linear layer reads every weight once and does little else: it is bound by memory
 bandwidth, which PyTorch's bf16 GEMM does not reach there, and decode at low concurrency and
-speculative verification spend most of their time in it (`llmserve.benchmarks.tools.linear_micro`
+speculative verification spend most of their time in it (`benchmarks.tools.linear_micro`
 measures the kernels' GB/s). `use_small_batch_linear` turns the model's plain `nn.Linear`s into
 `SmallBatchLinear`s (same parameters, shared weights stay shared) whose forward takes the kernel
 for few rows and `F.linear` otherwise; quantized layers keep their own kernels. Like quantization,
@@ -13,7 +13,7 @@ so that it streams sequentially and needs no horizontal sums.
 Above 8 rows, on a CPU with AMX, the layer runs the AMX kernel (linear_amx.cpp) on the small-batch
 kernel's own copy, whose blocks are already the tile product's B operand (no padding), up to
 `AMX_MAX_ROWS`; beyond, oneDNN's GEMM (below) was faster again. Over the model's 30 layers with
-their own weights (`python -m llmserve.benchmarks.tools.linear_micro --amx` times one layer at a
+their own weights (`python -m benchmarks.tools.linear_micro --amx` times one layer at a
 time) AMX took 13.7 / 20.5 / 27.2 / 78.9 / 132 ms at 16 / 64 / 128 / 650 / 1,024 rows where oneDNN
 took 18.0 / 25.4 / 30.4 / 101.4 / 182.5, and 256 / 177 ms at 2,048 / 1,536 rows against oneDNN's 206
 / 171; the output projection of a 96-row decode took 4.2 ms instead of the small-batch kernel's 28
@@ -25,7 +25,7 @@ the rows up to `KERNEL_MAX_ROWS` (256: a decode batch), in tiles of 8 that each 
 (AVX-512 BF16, no AMX) it beat oneDNN's GEMM at every decode size: one layer's four matmuls took
 147 / 358 / 677 / 928 / 1,833 us at 16 / 48 / 96 / 128 / 256 rows where oneDNN took 214 / 496 / 758
 / 988 / 1,920 (about 15 us of each oneDNN call is its set-up), and about the same at 512 (`python -m
-llmserve.benchmarks.tools.linear_micro --tiled`, docs/benchmarks.md). On AVX2 CPUs (no AVX-512
+benchmarks.tools.linear_micro --tiled`, docs/benchmarks.md). On AVX2 CPUs (no AVX-512
 BF16) the kernel runs float32 FMAs over the same packed copy (linear.cpp) and keeps the same rows:
 at the forced AVX2 level of that machine, with oneDNN capped at AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2`,
 where it packs no bf16 weight and `F.linear` takes the rows), it took about a quarter of F.linear's

@@ -1,4 +1,4 @@
-"""The device check (llmserve/benchmarks/tools/cuda_check.py) runs every section's code on tiny shapes
+"""The device check (benchmarks/tools/cuda_check.py) runs every section's code on tiny shapes
 on the CPU, so the one run on a lent GPU does not fail on plumbing; its arithmetic (FLOPs, floors,
 targets) and its reading of pytest's output are checked on stated numbers."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from llmserve.benchmarks.tools import cuda_check
+from benchmarks.tools import cuda_check
 from llmserve.config import ModelArchConfig
 
 

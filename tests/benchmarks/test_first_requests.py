@@ -1,4 +1,4 @@
-"""Smoke test of llmserve/benchmarks/tools/first_requests.py on a tiny model: two fresh servers, both
+"""Smoke test of benchmarks/tools/first_requests.py on a tiny model: two fresh servers, both
 rounds, the speculation comparison; no timing is asserted."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import socket
 
-from llmserve.benchmarks.tools import first_requests
-from llmserve.benchmarks.tools.first_requests import PromptSource
+from benchmarks.tools import first_requests
+from benchmarks.tools.first_requests import PromptSource
 
 
 def test_first_requests_times_two_rounds_per_fresh_server_and_compares_speculation(tiny_model_dir, tmp_path):

@@ -3,7 +3,7 @@ blocks the tool computes per group equal the blocks a decoding sequence holds in
 
 import pytest
 
-from llmserve.benchmarks.tools.kv_capacity import capacity, sequence_blocks
+from benchmarks.tools.kv_capacity import capacity, sequence_blocks
 from llmserve.config.kv_groups import kv_cache_groups
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.request import Request

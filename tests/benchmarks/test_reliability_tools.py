@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from llmserve.benchmarks.tools import engine_kill, overload
+from benchmarks.tools import engine_kill, overload
 from tests.entrypoints.conftest import start_server, tiny_server_args
 
 

@@ -1,4 +1,4 @@
-"""Smoke tests of llmserve/benchmarks/tools: each tool's measurement runs on something tiny; no timing
+"""Smoke tests of benchmarks/tools: each tool's measurement runs on something tiny; no timing
 is asserted, only that the figures are there and the plumbing (worktrees, steps, health checks) works."""
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmserve.benchmarks import results
-from llmserve.benchmarks.tools import (
+from benchmarks.tools import (
     ab_checkouts,
     decode_attention_micro,
     dp_prefix_hits,
@@ -25,6 +24,7 @@ from llmserve.benchmarks.tools import (
     side_by_side,
     step_split,
 )
+from llmserve.benchmarks import results
 from llmserve.benchmarks.workload import WorkloadSpec, build_workload
 
 SPEC = WorkloadSpec(num_requests=5, seed=0, prompt_len_median=12, output_len_median=4,
@@ -152,7 +152,7 @@ def test_side_by_side_records_each_servers_start_up(tmp_path, monkeypatch):
     )
     result = json.loads((tmp_path / "r" / "startup-t4.json").read_text())
     assert [s["step"] for s in result["servers"]] == ["srv"] and result["servers"][0]["ready_seconds"] > 0
-    assert result["command"].startswith("python -m llmserve.benchmarks.tools.side_by_side")
+    assert result["command"].startswith("python -m benchmarks.tools.side_by_side")
     assert result["machine"] and result["date"]
 
 
@@ -322,5 +322,5 @@ def test_dp_prefix_hits_runs_one_engine_then_the_router_and_compares_their_hit_r
     assert one.url == dp.url == "http://127.0.0.1:8123" and "--workload" in one.bench
     result = json.loads(out.read_text())
     assert list(result["runs"]) == ["one-engine", "dp2"] and result["hit_rate_ratio"] == pytest.approx(0.95)
-    assert result["command"].startswith("python -m llmserve.benchmarks.tools.dp_prefix_hits --out")
+    assert result["command"].startswith("python -m benchmarks.tools.dp_prefix_hits --out")
     assert result["machine"] and result["git_commit"] is not None

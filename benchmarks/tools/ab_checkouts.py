@@ -1,7 +1,7 @@
 """A/B of two checkouts: offline throughput and batch-1 decode, each run a fresh process, alternated.
 
-    python -m llmserve.benchmarks.tools.ab_checkouts BASE NEW --workload bench_results/mixed-100.jsonl \
-        [--rounds 3] [--out docs/results/DATE-NAME.jsonl]
+    python -m benchmarks.tools.ab_checkouts BASE NEW --workload bench_results/mixed-100.jsonl \
+        [--rounds 3] [--out benchmarks/results/DATE-NAME.jsonl]
 
 BASE and NEW are git revisions (each gets a detached worktree under --worktrees, kept for the next
 call) or paths of checkouts to use as they are. Each run is a fresh process of this file with

@@ -1,7 +1,7 @@
 """Time from an engine kill to serving again, under load, against a running `llmserve serve`.
 
     llmserve serve &
-    python -m llmserve.benchmarks.tools.engine_kill --url http://127.0.0.1:8000 --concurrency 16 \
+    python -m benchmarks.tools.engine_kill --url http://127.0.0.1:8000 --concurrency 16 \
         --max-tokens 128 --kills 3 --out engine_kill.json
 
 `--concurrency` clients send streamed completions back to back (a refused or failed one is sent again

@@ -1,10 +1,10 @@
 """The small-batch linear kernels over one decode step's shapes: ms per step and the GB/s they stream.
 
-    python -m llmserve.benchmarks.tools.linear_micro [--rows 1,4,8] [--layers 30] [--repeats 5]
-    python -m llmserve.benchmarks.tools.linear_micro --amx [--rows 16,64,128,256,650,1024,2048]
-    python -m llmserve.benchmarks.tools.linear_micro --tiled [--rows 16,48,96,128,256,512]
-    python -m llmserve.benchmarks.tools.linear_micro --logits [--rows 8,32,96]
-    python -m llmserve.benchmarks.tools.linear_micro --streamed [--rows 32,96] [--layers 30]
+    python -m benchmarks.tools.linear_micro [--rows 1,4,8] [--layers 30] [--repeats 5]
+    python -m benchmarks.tools.linear_micro --amx [--rows 16,64,128,256,650,1024,2048]
+    python -m benchmarks.tools.linear_micro --tiled [--rows 16,48,96,128,256,512]
+    python -m benchmarks.tools.linear_micro --logits [--rows 8,32,96]
+    python -m benchmarks.tools.linear_micro --streamed [--rows 32,96] [--layers 30]
 
 Every layer gets its own weights (qkv, o, gate_up, down of SmolLM2-135M, then the lm_head), so they
 come from memory as in a real step, for each format this build has (bf16; int8 per channel and int4
@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 
-from llmserve.benchmarks.tools.timing import median_seconds
+from benchmarks.tools.timing import median_seconds
 from llmserve.kernels.cpu_ops import load_cpu_ops
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down

@@ -1,6 +1,6 @@
 """Where an all-at-once run's time goes, step by step: the offline engine on a workload file.
 
-    python -m llmserve.benchmarks.tools.step_split --workload bench_results/mixed-100.jsonl [--model M]
+    python -m benchmarks.tools.step_split --workload bench_results/mixed-100.jsonl [--model M]
 
 Every request is added at once (greedy, `ignore_eos`, prefix caching off) and the engine is stepped to
 the end; each step's shape (the scheduler's StepShape: decode rows, prompt tokens, decode context) and

@@ -2,9 +2,9 @@
 prints each section's figures as they come, a table of measured against floor and target at the end,
 and writes every figure to DIR/cuda_check.json (DIR/tests.log: the kernel tests' output).
 
-    python -m llmserve.benchmarks.tools.cuda_check --write-bundle .devbundle  # here, once: the tokenizer
-    python -m llmserve.benchmarks.tools.cuda_check --bundle .devbundle --out DIR  # on the device
-    python -m llmserve.benchmarks.tools.cuda_check --smoke --out DIR  # anywhere, in seconds
+    python -m benchmarks.tools.cuda_check --write-bundle .devbundle  # here, once: the tokenizer
+    python -m benchmarks.tools.cuda_check --bundle .devbundle --out DIR  # on the device
+    python -m benchmarks.tools.cuda_check --smoke --out DIR  # anywhere, in seconds
 
 Sections (docs/gpu.md: the command, what to carry, the targets):
   env     versions, the device, and the ceilings measured on it: device-to-device copy GB/s (bytes
@@ -55,7 +55,7 @@ from unittest import mock
 
 import torch
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 TEST_FILES = ("tests/attention/test_triton_paged_attention.py", "tests/kernels/test_triton_elementwise.py")
 TEST_DEVICE_VARIABLE = "LLMSERVE_TEST_DEVICE"  # the Triton tests' device: cpu (interpreted) or cuda
 TOKENIZER_VOCAB = 49152  # SmolLM2's tokens: ids past it decode to nothing (checked before use)

@@ -1,6 +1,6 @@
 """The decoder layer's elementwise kernels at prefill and decode row counts: SwiGLU and RMSNorm.
 
-    python -m llmserve.benchmarks.tools.elementwise_micro [--rows 96,256,2048] [--repeats 50]
+    python -m benchmarks.tools.elementwise_micro [--rows 96,256,2048] [--repeats 50]
 
 SwiGLU (`silu_and_mul`) over rows of SmolLM2-135M's gate_up output (2 x 1,536 bf16) and RMSNorm
 (`rms_norm`) over rows of its hidden size (576 bf16), median microseconds of --repeats calls each.
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llmserve.benchmarks.tools.timing import median_seconds
+from benchmarks.tools.timing import median_seconds
 from llmserve.kernels.cpu_ops import load_cpu_ops
 
 INTERMEDIATE = 1536

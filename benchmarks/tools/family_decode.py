@@ -1,6 +1,6 @@
 """Each model family next to a Llama of the same size: batch-1 decode and mixed-workload throughput.
 
-    python -m llmserve.benchmarks.tools.family_decode --workload bench_results/mixed-100.jsonl \
+    python -m benchmarks.tools.family_decode --workload bench_results/mixed-100.jsonl \
         [--families llama qwen3 phi3 gemma2 gemma3 mixtral] [--hidden 512] [--layers 8] \
         [--dtype bfloat16] [--passes 3]
 
@@ -58,8 +58,8 @@ def family_model(family: str, hidden: int, layers: int):
 def measure_family(family: str, args: argparse.Namespace, requests) -> dict:
     import torch
 
+    from benchmarks.tools.ab_checkouts import measure
     from llmserve import LLM
-    from llmserve.benchmarks.tools.ab_checkouts import measure
     from llmserve.model_loader import default_model_path, load_tokenizer
 
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Overload against a running server: its 429s, their Retry-After against the real wait.
 
-    python -m llmserve.benchmarks.tools.overload --url http://127.0.0.1:8000 --num-requests 400 \
+    python -m benchmarks.tools.overload --url http://127.0.0.1:8000 --num-requests 400 \
         --timeout 5 --out overload.json
 
 Fires `--num-requests` streamed completions at once, each with `timeout`. An admitted request's time

@@ -1,7 +1,7 @@
 """xgrammar against llguidance on this machine: compile time of a 50-property JSON schema and the time
 to fill the token masks of a batch of 32 requests partway through that schema.
 
-    python -m llmserve.benchmarks.tools.grammar_engines [--model PATH] [--batch 32] [--steps 20]
+    python -m benchmarks.tools.grammar_engines [--model PATH] [--batch 32] [--steps 20]
 
 Each engine gets the model's tokenizer, compiles the schema (xgrammar: `GrammarCompiler` with its cache
 off; llguidance: `LLMatcher` construction, which builds its lexer lazily), then advances `batch`

@@ -1,6 +1,6 @@
 """Side by side through HTTP with a peer server (vLLM-CPU, llama.cpp), one system at a time.
 
-    python -m llmserve.benchmarks.tools.side_by_side TAG [--workload bench_results/mixed-100.jsonl] \
+    python -m benchmarks.tools.side_by_side TAG [--workload bench_results/mixed-100.jsonl] \
         [--peer-command "vllm serve ..." --peer-url http://127.0.0.1:8092 --peer-model smollm2] [--dry-run]
 
 In order: the offline engine on the workload (`llmserve bench throughput --naive-batch-sizes none`);
@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if ready is not None:
             startup.append({"step": step.name, "server": shlex.join(step.server), "ready_seconds": ready})
             given = sys.argv[1:] if argv is None else list(argv)
-            command = shlex.join(["python", "-m", "llmserve.benchmarks.tools.side_by_side", *given])
+            command = shlex.join(["python", "-m", "benchmarks.tools.side_by_side", *given])
             payload = {**run_metadata("startup"), "command": command, "servers": startup}
             write_result(args.results / f"startup-{args.tag}.json", payload)
 

@@ -1,6 +1,6 @@
 """The first requests after /health against the same requests a minute later, with and without speculation.
 
-    python -m llmserve.benchmarks.tools.first_requests [--configs none,ngram,draft_head] \
+    python -m benchmarks.tools.first_requests [--configs none,ngram,draft_head] \
         [--serve-seconds 60] [--lengths 64,128,...] [--server-args "--max-model-len 4096"] \
         [--output bench_results/first-requests.json]
 
@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from benchmarks.tools.side_by_side import _stop, llmserve_command, wait_for_health
 from llmserve.benchmarks.results import format_table, run_metadata, write_result
-from llmserve.benchmarks.tools.side_by_side import _stop, llmserve_command, wait_for_health
 from llmserve.benchmarks.workload import TokenCorpus
 from llmserve.model_loader import load_tokenizer, resolve_model_path
 
@@ -215,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> list[ConfigResult]:
     given = sys.argv[1:] if argv is None else list(argv)
     payload = {
         **run_metadata("first_requests"),
-        "command": shlex.join(["python", "-m", "llmserve.benchmarks.tools.first_requests", *given]),
+        "command": shlex.join(["python", "-m", "benchmarks.tools.first_requests", *given]),
         "lengths": args.lengths,
         "serve_seconds": args.serve_seconds,
         "configs": [asdict(r) for r in results],

@@ -1,6 +1,6 @@
 """How many more tokens a KV pool holds when sliding layers keep only their window (a computed figure).
 
-    python -m llmserve.benchmarks.tools.kv_capacity [--layers 26] [--global-every 6] [--window 512] \
+    python -m benchmarks.tools.kv_capacity [--layers 26] [--global-every 6] [--window 512] \
         [--block-size 16] [--lengths 1024 4096 32768]
 
 For a model whose every `global-every`-th layer is global and the others slide over `window`

@@ -1,6 +1,6 @@
 """The router's prefix-cache hit rate against one engine's, on a shared-prefix workload over HTTP.
 
-    python -m llmserve.benchmarks.tools.dp_prefix_hits --out docs/results/DATE-dp-prefix-hits.json \
+    python -m benchmarks.tools.dp_prefix_hits --out benchmarks/results/DATE-dp-prefix-hits.json \
         [--workload bench_results/shared-8x500-200.jsonl] [--data-parallel-size 2] [--port 8000]
 
 Writes the workload if the file is missing (`llmserve bench workload`: 8 system prompts of 500
@@ -24,8 +24,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks.tools.side_by_side import Step, llmserve_command, run_step
 from llmserve.benchmarks.results import run_metadata, write_result
-from llmserve.benchmarks.tools.side_by_side import Step, llmserve_command, run_step
 
 GOAL = 0.9  # the router's hit rate at least this fraction of one engine's (issue 31)
 
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     given = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(given)
     metadata = run_metadata("dp-prefix-hits")  # before anything runs: the commit measured
-    metadata["command"] = shlex.join(["python", "-m", "llmserve.benchmarks.tools.dp_prefix_hits", *given])
+    metadata["command"] = shlex.join(["python", "-m", "benchmarks.tools.dp_prefix_hits", *given])
     llmserve = [llmserve_command()]
     if not Path(args.workload).exists():
         workload = [*llmserve, "bench", "workload", "--out", args.workload]

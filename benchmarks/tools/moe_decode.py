@@ -1,6 +1,6 @@
 """Batch-1 decode time of a random Mixtral as the expert count doubles at a fixed top-k.
 
-    python -m llmserve.benchmarks.tools.moe_decode [--experts 8 16] [--top-k 2] [--hidden 512] \
+    python -m benchmarks.tools.moe_decode [--experts 8 16] [--top-k 2] [--hidden 512] \
         [--intermediate 1024] [--layers 8] [--tokens 128] [--repeats 5] [--dtype bfloat16]
 
 Routed experts run over only their tokens (models/layers/moe.py), so at batch 1 the step's work

@@ -1,6 +1,6 @@
 """The causal prefill attention of one prompt, per kernel: ms per layer at SmolLM2-135M's head shapes.
 
-    python -m llmserve.benchmarks.tools.prefill_attention_micro [--lengths 128,256,650,1300] [--repeats 20]
+    python -m benchmarks.tools.prefill_attention_micro [--lengths 128,256,650,1300] [--repeats 20]
 
 For each prompt length (the whole prompt, no cached prefix): the compiled bf16 kernel on AMX's tile
 products and on AVX-512 BF16 (each where this CPU has it), and PyTorch's bf16 SDPA on the same inputs
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from llmserve.benchmarks.tools.timing import median_seconds
+from benchmarks.tools.timing import median_seconds
 from llmserve.kernels.cpu_ops import load_cpu_ops
 
 

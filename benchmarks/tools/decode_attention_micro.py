@@ -1,6 +1,6 @@
 """The paged decode attention of one step, with its KV cache in memory or in cache: ms per step and GB/s.
 
-    python -m llmserve.benchmarks.tools.decode_attention_micro [--batches 96x270,32x500,8x1000]
+    python -m benchmarks.tools.decode_attention_micro [--batches 96x270,32x500,8x1000]
 
 For each batch (sequences x context tokens, one query token each) at SmolLM2-135M's head shapes (9
 query heads, 3 KV heads, head_dim 64, bf16, blocks of 16 in a shuffled order) the compiled kernel runs
