@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -20,16 +21,28 @@ class LLM:
 
     `model=None` serves the embedded default model (SmolLM2-135M-Instruct). Other keyword arguments
     are `EngineArgs` fields (dtype, kv_cache_memory, max_model_len, max_num_batched_tokens, ...).
+
+    Its tensor- or pipeline-parallel ranks stop, and their process group is left, at `shutdown()`,
+    at the end of a `with LLM(...) as llm:` block, when the object is deleted or collected, or at
+    exit, whichever comes first: after that this process can start another parallel engine.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        # holds the engine, not this object: it runs once, when this object goes or at shutdown()
+        self._release = weakref.finalize(self, self.engine.shutdown)
 
     def shutdown(self) -> None:
-        """Stop the engine's tensor-parallel workers (they also stop when this process exits)."""
-        self.engine.shutdown()
+        """Stop the engine's parallel ranks and leave their process group (once; later calls do nothing)."""
+        self._release()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def generate(
         self,
@@ -39,6 +52,8 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        if not self._release.alive:
+            raise RuntimeError("this LLM was shut down")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
