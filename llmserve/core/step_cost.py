@@ -15,8 +15,10 @@ never varied (no prefill yet, say) at zero rather than at noise, and a coefficie
 zero is dropped from the fit (a step never gets cheaper by adding work). Until `min_steps` steps were
 seen the model is not fitted and predicts nothing (callers then apply no latency cap).
 
-The scheduler (core/scheduler.py) predicts each step with it; the admission predictor
-(core/wait_predictor.py) reads the same model for a prompt's prefill time.
+This is the one step-time model. The engine's scheduler (core/scheduler.py) owns the one fitted
+instance and plans each step with it; the fitted coefficients are a `StepCost` value that each step's
+stats carry to the server (metrics/stats.py StepStats.step_cost), where admission
+(core/wait_predictor.py) and the watchdog (engine/health.py) read them: nothing else fits step times.
 """
 
 from __future__ import annotations
@@ -58,8 +60,48 @@ def _features(shape: StepShape) -> tuple[float, ...]:
     )
 
 
+class StepCost(NamedTuple):
+    """Fitted coefficients (see the module docstring) and what they predict; a tuple, so it pickles as one."""
+
+    c0: float  # seconds every step pays
+    c1: float  # per decode token
+    c2: float  # per prefill token
+    c3: float  # per kilotoken of decode context
+    c4: float  # per megapair of prefill attention
+
+    def predict(self, shape: StepShape) -> float:
+        """Seconds the step would take."""
+        c0, c1, c2, c3, c4 = self
+        return (
+            c0
+            + c1 * shape.decode_tokens
+            + c2 * shape.prefill_tokens
+            + c3 * shape.decode_context / _CONTEXT_UNIT
+            + c4 * shape.prefill_pairs / _PAIRS_UNIT
+        )
+
+    def chunk_seconds(self, num_new: int, num_computed: int) -> float:
+        """What a prefill chunk of `num_new` tokens after `num_computed` adds to a step."""
+        return self.c2 * num_new + self.c4 * chunk_pairs(num_new, num_computed) / _PAIRS_UNIT
+
+    def max_chunk(self, seconds: float, num_computed: int) -> int | None:
+        """The largest prefill chunk after `num_computed` tokens that adds at most `seconds`; None: no
+        bound (prefill measured as free)."""
+        c2, c4 = self.c2, self.c4
+        if c2 <= 0 and c4 <= 0:
+            return None
+        if seconds <= 0:
+            return 0
+        # a n^2 + b n <= seconds, with a = c4 / 2 / unit and b = c2 + c4 x num_computed / unit
+        a, b = c4 / 2 / _PAIRS_UNIT, c2 + c4 * num_computed / _PAIRS_UNIT
+        if a <= 0:
+            return int(seconds / b)
+        return int((-b + (b * b + 4 * a * seconds) ** 0.5) / (2 * a))
+
+
 class StepCostModel:
-    """Online least-squares fit of step seconds to `StepShape`; `predict` is a 5-term dot product."""
+    """Online least-squares fit of step seconds to `StepShape`, the engine's one instance; its current
+    fit is `coefficients` (a `StepCost`), which the predictions below use."""
 
     def __init__(self, recent_steps: int = 256, min_steps: int = 8) -> None:
         self._decay = 1.0 - 1.0 / recent_steps
@@ -68,13 +110,13 @@ class StepCostModel:
         self._moment = np.zeros(_NUM_FEATURES)  # sum of decayed x y
         self._pending: list[tuple[StepShape, float]] = []  # observed since the last refit
         self._num_steps = 0
-        self._coefficients: tuple[float, ...] | None = None
+        self._coefficients: StepCost | None = None
 
     @classmethod
     def fixed(cls, coefficients: tuple[float, ...]) -> StepCostModel:
         """A model with known coefficients (c0..c4) that keeps them: a calibration, or a test's."""
         model = cls()
-        model._coefficients = tuple(map(float, coefficients))
+        model._coefficients = StepCost(*map(float, coefficients))
         model._min_steps = math.inf  # never refitted
         return model
 
@@ -83,7 +125,7 @@ class StepCostModel:
         return self._coefficients is not None
 
     @property
-    def coefficients(self) -> tuple[float, ...] | None:
+    def coefficients(self) -> StepCost | None:
         """(c0, c1, c2, c3, c4) in the units of the module docstring; None until fitted."""
         return self._coefficients
 
@@ -125,38 +167,20 @@ class StepCostModel:
                 solution[active] = values
                 break
             active = [index for index, value in zip(active, values, strict=True) if value >= 0]
-        self._coefficients = tuple(float(value) for value in solution)
+        self._coefficients = StepCost(*map(float, solution))
 
     def predict(self, shape: StepShape) -> float | None:
         """Seconds the step would take; None until fitted."""
-        c = self._coefficients
-        if c is None:
-            return None
-        return (
-            c[0]
-            + c[1] * shape.decode_tokens
-            + c[2] * shape.prefill_tokens
-            + c[3] * shape.decode_context / _CONTEXT_UNIT
-            + c[4] * shape.prefill_pairs / _PAIRS_UNIT
-        )
+        cost = self._coefficients
+        return None if cost is None else cost.predict(shape)
 
     def chunk_seconds(self, num_new: int, num_computed: int) -> float:
         """What a prefill chunk adds to a step (0 until fitted)."""
-        c = self._coefficients
-        if c is None:
-            return 0.0
-        return c[2] * num_new + c[4] * chunk_pairs(num_new, num_computed) / _PAIRS_UNIT
+        cost = self._coefficients
+        return 0.0 if cost is None else cost.chunk_seconds(num_new, num_computed)
 
     def max_chunk(self, seconds: float, num_computed: int) -> int | None:
         """The largest prefill chunk after `num_computed` tokens that adds at most `seconds`; None: no
         bound (not fitted, or prefill measured as free)."""
-        c = self._coefficients
-        if c is None or (c[2] <= 0 and c[4] <= 0):
-            return None
-        if seconds <= 0:
-            return 0
-        # a n^2 + b n <= seconds, with a = c4 / 2 / unit and b = c2 + c4 x num_computed / unit
-        a, b = c[4] / 2 / _PAIRS_UNIT, c[2] + c[4] * num_computed / _PAIRS_UNIT
-        if a <= 0:
-            return int(seconds / b)
-        return int((-b + (b * b + 4 * a * seconds) ** 0.5) / (2 * a))
+        cost = self._coefficients
+        return None if cost is None else cost.max_chunk(seconds, num_computed)

@@ -5,12 +5,13 @@ wait = (prompt tokens queued ahead) x (seconds per token computed)
 service = (its prompt's prefill) + (its max_tokens) x (seconds per step)
 
 Both rates are measured over the engine's recent steps, in step time (idle time between bursts does not
-dilute them). The prompt's prefill is the step-time cost model's (core/step_cost.py: the one the
-scheduler plans its steps with, fitted here from the same steps' shapes) once it is fitted, else its
-tokens x seconds per token. The engine's warm-up steps (engine/warmup.py) are the first of them
-(`prime`), so the first burst after start-up is predicted too; until a request has finished there is
-no finish rate, and the admission assumes the requests ahead are as long as the new one. The server's
-admission (entrypoints/openai/admission.py) refuses a request whose wait exceeds its deadline.
+dilute them). The prompt's prefill and the decode steps are the engine's step-time model's
+(core/step_cost.py: the scheduler's, whose coefficients each step's stats carry here; nothing is fitted
+in the server) once it is fitted, else its tokens x seconds per token and the recent seconds per step.
+The engine's warm-up steps (engine/warmup.py) are the first of them (`prime`), so the first burst after
+start-up is predicted too; until a request has finished there is no finish rate, and the admission
+assumes the requests ahead are as long as the new one. The server's admission
+(entrypoints/openai/admission.py) refuses a request whose wait exceeds its deadline.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llmserve.core.step_cost import StepCostModel, StepShape
+from llmserve.core.step_cost import StepCost, StepShape
 from llmserve.metrics.stats import StepStats
 from llmserve.outputs import RequestOutput
 
@@ -41,7 +42,7 @@ class WaitPredictor:
         self._tokens = 0
         self._finished = 0
         self._seconds = 0.0
-        self.step_cost = StepCostModel(recent_steps)
+        self.step_cost: StepCost | None = None  # the engine's step-time model, as of its latest step
 
     def on_step(self, stats: StepStats | None, outputs: Sequence[RequestOutput]) -> None:
         if stats is None:  # an abort's output, not a step
@@ -58,8 +59,8 @@ class WaitPredictor:
         if len(self._steps) == self._steps.maxlen:
             self._drop(self._steps[0])
         self._steps.append(step)
-        if stats.step_shape:
-            self.step_cost.observe(StepShape(*stats.step_shape), stats.step_seconds)
+        if stats.step_cost is not None:
+            self.step_cost = StepCost(*stats.step_cost)
         self._tokens += step.tokens
         self._finished += step.finished
         self._seconds += step.seconds
@@ -92,9 +93,10 @@ class WaitPredictor:
         """Seconds a request takes once scheduled: its prefill, then a step per output token (at most
         max_tokens) in a batch of `rows` decodes like it (the cost model's step at that batch: a burst
         runs at the batch it makes, not at the recent steps' pace); 0 before anything was measured."""
-        if not self.step_cost.fitted:
+        cost = self.step_cost
+        if cost is None:
             per_token, per_step = self.seconds_per_token or 0.0, self.seconds_per_step or 0.0
             return prompt_tokens * per_token + max_tokens * per_step
-        prefill = self.step_cost.chunk_seconds(prompt_tokens, 0)
         context = rows * (prompt_tokens + max_tokens // 2)  # the decodes' KV, each halfway through
-        return prefill + max_tokens * self.step_cost.predict(StepShape(rows, 0, context, 0))
+        decode_step = cost.predict(StepShape(rows, 0, context, 0))
+        return cost.chunk_seconds(prompt_tokens, 0) + max_tokens * decode_step

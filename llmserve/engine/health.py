@@ -11,10 +11,12 @@ States (what /health says; only `ready` answers 200):
 
 The watchdog judges progress, not time alone: a step may take up to `factor` times the predicted time
 of the largest step the scheduler can plan, and never less than `min_seconds`; so a long prefill is not
-a hang. The prediction is the scheduler's token budget at the seconds per token of the largest recent
-step (a prefill: per-step overheads weigh least there), or the slowest recent step if that is longer.
-The warm-up's measured steps are the first recent steps; until a step has been measured (a restart
-without warm-up, `--no-warmup`: kernels build and pages fault in during the first steps) the limit is
+a hang. The prediction is the engine's step-time model's (core/step_cost.py, whose coefficients each
+step's stats carry) for a prefill chunk of the scheduler's whole token budget, or the slowest recent
+step if that is longer (a chunk deep into a long prompt; or the only measure while the model is not
+fitted: its first steps, and pipeline parallelism, whose overlapping steps it does not fit). The
+warm-up's measured steps are the first recent steps; until a step has been measured (a restart without
+warm-up, `--no-warmup`: kernels build and pages fault in during the first steps) the limit is
 `warmup_seconds`.
 """
 
@@ -28,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmserve.core.step_cost import StepCost, StepShape, chunk_pairs
 from llmserve.metrics.stats import StepStats
 
 logger = logging.getLogger("llmserve")
@@ -55,7 +58,7 @@ class WatchdogConfig:
     poll_seconds: float = 0.5  # how often the watchdog looks
 
 
-_RECENT_STEPS = 64  # the steps whose seconds per token predict the next one
+_RECENT_STEPS = 64  # the steps whose slowest bounds the prediction from below
 
 
 class EngineHealth:
@@ -74,7 +77,8 @@ class EngineHealth:
         self._state = HealthState.STARTING
         self._reason = "the engine is loading the model"
         self._last_progress = time.monotonic()
-        self._steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=_RECENT_STEPS)
+        self._step_seconds: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
+        self._cost: StepCost | None = None  # the engine's step-time model, as of its latest step
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -93,16 +97,27 @@ class EngineHealth:
             if self._state is HealthState.STOPPING and state is not HealthState.STOPPING:
                 return  # stopping is final
             if state is HealthState.WARMING:
-                self._steps.clear()  # a new engine: its speed is measured afresh
+                self._forget_speed()  # a new engine: its speed is measured afresh
             self._state, self._reason = state, reason
             self._last_progress = time.monotonic()
 
     def on_warmed_up(self, steps: list[StepStats]) -> None:
         """A new engine is ready: its warm-up's measured steps (none without one) are the first speeds."""
         with self._lock:
-            self._steps.clear()  # the previous engine's speeds predict nothing of this one
-            self._steps.extend((s.num_prompt_tokens + s.num_generation_tokens, s.step_seconds) for s in steps)
+            self._forget_speed()  # the previous engine's speeds predict nothing of this one
+            for stats in steps:
+                self._measured(stats)
         self.set(HealthState.READY)
+
+    def _forget_speed(self) -> None:
+        self._step_seconds.clear()
+        self._cost = None
+
+    def _measured(self, stats: StepStats) -> None:
+        """A step's time, and the engine's model after it (held by the caller)."""
+        self._step_seconds.append(stats.step_seconds)
+        if stats.step_cost is not None:
+            self._cost = StepCost(*stats.step_cost)
 
     def on_step(self, stats: StepStats | None) -> None:
         """A step finished (the engine's reader thread): progress, and its speed for the prediction."""
@@ -111,7 +126,7 @@ class EngineHealth:
             self._last_progress = now
             tokens = 0 if stats is None else stats.num_prompt_tokens + stats.num_generation_tokens
             if tokens and self._state is not HealthState.WARMING:  # a first step builds kernels: no speed
-                self._steps.append((tokens, stats.step_seconds))
+                self._measured(stats)
             if self._state in (HealthState.WARMING, HealthState.STALLED):
                 if self._state is HealthState.STALLED:
                     logger.warning("the engine is making progress again after a stall")
@@ -121,14 +136,18 @@ class EngineHealth:
 
     def step_limit(self) -> float:
         """Seconds without a finished step, while requests are in flight, that count as a stall."""
-        if self._state is HealthState.WARMING or not self._steps:
+        if self._state is HealthState.WARMING or not self._step_seconds:
             return max(self.watchdog.warmup_seconds, self.watchdog.min_seconds)
         return max(self.watchdog.min_seconds, self.watchdog.factor * self.predicted_max_step_seconds())
 
     def predicted_max_step_seconds(self) -> float:
-        """The time of a step of `max_step_tokens` tokens, from the recent steps (held by the caller)."""
-        tokens, seconds = max(self._steps)  # the largest step
-        return max(seconds / tokens * self.max_step_tokens, max(s for _, s in self._steps))
+        """The engine's model's time of a `max_step_tokens` prefill chunk, or the slowest recent step if
+        longer (held by the caller)."""
+        slowest = max(self._step_seconds)
+        if self._cost is None:
+            return slowest
+        tokens = self.max_step_tokens
+        return max(self._cost.predict(StepShape(0, tokens, 0, chunk_pairs(tokens, 0))), slowest)
 
     def check(self, busy: bool, now: float | None = None) -> bool:
         """Turn `stalled` if `busy` and no step finished within the limit; True when it just did."""

@@ -512,6 +512,7 @@ class LLMEngine:
             num_swapped_in_blocks=len(scheduled.plan.swap_in),
             accepted_per_position=accepted_per_position(accepted),
             step_shape=tuple(scheduled.shape),
+            step_cost=self.scheduler.cost_model.coefficients,
         )
 
     def reset_step_counters(self) -> None:

@@ -30,6 +30,9 @@ class StepStats:
     num_swapped_in_blocks: int = 0  # KV blocks copied back from it
     accepted_per_position: tuple[int, ...] = ()  # speculative decoding: drafts accepted at position 0, 1, ...
     step_shape: tuple[int, ...] = ()  # the step's core/step_cost.py StepShape, for the cost model
+    # the engine's step-time model after the step (core/step_cost.py StepCost), read by the server's
+    # admission and watchdog; None until fitted
+    step_cost: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -115,20 +115,20 @@ def test_max_chunk_is_the_largest_chunk_within_the_seconds(computed):
     assert StepCostModel.fixed((0.01, 0.001, 0.0, 0.0, 0.0)).max_chunk(1.0, 0) is None  # prefill free
 
 
-def test_the_admission_predictor_fits_the_same_model_from_the_steps_it_is_told_of():
+def test_the_admission_predictor_reads_the_engines_fitted_model_from_the_step_stats():
     from llmserve.core.wait_predictor import WaitPredictor
     from llmserve.metrics.stats import StepStats
 
     rng = np.random.default_rng(3)
-    predictor = WaitPredictor()
-    before = StepStats(0, 0, 0.0, 1, 100, 0, 0, 0.1)  # no shape: the per-token rate, 1 ms a token
+    engine_model, predictor = StepCostModel(), WaitPredictor()
+    before = StepStats(0, 0, 0.0, 1, 100, 0, 0, 0.1)  # no model yet: the per-token rate, 1 ms a token
     predictor.on_step(before, [])
     assert predictor.service(500, 0) == pytest.approx(0.5)
-    for shape in random_shapes(rng, 300):
+    for shape in random_shapes(rng, 300):  # the engine fits its model; each step's stats carry it
+        engine_model.observe(shape, truth(shape))
         stats = StepStats(0, 0, 0.0, 1, shape.prefill_tokens, shape.decode_tokens, 0, truth(shape))
-        predictor.on_step(StepStats(**{**stats.__dict__, "step_shape": tuple(shape)}), [])
-    predictor.step_cost.refit()
-    assert predictor.step_cost.coefficients == pytest.approx(TRUE, rel=0.01)
+        predictor.on_step(StepStats(**{**stats.__dict__, "step_cost": engine_model.coefficients}), [])
+    assert predictor.step_cost == engine_model.coefficients == pytest.approx(TRUE, rel=0.01)
     # its prompt's prefill is now the model's: 500 tokens x 0.15 ms + 125,000 pairs x 20 ms per million
     prefill = 500 * TRUE[2] + chunk_pairs(500, 0) / 1e6 * TRUE[4]
     assert predictor.service(500, 0) == pytest.approx(prefill, rel=0.01)

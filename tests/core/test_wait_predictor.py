@@ -116,28 +116,27 @@ def test_admission_bounds_the_queued_prompt_tokens():
     assert refused.value.retry_after == 1  # nothing measured yet: the minimum
 
 
-def _shaped(rows: int, prefill: int, context: int, seconds: float) -> StepStats:
-    return StepStats(0, 0, 0.0, rows, prefill, rows, 0, seconds, step_shape=(rows, prefill, context, 0))
+def _costed(rows: int, prefill: int, seconds: float) -> StepStats:
+    """A step whose stats carry the engine's step-time model: 10 ms + 2 ms a decode row + 0.1 ms a
+    prompt token."""
+    return StepStats(0, 0, 0.0, rows, prefill, rows, 0, seconds, step_cost=(0.010, 0.002, 0.0001, 0.0, 0.0))
 
 
 def test_a_burst_is_served_at_the_batch_it_makes_not_at_the_recent_pace():
-    # steps cost 10 ms + 2 ms a decode row (+ 0.1 ms a prompt token): the cost model learns it
     predictor = WaitPredictor()
-    predictor.prime(
-        [
-            _shaped(rows, prefill, 0, 0.010 + 0.002 * rows + 0.0001 * prefill)
-            for rows in (1, 2, 16)
-            for prefill in (0, 64)
-        ]
-        * 4
-    )
-    assert predictor.step_cost.fitted
+    predictor.prime([_step(64, 1, 0.05)])  # the engine's model not fitted yet: the recent pace
+    assert predictor.step_cost is None
+    assert predictor.service(10, 100) == pytest.approx(10 * 0.05 / 65 + 100 * 0.05)
+    predictor.prime([_costed(rows, 0, 0.010 + 0.002 * rows) for rows in (1, 2, 16)])
+    assert predictor.step_cost == (0.010, 0.002, 0.0001, 0.0, 0.0)  # read from the engine, not fitted here
     alone = predictor.service(10, 100)  # 100 steps of one row (12 ms) after a 1 ms prefill
-    assert alone == pytest.approx(0.001 + 100 * 0.012, rel=0.05)
-    assert predictor.service(10, 100, rows=16) == pytest.approx(0.001 + 100 * 0.042, rel=0.05)
+    assert alone == pytest.approx(0.001 + 100 * 0.012)
+    assert predictor.service(10, 100, rows=16) == pytest.approx(0.001 + 100 * 0.042)
+    predictor.on_step(_step(0, 1, 0.5), [])  # a step without the model (a pipeline's): the last one holds
+    assert predictor.service(10, 100) == pytest.approx(alone)
     engine = _Engine(queued=0, max_num_seqs=16)
     admission = Admission(engine, AdmissionConfig())
-    engine.warmup_listeners[0]([_shaped(rows, 0, 0, 0.010 + 0.002 * rows) for rows in (1, 2, 16)] * 4)
+    engine.warmup_listeners[0]([_costed(rows, 0, 0.010 + 0.002 * rows) for rows in (1, 2, 16)])
     admission.check([10], timeout=2.0, in_flight=0, max_tokens=100)  # alone: 1.2 s
     with pytest.raises(Refused):  # the 16th of a burst: 100 steps of 16 rows, 4.2 s
         admission.check([10], timeout=2.0, in_flight=15, max_tokens=100)

@@ -8,12 +8,14 @@ from llmserve.engine.health import EngineHealth, HealthState, WatchdogConfig
 from llmserve.engine.supervision import RestartBudget, RestartPolicy
 from llmserve.metrics.stats import StepStats
 
-
-def _step(tokens: int, seconds: float) -> StepStats:
-    return StepStats(0, 0, 0.0, 1, tokens, 0, 0, seconds)
+MS_PER_PROMPT_TOKEN = (0.0, 0.0, 0.001, 0.0, 0.0)  # the engine's step-time model: 1 ms a prefill token
 
 
-def test_the_limit_scales_the_largest_recent_step_to_the_token_budget():
+def _step(tokens: int, seconds: float, cost: tuple[float, ...] | None = None) -> StepStats:
+    return StepStats(0, 0, 0.0, 1, tokens, 0, 0, seconds, step_cost=cost)
+
+
+def test_the_limit_is_the_engine_models_full_budget_prefill_or_the_slowest_recent_step():
     health = EngineHealth(
         WatchdogConfig(min_seconds=1.0, factor=10.0, warmup_seconds=99.0), max_step_tokens=2048
     )
@@ -21,10 +23,14 @@ def test_the_limit_scales_the_largest_recent_step_to_the_token_budget():
     assert health.step_limit() == 99.0  # before the first step: the warm-up limit
     health.on_step(_step(1, 5.0))  # the warm-up step (kernels build) predicts nothing
     assert health.state is HealthState.READY and health.step_limit() == 99.0
-    health.on_step(_step(512, 0.512))  # a prefill: 1 ms per token
-    health.on_step(_step(1, 0.01))  # a decode: its overhead does not count per token
+    health.on_step(_step(512, 0.512))  # the engine's model is not fitted yet: the slowest step bounds
+    assert health.step_limit() == pytest.approx(10.0 * 0.512)
+    health.on_step(_step(1, 0.01, MS_PER_PROMPT_TOKEN))  # fitted: a 2048-token prefill takes 2.048 s
     assert health.step_limit() == pytest.approx(10.0 * 2.048)
-    health.on_step(_step(2, 3.0))  # a step slower than the scaled prefill rules
+    # 5 ms a step, and 2048 x 1024 attention pairs at 10 ms a million, count once in the largest step
+    health.on_step(_step(1, 0.01, (0.005, 0.0004, 0.001, 0.0009, 0.01)))
+    assert health.step_limit() == pytest.approx(10.0 * (0.005 + 2.048 + 0.01 * 2048 * 1024 / 1e6))
+    health.on_step(_step(2, 3.0, MS_PER_PROMPT_TOKEN))  # a step slower than the predicted prefill rules
     assert health.step_limit() == pytest.approx(30.0)
 
 
@@ -32,7 +38,7 @@ def test_a_long_prefill_within_the_limit_is_not_a_stall_and_a_hang_is():
     health = EngineHealth(WatchdogConfig(min_seconds=1.0, factor=10.0), max_step_tokens=2048)
     health.set(HealthState.WARMING)
     health.on_step(_step(10, 0.01))  # warm-up
-    health.on_step(_step(10, 0.01))  # 1 ms per token: a full 2048-token prefill is ~2 s, the limit 20.5 s
+    health.on_step(_step(10, 0.01, MS_PER_PROMPT_TOKEN))  # a full 2048-token prefill ~2 s: the limit 20.5 s
     start = health._last_progress
     assert not health.check(busy=True, now=start + 15.0)
     assert health.state is HealthState.READY
@@ -51,9 +57,12 @@ def test_the_warm_up_ends_warming_and_its_steps_are_the_first_speeds():
     )
     health.set(HealthState.WARMING)
     assert not health.check(busy=True, now=health._last_progress + 98.0)  # warming: the warm-up limit
-    health.on_warmed_up([_step(512, 0.512), _step(1, 0.01)])
+    health.on_warmed_up([_step(512, 0.512), _step(1, 0.01, MS_PER_PROMPT_TOKEN)])
     assert health.state is HealthState.READY
-    assert health.step_limit() == pytest.approx(10.0 * 2.048)  # measured from the warm-up alone
+    assert health.step_limit() == pytest.approx(10.0 * 2.048)  # the engine's model after its warm-up
+    health.set(HealthState.WARMING)  # a restarted engine: the previous one's model predicts nothing
+    health.on_warmed_up([_step(10, 0.02)])
+    assert health.step_limit() == pytest.approx(1.0)  # its slowest step (0.2 s) under min_seconds
 
 
 def test_only_ready_answers_200():

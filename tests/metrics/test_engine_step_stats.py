@@ -37,3 +37,7 @@ def test_step_stats_count_preemptions_by_mode_and_swapped_blocks(tiny_dir, mode)
     assert sum(s.num_swapped_in_blocks for s in steps) == scheduler.num_swapped_out_blocks  # all came back
     if mode == "recompute":
         assert scheduler.num_swapped_out_blocks == 0
+    # each step carries the engine's one step-time model as it stands after the step (admission and
+    # the watchdog read it in the server)
+    assert scheduler.cost_model.fitted and steps[-1].step_cost == scheduler.cost_model.coefficients
+    assert steps[0].step_cost is None  # not fitted after one step
