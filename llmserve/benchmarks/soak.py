@@ -303,7 +303,8 @@ def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
 
 def server_command(model: str, port: int, server_args: list[str]) -> list[str]:
     """`llmserve serve` as users run it: through the console script's set-up (cli/launch.py: tcmalloc
-    where installed, glibc's fixed mmap threshold otherwise), whose allocator the RSS slope measures."""
+    where installed, else glibc under worker/malloc_tuning.py's policy), whose allocator the RSS slope
+    measures."""
     command = [sys.executable, "-m", "llmserve.cli.launch", "serve", "--model", model, "--port", str(port)]
     return [*command, "--check-invariants", *server_args]
 

@@ -15,19 +15,18 @@ own threads share the workers' cores (worker/cpu_binding.py); a worker that spun
 serial part of each step would keep them off that core just when they can run without stalling the
 engine. An explicit GOMP_SPINCOUNT wins; other commands keep libgomp's default.
 
-Where it runs on glibc's malloc after all, the mmap threshold is fixed at 1 MiB: by default glibc
-raises it as large blocks are freed, so whether a step's large temporaries (oneDNN's buffers for
-varying row counts) are mapped afresh or kept on the heap depends on the process's history: an
-engine that had speculated at small batches ran slower than an identical fresh one, and RSS grew;
-with the fixed threshold neither happens.
+Where it runs on glibc's malloc after all, it applies the engine's malloc policy to its own process
+(worker/malloc_tuning.py, where the policy and its reason are stated), so that an engine an offline
+command runs in this process allocates as the server's engine process does.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 from pathlib import Path
+
+from llmserve.worker.malloc_tuning import keep_large_allocations_on_the_heap
 
 _LIBRARY_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 _LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
@@ -59,19 +58,6 @@ def preload_tcmalloc() -> None:
         return  # could not re-execute (unusual interpreter set-up): run as we are
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-
-
-def fix_glibc_mmap_threshold(threshold: int = 1 << 20) -> bool:
-    """Without tcmalloc, a fixed mmap threshold for glibc's malloc (module docstring); whether set."""
-    if "tcmalloc" in os.environ.get("LD_PRELOAD", "") or not sys.platform.startswith("linux"):
-        return False
-    try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold))
-    except (OSError, AttributeError):  # not glibc
-        return False
-
-
 SERVER_OPENMP_SPINCOUNT = "10000"
 
 
@@ -84,7 +70,7 @@ def shorten_openmp_spin_for_serve(argv: list[str]) -> None:
 def main() -> int:
     shorten_openmp_spin_for_serve(sys.argv)
     preload_tcmalloc()
-    fix_glibc_mmap_threshold()
+    keep_large_allocations_on_the_heap()
     from llmserve.cli.main import main as cli_main
 
     return cli_main()

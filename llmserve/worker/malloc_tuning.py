@@ -1,4 +1,5 @@
-"""glibc malloc settings for an engine process: large allocations from the heap, and kept there.
+"""The one glibc malloc policy, for every process that runs an engine: a fixed mmap threshold of
+512 MiB (large allocations from the heap), and the heap's top kept.
 
 By default glibc serves an allocation above its mmap threshold (dynamic, from 128 KiB up to 32 MiB)
 with a fresh `mmap` and returns it with `munmap` when freed. Both take the process's memory-map lock
@@ -8,10 +9,21 @@ Loading the default model beside the prefault of its 1 GiB pool took 2.7-3.5 s (
 0.8-1.1 s alone; with these settings 1.1-1.4 s, the prefault finished by then. Offline throughput and
 batch-1 latency were the same with and without them (alternated runs).
 
+A fixed threshold also makes a process's speed independent of its history: glibc's dynamic one rises
+as large blocks are freed, so whether a step's large temporaries (oneDNN's buffers for varying row
+counts) were mapped afresh or kept on the heap depended on what ran before (an engine that had
+speculated at small batches ran slower than an identical fresh one, and its RSS grew). A low fixed
+threshold (1 MiB) would do that too, but would map and unmap every large temporary of every step,
+each call taking the memory-map lock and faulting the pages in again; a high one keeps them on the
+heap, which is why this one is high.
+
 The settings: allocations below 512 MiB come from the heap (a KV pool of 512 MiB or more stays a
 mapping of its own); the heap grows 64 MiB past each request, so that few `brk` calls take the lock;
 and up to 1 GiB free at its top is kept for the next step's temporaries instead of being returned and
 faulted in again. Once the model is loaded, `release_free_heap` gives back what the loading freed.
+The engine process applies them first thing (engine/engine_core.py); the `llmserve` console script
+applies them to its own process where glibc serves malloc (cli/launch.py: an offline command runs its
+engine there). Under tcmalloc they do not apply.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 
 logger = logging.getLogger("llmserve")
@@ -31,8 +44,9 @@ _SETTINGS = ((_M_MMAP_THRESHOLD, 512 << 20), (_M_TOP_PAD, 64 << 20), (_M_TRIM_TH
 
 
 def keep_large_allocations_on_the_heap() -> bool:
-    """Apply the settings to this process (glibc on Linux); False where they do not apply."""
-    if not sys.platform.startswith("linux"):
+    """Apply the settings to this process (glibc on Linux); False where they do not apply (tcmalloc
+    preloaded, or another C library)."""
+    if not sys.platform.startswith("linux") or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -43,9 +43,12 @@ def test_runs_as_it_is_otherwise(monkeypatch, execve_calls, library, env):
     assert execve_calls == []
 
 
-def test_glibc_mmap_threshold_is_fixed_only_without_tcmalloc(monkeypatch):
+def test_the_engines_malloc_policy_applies_only_without_tcmalloc(monkeypatch):
+    from llmserve.worker import malloc_tuning
+
+    assert launch.keep_large_allocations_on_the_heap is malloc_tuning.keep_large_allocations_on_the_heap
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4")
-    assert launch.fix_glibc_mmap_threshold() is False
+    assert malloc_tuning.keep_large_allocations_on_the_heap() is False
     monkeypatch.delenv("LD_PRELOAD")
     if sys.platform.startswith("linux") and os.confstr("CS_GNU_LIBC_VERSION"):
-        assert launch.fix_glibc_mmap_threshold() is True
+        assert malloc_tuning.keep_large_allocations_on_the_heap() is True
