@@ -103,6 +103,7 @@ def test_the_summary_judges_each_target_against_the_measured_floors(args, verdic
     assert "PASS" in cuda_check.format_table(list(rows.values()))
 
 
+@pytest.mark.process
 def test_the_kernel_tests_run_compiled_on_the_tests_device(tmp_path, monkeypatch):
     """The pytest child sees LLMSERVE_TEST_DEVICE=cuda and no TRITON_INTERPRET (the Triton test files
     interpret only without that device), and its outcomes are read back from its log."""

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
+
 from benchmarks.tools import first_requests
 from benchmarks.tools.first_requests import PromptSource
 
 
+@pytest.mark.server
 def test_first_requests_times_two_rounds_per_fresh_server_and_compares_speculation(tiny_model_dir, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

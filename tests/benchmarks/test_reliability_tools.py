@@ -10,6 +10,8 @@ import pytest
 from benchmarks.tools import engine_kill, overload
 from tests.entrypoints.conftest import start_server, tiny_server_args
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):

@@ -15,6 +15,8 @@ from llmserve.benchmarks.serve import LoadGenerator, pick_salts, salt_requests, 
 from llmserve.benchmarks.workload import BenchRequest
 from llmserve.cli.main import main
 
+pytestmark = pytest.mark.server
+
 STARTUP_SECONDS = 120
 
 

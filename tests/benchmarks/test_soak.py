@@ -3,6 +3,8 @@ slope (which needs 3,000 requests after warm-up: `llmserve bench soak` at full s
 
 from __future__ import annotations
 
+import pytest
+
 from llmserve.benchmarks.soak import SoakConfig, rss_slope, run_soak
 from llmserve.cli.launch import find_tcmalloc
 from tests.entrypoints.conftest import free_port
@@ -14,6 +16,7 @@ def test_rss_slope_is_the_least_squares_slope_per_1k_requests():
     assert rss_slope(samples[:10], after=0) is None  # under 3,000 requests: no slope
 
 
+@pytest.mark.server
 def test_ci_sized_soak_passes_its_gates(tiny_model_dir, tmp_path):
     config = SoakConfig(num_requests=240, concurrency=8, max_tokens=40, warmup_requests=0)
     # 128 KiB of float32 KV for the tiny model (512 bytes a token): 8 blocks of 32 tokens, fewer than

@@ -132,6 +132,7 @@ def test_side_by_side_waits_for_health():
         side_by_side.wait_for_health(url, None, timeout=0.5)
 
 
+@pytest.mark.process
 def test_side_by_side_records_each_servers_start_up(tmp_path, monkeypatch):
     """A server step returns its seconds to ready, and main writes them to startup-TAG.json."""
     port = _free_port()

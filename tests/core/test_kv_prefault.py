@@ -153,6 +153,7 @@ def _fresh_process(code: str) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("tuned", [False, True])
 def test_the_engine_process_keeps_large_allocations_on_the_heap(tuned):
     """With the settings a 64 MiB allocation comes from the heap; by default it is a mapping of its own."""
@@ -165,6 +166,7 @@ def test_the_engine_process_keeps_large_allocations_on_the_heap(tuned):
     assert _fresh_process(code) == str(tuned)
 
 
+@pytest.mark.process
 def test_freed_heap_memory_goes_back_after_the_loading():
     """With the settings a freed 256 MiB stays resident (kept for the next step) until
     `release_free_heap`, which the engine process calls once the model is loaded."""

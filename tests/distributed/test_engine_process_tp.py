@@ -16,6 +16,8 @@ from llmserve.engine.async_llm import AsyncLLM, EngineFailedError
 from tests.distributed.conftest import ENGINE_KWARGS
 from tests.helpers import is_alive
 
+pytestmark = pytest.mark.process
+
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
 

@@ -20,6 +20,8 @@ from tests.distributed.conftest import ENGINE_KWARGS, assert_same_greedy, engine
 from tests.distributed.test_tensor_parallel import PROMPTS
 from tests.helpers import make_tiny_llama_dir
 
+pytestmark = pytest.mark.process
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 
 

@@ -83,6 +83,7 @@ def test_what_pipeline_parallelism_refuses(kwargs, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.process
 def test_the_command_refuses_more_stages_than_layers_in_one_line():
     result = subprocess.run(
         [sys.executable, "-m", "llmserve.cli", "generate", "x", "-pp", "31"],

@@ -22,6 +22,8 @@ from tests.distributed.conftest import ENGINE_KWARGS, REPEATING, UNEVEN_HEADS, a
 from tests.distributed.test_tensor_parallel import PARAMS, PROMPTS, REQUESTS, _run_steps
 from tests.helpers import make_tiny_llama_dir
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(scope="module")
 def three_layer_llama_dir(tmp_path_factory) -> str:

@@ -9,9 +9,12 @@ import os
 import tempfile
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from llmserve.distributed.group import PLAN_HEAD_BYTES, TensorParallelGroup
+
+pytestmark = pytest.mark.process
 
 PLANS = [b"x", bytes(range(256)) * (PLAN_HEAD_BYTES // 256), os.urandom(3 * PLAN_HEAD_BYTES + 17), b""]
 

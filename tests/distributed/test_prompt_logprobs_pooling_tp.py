@@ -3,10 +3,13 @@ tensor parallelism equal one process's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.distributed.conftest import engine
+
+pytestmark = pytest.mark.process
 
 PROMPT = list(range(1000, 1040))
 PARAMS = SamplingParams(

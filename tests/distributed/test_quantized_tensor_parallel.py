@@ -20,6 +20,8 @@ from llmserve.sampling_params import SamplingParams
 from tests.distributed.conftest import assert_same_greedy, engine
 from tests.helpers import round_inputs_as_the_small_batch_kernels
 
+pytestmark = pytest.mark.process
+
 PROMPTS = [[5, 6, 7, 8] * 6, [100, 200, 300] * 5 + [9], list(range(1000, 1040)), [31, 4159, 2653, 17]]
 BF16_TIE = 0.1  # bfloat16 moves this model's logits by a few hundredths between 1 and 2 ranks
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)

@@ -19,6 +19,8 @@ from tests.entrypoints.conftest import start_server, tiny_server_args
 from tests.helpers import is_alive
 from tests.router.conftest import scrape
 
+pytestmark = pytest.mark.server
+
 TP = 3  # the tiny model's 3 KV heads, one per rank: rank 2 is the sibling that must be stopped
 
 

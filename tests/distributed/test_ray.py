@@ -18,6 +18,8 @@ from llmserve.worker.executor import TensorParallelError
 from tests.distributed.conftest import ENGINE_KWARGS, assert_same_greedy, engine
 from tests.distributed.test_tensor_parallel import PROMPTS
 
+pytestmark = pytest.mark.ray
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 RAY_KWARGS = dict(distributed_executor_backend="ray", distributed_timeout_seconds=120)
 

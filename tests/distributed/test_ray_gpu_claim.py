@@ -35,6 +35,7 @@ def _in_bundle(actor_class, group, index: int):
     return ray.remote(actor_class).options(num_cpus=0, num_gpus=1, scheduling_strategy=strategy).remote()
 
 
+@pytest.mark.ray
 def test_rank_0_claims_bundle_0s_gpu_and_the_actor_gets_the_other(node_with_two_gpus):
     group = _place(ray, BUNDLE, 2, 60)
     try:

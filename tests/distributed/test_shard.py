@@ -93,6 +93,7 @@ def _llmserve(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -53,6 +53,7 @@ def _run_rank(path: str, rank: int, world_size: int, results) -> None:
     results.put((rank, mismatches))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_reduce_and_gather_agree_with_the_rank_ordered_sum_on_every_rank(world_size):
     ops = load_cpu_ops()
@@ -114,6 +115,7 @@ def _map_and_exit(path: str) -> None:
     load_cpu_ops().ShmCollectives(path, 1, 2, SLOT_BYTES, 30.0, False)
 
 
+@pytest.mark.process
 def test_a_rank_that_died_fails_the_call_at_once_naming_it():
     ops = load_cpu_ops()
     path = f"/dev/shm/llmserve-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -18,6 +18,8 @@ from llmserve.benchmarks.workload import BenchRequest
 from llmserve.worker.executor import TensorParallelError
 from tests.distributed.conftest import ENGINE_KWARGS, REPEATING, assert_same_greedy, engine
 
+pytestmark = pytest.mark.process
+
 PROMPTS = [
     [5, 6, 7, 8] * 6,
     [100, 200, 300] * 5 + [9],

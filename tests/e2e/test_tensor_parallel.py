@@ -7,7 +7,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.quantization.kernels import QuantizedLinear
 from tests.distributed.conftest import assert_same_greedy
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 PROMPTS = [
     "The capital of France is",

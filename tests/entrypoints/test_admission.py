@@ -14,6 +14,8 @@ import pytest
 from tests.entrypoints.conftest import start_server, tiny_server_args
 from tests.entrypoints.test_server_lifecycle import scrape, wait_idle
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny-llama"
 LONG = {"model": MODEL, "prompt": "Tell me everything", "max_tokens": 900, "ignore_eos": True}
 PROMPT_150 = " ".join(["word"] * 150)  # about 150 tokens

@@ -8,6 +8,8 @@ import pytest
 
 from ..helpers import make_tiny_llama_dir
 
+pytestmark = pytest.mark.process
+
 
 def llmserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(

@@ -53,6 +53,7 @@ def _run(tiny_model_dir: str, bind: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.process
 @needs_two_cpus
 @pytest.mark.cpu_kernels  # they pin the OpenMP threads
 def test_the_engine_threads_are_pinned_and_the_server_keeps_off_the_engines_main_cpu(tiny_model_dir):
@@ -67,6 +68,7 @@ def test_the_engine_threads_are_pinned_and_the_server_keeps_off_the_engines_main
     assert len(result["tokens"]) == 4
 
 
+@pytest.mark.process
 @needs_two_cpus
 def test_without_binding_nothing_is_pinned(tiny_model_dir):
     allowed = sorted(os.sched_getaffinity(0))

@@ -16,6 +16,8 @@ import transformers
 from llmserve.model_loader import default_model_path
 from tests.entrypoints.conftest import API_KEY, start_server
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny-llama"
 TEXTS = ["The quick brown fox", "jumps over the lazy dog", "A", "Embeddings pool the last token's state."]
 

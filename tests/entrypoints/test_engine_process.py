@@ -118,6 +118,7 @@ async def _joined_deltas(llm: AsyncLLM, prompt: list[int], params: SamplingParam
     return token_ids, text, logprobs, count
 
 
+@pytest.mark.process
 def test_async_llm_streams_the_offline_engines_outputs(engine_args):
     prompts = [[1, 5, 9, 14], [2, 30, 31, 32, 33, 34, 35], [7] * 40]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -157,6 +158,7 @@ class _CrashingEngine(LLMEngine):
         raise AssertionError("a bug outside the step")
 
 
+@pytest.mark.process
 def test_a_dying_engine_process_fails_every_stream_instead_of_hanging(engine_args):
     llm = AsyncLLM(engine_args, engine_factory=_CrashingEngine)
     try:
@@ -180,6 +182,7 @@ class _FailingStepEngine(LLMEngine):
         return super().step()
 
 
+@pytest.mark.process
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine_args):
     # without warm-up, whose first step would take the failure
     llm = AsyncLLM(engine_args, engine_factory=_FailingStepEngine, warmup=False)
@@ -194,6 +197,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(engine_ar
         llm.shutdown()
 
 
+@pytest.mark.process
 def test_a_model_that_cannot_load_raises_in_the_server_process(tmp_path):
     with pytest.raises(ValueError, match="not-a-model"):
         AsyncLLM(EngineArgs(model=str(tmp_path / "not-a-model")))
@@ -210,6 +214,7 @@ os._exit(0)  # no shutdown, no atexit: as if the server were killed
 """
 
 
+@pytest.mark.process
 def test_a_forked_engine_process_exits_when_the_server_process_dies(tiny_model_dir, tmp_path):
     pid_file, log = tmp_path / "engine.pid", tmp_path / "server.log"
     with open(log, "w") as out:  # a file, not a pipe: an orphaned engine would hold a pipe open
@@ -224,6 +229,7 @@ def test_a_forked_engine_process_exits_when_the_server_process_dies(tiny_model_d
         pytest.fail("the engine process outlived the server process")
 
 
+@pytest.mark.process
 def test_a_spawned_engine_process_logs_at_the_servers_level(engine_args, capfd):
     """A spawned engine process starts with no logging set up: it gets the server's level."""
     import logging

@@ -9,9 +9,12 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from tests.entrypoints.conftest import start_server, tiny_server_args
 from tests.entrypoints.test_server_lifecycle import scrape
+
+pytestmark = pytest.mark.server
 
 LONG = {"model": "tiny-llama", "prompt": "Tell me everything", "max_tokens": 900, "ignore_eos": True}
 

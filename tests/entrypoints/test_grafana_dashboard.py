@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "llmserve-dashboard.json"
@@ -48,6 +49,7 @@ def exported_names(text: str) -> set[str]:
     return names
 
 
+@pytest.mark.server
 def test_every_queried_metric_is_on_a_running_servers_metrics(server):
     exported = exported_names(httpx.get(f"{server.base_url}/metrics", timeout=10).text)
     missing = {title: names - exported for title, names in queried_metrics().items() if names - exported}

@@ -14,8 +14,11 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.entrypoints.conftest import free_port, tiny_server_args
+
+pytestmark = pytest.mark.server
 
 MARK = 4242  # a prompt starting with this token id hangs its step until the test releases it
 

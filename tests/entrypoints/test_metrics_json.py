@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.conftest import API_KEY
 from tests.entrypoints.test_server_lifecycle import MODEL, wait_idle
+
+pytestmark = pytest.mark.server
 
 
 def summary(server) -> dict:

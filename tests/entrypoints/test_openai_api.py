@@ -9,6 +9,8 @@ import pytest
 
 from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny-llama"  # the served name defaults to the model directory's name
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]

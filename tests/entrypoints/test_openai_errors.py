@@ -16,6 +16,8 @@ from llmserve.entrypoints.openai.serving_chat import ChatHandler
 from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN
 from tests.helpers import TINY_LLAMA_CONFIG
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny-llama"
 CHAT = [{"role": "user", "content": "hi"}]
 VOCAB_SIZE = TINY_LLAMA_CONFIG["vocab_size"]

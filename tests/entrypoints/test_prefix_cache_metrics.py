@@ -128,6 +128,7 @@ def long_text(tag: str) -> str:
     return " ".join(f"{tag} sentence {i} says something about item {i * 7}." for i in range(25))
 
 
+@pytest.mark.server
 def test_completion_usage_reports_cached_tokens_as_openai_does(cached_server):
     prompt = long_text("completion")
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, **NO_EOS}
@@ -148,6 +149,7 @@ def test_completion_usage_reports_cached_tokens_as_openai_does(cached_server):
     assert after[HITS] - before[HITS] == cacheable(length)
 
 
+@pytest.mark.server
 def test_completion_stream_usage_chunk_and_parallel_samples(client, cached_server):
     prompt = long_text("stream")
 
@@ -168,6 +170,7 @@ def test_completion_stream_usage_chunk_and_parallel_samples(client, cached_serve
     assert after[HITS] - before[HITS] == cacheable(length)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_usage_reports_cached_tokens(client, cached_server, stream):
     messages = [{"role": "user", "content": long_text(f"chat-{stream}")}]

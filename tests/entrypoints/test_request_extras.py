@@ -14,6 +14,8 @@ import transformers
 from llmserve.entrypoints.openai.fim import fim_prompt, fim_token_ids
 from tests.entrypoints.conftest import API_KEY
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog"
 NO_EOS = {"ignore_eos": True}

@@ -162,6 +162,7 @@ def reply_text(endpoint: str, body: dict) -> str:
     return choice["text"] if endpoint == "completions" else choice["message"]["content"]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(("row", "endpoint"), cases("no effect"))
 def test_no_effect_fields_are_accepted_and_change_nothing(http, baseline, row, endpoint):
     path = ENDPOINTS[endpoint][0]
@@ -170,6 +171,7 @@ def test_no_effect_fields_are_accepted_and_change_nothing(http, baseline, row, e
     assert reply_text(endpoint, response.json()) == baseline[endpoint]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(("row", "endpoint"), cases("400"))
 def test_refused_fields_are_400_naming_the_field(http, row, endpoint):
     path = ENDPOINTS[endpoint][0]
@@ -180,6 +182,7 @@ def test_refused_fields_are_400_naming_the_field(http, row, endpoint):
     assert "not supported" in error["message"]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(("row", "endpoint"), cases("400"))
 def test_refused_fields_accept_null_and_the_value_that_asks_for_nothing(http, baseline, row, endpoint):
     path = ENDPOINTS[endpoint][0]
@@ -190,6 +193,7 @@ def test_refused_fields_accept_null_and_the_value_that_asks_for_nothing(http, ba
         assert reply_text(endpoint, response.json()) == baseline[endpoint]
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_latency_target_fields_reach_the_scheduler_and_change_no_token(http, baseline, endpoint):
     """llmserve's own fields (docs/server.md): a request's TTFT / TPOT targets change when its tokens are

@@ -15,6 +15,8 @@ from llmserve.engine.health import HealthState, WatchdogConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output_processor import OutputProcessor
 
+pytestmark = pytest.mark.process
+
 MARK = 4242  # a prompt starting with this token id is the one the fault hits
 
 

@@ -11,6 +11,8 @@ import pytest
 
 from tests.entrypoints.conftest import API_KEY
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny-llama"
 INSTRUCTIONS = "You are terse."
 QUESTION = "Say hi."

@@ -13,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.conftest import API_KEY, start_server, tiny_server_args
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny-llama"
 LONG = {"model": MODEL, "prompt": "Tell me everything", "max_tokens": 900, "ignore_eos": True}
 

@@ -4,8 +4,12 @@ accepted tokens the clients were told of."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.entrypoints.test_server_lifecycle import delta, scrape
 from tests.entrypoints.test_speculative import MODEL, NO_EOS, PROMPT, client, spec_server  # noqa: F401
+
+pytestmark = pytest.mark.server
 
 PER_POS = "llmserve:spec_decode_num_accepted_tokens_per_pos_total{{position={}}}"
 

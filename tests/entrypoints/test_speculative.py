@@ -15,6 +15,8 @@ from llmserve.cli.main import main
 from tests.entrypoints.conftest import API_KEY, ServerProcess, start_server, tiny_server_args
 from tests.entrypoints.test_server_lifecycle import delta, scrape
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny-llama"
 # The tiny model has 2 layers: an early exit after both is the target itself, which accepts every draft.
 SELF_DRAFT = ["--speculative-method", "early_exit", "--speculative-draft-layers", "2"]

@@ -16,6 +16,8 @@ from pydantic import BaseModel, Field
 
 from tests.entrypoints.conftest import ServerProcess, start_server, tiny_server_args
 
+pytestmark = pytest.mark.server
+
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 256
 DEFAULT_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "128MiB"]

@@ -17,6 +17,8 @@ import pytest
 
 from tests.entrypoints.conftest import ServerProcess, start_server
 
+pytestmark = pytest.mark.server
+
 MODEL = "SmolLM2-135M-Instruct"
 # no prefix cache: a bf16 prefill over a cached prefix rounds differently, and a seeded temperature-1
 # reply compared streamed and not would hinge on it

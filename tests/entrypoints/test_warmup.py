@@ -99,6 +99,7 @@ def test_a_failing_warm_up_leaves_a_serving_engine(tiny_model_dir, monkeypatch, 
     assert _token_ids(llm) == expected
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("warmup", [True, False])
 def test_the_engine_process_says_warming_before_ready_unless_told_not_to(tiny_model_dir, warmup):
     args = EngineArgs(model=tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
@@ -125,6 +126,7 @@ def test_the_engine_process_says_warming_before_ready_unless_told_not_to(tiny_mo
         process.join()
 
 
+@pytest.mark.process
 def test_health_is_warming_and_503_until_the_warm_up_ends(tiny_model_dir, monkeypatch):
     assert not HealthState.WARMING.serving and HealthState.READY.serving
     states = []

@@ -16,6 +16,8 @@ from schemathesis.generation import GenerationMode
 
 from tests.entrypoints.conftest import API_KEY
 
+pytestmark = pytest.mark.server
+
 CASES_PER_OPERATION = 50
 MAX_TOKENS = 4
 _GENERATING = ("/v1/completions", "/v1/chat/completions")

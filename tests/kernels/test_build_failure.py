@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 ALLOW_NO_KERNELS = "LLMSERVE_ALLOW_NO_KERNELS"
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_TEST = "tests/kernels/test_kv_write.py::test_write_rejects_slots_outside_the_pool"

@@ -10,6 +10,8 @@ from tests.e2e.conftest import hf_greedy
 
 from .families import VOCAB, make_family_dir
 
+pytestmark = pytest.mark.process
+
 
 @pytest.mark.parametrize(
     "case, parallel",

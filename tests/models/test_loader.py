@@ -135,6 +135,7 @@ def test_tokenizer_matches_transformers(default_path, hf_gguf_tokenizer, start, 
     assert isinstance(ours.hf, transformers.PreTrainedTokenizerFast)
 
 
+@pytest.mark.process
 def test_cached_tokenizer_decodes_without_importing_transformers(default_path):
     """The engine process's start-up: encoding and decoding a cached GGUF tokenizer leave
     transformers unimported (its import is on the start-up's critical path there; module docstring of

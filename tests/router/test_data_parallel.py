@@ -21,6 +21,8 @@ import pytest
 from tests.entrypoints.conftest import API_KEY, free_port, start_server, tiny_server_args
 from tests.router.conftest import BLOCK_SIZE, replica_urls, router_command, scrape
 
+pytestmark = pytest.mark.server
+
 MODEL = "tiny-llama"
 PREFIX_BLOCKS = 3
 MAX_TOKENS = 120

@@ -19,6 +19,8 @@ from ray.cluster_utils import Cluster
 from llmserve import LLM, SamplingParams
 from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, start_server, tiny_server_args
 
+pytestmark = [pytest.mark.server, pytest.mark.ray]
+
 PROMPTS = [[5, 6, 7, 8] * 6, [100, 200, 300] * 5 + [9], list(range(1000, 1040)), [42] * 3]
 
 

@@ -11,6 +11,8 @@ from tests.distributed.conftest import assert_same_greedy
 
 from .conftest import PROMPTS, greedy, make_llm, spec_kwargs
 
+pytestmark = pytest.mark.process
+
 
 def _run(target_dir: str, params, **kwargs):
     """Outputs, speculation's totals, the pipeline's overlap record and every draft proposed, by

@@ -10,6 +10,8 @@ from tests.distributed.conftest import assert_same_greedy
 
 from .conftest import PROMPTS, greedy, make_llm, spec_kwargs
 
+pytestmark = pytest.mark.process
+
 
 @pytest.mark.parametrize("method", ["draft_head_only", "draft_self"])
 def test_drafts_from_rank_0_keep_the_sharded_targets_tokens(

@@ -9,6 +9,7 @@ import re
 import threading
 
 import httpx
+import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
@@ -16,6 +17,8 @@ from tests.entrypoints.conftest import API_KEY
 from tests.entrypoints.test_server_lifecycle import MODEL, delta, wait_idle
 from tests.web.browser import console_errors, horizontal_overflow, screenshot, wait_until
 from tests.web.test_playground_scripted import RECORD_BODIES
+
+pytestmark = [pytest.mark.browser, pytest.mark.server]
 
 ABORTED = "llmserve:request_success_total{finished_reason=abort}"
 

@@ -22,6 +22,8 @@ from llmserve.sampling_params import SamplingParams
 from tests.entrypoints.test_server_units import FailingEngine
 from tests.web.browser import console_errors, horizontal_overflow, screenshot, wait_until
 
+pytestmark = pytest.mark.browser
+
 REPLY = "<script>window.__injected = 1</script><b>not bold</b> <img src=x onerror=window.__injected=2> done"
 
 
