@@ -1,50 +1,49 @@
 """The engine behind the HTTP server, as the server's event loop sees it: a stream of outputs per request.
 
-The engine runs in its own process (engine_core.py; forked where the platform allows, so it starts
-with this process's imports). This side keeps the tokenizer and validates prompts before anything
-is queued, so bad input fails with a clear error at once (and only here). Two threads move the
-typed messages of messages.py: a sender batches commands into one pipe write (the engine may be
-mid-step and not reading; the event loop must never wait on it), a reader receives each step's
-output deltas, gives each request the kind of output it asked for (output_kinds.py; a DELTA stream
-gets them as they are) and hands them to their asyncio queues with one `call_soon_threadsafe` per
-event loop per step. A request's stream ends with its finished output, or with an exception if the
-engine failed it; if the engine process dies, every stream ends with EngineDeadError. If a
-tensor-parallel rank dies, the engine process lives on but cannot step: `failure` names the rank,
-and the streams in flight and every later request end with EngineFailedError.
+The engine runs in its own process, which `EngineCoreClient` (core_client.py) starts, pipes to,
+reads from and restarts. This side keeps the tokenizer and validates prompts before anything is
+queued, so bad input fails with a clear error at once (and only here). For each message the
+client's reader thread hands over, this side gives each request the kind of output it asked for
+(output_kinds.py; a DELTA stream gets them as they are) and hands the outputs to their asyncio queues
+with one `call_soon_threadsafe` per event loop per step. A request's stream ends with its finished
+output, or with an exception if the engine failed it; if the engine process dies, every stream ends
+with EngineDeadError. If a tensor-parallel rank dies, the engine process lives on but cannot step:
+`failure` names the rank, and the streams in flight and every later request end with
+EngineFailedError.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import logging
-import multiprocessing
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from llmserve.config import EngineArgs, EngineConfig
-from llmserve.engine.engine_core import run_engine_core
+from llmserve.engine.core_client import (
+    SHUTDOWN_GRACE_SECONDS,
+    EngineCoreClient,
+    EngineDeadError,
+    EngineLaunch,
+    EngineReady,
+)
 from llmserve.engine.health import EngineHealth, HealthState, WatchdogConfig
 from llmserve.engine.llm_engine import LLMEngine, check_prompt
 from llmserve.engine.messages import (
     AbortRequest,
     AddPoolingRequest,
     AddRequest,
-    EngineLoadFailed,
     EngineMessage,
     EngineStatus,
-    EngineWarming,
     FailureKind,
     RequestAborted,
     RequestsFailed,
-    Shutdown,
     StepOutputs,
 )
 from llmserve.engine.output_kinds import OutputAccumulator
-from llmserve.engine.supervision import RestartBudget, RestartPolicy
+from llmserve.engine.supervision import RestartPolicy
 from llmserve.metrics.stats import EngineGauges, StepStats
 from llmserve.model_loader import load_tokenizer, resolve_model_path
 from llmserve.outputs import RequestOutput
@@ -53,11 +52,7 @@ from llmserve.worker.cpu_binding import keep_process_off
 
 logger = logging.getLogger("llmserve")
 
-_SHUTDOWN_GRACE_SECONDS = 5.0
-
-
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineFailedError", "RequestFailedError"]
 
 
 class RequestFailedError(RuntimeError):
@@ -113,12 +108,9 @@ class AsyncLLM:
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # requests the engine may report on
         self._output_kinds = OutputAccumulator()
         self._queued: dict[str, int] = {}  # prompt tokens of requests sent that have no output yet
-        self._stopping = threading.Event()
-        self._launch = (engine_args, engine_factory, bind_cpus, warmup)
-        self._restarts = None if restart is None else RestartBudget(restart)
-        self._start_process(
-            multiprocessing.get_context("fork" if fork else "spawn"), fork_closes if fork else None
-        )
+        launch = EngineLaunch(engine_args, engine_factory, bind_cpus, warmup)
+        self.engine_core = EngineCoreClient(launch, self.health, self, restart)  # the engine process
+        self.engine_core.start(fork, fork_closes if fork else ())
         try:
             if while_loading is not None:
                 while_loading(self.health)
@@ -126,88 +118,22 @@ class AsyncLLM:
             # with what renders chat templates (not left to the first chat request).
             self.tokenizer = load_tokenizer(resolve_model_path(engine_args.model))
             self.tokenizer.load_chat_template()
-            self.config: EngineConfig
-            self.config, engine_main_cpu, warmup_steps = self._wait_until_ready()
+            ready = self.engine_core.wait_until_ready()
         except BaseException:
-            self._process.kill()
-            self._process.join()
+            self.engine_core.kill()
             raise
-        if engine_main_cpu is not None:  # before the threads below start: they inherit it
-            keep_process_off(engine_main_cpu)
+        self.config: EngineConfig = ready.config
+        if ready.main_cpu is not None:  # before the threads below start: they inherit it
+            keep_process_off(ready.main_cpu)
         self.health.max_step_tokens = self.config.scheduler.max_num_batched_tokens
-        self._warmed_up(warmup_steps)
-        self._start_threads()
+        self.on_engine_ready(ready)
+        self.engine_core.start_threads()
         self.health.start_watchdog(lambda: bool(self._prompts))
 
-    def _start_process(self, context, fork_closes: Sequence[int] | None) -> None:
-        """A new engine process with its two pipes and command queue; `fork_closes` None: spawned."""
-        engine_args, engine_factory, bind_cpus, warmup = self._launch
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        engine_commands, self._command_pipe = context.Pipe(duplex=False)
-        self._output_pipe, engine_outputs = context.Pipe(duplex=False)
-        forked = fork_closes is not None
-        inherited = (self._command_pipe.fileno(), self._output_pipe.fileno(), *fork_closes) if forked else ()
-        self._process = context.Process(
-            target=run_engine_core,
-            args=(
-                engine_args,
-                engine_commands,
-                engine_outputs,
-                engine_factory,
-                inherited,
-                logger.getEffectiveLevel(),
-                bind_cpus,
-                warmup,
-            ),
-            name="llmserve-engine",
-            # Not daemonic: a daemonic process may not start children (tensor-parallel workers). It
-            # still ends with this process: it watches it (worker/parent_watch.py), and at interpreter
-            # exit it is killed here before multiprocessing would wait for it.
-            daemon=False,
-        )
-        self._process.start()
-        atexit.register(_kill_at_exit, self._process)
-        engine_commands.close()  # the child's ends: closing ours lets each side see the other exit
-        engine_outputs.close()
-
-    def _start_threads(self) -> None:
-        """The sender and reader of the current engine process (each bound to its own pipe)."""
-        sender = threading.Thread(
-            target=self._send_commands,
-            args=(self._commands, self._command_pipe),
-            name="llmserve-engine-send",
-            daemon=True,
-        )
-        reader = threading.Thread(
-            target=self._read_outputs,
-            args=(self._process, self._output_pipe),
-            name="llmserve-engine-read",
-            daemon=True,
-        )
-        sender.start()
-        reader.start()
-
-    def _wait_until_ready(self) -> tuple[EngineConfig, int | None, list[StepStats]]:
-        """The engine's config, main CPU and warm-up steps once it is loaded and warmed up; /health
-        says `warming` while it warms up (engine/warmup.py)."""
-        try:
-            message = self._output_pipe.recv()
-            if isinstance(message, EngineWarming):
-                self.health.set(HealthState.WARMING, "the engine is warming up")
-                message = self._output_pipe.recv()
-        except EOFError:
-            self._process.join()
-            raise EngineDeadError(
-                f"the engine process exited while loading (exit code {self._process.exitcode})"
-            ) from None
-        if isinstance(message, EngineLoadFailed):
-            self._process.join()
-            raise message.error  # bad model or flags: the caller reports it, as in one process
-        return message.config, message.main_cpu, message.warmup_steps
-
-    def _warmed_up(self, steps: list[StepStats]) -> None:
+    def on_engine_ready(self, ready: EngineReady) -> None:
         """A new engine is ready: its warm-up's steps are the first speeds (health) and the wait
         predictor's prior (the warm-up listeners); none without a warm-up."""
+        steps = ready.warmup_steps
         self.health.on_warmed_up(steps)
         with self._warmup_lock:
             self._warmup_steps = steps
@@ -234,7 +160,7 @@ class AsyncLLM:
         prompt is validated: nothing after it checks again."""
         stream = self._register(request_id, prompt_ids, params.output_kind)
         wire_params = params.with_output_kind(RequestOutputKind.DELTA)  # the kind is applied here
-        self._commands.put(AddRequest(request_id, prompt_ids, wire_params, time.monotonic(), priority))
+        self.engine_core.send(AddRequest(request_id, prompt_ids, wire_params, time.monotonic(), priority))
         for listener in self.request_listeners:
             listener(prompt_ids, params)
         finished = False
@@ -248,13 +174,13 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(AbortRequest(request_id))
+                self.engine_core.send(AbortRequest(request_id))
 
     async def embed(self, prompt_ids: list[int], request_id: str, priority: int = 0) -> list[float]:
         """The prompt's pooled, L2-normalized vector (an engine pooling request: a prefill only);
         cancelling the wait aborts it. `prompt_ids` come from `encode_prompt`."""
         stream = self._register(request_id, prompt_ids, RequestOutputKind.FINAL_ONLY)
-        self._commands.put(AddPoolingRequest(request_id, prompt_ids, time.monotonic(), priority))
+        self.engine_core.send(AddPoolingRequest(request_id, prompt_ids, time.monotonic(), priority))
         output = None
         try:
             output = await stream.get()
@@ -266,7 +192,7 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if output is None:
-                self._commands.put(AbortRequest(request_id))
+                self.engine_core.send(AbortRequest(request_id))
 
     def _register(self, request_id: str, prompt_ids: list[int], kind: RequestOutputKind) -> asyncio.Queue:
         """A new request's queue, once the engine is known to take requests and the id is free."""
@@ -295,7 +221,7 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort from outside the stream: its iterator receives the final "abort" output."""
-        self._commands.put(AbortRequest(request_id))
+        self.engine_core.send(AbortRequest(request_id))
 
     def has_request(self, request_id: str) -> bool:
         """Whether the engine may still report on this request."""
@@ -314,74 +240,32 @@ class AsyncLLM:
     @property
     def _supervised(self) -> bool:
         """Whether a dead rank ends the engine process (to restart it, or for the server to exit)."""
-        return self._restarts is not None or self.on_engine_lost is not None
+        return self.engine_core.restarts or self.on_engine_lost is not None
 
     @property
     def is_running(self) -> bool:
-        return self._process.is_alive() and not self._stopping.is_set()
+        return self.engine_core.is_running
 
-    def shutdown(self, timeout: float = _SHUTDOWN_GRACE_SECONDS) -> None:
+    def shutdown(self, timeout: float = SHUTDOWN_GRACE_SECONDS) -> None:
         """Ask the engine to fail what is in flight and exit; kill it if it has not within `timeout`."""
         self.health.set(HealthState.STOPPING, "the server is shutting down")
         self.health.stop_watchdog()
-        if not self._stopping.is_set():
-            self._stopping.set()
-            self._commands.put(Shutdown())
-        if timeout > 0:
-            self._process.join(timeout)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
+        self.engine_core.shutdown(timeout)
 
-    # -- the sender and reader threads ---------------------------------------------------------------
+    # -- what the engine process reports (EngineEvents, called on the client's reader thread) ---------
 
-    def _send_commands(self, commands: queue.SimpleQueue, pipe) -> None:
-        """Pipe every queued command, all that have piled up in one write."""
-        while True:
-            batch = [commands.get()]
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    batch.append(commands.get_nowait())
-            if any(command is None for command in batch):  # this engine process was replaced
-                return
-            try:
-                pipe.send(batch)
-            except OSError:  # the engine process is gone; the reader fails the streams
-                return
-            if any(isinstance(command, Shutdown) for command in batch):
-                return
+    def on_engine_message(self, message: EngineMessage) -> str | None:
+        """Deliver what `message` says; a dead rank's reason once the streams have heard it, when a
+        supervised engine process is to be stopped for it."""
+        self._handle(message)
+        if self.gauges.failure is not None and self._supervised and self._failure_told(message):
+            return self.gauges.failure
+        return None
 
-    def _read_outputs(self, process: multiprocessing.Process, pipe) -> None:
-        try:
-            while True:
-                message = pipe.recv()
-                self._handle(message)
-                if self.gauges.failure is not None and self._supervised and self._failure_told(message):
-                    self._set_gone(self.gauges.failure)  # /health 503 before the kill, not `stopping`
-                    process.kill()  # a dead rank: a new engine process brings up all the ranks again
-        except (EOFError, OSError):
-            pass
-        except BaseException:  # a bug on this side: fail every stream rather than leave it hanging
-            logger.exception("reading the engine's outputs failed")
-            process.kill()
-        process.join(_SHUTDOWN_GRACE_SECONDS)
-        if self._stopping.is_set():
-            self._fail_in_flight("the server is shutting down")
-            return
-        message = f"the engine process exited unexpectedly (exit code {process.exitcode}); see the server log"
-        if self.gauges.failure is not None:
-            message = f"{self.gauges.failure}; the engine process was stopped"
-        logger.error(message)
-        self._set_gone(message)  # /health turns 503 before any stream hears of it
-        self._commands.put(None)  # the sender of this engine process ends
-        self._fail_in_flight(message)
-        self._restart_or_give_up(message)
-
-    def _set_gone(self, message: str) -> None:
-        """/health for an engine process that is gone: restarting, or stopping without supervision
-        (the supervisor may say stopping instead)."""
-        state = HealthState.RESTARTING if self._restarts is not None else HealthState.STOPPING
-        self.health.set(state, message)
+    def on_engine_gone(self, message: str) -> None:
+        """The engine process is gone and not restarted: the server's `on_engine_lost`, if set."""
+        if self.on_engine_lost is not None:
+            self.on_engine_lost(message)
 
     def _failure_told(self, message: EngineMessage) -> bool:
         """Whether the streams in flight have heard why the engine failed (its RequestsFailed follows
@@ -390,48 +274,13 @@ class AsyncLLM:
         told = isinstance(message, RequestsFailed) and message.kind is FailureKind.FAILED
         return told or not self._streams
 
-    def _fail_in_flight(self, message: str) -> None:
+    def on_engine_exit(self, message: str) -> None:
         """End every stream with EngineDeadError; the engine that knew these requests is gone."""
         error = EngineDeadError(message)
         self._deliver_all([(request_id, error) for request_id in list(self._streams)])
         for request_id in list(self._prompts):
             self._forget(request_id)
         self.gauges = EngineGauges()
-
-    def _restart_or_give_up(self, message: str) -> None:
-        """Start a new engine process after the policy's back-off; give up when it allows no more."""
-        while True:
-            delay = None if self._restarts is None else self._restarts.next_delay()
-            if delay is None:
-                self.health.set(HealthState.STOPPING, f"{message}; not restarted")
-                self._stopping.set()
-                if self.on_engine_lost is not None:
-                    self.on_engine_lost(message)
-                return
-            self.health.set(HealthState.RESTARTING, message)
-            logger.warning("restarting the engine process in %.1f s", delay)
-            if self._stopping.wait(delay):
-                return
-            try:
-                self._start_process(multiprocessing.get_context("spawn"), None)
-                _, engine_main_cpu, warmup_steps = self._wait_until_ready()
-            except BaseException as error:  # noqa: BLE001 - the next try, or giving up, follows
-                self._process.kill()
-                self._process.join()
-                message = f"restarting the engine process failed: {error}"
-                logger.error(message)
-                continue
-            if self._stopping.is_set():  # shut down while it loaded
-                self._process.kill()
-                self._process.join()
-                return
-            if engine_main_cpu is not None:
-                keep_process_off(engine_main_cpu)
-            self.health.num_restarts += 1
-            self._warmed_up(warmup_steps)
-            logger.warning("the engine process restarted (restart %d)", self.health.num_restarts)
-            self._start_threads()
-            return
 
     def _handle(self, message: EngineMessage) -> None:
         if isinstance(message, StepOutputs):
@@ -503,12 +352,6 @@ class AsyncLLM:
                 listener(stats, outputs)
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 logger.exception("step listener failed")
-
-
-def _kill_at_exit(process: multiprocessing.Process) -> None:
-    if process.is_alive():
-        process.kill()
-        process.join()
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:

@@ -1,9 +1,9 @@
 """When the engine process dies: how often and how soon it is started again.
 
-AsyncLLM (async_llm.py) restarts a dead engine process (spawned: the server has threads by then, and a
-fork would copy them half-held) while `RestartPolicy.delay` gives a delay; once the retries are spent,
-or with no policy (`--no-engine-restart`), the server is told the engine is gone for good and exits
-non-zero, for an orchestrator that restarts pods.
+The engine-process client (core_client.py) restarts a dead engine process (spawned: the server has
+threads by then, and a fork would copy them half-held) while `RestartPolicy.delay` gives a delay;
+once the retries are spent, or with no policy (`--no-engine-restart`), the server is told the engine
+is gone for good and exits non-zero, for an orchestrator that restarts pods.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def tp_engine(tiny_llama_dir):
 
 
 def test_a_dead_worker_fails_the_streams_in_flight_with_the_rank_named(tp_engine):
-    (worker,) = _children(tp_engine._process.pid)
+    (worker,) = _children(tp_engine.engine_core.pid)
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1 .* exited with code -9"):
         asyncio.run(asyncio.wait_for(_stream_and_kill(tp_engine, worker), timeout=120))
     assert not is_alive(worker)
@@ -65,13 +65,13 @@ def test_a_dead_worker_fails_the_streams_in_flight_with_the_rank_named(tp_engine
 
 
 def test_a_worker_exits_with_its_engine_process(tp_engine):
-    (worker,) = _children(tp_engine._process.pid)
-    os.kill(tp_engine._process.pid, signal.SIGKILL)
+    (worker,) = _children(tp_engine.engine_core.pid)
+    os.kill(tp_engine.engine_core.pid, signal.SIGKILL)
     assert _wait_for_exit(worker, 30), "the worker outlived its engine process"
 
 
 def test_a_worker_that_dies_while_the_engine_idles_is_reported_at_once(tp_engine):
-    (worker,) = _children(tp_engine._process.pid)
+    (worker,) = _children(tp_engine.engine_core.pid)
     assert tp_engine.failure is None
     os.kill(worker, signal.SIGKILL)
     deadline = time.monotonic() + 30

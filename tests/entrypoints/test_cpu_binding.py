@@ -35,7 +35,7 @@ async def generate():
     return last.outputs[0].token_ids
 
 tokens = asyncio.run(generate())  # the server's threads exist now; the engine has run a step
-engine_pid = llm._process.pid
+engine_pid = llm.engine_core.pid
 print(json.dumps({"server": cpus_of(os.getpid()), "engine": cpus_of(engine_pid), "engine_pid": engine_pid,
                   "tokens": tokens}))
 llm.shutdown()

@@ -209,7 +209,7 @@ from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM
 llm = AsyncLLM(EngineArgs(model=sys.argv[1], dtype="float32", kv_cache_memory="16MiB"), fork=True)
 with open(sys.argv[2], "w") as out:
-    out.write(str(llm._process.pid))
+    out.write(str(llm.engine_core.pid))
 os._exit(0)  # no shutdown, no atexit: as if the server were killed
 """
 
