@@ -116,7 +116,6 @@ class LLMEngine:
             self.batch_queue = BatchQueue(self.scheduler, driver, self.config.parallel.pipeline_parallel_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.output_kinds = OutputAccumulator()
-        self.model_runner.grammar_compiler = self.grammar_gate.compiler
         self.last_step: StepStats | None = None
         self.failed_requests: list[str] = []  # of the last step: their output processing raised
         self.failed_logits_requests: list[str] = []  # of the last step: a logits processor of theirs raised
@@ -157,7 +156,7 @@ class LLMEngine:
         config = self.config
         if config.cache.size_from_gpu_memory is not None:  # the pool: what the weights and a step leave
             config = resolve_config(profile_device_memory(config, model))
-        runner = ModelRunner(config, model, early_kv_pool)
+        runner = ModelRunner(config, model, early_kv_pool, self.grammar_gate.compiler)
         if self.executor is not None:
             self.executor.wait_until_ready()
         return runner, target_vocabulary

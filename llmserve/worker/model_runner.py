@@ -115,8 +115,14 @@ def allocate_kv_pool_early(config: EngineConfig) -> EarlyKVPool | None:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model: nn.Module, early_kv_pool: EarlyKVPool | None = None
+        self,
+        config: EngineConfig,
+        model: nn.Module,
+        early_kv_pool: EarlyKVPool | None = None,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
+        """`grammar_compiler`: structured outputs' compiler, on the rank that samples (None elsewhere:
+        a request with a grammar then cannot sample here)."""
         self.config = config
         self.model = model
         self.requests: dict[str, CachedRequestState] = {}  # every unfinished request the plans named
@@ -125,8 +131,7 @@ class ModelRunner:
         self.kv_groups = config.cache.kv_groups  # (): one group of every layer
         self.vocab_size = config.model.arch.vocab_size
         self.sampler = Sampler()
-        # structured outputs: the engine's grammar compiler (set by LLMEngine on the rank that samples)
-        self.grammar_compiler: GrammarCompiler | None = None
+        self.grammar_compiler = grammar_compiler
         # Speculative decoding: the verifier checks the drafts a proposer made after the previous step.
         self.verifier = DraftVerifier(self.vocab_size, self.device)
         self.attention_backend = select_attention_backend(
