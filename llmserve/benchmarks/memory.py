@@ -114,7 +114,7 @@ def live_engine_args(engine_args: EngineArgs, num_requests: int) -> EngineArgs:
 def sample_cache(engine) -> LiveSample:
     """Running requests, the slots their block tables hold, and the tokens whose KV those hold."""
     manager, running = engine.kv_cache_manager, engine.scheduler.running
-    blocks = sum(len(manager.block_tables.get(r.request_id, ())) for r in running)
+    blocks = sum(len(manager.get_block_table(r.request_id)) for r in running)
     return LiveSample(len(running), blocks * manager.block_size, sum(r.num_computed_tokens for r in running))
 
 

@@ -70,6 +70,6 @@ def test_the_kv_cache_managers_swap_pool_reuses_latest():
     from llmserve.core.kv_cache_manager import KVCacheManager
 
     kv = KVCacheManager(4, block_size=4, enable_prefix_caching=False, num_swap_blocks=8)
-    first = kv.swap_pool.allocate(2)
-    kv.swap_pool.free(first)
-    assert sorted(kv.swap_pool.allocate(2)) == sorted(first)
+    first = kv.swap_space.pool.allocate(2)
+    kv.swap_space.pool.free(first)
+    assert sorted(kv.swap_space.pool.allocate(2)) == sorted(first)

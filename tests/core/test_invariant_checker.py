@@ -14,6 +14,6 @@ def test_a_leaked_block_is_counted_once_per_check():
     request = Request("r", list(range(10)), SamplingParams(max_tokens=4), 0.0, 0, (2,))
     assert manager.allocate_slots(request, 10)
     assert checker.check() and checker.violations == 0
-    manager.block_tables.pop("r")  # the table forgets its blocks: they are leaked
+    manager.block_tables.by_request.pop("r")  # the table forgets its blocks: they are leaked
     assert not checker.check() and not checker.check()
     assert checker.violations == 2

@@ -36,7 +36,7 @@ def test_free_returns_every_block(make_request):
     kv.allocate_slots(request, 9)
     kv.free(request)
     assert kv.pool.num_free_blocks == 4
-    assert request.request_id not in kv.block_tables
+    assert request.request_id not in kv.block_tables.by_request
     kv.check_integrity()
 
 
@@ -84,7 +84,7 @@ def test_random_workloads_never_leak_or_double_own_blocks(ops, num_blocks, block
         kv.check_integrity()
     assert not scheduler.has_unfinished_requests()
     assert kv.pool.num_free_blocks == num_blocks
-    assert kv.block_tables == {}
+    assert kv.block_tables.by_request == {}
 
 
 def _step(scheduler: Scheduler, eos: bool) -> None:

@@ -44,7 +44,7 @@ def test_a_computed_prompt_is_one_block_stored_event_with_the_engines_hashes(mak
     finish_step(scheduler, scheduler.schedule())
     (event,) = kv.take_events()
     assert event == BlockStored(chain(SHARED), None, SHARED, 4, None, None)
-    assert event.block_hashes == kv._block_hashes[request.request_id][:3]
+    assert event.block_hashes == kv.prefix_cache.block_hashes(request)[:3]
     assert kv.take_events() == []
 
 

@@ -38,7 +38,7 @@ def test_interleaved_table_frees_the_sliding_groups_blocks_as_they_leave_the_win
     request.num_computed_tokens = 12  # next query at 12 sees 5..12: block 0 of the sliding group goes
     assert kv.allocate_slots(request, 1)
     assert kv.get_block_table(request.request_id) == [0, N, 2, 3, 4, 5, 6, 7]
-    assert kv.num_window_evicted_blocks == 1 and kv.pool.num_free_blocks == 64 - 7
+    assert kv.block_tables.num_window_evicted_blocks == 1 and kv.pool.num_free_blocks == 64 - 7
     kv.check_integrity()
     assert request.request_id in kv.take_rewritten_tables()
 
@@ -53,7 +53,7 @@ def test_sliding_group_stays_bounded_while_the_global_group_grows(make_request):
         request.num_computed_tokens = computed
         assert kv.allocate_slots(request, 1)
         live = [b for b in kv.group_table(request.request_id, 1) if b != N]
-        assert len(live) <= bound == kv.max_blocks_in_group(1)
+        assert len(live) <= bound == kv.groups[1].max_blocks
         peak = max(peak, len(live))
         assert len(kv.group_table(request.request_id, 0)) == cdiv(computed + 1, 4)
         kv.check_integrity()

@@ -31,7 +31,7 @@ def test_blocks_wholly_out_of_the_window_are_freed_and_sinks_kept(make_request):
     request.num_computed_tokens = 30  # next query: position 30, sees 0..3 and 23..30
     assert kv.allocate_slots(request, 1)
     assert kv.get_block_table(request.request_id) == [0, N, N, N, N, 5, 6, 7]  # block 5 holds 20..23
-    assert kv.pool.num_free_blocks == 16 - 4 and kv.num_window_evicted_blocks == 4
+    assert kv.pool.num_free_blocks == 16 - 4 and kv.block_tables.num_window_evicted_blocks == 4
     request.num_computed_tokens = 31  # position 31 sees 24..31: block 5 goes too
     assert kv.allocate_slots(request, 1)
     assert kv.get_block_table(request.request_id) == [0, N, N, N, N, N, 6, 7]
@@ -72,14 +72,27 @@ def test_swap_out_and_in_keep_the_holes(make_request):
     assert kv.can_swap_out(request)
     moves = kv.swap_out(request)
     assert moves == [(0, 0), (5, 1), (6, 2), (7, 3)]  # live blocks only
-    assert kv.swapped_tables[request.request_id] == [0, N, N, N, N, 1, 2, 3]
+    assert kv.swap_space.tables[request.request_id] == [0, N, N, N, N, 1, 2, 3]
     kv.check_integrity()
     request.num_computed_tokens = 31
     back = kv.swap_in(request, 1)
     table = kv.get_block_table(request.request_id)
     assert [swap for swap, _ in back] == [0, 1, 2, 3]
     assert table[1:5] == [N] * 4 and [device for _, device in back] == [table[0], *table[5:8]]
-    assert kv.pool.num_free_blocks == 16 - 4 and kv.swap_pool.num_free_blocks == 8
+    assert kv.pool.num_free_blocks == 16 - 4 and kv.swap_space.pool.num_free_blocks == 8
+    kv.check_integrity()
+
+
+def test_freeing_a_swapped_request_skips_its_holes(make_request):
+    kv = windowed(swap=8)
+    request = make_request(30)
+    kv.allocate_slots(request, 30)
+    request.num_computed_tokens = 30
+    kv.allocate_slots(request, 1)
+    kv.swap_out(request)  # swapped table [0, N, N, N, N, 1, 2, 3]
+    kv.free(request)  # aborted while swapped: only its four live swap blocks go back
+    assert kv.swap_space.tables == {} and kv.swap_space.pool.num_free_blocks == 8
+    assert kv.pool.num_free_blocks == 16
     kv.check_integrity()
 
 

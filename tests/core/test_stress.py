@@ -48,8 +48,8 @@ def test_random_prefix_tree_workload_finishes_without_leaks(mode, policy):
             break
     assert not scheduler.has_unfinished_requests(), "requests are stuck"
     assert all(r.is_finished for r in requests)
-    assert kv.pool.num_free_blocks == 24 and kv.swap_pool.num_free_blocks == 16
-    assert kv.block_tables == {} and kv.swapped_tables == {}
+    assert kv.pool.num_free_blocks == 24 and kv.swap_space.pool.num_free_blocks == 16
+    assert kv.block_tables.by_request == {} and kv.swap_space.tables == {}
     assert kv.prefix_cache_hits > 0
     if mode != "recompute":
         assert scheduler.preemptions_by_mode["swap"] > 0

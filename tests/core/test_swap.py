@@ -29,7 +29,7 @@ def test_swap_out_moves_the_victims_blocks_and_keeps_its_progress(make_request):
     plan = scheduler.schedule()
     assert plan.preempted == [b] and plan.plan.swap_out == [(2, 0), (3, 1)]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 8
-    assert kv.swapped_tables == {b.request_id: [0, 1]}
+    assert kv.swap_space.tables == {b.request_id: [0, 1]}
     assert scheduler.preemptions_by_mode == {"recompute": 0, "swap": 1}
     assert scheduler.num_swapped_out_blocks == 2
     kv.check_integrity()
@@ -46,7 +46,7 @@ def test_swapped_request_resumes_with_a_swap_in_and_no_recompute(make_request):
     assert [swap for swap, _ in plan.plan.swap_in] == [0, 1]
     table = kv.get_block_table(b.request_id)
     assert len(table) == 3 and table[:2] == [device for _, device in plan.plan.swap_in]
-    assert kv.swapped_tables == {} and kv.swap_pool.num_free_blocks == 8
+    assert kv.swap_space.tables == {} and kv.swap_space.pool.num_free_blocks == 8
     kv.check_integrity()
 
 
@@ -64,7 +64,7 @@ def test_abort_of_a_swapped_request_frees_its_swap_blocks(make_request):
     _, b = fill_pool(scheduler, make_request)
     scheduler.schedule()
     scheduler.finish_request(b, RequestStatus.FINISHED_ABORTED)
-    assert kv.swap_pool.num_free_blocks == 8
+    assert kv.swap_space.pool.num_free_blocks == 8
     kv.check_integrity()
 
 
