@@ -1,4 +1,12 @@
-"""The router's HTTP front: OpenAI routes forwarded by prefix, /health over every replica, /metrics.
+"""The router's HTTP front: every route a replica serves, behind one address.
+
+Each POST route of a replica (api_server.py) is forwarded, streams included: those with a prompt to
+the replica caching most of it (policy.py), the others to the least loaded. The router answers the
+rest itself, from all the replicas: /health (every replica's), /metrics and /v1/metrics (its own and
+every replica's series), /v1/models and /server_info (the replicas', which registration found
+identical; /server_info names no KV-event endpoints, since the router publishes none), and the
+playground and dashboard pages (web.py's files; the dashboard's series summed over the replicas).
+A test holds the router's routes to the replica's.
 
 `build_router` registers the replicas (every check a one-line ValueError), subscribes to their KV
 events and returns the app; `run_router` serves it with uvicorn on a socket bound beforehand.
@@ -23,13 +31,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from llmserve.config.router import RouterConfig
+from llmserve.entrypoints.openai import web
 from llmserve.entrypoints.openai.api_server import ApiKeyMiddleware, UvicornServer
 from llmserve.entrypoints.openai.server_info import tokenizer_fingerprint
+from llmserve.metrics.history import MetricsHistory
+from llmserve.metrics.summary import summary
 from llmserve.model_loader.default_model import resolve_model_path
 from llmserve.model_loader.tokenizer import Tokenizer, load_tokenizer
 from llmserve.router.events import KVEventSubscriber
 from llmserve.router.index import PrefixIndex
-from llmserve.router.metrics import RouterMetrics
+from llmserve.router.metrics import RouterMetrics, merged_scrape
 from llmserve.router.policy import RoutingPolicy
 from llmserve.router.prompt import PromptHasher
 from llmserve.router.proxy import FORWARDED_HEADERS, NoReplicaError, Proxy
@@ -49,6 +60,7 @@ class RouterState:
     subscriber: KVEventSubscriber
     health: HealthChecker
     metrics: RouterMetrics
+    history: MetricsHistory  # the dashboard's series, of the replicas' summed metrics
     api_key: str | None = None  # the router checks it and sends it on to the replicas
 
     def upstream_headers(self, raw_request: Request) -> dict[str, str]:
@@ -89,6 +101,7 @@ async def build_router(config: RouterConfig, tokenizer: Tokenizer | None = None)
         subscriber=subscriber,
         health=HealthChecker(client, replicas, config.health_interval_seconds),
         metrics=metrics,
+        history=MetricsHistory(lambda: merged_scrape(replicas)),
         api_key=config.api_key,
     )
     app = FastAPI(title="llmserve router", lifespan=_lifespan)
@@ -119,9 +132,15 @@ def _state(raw_request: Request) -> RouterState:
     return raw_request.app.state.router
 
 
+# every POST route of a replica (api_server.py); the prompt's routes are PromptHasher's
 @routes.post("/v1/completions")
 @routes.post("/v1/chat/completions")
-async def route_generation(raw_request: Request) -> Response:
+@routes.post("/v1/responses")
+@routes.post("/v1/generate")
+@routes.post("/v1/embeddings")
+@routes.post("/tokenize")
+@routes.post("/detokenize")
+async def forward(raw_request: Request) -> Response:
     state = _state(raw_request)
     body = await raw_request.body()
     if len(body) > MAX_BODY_BYTES:
@@ -154,6 +173,39 @@ async def list_models(raw_request: Request) -> Response:
             upstream.content, upstream.status_code, media_type=upstream.headers.get("content-type")
         )
     return error_response("no replica is healthy", 503)
+
+
+@routes.get("/server_info")
+async def server_info(raw_request: Request) -> Response:
+    """The replicas' model, context and block size (one for all), without KV-event endpoints: a
+    router publishes none, so another router refuses it as a replica."""
+    info = _state(raw_request).replicas[0].info.model_copy(update={"kv_events": None})
+    return Response(info.model_dump_json(), media_type="application/json")
+
+
+@routes.get("/playground/config")
+async def playground_config(raw_request: Request) -> Response:
+    return JSONResponse({"api_key_required": bool(_state(raw_request).api_key)})
+
+
+@routes.get("/dashboard/stats")
+async def dashboard_stats(raw_request: Request) -> Response:
+    """A server's dashboard series (web.py), of the healthy replicas' metrics summed."""
+    state = _state(raw_request)
+    await state.health.read_all_metrics()
+    return JSONResponse(
+        {
+            "model": state.replicas[0].info.model,
+            "summary": summary(merged_scrape(state.replicas)),
+            "points": state.history.points(),
+        }
+    )
+
+
+# the pages and their files, as a server serves them
+routes.add_api_route("/", web.playground, methods=["GET"], include_in_schema=False)
+routes.add_api_route("/dashboard", web.dashboard, methods=["GET"], include_in_schema=False)
+routes.add_api_route("/static/{name}", web.asset, methods=["GET"], include_in_schema=False)
 
 
 @routes.get("/health")

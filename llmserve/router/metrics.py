@@ -104,10 +104,7 @@ class RouterMetrics:
             )
         }
         healthy = [r for r in replicas if r.healthy]
-        merged = Scrape()
-        for replica in healthy:
-            merged.add(replica.metric_families)
-        totals = {**summary(merged), **totals}  # the servers' summary over all healthy replicas
+        totals = {**summary(merged_scrape(replicas)), **totals}  # the servers' summary, summed
         totals["kv_cache_usage_perc"] = (
             sum(r.kv_cache_usage for r in healthy) / len(healthy) if healthy else 0.0
         )  # a mean, not a sum: each replica has its own pool
@@ -121,6 +118,15 @@ class RouterMetrics:
             "replicas": rows,
             "aggregate": totals,
         }
+
+
+def merged_scrape(replicas: Sequence[Replica]) -> Scrape:
+    """The healthy replicas' /metrics as last read, summed: the deployment's as one server's."""
+    merged = Scrape()
+    for replica in replicas:
+        if replica.healthy:
+            merged.add(replica.metric_families)
+    return merged
 
 
 def _replica_row(replica: Replica, indexed_blocks: int, routed: dict[str, float]) -> dict:

@@ -2,8 +2,9 @@
 
 The body is parsed with the server's own request models and tokenized with the same tokenizer and
 chat template (model_loader/tokenizer.py), then hashed with the engine's `hash_block`, so the hashes
-are the very keys of the replica's prefix cache. A body the server would reject gets no hashes: the
-router sends it on anyway and the replica answers with the precise error.
+are the very keys of the replica's prefix cache. A body the server would reject, and a route with no
+prompt (/tokenize, /detokenize), gets no hashes: the router sends it on anyway (to the least loaded
+replica) and the replica answers, with the precise error where there is one.
 """
 
 from __future__ import annotations
@@ -11,12 +12,18 @@ from __future__ import annotations
 import pydantic
 
 from llmserve.core.kv_cache_manager import hash_block
-from llmserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from llmserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    GenerateRequest,
+    ResponsesRequest,
+)
 from llmserve.model_loader.tokenizer import Tokenizer
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """The engine's chained hashes of the full blocks of `token_ids` (KVCacheManager._hashes)."""
+    """The engine's chained hashes of the full blocks of `token_ids` (PrefixCache.block_hashes)."""
     hashes: list[bytes] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         hashes.append(hash_block(hashes[-1] if hashes else b"", tuple(token_ids[start : start + block_size])))
@@ -29,7 +36,7 @@ class PromptHasher:
         self.block_size = block_size
 
     def hashes(self, path: str, body: object) -> list[bytes]:
-        """Block hashes of the (first) prompt of a /v1/completions or /v1/chat/completions body."""
+        """Block hashes of the (first) prompt of a body of a route that has one; else none."""
         try:
             token_ids = self._token_ids(path, body)
         except (pydantic.ValidationError, ValueError):
@@ -37,8 +44,18 @@ class PromptHasher:
         return block_hashes(token_ids, self.block_size)
 
     def _token_ids(self, path: str, body: object) -> list[int]:
-        if path.endswith("/chat/completions"):
+        if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(body)
             return self.tokenizer.apply_chat_template(chat.template_messages(), chat.add_generation_prompt)
-        prompt = CompletionRequest.model_validate(body).prompts()[0]
+        if path == "/v1/responses":  # rendered as a chat (serving_responses.py)
+            messages = ResponsesRequest.model_validate(body).template_messages()
+            return self.tokenizer.apply_chat_template(messages, True)
+        if path == "/v1/completions":
+            prompt = CompletionRequest.model_validate(body).prompts()[0]
+        elif path == "/v1/embeddings":
+            prompt = EmbeddingRequest.model_validate(body).inputs()[0]
+        elif path == "/v1/generate":
+            prompt = GenerateRequest.model_validate(body).prompt
+        else:
+            return []
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

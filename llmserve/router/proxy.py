@@ -4,7 +4,8 @@ A request has started once a byte of generated output has gone to the client. Un
 that cannot be reached, drops the connection, or answers 429/502/503/504 costs nothing visible: the
 request goes to the next replica the policy picks, each replica tried at most once. A plain response
 is read whole before it is sent, so it never starts before it is complete. A stream's first events
-(the chat role chunks, empty text) are held back until the first event that carries output; once
+(the chat role chunks, empty text, a Responses stream's `response.created` and `response.in_progress`)
+are held back until the first event that carries output; once
 that is sent, a replica that fails ends the stream with an error event and [DONE], since the client
 already holds part of an answer that another replica would not continue token for token.
 
@@ -126,13 +127,20 @@ async def _hold_until_output(chunks: AsyncIterator[bytes]) -> bytes:
     return held
 
 
+# A Responses stream's first events: the response's id and status, nothing of the answer yet.
+_RESPONSE_STARTED = frozenset({"response.created", "response.in_progress"})
+
+
 def _carries_output(event: bytes) -> bool:
-    """Whether an SSE event gives the client something of the answer (not a role-only chunk)."""
-    payload = event.strip().removeprefix(b"data:").strip()
+    """Whether an SSE event gives the client something of the answer (not a role-only chunk, not a
+    Responses stream's opening events)."""
+    data = [line for line in event.strip().split(b"\n") if line.startswith(b"data:")]
     try:
-        body = json.loads(payload)
-    except ValueError:
+        body = json.loads(data[0].removeprefix(b"data:").strip())
+    except (IndexError, ValueError):
         return True  # [DONE], or something this router does not know: not safe to repeat
+    if isinstance(body, dict) and body.get("type") in _RESPONSE_STARTED:
+        return False
     choices = body.get("choices") if isinstance(body, dict) else None
     if not choices or body.get("usage"):
         return True

@@ -55,7 +55,8 @@ def test_router_hashes_equal_the_engines_block_hashes():
     tokens = list(range(3, 3 + 19))
     kv = KVCacheManager(num_blocks=8, block_size=4)
     request = Request("r", tokens, SamplingParams(), eos_token_ids=(2,))
-    assert block_hashes(tokens, 4) == kv._hashes(request) and len(block_hashes(tokens, 4)) == 4
+    assert block_hashes(tokens, 4) == kv.prefix_cache.block_hashes(request)
+    assert len(block_hashes(tokens, 4)) == 4
 
 
 def test_index_follows_stored_removed_and_cleared_and_matches_leading_blocks():
@@ -124,6 +125,9 @@ def test_least_loaded_counts_the_replicas_own_metrics_and_kv_usage():
         (b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}]}', True),
         (b'data: {"error":{"message":"x"}}', True),
         (b"data: [DONE]", True),
+        (b'event: response.created\ndata: {"type":"response.created","response":{}}', False),
+        (b'event: response.in_progress\ndata: {"type":"response.in_progress","response":{}}', False),
+        (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta"}', True),
     ],
 )
 def test_stream_events_before_any_output_are_held_back(event, carries):
@@ -186,14 +190,17 @@ def test_kv_events_config_takes_vllms_keys():
 
 def test_replicas_get_the_chat_flags(tmp_path):
     from llmserve.cli.main import build_parser
+    from llmserve.config import EngineArgs
+    from llmserve.config.server import ServerConfig
+
+    def replica_flags(argv: list[str]) -> list[str]:
+        args = build_parser().parse_args(argv)
+        return data_parallel._replica_flags(ServerConfig.from_cli_args(args), EngineArgs.from_cli_args(args))
 
     template = tmp_path / "t.jinja"
     argv = ["serve", "--data-parallel-size", "2", "--chat-template", str(template)]
-    args = build_parser().parse_args(
-        [*argv, "--tool-call-parser", "llama3_json", "--reasoning-parser", "qwen3"]
-    )
-    flags = data_parallel._replica_flags(args)
+    flags = replica_flags([*argv, "--tool-call-parser", "llama3_json", "--reasoning-parser", "qwen3"])
     assert flags[flags.index("--chat-template") + 1] == str(template.resolve())
     assert flags[flags.index("--tool-call-parser") + 1] == "llama3_json"
     assert flags[flags.index("--reasoning-parser") + 1] == "qwen3"
-    assert "--tool-call-parser" not in data_parallel._replica_flags(build_parser().parse_args(argv[:3]))
+    assert "--tool-call-parser" not in replica_flags(argv[:3])
