@@ -48,7 +48,7 @@ from llmserve.request import Request
 # cost model's errors and for bursts, which would otherwise turn deferred prompts into misses.
 PLANNED_TTFT_SHARE = 0.5
 # The smallest capped prompt chunk worth a step with prefill in it: a step with a few prompt tokens
-# took 60 ms where the model put its 16 decodes at 37 (2-core Xeon), far more than its c2 x n.
+# costs far more than the cost model's c2 x n (measured: docs/scheduling.md, step 2).
 MIN_CAPPED_CHUNK = 128
 
 

@@ -12,24 +12,19 @@ so that it streams sequentially and needs no horizontal sums.
 
 Above 8 rows, on a CPU with AMX, the layer runs the AMX kernel (linear_amx.cpp) on the small-batch
 kernel's own copy, whose blocks are already the tile product's B operand (no padding), up to
-`AMX_MAX_ROWS`; beyond, oneDNN's GEMM (below) was faster again. Over the model's 30 layers with
-their own weights (`python -m benchmarks.tools.linear_micro --amx` times one layer at a
-time) AMX took 13.7 / 20.5 / 27.2 / 78.9 / 132 ms at 16 / 64 / 128 / 650 / 1,024 rows where oneDNN
-took 18.0 / 25.4 / 30.4 / 101.4 / 182.5, and 256 / 177 ms at 2,048 / 1,536 rows against oneDNN's 206
-/ 171; the output projection of a 96-row decode took 4.2 ms instead of the small-batch kernel's 28
-ms.
+`AMX_MAX_ROWS`; beyond, oneDNN's GEMM (below) was faster again, and below it AMX beat both oneDNN
+and the small-batch kernel, the output projection of a decode step included (`python -m
+benchmarks.tools.linear_micro --amx`; docs/benchmarks.md, "Kernel micro-benchmarks").
 
 Where the CPU has no AMX (or `use_small_batch_linear(..., amx=False)`), the small-batch kernel keeps
 the rows up to `KERNEL_MAX_ROWS` (256: a decode batch), in tiles of 8 that each pass over a block of
-32 output rows while it is in cache, and a row's bits do not depend on the batch. On a 2-core Zen 5
-(AVX-512 BF16, no AMX) it beat oneDNN's GEMM at every decode size: one layer's four matmuls took
-147 / 358 / 677 / 928 / 1,833 us at 16 / 48 / 96 / 128 / 256 rows where oneDNN took 214 / 496 / 758
-/ 988 / 1,920 (about 15 us of each oneDNN call is its set-up), and about the same at 512 (`python -m
-benchmarks.tools.linear_micro --tiled`, docs/benchmarks.md). On AVX2 CPUs (no AVX-512
-BF16) the kernel runs float32 FMAs over the same packed copy (linear.cpp) and keeps the same rows:
-at the forced AVX2 level of that machine, with oneDNN capped at AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2`,
-where it packs no bf16 weight and `F.linear` takes the rows), it took about a quarter of F.linear's
-time at 9 to 256 rows; at 1 row it reads half of float32's bytes. Above that, and above
+32 output rows while it is in cache, and a row's bits do not depend on the batch. On a Zen 5
+(AVX-512 BF16, no AMX) it beat oneDNN's GEMM at every decode size, whose every call pays a set-up
+(`python -m benchmarks.tools.linear_micro --tiled`; docs/benchmarks.md, "Kernel micro-benchmarks").
+On AVX2 CPUs (no AVX-512 BF16) the kernel runs float32 FMAs over the same packed copy (linear.cpp)
+and keeps the same rows: at the forced AVX2 level of that machine, with oneDNN capped at AVX2
+(`ONEDNN_MAX_CPU_ISA=AVX2`, where it packs no bf16 weight and `F.linear` takes the rows), it took a
+fraction of F.linear's time at 9 to 256 rows; at 1 row it reads half of float32's bytes. Above that, and above
 `AMX_MAX_ROWS` with AMX, rows run oneDNN's GEMM on a copy of its weight packed once into oneDNN's
 blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does):
 `F.linear` on a plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs,

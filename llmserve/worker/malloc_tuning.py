@@ -5,9 +5,9 @@ By default glibc serves an allocation above its mmap threshold (dynamic, from 12
 with a fresh `mmap` and returns it with `munmap` when freed. Both take the process's memory-map lock
 for writing, so each waits for the KV prefault's populate calls, which hold it for reading while
 they fault a 2 MiB page in (milliseconds each on a VM whose host has taken the free memory back).
-Loading the default model beside the prefault of its 1 GiB pool took 2.7-3.5 s (once 1.3 s) against
-0.8-1.1 s alone; with these settings 1.1-1.4 s, the prefault finished by then. Offline throughput and
-batch-1 latency were the same with and without them (alternated runs).
+Loading the default model beside the prefault of its pool took about three times as long as alone;
+with these settings little more than alone, and throughput and batch-1 latency did not change
+(docs/benchmarks.md, "Start-up").
 
 A fixed threshold also makes a process's speed independent of its history: glibc's dynamic one rises
 as large blocks are freed, so whether a step's large temporaries (oneDNN's buffers for varying row

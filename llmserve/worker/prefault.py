@@ -15,11 +15,12 @@ throughput was higher with 2 MiB pages in alternated runs).
 
 The low blocks of every layer's K and V, which the block pool hands out first, are mapped first: an
 engine serving before the prefault ends (`--no-warmup`, or offline) writes there. A fresh 2 MiB page
-can cost milliseconds (on a VM whose host took the free memory back: 2.0-2.4 s for 1 GiB, against
-0.4 s in 4 KiB pages), and each populate call holds the process's memory-map lock, so that an mmap
-waits meanwhile (worker/malloc_tuning.py keeps the engine process's large allocations off mmap). The
-thread keeps its priority: lowered to SCHED_IDLE it never finished during a busy offline run, and its
-calls in the gaps cost 8-11% of throughput and batch-1 latency.
+can cost milliseconds (on a VM whose host took the free memory back, the whole pool takes seconds,
+several times its time in 4 KiB pages), and each populate call holds the process's memory-map lock,
+so that an mmap waits meanwhile (worker/malloc_tuning.py keeps the engine process's large allocations
+off mmap). The thread keeps its priority: lowered to SCHED_IDLE it never finished during a busy
+offline run, and its calls in the gaps cost throughput and batch-1 latency (docs/benchmarks.md,
+"Start-up").
 """
 
 from __future__ import annotations
