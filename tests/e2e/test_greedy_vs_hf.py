@@ -26,6 +26,7 @@ def test_batch_of_mixed_length_prompts_matches_hf_float32(llm_fp32, hf_model_fp3
         assert len(output.outputs[0].token_ids) == len(expected) or output.outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.full
 def test_bfloat16_matches_hf_or_diverges_within_each_others_top_5(hf_model_fp32, prompts_5_to_600):
     """vLLM's check_logprobs_close: equal, or at the first divergence each side's token is among the
     other's five most likely. bfloat16 greedy paths are chaotic on this model (its outlier activations
@@ -57,6 +58,7 @@ def test_bfloat16_matches_hf_or_diverges_within_each_others_top_5(hf_model_fp32,
                 break
 
 
+@pytest.mark.full
 def test_bfloat16_is_as_close_to_float32_as_hf_bfloat16(hf_model_fp32, prompts_5_to_600):
     """Teacher-forced over ~600 tokens of real text: the log-probability our bf16 engine gives each
     next token is no further from HF's float32 than HF's own bf16 model is (mean absolute error).

@@ -25,6 +25,7 @@ def test_chunked_prefill_with_a_tiny_token_budget(prompts_5_to_600, reference):
     assert [o.outputs[0].token_ids for o in outputs] == reference
 
 
+@pytest.mark.full
 def test_chunked_prefill_off(prompts_5_to_600, reference):
     llm = LLM(
         dtype="float32",
@@ -65,6 +66,7 @@ def test_one_prompt_alone_equals_the_same_prompt_in_a_batch_of_32(llm_fp32, defa
         assert alone[0].outputs[0].token_ids == batched[index].outputs[0].token_ids
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("lookup_max", [4, 0])
 def test_the_shipped_draft_head_on_the_default_model(prompts_5_to_600, reference, lookup_max):
     """The head shipped for the default model recognizes it (in float32),
@@ -83,6 +85,7 @@ def test_the_shipped_draft_head_on_the_default_model(prompts_5_to_600, reference
     assert stats.acceptance_rate > 0.15
 
 
+@pytest.mark.full
 def test_latency_targets_change_when_prompt_tokens_are_computed_never_which_tokens(
     prompts_5_to_600, reference
 ):

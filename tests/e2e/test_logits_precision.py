@@ -9,7 +9,7 @@ from llmserve import LLM, SamplingParams
 
 from .conftest import teacher_forced_logits
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 QUESTIONS = [
     "What is the capital of France?",

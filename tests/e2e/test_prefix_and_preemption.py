@@ -35,6 +35,7 @@ def test_prefix_cache_hit_and_miss_give_the_same_tokens(shared_prefix_prompts):
     assert [o.outputs[0].token_ids for o in again] == expected
 
 
+@pytest.mark.full
 def test_multi_turn_chat_reuses_the_first_turn(default_tokenizer):
     llm = LLM(dtype="float32", kv_cache_memory="128MiB")
     turn1 = [{"role": "user", "content": long_text(80)}]
@@ -47,6 +48,7 @@ def test_multi_turn_chat_reuses_the_first_turn(default_tokenizer):
     assert llm.engine.kv_cache_manager.prefix_cache_hits - hits_before >= (first_turn_tokens // block) * block
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_forced_preemption_in_each_mode_gives_the_same_tokens(mode, default_tokenizer):
     prompts = [default_tokenizer.encode(long_text(40 + 30 * i)) for i in range(6)]
@@ -66,6 +68,7 @@ def test_forced_preemption_in_each_mode_gives_the_same_tokens(mode, default_toke
     assert tight.engine.kv_cache_manager.pool.num_free_blocks == num_blocks
 
 
+@pytest.mark.full
 def test_n_parallel_samples_equal_n_separate_seeded_requests(llm_fp32, default_tokenizer):
     prompt = default_tokenizer.encode(long_text(30))  # not a multiple of the block size
     params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)

@@ -145,6 +145,7 @@ def test_health_is_warming_and_503_until_the_warm_up_ends(tiny_model_dir, monkey
         llm.shutdown()
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_the_default_model_follows_the_repeating_prompt_so_prompt_lookup_drafts_in_warm_up():
     llm = LLM(speculative_method="ngram", max_model_len=1024)
@@ -161,6 +162,7 @@ def test_the_default_model_follows_the_repeating_prompt_so_prompt_lookup_drafts_
     assert sum(s.num_accepted_tokens for s in steps) > 0
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_a_draft_head_drafts_with_its_network_in_warm_up():
     """B's prompt does not repeat, so the head itself (its compiled chain, built on first use) runs."""

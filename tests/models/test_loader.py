@@ -65,6 +65,7 @@ def hf_gguf_tokenizer(default_path):
     )
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_gguf_weights_equal_transformers_gguf_loading(default_path, hf_gguf_model):
     ours = load_weights(default_path, torch.float32)
@@ -76,6 +77,7 @@ def test_gguf_weights_equal_transformers_gguf_loading(default_path, hf_gguf_mode
             assert torch.equal(ours[name], tensor), name
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_default_arch_config_matches_transformers(default_path, hf_gguf_model):
     arch = load_arch_config(default_path)
@@ -96,6 +98,7 @@ def test_default_arch_config_matches_transformers(default_path, hf_gguf_model):
     assert arch.tie_word_embeddings == config.tie_word_embeddings
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_bfloat16_weights_are_the_float32_weights_rounded(default_path):
     full = load_weights(default_path, torch.float32)
@@ -105,6 +108,7 @@ def test_bfloat16_weights_are_the_float32_weights_rounded(default_path):
     assert torch.equal(half[name], full[name].bfloat16())
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.parametrize("start", ["first", "cached"])
 def test_tokenizer_matches_transformers(default_path, hf_gguf_tokenizer, start, tmp_path, monkeypatch):
@@ -154,6 +158,7 @@ def test_cached_tokenizer_decodes_without_importing_transformers(default_path):
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_chat_template_renders_like_transformers(default_path, hf_gguf_tokenizer):
     tokenizer = load_tokenizer(default_path)
