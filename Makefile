@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-avx2 serve lint format chat clean
+.PHONY: venv test test-all test-avx2 serve lint format chat clean
 
 venv: $(STAMP)
 
@@ -21,9 +21,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "from llmserve.kernels.cpu_ops import load_cpu_ops; load_cpu_ops()"
 	touch $(STAMP)
 
+# Two tiers (markers in pyproject.toml). `make test`, the fast tier: unit tests and in-process
+# end-to-end tests, none that starts a process. `make test-all` (what CI runs): every test, the fast
+# tier plus those that start servers, rank and engine processes, a Ray cluster or Chromium, and the
+# slowest real-model tests (`full`: a fast-tier test checks the same property).
 # -rs: the reason for any skip (tests/conftest.py: a failed kernel build fails, never skips).
+FAST_TIER := not (process or server or ray or browser or full)
 test: venv
-	$(BIN)/python -m pytest -q -x -rs --durations=15
+	$(BIN)/python -m pytest -q -x -rs --durations=15 -m "$(FAST_TIER)"
+
+test-all: venv
+	$(BIN)/python -m pytest -q -x -rs --durations=25
 
 # The kernel-bound tests again at the AVX2 level, as an AVX2-only CPU runs them (PyTorch's and
 # oneDNN's own kernels capped there too); on an AVX-512 CPU this tests the AVX2 kernels.
