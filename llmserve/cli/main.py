@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(
         logging.INFO
-        if getattr(args, "verbose", False) or args.command in ("serve", "router")
+        if args.verbose or args.command in ("serve", "router")
         else logging.WARNING
     )
     try:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from llmserve.config.router import RouterConfig
+from llmserve.config.flags import add_flags, from_namespace
+from llmserve.config.router import RouterConfig, RoutingOptions
+from llmserve.config.server import API_KEY_ENV
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,30 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=RouterConfig.register_timeout_seconds,
         help="seconds to wait at start-up for every replica to answer",
     )
-    add_routing_arguments(router)
+    add_flags(router, RoutingOptions, "routing")
     router.set_defaults(handler=_route)
 
 
-def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
-    """The routing flags `llmserve serve --data-parallel-size` shares."""
-    group = parser.add_argument_group("routing")
-    group.add_argument(
-        "--max-imbalance",
-        type=int,
-        default=RouterConfig.max_imbalance,
-        help="route to the replica caching the prompt's prefix only while it has at most this many more "
-        "requests than the least loaded one",
-    )
-    group.add_argument(
-        "--health-interval",
-        type=float,
-        default=RouterConfig.health_interval_seconds,
-        help="seconds between health checks of each replica",
-    )
-
-
 def _route(args: argparse.Namespace) -> int:
-    from llmserve.entrypoints.openai.api_server import API_KEY_ENV
     from llmserve.entrypoints.openai.serve import bound_socket
     from llmserve.router.app import run_router
 
@@ -68,7 +51,8 @@ def _route(args: argparse.Namespace) -> int:
             raise ValueError(f"--replica {url!r} must be an http:// or https:// URL")
     replicas = tuple(url.rstrip("/") for url in args.replica)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    config = RouterConfig.from_cli_args(args, replicas, args.register_timeout, api_key)
+    routing = from_namespace(RoutingOptions, args)
+    config = RouterConfig.create(replicas, routing, args.model, args.register_timeout, api_key)
     with bound_socket(args.host, args.port) as sock:
         run_router(config, sock, args.host)
     return 0

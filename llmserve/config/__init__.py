@@ -9,17 +9,15 @@ resolved by `EngineConfig.create` before freezing and never mutated later.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 
 import torch
 
 from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.config.families import check_family_features
+from llmserve.config.flags import add_flags, arg, from_namespace
 from llmserve.config.kv_events import KVEventsConfig
 from llmserve.config.kv_groups import KVCacheGroup, group_size, kv_cache_groups
 from llmserve.config.parallel import NodeArgs, ParallelConfig, stage_layer_ranges
@@ -149,15 +147,6 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
-# vLLM's short forms of engine flags
-_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
-
-
-def _arg(default, help_text: str):
-    """A field whose help text doubles as the CLI flag's help."""
-    return field(default=default, metadata={"help": help_text})
-
-
 def default_kv_cache_memory(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """The pool's default size: 1 GiB for 16-bit (or 8-bit) K/V entries, 2 GiB for float32 ones, so
     that the default holds as many tokens whatever the dtype (about 46,000 for SmolLM2): a smaller
@@ -249,167 +238,161 @@ class EngineArgs:
     `create_config` resolves them into the frozen per-concern configs.
     """
 
-    model: str | None = _arg(
+    model: str | None = arg(
         None, "GGUF file or HF model directory; default: the embedded SmolLM2-135M-Instruct"
     )
-    dtype: str = _arg(
+    dtype: str = arg(
         "auto", "float32 | bfloat16 | float16 | auto (bfloat16 where native: CUDA, AVX512-BF16/AMX)"
     )
-    device: str = _arg("auto", "cpu | cuda | auto")
-    max_model_len: int | None = _arg(
+    device: str = arg("auto", "cpu | cuda | auto")
+    max_model_len: int | None = arg(
         None, "longest prompt + output; default: the model's context, at most 4096"
     )
-    block_size: int | None = _arg(None, "tokens per KV-cache block; default 32 on a CPU, 16 on a GPU")
-    kv_cache_memory: int | str | None = _arg(
+    block_size: int | None = arg(None, "tokens per KV-cache block; default 32 on a CPU, 16 on a GPU")
+    kv_cache_memory: int | str | None = arg(
         None,
         "KV-cache pool size: bytes or with a unit (512MiB, 2GiB); default on a CPU 1GiB, or 2GiB where "
         "K/V are stored in float32 (the same number of tokens); on a GPU from gpu_memory_utilization",
     )
-    num_kv_blocks: int | None = _arg(None, "exact KV pool size in blocks (overrides kv_cache_memory)")
-    gpu_memory_utilization: float = _arg(
+    num_kv_blocks: int | None = arg(None, "exact KV pool size in blocks (overrides kv_cache_memory)")
+    gpu_memory_utilization: float = arg(
         0.9,
         "CUDA: the fraction of the device's memory this engine may use; the KV pool gets what the weights "
         "and a profiled step's activations leave of it (unless kv_cache_memory or num_kv_blocks is given)",
     )
-    max_num_batched_tokens: int | None = _arg(
+    max_num_batched_tokens: int | None = arg(
         None,
         "token budget of one engine step (prefill chunks + decodes); default 2048 on a CPU, 8192 on a GPU",
     )
-    max_num_seqs: int | None = _arg(None, "most requests running at once; default 128 on a CPU, 256 on a GPU")
-    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps, mixed with decodes")
-    scheduling_policy: str = _arg(
+    max_num_seqs: int | None = arg(None, "most requests running at once; default 128 on a CPU, 256 on a GPU")
+    enable_chunked_prefill: bool = arg(True, "split long prompts across steps, mixed with decodes")
+    scheduling_policy: str = arg(
         "fcfs", "fcfs | priority (lower priority value runs first; aging avoids starvation)"
     )
-    priority_aging_seconds: float = _arg(
+    priority_aging_seconds: float = arg(
         60.0, "waiting this many seconds improves a request's priority by one"
     )
-    preemption_mode: str = _arg(
+    preemption_mode: str = arg(
         "auto", "recompute | swap | auto: how to preempt (auto: cheaper by cost estimate)"
     )
-    ttft_target_ms: float = _arg(
+    ttft_target_ms: float = arg(
         1000.0,
         "time-to-first-token target (ms); the scheduler plans first tokens by half of it, keeping the "
         "rest as a margin; a request's ttft_target_ms overrides it; 0: none (docs/scheduling.md)",
     )
-    tpot_target_ms: float = _arg(
+    tpot_target_ms: float = arg(
         50.0,
         "time-per-output-token target (ms): prompt chunks are sized so that the running decodes meet it; "
         "a request's tpot_target_ms overrides it; 0: none",
     )
-    swap_space: int | str = _arg("1GiB", "CPU memory for the KV of requests preempted by swapping")
-    prefix_caching: bool = _arg(True, "reuse the KV of identical prompt prefixes (automatic prefix caching)")
-    kv_cache_dtype: str = _arg(
+    swap_space: int | str = arg("1GiB", "CPU memory for the KV of requests preempted by swapping")
+    prefix_caching: bool = arg(True, "reuse the KV of identical prompt prefixes (automatic prefix caching)")
+    kv_cache_dtype: str = arg(
         "auto", "auto (the model dtype) | int8 | fp8: K/V stored in 8 bits with a scale per token and head"
     )
-    sliding_window: int | None = _arg(
+    sliding_window: int | None = arg(
         None, "attend to and keep only the last W tokens' KV (default: the model's own window, if any)"
     )
-    attention_sinks: int = _arg(
+    attention_sinks: int = arg(
         0, "with a sliding window: also keep the first S tokens (StreamingLLM attention sinks)"
     )
-    disable_hybrid_kv_cache_manager: bool = _arg(
+    disable_hybrid_kv_cache_manager: bool = arg(
         False,
         "keep every position's KV in the sliding layers of a model mixing sliding and global layers "
         "(Gemma 2/3; the window then only masks) instead of only their window's",
     )
-    seed: int = _arg(0, "seed for requests that sample without their own seed")
-    attention_backend: str = _arg(
+    seed: int = arg(0, "seed for requests that sample without their own seed")
+    attention_backend: str = arg(
         "auto",
         "auto | torch (reference) | cpu_paged (compiled CPU kernel) | triton (CUDA kernel); "
         "both kernels read the cache in place",
     )
-    enforce_eager: bool = _arg(
+    enforce_eager: bool = arg(
         False, "CUDA: run every step eagerly, capturing no CUDA graphs of decode steps (vLLM's flag)"
     )
-    kv_events_config: str | None = _arg(
+    kv_events_config: str | None = arg(
         None,
         "publish KV-cache events for a prefix-aware router, as vLLM: a JSON object such as "
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'',
     )
     # -- weight quantization (llmserve/quantization, docs/quantization.md) --
-    quantization: str | None = _arg(
+    quantization: str | None = arg(
         None,
         "int8 (GPTQ-calibrated, per channel) | int8-rtn | int4 | awq | gptq | gguf (the GGUF's Q4_0/Q4_1/"
         "Q8_0 blocks) | DIR (`llmserve quantize`)",
     )
-    quantization_group_size: int | None = _arg(
+    quantization_group_size: int | None = arg(
         None, "int4 methods: input channels per scale, 32 | 64 | 128 (default: the largest that fits)"
     )
     # -- speculative decoding (llmserve/spec_decode, docs/speculative.md) --
-    speculative_method: str | None = _arg(
+    speculative_method: str | None = arg(
         None,
         "ngram (prompt lookup) | draft (a smaller model) | early_exit (the target's first layers) | "
         "draft_head (prompt lookup, else a small head trained on the target's own outputs)",
     )
-    num_speculative_tokens: int | None = _arg(
+    num_speculative_tokens: int | None = arg(
         None,
         "drafts per step and request at most (K); default 7 for ngram and draft_head (their drafts adapt), "
         "else 3",
     )
-    speculative_draft_model: str | None = _arg(
+    speculative_draft_model: str | None = arg(
         None, "draft: GGUF file or HF directory of a model with the target's tokenizer"
     )
-    speculative_draft_layers: int | None = _arg(
+    speculative_draft_layers: int | None = arg(
         None, "early_exit: target layers in the draft (default: 0.93 of them, see docs/speculative.md)"
     )
-    speculative_draft_head: str | None = _arg(
+    speculative_draft_head: str | None = arg(
         None, "draft_head: the head's file (`llmserve train-draft-head`); default: the default model's"
     )
-    speculative_draft_head_tokens: int | None = _arg(
+    speculative_draft_head_tokens: int | None = arg(
         None, "draft_head: drafts per step from the head at most (default 3; prompt lookup may propose K)"
     )
-    prompt_lookup_min: int = _arg(2, "ngram, draft_head: shortest suffix that may match the earlier text")
-    prompt_lookup_max: int = _arg(6, "ngram, draft_head: longest suffix tried first (draft_head: 0 = none)")
-    speculative_disable_batch_size: int = _arg(
+    prompt_lookup_min: int = arg(2, "ngram, draft_head: shortest suffix that may match the earlier text")
+    prompt_lookup_max: int = arg(6, "ngram, draft_head: longest suffix tried first (draft_head: 0 = none)")
+    speculative_disable_batch_size: int = arg(
         4, "propose nothing while more requests than this run (0: always speculate)"
     )
     # -- structured outputs (llmserve/structured, docs/server.md) --
-    structured_outputs_compile_timeout: float = _arg(
+    structured_outputs_compile_timeout: float = arg(
         10.0, "seconds a request's grammar (JSON schema, regex, EBNF) may take to compile; longer is a 400"
     )
     # -- tensor parallelism (llmserve/distributed, docs/parallelism.md) --
-    tensor_parallel_size: int = _arg(
-        1, "processes the model is split over (heads, MLP, vocabulary); each holds its heads' KV pool"
+    tensor_parallel_size: int = arg(
+        1,
+        "processes the model is split over (heads, MLP, vocabulary); each holds its heads' KV pool",
+        aliases=("-tp",),  # vLLM's short form
     )
-    pipeline_parallel_size: int = _arg(
+    pipeline_parallel_size: int = arg(
         1,
         "stages the decoder layers are split over (each of tensor_parallel_size processes); each holds its "
         "layers' KV pool",
+        aliases=("-pp",),
     )
-    distributed_executor_backend: str = _arg(
+    distributed_executor_backend: str = arg(
         "mp",
         "mp: ranks as processes llmserve starts (on several machines with --nnodes) | ray: Ray actors "
         "placed on the Ray cluster (RAY_ADDRESS, else the one running here, else a new local one)",
     )
-    distributed_timeout_seconds: float = _arg(
+    distributed_timeout_seconds: float = arg(
         300.0, "a collective between ranks that waits longer than this fails (a hung rank)"
     )
     # -- multi-node without Ray (docs/parallelism.md, "Multi-node") --
-    nnodes: int = _arg(1, "mp: machines the tensor-parallel ranks run on (each runs world_size / nnodes)")
-    node_rank: int | None = _arg(None, "mp with --nnodes: this machine's index; 0 runs the engine")
-    master_addr: str | None = _arg(None, "mp with --nnodes: node 0's address, reachable from every node")
-    master_port: int | None = _arg(None, "mp with --nnodes: node 0's rendezvous port (default 29501)")
-    check_invariants: bool = _arg(
+    nnodes: int = arg(1, "mp: machines the tensor-parallel ranks run on (each runs world_size / nnodes)")
+    node_rank: int | None = arg(None, "mp with --nnodes: this machine's index; 0 runs the engine")
+    master_addr: str | None = arg(None, "mp with --nnodes: node 0's address, reachable from every node")
+    master_port: int | None = arg(None, "mp with --nnodes: node 0's rendezvous port (default 29501)")
+    check_invariants: bool = arg(
         False, "check the KV cache manager's and block pool's integrity after every step (slow; soak tests)"
     )
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """One flag per field (`--kv-cache-memory` for kv_cache_memory), help text from its metadata."""
-        group = parser.add_argument_group("engine")
-        hints = typing.get_type_hints(cls)
-        for spec in dataclasses.fields(cls):
-            flags = ["--" + spec.name.replace("_", "-"), *_SHORT_FLAGS.get(spec.name, ())]
-            kind = _flag_type(hints[spec.name])
-            if kind is bool:
-                action = argparse.BooleanOptionalAction
-                group.add_argument(*flags, action=action, default=spec.default, help=spec.metadata["help"])
-            else:
-                group.add_argument(*flags, type=kind, default=spec.default, help=spec.metadata["help"])
+        add_flags(parser, cls, "engine")
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+        return from_namespace(cls, namespace)
 
     def create_config(
         self,
@@ -635,14 +618,6 @@ class EngineArgs:
 
 def _given(value: int | None, default: int) -> int:
     return default if value is None else value
-
-
-def _flag_type(hint) -> type:
-    """`int | None` -> int, `int | str` -> str (parsed later), `bool` -> bool."""
-    if isinstance(hint, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return str if str in args else args[0]
-    return hint
 
 
 def resolve_device(device: str) -> torch.device:

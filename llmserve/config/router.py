@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
+
+from llmserve.config.flags import arg
+
+_MAX_IMBALANCE = 4
+_HEALTH_INTERVAL_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """The routing flags `llmserve router` and `llmserve serve --data-parallel-size` share."""
+
+    max_imbalance: int = arg(
+        _MAX_IMBALANCE,
+        "route to the replica caching the prompt's prefix only while it has at most this many more "
+        "requests than the least loaded one",
+    )
+    health_interval: float = arg(_HEALTH_INTERVAL_SECONDS, "seconds between health checks of each replica")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     replicas: tuple[str, ...]  # base URLs of the replicas' OpenAI servers (http://host:port)
     model: str | None = None  # the replicas' model (GGUF or HF dir), for its tokenizer; None: the default
-    max_imbalance: int = 4  # prefix routing may load a replica with this many more requests than the least
-    health_interval_seconds: float = 1.0  # how often each replica's /health and /metrics are read
+    # prefix routing may load a replica with this many more requests than the least
+    max_imbalance: int = _MAX_IMBALANCE
+    # how often each replica's /health and /metrics are read
+    health_interval_seconds: float = _HEALTH_INTERVAL_SECONDS
     register_timeout_seconds: float = 30.0  # how long start-up waits for every replica to answer
     pending_prefix_seconds: float = 10.0  # a routed prompt counts as cached there until its events arrive
     # clients must send 'Authorization: Bearer KEY' (as `serve --api-key`); the replicas get it too
@@ -28,19 +46,20 @@ class RouterConfig:
             raise ValueError("--health-interval and --register-timeout must be > 0")
 
     @classmethod
-    def from_cli_args(
+    def create(
         cls,
-        args: argparse.Namespace,
         replicas: tuple[str, ...],
+        routing: RoutingOptions,
+        model: str | None,
         register_timeout: float,
         api_key: str | None = None,
     ) -> RouterConfig:
-        """From the routing flags (cli/router.py: add_routing_arguments) of `router` or `serve`."""
+        """From the routing flags of `router` or `serve` and the replicas they route to."""
         return cls(
             replicas=replicas,
-            model=args.model,
-            max_imbalance=args.max_imbalance,
-            health_interval_seconds=args.health_interval,
+            model=model,
+            max_imbalance=routing.max_imbalance,
+            health_interval_seconds=routing.health_interval,
             register_timeout_seconds=register_timeout,
             api_key=api_key,
         )

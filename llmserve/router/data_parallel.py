@@ -11,7 +11,6 @@ the replicas are Ray actors' servers on the cluster's nodes instead (router/ray_
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import dataclasses
@@ -29,9 +28,9 @@ from pathlib import Path
 import httpx
 
 from llmserve.config import EngineArgs
+from llmserve.config.flags import changed_flags
 from llmserve.config.router import RouterConfig
-from llmserve.entrypoints.openai.api_server import API_KEY_ENV
-from llmserve.entrypoints.openai.chat_options import chat_flags
+from llmserve.config.server import API_KEY_ENV, ServerConfig
 from llmserve.entrypoints.openai.serve import bound_socket
 from llmserve.router.app import load_router_tokenizer, run_router
 
@@ -91,24 +90,22 @@ class ReplicaProcess:
             self.process.wait()
 
 
-def serve_data_parallel(args: argparse.Namespace) -> int:
-    size = args.data_parallel_size
-    if args.kv_events_config is not None:
+def serve_data_parallel(config: ServerConfig, engine_args: EngineArgs) -> int:
+    if engine_args.kv_events_config is not None:
         raise ValueError("--data-parallel-size sets each replica's --kv-events-config itself; drop the flag")
-    if args.distributed_executor_backend == "ray":
-        return _serve_on_ray(args)
-    cpu_sets = split_cpus(sorted(os.sched_getaffinity(0)), size)
-    with bound_socket(args.host, args.port) as sock:
+    if engine_args.distributed_executor_backend == "ray":
+        return _serve_on_ray(config, engine_args)
+    cpu_sets = split_cpus(sorted(os.sched_getaffinity(0)), config.data_parallel_size)
+    with bound_socket(config.host, config.port) as sock:
         replicas: list[ReplicaProcess] = []
         try:
             for rank, cpus in enumerate(cpu_sets):
-                replicas.append(_start_replica(rank, cpus, args))
-            api_key = args.api_key or os.environ.get(API_KEY_ENV) or None  # the replicas inherit the env
+                replicas.append(_start_replica(rank, cpus, config, engine_args))
             urls = tuple(r.url for r in replicas)
-            config = RouterConfig.from_cli_args(args, urls, register_timeout=30.0, api_key=api_key)
-            tokenizer = load_router_tokenizer(config)  # while the replicas load their models
+            router = _router_config(config, engine_args, urls)
+            tokenizer = load_router_tokenizer(router)  # while the replicas load their models
             _wait_until_ready([(r.rank, r.url, r.process.poll) for r in replicas])
-            run_router(config, sock, args.host, tokenizer)
+            run_router(router, sock, config.host, tokenizer)
         finally:
             for replica in replicas:
                 replica.terminate()
@@ -117,30 +114,37 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_on_ray(args: argparse.Namespace) -> int:
+def _router_config(config: ServerConfig, engine_args: EngineArgs, urls: tuple[str, ...]) -> RouterConfig:
+    return RouterConfig.create(urls, config.routing, engine_args.model, 30.0, config.api_key)
+
+
+def _serve_on_ray(config: ServerConfig, engine_args: EngineArgs) -> int:
     """The replicas as Ray actors on the cluster (router/ray_replicas.py), the router here."""
     from llmserve.router.ray_replicas import RayReplicas
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    env = {API_KEY_ENV: api_key} if api_key else {}  # not on the command line, where `ps` shows it
+    # the key travels in the environment, not on the command line, where `ps` shows it
+    env = {API_KEY_ENV: config.api_key} if config.api_key else {}
     # a node's CPUs are shared by whatever Ray places there: no pinning to all of them
-    flags = [*_replica_flags(args), "--no-cpu-binding"]
-    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
-    with bound_socket(args.host, args.port) as sock:
-        replicas = RayReplicas(args.data_parallel_size, ranks, flags, env, args.distributed_timeout_seconds)
+    flags = [*_replica_flags(config, engine_args), "--no-cpu-binding"]
+    ranks = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
+    timeout = engine_args.distributed_timeout_seconds
+    with bound_socket(config.host, config.port) as sock:
+        replicas = RayReplicas(config.data_parallel_size, ranks, flags, env, timeout)
         try:
             urls = replicas.start()
-            config = RouterConfig.from_cli_args(args, urls, register_timeout=30.0, api_key=api_key)
-            tokenizer = load_router_tokenizer(config)
+            router = _router_config(config, engine_args, urls)
+            tokenizer = load_router_tokenizer(router)
             polls = [lambda rank=rank: replicas.exit_code(rank) for rank in range(len(urls))]
             _wait_until_ready(list(zip(range(len(urls)), urls, polls, strict=True)))
-            run_router(config, sock, args.host, tokenizer)
+            run_router(router, sock, config.host, tokenizer)
         finally:
             replicas.stop()
     return 0
 
 
-def _start_replica(rank: int, cpus: list[int], args: argparse.Namespace) -> ReplicaProcess:
+def _start_replica(
+    rank: int, cpus: list[int], config: ServerConfig, engine_args: EngineArgs
+) -> ReplicaProcess:
     port, events_port, replay_port = _free_ports(3)
     events = {
         "enable_kv_cache_events": True,
@@ -151,44 +155,19 @@ def _start_replica(rank: int, cpus: list[int], args: argparse.Namespace) -> Repl
     # the console script's set-up (tcmalloc, the OpenMP spin), as a single server gets
     command = [sys.executable, "-m", "llmserve.cli.launch", "serve", "--host", "127.0.0.1"]
     command += ["--port", str(port)]
-    command += ["--kv-events-config", json.dumps(events), *_replica_flags(args)]
+    command += ["--kv-events-config", json.dumps(events), *_replica_flags(config, engine_args)]
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cpus))}
-    if args.api_key:
-        env["LLMSERVE_API_KEY"] = args.api_key  # not on the command line, where `ps` shows it
+    if config.api_key:
+        env[API_KEY_ENV] = config.api_key  # not on the command line, where `ps` shows it
     libc = ctypes.CDLL("libc.so.6", use_errno=True)  # loaded here: the child only calls it
     process = subprocess.Popen(command, env=env, preexec_fn=lambda: _pin_and_tie_to_parent(cpus, libc))
     logger.info("replica %d: pid %d on CPUs %s, http://127.0.0.1:%d", rank, process.pid, cpus, port)
     return ReplicaProcess(rank, f"http://127.0.0.1:{port}", cpus, process)
 
 
-def _replica_flags(args: argparse.Namespace) -> list[str]:
-    """The user's engine and server flags that differ from their defaults, for each replica."""
-    flags = ["--max-waiting", str(args.max_waiting), "--max-waiting-tokens", str(args.max_waiting_tokens)]
-    flags += ["--max-engine-restarts", str(args.max_engine_restarts)]
-    flags += ["--watchdog-min-seconds", str(args.watchdog_min_seconds)]
-    if args.max_queue_delay is not None:
-        flags += ["--max-queue-delay", str(args.max_queue_delay)]
-    if not args.engine_restart:
-        flags.append("--no-engine-restart")
-    if args.served_model_name:
-        flags += ["--served-model-name", args.served_model_name]
-    if not args.cpu_binding:
-        flags.append("--no-cpu-binding")
-    if not args.warmup:
-        flags.append("--no-warmup")
-    if args.verbose:
-        flags.append("--verbose")
-    flags += chat_flags(args)
-    for spec in dataclasses.fields(EngineArgs):
-        value = getattr(args, spec.name)
-        if spec.name == "kv_events_config" or value == spec.default:
-            continue
-        flag = "--" + spec.name.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + flag[2:])
-        else:
-            flags += [flag, str(value)]
-    return flags
+def _replica_flags(config: ServerConfig, engine_args: EngineArgs) -> list[str]:
+    """The user's server and engine flags that differ from their defaults, for each replica."""
+    return [*config.replica_flags(), *changed_flags(engine_args, frozenset({"kv_events_config"}))]
 
 
 def _pin_and_tie_to_parent(cpus: list[int], libc: ctypes.CDLL) -> None:

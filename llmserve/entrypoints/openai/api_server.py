@@ -60,7 +60,6 @@ from llmserve.metrics.reliability import health_counters
 
 logger = logging.getLogger("llmserve.server")
 
-API_KEY_ENV = "LLMSERVE_API_KEY"
 MAX_BODY_BYTES = 4 * 2**20
 STATS_LOG_SECONDS = 10.0
 GRACEFUL_SHUTDOWN_SECONDS = 10
@@ -83,15 +82,16 @@ def build_app(
     engine: AsyncLLM,
     served_model_name: str,
     api_key: str | None = None,
-    max_waiting: int = 256,
+    max_concurrent_requests: int = 256,
     max_body_bytes: int = MAX_BODY_BYTES,
     metrics: PrometheusMetrics | None = None,
     admission: AdmissionConfig | None = None,
     chat_options: ChatOptions | None = None,
 ) -> FastAPI:
-    """The app; `max_waiting` bounds the engine requests in flight (running + waiting) before 429s."""
-    if max_waiting < 1:
-        raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+    """The app; `max_concurrent_requests` bounds the engine requests in flight (running + waiting)
+    before 429s."""
+    if max_concurrent_requests < 1:
+        raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
     metrics = metrics or PrometheusMetrics()
     metrics.model_name = metrics.model_name or served_model_name
     metrics.attach(engine)
@@ -99,7 +99,7 @@ def build_app(
     ctx = ServerContext(
         engine,
         served_model_name,
-        max_waiting,
+        max_concurrent_requests,
         admission=Admission(engine, admission or AdmissionConfig()),
         chat_options=chat_options or ChatOptions(),
     )

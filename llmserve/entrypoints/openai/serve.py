@@ -9,15 +9,14 @@ process loads the model, so their imports are off the start-up's critical path (
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import multiprocessing
-import os
 import socket
 from collections.abc import Iterator
 
 from llmserve.config import EngineArgs
+from llmserve.config.server import ServerConfig
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.health import EngineHealth, WatchdogConfig
 from llmserve.engine.supervision import RestartPolicy
@@ -29,29 +28,27 @@ logger = logging.getLogger("llmserve.server")
 ENGINE_LOST_EXIT_CODE = 1  # the engine died and was not restarted (--no-engine-restart, or retries spent)
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(config: ServerConfig, engine_args: EngineArgs) -> int:
     """Load the model, serve until SIGTERM/Ctrl-C, exit 0."""
-    if args.max_waiting < 1:
-        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    args.chat_options = ChatOptions.from_cli_args(args)  # a bad --chat-template fails before the model loads
-    with bound_socket(args.host, args.port) as sock:
+    chat_options = ChatOptions.load(config.chat)  # a bad --chat-template fails before the model loads
+    with bound_socket(config.host, config.port) as sock:
         responder = StartupResponder(sock)
         try:
             engine = AsyncLLM(
-                EngineArgs.from_cli_args(args),
+                engine_args,
                 fork=_can_fork(),
                 fork_closes=(sock.fileno(),),
                 # after the fork: no thread is copied
                 while_loading=lambda health: _while_loading(responder, health),
-                bind_cpus=args.cpu_binding,
-                warmup=args.warmup,
-                restart=RestartPolicy(max_restarts=args.max_engine_restarts) if args.engine_restart else None,
-                watchdog=WatchdogConfig(min_seconds=args.watchdog_min_seconds),
+                bind_cpus=config.cpu_binding,
+                warmup=config.warmup,
+                restart=RestartPolicy(config.max_engine_restarts) if config.engine_restart else None,
+                watchdog=WatchdogConfig(min_seconds=config.watchdog_min_seconds),
             )
         finally:
             responder.stop()
         try:
-            return _serve(engine, sock, args)
+            return _serve(engine, sock, config, chat_options)
         finally:
             engine.shutdown()
 
@@ -64,40 +61,25 @@ def _while_loading(responder: StartupResponder, health: EngineHealth) -> None:
     import llmserve.entrypoints.openai.api_server  # noqa: F401
 
 
-def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> int:
+def _serve(engine: AsyncLLM, sock: socket.socket, config: ServerConfig, chat_options: ChatOptions) -> int:
     import uvicorn
 
     from llmserve.entrypoints.openai import api_server
-    from llmserve.entrypoints.openai.admission import AdmissionConfig
-    from llmserve.entrypoints.openai.structured_outputs import prepare_grammars
-    from llmserve.metrics.prometheus import PrometheusMetrics
 
-    api_key = args.api_key or os.environ.get(api_server.API_KEY_ENV) or None
-    name = args.served_model_name or api_server.default_served_model_name(engine.config.model.path)
-    metrics = PrometheusMetrics(model_name=name, metric_names=getattr(args, "metric_names", "both"))
-    admission = AdmissionConfig(args.max_waiting_tokens, args.max_queue_delay)
-    app = api_server.build_app(
-        engine,
-        name,
-        api_key,
-        args.max_waiting,
-        metrics=metrics,
-        admission=admission,
-        chat_options=args.chat_options,
-    )
-    prepare_grammars(app.state.llmserve.ctx)
-    config = uvicorn.Config(
+    name = config.served_model_name or api_server.default_served_model_name(engine.config.model.path)
+    app = _build_app(engine, name, config, chat_options)
+    listener = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        host=config.host,
+        port=config.port,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=api_server.GRACEFUL_SHUTDOWN_SECONDS,
     )
     server = api_server.UvicornServer(
-        config,
+        listener,
         on_exit=lambda: engine.shutdown(timeout=0),
-        drain_seconds=getattr(args, "shutdown_drain_seconds", 0.0),
+        drain_seconds=config.shutdown_drain_seconds,
     )
     lost: list[str] = []
 
@@ -108,9 +90,30 @@ def _serve(engine: AsyncLLM, sock: socket.socket, args: argparse.Namespace) -> i
 
     engine.on_engine_lost = on_engine_lost
     host, port = sock.getsockname()[:2]
-    logger.info("serving %r on http://%s:%d%s", name, host, port, " (API key required)" if api_key else "")
+    key_note = " (API key required)" if config.api_key else ""
+    logger.info("serving %r on http://%s:%d%s", name, host, port, key_note)
     server.run(sockets=[sock])
     return ENGINE_LOST_EXIT_CODE if lost else 0
+
+
+def _build_app(engine: AsyncLLM, name: str, config: ServerConfig, chat_options: ChatOptions):
+    """The FastAPI app over `engine` with the config's admission bounds and metric names."""
+    from llmserve.entrypoints.openai import api_server
+    from llmserve.entrypoints.openai.admission import AdmissionConfig
+    from llmserve.entrypoints.openai.structured_outputs import prepare_grammars
+    from llmserve.metrics.prometheus import PrometheusMetrics
+
+    app = api_server.build_app(
+        engine,
+        name,
+        config.api_key,
+        config.max_concurrent_requests,
+        metrics=PrometheusMetrics(model_name=name, metric_names=config.metric_names),
+        admission=AdmissionConfig(config.max_waiting_tokens, config.max_queue_delay),
+        chat_options=chat_options,
+    )
+    prepare_grammars(app.state.llmserve.ctx)
+    return app
 
 
 def _can_fork() -> bool:
