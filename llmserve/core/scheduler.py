@@ -205,6 +205,14 @@ class Scheduler:
         if output.requests:
             self.cost_model.observe(output.shape, seconds)
 
+    def reset_counters(self, step_costs: bool = False) -> None:
+        """Forget what finished requests were counted in (speculative decoding totals, output lengths)
+        and, with `step_costs`, every step the cost model observed (after the warm-up)."""
+        self.spec_decode_stats = SpecDecodeStats()
+        self.output_lengths = OutputLengths()
+        if step_costs:
+            self.cost_model = StepCostModel()
+
     def _describe_requests(self, output: SchedulerOutput) -> None:
         """Fill the plan's request data: in full for a request the runner does not hold, else what
         changed since the runner last saw it."""

@@ -29,6 +29,7 @@ from llmserve.engine.grammar_gate import GrammarGate
 from llmserve.engine.invariants import InvariantChecker
 from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.engine.output_processor import OutputProcessor
+from llmserve.engine.step_stats import StepStatsRecorder
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.metrics.stats import StepStats
 from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
@@ -103,7 +104,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.config.scheduler,
             self.kv_cache_manager,
-            self._preemption_costs(model),
+            preemption_costs(self.config, model),
             DraftPlanner(spec) if spec is not None else None,
         )
         # speculative decoding (a draft head under tensor parallelism reads rank 0's whole-vocabulary copy)
@@ -120,11 +121,12 @@ class LLMEngine:
         self.failed_requests: list[str] = []  # of the last step: their output processing raised
         self.failed_logits_requests: list[str] = []  # of the last step: a logits processor of theirs raised
         self.invariants = InvariantChecker(self.kv_cache_manager) if args.check_invariants else None
-        self._prefix_cache_reported = (0, 0)  # the cache manager's (queries, hits) in StepStats so far
-        self._swap_preemptions_reported = 0  # the scheduler's swap preemptions in StepStats so far
+        self.step_stats = StepStatsRecorder(self.scheduler, self.kv_cache_manager)
+        self._publish_kv_events = True  # False while warming up: a router must not see the warm-up
+        self._measure_step_costs = True  # False while the warm-up builds kernels
         torch.manual_seed(self.config.model.seed)
         self.startup_seconds = time.monotonic() - start
-        self._log_startup()
+        log_startup(self.config, self.startup_seconds, self.kv_cache_manager.max_blocks_per_sequence)
 
     def _load_model_runner(
         self, path: str, resolve_config: Callable[[DeviceMemory], EngineConfig]
@@ -161,22 +163,6 @@ class LLMEngine:
             self.executor.wait_until_ready()
         return runner, target_vocabulary
 
-    def _preemption_costs(self, model) -> PreemptionCosts:
-        """Per rank under tensor parallelism: its shard's FLOPs, its KV heads' bytes (ranks run at once);
-        under pipeline parallelism rank 0's stage's FLOPs, the fullest stage's KV bytes."""
-        model_config, parallel = self.config.model, self.config.parallel
-        arch = model_config.arch
-        return PreemptionCosts(
-            flops_per_token=2.0 * sum(p.numel() for p in model.parameters()),
-            kv_bytes_per_token=arch.kv_bytes_per_token(
-                model_config.dtype,
-                self.config.cache.kv_cache_dtype,
-                parallel.max_kv_heads_per_rank(arch.num_key_value_heads),
-                parallel.max_layers_per_stage(arch.num_hidden_layers),
-            ),
-            device_type=model_config.device.type,
-        )
-
     # -- tensor-parallel ranks, for the engine's health and metrics --------------------------------
 
     @property
@@ -208,57 +194,6 @@ class LLMEngine:
         publisher = getattr(self, "kv_event_publisher", None)  # None too when loading failed first
         if publisher is not None:
             publisher.shutdown()
-
-    def _log_startup(self) -> None:
-        cache, model = self.config.cache, self.config.model
-        tokens = cache.num_blocks * cache.block_size
-        kv_dtype = str(model.dtype) if cache.kv_cache_dtype == "auto" else cache.kv_cache_dtype
-        logger.info(
-            "model %s (%s, %s) ready in %.2f s; KV cache (%s): %d blocks x %d tokens = %d tokens (%.1f MiB), "
-            "max concurrency at max_model_len %d: %.2f sequences",
-            model.path,
-            model.dtype,
-            model.device,
-            self.startup_seconds,
-            kv_dtype,
-            cache.num_blocks,
-            cache.block_size,
-            tokens,
-            cache.kv_cache_memory / 2**20,
-            model.max_model_len,
-            tokens / model.max_model_len,
-        )
-        parallel = self.config.parallel
-        if parallel.tensor_parallel_size > 1:
-            logger.info(
-                "tensor parallel size %d: each rank holds its KV heads' share of the pool (%s KV heads)",
-                parallel.tensor_parallel_size,
-                "/".join(
-                    map(str, split_sizes(model.arch.num_key_value_heads, parallel.tensor_parallel_size))
-                ),
-            )
-        if parallel.pipeline_parallel_size > 1:
-            layers = stage_layer_ranges(model.arch.num_hidden_layers, parallel.pipeline_parallel_size)
-            logger.info(
-                "pipeline parallel size %d: each stage holds its layers' share of the pool (%s layers), "
-                "up to %d batches in flight",
-                parallel.pipeline_parallel_size,
-                "/".join(str(len(run)) for run in layers),
-                parallel.pipeline_parallel_size,
-            )
-        if cache.kv_groups:
-            logger.info(
-                "KV-cache groups (window, layers): %s; a block holds %d layers of one group",
-                ", ".join(f"({g.window}, {len(g.layers)})" for g in cache.kv_groups),
-                max(len(g.layers) for g in cache.kv_groups),
-            )
-        if cache.sliding_window:
-            logger.info(
-                "sliding window: %d tokens + %d attention sinks; a sequence holds at most %d blocks",
-                cache.sliding_window,
-                cache.attention_sinks,
-                self.kv_cache_manager.max_blocks_per_sequence,
-            )
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -459,10 +394,11 @@ class LLMEngine:
         if result.pooled:
             outputs += self._finish_pooled(result.pooled)
         seconds = time.monotonic() - start
-        if self.batch_queue is None:  # a pipeline's batches overlap: their times are not step costs
+        # a pipeline's batches overlap: their times are not step costs
+        if self.batch_queue is None and self._measure_step_costs:
             self.scheduler.observe_step(scheduled, seconds)
-        self.last_step = self._step_stats(scheduled, accepted, num_sampled, seconds)
-        if self.kv_event_publisher is not None:
+        self.last_step = self.step_stats.record(scheduled, accepted, num_sampled, seconds)
+        if self.kv_event_publisher is not None and self._publish_kv_events:
             self.kv_event_publisher.publish(self.kv_cache_manager.take_events())
         if self.invariants is not None:
             self.invariants.check()
@@ -486,56 +422,95 @@ class LLMEngine:
             return self.model_runner.execute(plan)
         return self.executor.execute(self.model_runner, plan)
 
-    def _step_stats(
-        self, scheduled: SchedulerOutput, accepted: list[int], num_sampled: int, seconds: float
-    ) -> StepStats:
-        prefix_cache_queries, prefix_cache_hits = self._prefix_cache_delta()
-        swaps = self.scheduler.preemptions_by_mode["swap"]
-        num_swaps, self._swap_preemptions_reported = swaps - self._swap_preemptions_reported, swaps
-        return StepStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.kv_cache_manager.usage,
-            num_batched_seqs=len(scheduled.requests),
-            num_prompt_tokens=scheduled.num_prompt_tokens,
-            num_generation_tokens=num_sampled,
-            num_preemptions=len(scheduled.preempted),
-            step_seconds=seconds,
-            num_draft_tokens=sum(map(len, scheduled.plan.spec_token_ids.values())),
-            num_accepted_tokens=sum(accepted),
-            num_drafts=len(accepted),
-            num_prefix_cache_queries=prefix_cache_queries,
-            num_prefix_cache_hits=prefix_cache_hits,
-            num_preemptions_swap=num_swaps,
-            num_swapped_out_blocks=len(scheduled.plan.swap_out),
-            num_swapped_in_blocks=len(scheduled.plan.swap_in),
-            accepted_per_position=accepted_per_position(accepted),
-            step_shape=tuple(scheduled.shape),
-            step_cost=self.scheduler.cost_model.coefficients,
-        )
+    # -- the warm-up (engine/warmup.py) -----------------------------------------------------------------
 
-    def reset_step_counters(self) -> None:
-        """Start StepStats' deltas from the cache manager's totals as they are now (after warm-up)."""
+    def begin_warmup(self, measure_steps: bool) -> None:
+        """The warm-up's requests follow, until `reset_after_warmup`: their KV events are held back
+        from a router, and their step times reach the cost model only with `measure_steps` (a fresh
+        engine's first steps build kernels); called again to change `measure_steps`."""
+        self._publish_kv_events = False
+        self._measure_step_costs = measure_steps
+
+    def reset_after_warmup(self, keep_step_costs: bool) -> None:
+        """Leave no trace of the warm-up a client, a router or metrics could see: no cached prefixes,
+        no KV events, no counts, and the global seed set again (a seedless sampled request draws as
+        without warm-up); the cost model keeps the measured steps only with `keep_step_costs`."""
         kv = self.kv_cache_manager
-        self._prefix_cache_reported = (kv.prefix_cache_queries, kv.prefix_cache_hits)
-        self._swap_preemptions_reported = self.scheduler.preemptions_by_mode["swap"]
+        kv.pool.reset_prefix_cache()
+        kv.take_events()  # the warm-up's stored blocks and their clearing: held back from the router
+        self.scheduler.reset_counters(step_costs=not keep_step_costs)
+        self.step_stats.restart()
         self.last_step = None
-
-    def _prefix_cache_delta(self) -> tuple[int, int]:
-        """Prefix-cache (queries, hits) in tokens since the last StepStats; taken from the running totals
-        so that lookups of a step that raised are reported with the next one."""
-        kv = self.kv_cache_manager
-        totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
-        (queries, hits), self._prefix_cache_reported = self._prefix_cache_reported, totals
-        return totals[0] - queries, totals[1] - hits
+        self._publish_kv_events = self._measure_step_costs = True
+        torch.manual_seed(self.config.model.seed)
 
 
-def accepted_per_position(accepted: list[int]) -> tuple[int, ...]:
-    """How many requests had their draft at position 0, 1, ... accepted (drafts are accepted as a
-    leading run, so a request that accepted a drafts counts at positions 0..a-1)."""
-    if not accepted:
-        return ()
-    return tuple(sum(1 for a in accepted if a > position) for position in range(max(accepted)))
+def preemption_costs(config: EngineConfig, model) -> PreemptionCosts:
+    """Per rank under tensor parallelism: its shard's FLOPs, its KV heads' bytes (ranks run at once);
+    under pipeline parallelism rank 0's stage's FLOPs, the fullest stage's KV bytes."""
+    model_config, parallel = config.model, config.parallel
+    arch = model_config.arch
+    return PreemptionCosts(
+        flops_per_token=2.0 * sum(p.numel() for p in model.parameters()),
+        kv_bytes_per_token=arch.kv_bytes_per_token(
+            model_config.dtype,
+            config.cache.kv_cache_dtype,
+            parallel.max_kv_heads_per_rank(arch.num_key_value_heads),
+            parallel.max_layers_per_stage(arch.num_hidden_layers),
+        ),
+        device_type=model_config.device.type,
+    )
+
+
+def log_startup(config: EngineConfig, startup_seconds: float, max_blocks_per_sequence: int) -> None:
+    """Say what loaded and how much the KV pool holds (sequences at max_model_len)."""
+    cache, model = config.cache, config.model
+    tokens = cache.num_blocks * cache.block_size
+    kv_dtype = str(model.dtype) if cache.kv_cache_dtype == "auto" else cache.kv_cache_dtype
+    logger.info(
+        "model %s (%s, %s) ready in %.2f s; KV cache (%s): %d blocks x %d tokens = %d tokens (%.1f MiB), "
+        "max concurrency at max_model_len %d: %.2f sequences",
+        model.path,
+        model.dtype,
+        model.device,
+        startup_seconds,
+        kv_dtype,
+        cache.num_blocks,
+        cache.block_size,
+        tokens,
+        cache.kv_cache_memory / 2**20,
+        model.max_model_len,
+        tokens / model.max_model_len,
+    )
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1:
+        logger.info(
+            "tensor parallel size %d: each rank holds its KV heads' share of the pool (%s KV heads)",
+            parallel.tensor_parallel_size,
+            "/".join(map(str, split_sizes(model.arch.num_key_value_heads, parallel.tensor_parallel_size))),
+        )
+    if parallel.pipeline_parallel_size > 1:
+        layers = stage_layer_ranges(model.arch.num_hidden_layers, parallel.pipeline_parallel_size)
+        logger.info(
+            "pipeline parallel size %d: each stage holds its layers' share of the pool (%s layers), "
+            "up to %d batches in flight",
+            parallel.pipeline_parallel_size,
+            "/".join(str(len(run)) for run in layers),
+            parallel.pipeline_parallel_size,
+        )
+    if cache.kv_groups:
+        logger.info(
+            "KV-cache groups (window, layers): %s; a block holds %d layers of one group",
+            ", ".join(f"({g.window}, {len(g.layers)})" for g in cache.kv_groups),
+            max(len(g.layers) for g in cache.kv_groups),
+        )
+    if cache.sliding_window:
+        logger.info(
+            "sliding window: %d tokens + %d attention sinks; a sequence holds at most %d blocks",
+            cache.sliding_window,
+            cache.attention_sinks,
+            max_blocks_per_sequence,
+        )
 
 
 class BatchFailed(RuntimeError):

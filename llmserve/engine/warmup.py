@@ -25,25 +25,22 @@ the scheduler's step-cost model's first observations (A's are left out of it).
 First the KV prefault is finished (this thread helps the background one); afterwards nothing of the
 warm-up stays: a router hears none of it (KV events are held back, then dropped), the prefix cache is
 emptied, the counters that reach metrics are rewound and the global seed is set again (a seedless
-sampled request draws as without warm-up). `llmserve serve --no-warmup` skips it: the first requests
-pay those costs, and the wait predictor has no prior until steps are measured. Structured outputs'
-one-time costs are paid here too (about a second): xgrammar's import while the KV prefault finishes,
-the vocabulary table in the grammar compiler's thread beside the requests.
+sampled request draws as without warm-up): `LLMEngine.reset_after_warmup`, each part resetting its
+own. `llmserve serve --no-warmup` skips it: the first requests pay those costs, and the wait predictor
+has no prior until steps are measured. Structured outputs' one-time costs are paid here too (about a
+second): xgrammar's import while the KV prefault finishes, the vocabulary table in the grammar
+compiler's thread beside the requests.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 
 import numpy as np
-import torch
 
-from llmserve.core.latency_targets import OutputLengths
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.metrics.stats import StepStats
-from llmserve.outputs import SpecDecodeStats
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("llmserve")
@@ -120,23 +117,20 @@ def warm_up(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[Ste
     except Exception:  # noqa: BLE001 - structured requests would then fail with the same error
         logger.warning("structured outputs' vocabulary table did not build", exc_info=True)
     prepared = time.monotonic()
-    publisher, engine.kv_event_publisher = engine.kv_event_publisher, None  # a router must not see it
-    cost_model = copy.deepcopy(engine.scheduler.cost_model)
+    engine.begin_warmup(measure_steps=False)  # A's kernel-building steps would skew the cost model
     measured: list[StepStats] = []
     try:
         first, *rest = warmup_requests(engine, prompt_len)
         _run_wave(engine, first)
-        engine.scheduler.cost_model = copy.deepcopy(cost_model)  # A's kernel-building steps would skew it
+        engine.begin_warmup(measure_steps=True)
         for wave in rest:
             measured += _run_wave(engine, wave)
     except Exception:  # noqa: BLE001 - the engine may still serve; say so and go on cold
         logger.warning("engine warm-up failed; serving without it", exc_info=True)
         for request_id in list(engine.output_processor.parents):
             engine.abort_request(request_id)
-        engine.scheduler.cost_model, measured = cost_model, []
-    finally:
-        engine.kv_event_publisher = publisher
-    _forget(engine)
+        measured = []
+    engine.reset_after_warmup(keep_step_costs=bool(measured))
     seconds = time.monotonic() - start
     logger.info(
         "engine warmed up in %.2f s (the rest of the KV prefault %.2f s, structured outputs %.2f s, "
@@ -162,16 +156,3 @@ def _run_wave(engine: LLMEngine, wave: list[tuple]) -> list[StepStats]:
         if engine.last_step is not None:
             steps.append(engine.last_step)
     raise RuntimeError(f"the warm-up requests did not finish within {_MAX_STEPS} steps")
-
-
-def _forget(engine: LLMEngine) -> None:
-    """Leave no trace of the warm-up a client, a router or metrics could see: no cached prefixes, no
-    KV events, no counts."""
-    kv = engine.kv_cache_manager
-    kv.pool.reset_prefix_cache()
-    kv.take_events()  # the warm-up's stored blocks and their clearing: held back from the router
-    kv.prefix_cache_queries = kv.prefix_cache_hits = 0
-    engine.reset_step_counters()
-    engine.scheduler.spec_decode_stats = SpecDecodeStats()
-    engine.scheduler.output_lengths = OutputLengths()  # the warm-up's short outputs are no workload's
-    torch.manual_seed(engine.config.model.seed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.engine.llm_engine import accepted_per_position
+from llmserve.engine.step_stats import accepted_per_position
 from llmserve.metrics.history import MetricsHistory
 from llmserve.metrics.summary import Scrape, bucket_delta, quantile, summary, window
 from tests.metrics.helpers import fed_metrics
