@@ -10,7 +10,7 @@ mark, naming the instruction sets its kernel needs, if any (keys of CPU_FEATURES
   with the build's error. On a machine without a C++ compiler, set LLMSERVE_ALLOW_NO_KERNELS=1: those
   tests are then skipped with a reason naming the variable, and the rest run on the PyTorch fallbacks.
   CI (.ci/run) never sets it.
-- The kernels built but their instruction-set level (llmserve/kernels/cpu_isa.py: the CPU's best, or
+- The kernels built but their instruction-set level (llmserve/config/cpu_isa.py: the CPU's best, or
   a lower one forced by LLMSERVE_CPU_ISA) lacks an instruction set a test names: that test is skipped,
   a hardware limit rather than a failure, and `make test` prints the reason (-rs), naming the
   instruction set and the level. Every other test passes on any x86-64 CPU with AVX2 and FMA, and at
@@ -107,7 +107,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _lacks(instruction_set: str) -> str:
-    from llmserve.kernels.cpu_isa import FORCE_VARIABLE, is_forced, selected_level
+    from llmserve.config.cpu_isa import FORCE_VARIABLE, is_forced, selected_level
 
     level = selected_level().name
     if is_forced():

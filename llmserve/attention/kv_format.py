@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.config.kv_cache_dtype import SCALE_BYTES, check_kv_cache_dtype, kv_row_size, kv_storage_dtype
 from llmserve.kernels.cpu_ops import cpu_ops_for
 
-_SCALE_DTYPE = torch.float16
-_SCALE_BYTES = 2  # one float16 per row
+_SCALE_DTYPE = torch.float16  # SCALE_BYTES wide
 _MIN_SCALE = torch.finfo(_SCALE_DTYPE).tiny  # the smallest normal float16
 
 
@@ -49,11 +49,11 @@ class KVCacheFormat:
         return False
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype
+        return kv_storage_dtype(self.name, model_dtype)
 
     def row_size(self, head_dim: int) -> int:
         """Elements of the pool's last dimension per (slot, kv head)."""
-        return head_dim
+        return kv_row_size(self.name, head_dim)
 
     def bytes_per_row(self, head_dim: int, model_dtype: torch.dtype) -> int:
         return self.row_size(head_dim) * self.storage_dtype(model_dtype).itemsize
@@ -89,14 +89,6 @@ class QuantizedKVCacheFormat(KVCacheFormat):
     def is_quantized(self) -> bool:
         return True
 
-    def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return torch.uint8
-
-    def row_size(self, head_dim: int) -> int:
-        if head_dim % _SCALE_BYTES:
-            raise ValueError(f"an 8-bit KV cache needs an even head_dim, got {head_dim}")
-        return head_dim + _SCALE_BYTES
-
     def write(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
         cache.index_copy_(0, slots, self.quantize(rows))
 
@@ -117,7 +109,7 @@ class QuantizedKVCacheFormat(KVCacheFormat):
     def dequantize(self, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[..., head_dim + 2] bytes -> [..., head_dim] in `dtype`."""
         packed = packed.contiguous()
-        head_dim = packed.shape[-1] - _SCALE_BYTES
+        head_dim = packed.shape[-1] - SCALE_BYTES
         codes = packed[..., :head_dim].view(self.code_dtype).float()
         scale = packed[..., head_dim:].view(_SCALE_DTYPE).float()
         return (codes * scale).to(dtype)
@@ -134,6 +126,5 @@ KV_CACHE_FORMATS: dict[str, KVCacheFormat] = {
 
 
 def get_kv_cache_format(name: str) -> KVCacheFormat:
-    if name not in KV_CACHE_FORMATS:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_FORMATS)}; got {name!r}")
+    check_kv_cache_dtype(name)
     return KV_CACHE_FORMATS[name]

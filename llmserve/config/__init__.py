@@ -12,23 +12,30 @@ import argparse
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from llmserve.attention.kv_format import get_kv_cache_format
+from llmserve.config.cpu_isa import selected_level
 from llmserve.config.families import check_family_features
-from llmserve.config.flags import add_flags, arg, from_namespace
+from llmserve.config.flags import add_flags, arg, check_choice, from_namespace
+from llmserve.config.kv_cache_dtype import KVCacheDtype, check_kv_cache_dtype, kv_row_bytes, kv_storage_dtype
 from llmserve.config.kv_events import KVEventsConfig
 from llmserve.config.kv_groups import KVCacheGroup, group_size, kv_cache_groups
-from llmserve.config.parallel import NodeArgs, ParallelConfig, stage_layer_ranges
+from llmserve.config.parallel import ExecutorBackend, NodeArgs, ParallelConfig, stage_layer_ranges
 from llmserve.config.quantization import QuantizationConfig
 from llmserve.config.speculative import SpeculativeConfig
 from llmserve.config.structured_outputs import StructuredOutputsConfig
-from llmserve.kernels.cpu_isa import selected_level
 
 logger = logging.getLogger("llmserve")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+# "torch" the reference, "cpu_paged" the compiled CPU kernel, "triton" the CUDA one (attention/registry.py)
+AttentionBackendName = Literal["auto", "torch", "cpu_paged", "triton"]
+SchedulingPolicy = Literal["fcfs", "priority"]  # priority: a lower priority value runs first
+PreemptionMode = Literal["recompute", "swap", "auto"]  # auto: the cheaper by estimate
 
 
 @dataclass(frozen=True)
@@ -77,14 +84,14 @@ class ModelArchConfig:
     def kv_bytes_per_token(
         self,
         dtype: torch.dtype,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: KVCacheDtype = "auto",
         num_kv_heads: int | None = None,
         num_layers: int | None = None,
     ) -> int:
         """Bytes of K and V for one token across all layers, scales of an 8-bit cache included; of
         `num_kv_heads` heads where given (one tensor-parallel rank's), else of all, and of
         `num_layers` layers where given (one pipeline stage's)."""
-        row_bytes = get_kv_cache_format(kv_cache_dtype).bytes_per_row(self.head_dim, dtype)
+        row_bytes = kv_row_bytes(kv_cache_dtype, self.head_dim, dtype)
         heads = self.num_key_value_heads if num_kv_heads is None else num_kv_heads
         layers = self.num_hidden_layers if num_layers is None else num_layers
         return 2 * layers * heads * row_bytes
@@ -98,10 +105,14 @@ class ModelConfig:
     max_model_len: int  # longest prompt + output a request may have
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0  # seed of the engine-wide generator for unseeded sampled requests
-    # "auto", "torch" (reference), "cpu_paged" (compiled, in place) or "triton" (CUDA, in place)
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackendName = "auto"  # "auto": the fastest that fits (attention/registry.py)
     quantization: QuantizationConfig | None = None  # weight quantization (llmserve/quantization); None: float
     enforce_eager: bool = False  # CUDA: every step eagerly, no decode graphs (worker/cuda_graphs.py)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        check_choice("attention_backend", self.attention_backend, AttentionBackendName)
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,7 @@ class CacheConfig:
     kv_cache_memory: int  # bytes the pool takes (K and V, all layers)
     enable_prefix_caching: bool = True  # reuse computed KV blocks of identical token prefixes
     num_swap_blocks: int = 0  # blocks of CPU swap space for preempted requests
-    kv_cache_dtype: str = "auto"  # storage of K/V rows: "auto" (the model dtype), "int8" or "fp8"
+    kv_cache_dtype: KVCacheDtype = "auto"  # storage of K/V rows: "auto" (the model dtype), "int8" or "fp8"
     sliding_window: int = 0  # keep only the last this many tokens' KV (0: keep all)
     attention_sinks: int = 0  # with a window: also keep the first this many tokens (StreamingLLM)
     kv_events: KVEventsConfig | None = None  # publish the prefix cache's changes; None: off
@@ -123,6 +134,14 @@ class CacheConfig:
     # fraction of the device's memory; None: the pool's size is final
     size_from_gpu_memory: float | None = None
 
+    def __post_init__(self) -> None:
+        check_block_size(self.block_size)
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {self.num_blocks}")
+        if min(self.num_swap_blocks, self.sliding_window, self.attention_sinks) < 0:
+            raise ValueError("num_swap_blocks, sliding_window and attention_sinks must be >= 0")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -130,11 +149,22 @@ class SchedulerConfig:
     max_num_seqs: int  # most requests running at once
     max_model_len: int  # longest prompt + output
     enable_chunked_prefill: bool = True  # split long prompts across steps, mixed with decodes
-    scheduling_policy: str = "fcfs"  # "fcfs" or "priority" (lower priority value = more urgent)
+    scheduling_policy: SchedulingPolicy = "fcfs"  # "fcfs" or "priority" (lower priority value = more urgent)
     priority_aging_seconds: float = 60.0  # waiting this long improves a request's priority by one
-    preemption_mode: str = "auto"  # "recompute", "swap" (to CPU) or "auto" (cheaper by estimate)
+    preemption_mode: PreemptionMode = "auto"  # "recompute", "swap" (to CPU) or "auto" (cheaper by estimate)
     ttft_target_ms: float | None = 1000.0  # time-to-first-token target of every request (None: none)
     tpot_target_ms: float | None = 50.0  # time-per-output-token target of every request (None: none)
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
+        check_choice("preemption_mode", self.preemption_mode, PreemptionMode)
+        if self.priority_aging_seconds <= 0:
+            raise ValueError("priority_aging_seconds must be > 0")
+        for target in (self.ttft_target_ms, self.tpot_target_ms):
+            if target is not None and not 0 < target < math.inf:
+                raise ValueError("ttft_target_ms and tpot_target_ms must be >= 0 (0: no target)")
 
 
 @dataclass(frozen=True)
@@ -147,12 +177,12 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
-def default_kv_cache_memory(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+def default_kv_cache_memory(dtype: torch.dtype, kv_cache_dtype: KVCacheDtype = "auto") -> int:
     """The pool's default size: 1 GiB for 16-bit (or 8-bit) K/V entries, 2 GiB for float32 ones, so
     that the default holds as many tokens whatever the dtype (about 46,000 for SmolLM2): a smaller
     float32 pool did not hold the mixed-100 workload at once, and its last prompts waited for others
     to finish."""
-    entry_bytes = get_kv_cache_format(kv_cache_dtype).storage_dtype(dtype).itemsize
+    entry_bytes = kv_storage_dtype(kv_cache_dtype, dtype).itemsize
     return 2 << 30 if entry_bytes >= 4 else 1 << 30
 
 
@@ -241,7 +271,7 @@ class EngineArgs:
     model: str | None = arg(
         None, "GGUF file or HF model directory; default: the embedded SmolLM2-135M-Instruct"
     )
-    dtype: str = arg(
+    dtype: DTypeName = arg(
         "auto", "float32 | bfloat16 | float16 | auto (bfloat16 where native: CUDA, AVX512-BF16/AMX)"
     )
     device: str = arg("auto", "cpu | cuda | auto")
@@ -266,13 +296,13 @@ class EngineArgs:
     )
     max_num_seqs: int | None = arg(None, "most requests running at once; default 128 on a CPU, 256 on a GPU")
     enable_chunked_prefill: bool = arg(True, "split long prompts across steps, mixed with decodes")
-    scheduling_policy: str = arg(
+    scheduling_policy: SchedulingPolicy = arg(
         "fcfs", "fcfs | priority (lower priority value runs first; aging avoids starvation)"
     )
     priority_aging_seconds: float = arg(
         60.0, "waiting this many seconds improves a request's priority by one"
     )
-    preemption_mode: str = arg(
+    preemption_mode: PreemptionMode = arg(
         "auto", "recompute | swap | auto: how to preempt (auto: cheaper by cost estimate)"
     )
     ttft_target_ms: float = arg(
@@ -287,7 +317,7 @@ class EngineArgs:
     )
     swap_space: int | str = arg("1GiB", "CPU memory for the KV of requests preempted by swapping")
     prefix_caching: bool = arg(True, "reuse the KV of identical prompt prefixes (automatic prefix caching)")
-    kv_cache_dtype: str = arg(
+    kv_cache_dtype: KVCacheDtype = arg(
         "auto", "auto (the model dtype) | int8 | fp8: K/V stored in 8 bits with a scale per token and head"
     )
     sliding_window: int | None = arg(
@@ -302,7 +332,7 @@ class EngineArgs:
         "(Gemma 2/3; the window then only masks) instead of only their window's",
     )
     seed: int = arg(0, "seed for requests that sample without their own seed")
-    attention_backend: str = arg(
+    attention_backend: AttentionBackendName = arg(
         "auto",
         "auto | torch (reference) | cpu_paged (compiled CPU kernel) | triton (CUDA kernel); "
         "both kernels read the cache in place",
@@ -368,7 +398,7 @@ class EngineArgs:
         "layers' KV pool",
         aliases=("-pp",),
     )
-    distributed_executor_backend: str = arg(
+    distributed_executor_backend: ExecutorBackend = arg(
         "mp",
         "mp: ranks as processes llmserve starts (on several machines with --nnodes) | ray: Ray actors "
         "placed on the Ray cluster (RAY_ADDRESS, else the one running here, else a new local one)",
@@ -394,6 +424,23 @@ class EngineArgs:
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
         return from_namespace(cls, namespace)
 
+    def __post_init__(self) -> None:
+        """The checks each option needs on its own; those that need the model run in create_config."""
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.block_size is not None:
+            check_block_size(self.block_size)
+        check_choice("dtype", self.dtype, DTypeName)
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.attention_sinks < 0:
+            raise ValueError(f"attention_sinks must be >= 0, got {self.attention_sinks}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if not (0 <= self.ttft_target_ms < math.inf and 0 <= self.tpot_target_ms < math.inf):
+            raise ValueError("ttft_target_ms and tpot_target_ms must be >= 0 (0: no target)")
+
     def create_config(
         self,
         arch: ModelArchConfig,
@@ -406,104 +453,13 @@ class EngineArgs:
         where no size is given; without it such a pool holds only the profiling step's blocks."""
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
-        max_model_len = self.max_model_len or min(arch.max_position_embeddings, 4096)
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        default_tokens, default_seqs = default_scheduler_limits(device)
-        max_num_batched_tokens = _given(self.max_num_batched_tokens, default_tokens)
-        max_num_seqs = _given(self.max_num_seqs, default_seqs)
-        block_size = self.block_size if self.block_size is not None else default_block_size(device)
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {block_size}")
-        get_kv_cache_format(self.kv_cache_dtype)  # validates the name
         parallel = self._parallel(arch)
         check_family_features(arch, self.quantization, parallel.tensor_parallel_size, self.speculative_method)
-        # per rank: each pool holds its rank's KV heads of its stage's layers, as many blocks as the
-        # rank with the most heads in the stage with the most layers
-        kv_heads = parallel.max_kv_heads_per_rank(arch.num_key_value_heads)
-        num_layers = parallel.max_layers_per_stage(arch.num_hidden_layers)
-        window, sinks = self._window(arch, max_model_len)
-        kv_groups = self._kv_groups(arch, max_model_len, parallel, draft_arch)
-        if kv_groups:  # a block holds one group's layers
-            num_layers = group_size(
-                kv_groups, stage_layer_ranges(arch.num_hidden_layers, parallel.pipeline_parallel_size)
-            )
-        bytes_per_token = arch.kv_bytes_per_token(dtype, self.kv_cache_dtype, kv_heads, num_layers)
-        pool_bytes_per_token = bytes_per_token  # + the draft model's KV, which uses the same block ids
-        if draft_arch is not None:
-            pool_bytes_per_token += draft_arch.kv_bytes_per_token(dtype, self.kv_cache_dtype)
-        lengths = profile_step_lengths(max_num_batched_tokens, max_num_seqs, max_model_len)
-        num_blocks, from_gpu = self._pool_blocks(
-            device,
-            dtype,
-            parallel,
-            pool_bytes_per_token * block_size,
-            sum(-(-length // block_size) for length in lengths),
-            device_memory,
-        )
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={self.kv_cache_memory} holds no block of {block_size} tokens "
-                f"({pool_bytes_per_token * block_size} bytes each)"
-            )
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.preemption_mode not in ("recompute", "swap", "auto"):
-            raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
-        if self.priority_aging_seconds <= 0:
-            raise ValueError("priority_aging_seconds must be > 0")
-        if not (0 <= self.ttft_target_ms < math.inf and 0 <= self.tpot_target_ms < math.inf):
-            raise ValueError("ttft_target_ms and tpot_target_ms must be >= 0 (0: no target)")
-        if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) "
-                f"must be >= max_model_len ({max_model_len})"
-            )
+        scheduler = self._scheduler_config(arch, device)
         return EngineConfig(
-            model=ModelConfig(
-                path=model_path,
-                arch=arch,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                device=device,
-                seed=self.seed,
-                attention_backend=self.attention_backend,
-                enforce_eager=self.enforce_eager,
-                quantization=QuantizationConfig.create(
-                    self.quantization,
-                    self.quantization_group_size,
-                    (arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim),
-                    parallel.row_parallel_in_features(arch),
-                ),
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory=num_blocks * block_size * pool_bytes_per_token,
-                enable_prefix_caching=self.prefix_caching and not sinks,
-                num_swap_blocks=parse_bytes(self.swap_space) // (bytes_per_token * block_size),
-                kv_cache_dtype=self.kv_cache_dtype,
-                sliding_window=window,
-                attention_sinks=sinks,
-                kv_events=self._kv_events(),
-                kv_groups=kv_groups,
-                size_from_gpu_memory=from_gpu,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                scheduling_policy=self.scheduling_policy,
-                priority_aging_seconds=self.priority_aging_seconds,
-                preemption_mode=self.preemption_mode,
-                ttft_target_ms=self.ttft_target_ms or None,
-                tpot_target_ms=self.tpot_target_ms or None,
-            ),
+            model=self._model_config(arch, model_path, dtype, device, scheduler.max_model_len, parallel),
+            cache=self._cache_config(arch, dtype, device, parallel, scheduler, draft_arch, device_memory),
+            scheduler=scheduler,
             speculative=SpeculativeConfig.create(
                 method=self.speculative_method,
                 num_speculative_tokens=self.num_speculative_tokens,
@@ -518,6 +474,115 @@ class EngineArgs:
             parallel=parallel,
             structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout),
         )
+
+    def _scheduler_config(self, arch: ModelArchConfig, device: torch.device) -> SchedulerConfig:
+        max_model_len = self.max_model_len or min(arch.max_position_embeddings, 4096)
+        default_tokens, default_seqs = default_scheduler_limits(device)
+        max_num_batched_tokens = _given(self.max_num_batched_tokens, default_tokens)
+        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) "
+                f"must be >= max_model_len ({max_model_len})"
+            )
+        return SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=_given(self.max_num_seqs, default_seqs),
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            scheduling_policy=self.scheduling_policy,
+            priority_aging_seconds=self.priority_aging_seconds,
+            preemption_mode=self.preemption_mode,
+            ttft_target_ms=self.ttft_target_ms or None,
+            tpot_target_ms=self.tpot_target_ms or None,
+        )
+
+    def _model_config(
+        self,
+        arch: ModelArchConfig,
+        model_path: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        parallel: ParallelConfig,
+    ) -> ModelConfig:
+        quantization = QuantizationConfig.create(
+            self.quantization,
+            self.quantization_group_size,
+            (arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim),
+            parallel.row_parallel_in_features(arch),
+        )
+        return ModelConfig(
+            path=model_path,
+            arch=arch,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            device=device,
+            seed=self.seed,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+            quantization=quantization,
+        )
+
+    def _cache_config(
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        parallel: ParallelConfig,
+        scheduler: SchedulerConfig,
+        draft_arch: ModelArchConfig | None,
+        device_memory: DeviceMemory | None,
+    ) -> CacheConfig:
+        block_size = self.block_size if self.block_size is not None else default_block_size(device)
+        window, sinks = self._window(arch, scheduler.max_model_len)
+        kv_groups = self._kv_groups(arch, scheduler.max_model_len, parallel, draft_arch)
+        bytes_per_token = self._kv_bytes_per_token(arch, dtype, parallel, kv_groups)
+        pool_bytes_per_token = bytes_per_token  # + the draft model's KV, which uses the same block ids
+        if draft_arch is not None:
+            pool_bytes_per_token += draft_arch.kv_bytes_per_token(dtype, self.kv_cache_dtype)
+        lengths = profile_step_lengths(
+            scheduler.max_num_batched_tokens, scheduler.max_num_seqs, scheduler.max_model_len
+        )
+        profile_blocks = sum(-(-length // block_size) for length in lengths)
+        block_bytes = pool_bytes_per_token * block_size
+        num_blocks, from_gpu = self._pool_blocks(
+            device, dtype, parallel, block_bytes, profile_blocks, device_memory
+        )
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={self.kv_cache_memory} holds no block of {block_size} tokens "
+                f"({block_bytes} bytes each)"
+            )
+        return CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_memory=num_blocks * block_bytes,
+            enable_prefix_caching=self.prefix_caching and not sinks,
+            num_swap_blocks=parse_bytes(self.swap_space) // (bytes_per_token * block_size),
+            kv_cache_dtype=self.kv_cache_dtype,
+            sliding_window=window,
+            attention_sinks=sinks,
+            kv_events=self._kv_events(),
+            kv_groups=kv_groups,
+            size_from_gpu_memory=from_gpu,
+        )
+
+    def _kv_bytes_per_token(
+        self,
+        arch: ModelArchConfig,
+        dtype: torch.dtype,
+        parallel: ParallelConfig,
+        kv_groups: tuple[KVCacheGroup, ...],
+    ) -> int:
+        """One rank's KV bytes per token: each pool holds its rank's KV heads of its stage's layers
+        (of one group's layers where there are groups), as many blocks as the rank with the most heads
+        in the stage with the most layers."""
+        kv_heads = parallel.max_kv_heads_per_rank(arch.num_key_value_heads)
+        num_layers = parallel.max_layers_per_stage(arch.num_hidden_layers)
+        if kv_groups:
+            stages = stage_layer_ranges(arch.num_hidden_layers, parallel.pipeline_parallel_size)
+            num_layers = group_size(kv_groups, stages)
+        return arch.kv_bytes_per_token(dtype, self.kv_cache_dtype, kv_heads, num_layers)
 
     def _pool_blocks(
         self,
@@ -579,10 +644,6 @@ class EngineArgs:
             )
         model_window = 0 if arch.layer_types is not None else (arch.sliding_window or 0)  # those mask only
         window = self.sliding_window if self.sliding_window is not None else model_window
-        if window < 0 or (self.sliding_window is not None and window < 1):
-            raise ValueError(f"sliding_window must be >= 1, got {window}")
-        if self.attention_sinks < 0:
-            raise ValueError(f"attention_sinks must be >= 0, got {self.attention_sinks}")
         if self.attention_sinks and not window:
             raise ValueError("attention_sinks needs a sliding window (--sliding-window)")
         if not window or window + self.attention_sinks >= max_model_len:
@@ -616,6 +677,11 @@ class EngineArgs:
         return groups
 
 
+def check_block_size(block_size: int) -> None:
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+
+
 def _given(value: int | None, default: int) -> int:
     return default if value is None else value
 
@@ -640,7 +706,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether the compiled kernels' instruction-set level (kernels/cpu_isa.py: the CPU's best, or the
+    """Whether the compiled kernels' instruction-set level (config/cpu_isa.py: the CPU's best, or the
     lower one LLMSERVE_CPU_ISA forces) has native bf16 (AVX-512 BF16 or AMX)."""
     try:
         level = selected_level()

@@ -93,3 +93,10 @@ def flag_type(hint: Any) -> tuple[type, tuple | None]:
         choices = typing.get_args(hint)
         return type(choices[0]), choices
     return hint, None
+
+
+def check_choice(name: str, value: Any, choices: Any) -> None:
+    """ValueError naming `name` unless `value` is one of the `Literal` `choices`."""
+    allowed = typing.get_args(choices)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")

@@ -12,14 +12,15 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:  # llmserve.config imports this module
     from llmserve.config import ModelArchConfig
 
 logger = logging.getLogger("llmserve")
 
-BACKENDS = ("mp", "ray")
+ExecutorBackend = Literal["mp", "ray"]  # mp: processes llmserve starts; ray: Ray actors
+BACKENDS: tuple[str, ...] = get_args(ExecutorBackend)
 DEFAULT_MASTER_PORT = 29501  # vLLM's --master-port default
 
 
@@ -57,7 +58,9 @@ class ParallelConfig:
     """How the model is spread over processes; `create` validates it against the architecture."""
 
     tensor_parallel_size: int = 1  # ranks the model's heads, MLP and vocabulary are split over
-    distributed_executor_backend: str = "mp"  # "mp": processes started by llmserve; "ray": Ray actors
+    distributed_executor_backend: ExecutorBackend = (
+        "mp"  # "mp": processes started by llmserve; "ray": Ray actors
+    )
     collective_timeout_seconds: float = 300.0  # a collective that waits longer fails (a rank hung)
     nnodes: int = 1  # mp: machines the ranks run on, world_size / nnodes ranks on each
     node_rank: int = 0  # mp: this machine's index; node 0 runs the engine (rank 0)
@@ -114,7 +117,7 @@ class ParallelConfig:
     def create(
         cls,
         tensor_parallel_size: int,
-        backend: str,
+        backend: ExecutorBackend,
         timeout: float,
         num_kv_heads: int,
         nodes: NodeArgs | None = None,

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from llmserve.kernels.small_batch_linear import MAX_ROWS
+from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
     from llmserve.sampling_params import SamplingParams
 
-METHODS = ("ngram", "draft", "early_exit", "draft_head")
+SpeculativeMethod = Literal["ngram", "draft", "early_exit", "draft_head"]
+METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 # K when none is given. N-gram drafts are free and adapt to the match (a match of n tokens proposes at
 # most 2 ** n, see proposers/ngram.py), so its K is only a cap: 7 keeps the verify pass at 8 rows, the
 # small-batch linear kernel's limit. A model proposer pays a draft forward per draft, hence 3. The
@@ -22,7 +21,7 @@ DEFAULT_DRAFT_HEAD_TOKENS = 3
 # small-batch linear kernels' limit, below which a step is bound by reading the weights and extra rows
 # cost little. Past it (4 requests x 4 rows) a step leaves the small-batch kernels (the planner drafts
 # nothing where the share is a single draft).
-DEFAULT_MAX_VERIFY_ROWS = MAX_ROWS
+DEFAULT_MAX_VERIFY_ROWS = 8  # kernels/small_batch_linear.py: MAX_ROWS (tests/test_config.py keeps them equal)
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class SpeculativeConfig:
 
     # "ngram" (prompt lookup), "draft" (a smaller model), "early_exit" (the target's first layers) or
     # "draft_head" (prompt lookup, else a head trained on the target's outputs)
-    method: str
+    method: SpeculativeMethod
     num_speculative_tokens: int  # K: drafts proposed per step for a request (SamplingParams may override)
     prompt_lookup_min: int = 2  # ngram, draft_head: shortest suffix that may match
     prompt_lookup_max: int = 4  # ngram, draft_head: longest suffix tried first (draft_head: 0 = no lookup)

@@ -3,7 +3,7 @@ norm/rotary/SwiGLU, K/V writes, greedy sampling), built once per machine with to
 
 `make venv` builds them during set-up (so the first `llmserve serve` does not wait for a compiler);
 if compilation fails the engine falls back to the pure-PyTorch reference backend and says so. They are
-compiled for the CPU's instruction-set level (cpu_isa.py), one build per level.
+compiled for the CPU's instruction-set level (config/cpu_isa.py), one build per level.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from llmserve.kernels.cpu_isa import IsaLevel, is_forced, selected_level
+from llmserve.config.cpu_isa import IsaLevel, is_forced, selected_level
 
 logger = logging.getLogger("llmserve")
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from llmserve.kernels import cpu_isa
-from llmserve.kernels.cpu_isa import LEVELS, best_level, resolve_level
+from llmserve.config import cpu_isa
+from llmserve.config.cpu_isa import LEVELS, best_level, resolve_level
 
 ZEN3 = frozenset(["avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "sse4_2"])
 SKYLAKE_X = ZEN3 | {"avx512f", "avx512bw", "avx512dq", "avx512cd", "avx512vl"}

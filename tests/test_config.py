@@ -1,0 +1,142 @@
+"""llmserve/config: each config validates its own fields, modes are `Literal`s whose values the
+implementations agree with, and the package imports no implementation module. No model needed."""
+
+import ast
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmserve.config as config_package
+from llmserve.config import (
+    AttentionBackendName,
+    CacheConfig,
+    EngineArgs,
+    ModelConfig,
+    SchedulerConfig,
+)
+from llmserve.config.kv_cache_dtype import KV_CACHE_DTYPES, kv_row_bytes
+from llmserve.config.speculative import DEFAULT_MAX_VERIFY_ROWS
+
+CONFIG_DIR = Path(config_package.__file__).parent
+# a request's sampling options: a data type the speculative config reads (under TYPE_CHECKING)
+ALLOWED_OUTSIDE = {"llmserve.sampling_params"}
+
+
+@pytest.fixture(scope="module")
+def smollm2_arch():
+    from llmserve.model_loader import default_model_path, load_arch_config
+
+    return load_arch_config(default_model_path())
+
+
+def _llmserve_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("llmserve"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("llmserve"))
+    return found
+
+
+def test_config_imports_no_implementation_module():
+    outside = {
+        f"{path.name}: {name}"
+        for path in CONFIG_DIR.glob("*.py")
+        for name in _llmserve_imports(path)
+        if not name.startswith("llmserve.config") and name not in ALLOWED_OUTSIDE
+    }
+    assert not outside
+
+
+def test_the_verify_row_limit_is_the_small_batch_kernels():
+    from llmserve.kernels.small_batch_linear import MAX_ROWS
+
+    assert DEFAULT_MAX_VERIFY_ROWS == MAX_ROWS
+
+
+@pytest.mark.parametrize("kv_dtype", KV_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pools_row_bytes_are_the_formats_layout(kv_dtype, dtype):
+    from llmserve.attention.kv_format import KV_CACHE_FORMATS
+
+    assert tuple(KV_CACHE_FORMATS) == KV_CACHE_DTYPES
+    fmt = KV_CACHE_FORMATS[kv_dtype]
+    rows = torch.randn(3, 2, 64, dtype=dtype)
+    stored = fmt.quantize(rows) if fmt.is_quantized else rows
+    assert stored.shape[-1] * stored.element_size() == kv_row_bytes(kv_dtype, 64, dtype)
+
+
+def test_the_attention_backend_names_are_the_registrys():
+    from llmserve.attention.registry import _BACKENDS
+
+    assert set(typing.get_args(AttentionBackendName)) == {"auto", *_BACKENDS}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"block_size": 24}, "block_size must be a power of two, got 24"),
+        ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization must be in \(0, 1\]"),
+        ({"max_model_len": 0}, "max_model_len must be >= 1"),
+        ({"dtype": "float64"}, "dtype must be one of auto, float32, bfloat16, float16; got 'float64'"),
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, int8, fp8"),
+        ({"sliding_window": 0}, "sliding_window must be >= 1"),
+        ({"attention_sinks": -1}, "attention_sinks must be >= 0"),
+        ({"ttft_target_ms": -1.0}, "ttft_target_ms and tpot_target_ms must be >= 0"),
+    ],
+)
+def test_engine_args_refuse_a_bad_option_when_made(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**options)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of fcfs, priority; got 'lifo'"),
+        ({"preemption_mode": "drop"}, "preemption_mode must be one of recompute, swap, auto"),
+        ({"priority_aging_seconds": 0.0}, "priority_aging_seconds must be > 0"),
+        ({"max_num_seqs": 0}, "max_num_batched_tokens and max_num_seqs must be >= 1"),
+        ({"tpot_target_ms": float("inf")}, "ttft_target_ms and tpot_target_ms"),
+    ],
+)
+def test_scheduler_config_validates_its_fields(options, message):
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**{"max_num_batched_tokens": 64, "max_num_seqs": 4, "max_model_len": 128, **options})
+
+
+def test_cache_and_model_configs_validate_their_fields(smollm2_arch):
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        CacheConfig(block_size=12, num_blocks=4, kv_cache_memory=1)
+    with pytest.raises(ValueError, match="at least one block"):
+        CacheConfig(block_size=16, num_blocks=0, kv_cache_memory=0)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        CacheConfig(block_size=16, num_blocks=4, kv_cache_memory=1, kv_cache_dtype="int2")
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch"):
+        ModelConfig("m", smollm2_arch, torch.float32, 128, attention_backend="flash")
+    with pytest.raises(ValueError, match="max_model_len must be >= 1"):
+        ModelConfig("m", smollm2_arch, torch.float32, 0)
+
+
+def test_a_mode_flag_outside_its_choices_is_a_usage_error(capsys):
+    from llmserve.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "x", "--scheduling-policy", "lifo"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'lifo'" in capsys.readouterr().err
+
+
+def test_create_config_resolves_and_keeps_the_checks_that_need_the_model(smollm2_arch):
+    args = EngineArgs(device="cpu", dtype="float32", enable_chunked_prefill=False, max_num_batched_tokens=512)
+    with pytest.raises(ValueError, match=r"without chunked prefill, max_num_batched_tokens \(512\)"):
+        args.create_config(smollm2_arch, "m")
+    config = EngineArgs(
+        device="cpu", dtype="float32", ttft_target_ms=0, scheduling_policy="priority"
+    ).create_config(smollm2_arch, "m")
+    assert config.scheduler.ttft_target_ms is None and config.scheduler.scheduling_policy == "priority"
+    assert config.cache.block_size == 32
+    assert config.model.max_model_len == min(smollm2_arch.max_position_embeddings, 4096)
