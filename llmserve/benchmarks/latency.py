@@ -19,6 +19,7 @@ from torch import nn
 
 from llmserve.benchmarks.results import format_table, pyplot, save_figure
 from llmserve.benchmarks.workload import TokenCorpus, greedy_params
+from llmserve.quantization.kernels import QuantizedLinear
 
 COLUMNS = ("prompt_len", "prefill_ms", "prefill_tok_s", "decode_ms_per_token", "decode_tok_s")
 
@@ -122,9 +123,30 @@ def measure_matmul_flops(
 
 
 def model_size(model: nn.Module) -> tuple[int, int]:
-    """Parameter count and bytes (tied weights counted once: parameters() deduplicates)."""
-    parameters = list(model.parameters())
-    return sum(p.numel() for p in parameters), sum(p.numel() * p.element_size() for p in parameters)
+    """Weight count and the bytes one batch-1 decode step reads: the float weights of every layer
+    but an untied embedding table (a step reads one row of it; a tied one is the output projection,
+    read whole, and counted once), and each quantized layer's codes and scales (its small-batch copy
+    where it keeps one, the layout the 1-8 row kernels stream), so the floor holds for any mode."""
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    products = {
+        id(p) for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
+    }
+    parameters = [p for p in model.parameters() if id(p) not in lookups or id(p) in products]
+    count = sum(p.numel() for p in parameters)
+    num_bytes = sum(p.numel() * p.element_size() for p in parameters)
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            count += module.in_features * module.out_features
+            num_bytes += sum(b.numel() * b.element_size() for b in _decode_buffers(module.kernel))
+    return count, num_bytes
+
+
+def _decode_buffers(kernel: nn.Module) -> list[torch.Tensor]:
+    buffers = {name: b for name, b in kernel.named_buffers(recurse=False) if b is not None and name != "bias"}
+    small_batch = {
+        name: b for name, b in buffers.items() if name.startswith("small_batch_") or name == "scales_float"
+    }
+    return list(small_batch.values() or buffers.values())
 
 
 def measure_bounds(

@@ -113,8 +113,34 @@ def test_live_memory_sampling_counts_blocks_and_computed_tokens(tiny_model_dir, 
 def test_waiting_for_the_kv_prefault_joins_the_thread(tiny_llm, monkeypatch):
     """Benchmarks time nothing while the background prefault still runs (it would take a core)."""
     runner = tiny_llm.engine.model_runner
-    slow_prefault = threading.Thread(target=time.sleep, args=(0.3,))  # a pool that takes a while
+    # the case under test: a prefault still running when the wait begins (a sleep stands for its work)
+    slow_prefault = threading.Thread(target=time.sleep, args=(0.3,))
     slow_prefault.start()
     monkeypatch.setattr(runner, "kv_prefault", slow_prefault)
     runner.wait_for_kv_prefault()
     assert not slow_prefault.is_alive()
+
+
+def test_bounds_count_what_a_decode_step_reads_for_quantized_and_untied_weights():
+    from torch import nn
+
+    from llmserve.quantization.formats import quantize_int8
+    from llmserve.quantization.kernels import QuantizedLinear
+
+    class Untied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 64)  # a lookup: a step reads one row, not the table
+            self.norm = nn.LayerNorm(64)
+            self.proj = QuantizedLinear(quantize_int8(torch.randn(96, 64)), None, torch.float32, "cpu")
+            self.head = nn.Linear(64, 100, bias=False)
+
+    model = Untied()
+    kernel_bytes = sum(b.numel() * b.element_size() for b in model.proj.kernel.buffers() if b is not None)
+    num_parameters, weight_bytes = model_size(model)
+    assert num_parameters == 96 * 64 + 2 * 64 + 64 * 100
+    # every quantized byte counted at most once (a kernel's small-batch copy instead of its other layout)
+    assert 96 * 64 <= weight_bytes - 4 * (2 * 64 + 64 * 100) <= kernel_bytes
+    tied = Untied()
+    tied.head.weight = tied.embed.weight  # tied: the table is the output projection, read whole, once
+    assert model_size(tied) == (num_parameters + 64 * 100 - 64 * 100, weight_bytes)
