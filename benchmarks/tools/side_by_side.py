@@ -4,8 +4,9 @@
         [--peer-command "vllm serve ..." --peer-url http://127.0.0.1:8092 --peer-model smollm2] [--dry-run]
 
 In order: the offline engine on the workload (`llmserve bench throughput --naive-batch-sizes none`);
-a fresh `llmserve serve` swept at rates 2, 4, inf; a fresh server at rate inf; the peer, started by
---peer-command (a shell command line) and swept at 2, 4, inf; a fresh server at rate inf again; the
+a fresh `llmserve serve` swept at rates 2, 4, inf (`--rates`); a fresh server at rate inf (left out
+when `--rates inf`); the peer, started by --peer-command (a shell command line) and swept at the same
+rates; a fresh server at rate inf again; the
 offline engine again. So each system is timed alone, ours before and after the peer (drift shows),
 and HTTP against offline. Results: `RESULTS/serve-TAG-STEP.json` and `RESULTS/offline-TAG-N.json`,
 each with its machine, command, date and commit, and `RESULTS/startup-TAG.json`: each server's
@@ -78,14 +79,12 @@ def plan(args: argparse.Namespace) -> list[Step]:
         output = args.results / f"serve-{args.tag}-{name}.json"
         return Step(name, [*bench, "--output", str(output)], server, url)
 
-    steps = [
-        offline(1),
-        serve("sweep", ours_server, ours_url, RATES_SWEEP),
-        serve("inf1", ours_server, ours_url, "inf"),
-    ]
+    steps = [offline(1), serve("sweep", ours_server, ours_url, args.rates)]
+    if args.rates != "inf":  # a sweep of rate inf alone is already the fresh server's rate-inf run
+        steps.append(serve("inf1", ours_server, ours_url, "inf"))
     if args.peer_command:
         peer = ["bash", "-c", f"exec {args.peer_command}"]
-        steps.append(serve("peer", peer, args.peer_url, RATES_SWEEP, args.peer_model))
+        steps.append(serve("peer", peer, args.peer_url, args.rates, args.peer_model))
     return [*steps, serve("inf2", ours_server, ours_url, "inf"), offline(2)]
 
 
@@ -151,6 +150,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer-url", default="http://127.0.0.1:8092")
     parser.add_argument("--peer-model", default=None, help="model name to request from the peer")
     parser.add_argument("--health-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--rates", default=RATES_SWEEP, help="the sweep's request rates (inf: all at once)")
     parser.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
     return parser.parse_args(argv)
 

@@ -102,6 +102,9 @@ def test_side_by_side_times_each_system_alone_in_order(tmp_path):
     assert steps[3].server == ["bash", "-c", "exec vllm serve X"] and steps[3].url == "http://127.0.0.1:8092"
     no_peer = side_by_side.plan(side_by_side.parse_args(["t2"]))
     assert "peer" not in [step.name for step in no_peer]
+    all_at_once = side_by_side.plan(side_by_side.parse_args(["t4", "--rates", "inf", "--peer-command", "x"]))
+    assert [step.name for step in all_at_once] == ["offline-1", "sweep", "peer", "inf2", "offline-2"]
+    assert all(step.bench[step.bench.index("--sweep") + 1] == "inf" for step in all_at_once[1:4])
 
 
 def test_side_by_side_dry_run_prints_the_steps(capsys):
