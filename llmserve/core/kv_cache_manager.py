@@ -129,10 +129,6 @@ class KVCacheManager:
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id)
 
-    def group_table(self, request_id: str, group: int) -> list[int]:
-        """One group's block table of the request (NULL_BLOCK where its window freed a block)."""
-        return self.block_tables.group(request_id, group)
-
     # -- prefix cache -------------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> list[int]:

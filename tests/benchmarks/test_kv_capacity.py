@@ -25,7 +25,7 @@ def test_tool_counts_the_blocks_the_manager_holds(length):
         request.num_computed_tokens = computed
         assert kv.allocate_slots(request, 1)
     for index, group in enumerate(groups):
-        held = [b for b in kv.group_table("r", index) if b >= 0]
+        held = [b for b in kv.block_tables.group("r", index) if b >= 0]
         assert len(held) == sequence_blocks(length, group.window, block)
     figure = capacity(TYPES, window, block, length)
     assert figure["layer_blocks_bounded"] == kv.pool.num_blocks - kv.pool.num_free_blocks  # 1 layer a block

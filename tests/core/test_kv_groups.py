@@ -33,8 +33,8 @@ def test_interleaved_table_frees_the_sliding_groups_blocks_as_they_leave_the_win
     request = make_request(10)
     assert kv.allocate_slots(request, 10)
     assert kv.get_block_table(request.request_id) == [0, 1, 2, 3, 4, 5]
-    assert kv.group_table(request.request_id, 0) == [0, 2, 4]
-    assert kv.group_table(request.request_id, 1) == [1, 3, 5]
+    assert kv.block_tables.group(request.request_id, 0) == [0, 2, 4]
+    assert kv.block_tables.group(request.request_id, 1) == [1, 3, 5]
     request.num_computed_tokens = 12  # next query at 12 sees 5..12: block 0 of the sliding group goes
     assert kv.allocate_slots(request, 1)
     assert kv.get_block_table(request.request_id) == [0, N, 2, 3, 4, 5, 6, 7]
@@ -52,10 +52,10 @@ def test_sliding_group_stays_bounded_while_the_global_group_grows(make_request):
     for computed in range(7, 200):
         request.num_computed_tokens = computed
         assert kv.allocate_slots(request, 1)
-        live = [b for b in kv.group_table(request.request_id, 1) if b != N]
+        live = [b for b in kv.block_tables.group(request.request_id, 1) if b != N]
         assert len(live) <= bound == kv.groups[1].max_blocks
         peak = max(peak, len(live))
-        assert len(kv.group_table(request.request_id, 0)) == cdiv(computed + 1, 4)
+        assert len(kv.block_tables.group(request.request_id, 0)) == cdiv(computed + 1, 4)
         kv.check_integrity()
     assert peak == bound  # reached, not only bounded
     assert kv.pool.num_blocks - kv.pool.num_free_blocks == cdiv(200, 4) + len(live)
@@ -116,7 +116,7 @@ def test_integrity_check_finds_a_block_in_two_groups(make_request):
     kv = hybrid()
     first, second = make_request(4), make_request(4)
     assert kv.allocate_slots(first, 4) and kv.allocate_slots(second, 4)
-    global_block = kv.group_table(first.request_id, 0)[0]
+    global_block = kv.block_tables.group(first.request_id, 0)[0]
     table = kv.get_block_table(second.request_id)
     kv.pool.free([table[1]])
     table[1] = global_block  # the second request's sliding entry points at a global block

@@ -62,14 +62,14 @@ def test_greedy_equals_transformers_with_bounded_sliding_blocks(gemma, backend):
             if "a" not in kv.block_tables.by_request:
                 continue
             computed = engine.scheduler.running[0].num_computed_tokens
-            sliding = max(_live(kv.group_table("a", g)) for g in (1, 2))
+            sliding = max(_live(kv.block_tables.group("a", g)) for g in (1, 2))
             # a prefill chunk writes CHUNK positions beside the window; a decode only its window's
             chunk = CHUNK if computed <= len(prompt) else 1
             assert sliding <= cdiv(WINDOW - 1 + chunk, BLOCK) + 1
             if computed > len(prompt):
                 assert sliding <= cdiv(WINDOW, BLOCK) + 1 == kv.groups[1].max_blocks
             peak_sliding = max(peak_sliding, sliding)
-            peak_global = max(peak_global, _live(kv.group_table("a", 0)))
+            peak_global = max(peak_global, _live(kv.block_tables.group("a", 0)))
         assert outputs[-1].outputs[0].token_ids == hf_greedy(hf, prompt, 40)
         # the global group held (nearly) the whole sequence: 30 + 40 tokens, the last one never fed back
         assert peak_sliding <= cdiv(WINDOW - 1 + CHUNK, BLOCK) + 1 < cdiv(64, BLOCK) <= peak_global
