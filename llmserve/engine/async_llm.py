@@ -4,7 +4,8 @@ The engine runs in its own process, which `EngineCoreClient` (core_client.py) st
 reads from and restarts. This side keeps the tokenizer and validates prompts before anything is
 queued, so bad input fails with a clear error at once (and only here). For each message the
 client's reader thread hands over, this side gives each request the kind of output it asked for
-(output_kinds.py; a DELTA stream gets them as they are) and hands the outputs to their asyncio queues
+(output_kinds.py, the only place for the server's requests: the engine process sends deltas; a DELTA
+stream gets them as they are) and hands the outputs to their asyncio queues
 with one `call_soon_threadsafe` per event loop per step. A request's stream ends with its finished
 output, or with an exception if the engine failed it; if the engine process dies, every stream ends
 with EngineDeadError. If a tensor-parallel rank dies, the engine process lives on but cannot step:
@@ -158,9 +159,8 @@ class AsyncLLM:
         """Stream one request's outputs, each as `params.output_kind` asks (DELTA: only what is new);
         cancelling the iteration aborts it. `prompt_ids` come from `encode_prompt`, the one place a
         prompt is validated: nothing after it checks again."""
-        stream = self._register(request_id, prompt_ids, params.output_kind)
-        wire_params = params.with_output_kind(RequestOutputKind.DELTA)  # the kind is applied here
-        self.engine_core.send(AddRequest(request_id, prompt_ids, wire_params, time.monotonic(), priority))
+        stream = self._register(request_id, prompt_ids, params.output_kind)  # the kind is applied here
+        self.engine_core.send(AddRequest(request_id, prompt_ids, params, time.monotonic(), priority))
         for listener in self.request_listeners:
             listener(prompt_ids, params)
         finished = False

@@ -77,7 +77,8 @@ def run_engine_core(
             os.close(fd)
     keep_large_allocations_on_the_heap()  # so the model's loading waits less for the KV prefault
     try:  # a warm-up waits for structured outputs' one-time costs: started beside the model's loading
-        engine = engine_factory(engine_args, prepare_structured_outputs=warmup)
+        # deltas only: they cross to the server, which applies each request's output kind
+        engine = engine_factory(engine_args, prepare_structured_outputs=warmup, apply_output_kinds=False)
     except BaseException as error:  # noqa: BLE001 - the server process raises it in its own
         outputs.send(EngineLoadFailed(_picklable(error)))
         return
@@ -163,7 +164,7 @@ class EngineCore:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()  # deltas: the server sends every request as DELTA
+            outputs = self.engine.step()  # deltas (the engine applies no output kind here)
         except BatchFailed as failed:  # the forward pass or sampling: its batch fails, no other request
             logger.error(
                 "engine step failed; failing its batch of %d requests",

@@ -27,7 +27,6 @@ from llmserve.distributed.pipeline import PipelineStage
 from llmserve.engine.batch_queue import BatchQueue
 from llmserve.engine.grammar_gate import GrammarGate
 from llmserve.engine.invariants import InvariantChecker
-from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.step_stats import StepStatsRecorder
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
@@ -53,11 +52,14 @@ _IDLE_COMPILE_WAIT = 0.05  # seconds an engine with only compiling requests slee
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, prepare_structured_outputs: bool = False) -> None:
+    def __init__(
+        self, args: EngineArgs, prepare_structured_outputs: bool = False, apply_output_kinds: bool = True
+    ) -> None:
         """`prepare_structured_outputs`: start xgrammar's import and the vocabulary table in the grammar
         compiler's thread now, beside the model's loading and the KV prefault (a server's warm-up waits
         for it); the loading imports nothing of transformers, whose lazy modules race an import in
-        another thread."""
+        another thread. `apply_output_kinds`: outputs of each request's kind (this engine is the front
+        end); False in the engine process, whose deltas the server turns into each request's kind."""
         start = time.monotonic()
         path = resolve_model_path(args.model)
         draft_arch = load_draft_arch(args)  # speculative decoding: its KV pool shares the memory
@@ -115,8 +117,7 @@ class LLMEngine:
         if self.executor is not None and self.executor.pipeline is not None:
             driver = PipelineDriver(self.config, self.executor, self.model_runner)
             self.batch_queue = BatchQueue(self.scheduler, driver, self.config.parallel.pipeline_parallel_size)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.output_kinds = OutputAccumulator()
+        self.output_processor = OutputProcessor(self.tokenizer, apply_output_kinds)
         self.last_step: StepStats | None = None
         self.failed_requests: list[str] = []  # of the last step: their output processing raised
         self.failed_logits_requests: list[str] = []  # of the last step: a logits processor of theirs raised
@@ -240,8 +241,7 @@ class LLMEngine:
         ]
         for child in children[1:]:
             child.fork_source = children[0]  # parallel samples share the prompt's KV blocks
-        self.output_processor.add_request(request_id, prompt, children)
-        self.output_kinds.add_request(request_id, params.output_kind)
+        self.output_processor.add_request(request_id, prompt, children, params.output_kind)
         if compiling is not None:
             self.grammar_gate.hold(request_id, compiling, children)
             return
@@ -261,8 +261,7 @@ class LLMEngine:
             request_id, prompt_ids, SamplingParams(max_tokens=1), arrival_time, priority
         )
         request.pooling = True
-        self.output_processor.add_request(request_id, None, [request])
-        self.output_kinds.add_request(request_id, RequestOutputKind.DELTA)
+        self.output_processor.add_request(request_id, None, [request], RequestOutputKind.DELTA)
         self.scheduler.add_request(request)
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -277,7 +276,7 @@ class LLMEngine:
             logger.error("request %s: its grammar failed to compile: %s", request_id, error)
             for child in children:
                 _end_held(child)
-            output = self.output_kinds.apply(self.output_processor.abort(request_id))
+            output = self.output_processor.abort(request_id)
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -299,10 +298,7 @@ class LLMEngine:
                 _end_held(child)
             else:
                 self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
-        if not children:
-            self.output_kinds.forget(request_id)
-            return None
-        return self.output_kinds.apply(self.output_processor.abort(request_id))
+        return self.output_processor.abort(request_id)  # None if it held no such request
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or (pipeline parallelism) a batch still to take back, if only of aborted ones."""
@@ -351,7 +347,6 @@ class LLMEngine:
             for child in self.output_processor.children_of(request_id):
                 self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
             self.output_processor.forget(request_id)
-            self.output_kinds.forget(request_id)
 
     def _fail_children(self, child_ids: list[str]) -> list[str]:
         """Fail the requests these child ids belong to (a finished child's new token is then ignored)."""
@@ -402,7 +397,7 @@ class LLMEngine:
             self.kv_event_publisher.publish(self.kv_cache_manager.take_events())
         if self.invariants is not None:
             self.invariants.check()
-        return [output for output in map(self.output_kinds.apply, outputs) if output is not None]
+        return outputs
 
     def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[RequestOutput]:
         """Embedding requests whose prompt is computed: finished (blocks freed), one output each."""

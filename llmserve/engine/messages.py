@@ -1,8 +1,9 @@
 """The messages between the server process and the engine process, one typed struct per kind.
 
 They travel pickled over multiprocessing pipes (msgspec structs pickle as compactly as tuples). A
-request's outputs cross as deltas (`RequestOutputKind.DELTA`): each `EngineOutput` holds only what
-is new since the previous one, and the prompt never crosses back (the server tokenized it).
+request's outputs cross as deltas (`RequestOutputKind.DELTA`) whatever kind it asked for: each
+`EngineOutput` holds only what is new since the previous one (the server applies the kind:
+async_llm.py), and the prompt never crosses back (the server tokenized it).
 
   server -> engine, a list per send: AddRequest, AddPoolingRequest, AbortRequest, Shutdown.
   engine -> server: EngineWarming (loaded, warming up; not sent with --no-warmup) then EngineReady

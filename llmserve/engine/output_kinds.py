@@ -1,8 +1,10 @@
 """Delta outputs turned into what each request asked for (its `SamplingParams.output_kind`).
 
 The engine produces deltas; a DELTA request gets them as they are, a FINAL_ONLY request one output
-with everything when it finishes, a CUMULATIVE request everything so far after every step. Used by
-the offline engine (llm_engine.py) and by the server's side of the engine process (async_llm.py).
+with everything when it finishes, a CUMULATIVE request everything so far after every step. Applied
+once, by the front end that took the request: the offline engine's output processor
+(output_processor.py), or the server (async_llm.py), whose engine process applies none and sends
+deltas.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """Turns engine requests into user-facing outputs: detokenization, stop strings, n > 1 grouping.
 
 A user request with n > 1 becomes n engine requests (children) that share nothing but the prompt;
-this module folds their progress back into one RequestOutput. Outputs are deltas
+this module folds their progress back into one RequestOutput. It makes deltas
 (`RequestOutputKind.DELTA`): each holds, per completion that changed, only its new tokens, text and
-log-probs (output_kinds.py turns them into what each request asked for).
+log-probs. Where this engine is the front end that took the requests (the offline API) its outputs
+are then of the kind each request asked for (output_kinds.py), here and nowhere else; in the engine
+process (`apply_output_kinds=False`) they stay deltas, since they cross to the server as deltas and
+the server, the front end there, applies the kind (async_llm.py).
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ import logging
 from dataclasses import dataclass
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SpecDecodeStats
 from llmserve.request import Request, RequestStatus
+from llmserve.sampling_params import RequestOutputKind
 
 logger = logging.getLogger("llmserve")
 
@@ -40,13 +45,17 @@ class _ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, apply_output_kinds: bool = True) -> None:
         self.tokenizer = tokenizer
         self.parents: dict[str, _ParentState] = {}
         self.child_index: dict[str, tuple[str, int]] = {}  # child request id -> (parent id, index)
         self.failed: list[str] = []  # requests whose processing raised, until the engine takes them
+        self.output_kinds = OutputAccumulator() if apply_output_kinds else None  # None: deltas only
 
-    def add_request(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | None, children: list[Request], kind: RequestOutputKind
+    ) -> None:
+        """Track a request's children; its outputs will be of `kind` (deltas without output kinds)."""
         detokenizers = [
             IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids, child.sampling_params)
             for child in children
@@ -62,6 +71,8 @@ class OutputProcessor:
         )
         for index, child in enumerate(children):
             self.child_index[child.request_id] = (request_id, index)
+        if self.output_kinds is not None:
+            self.output_kinds.add_request(request_id, kind)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.parents
@@ -103,7 +114,7 @@ class OutputProcessor:
                 touched.pop(parent_id, None)
                 continue
             touched[parent_id] = state
-        return [self._make_output(state) for state in touched.values()]
+        return self._of_kind([self._make_output(state) for state in touched.values()])
 
     def take_failed(self) -> list[str]:
         """Requests whose output processing raised since the last call (the engine aborts them)."""
@@ -136,14 +147,30 @@ class OutputProcessor:
             finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Final output of an aborted request (its children are already finished by the scheduler)."""
+        """Final output of an aborted request (its children are already finished by the scheduler);
+        None for a request this processor does not hold."""
         state = self.parents.get(request_id)
-        return None if state is None else self._make_output(state)
+        if state is None:
+            self._forget_kind(request_id)
+            return None
+        outputs = self._of_kind([self._make_output(state)])
+        return outputs[0] if outputs else None
 
     def outputs_for(self, requests: list[Request]) -> list[RequestOutput]:
         """Outputs of requests that changed state without a new token (ended by the scheduler)."""
         parents = {self.child_index[r.request_id][0] for r in requests if r.request_id in self.child_index}
-        return [self._make_output(self.parents[parent]) for parent in parents]
+        return self._of_kind([self._make_output(self.parents[parent]) for parent in parents])
+
+    def _of_kind(self, deltas: list[RequestOutput]) -> list[RequestOutput]:
+        """The deltas as the outputs their requests asked for (FINAL_ONLY: none before the end)."""
+        kinds = self.output_kinds
+        if kinds is None:
+            return deltas
+        return [output for output in map(kinds.apply, deltas) if output is not None]
+
+    def _forget_kind(self, request_id: str) -> None:
+        if self.output_kinds is not None:
+            self.output_kinds.forget(request_id)
 
     @staticmethod
     def _record_logprobs(request: Request, token_id: int, entry: dict[int, float] | None) -> None:
@@ -214,6 +241,7 @@ class OutputProcessor:
         state = self.parents.get(request_id)
         if state is not None:
             self._forget(state)
+        self._forget_kind(request_id)
 
     def _forget(self, state: _ParentState) -> None:
         del self.parents[state.request_id]

@@ -152,6 +152,37 @@ def test_async_llm_streams_the_offline_engines_outputs(engine_args):
         assert count > 1  # one output per step, not one at the end
     assert llm.gauges.num_running == 0 and not llm.is_running
 
+def test_the_engine_process_applies_no_output_kind_and_a_front_end_engine_applies_each_once(engine_args):
+    """Built as the engine process builds it, the engine's outputs are deltas whatever a request asked
+    (the server applies the kind); built as the offline front end, they are of each request's kind."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def token_ids(engine: LLMEngine, kind: RequestOutputKind, abort_after: int | None = None) -> list:
+        engine.add_tokenized_request("r", [1, 5, 9, 14], params.with_output_kind(kind))
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+            if len(outputs) == abort_after:
+                outputs.append(engine.abort_request("r"))
+        return [list(output.outputs[0].token_ids) if output.outputs else [] for output in outputs]
+
+    core = LLMEngine(engine_args, apply_output_kinds=False)
+    deltas = token_ids(core, RequestOutputKind.CUMULATIVE)
+    assert [len(delta) for delta in deltas] == [1, 1, 1, 1]
+    assert token_ids(core, RequestOutputKind.FINAL_ONLY) == deltas
+    assert token_ids(core, RequestOutputKind.CUMULATIVE, abort_after=2) == [*deltas[:2], []]  # abort: a delta
+    assert core.output_processor.output_kinds is None
+    front = LLMEngine(engine_args)
+    everything = [token for delta in deltas for token in delta]
+    assert token_ids(front, RequestOutputKind.CUMULATIVE) == [everything[:n] for n in range(1, 5)]
+    assert token_ids(front, RequestOutputKind.DELTA) == deltas
+    assert token_ids(front, RequestOutputKind.FINAL_ONLY) == [everything]
+    aborted = [everything[:1], everything[:2], everything[:2]]  # the abort's output: everything so far
+    assert token_ids(front, RequestOutputKind.CUMULATIVE, abort_after=2) == aborted
+    assert token_ids(front, RequestOutputKind.FINAL_ONLY, abort_after=0) == [everything[:1]]  # its one output
+    assert not front.output_processor.output_kinds._kinds  # every request forgotten at its end
+
+
 
 class _CrashingEngine(LLMEngine):
     def add_tokenized_request(self, *args, **kwargs):

@@ -32,7 +32,7 @@ class _FaultyOutputEngine(LLMEngine):
 
     def __init__(self, args: EngineArgs, **kwargs) -> None:
         super().__init__(args, **kwargs)
-        self.output_processor = _FaultyOutputProcessor(self.tokenizer)
+        self.output_processor = _FaultyOutputProcessor(self.tokenizer, kwargs.get("apply_output_kinds", True))
 
 
 class _FaultyForwardEngine(LLMEngine):
