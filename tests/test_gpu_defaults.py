@@ -155,9 +155,9 @@ def test_the_engine_sizes_its_pool_from_the_measured_memory(tiny_model_dir, monk
     memory = DeviceMemory(total=64 << 20, free=60 << 20, weights=1 << 20, peak_activations=1 << 20)
     profiled = []
 
-    def pool_blocks(self, device, dtype, parallel, block_bytes, profile_blocks, device_memory):
-        if device_memory is None:
-            return profile_blocks, self.gpu_memory_utilization
+    def pool_blocks(self, device, dtype, parallel, block_bytes, device_memory):
+        if device_memory is None:  # sized from the device once measured: the profiled step's blocks first
+            return 0, self.gpu_memory_utilization
         return gpu_kv_cache_memory(self.gpu_memory_utilization, device_memory) // block_bytes, None
 
     def profile(config, model):

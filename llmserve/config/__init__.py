@@ -246,6 +246,14 @@ def profile_step_lengths(max_num_batched_tokens: int, max_num_seqs: int, max_mod
 _SCHEDULER_DEFAULTS = {"cpu": (2048, 128), "cuda": (8192, 256)}
 
 
+def profile_step_blocks(scheduler: SchedulerConfig, block_size: int) -> int:
+    """The KV blocks of the step the GPU's memory is profiled with (`profile_step_lengths`)."""
+    lengths = profile_step_lengths(
+        scheduler.max_num_batched_tokens, scheduler.max_num_seqs, scheduler.max_model_len
+    )
+    return sum(-(-length // block_size) for length in lengths)
+
+
 def default_scheduler_limits(device: torch.device) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) where none are given: the CPU's as they always were; on
     a GPU vLLM's, whose 8192-token steps (prompts chunked) keep the matrix units busy."""
@@ -540,14 +548,10 @@ class EngineArgs:
         pool_bytes_per_token = bytes_per_token  # + the draft model's KV, which uses the same block ids
         if draft_arch is not None:
             pool_bytes_per_token += draft_arch.kv_bytes_per_token(dtype, self.kv_cache_dtype)
-        lengths = profile_step_lengths(
-            scheduler.max_num_batched_tokens, scheduler.max_num_seqs, scheduler.max_model_len
-        )
-        profile_blocks = sum(-(-length // block_size) for length in lengths)
         block_bytes = pool_bytes_per_token * block_size
-        num_blocks, from_gpu = self._pool_blocks(
-            device, dtype, parallel, block_bytes, profile_blocks, device_memory
-        )
+        num_blocks, from_gpu = self._pool_blocks(device, dtype, parallel, block_bytes, device_memory)
+        if from_gpu is not None:  # until the device is measured: the blocks of the profiled step
+            num_blocks = profile_step_blocks(scheduler, block_size)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={self.kv_cache_memory} holds no block of {block_size} tokens "
@@ -590,12 +594,11 @@ class EngineArgs:
         dtype: torch.dtype,
         parallel: ParallelConfig,
         block_bytes: int,
-        profile_blocks: int,
         device_memory: DeviceMemory | None,
     ) -> tuple[int, float | None]:
         """(blocks, size_from_gpu_memory): num_kv_blocks, else kv_cache_memory, else in a one-rank CUDA
-        engine what gpu_memory_utilization leaves (the profiling step's blocks until `device_memory`
-        is measured), else the fixed default. Tensor- and pipeline-parallel ranks on CUDA keep the
+        engine what gpu_memory_utilization leaves (0 blocks and the fraction until `device_memory` is
+        measured), else the fixed default. Tensor- and pipeline-parallel ranks on CUDA keep the
         default: each would profile its own shard, and no machine here has two GPUs to test that on."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks, None
@@ -605,7 +608,7 @@ class EngineArgs:
                 memory = default_kv_cache_memory(dtype, self.kv_cache_dtype)
             return parse_bytes(memory) // block_bytes, None
         if device_memory is None:
-            return profile_blocks, self.gpu_memory_utilization
+            return 0, self.gpu_memory_utilization
         return gpu_kv_cache_memory(self.gpu_memory_utilization, device_memory) // block_bytes, None
 
     def _parallel(self, arch: ModelArchConfig) -> ParallelConfig:
