@@ -37,6 +37,30 @@ class DraftPlanner:
         share = max(limit - num_running, 0) // num_running
         return share if share >= 2 else 0
 
+    def speculation(self, num_running: int) -> tuple[bool, int | None]:
+        """Whether a step of `num_running` requests speculates, and auto mode's drafts per request
+        (None: no cap)."""
+        if not self.is_enabled(num_running):
+            return False, None
+        share = self.drafts_per_request(num_running)
+        return share != 0, share
+
+    def plan_within(self, request: Request, budget: int, share: int | None, max_model_len: int) -> int:
+        """Drafts a decoding request verifies this step. Every accepted draft is a generated token,
+        so k stays within the step's token `budget`, `max_model_len` and the request's max_tokens (and
+        within auto mode's `share` of verify rows, when set); a prompt chunk or a resumed request
+        catches up first and verifies none."""
+        request.clear_drafts()
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        room = min(
+            budget - 1,
+            max_model_len - request.num_tokens - 1,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            budget if share is None else share,
+        )
+        return self.plan(request, room) if room > 0 else 0
+
     def plan(self, request: Request, max_drafts: int) -> int:
         """Drafts `request` verifies this step (at most `max_drafts`), taken from the proposal made for
         exactly its current tokens and set on it as `spec_token_ids` (their q stays with the model

@@ -42,10 +42,11 @@ from llmserve.config import SchedulerConfig
 from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.latency_targets import LatencyTargets, OutputLengths, StepBudget
+from llmserve.core.plan_writer import PlanWriter
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.request_queue import PriorityQueue, create_request_queue
-from llmserve.core.step_cost import StepCostModel, StepShape, chunk_pairs
-from llmserve.core.step_plan import CachedRequestData, NewRequestData, StepPlan
+from llmserve.core.step_cost import StepCostModel, StepShape
+from llmserve.core.step_plan import StepPlan
 from llmserve.outputs import SpecDecodeStats
 from llmserve.request import DraftProposal, Request, RequestStatus
 
@@ -72,17 +73,6 @@ class SchedulerOutput:
         self.plan.num_scheduled_tokens[request.request_id] = num_tokens
 
 
-@dataclass
-class _SentState:
-    """What the model runner holds of a request: the plans so far gave it this many tokens and
-    table entries, and whether its table has changed since other than by appending."""
-
-    num_tokens: int
-    num_blocks: int
-    table_rewritten: bool = False
-    resumed: bool = False
-
-
 class Scheduler:
     def __init__(
         self,
@@ -99,8 +89,7 @@ class Scheduler:
         self.waiting = create_request_queue(config.scheduling_policy, config.priority_aging_seconds)
         self.running: list[Request] = []  # admission order (FCFS) or most urgent first (priority)
         self.requests: dict[str, Request] = {}
-        self._sent: dict[str, _SentState] = {}  # request id -> what the model runner holds of it
-        self._finished_sent: list[str] = []  # finished requests the runner still holds
+        self.plan_writer = PlanWriter(kv_cache_manager)  # what the model runner holds of each request
         self.num_preemptions = 0
         self.preemptions_by_mode = {"recompute": 0, "swap": 0}
         self.num_swapped_out_blocks = 0
@@ -133,8 +122,7 @@ class Scheduler:
         self.kv_cache.free(request)
         self.kv_cache.forget(request)
         del self.requests[request.request_id]
-        if self._sent.pop(request.request_id, None) is not None:
-            self._finished_sent.append(request.request_id)
+        self.plan_writer.finished(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -177,7 +165,7 @@ class Scheduler:
         plan = output.plan
         plan.speculate, plan.max_drafts = self._speculation(len(self.running))
         plan.block_copies = self.kv_cache.take_pending_copies()
-        self._describe_requests(output)
+        output.num_prompt_tokens, output.shape = self.plan_writer.write(plan, output.requests)
         now = time.monotonic()
         for request in output.requests:
             if request.first_scheduled_time is None:
@@ -213,58 +201,6 @@ class Scheduler:
         if step_costs:
             self.cost_model = StepCostModel()
 
-    def _describe_requests(self, output: SchedulerOutput) -> None:
-        """Fill the plan's request data: in full for a request the runner does not hold, else what
-        changed since the runner last saw it."""
-        plan, kv = output.plan, self.kv_cache
-        for request_id in kv.take_rewritten_tables():
-            sent = self._sent.get(request_id)
-            if sent is not None:
-                sent.table_rewritten = True
-        decode_tokens = prefill_tokens = decode_context = prefill_pairs = 0
-        for request in output.requests:
-            request_id, table = request.request_id, kv.get_block_table(request.request_id)
-            num_new, computed = plan.num_scheduled_tokens[request_id], request.num_computed_tokens
-            output.num_prompt_tokens += max(0, min(computed + num_new, request.num_prompt_tokens) - computed)
-            if request.num_tokens - computed <= 1:  # a decode row (its drafts included)
-                decode_tokens += num_new
-                decode_context += computed + num_new
-            else:
-                prefill_tokens += num_new
-                prefill_pairs += chunk_pairs(num_new, computed)
-            sent = self._sent.get(request_id)
-            if sent is None:
-                plan.new_requests.append(
-                    NewRequestData(
-                        request_id,
-                        request.prompt_token_ids,
-                        request.output_token_ids,
-                        request.sampling_params,
-                        request.eos_token_ids,
-                        list(table),
-                        request.num_computed_tokens,
-                        request.pooling,
-                    )
-                )
-                self._sent[request_id] = _SentState(request.num_tokens, len(table))
-                continue
-            replace = sent.table_rewritten or sent.resumed
-            plan.cached_requests.append(
-                CachedRequestData(
-                    request_id,
-                    request.all_token_ids[sent.num_tokens :],
-                    list(table) if replace else table[sent.num_blocks :],
-                    replace,
-                    sent.resumed,
-                    request.num_computed_tokens,
-                )
-            )
-            sent.num_tokens, sent.num_blocks = request.num_tokens, len(table)
-            sent.table_rewritten = sent.resumed = False
-        output.shape = StepShape(decode_tokens, prefill_tokens, decode_context, prefill_pairs)
-        if output.requests:  # finished requests reach the runner with the next step it runs
-            plan.finished_request_ids, self._finished_sent = self._finished_sent, []
-
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         planner = self.draft_planner
         speculate, share = self._speculation(len(self.running))
@@ -280,7 +216,9 @@ class Scheduler:
                 if not num_new:  # the decodes' TPOT slack leaves it nothing this step
                     index += 1
                     continue
-            num_drafts = self._plan_drafts(request, budget, share) if speculate else 0
+            num_drafts = (
+                planner.plan_within(request, budget, share, self.config.max_model_len) if speculate else 0
+            )
             samples = num_new == request.num_tokens - request.num_computed_tokens
             lookahead = planner.num_lookahead_tokens(request, share) if speculate and samples else 0
             while not self.kv_cache.allocate_slots(request, num_new + num_drafts + lookahead):
@@ -315,25 +253,7 @@ class Scheduler:
     def _speculation(self, num_running: int) -> tuple[bool, int | None]:
         """Whether `num_running` requests speculate, and auto mode's drafts per request (None: no cap)."""
         planner = self.draft_planner
-        if planner is None or not planner.is_enabled(num_running):
-            return False, None
-        share = planner.drafts_per_request(num_running)
-        return share != 0, share
-
-    def _plan_drafts(self, request: Request, budget: int, share: int | None) -> int:
-        """Speculative decoding: drafts a decoding request verifies this step. Every accepted draft is a
-        generated token, so k stays within the budget, max_model_len and max_tokens (and within the
-        share of auto mode's verify rows, when set)."""
-        request.clear_drafts()
-        if request.num_tokens - request.num_computed_tokens != 1:
-            return 0  # only decodes speculate; prompt chunks and resumed requests catch up first
-        room = min(
-            budget - 1,
-            self.config.max_model_len - request.num_tokens - 1,
-            request.sampling_params.max_tokens - request.num_output_tokens - 1,
-            budget if share is None else share,
-        )
-        return self.draft_planner.plan(request, room) if room > 0 else 0
+        return (False, None) if planner is None else planner.speculation(num_running)
 
     def _preempt_for_urgent_waiting(self, output: SchedulerOutput) -> None:
         """Priority policy: evict less urgent running requests while the most urgent waiting one
@@ -450,9 +370,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             self.preemptions_by_mode["recompute"] += 1
         request.status = RequestStatus.PREEMPTED
-        sent = self._sent.get(request.request_id)
-        if sent is not None:
-            sent.resumed = True  # its table is new when it comes back
+        self.plan_writer.preempted(request.request_id)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
