@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from llmserve.config.flags import arg, changed_flags, from_namespace, section
+from llmserve.config.flags import arg, changed_flags, check_choice, from_namespace, section
 from llmserve.config.router import RoutingOptions
 
 API_KEY_ENV = "LLMSERVE_API_KEY"  # the API key where --api-key is not given
@@ -43,6 +43,11 @@ class ChatConfig:
     reasoning_parser: ReasoningParserName | None = arg(
         None, "split <think>...</think> off into message.reasoning (qwen3: Qwen3; deepseek_r1: DeepSeek-R1)"
     )
+
+    def __post_init__(self) -> None:
+        check_choice("tool_call_parser", self.tool_call_parser, ToolCallParserName)
+        if self.reasoning_parser is not None:
+            check_choice("reasoning_parser", self.reasoning_parser, ReasoningParserName)
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,7 @@ class ServerConfig:
     routing: RoutingOptions = section(RoutingOptions, "routing")
 
     def __post_init__(self) -> None:
+        check_choice("metric_names", self.metric_names, MetricNames)
         positive = {
             "--max-concurrent-requests": self.max_concurrent_requests,
             "--max-waiting-tokens": self.max_waiting_tokens,
@@ -130,8 +136,8 @@ class ServerConfig:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        if self.max_queue_delay is not None and self.max_queue_delay <= 0:
-            raise ValueError(f"--max-queue-delay must be > 0, got {self.max_queue_delay}")
+        if self.max_queue_delay is not None and self.max_queue_delay < 0:
+            raise ValueError(f"--max-queue-delay must be >= 0, got {self.max_queue_delay}")
         if self.max_engine_restarts < 0 or self.shutdown_drain_seconds < 0:
             raise ValueError("--max-engine-restarts and --shutdown-drain-seconds must be >= 0")
         if self.watchdog_min_seconds <= 0:

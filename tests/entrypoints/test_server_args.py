@@ -77,7 +77,7 @@ def test_a_mode_outside_its_choices_is_a_usage_error():
         (["--max-waiting", "0"], "--max-concurrent-requests must be >= 1"),
         (["--max-waiting-tokens", "0"], "--max-waiting-tokens must be >= 1"),
         (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
-        (["--max-queue-delay", "0"], "--max-queue-delay must be > 0"),
+        (["--max-queue-delay", "-1"], "--max-queue-delay must be >= 0"),
         (["--watchdog-min-seconds", "0"], "--watchdog-min-seconds must be > 0"),
         (["--port", "70000"], "--port must be in"),
     ],
@@ -85,6 +85,13 @@ def test_a_mode_outside_its_choices_is_a_usage_error():
 def test_bad_server_values_are_errors_naming_the_flag(argv, message):
     with pytest.raises(ValueError, match=message):
         parse(*argv)
+
+
+def test_modes_given_in_python_are_checked_too():
+    with pytest.raises(ValueError, match="metric_names must be one of both, llmserve, vllm; got 'otel'"):
+        ServerConfig(metric_names="otel")
+    with pytest.raises(ValueError, match="tool_call_parser must be one of hermes, llama3_json"):
+        ChatConfig(tool_call_parser="mistral")
 
 
 def test_the_api_key_comes_from_the_environment_unless_given(monkeypatch):
