@@ -1,8 +1,12 @@
-"""Test fixtures shared across test folders: a tiny random Llama with the real tokenizer."""
+"""Test fixtures shared across test folders: a tiny random Llama with the real tokenizer, and a
+deadline poll for tests that wait on something (they never wait with a fixed sleep)."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import transformers
@@ -15,7 +19,10 @@ __all__ = [
     "is_alive",
     "make_tiny_llama_dir",
     "round_inputs_as_the_small_batch_kernels",
+    "wait_until",
 ]
+
+T = TypeVar("T")
 
 # Small enough to build and run in milliseconds; the vocabulary is the default model's so that the
 # real tokenizer and chat template work with it.
@@ -62,6 +69,23 @@ def is_alive(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def wait_until(
+    condition: Callable[[], T],
+    timeout: float = 60.0,
+    what: str | Callable[[], str] = "the condition",
+    interval: float = 0.05,
+) -> T:
+    """Call `condition` every `interval` seconds until it returns something truthy, and return that;
+    past `timeout` seconds fail naming `what` (a function: called then, to say what was seen)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() >= deadline:
+            waited_for = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {waited_for}")
+        time.sleep(interval)
+    return value
 
 
 def round_inputs_as_the_small_batch_kernels(reference: torch.nn.Module, quantized: torch.nn.Module) -> int:

@@ -5,7 +5,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -14,6 +13,7 @@ from llmserve.benchmarks.commands.serve import response_format_body
 from llmserve.benchmarks.serve import LoadGenerator, pick_salts, salt_requests, served_model_name, summarize
 from llmserve.benchmarks.workload import BenchRequest
 from llmserve.cli.main import main
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.server
 
@@ -42,16 +42,15 @@ def server_url(tiny_model_dir):
 
 
 def wait_until_ready(process: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
+    def answers() -> bool:
         if process.poll() is not None:
             pytest.fail(f"llmserve serve exited with {process.returncode}: {process.stderr.read()[-2000:]}")
         try:
-            if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
-                return
+            return httpx.get(f"{url}/v1/models", timeout=1).status_code == 200
         except httpx.HTTPError:
-            time.sleep(0.2)
-    pytest.fail(f"llmserve serve did not answer within {STARTUP_SECONDS} s")
+            return False
+
+    wait_until(answers, STARTUP_SECONDS, "llmserve serve to answer /v1/models", interval=0.2)
 
 
 def test_streamed_completions_are_timed_and_counted(server_url):

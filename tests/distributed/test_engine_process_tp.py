@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 
@@ -14,7 +13,7 @@ from llmserve import SamplingParams
 from llmserve.config import EngineArgs
 from llmserve.engine.async_llm import AsyncLLM, EngineFailedError
 from tests.distributed.conftest import ENGINE_KWARGS
-from tests.helpers import is_alive
+from tests.helpers import is_alive, wait_until
 
 pytestmark = pytest.mark.process
 
@@ -24,13 +23,6 @@ LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as children:
         return [int(child) for child in children.read().split()]
-
-
-def _wait_for_exit(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while is_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not is_alive(pid)
 
 
 async def _stream_and_kill(llm: AsyncLLM, worker: int) -> int:
@@ -67,17 +59,15 @@ def test_a_dead_worker_fails_the_streams_in_flight_with_the_rank_named(tp_engine
 def test_a_worker_exits_with_its_engine_process(tp_engine):
     (worker,) = _children(tp_engine.engine_core.pid)
     os.kill(tp_engine.engine_core.pid, signal.SIGKILL)
-    assert _wait_for_exit(worker, 30), "the worker outlived its engine process"
+    wait_until(lambda: not is_alive(worker), 30, "the worker to exit with its engine process")
 
 
 def test_a_worker_that_dies_while_the_engine_idles_is_reported_at_once(tp_engine):
     (worker,) = _children(tp_engine.engine_core.pid)
     assert tp_engine.failure is None
     os.kill(worker, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while tp_engine.failure is None:  # no request is needed to find it: the engine waits on it too
-        assert time.monotonic() < deadline, "the dead worker was not reported"
-        time.sleep(0.05)
+    # no request is needed to find it: the engine waits on it too
+    wait_until(lambda: tp_engine.failure is not None, 30, "the dead worker's report")
     assert tp_engine.failure == f"tensor-parallel rank 1 (pid {worker}) exited with code -9"
     assert [rank.exit_code for rank in tp_engine.gauges.ranks] == [None, -9]
     with pytest.raises(EngineFailedError, match="tensor-parallel rank 1"):

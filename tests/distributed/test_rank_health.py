@@ -10,13 +10,12 @@ import json
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
 from tests.entrypoints.conftest import start_server, tiny_server_args
-from tests.helpers import is_alive
+from tests.helpers import is_alive, wait_until
 from tests.router.conftest import scrape
 
 pytestmark = pytest.mark.server
@@ -46,13 +45,6 @@ def rank_pids(metrics: dict[str, float]) -> dict[int, int]:
     return pids
 
 
-def wait_for(condition, timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def complete(server, max_tokens: int) -> httpx.Response:
     body = {"model": "tp-llama", "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "ignore_eos": True}
     return httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
@@ -60,7 +52,7 @@ def complete(server, max_tokens: int) -> httpx.Response:
 
 def test_every_rank_reports_its_own_series(tp_server):
     assert complete(tp_server, 40).status_code == 200
-    wait_for(
+    wait_until(
         lambda: all(
             scrape(tp_server.base_url).get(f"llmserve:rank_steps_total{{rank={r}}}", 0) > 0 for r in range(TP)
         ),
@@ -87,7 +79,7 @@ def test_every_rank_reports_its_own_series(tp_server):
 
 def test_a_rank_killed_mid_stream_is_reported_and_its_sibling_stopped(tp_server):
     assert complete(tp_server, 4).status_code == 200  # every rank has run a step and reported its pid
-    wait_for(lambda: len(rank_pids(scrape(tp_server.base_url))) == TP, what="every rank's pid")
+    wait_until(lambda: len(rank_pids(scrape(tp_server.base_url))) == TP, what="every rank's pid")
     pids = rank_pids(scrape(tp_server.base_url))
     body = {"model": "tp-llama", "prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
     unstreamed: list[httpx.Response] = []  # a second request in flight, not streamed
@@ -97,7 +89,7 @@ def test_a_rank_killed_mid_stream_is_reported_and_its_sibling_stopped(tp_server)
         )
     )
     thread.start()
-    wait_for(
+    wait_until(
         lambda: scrape(tp_server.base_url)["llmserve:num_requests_running"] >= 1, what="the request to run"
     )
     events = []
@@ -126,11 +118,11 @@ def test_a_rank_killed_mid_stream_is_reported_and_its_sibling_stopped(tp_server)
     assert health.json()["state"] in ("restarting", "warming"), health.json()
     # the whole group is stopped, none orphaned: the killed rank, its sibling and the engine process
     for rank in range(TP):
-        wait_for(lambda rank=rank: not is_alive(pids[rank]), timeout=30, what=f"rank {rank} to be gone")
+        wait_until(lambda rank=rank: not is_alive(pids[rank]), timeout=30, what=f"rank {rank} to be gone")
     assert "tensor-parallel rank 1" in tp_server.log()
 
     # then the server restarts the engine with all its ranks and serves again
-    wait_for(
+    wait_until(
         lambda: httpx.get(f"{tp_server.base_url}/health", timeout=10).status_code == 200,
         timeout=180,
         what="the restarted engine",
@@ -143,7 +135,7 @@ def test_a_rank_killed_mid_stream_is_reported_and_its_sibling_stopped(tp_server)
     assert metrics["llmserve:engine_restarts_total"] == 1
     assert tp_server.stop() == 0
     for pid in new_pids.values():  # no orphan rank after the shutdown either
-        wait_for(lambda pid=pid: not is_alive(pid), timeout=30, what=f"pid {pid} to exit")
+        wait_until(lambda pid=pid: not is_alive(pid), timeout=30, what=f"pid {pid} to exit")
 
 
 def _children(pid: int) -> list[int]:

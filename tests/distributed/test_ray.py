@@ -7,7 +7,6 @@ actor's own RankStats reach rank 0."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import ray
@@ -17,6 +16,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.worker.executor import TensorParallelError
 from tests.distributed.conftest import ENGINE_KWARGS, assert_same_greedy, engine
 from tests.distributed.test_tensor_parallel import PROMPTS
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -53,12 +53,12 @@ def test_tp2_across_two_nodes_gives_one_process_greedy_tokens(two_nodes, tiny_ll
 
 def _wait_for_reports(llm, ranks: int) -> tuple:
     """Every rank's RankStats once each has reported a step (rank 0 asks the actors in the background)."""
-    deadline = time.monotonic() + 30
-    while True:
+
+    def reported():
         stats = llm.engine.rank_stats()
-        if all(report.num_steps > 0 for report in stats) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
+        return stats if all(report.num_steps > 0 for report in stats) else None
+
+    return wait_until(reported, 30, "every rank's report of a step")
 
 
 def test_an_actor_reports_its_own_rank_stats(two_nodes, tiny_llama_dir):
@@ -91,9 +91,7 @@ def test_a_killed_actor_fails_the_step_with_its_rank_named(two_nodes, tiny_llama
         llm.engine.step()
         launcher = llm.engine.executor.launcher
         ray.kill(launcher.actors[0])  # asynchronous: a step right after it may still run on the actor
-        deadline = time.monotonic() + 30
-        while launcher.exited() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: launcher.exited() is not None, 30, "the killed actor to be seen as exited")
         for _ in range(2):  # and every step after it
             with pytest.raises(
                 TensorParallelError, match=r"^tensor-parallel rank 1 \(Ray actor\) exited: "

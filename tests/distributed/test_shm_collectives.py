@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.cpu_kernels
 
@@ -123,8 +124,8 @@ def test_a_rank_that_died_fails_the_call_at_once_naming_it():
     worker = multiprocessing.get_context("spawn").Process(target=_map_and_exit, args=(path,))
     worker.start()  # not joined until the end: it stays a zombie, which counts as dead too
     try:
-        while not os.path.exists(f"/proc/{worker.pid}") or _state(worker.pid) != "Z":
-            time.sleep(0.05)
+        exited = lambda: os.path.exists(f"/proc/{worker.pid}") and _state(worker.pid) == "Z"  # a zombie
+        wait_until(exited, 60, "the worker to exit")
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=rf"tensor-parallel rank 1 \(pid {worker.pid}\) exited"):
             shm.all_reduce(torch.ones(4))

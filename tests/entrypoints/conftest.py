@@ -7,12 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.helpers import wait_until
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
@@ -42,17 +43,15 @@ class ServerProcess:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not healthy after {timeout} s:\n{self.log()}")
+        wait_until(self._healthy, timeout, lambda: f"the server's /health 200:\n{self.log()}", interval=0.2)
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200
+        except httpx.TransportError:
+            return False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -8,7 +8,6 @@ import pickle
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -20,7 +19,7 @@ from llmserve.engine.messages import AddRequest, EngineOutput, FailureKind, Requ
 from llmserve.engine.output_kinds import OutputAccumulator
 from llmserve.metrics.stats import EngineGauges, StepStats
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecDecodeStats
-from tests.helpers import is_alive
+from tests.helpers import is_alive, wait_until
 
 # -- the wire format and output kinds ---------------------------------------------------------------
 
@@ -152,6 +151,7 @@ def test_async_llm_streams_the_offline_engines_outputs(engine_args):
         assert count > 1  # one output per step, not one at the end
     assert llm.gauges.num_running == 0 and not llm.is_running
 
+
 def test_the_engine_process_applies_no_output_kind_and_a_front_end_engine_applies_each_once(engine_args):
     """Built as the engine process builds it, the engine's outputs are deltas whatever a request asked
     (the server applies the kind); built as the offline front end, they are of each request's kind."""
@@ -181,7 +181,6 @@ def test_the_engine_process_applies_no_output_kind_and_a_front_end_engine_applie
     assert token_ids(front, RequestOutputKind.CUMULATIVE, abort_after=2) == aborted
     assert token_ids(front, RequestOutputKind.FINAL_ONLY, abort_after=0) == [everything[:1]]  # its one output
     assert not front.output_processor.output_kinds._kinds  # every request forgotten at its end
-
 
 
 class _CrashingEngine(LLMEngine):
@@ -252,12 +251,11 @@ def test_a_forked_engine_process_exits_when_the_server_process_dies(tiny_model_d
         command = [sys.executable, "-c", _ORPHAN_SCRIPT, tiny_model_dir, str(pid_file)]
         assert subprocess.run(command, stdout=out, stderr=out, timeout=300).returncode == 0, log.read_text()
     engine_pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 30
-    while is_alive(engine_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if is_alive(engine_pid):
-        os.kill(engine_pid, signal.SIGKILL)
-        pytest.fail("the engine process outlived the server process")
+    try:
+        wait_until(lambda: not is_alive(engine_pid), 30, "the engine process to exit with the server process")
+    finally:
+        if is_alive(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
 
 
 @pytest.mark.process

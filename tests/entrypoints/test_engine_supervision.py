@@ -13,6 +13,7 @@ import pytest
 
 from tests.entrypoints.conftest import start_server, tiny_server_args
 from tests.entrypoints.test_server_lifecycle import scrape
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.server
 
@@ -44,16 +45,6 @@ def health(server) -> tuple[int, dict]:
     return response.status_code, response.json()
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_a_killed_engine_fails_its_streams_and_is_restarted(tiny_model_dir, tmp_path):
     server = start_server(tiny_server_args(tiny_model_dir), tmp_path / "server.log")
     try:
@@ -75,12 +66,12 @@ def test_a_killed_engine_fails_its_streams_and_is_restarted(tiny_model_dir, tmp_
             finishes = [c["finish_reason"] for e in events if e != "[DONE]" for c in json.loads(e)["choices"]]
             assert finishes[-1] == "abort" and finishes.count("abort") == 1, events[-3:]
         assert "the engine process exited unexpectedly (exit code -9)" in server.log()
-        status, body = wait_for(lambda: (s := health(server))[0] == 503 and s, 30, "/health 503")
+        status, body = wait_until(lambda: (s := health(server))[0] == 503 and s, 30, "/health 503")
         assert body["status"] == "restarting" and "exit code -9" in body["reason"]
         assert body["error"]["type"] == "server_error"
         refused = httpx.post(server.base_url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30)
         assert refused.status_code == 503 and "restarting" in refused.json()["error"]["message"]
-        wait_for(lambda: health(server)[0] == 200, 120, "/health 200 after the restart")
+        wait_until(lambda: health(server)[0] == 200, 120, "/health 200 after the restart")
         recovered = time.monotonic() - killed_at
         served = httpx.post(server.base_url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=60)
         assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 4

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.conftest import API_KEY, start_server, tiny_server_args
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.server
 
@@ -34,19 +35,19 @@ def scrape(server) -> dict[str, float]:
 
 
 def wait_idle(server, timeout: float = 15.0) -> dict[str, float]:
-    """Poll /metrics until nothing runs, waits or holds KV blocks."""
-    deadline = time.monotonic() + timeout
-    while True:
-        metrics = scrape(server)
-        idle = (
-            metrics["llmserve:num_requests_running"],
-            metrics["llmserve:num_requests_waiting"],
-            metrics["llmserve:kv_cache_usage_perc"],
-        ) == (0, 0, 0)
-        if idle or time.monotonic() > deadline:
-            assert idle, {k: v for k, v in metrics.items() if "num_requests" in k or "kv_cache" in k}
-            return metrics
-        time.sleep(0.1)
+    """Poll /metrics until nothing runs, waits or holds KV blocks; those metrics."""
+    seen = {}
+
+    def idle() -> dict[str, float] | None:
+        seen.update(scrape(server))
+        busy = [seen[f"llmserve:{name}"] for name in ("num_requests_running", "num_requests_waiting")]
+        return dict(seen) if busy == [0, 0] and seen["llmserve:kv_cache_usage_perc"] == 0 else None
+
+    return wait_until(idle, timeout, lambda: f"an idle server: {_load(seen)}", interval=0.1)
+
+
+def _load(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if "num_requests" in k or "kv_cache" in k}
 
 
 def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +18,7 @@ import openai
 import pytest
 
 from tests.entrypoints.conftest import API_KEY, free_port, start_server, tiny_server_args
+from tests.helpers import wait_until
 from tests.router.conftest import BLOCK_SIZE, replica_urls, router_command, scrape
 
 pytestmark = pytest.mark.server
@@ -103,10 +103,12 @@ def test_each_shared_prefix_stays_on_one_replica(dp_server):
     for turn in range(follow_ups + 1):
         for prefix in prefixes:
             complete(dp_server, prefix + [7000 + turn, 7100 + turn, 7200 + turn])
-    time.sleep(0.5)  # the last steps' metrics
-    hit_tokens = sum(after - before_hits[url] for url, after in hits(urls).items())
     # a prefix split over both replicas would be computed on each: fewer hits than this
-    assert hit_tokens == len(prefixes) * follow_ups * PREFIX_BLOCKS * BLOCK_SIZE
+    want = len(prefixes) * follow_ups * PREFIX_BLOCKS * BLOCK_SIZE
+    hit_tokens = lambda: sum(after - before_hits[url] for url, after in hits(urls).items())
+    # the last steps' counts may reach /metrics after their responses: wait for them
+    wait_until(lambda: hit_tokens() >= want, 10, lambda: f"{want} hit tokens (seen {hit_tokens()})")
+    assert hit_tokens() == want
     by_replica = {
         url: after - before_routed_hits[url] for url, after in hits_through_router(dp_server.base_url).items()
     }
@@ -233,10 +235,8 @@ def test_stopping_the_server_stops_every_replica(dp_server):
 
 
 def _wait_gone(pids: list[int], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(Path(f"/proc/{pid}").exists() and not _is_zombie(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"left running: {pids}"
-        time.sleep(0.2)
+    running = lambda: [pid for pid in pids if Path(f"/proc/{pid}").exists() and not _is_zombie(pid)]
+    wait_until(lambda: not running(), timeout, lambda: f"every replica process to exit ({running()} left)")
 
 
 def _descendants(pid: int) -> list[int]:

@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -18,6 +17,7 @@ from ray.cluster_utils import Cluster
 
 from llmserve import LLM, SamplingParams
 from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, start_server, tiny_server_args
+from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.server, pytest.mark.ray]
 
@@ -61,9 +61,7 @@ def test_replicas_on_two_nodes_answer_with_one_engines_greedy_tokens(
             httpx.get(f"{url}/health", timeout=2.0)
     ray.init(address=cluster_address, logging_level="WARNING")
     try:
-        deadline = time.monotonic() + 30
-        while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: ray.available_resources().get("CPU", 0) >= 2, 30, "the cluster's CPUs back")
         assert ray.available_resources().get("CPU", 0) == 2  # the placement group was removed
     finally:
         ray.shutdown()

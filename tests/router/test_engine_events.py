@@ -15,6 +15,7 @@ from llmserve.router.index import PrefixIndex
 from llmserve.router.prompt import block_hashes
 from llmserve.sampling_params import SamplingParams
 from tests.entrypoints.conftest import free_port
+from tests.helpers import wait_until
 
 BLOCK_SIZE = 16
 
@@ -57,10 +58,12 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> None:
 def synced(engine, index, subscriber):
     """Wait until the subscriber has applied every batch the engine published; the index's hashes."""
     feed = next(iter(subscriber._feeds.values()))
-    deadline = time.monotonic() + 10
-    while feed.last_seq != engine.kv_event_publisher._next_seq - 1:
-        assert time.monotonic() < deadline, (feed.last_seq, engine.kv_event_publisher._next_seq)
-        time.sleep(0.01)
+    wait_until(
+        lambda: feed.last_seq == engine.kv_event_publisher._next_seq - 1,
+        10,
+        lambda: f"batch {engine.kv_event_publisher._next_seq - 1} (the subscriber has {feed.last_seq})",
+        interval=0.01,
+    )
     return index.stored("engine")
 
 

@@ -1,8 +1,6 @@
 """The ZMQ publisher and the router's subscriber on loopback: in order, gaps filled by replay, a late
 subscriber catching up, a restarted publisher rebuilding the index."""
 
-import time
-
 import pytest
 
 from llmserve.config.kv_events import KVEventsConfig
@@ -12,20 +10,13 @@ from llmserve.router.events import KVEventSubscriber
 from llmserve.router.index import PrefixIndex
 from llmserve.router.prompt import block_hashes
 from tests.entrypoints.conftest import free_port
+from tests.helpers import wait_until
 
 HASHES = block_hashes(list(range(40)), 4)
 
 
 def stored(*indices):
     return [BlockStored([HASHES[i] for i in indices], None, [0] * 4 * len(indices), 4, None, None)]
-
-
-def wait_for(condition, timeout=10.0):
-    """Fail the test unless `condition()` becomes true within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -55,9 +46,9 @@ def test_a_late_subscriber_replays_from_the_start_then_follows(endpoints):
         pub.publish([BlockRemoved([HASHES[1]], None)])
         sub, index = subscriber(endpoints)
         try:
-            wait_for(lambda: index.stored("r") == {HASHES[0], HASHES[2]})  # replayed: 1 was removed
+            wait_until(lambda: index.stored("r") == {HASHES[0], HASHES[2]})  # replayed: 1 was removed
             pub.publish(stored(5))
-            wait_for(lambda: HASHES[5] in index.stored("r"))  # then followed live
+            wait_until(lambda: HASHES[5] in index.stored("r"))  # then followed live
             assert index.stored("r") == {HASHES[0], HASHES[2], HASHES[5]}
         finally:
             sub.stop()
@@ -74,7 +65,7 @@ def feed_of(endpoints):
 
 
 def published(pub, count):
-    wait_for(lambda: len(pub._buffer) == count)
+    wait_until(lambda: len(pub._buffer) == count)
     return [payload for _, payload in pub._buffer]
 
 

@@ -15,7 +15,8 @@ from selenium.webdriver.common.keys import Keys
 
 from tests.entrypoints.conftest import API_KEY
 from tests.entrypoints.test_server_lifecycle import MODEL, delta, wait_idle
-from tests.web.browser import console_errors, horizontal_overflow, screenshot, wait_until
+from tests.helpers import wait_until
+from tests.web.browser import console_errors, horizontal_overflow, screenshot
 from tests.web.test_playground_scripted import RECORD_BODIES
 
 pytestmark = [pytest.mark.browser, pytest.mark.server]

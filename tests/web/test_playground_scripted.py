@@ -20,7 +20,8 @@ from llmserve.entrypoints.openai.api_server import build_app
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from tests.entrypoints.test_server_units import FailingEngine
-from tests.web.browser import console_errors, horizontal_overflow, screenshot, wait_until
+from tests.helpers import wait_until
+from tests.web.browser import console_errors, horizontal_overflow, screenshot
 
 pytestmark = pytest.mark.browser
 
@@ -59,7 +60,7 @@ class ScriptedEngine(FailingEngine):
     ) -> AsyncIterator:
         pieces = [REPLY[i : i + 7] for i in range(0, len(REPLY), 7)]
         for i, piece in enumerate(pieces):
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # a reply that streams over time, as the page must show it
             done = i == len(pieces) - 1
             ids = list(piece.encode())
             completion = CompletionOutput(0, piece, ids, "stop" if done else None)
