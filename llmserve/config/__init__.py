@@ -152,7 +152,7 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"  # "fcfs" or "priority" (lower priority value = more urgent)
     priority_aging_seconds: float = 60.0  # waiting this long improves a request's priority by one
     preemption_mode: PreemptionMode = "auto"  # "recompute", "swap" (to CPU) or "auto" (cheaper by estimate)
-    ttft_target_ms: float | None = 1000.0  # time-to-first-token target of every request (None: none)
+    ttft_target_ms: float | None = 1000.0  # time-to-first-token target of every request (None or 0: none)
     tpot_target_ms: float | None = 50.0  # time-per-output-token target of every request (None: none)
 
     def __post_init__(self) -> None:
@@ -163,7 +163,7 @@ class SchedulerConfig:
         if self.priority_aging_seconds <= 0:
             raise ValueError("priority_aging_seconds must be > 0")
         for target in (self.ttft_target_ms, self.tpot_target_ms):
-            if target is not None and not 0 < target < math.inf:
+            if target is not None and not 0 <= target < math.inf:
                 raise ValueError("ttft_target_ms and tpot_target_ms must be >= 0 (0: no target)")
 
 
