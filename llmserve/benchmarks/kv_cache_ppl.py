@@ -65,7 +65,7 @@ def score(engine: LLMEngine, token_ids: list[int], chunk: int = 256) -> KVPerple
             row = CachedRequestState(
                 "ppl", token_ids, token_ids, request.sampling_params, (), None, table, start
             )
-            inputs = runner._prepare_inputs([(row, count)])
+            inputs = runner.input_builder.build([(row, count)])
             with set_forward_context(inputs.attention):
                 hidden = runner.model(inputs.input_ids, inputs.positions)
             logits = runner.model.compute_logits(hidden)

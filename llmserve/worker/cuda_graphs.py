@@ -155,7 +155,7 @@ class DecodeGraphs:
         positions[:num] = computed
         seq_lens[:num] = computed + 1
         columns = self._staging.columns
-        for row, request in enumerate(requests):  # a loop over requests, as _prepare_inputs'
+        for row, request in enumerate(requests):  # a loop over requests, as InputBuilder.build's
             table = request.block_ids[:columns]
             tables[row, : len(table)] = table
         blocks = tables[np.arange(num), computed // self.block_size]

@@ -4,11 +4,9 @@ The runner holds each request it runs (worker/request_state.py), updated from th
 (core/step_plan.py): it never reads the scheduler's objects. The KV pool is one preallocated tensor
 [layers, 2, num_slots, kv_heads, head_dim]; each attention layer gets views of its K and V slices.
 With KV-cache groups (config/kv_groups.py: sliding and global layers) it is [group_size, 2, ...]: the
-j-th layer of every group uses the j-th tensor, and each group gets its own attention metadata,
-built from its columns of the requests' interleaved block tables.
-Input bookkeeping is vectorized with numpy; the only Python loops are over requests (gathering their
-new token ids and block tables), never over tokens. On a one-rank CUDA engine decode steps instead
-run on static buffers, replayed as CUDA graphs (worker/cuda_graphs.py).
+j-th layer of every group uses the j-th tensor, and each group gets its own attention metadata.
+The step's flat inputs are built by worker/step_inputs.py; on a one-rank CUDA engine decode steps
+instead run on static buffers, replayed as CUDA graphs (worker/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -16,19 +14,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
-import numpy as np
 import torch
 from torch import nn
 
 from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.attention.registry import select_attention_backend
-from llmserve.attention.window import decode_context_positions, prefill_context_positions
 from llmserve.config import EngineConfig
 from llmserve.config.kv_groups import group_size, stage_layers
 from llmserve.core.step_plan import StepPlan
-from llmserve.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
+from llmserve.forward_context import set_forward_context
 from llmserve.models.decode_stack import build_decode_stack
 from llmserve.outputs import PromptLogprobs
 from llmserve.request import DraftProposal
@@ -39,10 +34,9 @@ from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import GrammarState
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.prefault import PrefaultThread, populate_in_background
-from llmserve.worker.prompt_logprobs import PromptLogprobRows
 from llmserve.worker.prompt_logprobs import compute as compute_prompt_logprobs
-from llmserve.worker.prompt_logprobs import select_rows as select_prompt_logprob_rows
 from llmserve.worker.request_state import CachedRequestState, apply_plan
+from llmserve.worker.step_inputs import InputBuilder, StepInputs
 
 
 @dataclass
@@ -57,33 +51,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # requests that asked
     pooled: dict[str, list[float]] = field(default_factory=dict)  # embedding requests whose prompt is done
     failed: list[str] = field(default_factory=list)  # requests whose logits processor raised: they fail
-
-
-class BatchRow(Protocol):
-    """What input preparation reads of a request: a runner's CachedRequestState, or a draft model's
-    view of one (spec_decode/proposers/draft_model.py)."""
-
-    all_token_ids: list[int]
-    num_computed_tokens: int
-    spec_token_ids: list[int]
-    block_ids: list[int]
-
-    @property
-    def num_tokens(self) -> int: ...
-
-
-@dataclass
-class StepInputs:
-    requests: list[BatchRow]  # in batch order (decodes first)
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attention: AttentionMetadata
-    sample_rows: list[int]  # batch indices of requests that sample this step
-    logits_indices: torch.Tensor  # flat token index of each sampling request's last token (and its drafts)
-    prompt_logprob_rows: PromptLogprobRows | None = None  # rows of requests asking for prompt log-probs
-    pool_rows: list[int] = field(default_factory=list)  # batch indices of embedding requests done now
-    pool_indices: torch.Tensor | None = None  # flat index of each one's last prompt token
-    static_size: int | None = None  # a decode step on the static buffers (cuda_graphs.py): its padded size
 
 
 @dataclass
@@ -140,6 +107,7 @@ class ModelRunner:
             config.cache.kv_cache_dtype,
             reference_only=getattr(model, "reference_attention_only", False),
         )
+        self.input_builder = InputBuilder(config.cache, self.attention_backend, self.device)
         self._early_kv_pool = early_kv_pool
         self._static_decode = self._uses_static_decode()  # decided first: its padding needs a scratch block
         self.kv_cache = self._allocate_kv_cache()
@@ -310,7 +278,7 @@ class ModelRunner:
         rows = [(self.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
         if self.decode_graphs is not None and self.decode_graphs.serves(rows):
             return self._prepare_static([request for request, _ in rows])
-        return self._prepare_inputs(rows)
+        return self.input_builder.build(rows)
 
     def _prepare_static(self, requests: list[CachedRequestState]) -> StepInputs:
         """A decode step's inputs staged in the static buffers (one copy), padded to a captured size."""
@@ -431,126 +399,6 @@ class ModelRunner:
             output.logprobs[request.request_id] = [entry]
         return output
 
-    def _prepare_inputs(self, rows: list[tuple[BatchRow, int]]) -> StepInputs:
-        """Flat inputs for requests catching up by the given numbers of tokens (drafts included)."""
-        # Short rows first (decodes, verify spans) so attention can batch them into one call.
-        limit = self.attention_backend.max_decode_query_len
-        rows = sorted(rows, key=lambda row: row[1] > limit)
-        requests = [request for request, _ in rows]
-        num_new = np.array([count for _, count in rows], dtype=np.int64)
-        computed = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
-        seq_lens = computed + num_new
-        ends = np.cumsum(num_new)
-        starts = ends - num_new
-
-        token_ids: list[int] = []
-        for request, first, count in zip(requests, computed.tolist(), num_new.tolist(), strict=True):
-            token_ids.extend(request.all_token_ids[first : first + count])
-            token_ids.extend(request.spec_token_ids)  # speculative decoding: drafts follow the last token
-        positions = np.arange(ends[-1]) - np.repeat(starts - computed, num_new)
-        block_tables = self._block_tables(requests, int(seq_lens.max()))
-        token_rows = np.repeat(np.arange(len(requests)), num_new)
-        if self.kv_groups:
-            attention = self._group_metadata(block_tables, token_rows, positions, num_new, seq_lens, starts)
-        else:
-            slot_mapping = self._slots(block_tables[token_rows, positions // self.block_size], positions)
-            attention = self._attention_metadata(block_tables, num_new, seq_lens, starts, slot_mapping)
-
-        num_drafts = np.array([len(r.spec_token_ids) for r in requests], dtype=np.int64)
-        caught_up = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens + num_drafts[i]]
-        pool_rows = [i for i in caught_up if getattr(requests[i], "pooling", False)]  # embeddings
-        sample_rows = [i for i in caught_up if i not in pool_rows] if pool_rows else caught_up
-        to_device = self._to_device
-        return StepInputs(
-            requests=requests,
-            input_ids=to_device(np.asarray(token_ids, dtype=np.int64)),
-            positions=to_device(positions),
-            attention=attention,
-            sample_rows=sample_rows,
-            logits_indices=to_device(_logits_indices(ends[sample_rows], num_drafts[sample_rows])),
-            prompt_logprob_rows=select_prompt_logprob_rows(requests, computed, num_new, starts, self.device),
-            pool_rows=pool_rows,
-            pool_indices=to_device(ends[pool_rows] - 1) if pool_rows else None,
-        )
-
-    def _group_metadata(self, flat_tables, token_rows, positions, num_new, seq_lens, starts):
-        """Group 0's metadata carrying the other groups': each from its columns of the flat tables."""
-        metadata = []
-        for index, group in enumerate(self.kv_groups):
-            tables = np.ascontiguousarray(flat_tables[:, index :: len(self.kv_groups)])
-            slot_mapping = self._slots(tables[token_rows, positions // self.block_size], positions)
-            metadata.append(
-                self._attention_metadata(tables, num_new, seq_lens, starts, slot_mapping, group.window, 0)
-            )
-        metadata[0].other_groups = tuple(metadata[1:])
-        return metadata[0]
-
-    def _attention_metadata(
-        self, block_tables, num_new, seq_lens, starts, slot_mapping, window=None, sinks=None
-    ) -> AttentionMetadata:
-        """One group's metadata; `window`, `sinks`: the group's (None: the engine's model-wide ones)."""
-        num_decodes = int(np.count_nonzero(num_new <= self.attention_backend.max_decode_query_len))
-        decode_query_starts = np.concatenate(([0], np.cumsum(num_new[:num_decodes])))
-        cache = self.config.cache
-        window = cache.sliding_window if window is None else window
-        sinks = cache.attention_sinks if sinks is None else sinks
-        decode_slots = decode_mask = None
-        if num_decodes and self.attention_backend.needs_gathered_decode:
-            context, valid = decode_context_positions(seq_lens[:num_decodes], sinks, window)
-            decode_blocks = np.take_along_axis(block_tables[:num_decodes], context // self.block_size, axis=1)
-            decode_slots = self._to_device(self._slots(decode_blocks, context))
-            decode_mask = self._to_device(valid)[:, None, None, :]
-        prefills = [
-            self._prefill_span(
-                block_tables[i], int(starts[i]), int(num_new[i]), int(seq_lens[i]), window, sinks
-            )
-            for i in range(num_decodes, len(num_new))
-        ]
-        return AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            num_decode_tokens=int(decode_query_starts[-1]),
-            decode_context_slots=decode_slots,
-            decode_context_mask=decode_mask,
-            prefills=prefills,
-            decode_block_tables=self._to_device(block_tables[:num_decodes]) if num_decodes else None,
-            decode_seq_lens=self._to_device(seq_lens[:num_decodes]) if num_decodes else None,
-            decode_query_starts=self._to_device(decode_query_starts) if num_decodes else None,
-            block_size=self.block_size,
-            sliding_window=window,
-            attention_sinks=sinks,
-        )
-
-    def _prefill_span(
-        self, block_table: np.ndarray, start: int, num_new: int, seq_len: int, window: int, sinks: int
-    ) -> PrefillSpan:
-        """A sequence's queries and its context slots: all positions, or with a sliding window only
-        the live ones (sinks and window; their blocks are the ones still in the table)."""
-        live = prefill_context_positions(seq_len, num_new, sinks, window)
-        positions = np.arange(seq_len) if live is None else live
-        slots = self._slots(block_table[positions // self.block_size], positions)
-        return PrefillSpan(
-            query_start=start,
-            query_end=start + num_new,
-            context_slots=self._to_device(slots),
-            context_positions=None if live is None else self._to_device(live),
-        )
-
-    def _block_tables(self, requests: list[BatchRow], max_len: int) -> np.ndarray:
-        """[requests, columns] of their tables (with groups: interleaved, as the plan carries them)."""
-        num_columns = -(-max_len // self.block_size) * max(len(self.kv_groups), 1)
-        tables = np.zeros((len(requests), num_columns), dtype=np.int64)
-        for row, request in enumerate(requests):
-            table = request.block_ids[:num_columns]
-            tables[row, : len(table)] = table
-        return tables
-
-    def _slots(self, blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """KV slot of each position, given the block id holding it (same shapes)."""
-        return blocks * self.block_size + positions % self.block_size
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
-
 
 def _prefault(pool: torch.Tensor) -> PrefaultThread | None:
     """The pool's background prefault; its planes are [tensor, K/V] slices, each block-indexed."""
@@ -578,11 +426,3 @@ def _logprob_rows(sampled: SamplerOutput) -> list[list[float]]:
         sampled.sampled_logprobs[:, None],
     )
     return torch.cat([column.double() for column in columns], dim=1).tolist()
-
-
-def _logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
-    """Flat indices of the tokens whose logits are needed: each sampling request's last token, and
-    with k drafts its last k + 1 tokens (speculative decoding verifies every draft position)."""
-    counts = num_drafts + 1
-    firsts = np.repeat(ends - counts, counts)
-    return firsts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

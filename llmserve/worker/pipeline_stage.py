@@ -23,7 +23,8 @@ from llmserve.config import EngineConfig
 from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.pipeline import PendingSend, PipelineGroup
 from llmserve.metrics.ranks import RankMeter, ReportSink
-from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput, StepInputs
+from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput
+from llmserve.worker.step_inputs import StepInputs
 
 if TYPE_CHECKING:  # the executor starts the workers whose loop is here
     from llmserve.worker.executor import TensorParallelExecutor

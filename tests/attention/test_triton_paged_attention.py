@@ -11,6 +11,7 @@ and casts are right, so a bfloat16 cache under float32 queries is covered on the
 
 import os
 import sys
+from types import SimpleNamespace
 
 TEST_DEVICE = os.environ.get("LLMSERVE_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
@@ -206,20 +207,10 @@ def test_auto_selects_triton_on_cuda_soft_capped_models_too(monkeypatch):
 
 
 def test_metadata_from_the_model_runner():
-    """A mixed step's metadata built by ModelRunner._attention_metadata for each backend (decodes
-    batched for the reference, every row in place for Triton), through the backends' forward."""
-    from llmserve.worker.model_runner import ModelRunner
-
-    class Runner:  # what _attention_metadata reads of its runner
-        _attention_metadata = ModelRunner._attention_metadata
-        _prefill_span = ModelRunner._prefill_span
-        _slots = ModelRunner._slots
-        _to_device = ModelRunner._to_device
-
-        def __init__(self, backend, window, sinks):
-            self.attention_backend, self.block_size, self.device = backend, 16, DEVICE
-            cache = type("Cache", (), {"sliding_window": window, "attention_sinks": sinks})
-            self.config = type("Config", (), {"cache": cache})
+    """A mixed step's metadata built by the model runner's InputBuilder.attention_metadata for each
+    backend (decodes batched for the reference, every row in place for Triton), through the backends'
+    forward."""
+    from llmserve.worker.step_inputs import InputBuilder
 
     window, sinks = 24, 4
     case = paged_case(MIXED, 9, 3, 64, 16, torch.float16, window=window, sinks=sinks)
@@ -230,8 +221,9 @@ def test_metadata_from_the_model_runner():
     slot_mapping = case[5].slot_mapping.cpu().numpy()
     outputs = []
     for backend in (TorchSDPABackend(), TritonPagedBackend()):
-        runner = Runner(backend, window, sinks)
-        metadata = runner._attention_metadata(tables, num_new, seq_lens, starts, slot_mapping)
+        cache = SimpleNamespace(block_size=16, kv_groups=(), sliding_window=window, attention_sinks=sinks)
+        builder = InputBuilder(cache, backend, DEVICE)  # what it reads of the cache config
+        metadata = builder.attention_metadata(tables, num_new, seq_lens, starts, slot_mapping)
         assert bool(metadata.prefills) == (backend.max_decode_query_len == 1)
         outputs.append(run(backend, case, metadata))
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-3, rtol=2e-3)

@@ -105,7 +105,7 @@ def run_step(runner, kv, plan: list[tuple[Request, int]]) -> list[torch.Tensor]:
             block_ids=kv.get_block_table(request.request_id),
         )
         rows.append((row, count))
-    inputs = runner._prepare_inputs(rows)
+    inputs = runner.input_builder.build(rows)
     with torch.inference_mode(), set_forward_context(inputs.attention):
         logits = runner.model.compute_logits(runner.model(inputs.input_ids, inputs.positions))
     per_request, start = {}, 0

@@ -54,7 +54,7 @@ DEFAULT_EARLY_EXIT_FRACTION = 0.93
 @dataclass
 class _DraftSequence:
     """A request as the draft model sees it: known tokens plus drafts so far, how many have draft KV,
-    and the target's block table (a BatchRow for ModelRunner._prepare_inputs; it verifies no drafts)."""
+    and the target's block table (a BatchRow for InputBuilder, worker/step_inputs.py; no drafts)."""
 
     request_id: str
     all_token_ids: list[int]
@@ -222,7 +222,7 @@ class DraftModelProposer(ModelRunner):
 
     def _draft_logits(self, sequences: list[_DraftSequence]) -> torch.Tensor:
         """Catch each sequence up to its last token; [len(sequences), V] logits there, in that order."""
-        inputs = self._prepare_inputs([(s, s.num_tokens - s.num_computed_tokens) for s in sequences])
+        inputs = self.input_builder.build([(s, s.num_tokens - s.num_computed_tokens) for s in sequences])
         hidden = self._forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         row_of = {id(inputs.requests[row]): i for i, row in enumerate(inputs.sample_rows)}

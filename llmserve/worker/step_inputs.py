@@ -1,0 +1,187 @@
+"""A step's flat inputs: the requests catching up by some tokens turned into token ids, positions and
+attention metadata (slot mapping, block tables, prefill spans), vectorized with numpy; the only Python
+loops are over requests (gathering their new token ids and block tables), never over tokens. With
+KV-cache groups (config/kv_groups.py: sliding and global layers) each group gets its own metadata,
+built from its columns of the requests' interleaved block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from llmserve.attention.window import decode_context_positions, prefill_context_positions
+from llmserve.config import CacheConfig
+from llmserve.forward_context import AttentionMetadata, PrefillSpan
+from llmserve.worker.prompt_logprobs import PromptLogprobRows
+from llmserve.worker.prompt_logprobs import select_rows as select_prompt_logprob_rows
+
+
+class BatchRow(Protocol):
+    """What input preparation reads of a request: a runner's CachedRequestState, or a draft model's
+    view of one (spec_decode/proposers/draft_model.py)."""
+
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    spec_token_ids: list[int]
+    block_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass
+class StepInputs:
+    requests: list[BatchRow]  # in batch order (decodes first)
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    sample_rows: list[int]  # batch indices of requests that sample this step
+    logits_indices: torch.Tensor  # flat token index of each sampling request's last token (and its drafts)
+    prompt_logprob_rows: PromptLogprobRows | None = None  # rows of requests asking for prompt log-probs
+    pool_rows: list[int] = field(default_factory=list)  # batch indices of embedding requests done now
+    pool_indices: torch.Tensor | None = None  # flat index of each one's last prompt token
+    static_size: int | None = None  # a decode step on the static buffers (cuda_graphs.py): its padded size
+
+
+class InputBuilder:
+    """Flat inputs for a model runner: its cache's block size, groups, window and sinks, its attention
+    backend (which rows count as decodes, whether decodes read gathered context) and its device."""
+
+    def __init__(self, cache: CacheConfig, attention_backend, device: torch.device) -> None:
+        self.cache = cache
+        self.attention_backend = attention_backend
+        self.device = device
+        self.block_size = cache.block_size
+        self.kv_groups = cache.kv_groups  # (): one group of every layer
+
+    def build(self, rows: list[tuple[BatchRow, int]]) -> StepInputs:
+        """Flat inputs for requests catching up by the given numbers of tokens (drafts included)."""
+        # Short rows first (decodes, verify spans) so attention can batch them into one call.
+        limit = self.attention_backend.max_decode_query_len
+        rows = sorted(rows, key=lambda row: row[1] > limit)
+        requests = [request for request, _ in rows]
+        num_new = np.array([count for _, count in rows], dtype=np.int64)
+        computed = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+        seq_lens = computed + num_new
+        ends = np.cumsum(num_new)
+        starts = ends - num_new
+
+        token_ids: list[int] = []
+        for request, first, count in zip(requests, computed.tolist(), num_new.tolist(), strict=True):
+            token_ids.extend(request.all_token_ids[first : first + count])
+            token_ids.extend(request.spec_token_ids)  # speculative decoding: drafts follow the last token
+        positions = np.arange(ends[-1]) - np.repeat(starts - computed, num_new)
+        block_tables = self._block_tables(requests, int(seq_lens.max()))
+        token_rows = np.repeat(np.arange(len(requests)), num_new)
+        if self.kv_groups:
+            attention = self._group_metadata(block_tables, token_rows, positions, num_new, seq_lens, starts)
+        else:
+            slot_mapping = self._slots(block_tables[token_rows, positions // self.block_size], positions)
+            attention = self.attention_metadata(block_tables, num_new, seq_lens, starts, slot_mapping)
+
+        num_drafts = np.array([len(r.spec_token_ids) for r in requests], dtype=np.int64)
+        caught_up = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens + num_drafts[i]]
+        pool_rows = [i for i in caught_up if getattr(requests[i], "pooling", False)]  # embeddings
+        sample_rows = [i for i in caught_up if i not in pool_rows] if pool_rows else caught_up
+        to_device = self._to_device
+        return StepInputs(
+            requests=requests,
+            input_ids=to_device(np.asarray(token_ids, dtype=np.int64)),
+            positions=to_device(positions),
+            attention=attention,
+            sample_rows=sample_rows,
+            logits_indices=to_device(_logits_indices(ends[sample_rows], num_drafts[sample_rows])),
+            prompt_logprob_rows=select_prompt_logprob_rows(requests, computed, num_new, starts, self.device),
+            pool_rows=pool_rows,
+            pool_indices=to_device(ends[pool_rows] - 1) if pool_rows else None,
+        )
+
+    def _group_metadata(self, flat_tables, token_rows, positions, num_new, seq_lens, starts):
+        """Group 0's metadata carrying the other groups': each from its columns of the flat tables."""
+        metadata = []
+        for index, group in enumerate(self.kv_groups):
+            tables = np.ascontiguousarray(flat_tables[:, index :: len(self.kv_groups)])
+            slot_mapping = self._slots(tables[token_rows, positions // self.block_size], positions)
+            metadata.append(
+                self.attention_metadata(tables, num_new, seq_lens, starts, slot_mapping, group.window, 0)
+            )
+        metadata[0].other_groups = tuple(metadata[1:])
+        return metadata[0]
+
+    def attention_metadata(
+        self, block_tables, num_new, seq_lens, starts, slot_mapping, window=None, sinks=None
+    ) -> AttentionMetadata:
+        """One group's metadata; `window`, `sinks`: the group's (None: the engine's model-wide ones)."""
+        num_decodes = int(np.count_nonzero(num_new <= self.attention_backend.max_decode_query_len))
+        decode_query_starts = np.concatenate(([0], np.cumsum(num_new[:num_decodes])))
+        cache = self.cache
+        window = cache.sliding_window if window is None else window
+        sinks = cache.attention_sinks if sinks is None else sinks
+        decode_slots = decode_mask = None
+        if num_decodes and self.attention_backend.needs_gathered_decode:
+            context, valid = decode_context_positions(seq_lens[:num_decodes], sinks, window)
+            decode_blocks = np.take_along_axis(block_tables[:num_decodes], context // self.block_size, axis=1)
+            decode_slots = self._to_device(self._slots(decode_blocks, context))
+            decode_mask = self._to_device(valid)[:, None, None, :]
+        prefills = [
+            self._prefill_span(
+                block_tables[i], int(starts[i]), int(num_new[i]), int(seq_lens[i]), window, sinks
+            )
+            for i in range(num_decodes, len(num_new))
+        ]
+        return AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping),
+            num_decode_tokens=int(decode_query_starts[-1]),
+            decode_context_slots=decode_slots,
+            decode_context_mask=decode_mask,
+            prefills=prefills,
+            decode_block_tables=self._to_device(block_tables[:num_decodes]) if num_decodes else None,
+            decode_seq_lens=self._to_device(seq_lens[:num_decodes]) if num_decodes else None,
+            decode_query_starts=self._to_device(decode_query_starts) if num_decodes else None,
+            block_size=self.block_size,
+            sliding_window=window,
+            attention_sinks=sinks,
+        )
+
+    def _prefill_span(
+        self, block_table: np.ndarray, start: int, num_new: int, seq_len: int, window: int, sinks: int
+    ) -> PrefillSpan:
+        """A sequence's queries and its context slots: all positions, or with a sliding window only
+        the live ones (sinks and window; their blocks are the ones still in the table)."""
+        live = prefill_context_positions(seq_len, num_new, sinks, window)
+        positions = np.arange(seq_len) if live is None else live
+        slots = self._slots(block_table[positions // self.block_size], positions)
+        return PrefillSpan(
+            query_start=start,
+            query_end=start + num_new,
+            context_slots=self._to_device(slots),
+            context_positions=None if live is None else self._to_device(live),
+        )
+
+    def _block_tables(self, requests: list[BatchRow], max_len: int) -> np.ndarray:
+        """[requests, columns] of their tables (with groups: interleaved, as the plan carries them)."""
+        num_columns = -(-max_len // self.block_size) * max(len(self.kv_groups), 1)
+        tables = np.zeros((len(requests), num_columns), dtype=np.int64)
+        for row, request in enumerate(requests):
+            table = request.block_ids[:num_columns]
+            tables[row, : len(table)] = table
+        return tables
+
+    def _slots(self, blocks: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """KV slot of each position, given the block id holding it (same shapes)."""
+        return blocks * self.block_size + positions % self.block_size
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+
+def _logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """Flat indices of the tokens whose logits are needed: each sampling request's last token, and
+    with k drafts its last k + 1 tokens (speculative decoding verifies every draft position)."""
+    counts = num_drafts + 1
+    firsts = np.repeat(ends - counts, counts)
+    return firsts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
