@@ -8,7 +8,7 @@ cache keeps freed-but-still-valid blocks in the queue (least recently freed firs
 a hit. A cached block is evicted (its hash forgotten) only when `allocate` hands it out again.
 
 With `record_events`, every change to the cache index is also appended to `events` (core/kv_events.py:
-BlockRemoved here, BlockStored by the KV-cache manager, which knows each block's parent) until the
+BlockRemoved here, BlockStored by the prefix cache, which knows each block's parent) until the
 engine takes them after its step, so that the events replayed in order give exactly `_cached`'s keys.
 """
 

@@ -61,11 +61,9 @@ from llmserve.core.attention_managers import attention_managers
 from llmserve.core.block_pool import BlockPool
 from llmserve.core.block_tables import NULL_BLOCK, BlockTables, cdiv, live
 from llmserve.core.kv_events import KVCacheEvent
-from llmserve.core.prefix_cache import PrefixCache, hash_block
+from llmserve.core.prefix_cache import PrefixCache
 from llmserve.core.swap_space import SwapSpace
 from llmserve.request import Request
-
-__all__ = ["NULL_BLOCK", "KVCacheManager", "cdiv", "hash_block"]  # the KV cache's names, imported from here
 
 
 class KVCacheManager:

@@ -5,7 +5,7 @@ registered under their hashes, `BlockRemoved` when a cached block is handed out 
 `AllBlocksCleared` when the whole index is dropped. Replaying the events of a pool from its start
 gives exactly the set of hashes it can hit, which is what a prefix-aware router needs.
 
-The hashes are the engine's own (`kv_cache_manager.hash_block`, scheme `BLOCK_HASH_SCHEME`): a
+The hashes are the engine's own (`prefix_cache.hash_block`, scheme `BLOCK_HASH_SCHEME`): a
 subscriber that tokenizes a prompt and chains the same SHA-256 finds which blocks a replica holds.
 
 On the wire (engine/kv_event_publisher.py) each step's events travel as one `KVEventBatch`,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pydantic
 
-from llmserve.core.kv_cache_manager import hash_block
+from llmserve.core.prefix_cache import hash_block
 from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from llmserve.config import SchedulerConfig
-from llmserve.core.kv_cache_manager import KVCacheManager, hash_block
+from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -16,6 +16,7 @@ from llmserve.core.kv_events import (
     decode_batch,
     encode_batch,
 )
+from llmserve.core.prefix_cache import hash_block
 from llmserve.core.scheduler import Scheduler
 from llmserve.router.index import PrefixIndex
 

@@ -1,7 +1,8 @@
 """Automatic prefix caching: exact block ids, reference counts and LRU eviction order."""
 
 from llmserve.config import SchedulerConfig
-from llmserve.core.kv_cache_manager import KVCacheManager, hash_block
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.prefix_cache import hash_block
 from llmserve.core.scheduler import Scheduler
 from llmserve.request import RequestStatus
 
