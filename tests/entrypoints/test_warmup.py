@@ -9,6 +9,7 @@ import pytest
 
 from llmserve import LLM, SamplingParams
 from llmserve.config import EngineArgs
+from llmserve.core.step_cost import StepCostModel, StepShape
 from llmserve.engine.async_llm import AsyncLLM
 from llmserve.engine.engine_core import run_engine_core
 from llmserve.engine.health import EngineHealth, HealthState
@@ -96,6 +97,18 @@ def test_a_failing_warm_up_leaves_a_serving_engine(tiny_model_dir, monkeypatch, 
     assert "engine warm-up failed" in caplog.text
     assert not llm.engine.has_unfinished_requests()
     assert _token_ids(llm) == expected
+
+
+def test_the_cost_model_learns_the_measured_steps_and_not_the_kernel_building_ones(tiny_model_dir):
+    """The first wave's steps build kernels: they are left out of the scheduler's step-cost model; the
+    steps warm_up returns as measured are exactly what it learned."""
+    engine = _llm(tiny_model_dir).engine
+    measured = warm_up(engine)
+    expected = StepCostModel()
+    for stats in measured:
+        if stats.num_batched_seqs:
+            expected.observe(StepShape(*stats.step_shape), stats.step_seconds)
+    assert expected.fitted and engine.scheduler.cost_model.coefficients == expected.coefficients
 
 
 @pytest.mark.process
