@@ -28,6 +28,12 @@ import pytest
 
 ALLOW_NO_KERNELS = "LLMSERVE_ALLOW_NO_KERNELS"
 
+# The CUDA path's Triton kernels run on CPU tensors by Triton's interpreter (tests/triton_interpreter.py).
+# Triton fixes that when a kernel is defined, its own library's included, and torch itself may import
+# triton at any time, so it is switched on before anything runs; LLMSERVE_TEST_DEVICE=cuda compiles.
+if os.environ.get("LLMSERVE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
 
 def _bf16_prefill(ops: ModuleType) -> bool:
     import torch

@@ -9,16 +9,15 @@ bfloat16 queries are covered only compiled on a GPU: the interpreter's bfloat16 
 and casts are right, so a bfloat16 cache under float32 queries is covered on the CPU too).
 """
 
-import os
 import sys
 from types import SimpleNamespace
 
-TEST_DEVICE = os.environ.get("LLMSERVE_TEST_DEVICE", "cpu")
-if TEST_DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from tests.triton_interpreter import TEST_DEVICE, triton_loop_bounds, use_interpreter  # noqa: F401
+
+use_interpreter()  # before the kernels are imported: on the CPU they run interpreted
 
 pytest.importorskip("triton", reason="the Triton attention kernel needs triton")
 
@@ -40,23 +39,6 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 GPU_ONLY = pytest.mark.skipif(
     DEVICE.type == "cpu", reason="the Triton interpreter's bfloat16 dot is wrong; compiled on a GPU only"
 )
-
-
-@pytest.fixture(autouse=True)
-def _loop_bounds_from_scalars(monkeypatch):
-    """Triton 3.6's interpreter makes a tensor loop bound an int with int(array), which numpy 2.4
-    refuses for the 1-element arrays its scalars are; `.item()` is what it means (interpreted only)."""
-    if TEST_DEVICE != "cpu":
-        return
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
 
 
 def paged_case(seqs, heads, kv_heads, head_dim, block, dtype, kv_dtype="auto", cache_dtype=None, **options):

@@ -11,11 +11,11 @@ rows touch only the scratch block). Its attention and layers are the CUDA ones, 
 by Triton's interpreter; the runner takes the static step on a CPU only through the test's subclass.
 """
 
-import os
+import pytest
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
+from tests.triton_interpreter import triton_loop_bounds, use_interpreter  # noqa: F401
 
-import pytest  # noqa: E402
+use_interpreter(always=True)  # before the kernels are imported: CPU tensors, so interpreted
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -63,21 +63,6 @@ SYNC_OPS = {
     "unique_consecutive",
     "bincount",
 }
-
-
-@pytest.fixture(autouse=True)
-def _loop_bounds_from_scalars(monkeypatch):
-    """As in tests/attention/test_triton_paged_attention.py: Triton 3.6's interpreter makes a tensor
-    loop bound an int with int(array), which numpy 2.4 refuses for 1-element arrays."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
 
 
 class StaticDecodeRunner(ModelRunner):

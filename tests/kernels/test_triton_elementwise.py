@@ -3,14 +3,11 @@ formulations, run by the Triton interpreter on CPU tensors: the same kernels a G
 for the arithmetic (and for exp and tanh, which a GPU takes from libdevice). With
 LLMSERVE_TEST_DEVICE=cuda they run compiled on a GPU instead, on the same values (drawn on the CPU)."""
 
-import os
+import pytest
 
-TEST_DEVICE = os.environ.get("LLMSERVE_TEST_DEVICE", "cpu")
-if TEST_DEVICE == "cpu":
-    # Before triton is first imported: the kernels decorated from then on run in the interpreter.
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_interpreter import TEST_DEVICE, triton_loop_bounds, use_interpreter  # noqa: F401
 
-import pytest  # noqa: E402
+use_interpreter()  # before the kernels are imported: on the CPU they run interpreted
 
 pytest.importorskip("triton", reason="the Triton kernels need triton")
 
