@@ -15,12 +15,19 @@ mark, naming the instruction sets its kernel needs, if any (keys of CPU_FEATURES
   a hardware limit rather than a failure, and `make test` prints the reason (-rs), naming the
   instruction set and the level. Every other test passes on any x86-64 CPU with AVX2 and FMA, and at
   every level such a CPU can be forced to.
+
+The fast tier (`make test`) leaves out the tests marked as starting processes (PROCESS_MARKS, the
+markers in pyproject.toml). A test without such a mark that starts one of this project's processes (an
+`llmserve` command, a Python child running llmserve's or the tests' code) fails, saying to mark it.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing.process
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from types import ModuleType
 
@@ -33,6 +40,7 @@ ALLOW_NO_KERNELS = "LLMSERVE_ALLOW_NO_KERNELS"
 # triton at any time, so it is switched on before anything runs; LLMSERVE_TEST_DEVICE=cuda compiles.
 if os.environ.get("LLMSERVE_TEST_DEVICE", "cpu") == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
+PROCESS_MARKS = ("process", "server", "ray", "browser")
 
 
 def _bf16_prefill(ops: ModuleType) -> bool:
@@ -143,3 +151,44 @@ def _features(item: pytest.Item) -> set[str]:
     if unknown:
         raise pytest.UsageError(f"{item.nodeid}: unknown cpu_kernels features {sorted(unknown)}")
     return features
+
+
+@pytest.fixture(autouse=True)
+def _unmarked_tests_start_no_process(request, monkeypatch):
+    """Refuse this project's processes to a test without a PROCESS_MARKS mark (module docstring).
+    Fixtures of a wider scope start before this one: their processes are not seen here."""
+    if any(request.node.get_closest_marker(mark) for mark in PROCESS_MARKS):
+        return
+    start, popen_init = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__
+
+    def guarded_start(process):
+        target = getattr(process, "_target", None)
+        if getattr(target, "__module__", "").startswith(("llmserve", "tests")):
+            _refuse(request.node, f"a process running {target.__module__}.{target.__qualname__}")
+        start(process)
+
+    def guarded_popen_init(popen, args, *rest, **kwargs):
+        if _runs_llmserve(args):
+            _refuse(request.node, f"the command {args}")
+        popen_init(popen, args, *rest, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", guarded_start)
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_popen_init)
+
+
+def _runs_llmserve(args) -> bool:
+    """An `llmserve` command, or Python running `-m llmserve...` or a `-c` script importing it."""
+    argv = [os.fsdecode(arg) for arg in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
+    if not argv or os.path.basename(argv[0]) == "llmserve":
+        return bool(argv)
+    python = argv[0] == sys.executable or os.path.basename(argv[0]).startswith("python")
+    return python and any(
+        arg.startswith("llmserve") or "import llmserve" in arg or "from llmserve" in arg for arg in argv[1:]
+    )
+
+
+def _refuse(item: pytest.Item, what: str) -> None:
+    raise AssertionError(
+        f"{item.nodeid} starts {what}: mark it process, server, ray or browser (pyproject.toml), "
+        "so that the fast tier (make test) leaves it out"
+    )
