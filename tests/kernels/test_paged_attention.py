@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
+from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.forward_context import AttentionMetadata, PrefillSpan
 from llmserve.kernels.cpu_ops import load_cpu_ops
 
@@ -109,8 +110,8 @@ def test_gqa_group_of_one_and_plain_multi_head():
 @pytest.mark.parametrize("spans", [[(4, 40), (16, 16), (2, 300)], [(9, 9), (6, 150), (1, 1), (16, 33)]])
 def test_short_spans_in_kernel_match_reference(dtype, atol, head_dim, spans):
     """Speculative verification and short prompt tails: several causal queries per sequence, read in
-    place by the kernel, equal the reference backend's prefill path (bf16: the AVX-512 BF16 path
-    for head_dim 64 and 128 where the CPU has it, the portable one otherwise)."""
+    place by the kernel, equal the reference backend's prefill path (head_dim 64 and 128: a vector path,
+    test_float32_and_bf16_models_take_a_vector_path_over_every_cache_format; 32: the portable one)."""
     from llmserve.attention.backends.cpu_paged import CPUPagedBackend
 
     decode_lens = [1, 17, 64, 129]
@@ -183,34 +184,38 @@ def test_small_batch_verification_spans_match_reference(spans, head_dim, threads
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("spans", SMALL_BATCH_SPANS)
-def test_span_rows_equal_the_decodes_they_stand_for(spans, head_dim, threads, dtype):
+def test_span_rows_equal_the_decodes_they_stand_for(spans, head_dim, threads, dtype, kv_dtype):
     """Query i of a span over context n gives bit for bit what a decode of the same query over the
     first n - q + 1 + i positions gives, however the kernel splits and groups the rows, so a
-    verified draft's attention is what plain decoding would have computed."""
+    verified draft's attention is what plain decoding would have computed (8-bit caches too)."""
     ops = load_cpu_ops()
     gen = torch.Generator().manual_seed(head_dim + len(spans))
     max_blocks = max(-(-ctx // BLOCK) for _, ctx in spans)
     num_blocks = len(spans) * max_blocks + 3
+    fmt = get_kv_cache_format(kv_dtype)
     key_cache, value_cache = (
         torch.randn(num_blocks * BLOCK, 3, head_dim, generator=gen).to(dtype) for _ in range(2)
     )
+    if fmt.is_quantized:
+        key_cache, value_cache = fmt.quantize(key_cache), fmt.quantize(value_cache)
     tables = torch.randperm(num_blocks, generator=gen)[: len(spans) * max_blocks].view(len(spans), -1)
     counts = [q for q, _ in spans]
     query = torch.randn(sum(counts), 9, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
     span_out = ops.paged_attention(
         query, key_cache, value_cache, tables, torch.tensor([ctx for _, ctx in spans]),
-        torch.tensor([0, *counts]).cumsum(0), BLOCK, scale, 0, 0, 0,
+        torch.tensor([0, *counts]).cumsum(0), BLOCK, scale, fmt.kernel_code, 0, 0,
     )  # fmt: skip
     # every query token as a decode of its own, over the context up to its position
     owners = [seq for seq, (q, _) in enumerate(spans) for _ in range(q)]
     decode_lens = [ctx - q + 1 + i for q, ctx in spans for i in range(q)]
     decode_out = ops.paged_attention(
         query, key_cache, value_cache, tables[owners].contiguous(), torch.tensor(decode_lens),
-        torch.arange(len(owners) + 1), BLOCK, scale, 0, 0, 0,
+        torch.arange(len(owners) + 1), BLOCK, scale, fmt.kernel_code, 0, 0,
     )  # fmt: skip
     assert torch.equal(span_out, decode_out)
 
@@ -236,3 +241,91 @@ def test_split_spans_with_windows_match_dense_reference(decode_lens, span, sinks
     expected = dense_reference(queries, dense, lens, new_counts, sinks, window, scale=64**-0.5)
     actual = backend.forward(queries, key, value, caches[0].clone(), caches[1].clone(), in_kernel, 64**-0.5)
     torch.testing.assert_close(actual.double(), expected, atol=1.5e-2, rtol=1.5e-2)
+
+
+# ---- every model dtype over every cache format: which kernel runs, and what it promises ----------------
+
+KV_DTYPES = ["auto", "int8", "fp8"]
+
+
+def kernel_path(dtype, kv_dtype, head_dim):
+    return load_cpu_ops().paged_attention_path(dtype, get_kv_cache_format(kv_dtype).kernel_code, head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float32_and_bf16_models_take_a_vector_path_over_every_cache_format(dtype, kv_dtype, head_dim):
+    """Every level the kernels build for has AVX2, FMA and F16C, which the float32-arithmetic path needs
+    for float32, bf16, int8 and fp8 rows; only bf16 over a bf16 cache may take AVX-512 BF16's pair
+    products instead, where the level has them. Other head sizes keep the portable loops."""
+    allowed = {"fma", "bf16_pairs"} if (dtype, kv_dtype) == (torch.bfloat16, "auto") else {"fma"}
+    assert kernel_path(dtype, kv_dtype, head_dim) in allowed
+    assert kernel_path(dtype, kv_dtype, 32) == "portable"
+
+
+# (decode_lens, spans, sinks, window): GQA batches with and without sinks and windows, a span longer
+# than the backend sends here (the kernel takes any), and batches of two sequences, whose 4 (sequence,
+# KV head) pairs the threads split by query rows.
+PATH_CASES = [
+    ([1, 9, 40, 77], [(5, 30), (12, 12)], 0, 0),
+    ([1, 9, 40, 77, 16, 17], [(5, 60), (12, 12), (3, 40)], 4, 16),
+    ([30, 77, 100], [(20, 90)], 0, 24),
+    ([3], [(8, 300)], 0, 0),
+    ([2], [(6, 200)], 4, 32),
+]
+
+
+def path_tolerance(path, dtype):
+    """What each path promises against float64 attention over the values the cache holds: float32
+    arithmetic (outputs rounded once to bf16 for a bf16 model: half a bf16 step, 2^-8 relative), or
+    bf16 probabilities in the pair products."""
+    if path == "bf16_pairs":
+        return 1.5e-2, 1.5e-2
+    return (2e-5, 2e-5) if dtype == torch.float32 else (1e-4, 2**-8)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("decode_lens", "spans", "sinks", "window"), PATH_CASES)
+def test_each_path_matches_float64_attention(dtype, kv_dtype, head_dim, decode_lens, spans, sinks, window):
+    """The kernel on decodes and spans in one call, causal within a span, sinks and windows per query,
+    8-bit rows dequantized as read; blocks that left the window are NaN, so a read of one fails."""
+    from tests.attention.test_kv_formats_and_windows import BLOCK as CASE_BLOCK
+    from tests.attention.test_kv_formats_and_windows import dense_reference, paged_case
+
+    queries, _, _, caches, _, dense, lens, new_counts, tables = paged_case(
+        decode_lens, spans, sinks, window, kv_dtype, seed=len(spans), head_dim=head_dim, dtype=dtype
+    )
+    scale = head_dim**-0.5
+    actual = load_cpu_ops().paged_attention(
+        queries, caches[0], caches[1], tables, torch.tensor(lens), torch.tensor([0, *new_counts]).cumsum(0),
+        CASE_BLOCK, scale, get_kv_cache_format(kv_dtype).kernel_code, sinks, window,
+    )  # fmt: skip
+    assert actual.dtype == dtype
+    expected = dense_reference(queries, dense, lens, new_counts, sinks, window, scale=scale)
+    atol, rtol = path_tolerance(kernel_path(dtype, kv_dtype, head_dim), dtype)
+    torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("head_dim", [128, 32])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_8bit_code_is_read_exactly(dtype, kv_dtype, head_dim):
+    """A decode over one position returns that position's value row: rows holding all 256 codes (fp8's
+    subnormals and NaN codes included) come back as code times scale, exactly, in every path."""
+    fmt = get_kv_cache_format(kv_dtype)
+    codes = torch.arange(256, dtype=torch.uint8).view(-1, 1, head_dim)  # one row per sequence
+    rows = len(codes)
+    scale_bytes = torch.tensor([0.375], dtype=torch.float16).view(torch.uint8)
+    values = torch.cat([codes, scale_bytes.expand(rows, 1, 2)], dim=-1).contiguous()
+    keys = torch.zeros_like(values)  # codes 0 and scale 0: every score 0
+    query = torch.randn(rows, 1, head_dim).to(dtype)
+    out = load_cpu_ops().paged_attention(
+        query, keys, values, torch.arange(rows).view(rows, 1), torch.ones(rows, dtype=torch.int64),
+        torch.arange(rows + 1), 1, 0.1, fmt.kernel_code, 0, 0,
+    )  # fmt: skip
+    expected = fmt.dequantize(values, torch.float32).to(dtype)
+    assert bool(torch.isnan(expected).any()) == (kv_dtype == "fp8")  # 0x7F and 0xFF are fp8's NaNs
+    torch.testing.assert_close(out, expected, atol=0, rtol=0, equal_nan=True)

@@ -3,8 +3,8 @@
 Sequences with at most `max_decode_query_len` query tokens this step (decodes, speculative
 verification of k drafts, short prompt tails) go to one `paged_attention` call, which walks each
 sequence's block table directly; no padded copy of any context is gathered, and no mask is built.
-It dequantizes 8-bit caches row by row and visits only the sinks and the window when a sliding
-window is on.
+It dequantizes 8-bit caches as it reads them (8 lanes at a time where AVX2 is, float32 and bf16
+models alike) and visits only the sinks and the window when a sliding window is on.
 
 Longer prefill spans are compute-bound: with a bfloat16 cache on an AVX-512 BF16 CPU, or a float32
 cache on an AVX2 CPU, they go to `prefill_attention`, a blocked causal kernel that reads the context

@@ -5,12 +5,14 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 // paged_attention.cpp, prefill_attention.cpp, prefill_attention_f32.cpp
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                               int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
+std::string paged_attention_path(at::ScalarType dtype, int64_t kv_format, int64_t head_dim);
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                 torch::Tensor context_slots, double scale, bool use_amx);
 bool prefill_attention_supported(at::ScalarType dtype);

@@ -8,6 +8,10 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)");
+  m.def("paged_attention_path", &paged_attention_path,
+        "Which paged_attention kernel runs for this query dtype, kv_format and head_dim here: bf16_pairs, fma "
+        "or portable",
+        py::arg("dtype"), py::arg("kv_format"), py::arg("head_dim"));
   m.def("prefill_attention", &prefill_attention,
         "Causal attention of a long prompt span over its paged context (bf16 or float32); use_amx: bf16 on "
         "AMX's tile products where the CPU has them",

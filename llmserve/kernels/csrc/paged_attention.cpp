@@ -16,15 +16,18 @@
 // row's arithmetic is the same whatever else is in its work item, so a verification span's rows equal
 // the decodes they stand for, bit for bit. With fewer (sequence, KV head) pairs than the threads can
 // share evenly (batch 1: 3 KV heads, 2 threads), some pairs are split by query rows.
-// float32 caches with head_dim 64 or 128 on AVX2 and FMA (the dtype of CPUs without native bf16) take a
-// path of the same shape: q.k for 8 keys at a time as FMA partial sums reduced by one transpose-and-add
-// tree, softmax 8 lanes at a time, and P V with the accumulators in registers, three query rows at a
-// time so that each K and V vector loaded serves three rows. It too splits pairs by query rows at
-// batch 1, and a row's arithmetic does not depend on the other rows.
-// Everything else (float16, 8-bit caches, other head sizes, other CPUs) converts each K/V row to float32 and
-// uses plain loops the compiler vectorizes. 8-bit caches (int8, fp8; kv_format.py) are dequantized row
-// by row as they are read. With a sliding window only the sink positions and the window are visited:
-// freed blocks are never touched.
+// float32 and bf16 queries with head_dim 64 or 128 over every other cache (float32, bf16 where AVX-512 BF16
+// is missing, int8 and fp8 rows of kv_format.py) take the FMA path on AVX2, FMA and F16C, float32
+// arithmetic throughout: K and V rows converted 8 lanes at a time inside the loops (bf16 widened, int8
+// codes converted, fp8 codes rebuilt as float16 for F16C), an 8-bit row's scale applied once per key to
+// its dot product and to its P V weight rather than per element; q.k for 8 keys at a time as FMA partial
+// sums reduced by one transpose-and-add tree, softmax 8 lanes at a time, and P V with the accumulators in
+// registers, three query rows at a time so that each K and V vector converted serves three rows; bf16
+// queries widened once and outputs rounded once. It too splits pairs by query rows at batch 1, and a
+// row's arithmetic does not depend on the other rows.
+// Everything else (float16, other head sizes) converts each K/V row to float32 and uses plain loops the
+// compiler vectorizes. paged_attention_path names the path a combination takes. With a sliding window
+// only the sink positions and the window are visited: freed blocks are never touched.
 #include <torch/extension.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <omp.h>
@@ -45,9 +48,9 @@
 #include <immintrin.h>
 #define LLMSERVE_BF16_FAST_PATH 1
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
-#define LLMSERVE_F32_FAST_PATH 1
+#define LLMSERVE_FMA_PATH 1
 #endif
 
 namespace {
@@ -74,11 +77,18 @@ inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
 
 // Readers of one cached (slot, kv head) row into floats. Plain rows are head_dim values of the
 // cache's dtype; 8-bit rows (kv_format.py) are head_dim codes followed by the row's float16 scale.
+// The FMA path reads them 8 lanes at a time instead: lanes8(p) converts the 8 elements at p, and a scaled
+// row's lanes are then multiplied by factor(row, n) (in the q.k sums and P V weights, not per element).
 template <typename T>
 struct PlainRows {
   using elem_t = T;
   static constexpr int64_t extra = 0;
+  static constexpr bool scaled = false;
   static void load(const T* src, float* dst, int64_t n) { load_row(src, dst, n); }
+#ifdef LLMSERVE_FMA_PATH
+  static __m256 lanes8(const T* p) { return load8(p); }  // float32 or bf16 only
+  static float factor(const T*, int64_t) { return 1.0f; }
+#endif
 };
 
 inline float read_scale(const uint8_t* src, int64_t n) {
@@ -90,17 +100,23 @@ inline float read_scale(const uint8_t* src, int64_t n) {
 struct Int8Rows {
   using elem_t = uint8_t;
   static constexpr int64_t extra = 2;
+  static constexpr bool scaled = true;  // codes times the row's scale
   static void load(const uint8_t* src, float* dst, int64_t n) {
     const float scale = read_scale(src, n);
     const int8_t* codes = reinterpret_cast<const int8_t*>(src);
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(codes[i]) * scale;
   }
+#ifdef LLMSERVE_FMA_PATH
+  static __m256 lanes8(const uint8_t* p) { return load8(reinterpret_cast<const int8_t*>(p)); }
+  static float factor(const uint8_t* row, int64_t n) { return read_scale(row, n); }
+#endif
 };
 
 struct Fp8Rows {
   using elem_t = uint8_t;
   static constexpr int64_t extra = 2;
+  static constexpr bool scaled = true;  // codes times the row's scale
   static const float* table() {  // every float8_e4m3fn bit pattern's value, built once
     static const std::vector<float> values = [] {
       std::vector<float> v(256);
@@ -115,6 +131,10 @@ struct Fp8Rows {
     const float* values = table();
     for (int64_t i = 0; i < n; ++i) dst[i] = values[src[i]] * scale;
   }
+#ifdef LLMSERVE_FMA_PATH
+  static __m256 lanes8(const uint8_t* p) { return load8_e4m3_over_256(p); }
+  static float factor(const uint8_t* row, int64_t n) { return read_scale(row, n) * 256.0f; }  // exact
+#endif
 };
 
 // ---- small vector helpers -----------------------------------------------------------------------------
@@ -343,17 +363,19 @@ inline void list_chunks(const Span& span, const int64_t* table, int64_t block_si
 // waiting on memory when K/V come from DRAM, and longer leads than three gained nothing.
 constexpr int64_t kPrefetchChunks = 3;
 
-// ---- the float32 fast path (AVX2, FMA) ----------------------------------------------------------------
+// ---- the FMA path (AVX2, FMA, F16C): float32 arithmetic over any cache row format ---------------------
 
-#ifdef LLMSERVE_F32_FAST_PATH
+#ifdef LLMSERVE_FMA_PATH
 
-// q.k for 8 keys (rows `stride` floats apart; a short run repeats its last key) and R query rows at once,
-// one vector per row: per key one FMA chain over the row (a multiply, then FMAs in column order), then a
-// transpose-and-add tree, lane k = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) of key k's partial
-// sums whatever the other keys and rows hold. Four keys at a time keep R x 4 chains in registers, and each
-// key vector loaded serves all R rows (their queries are read from L1 as FMA operands).
-template <int D, int R>
-inline void dot_8_keys(const float* const* q_rows, const float* keys, int64_t stride, int count, __m256 (&out)[R]) {
+// q.k for 8 keys (rows `stride` elements apart; a short run repeats its last key) and R query rows at once,
+// one vector per row: per key one FMA chain over the row (a multiply, then FMAs in column order) on the
+// key's lanes as Rows converts them, then a transpose-and-add tree, lane k = ((x0 + x1) + (x2 + x3)) +
+// ((x4 + x5) + (x6 + x7)) of key k's partial sums whatever the other keys and rows hold. Four keys at a
+// time keep R x 4 chains in registers, and each key vector converted serves all R rows (their float32
+// queries are read from L1 as FMA operands).
+template <int D, int R, typename Rows>
+inline void dot_8_keys(const float* const* q_rows, const typename Rows::elem_t* keys, int64_t stride, int count,
+                       __m256 (&out)[R]) {
   // The query pointers made opaque here, in the loop that calls this: otherwise GCC hoists all R rows'
   // query vectors (8R registers) out of the loop over keys and spills the accumulators around them.
   const float* q[R];
@@ -363,16 +385,16 @@ inline void dot_8_keys(const float* const* q_rows, const float* keys, int64_t st
   }
   __m256 low[R];
   LLMSERVE_UNROLL for (int half = 0; half < 2; ++half) {
-    const float* key[4];
+    const typename Rows::elem_t* key[4];
     LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) key[j] = keys + std::min(4 * half + j, count - 1) * stride;
     __m256 acc[R][4];
     LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) {
-      const __m256 k = _mm256_loadu_ps(key[j]);
+      const __m256 k = Rows::lanes8(key[j]);
       LLMSERVE_UNROLL for (int r = 0; r < R; ++r) acc[r][j] = _mm256_mul_ps(_mm256_loadu_ps(q[r]), k);
     }
     LLMSERVE_UNROLL for (int piece = 1; piece < D / 8; ++piece) {
       LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) {
-        const __m256 k = _mm256_loadu_ps(key[j] + 8 * piece);
+        const __m256 k = Rows::lanes8(key[j] + 8 * piece);
         LLMSERVE_UNROLL for (int r = 0; r < R; ++r)
           acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[r] + 8 * piece), k, acc[r][j]);
       }
@@ -388,24 +410,41 @@ inline void dot_8_keys(const float* const* q_rows, const float* keys, int64_t st
   }
 }
 
+// What multiplies the dot products of 8 keys (as dot_8_keys picks them): the attention scale, times each
+// key row's own factor for a scaled (8-bit) cache. Per key, so a row's scores do not depend on the others.
+template <int D, typename Rows>
+inline __m256 key_factors(const typename Rows::elem_t* keys, int64_t stride, int count, float scale) {
+  if constexpr (!Rows::scaled) {
+    return _mm256_set1_ps(scale);
+  } else {
+    alignas(32) float factors[8];
+    for (int k = 0; k < 8; ++k) factors[k] = Rows::factor(keys + std::min(k, count - 1) * stride, D);
+    return _mm256_mul_ps(_mm256_load_ps(factors), _mm256_set1_ps(scale));
+  }
+}
+
 // Adds one chunk's P V to R rows' 32 columns from `column`: R x 4 accumulators in registers, loaded from
 // the rows' outputs (zeros at the first chunk) and stored back, each one FMA per position in order (a
 // hidden position has p = 0 and adds nothing), so a row's sums are those of one pass over its context.
+// A scaled row's factor multiplies its weight (factors[t], one per position of the chunk), not its lanes.
 // Chunk by chunk, every row of the item reads a chunk's values from L1 while it is there, instead of
 // each row group walking the whole context again from L2.
-template <int R>
-inline void add_chunk_values(const float* const* p, const float* value_rows, int64_t stride, int64_t count,
-                             int64_t index, bool first, float* const* out) {
+template <int R, typename Rows>
+inline void add_chunk_values(const float* const* p, const typename Rows::elem_t* value_rows, int64_t stride,
+                             int64_t count, int64_t index, const float* factors, bool first, float* const* out) {
   __m256 acc[R][4];
   LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
     LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out[r] + 8 * j);
   }
   for (int64_t t = 0; t < count; ++t) {
     __m256 w[R];
-    LLMSERVE_UNROLL for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(p[r] + index + t);
-    const float* v = value_rows + t * stride;
+    LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
+      if constexpr (Rows::scaled) w[r] = _mm256_set1_ps(p[r][index + t] * factors[t]);
+      else w[r] = _mm256_broadcast_ss(p[r] + index + t);
+    }
+    const typename Rows::elem_t* v = value_rows + t * stride;
     LLMSERVE_UNROLL for (int j = 0; j < 4; ++j) {
-      const __m256 value = _mm256_loadu_ps(v + 8 * j);
+      const __m256 value = Rows::lanes8(v + 8 * j);
       LLMSERVE_UNROLL for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(w[r], value, acc[r][j]);
     }
   }
@@ -414,7 +453,7 @@ inline void add_chunk_values(const float* const* p, const float* value_rows, int
   }
 }
 
-// softmax_row for the float32 path, 8 lanes at a time over the whole buffer (which has room for whole
+// softmax_row for the FMA path, 8 lanes at a time over the whole buffer (which has room for whole
 // vectors past `context`) with the hidden lanes zeroed: they add exact zeros, so a row's values depend
 // only on what it sees, as in a decode of it. Plain loads and stores: AVX2's masked stores are microcoded
 // on AMD Zen and took a third of this kernel's time there.
@@ -453,96 +492,124 @@ inline void softmax_row_f32(const Span& span, int64_t query, float* s) {
   for (int64_t i = 0; i < context; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inverse));
 }
 
-// Query rows [row_begin, row_end) of (seq, kv_head) over a float32 cache; row r = (token r / group, head r
-// % group of the group). Rows go three at a time (a remainder of one or two at the end) through the q.k
-// and P V loops, so each K and V vector read from L1/L2 serves three rows: verification spans and GQA
-// groups cost a fraction of a pass per row.
-template <int D>
-void attend_f32(const Batch<float, float>& batch, int64_t seq, int64_t kv_head, int64_t row_begin, int64_t row_end,
-                Scratch& scratch) {
+// Query rows [row_begin, row_end) of (seq, kv_head), any query dtype (float32 or bf16) and any row format
+// Rows reads 8 lanes at a time (float32, bf16, int8 or fp8 codes and a scale); row r = (token r / group,
+// head r % group of the group). Cache rows are converted inside the q.k and P V loops, never copied.
+// Rows go three at a time (a remainder of one or two at the end) through the q.k and P V loops, so each
+// K and V vector read from L1/L2 serves three rows: verification spans and GQA groups cost a fraction of a
+// pass per row. bf16 queries are widened (exactly) once per work item and bf16 outputs rounded once at the
+// end, so a bf16 model gets float32 arithmetic throughout.
+template <int D, typename scalar_t, typename Rows>
+void attend_fma(const Batch<scalar_t, typename Rows::elem_t>& batch, int64_t seq, int64_t kv_head, int64_t row_begin,
+                int64_t row_end, Scratch& scratch) {
   static_assert(D % 32 == 0, "the V pass takes 32 columns at a time");
+  using elem_t = typename Rows::elem_t;
+  constexpr bool f32 = std::is_same_v<scalar_t, float>;
   const int64_t group = batch.group();
   const int64_t num_queries = batch.query_starts[seq + 1] - batch.query_starts[seq];
   const Span span(batch.seq_lens[seq], num_queries, batch.sinks, batch.window);
   const int64_t rows = row_end - row_begin, context = span.context;
   const int64_t* table = batch.block_tables + seq * batch.max_blocks;
   const int64_t stride = batch.slot_stride();
+  const int64_t row_bytes = batch.row_len * static_cast<int64_t>(sizeof(elem_t));
   // Score rows `pitch` apart, with room for a whole vector past the context: stores of 8 dots write the
   // lanes past a chunk's last key too (the next chunk's stores overwrite them).
   const int64_t pitch = (context + 7) / 8 * 8 + 8;
   float* scores = scratch.grow(scratch.scores, rows * pitch);
-  // Row r's query, scores and output, found once here rather than by divisions in every chunk.
+  // Row r's float32 query, scores and output, found once here rather than by divisions in every chunk:
+  // float32 rows where they are, bf16 ones through buffers.
   const float** q_rows = scratch.grow(scratch.query_rows_f32, 2 * rows);
   const float** p_rows = q_rows + rows;
   float** out_rows = scratch.grow(scratch.out_rows_f32, rows);
+  float* wide_queries = f32 ? nullptr : scratch.grow(scratch.queries, rows * D);
+  float* wide_out = f32 ? nullptr : scratch.grow(scratch.acc, rows * D);
   for (int64_t r = 0; r < rows; ++r) {
-    q_rows[r] = batch.query + batch.head_offset(seq, kv_head, row_begin + r);
+    const int64_t offset = batch.head_offset(seq, kv_head, row_begin + r);
+    if constexpr (f32) {
+      q_rows[r] = batch.query + offset;
+      out_rows[r] = batch.out + offset;
+    } else {
+      load_row(batch.query + offset, wide_queries + r * D, D);
+      q_rows[r] = wide_queries + r * D;
+      out_rows[r] = wide_out + r * D;
+    }
     p_rows[r] = scores + r * pitch;
-    out_rows[r] = batch.out + batch.head_offset(seq, kv_head, row_begin + r);
   }
   std::vector<Chunk>& chunks = scratch.chunks;
   list_chunks(span, table, batch.block_size, stride, chunks);
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   // scores, 8 keys at a time
-  const float* keys = batch.key_cache + kv_head * batch.row_len;
-  const __m256 scale = _mm256_set1_ps(batch.scale);
+  const elem_t* keys = batch.key_cache + kv_head * batch.row_len;
   for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i)
-    prefetch_rows(keys + chunks[i].offset, chunks[i].count, stride, 4 * D);
+    prefetch_rows(keys + chunks[i].offset, chunks[i].count, stride, row_bytes);
   for (int64_t i = 0; i < num_chunks; ++i) {
     if (i + kPrefetchChunks < num_chunks)
-      prefetch_rows(keys + chunks[i + kPrefetchChunks].offset, chunks[i + kPrefetchChunks].count, stride, 4 * D);
+      prefetch_rows(keys + chunks[i + kPrefetchChunks].offset, chunks[i + kPrefetchChunks].count, stride, row_bytes);
     const Chunk chunk = chunks[i];
     for (int64_t first = 0; first < chunk.count; first += 8) {
       const int count = static_cast<int>(std::min<int64_t>(8, chunk.count - first));
-      const float* key_rows = keys + chunk.offset + first * stride;
+      const elem_t* key_rows = keys + chunk.offset + first * stride;
+      const __m256 factors = key_factors<D, Rows>(key_rows, stride, count, batch.scale);
       auto store = [&](int64_t r, __m256 dots) {
-        _mm256_storeu_ps(scores + r * pitch + chunk.index + first, _mm256_mul_ps(dots, scale));
+        _mm256_storeu_ps(scores + r * pitch + chunk.index + first, _mm256_mul_ps(dots, factors));
       };
       int64_t r = 0;
       for (; r + 3 <= rows; r += 3) {
         __m256 dots[3];
-        dot_8_keys<D, 3>(q_rows + r, key_rows, stride, count, dots);
+        dot_8_keys<D, 3, Rows>(q_rows + r, key_rows, stride, count, dots);
         for (int j = 0; j < 3; ++j) store(r + j, dots[j]);
       }
       if (rows - r == 2) {
         __m256 dots[2];
-        dot_8_keys<D, 2>(q_rows + r, key_rows, stride, count, dots);
+        dot_8_keys<D, 2, Rows>(q_rows + r, key_rows, stride, count, dots);
         store(r, dots[0]);
         store(r + 1, dots[1]);
       } else if (rows - r == 1) {
         __m256 dots[1];
-        dot_8_keys<D, 1>(q_rows + r, key_rows, stride, count, dots);
+        dot_8_keys<D, 1, Rows>(q_rows + r, key_rows, stride, count, dots);
         store(r, dots[0]);
       }
     }
   }
   for (int64_t r = 0; r < rows; ++r) softmax_row_f32(span, (row_begin + r) / group, scores + r * pitch);
   // P V, chunk by chunk (all rows, 32 columns at a time), accumulating in the rows' outputs
-  const float* values = batch.value_cache + kv_head * batch.row_len;
+  const elem_t* values = batch.value_cache + kv_head * batch.row_len;
   for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i)
-    prefetch_rows(values + chunks[i].offset, chunks[i].count, stride, 4 * D);
+    prefetch_rows(values + chunks[i].offset, chunks[i].count, stride, row_bytes);
   if (num_chunks == 0) {  // nothing visible (cannot happen for a real query, which sees itself)
     for (int64_t r = 0; r < rows; ++r) std::fill(out_rows[r], out_rows[r] + D, 0.0f);
   }
   float* out_at[3];
+  float value_factors[16];  // a chunk's value rows' factors (scaled rows only)
   for (int64_t i = 0; i < num_chunks; ++i) {
     if (i + kPrefetchChunks < num_chunks)
-      prefetch_rows(values + chunks[i + kPrefetchChunks].offset, chunks[i + kPrefetchChunks].count, stride, 4 * D);
+      prefetch_rows(values + chunks[i + kPrefetchChunks].offset, chunks[i + kPrefetchChunks].count, stride, row_bytes);
     const Chunk chunk = chunks[i];
+    if constexpr (Rows::scaled)
+      for (int64_t t = 0; t < chunk.count; ++t) value_factors[t] = Rows::factor(values + chunk.offset + t * stride, D);
     for (int64_t column = 0; column < D; column += 32) {
-      const float* value_rows = values + chunk.offset + column;
+      const elem_t* value_rows = values + chunk.offset + column;
       for (int64_t r = 0; r < rows; r += 3) {
         const int64_t n = std::min<int64_t>(3, rows - r);
         for (int64_t j = 0; j < n; ++j) out_at[j] = out_rows[r + j] + column;
-        if (n == 3) add_chunk_values<3>(p_rows + r, value_rows, stride, chunk.count, chunk.index, i == 0, out_at);
-        else if (n == 2) add_chunk_values<2>(p_rows + r, value_rows, stride, chunk.count, chunk.index, i == 0, out_at);
-        else add_chunk_values<1>(p_rows + r, value_rows, stride, chunk.count, chunk.index, i == 0, out_at);
+        if (n == 3)
+          add_chunk_values<3, Rows>(p_rows + r, value_rows, stride, chunk.count, chunk.index, value_factors, i == 0, out_at);
+        else if (n == 2)
+          add_chunk_values<2, Rows>(p_rows + r, value_rows, stride, chunk.count, chunk.index, value_factors, i == 0, out_at);
+        else
+          add_chunk_values<1, Rows>(p_rows + r, value_rows, stride, chunk.count, chunk.index, value_factors, i == 0, out_at);
       }
+    }
+  }
+  if constexpr (!f32) {  // round to the output dtype (nearest even), 8 values at a time
+    for (int64_t r = 0; r < rows; ++r) {
+      scalar_t* o = batch.out + batch.head_offset(seq, kv_head, row_begin + r);
+      for (int64_t d = 0; d < D; d += 8) store8(o + d, _mm256_loadu_ps(out_rows[r] + d));
     }
   }
 }
 
-#endif  // LLMSERVE_F32_FAST_PATH
+#endif  // LLMSERVE_FMA_PATH
 
 // ---- the bfloat16 fast path (AVX-512 BF16) -----------------------------------------------------------
 
@@ -781,7 +848,32 @@ void for_each_item(int64_t num_seqs, int64_t num_kv_heads, const int64_t* seq_le
   }
 }
 
+// Which kernel paged_attention runs for queries of `dtype`, a cache of kv_format and head_dim, as compiled
+// at this level: the one place that decides, for the dispatch and for paged_attention_path.
+enum class Path { kPortable, kFma, kBf16Pairs };
+
+Path choose_path(at::ScalarType dtype, int64_t kv_format, int64_t head_dim) {
+  if (head_dim != 64 && head_dim != 128) return Path::kPortable;
+#ifdef LLMSERVE_BF16_FAST_PATH
+  if (dtype == at::kBFloat16 && kv_format == 0) return Path::kBf16Pairs;
+#endif
+#ifdef LLMSERVE_FMA_PATH
+  if (dtype == at::kFloat || dtype == at::kBFloat16) return Path::kFma;
+#endif
+  return Path::kPortable;
+}
+
 }  // namespace
+
+// "bf16_pairs" (AVX-512 BF16 pair products: probabilities rounded to bf16), "fma" (float32 FMAs over
+// cache rows converted 8 lanes at a time) or "portable" (rows converted one at a time, plain loops).
+std::string paged_attention_path(at::ScalarType dtype, int64_t kv_format, int64_t head_dim) {
+  switch (choose_path(dtype, kv_format, head_dim)) {
+    case Path::kBf16Pairs: return "bf16_pairs";
+    case Path::kFma: return "fma";
+    default: return "portable";
+  }
+}
 
 // query [T, H, D]: the query tokens of every sequence, sequence b's at rows query_starts[b] ..
 // query_starts[b + 1] - 1 (its last positions). key_cache, value_cache [slots, KVH, D] in the query's
@@ -824,31 +916,26 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
                                           lens_ptr, starts.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                                           num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
                                           head_dim + Rows::extra, sinks, window, static_cast<float>(scale)};
+      const Path path = choose_path(query.scalar_type(), kv_format, head_dim);
 #ifdef LLMSERVE_BF16_FAST_PATH
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<elem_t, c10::BFloat16>) {
-        if (head_dim == 64) {
+        if (path == Path::kBf16Pairs) {
           for_each_item(num_seqs, num_kv_heads, lens_ptr, starts_ptr, group, /*split_rows=*/true,
                         [&](int64_t s, int64_t h, int64_t first, int64_t end, Scratch& x) {
-                          attend_bf16<64>(batch, s, h, first, end, x);
-                        });
-          return;
-        }
-        if (head_dim == 128) {
-          for_each_item(num_seqs, num_kv_heads, lens_ptr, starts_ptr, group, /*split_rows=*/true,
-                        [&](int64_t s, int64_t h, int64_t first, int64_t end, Scratch& x) {
-                          attend_bf16<128>(batch, s, h, first, end, x);
+                          if (head_dim == 64) attend_bf16<64>(batch, s, h, first, end, x);
+                          else attend_bf16<128>(batch, s, h, first, end, x);
                         });
           return;
         }
       }
 #endif
-#ifdef LLMSERVE_F32_FAST_PATH
-      if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<elem_t, float>) {
-        if (head_dim == 64 || head_dim == 128) {
+#ifdef LLMSERVE_FMA_PATH
+      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (path == Path::kFma) {
           for_each_item(num_seqs, num_kv_heads, lens_ptr, starts_ptr, group, /*split_rows=*/true,
                         [&](int64_t s, int64_t h, int64_t first, int64_t end, Scratch& x) {
-                          if (head_dim == 64) attend_f32<64>(batch, s, h, first, end, x);
-                          else attend_f32<128>(batch, s, h, first, end, x);
+                          if (head_dim == 64) attend_fma<64, scalar_t, Rows>(batch, s, h, first, end, x);
+                          else attend_fma<128, scalar_t, Rows>(batch, s, h, first, end, x);
                         });
           return;
         }

@@ -159,4 +159,22 @@ inline __m256 load8(const c10::BFloat16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+// 8 int8 codes as float32 lanes (exact).
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__F16C__)
+// 8 float8_e4m3fn codes as float32 lanes times 2^-8, exactly: each code becomes the float16 of the same
+// sign, exponent field and mantissa (bias 15 instead of 7: 2^-8 times the value, subnormals included, and
+// the NaN code made a float16 NaN), which F16C widens. Callers fold the 2^8 into a scale they apply anyway.
+inline __m256 load8_e4m3_over_256(const uint8_t* p) {
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), codes);  // code << 8 in 16-bit lanes
+  // the sign stays at bit 15 and its copy at bit 14 is cleared: exponent and mantissa move down by one
+  const __m128i half = _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(high, _mm_set1_epi16(0x7F00)), _mm_set1_epi16(0x7F00));
+  return _mm256_cvtph_ps(_mm_or_si128(half, _mm_and_si128(nan, _mm_set1_epi16(0x7C00))));
+}
 #endif
