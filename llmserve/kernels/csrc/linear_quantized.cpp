@@ -116,10 +116,12 @@ QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size)
 
 // Rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block; rows >= n_size are not written.
 // Scales: one per output row (`row_scales`, per-channel), or with Grouped one per (row, 32 columns)
-// (`group_scales`: the block's [K/32][32], GGUF Q8_0).
+// (`group_scales`: the block's [K/32][32], GGUF Q8_0). `prefetch`: this pass streams the block in (later
+// passes over it read it from cache).
 template <int MC, bool Grouped, typename Out>
 inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* row_scales,
-                       const float* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row) {
+                       const float* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row,
+                       bool prefetch) {
   const int64_t blocks = k_size / kInputBlock;
   __m512 acc[2][MC];
   for (int m = 0; m < MC; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
@@ -129,8 +131,10 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
     const uint8_t* weights = block + b * kInputBlock * kRows;  // 8 column quads x 32 rows x 4 bytes
     for (int quad = 0; quad < kInputBlock / 4; ++quad) {
       const uint8_t* lines = weights + quad * 4 * kRows;  // two cache lines: rows 0-15, rows 16-31
-      _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes + 64, _MM_HINT_T0);
+      if (prefetch) {
+        _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes + 64, _MM_HINT_T0);
+      }
       const __m512i low = _mm512_loadu_si512(lines);
       const __m512i high = _mm512_loadu_si512(lines + 64);
       for (int m = 0; m < MC; ++m) {
@@ -174,37 +178,13 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
   }
 }
 
-template <bool Grouped, typename Out>
-void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* scales,
-                 Out* out, int64_t k_size, int64_t n_size) {
-  const int64_t blocks = (n_size + kRows - 1) / kRows;
-  const int64_t block_bytes = kRows * k_size;
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      // Inputs in passes of at most 4 rows (accumulators stay in registers); a block's weights are
-      // then re-read from the L2 cache, not from memory.
-      for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
-        const uint8_t* block = packed + b * block_bytes;
-        const float* group_scales = scales + b * kRows * (k_size / kInputBlock);  // Grouped only
-        const int64_t row = b * kRows;
-        switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
-          case 1: int8_block<1, Grouped, Out>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
-          case 2: int8_block<2, Grouped, Out>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
-          case 3: int8_block<3, Grouped, Out>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
-          default: int8_block<4, Grouped, Out>(in, m0, block, scales, group_scales, out, k_size, n_size, row); break;
-        }
-      }
-    }
-  });
-}
-
 // int4: rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block. `params` holds the block's
-// [groups][2][32] float32 scales and offsets; `group_sums` [M, groups] is sum x over each group.
+// [groups][2][32] float32 scales and offsets; `group_sums` [M, groups] is sum x over each group;
+// `prefetch` as for int8_block. bf16 outputs only (float32 inputs are the AVX2 level's).
 template <int MC>
 inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* params,
                        const float* group_sums, uint16_t* out, int64_t k_size, int64_t n_size, int64_t row,
-                       int64_t group_size) {
+                       int64_t group_size, bool prefetch) {
   const int64_t blocks = k_size / kInputBlock, groups = k_size / group_size;
   const int64_t blocks_per_group = group_size / kInputBlock;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -224,8 +204,10 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
       const uint8_t* weights = block + b * kInputBlock * kRows / 2;  // 4 chunks of 8 columns x 32 rows
       for (int chunk = 0; chunk < kInputBlock / 8; ++chunk) {
         const uint8_t* lines = weights + chunk * 4 * kRows;  // two cache lines: rows 0-15, rows 16-31
-        _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes + 64, _MM_HINT_T0);
+        if (prefetch) {
+          _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes + 64, _MM_HINT_T0);
+        }
         __m512i low[2], high[2];
         for (int t = 0; t < 2; ++t) {
           const __m512i packed = _mm512_loadu_si512(lines + 64 * t);
@@ -258,33 +240,6 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
     for (int m = 0; m < MC; ++m)
       _mm256_mask_storeu_epi16(out + (m0 + m) * n_size + row + 16 * t, masks[t],
                                (__m256i)_mm512_cvtneps_pbh(acc[t][m]));
-}
-
-void int4_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* params,
-                 uint16_t* out, int64_t k_size, int64_t n_size, int64_t group_size) {
-  const int64_t blocks = (n_size + kRows - 1) / kRows, groups = k_size / group_size;
-  const int64_t input_blocks = k_size / kInputBlock, blocks_per_group = group_size / kInputBlock;
-  std::vector<float> group_sums(m_size * groups, 0.0f);  // sum x over each group, from the rounded input
-  for (int64_t m = 0; m < m_size; ++m)
-    for (int64_t b = 0; b < input_blocks; ++b)
-      group_sums[m * groups + b / blocks_per_group] += in.scales[m * input_blocks + b] * in.sums[m * input_blocks + b];
-  const int64_t block_bytes = kRows * k_size / 2;
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* block = packed + b * block_bytes;
-      const float* block_params = params + b * groups * 2 * kRows;
-      for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
-        const int64_t row = b * kRows;
-        switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
-          case 1: int4_block<1>(in, m0, block, block_params, group_sums.data(), out, k_size, n_size, row, group_size); break;
-          case 2: int4_block<2>(in, m0, block, block_params, group_sums.data(), out, k_size, n_size, row, group_size); break;
-          case 3: int4_block<3>(in, m0, block, block_params, group_sums.data(), out, k_size, n_size, row, group_size); break;
-          default: int4_block<4>(in, m0, block, block_params, group_sums.data(), out, k_size, n_size, row, group_size); break;
-        }
-      }
-    }
-  });
 }
 
 #endif  // LLMSERVE_INT8_LINEAR
@@ -357,12 +312,12 @@ QuantizedInput quantize_input(const In* x, int64_t m_size, int64_t k_size) {
   return q;
 }
 
-// Rows [row, row + 32) of inputs [m0, m0 + MC) from one packed int8 block (int8_block's contract);
-// `prefetch`: this pass streams the block in.
+// Rows [row, row + 32) of inputs [m0, m0 + MC) from one packed int8 block (the AVX-512 int8_block's
+// contract).
 template <int MC, bool Grouped, typename Out>
-inline void int8_block_avx2(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* row_scales,
-                            const float* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row,
-                            bool prefetch) {
+inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* row_scales,
+                       const float* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row,
+                       bool prefetch) {
   const int64_t blocks = k_size / kInputBlock;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   __m256 acc[4][MC];
@@ -413,35 +368,12 @@ inline void int8_block_avx2(const QuantizedInput& in, int64_t m0, const uint8_t*
   store_block_rows<MC>(acc, out + m0 * n_size, n_size, row);
 }
 
-template <bool Grouped, typename Out>
-void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* scales,
-                 Out* out, int64_t k_size, int64_t n_size) {
-  const int64_t blocks = (n_size + kRows - 1) / kRows;
-  const int64_t block_bytes = kRows * k_size;
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* block = packed + b * block_bytes;
-      const float* group_scales = scales + b * kRows * (k_size / kInputBlock);  // Grouped only
-      const int64_t row = b * kRows;
-      for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
-        const bool first = m0 == 0;
-        switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
-          case 1: int8_block_avx2<1, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
-          case 2: int8_block_avx2<2, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
-          case 3: int8_block_avx2<3, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
-          default: int8_block_avx2<4, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
-        }
-      }
-    }
-  });
-}
-
-// int4: rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block (int4_block's contract).
+// int4: rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block (the AVX-512 int4_block's
+// contract), bf16 or float32 outputs.
 template <int MC, typename Out>
-inline void int4_block_avx2(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* params,
-                            const float* group_sums, Out* out, int64_t k_size, int64_t n_size, int64_t row,
-                            int64_t group_size, bool prefetch) {
+inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* params,
+                       const float* group_sums, Out* out, int64_t k_size, int64_t n_size, int64_t row,
+                       int64_t group_size, bool prefetch) {
   const int64_t blocks = k_size / kInputBlock, groups = k_size / group_size;
   const int64_t blocks_per_group = group_size / kInputBlock;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -494,6 +426,38 @@ inline void int4_block_avx2(const QuantizedInput& in, int64_t m0, const uint8_t*
   store_block_rows<MC>(acc, out + m0 * n_size, n_size, row);
 }
 
+#endif  // LLMSERVE_INT8_LINEAR_AVX2
+
+// ---- the drivers, one for both levels: blocks of 32 output rows dealt out to the threads ----------
+#if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
+
+// Inputs in passes of at most 4 rows (accumulators stay in registers) over each block of the level's
+// int8_block; the first pass streams the block's weights in, later ones re-read them from the L2 cache.
+template <bool Grouped, typename Out>
+void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* scales,
+                 Out* out, int64_t k_size, int64_t n_size) {
+  const int64_t blocks = (n_size + kRows - 1) / kRows;
+  const int64_t block_bytes = kRows * k_size;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = packed + b * block_bytes;
+      const float* group_scales = scales + b * kRows * (k_size / kInputBlock);  // Grouped only
+      const int64_t row = b * kRows;
+      for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
+        const bool first = m0 == 0;
+        switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
+          case 1: int8_block<1, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
+          case 2: int8_block<2, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
+          case 3: int8_block<3, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
+          default: int8_block<4, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
+        }
+      }
+    }
+  });
+}
+
+// The int4 blocks likewise; `group_sums` (sum x per group, from the rounded input) feed the offsets.
 template <typename Out>
 void int4_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* params, Out* out,
                  int64_t k_size, int64_t n_size, int64_t group_size) {
@@ -514,17 +478,17 @@ void int4_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed
         const bool first = m0 == 0;
         const float* sums = group_sums.data();
         switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
-          case 1: int4_block_avx2<1>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
-          case 2: int4_block_avx2<2>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
-          case 3: int4_block_avx2<3>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
-          default: int4_block_avx2<4>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+          case 1: int4_block<1>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+          case 2: int4_block<2>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+          case 3: int4_block<3>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+          default: int4_block<4>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
         }
       }
     }
   });
 }
 
-#endif  // LLMSERVE_INT8_LINEAR_AVX2
+#endif
 
 }  // namespace
 
