@@ -289,8 +289,8 @@ struct Scratch {
   std::vector<float> scores, queries, acc, row, totals;
   std::vector<uint16_t> probs;  // bf16 softmax numerators (fast path)
   std::vector<const uint16_t*> query_rows;  // bf16 fast path
-  std::vector<const float*> query_rows_f32;  // float32 fast path: queries, then score rows
-  std::vector<float*> out_rows_f32;          // float32 fast path
+  std::vector<const float*> query_rows_f32;  // FMA path: float32 queries, then score rows
+  std::vector<float*> out_rows_f32;          // FMA path: float32 outputs
   std::vector<Chunk> chunks;
   template <typename T>
   T* grow(std::vector<T>& buffer, int64_t size) {
