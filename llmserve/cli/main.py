@@ -42,9 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(
-        logging.INFO
-        if args.verbose or args.command in ("serve", "router")
-        else logging.WARNING
+        logging.INFO if args.verbose or args.command in ("serve", "router") else logging.WARNING
     )
     try:
         return args.handler(args)
