@@ -79,7 +79,7 @@ class CachedThroughput:
 
 def measure_throughput(llm, requests: list[BenchRequest]) -> CachedThroughput:
     llm.generate([requests[0].prompt_token_ids[:8]], greedy_params(2), use_tqdm=False)  # warm-up
-    llm.engine.kv_cache_manager.pool.reset_prefix_cache()
+    llm.engine.kv_cache_manager.reset_prefix_cache()
     start = time.perf_counter()
     outputs = llm.generate(
         [r.prompt_token_ids for r in requests], [greedy_params(r.max_tokens) for r in requests], use_tqdm=True

@@ -149,6 +149,12 @@ class KVCacheManager:
         """The prefix cache's changes since the last call (empty unless enable_kv_events)."""
         return self.pool.take_events()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and the lookup counts (the warm-up's, say: nothing of it may be
+        hit or counted later); the clearing is an event like any other (`take_events`)."""
+        self.pool.reset_prefix_cache()
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+
     # -- allocation ---------------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:

@@ -430,9 +430,8 @@ class LLMEngine:
         """Leave no trace of the warm-up a client, a router or metrics could see: no cached prefixes,
         no KV events, no counts, and the global seed set again (a seedless sampled request draws as
         without warm-up); the cost model keeps the measured steps only with `keep_step_costs`."""
-        kv = self.kv_cache_manager
-        kv.pool.reset_prefix_cache()
-        kv.take_events()  # the warm-up's stored blocks and their clearing: held back from the router
+        self.kv_cache_manager.reset_prefix_cache()
+        self.kv_cache_manager.take_events()  # the warm-up's stored blocks and their clearing: held back
         self.scheduler.reset_counters(step_costs=not keep_step_costs)
         self.step_stats.restart()
         self.last_step = None

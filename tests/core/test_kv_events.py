@@ -86,6 +86,22 @@ def test_eviction_is_a_block_removed_event_and_reset_clears_all(make_request):
     assert kv.take_events() == [AllBlocksCleared()]
 
 
+def test_the_managers_reset_forgets_prefixes_and_counts(make_request):
+    scheduler, kv = make_scheduler()
+    scheduler.add_request(make_request(0, tokens=SHARED + [1]))
+    finish_step(scheduler, scheduler.schedule())
+    scheduler.add_request(make_request(0, tokens=SHARED + [2]))
+    finish_step(scheduler, scheduler.schedule())
+    assert kv.prefix_cache_hits > 0
+    kv.take_events()
+    kv.reset_prefix_cache()
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (0, 0)
+    assert kv.take_events() == [AllBlocksCleared()]
+    scheduler.add_request(make_request(0, tokens=SHARED + [3]))
+    finish_step(scheduler, scheduler.schedule())
+    assert kv.prefix_cache_queries > 0 and kv.prefix_cache_hits == 0  # nothing cached survived
+
+
 def test_no_events_are_recorded_unless_asked(make_request):
     scheduler, kv = make_scheduler(events=False)
     scheduler.add_request(make_request(0, tokens=SHARED + [1]))

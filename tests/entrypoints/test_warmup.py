@@ -63,6 +63,7 @@ def test_warm_up_runs_a_prefill_decodes_a_cache_hit_and_drafts_then_forgets_them
     assert not engine.has_unfinished_requests()
     kv.check_integrity()
     assert kv.pool.num_free_blocks == kv.num_blocks and kv.pool.num_cached_blocks == 0
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (0, 0)
     assert engine.spec_decode_stats.num_draft_tokens == 0 and engine.last_step is None
     engine.add_tokenized_request("again", warmup_requests(engine, 100)[0][0][1], SamplingParams(max_tokens=1))
     engine.step()
