@@ -127,10 +127,11 @@ def warm_up(engine: LLMEngine, prompt_len: int = DEFAULT_PROMPT_LEN) -> list[Ste
             measured += _run_wave(engine, wave)
     except Exception:  # noqa: BLE001 - the engine may still serve; say so and go on cold
         logger.warning("engine warm-up failed; serving without it", exc_info=True)
+        measured = []
         for request_id in list(engine.output_processor.parents):
             engine.abort_request(request_id)
-        measured = []
-    engine.reset_after_warmup(keep_step_costs=bool(measured))
+    finally:  # whatever raised: the engine publishes KV events again and keeps no trace of the warm-up
+        engine.reset_after_warmup(keep_step_costs=bool(measured))
     seconds = time.monotonic() - start
     logger.info(
         "engine warmed up in %.2f s (the rest of the KV prefault %.2f s, structured outputs %.2f s, "

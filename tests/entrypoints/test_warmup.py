@@ -100,6 +100,29 @@ def test_a_failing_warm_up_leaves_a_serving_engine(tiny_model_dir, monkeypatch, 
     assert _token_ids(llm) == expected
 
 
+def test_a_warm_up_whose_clean_up_raises_still_restores_the_engine(tiny_model_dir, monkeypatch):
+    """Even when aborting the failed warm-up's requests raises, the engine leaves warm-up mode:
+    KV events are published to a router again and nothing of the warm-up stays cached."""
+    engine = _llm(tiny_model_dir).engine
+    step, abort = engine.step, engine.abort_request
+
+    def failing_step():
+        if engine.has_unfinished_requests() and engine.last_step is not None:
+            raise RuntimeError("boom")
+        return step()
+
+    def failing_abort(request_id):
+        abort(request_id)
+        raise RuntimeError("abort failed")
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    monkeypatch.setattr(engine, "abort_request", failing_abort)
+    with pytest.raises(RuntimeError, match="abort failed"):
+        warm_up(engine)
+    assert engine._publish_kv_events and engine.last_step is None
+    assert engine.kv_cache_manager.pool.num_cached_blocks == 0
+
+
 def test_the_cost_model_learns_the_measured_steps_and_not_the_kernel_building_ones(tiny_model_dir):
     """The first wave's steps build kernels: they are left out of the scheduler's step-cost model; the
     steps warm_up returns as measured are exactly what it learned."""
