@@ -77,7 +77,9 @@ class EngineHealth:
         self._state = HealthState.STARTING
         self._reason = "the engine is loading the model"
         self._last_progress = time.monotonic()
-        self._step_seconds: collections.deque[float] = collections.deque(maxlen=_RECENT_STEPS)
+        self._steps: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=_RECENT_STEPS
+        )  # tokens, s
         self._cost: StepCost | None = None  # the engine's step-time model, as of its latest step
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -110,12 +112,14 @@ class EngineHealth:
         self.set(HealthState.READY)
 
     def _forget_speed(self) -> None:
-        self._step_seconds.clear()
+        self._steps.clear()
         self._cost = None
 
     def _measured(self, stats: StepStats) -> None:
         """A step's time, and the engine's model after it (held by the caller)."""
-        self._step_seconds.append(stats.step_seconds)
+        self._steps.append(
+            (max(1, stats.num_prompt_tokens + stats.num_generation_tokens), stats.step_seconds)
+        )
         if stats.step_cost is not None:
             self._cost = StepCost(*stats.step_cost)
 
@@ -136,17 +140,20 @@ class EngineHealth:
 
     def step_limit(self) -> float:
         """Seconds without a finished step, while requests are in flight, that count as a stall."""
-        if self._state is HealthState.WARMING or not self._step_seconds:
+        if self._state is HealthState.WARMING or not self._steps:
             return max(self.watchdog.warmup_seconds, self.watchdog.min_seconds)
         return max(self.watchdog.min_seconds, self.watchdog.factor * self.predicted_max_step_seconds())
 
     def predicted_max_step_seconds(self) -> float:
-        """The engine's model's time of a `max_step_tokens` prefill chunk, or the slowest recent step if
-        longer (held by the caller)."""
-        slowest = max(self._step_seconds)
-        if self._cost is None:
-            return slowest
+        """The engine's model's time of a `max_step_tokens` prefill chunk; until the engine has fitted
+        one (and always under pipeline parallelism, whose overlapping batches it does not fit), the
+        largest recent step's time scaled to that many tokens; never less than the slowest recent step
+        (held by the caller)."""
+        slowest = max(seconds for _, seconds in self._steps)
         tokens = self.max_step_tokens
+        if self._cost is None:
+            largest_tokens, largest_seconds = max(self._steps)
+            return max(largest_seconds / largest_tokens * tokens, slowest)
         return max(self._cost.predict(StepShape(0, tokens, 0, chunk_pairs(tokens, 0))), slowest)
 
     def check(self, busy: bool, now: float | None = None) -> bool:

@@ -23,8 +23,8 @@ def test_the_limit_is_the_engine_models_full_budget_prefill_or_the_slowest_recen
     assert health.step_limit() == 99.0  # before the first step: the warm-up limit
     health.on_step(_step(1, 5.0))  # the warm-up step (kernels build) predicts nothing
     assert health.state is HealthState.READY and health.step_limit() == 99.0
-    health.on_step(_step(512, 0.512))  # the engine's model is not fitted yet: the slowest step bounds
-    assert health.step_limit() == pytest.approx(10.0 * 0.512)
+    health.on_step(_step(512, 0.512))  # no model fitted yet: the largest step's rate, scaled to 2048 tokens
+    assert health.step_limit() == pytest.approx(10.0 * 0.512 * 2048 / 512)
     health.on_step(_step(1, 0.01, MS_PER_PROMPT_TOKEN))  # fitted: a 2048-token prefill takes 2.048 s
     assert health.step_limit() == pytest.approx(10.0 * 2.048)
     # 5 ms a step, and 2048 x 1024 attention pairs at 10 ms a million, count once in the largest step
@@ -62,7 +62,7 @@ def test_the_warm_up_ends_warming_and_its_steps_are_the_first_speeds():
     assert health.step_limit() == pytest.approx(10.0 * 2.048)  # the engine's model after its warm-up
     health.set(HealthState.WARMING)  # a restarted engine: the previous one's model predicts nothing
     health.on_warmed_up([_step(10, 0.02)])
-    assert health.step_limit() == pytest.approx(1.0)  # its slowest step (0.2 s) under min_seconds
+    assert health.step_limit() == pytest.approx(10.0 * 0.02 / 10 * 2048)  # its step's rate at 2048 tokens
 
 
 def test_only_ready_answers_200():
