@@ -58,8 +58,9 @@ def test_a_dead_worker_fails_the_streams_in_flight_with_the_rank_named(tp_engine
 
 def test_a_worker_exits_with_its_engine_process(tp_engine):
     (worker,) = _children(tp_engine.engine_core.pid)
+    assert is_alive(worker)  # so that its exit below is the engine process's doing
     os.kill(tp_engine.engine_core.pid, signal.SIGKILL)
-    wait_until(lambda: not is_alive(worker), 30, "the worker to exit with its engine process")
+    assert wait_until(lambda: not is_alive(worker), 30, "the worker to exit with its engine process")
 
 
 def test_a_worker_that_dies_while_the_engine_idles_is_reported_at_once(tp_engine):
