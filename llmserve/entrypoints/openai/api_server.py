@@ -57,6 +57,7 @@ from llmserve.entrypoints.openai.serving_responses import ResponsesHandler
 from llmserve.entrypoints.openai.web import routes as web_routes
 from llmserve.metrics.prometheus import PrometheusMetrics
 from llmserve.metrics.reliability import health_counters
+from llmserve.model_loader.hf_cache import model_id
 
 logger = logging.getLogger("llmserve.server")
 
@@ -379,14 +380,15 @@ async def _log_stats_periodically(state: AppState, interval: float = STATS_LOG_S
 
 
 def default_served_model_name(model_path: str) -> str:
-    """The model directory's name, or the GGUF file's stem without its quantization tag.
+    """The model directory's name (`org/name` for the HF cache's), or the GGUF file's stem without its
+    quantization tag.
 
     `SmolLM2-135M-Instruct.Q4_1.gguf` is served as `SmolLM2-135M-Instruct`: clients name the model,
     not the file it happens to be quantized into.
     """
     path = Path(model_path.rstrip("/"))
     if not path.is_file():
-        return path.name
+        return model_id(str(path)) or path.name  # a snapshot of the HF cache: its org/name
     return _QUANT_SUFFIX.sub("", path.stem) or path.stem
 
 
