@@ -47,6 +47,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     ttft_target_ms: float | None = None  # the scheduler's time-to-first-token target; None: the server's
     tpot_target_ms: float | None = None  # its time-per-output-token target; None: the server's
+    lora_name: str | None = None  # the LoRA adapter to run under, by its served name; None: the base model
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

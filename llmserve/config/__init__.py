@@ -22,6 +22,7 @@ from llmserve.config.flags import add_flags, arg, check_choice, from_namespace
 from llmserve.config.kv_cache_dtype import KVCacheDtype, check_kv_cache_dtype, kv_row_bytes, kv_storage_dtype
 from llmserve.config.kv_events import KVEventsConfig
 from llmserve.config.kv_groups import KVCacheGroup, group_size, kv_cache_groups
+from llmserve.config.lora import LoRAConfig
 from llmserve.config.parallel import ExecutorBackend, NodeArgs, ParallelConfig, stage_layer_ranges
 from llmserve.config.quantization import QuantizationConfig
 from llmserve.config.speculative import SpeculativeConfig
@@ -75,6 +76,8 @@ class ModelArchConfig:
     moe_intermediate_size: int | None = None  # each expert's hidden units; None: intermediate_size
     norm_topk_prob: bool = True  # renormalize the chosen experts' weights to sum 1 (Qwen3-MoE: a flag)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a mixture-of-experts model (Qwen3-MoE)
+    # a pre-quantized HF checkpoint's quant_method (gptq, awq, ...: model_loader/prequantized.py); None: float
+    checkpoint_quantization: str | None = None
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -154,6 +157,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "auto"  # "recompute", "swap" (to CPU) or "auto" (cheaper by estimate)
     ttft_target_ms: float | None = 1000.0  # time-to-first-token target of every request (None or 0: none)
     tpot_target_ms: float | None = 50.0  # time-per-output-token target of every request (None: none)
+    max_loras: int | None = None  # distinct LoRA adapters among the running requests at most (None: off)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -175,6 +179,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor and pipeline parallelism
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora: LoRAConfig | None = None  # LoRA adapters over the base model (llmserve/lora); None: off
 
 
 def default_kv_cache_memory(dtype: torch.dtype, kv_cache_dtype: KVCacheDtype = "auto") -> int:
@@ -396,6 +401,13 @@ class EngineArgs:
     structured_outputs_compile_timeout: float = arg(
         10.0, "seconds a request's grammar (JSON schema, regex, EBNF) may take to compile; longer is a 400"
     )
+    # -- LoRA adapters (llmserve/lora, docs/lora.md) --
+    enable_lora: bool = arg(False, "serve LoRA adapters over the base model (a request names one in `model`)")
+    lora_modules: tuple[str, ...] = arg(
+        (), "LoRA adapters to load at start, as name=path (a PEFT directory)", metavar="NAME=PATH", nargs="+"
+    )
+    max_loras: int = arg(1, "LoRA adapters resident at once (one step's requests use at most this many)")
+    max_lora_rank: int = arg(16, "the largest LoRA rank an adapter may have")
     # -- tensor parallelism (llmserve/distributed, docs/parallelism.md) --
     tensor_parallel_size: int = arg(
         1,
@@ -483,7 +495,16 @@ class EngineArgs:
             ),
             parallel=parallel,
             structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout),
+            lora=self._lora(parallel),
         )
+
+    def _lora(self, parallel: ParallelConfig) -> LoRAConfig | None:
+        lora = LoRAConfig.create(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank)
+        if lora is not None and parallel.world_size > 1:
+            raise ValueError("--enable-lora does not combine with tensor or pipeline parallelism yet")
+        if lora is not None and self.speculative_method is not None:
+            raise ValueError("--enable-lora does not combine with speculative decoding yet")
+        return lora
 
     def _scheduler_config(self, arch: ModelArchConfig, device: torch.device) -> SchedulerConfig:
         max_model_len = self.max_model_len or min(arch.max_position_embeddings, 4096)
@@ -504,6 +525,7 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,
             ttft_target_ms=self.ttft_target_ms or None,
             tpot_target_ms=self.tpot_target_ms or None,
+            max_loras=self.max_loras if self.enable_lora else None,
         )
 
     def _model_config(
@@ -520,6 +542,7 @@ class EngineArgs:
             self.quantization_group_size,
             (arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim),
             parallel.row_parallel_in_features(arch),
+            arch.checkpoint_quantization,
         )
         return ModelConfig(
             path=model_path,

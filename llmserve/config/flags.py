@@ -17,9 +17,17 @@ from dataclasses import field
 from typing import Any, Literal
 
 
-def arg(default: Any, help_text: str, *, aliases: tuple[str, ...] = (), metavar: str | None = None, **kwargs):
-    """A field whose help text doubles as the CLI flag's help."""
-    metadata = {"help": help_text, "aliases": aliases, "metavar": metavar}
+def arg(
+    default: Any,
+    help_text: str,
+    *,
+    aliases: tuple[str, ...] = (),
+    metavar: str | None = None,
+    nargs: str | None = None,
+    **kwargs,
+):
+    """A field whose help text doubles as the CLI flag's help; `nargs="+"` for a tuple of values."""
+    metadata = {"help": help_text, "aliases": aliases, "metavar": metavar, "nargs": nargs}
     return field(default=default, metadata=metadata, **kwargs)
 
 
@@ -49,6 +57,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
             continue
         if spec.metadata.get("metavar"):
             options["metavar"] = spec.metadata["metavar"]
+        if spec.metadata.get("nargs"):
+            options["nargs"] = spec.metadata["nargs"]
         group.add_argument(*flags, type=kind, choices=choices, **options)
 
 
@@ -76,6 +86,8 @@ def changed_flags(config: Any, exclude: frozenset[str] = frozenset()) -> list[st
         elif value != spec.default:
             if isinstance(value, bool):
                 flags.append(flag_name(spec.name) if value else "--no-" + flag_name(spec.name)[2:])
+            elif isinstance(value, (tuple, list)):
+                flags += [flag_name(spec.name), *map(str, value)]
             else:
                 flags += [flag_name(spec.name), str(value)]
     return flags
@@ -89,6 +101,8 @@ def flag_type(hint: Any) -> tuple[type, tuple | None]:
         if str in args:
             return str, None
         return flag_type(args[0])
+    if typing.get_origin(hint) in (tuple, list):  # a flag with nargs: its elements' type
+        return flag_type(typing.get_args(hint)[0])
     if typing.get_origin(hint) is Literal:
         choices = typing.get_args(hint)
         return type(choices[0]), choices

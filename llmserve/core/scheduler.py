@@ -274,6 +274,15 @@ class Scheduler:
         needed = kv.num_missing_blocks(request, kv.get_computed_blocks(request))
         return running_needs + needed <= kv.pool.num_free_blocks
 
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether admitting the request keeps the running requests' distinct LoRA adapters within
+        max_loras (each step's adapters must all be resident)."""
+        name, limit = request.sampling_params.lora_name, self.config.max_loras
+        if name is None or limit is None:
+            return True
+        running = {r.sampling_params.lora_name for r in self.running} - {None}
+        return name in running or len(running) < limit
+
     def _waiting_order(self) -> list[Request]:
         """The waiting requests in the order they are admitted: the queue's, or with latency targets
         by TTFT deadline within each priority level."""
@@ -291,6 +300,8 @@ class Scheduler:
                 and len(output.requests) < self._batch_seqs
             ):
                 break
+            if not self._lora_fits(request):
+                continue  # its adapter would exceed --max-loras: later requests may share a running one
             if self.kv_cache.is_swapped(request):
                 if not self._swap_in(request, output, budget):
                     break

@@ -532,6 +532,8 @@ def check_params(params: SamplingParams, config: EngineConfig) -> None:
         raise ValueError(f"stop_token_ids has token id {past[0]}, but the vocabulary has {vocab_size} tokens")
     if params.prompt_logprobs is not None and config.parallel.pipeline_parallel_size > 1:
         raise ValueError("prompt_logprobs is not supported with pipeline parallelism")
+    if params.lora_name is not None and (config.lora is None or params.lora_name not in config.lora.names):
+        raise ValueError(f"the LoRA adapter {params.lora_name!r} does not exist")
 
 
 def check_prompt(prompt_ids: list[int], config: EngineConfig) -> None:

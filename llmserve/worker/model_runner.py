@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,6 +25,7 @@ from llmserve.config import EngineConfig
 from llmserve.config.kv_groups import group_size, stage_layers
 from llmserve.core.step_plan import StepPlan
 from llmserve.forward_context import set_forward_context
+from llmserve.lora.manager import LoRAManager
 from llmserve.models.decode_stack import build_decode_stack
 from llmserve.outputs import PromptLogprobs
 from llmserve.request import DraftProposal
@@ -108,6 +110,9 @@ class ModelRunner:
             reference_only=getattr(model, "reference_attention_only", False),
         )
         self.input_builder = InputBuilder(config.cache, self.attention_backend, self.device)
+        # LoRA adapters: deltas added by hooks on the linear layers, which the fused stack and CUDA
+        # graphs do not run, so both are off with --enable-lora (docs/lora.md)
+        self.lora = None if config.lora is None else LoRAManager(config.lora, model)
         self._early_kv_pool = early_kv_pool
         self._static_decode = self._uses_static_decode()  # decided first: its padding needs a scratch block
         self.kv_cache = self._allocate_kv_cache()
@@ -117,7 +122,9 @@ class ModelRunner:
         # decode-only steps run every decoder layer in one compiled call where it applies (CPU); it
         # runs the whole model (embedding to norm), so a pipeline stage runs the modules
         pipeline = config.parallel.pipeline_parallel_size > 1
-        self.decode_stack = None if pipeline else build_decode_stack(model, self.attention_backend)
+        self.decode_stack = None
+        if not pipeline and self.lora is None:
+            self.decode_stack = build_decode_stack(model, self.attention_backend)
         # Called with each step's final hidden states, whichever path made them (evaluation and
         # draft-head training read them here: the fused stack runs no module hooks).
         self.hidden_hooks: list[Callable[[torch.Tensor], None]] = []
@@ -156,6 +163,7 @@ class ModelRunner:
             and not config.cache.kv_groups
             and not self.attention_backend.needs_gathered_decode
             and not config.model.arch.num_experts
+            and config.lora is None
         )
 
     def _allocate_kv_cache(self) -> torch.Tensor:
@@ -278,7 +286,11 @@ class ModelRunner:
         rows = [(self.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
         if self.decode_graphs is not None and self.decode_graphs.serves(rows):
             return self._prepare_static([request for request, _ in rows])
-        return self.input_builder.build(rows)
+        return self.input_builder.build(rows, None if self.lora is None else self._lora_slots)
+
+    def _lora_slots(self, requests: list[CachedRequestState]) -> np.ndarray:
+        """Each request's LoRA slot (-1: the base model), its adapter swapped in where it is not."""
+        return self.lora.row_slots([request.sampling_params.lora_name for request in requests])
 
     def _prepare_static(self, requests: list[CachedRequestState]) -> StepInputs:
         """A decode step's inputs staged in the static buffers (one copy), padded to a captured size."""
@@ -329,7 +341,8 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model's final hidden states for the step's flat batch; a decode-only step takes the
         fused stack where it applies (the same kernels in one call: bit-identical)."""
-        with set_forward_context(inputs.attention):
+        lora = contextlib.nullcontext() if self.lora is None else self.lora.activate(inputs.lora_slots)
+        with set_forward_context(inputs.attention), lora:
             stack = self.decode_stack
             if stack is not None and stack.serves(len(inputs.input_ids), inputs.attention):
                 hidden = stack(inputs.input_ids, inputs.positions, inputs.attention)

@@ -7,6 +7,7 @@ built from its columns of the requests' interleaved block tables.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,6 +46,8 @@ class StepInputs:
     pool_rows: list[int] = field(default_factory=list)  # batch indices of embedding requests done now
     pool_indices: torch.Tensor | None = None  # flat index of each one's last prompt token
     static_size: int | None = None  # a decode step on the static buffers (cuda_graphs.py): its padded size
+    # LoRA: each flat token's adapter slot (-1: the base model); None when no token has an adapter
+    lora_slots: np.ndarray | None = None
 
 
 class InputBuilder:
@@ -58,8 +61,13 @@ class InputBuilder:
         self.block_size = cache.block_size
         self.kv_groups = cache.kv_groups  # (): one group of every layer
 
-    def build(self, rows: list[tuple[BatchRow, int]]) -> StepInputs:
-        """Flat inputs for requests catching up by the given numbers of tokens (drafts included)."""
+    def build(
+        self,
+        rows: list[tuple[BatchRow, int]],
+        lora_slots: Callable[[list[BatchRow]], np.ndarray] | None = None,
+    ) -> StepInputs:
+        """Flat inputs for requests catching up by the given numbers of tokens (drafts included);
+        `lora_slots`: each request's LoRA adapter slot (-1: none), where adapters are enabled."""
         # Short rows first (decodes, verify spans) so attention can batch them into one call.
         limit = self.attention_backend.max_decode_query_len
         rows = sorted(rows, key=lambda row: row[1] > limit)
@@ -88,7 +96,9 @@ class InputBuilder:
         pool_rows = [i for i in caught_up if getattr(requests[i], "pooling", False)]  # embeddings
         sample_rows = [i for i in caught_up if i not in pool_rows] if pool_rows else caught_up
         to_device = self._to_device
+        row_slots = None if lora_slots is None else lora_slots(requests)
         return StepInputs(
+            lora_slots=row_slots[token_rows] if row_slots is not None and row_slots.max() >= 0 else None,
             requests=requests,
             input_ids=to_device(np.asarray(token_ids, dtype=np.int64)),
             positions=to_device(positions),

@@ -1,0 +1,176 @@
+"""The adapters an engine serves: all of them in host memory, up to `max_loras` resident in the
+stacked weights (weights.py), swapped in least-recently-used order; and the hooks that add each
+row's adapter delta after the targeted linear layers of the base model.
+
+The delta is added by forward hooks on the model's own linear modules (the model file knows
+nothing of adapters, and the modules keep their names and kernels). The fused C++ decode stack and
+CUDA graphs do not run these hooks: the model runner turns both off when LoRA is enabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from llmserve.config.lora import LoRAConfig
+from llmserve.lora.adapter import LoRAAdapter, load_peft_adapter
+from llmserve.lora.weights import LoRALayerWeights, SlotGroups
+
+# fused module of a decoder layer -> the checkpoint modules stacked into it, in order
+_FUSED = {
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "self_attn.o_proj": ("o_proj",),
+    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    "mlp.down_proj": ("down_proj",),
+}
+_SHARD_OF = {
+    module: (fused, index) for fused, modules in _FUSED.items() for index, module in enumerate(modules)
+}
+
+
+class SlotTable:
+    """Which adapters hold the `max_loras` slots, least recently used first; `write(slot, name)`
+    copies an adapter into a slot when it is swapped in."""
+
+    def __init__(self, max_loras: int, write: Callable[[int, str], None]) -> None:
+        self.max_loras = max_loras
+        self.write = write
+        self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
+        self.free = list(range(max_loras - 1, -1, -1))
+
+    def slots_for(self, names: Iterable[str]) -> dict[str, int]:
+        """A slot for each named adapter, swapping in the missing ones over the least recently used
+        adapters not named; ValueError if more are named than there are slots."""
+        wanted = list(dict.fromkeys(names))
+        if len(wanted) > self.max_loras:
+            raise ValueError(f"a step uses {len(wanted)} LoRA adapters; --max-loras is {self.max_loras}")
+        for name in wanted:
+            if name in self.resident:
+                self.resident.move_to_end(name)
+        for name in wanted:
+            if name not in self.resident:
+                slot = self.free.pop() if self.free else self._evict(set(wanted))
+                self.write(slot, name)
+                self.resident[name] = slot
+        return {name: self.resident[name] for name in wanted}
+
+    def _evict(self, keep: set[str]) -> int:
+        victim = next(name for name in self.resident if name not in keep)
+        return self.resident.pop(victim)
+
+    def release(self, name: str) -> None:
+        """Forget an unloaded adapter's slot (it is free for the next one)."""
+        slot = self.resident.pop(name, None)
+        if slot is not None:
+            self.free.append(slot)
+
+
+class LoRAManager:
+    def __init__(self, config: LoRAConfig, model: nn.Module) -> None:
+        self.config = config
+        self.dtype = next(model.parameters()).dtype
+        self.adapters: dict[str, LoRAAdapter] = {}  # every loaded adapter, in host memory
+        self.slots = SlotTable(config.max_loras, self._write_slot)
+        self.layers: dict[tuple[int, str], LoRALayerWeights] = {}  # (layer, fused module) -> stacks
+        self._groups: SlotGroups | None = None  # the step being run's rows by slot; None: no adapter
+        self._device = torch.device("cpu")
+        for index, layer in _decoder_layers(model):
+            for fused, modules in _FUSED.items():
+                self._attach(index, fused, layer.get_submodule(fused), _shard_sizes(layer, fused, modules))
+        for name, path in config.modules:
+            self.add(load_peft_adapter(name, path, config.max_lora_rank, self.dtype))
+
+    def _attach(self, index: int, fused: str, linear: nn.Linear, shard_sizes: tuple[int, ...]) -> None:
+        weights = LoRALayerWeights(linear, shard_sizes, self.config.max_loras, self.config.max_lora_rank)
+        self.layers[(index, fused)] = weights
+        self._device = linear.weight.device
+
+        def add_delta(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+            if self._groups is None:  # no row of this step has an adapter
+                return None
+            weights.add_delta(inputs[0], output, self._groups)
+            return output
+
+        linear.register_forward_hook(add_delta)
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        """Hold an adapter in host memory (resident once a step uses it); ValueError if its layers or
+        shapes do not fit the model, or the name is taken."""
+        if adapter.name in self.adapters:
+            raise ValueError(f"LoRA adapter {adapter.name!r} is already loaded")
+        missing = [
+            layer for layer, module in adapter.weights if (layer, _SHARD_OF[module][0]) not in self.layers
+        ]
+        if missing:
+            raise ValueError(f"adapter {adapter.name!r} targets layer {missing[0]}, which the model lacks")
+        self.adapters[adapter.name] = adapter
+        try:
+            self.slots.slots_for([adapter.name])  # written once now: its shapes are checked at load
+        except ValueError:
+            del self.adapters[adapter.name]
+            raise
+
+    def remove(self, name: str) -> None:
+        """Unload an adapter (KeyError if unknown); requests using it must have finished."""
+        del self.adapters[name]
+        self.slots.release(name)
+
+    def _write_slot(self, slot: int, name: str) -> None:
+        adapter = self.adapters[name]
+        by_layer: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for (layer, module), (a, b) in adapter.weights.items():
+            fused, shard = _SHARD_OF[module]
+            by_layer.setdefault((layer, fused), {})[shard] = (a.to(self._device), b.to(self._device))
+        for key, weights in self.layers.items():
+            weights.load(slot, by_layer.get(key, {}), adapter.scale)
+
+    def row_slots(self, names: list[str | None]) -> np.ndarray:
+        """Each row's slot (-1: the base model), swapping in the adapters the rows name."""
+        slots = self.slots.slots_for(name for name in names if name is not None)
+        return np.array([-1 if name is None else slots[name] for name in names], dtype=np.int64)
+
+    @contextlib.contextmanager
+    def activate(self, token_slots: np.ndarray | None) -> Iterator[None]:
+        """Within the block, the hooks add each token's adapter delta (`token_slots`: per flat token,
+        -1 for the base model; None: no token has an adapter)."""
+        self._groups = None if token_slots is None else self._group(token_slots)
+        try:
+            yield
+        finally:
+            self._groups = None
+
+    def _group(self, token_slots: np.ndarray) -> SlotGroups | None:
+        slots = np.unique(token_slots)
+        if slots[-1] < 0:
+            return None
+        if len(slots) == 1:
+            return [(int(slots[0]), None)]
+        to_device = lambda rows: torch.from_numpy(rows).to(self._device)  # noqa: E731
+        return [(int(s), to_device(np.flatnonzero(token_slots == s))) for s in slots if s >= 0]
+
+
+def _decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(index, layer) of the decoder layers this model builds, with the modules adapters target."""
+    layers = list(enumerate(model.model.layers))
+    for index, layer in layers:
+        for fused in _FUSED:
+            try:
+                layer.get_submodule(fused)
+            except AttributeError:
+                raise ValueError(
+                    f"LoRA adapters need {fused} in every decoder layer; layer {index} of this model lacks it"
+                ) from None
+    return layers
+
+
+def _shard_sizes(layer: nn.Module, fused: str, modules: tuple[str, ...]) -> tuple[int, ...]:
+    linear = layer.get_submodule(fused)
+    if fused == "self_attn.qkv_proj":
+        attention = layer.self_attn
+        return (attention.q_size, attention.kv_size, attention.kv_size)
+    return tuple(linear.out_features // len(modules) for _ in modules)

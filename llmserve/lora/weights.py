@@ -1,0 +1,63 @@
+"""One linear layer's adapters, stacked by resident slot, and the delta they add to its output.
+
+A fused layer (qkv_proj, gate_up_proj) holds its shards' adapters side by side: slot s's A is
+[shards * R, in] (shard i's A in rows i*R..), its B [out, shards * R] block-diagonal (shard i's
+B, times the adapter's scale, in shard i's output rows and columns i*R..), R the largest rank.
+So one slot costs two matmuls whatever it targets, and an empty shard adds zeros.
+
+    out[rows of slot s] += (x[rows] @ A[s]^T) @ B[s]^T
+
+The rows of a step are grouped by slot (manager.py): one pair of matmuls per adapter in the step,
+none for rows without one, and none at all in a step where no row has an adapter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# a step's rows by slot: (slot, flat row indices; None: every row of the step)
+SlotGroups = list[tuple[int, torch.Tensor | None]]
+
+
+class LoRALayerWeights:
+    def __init__(self, base: nn.Linear, shard_sizes: tuple[int, ...], max_loras: int, max_rank: int) -> None:
+        """`shard_sizes`: the output rows of each checkpoint module fused into `base` (q, k, v ...)."""
+        weight = base.weight
+        width = len(shard_sizes) * max_rank
+        self.a = torch.zeros(max_loras, width, base.in_features, dtype=weight.dtype, device=weight.device)
+        self.b = torch.zeros(max_loras, base.out_features, width, dtype=weight.dtype, device=weight.device)
+        self.max_rank = max_rank
+        self.row_starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
+        self.shard_sizes = shard_sizes
+        self.loaded = [False] * max_loras  # whether slot s's adapter targets this layer at all
+
+    def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
+        """Write an adapter's (A, B) of each shard index it targets into `slot` (zeros elsewhere)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for shard, (a, b) in shards.items():
+            rank, column = a.shape[0], shard * self.max_rank
+            if a.shape[1] != self.a.shape[2] or b.shape[0] != self.shard_sizes[shard]:
+                raise ValueError(
+                    f"LoRA weights A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a layer of "
+                    f"{self.a.shape[2]} inputs and {self.shard_sizes[shard]} outputs"
+                )
+            rows = slice(self.row_starts[shard], self.row_starts[shard] + b.shape[0])
+            self.a[slot, column : column + rank] = a
+            self.b[slot, rows, column : column + rank] = b * scale
+        self.loaded[slot] = bool(shards)
+
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor, groups: SlotGroups) -> None:
+        """Add each group's adapter delta to `out` ([rows, out_features]) in place."""
+        x = x.reshape(-1, x.shape[-1])
+        out2d = out.view(-1, out.shape[-1])
+        for slot, rows in groups:
+            if not self.loaded[slot]:
+                continue
+            inputs = x if rows is None else x.index_select(0, rows)
+            delta = (inputs @ self.a[slot].T) @ self.b[slot].T
+            if rows is None:
+                out2d += delta
+            else:
+                out2d.index_add_(0, rows, delta)

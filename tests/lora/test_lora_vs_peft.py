@@ -1,0 +1,197 @@
+"""LoRA adapters end to end: random PEFT adapters over a tiny random Llama, each served by llmserve
+in float32 against PEFT's own merged model (`merge_and_unload`), alone, mixed in one batch with
+other adapters and the base model, swapped in LRU order, and kept apart in the prefix cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+from llmserve import LLM, SamplingParams
+from tests.helpers import make_tiny_llama_dir
+
+peft = pytest.importorskip("peft")
+
+# name -> LoraConfig arguments: different ranks and targets, one with rsLoRA
+ADAPTERS = {
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "all": dict(
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
+    "mlp": dict(
+        r=2, lora_alpha=4, target_modules=["o_proj", "gate_proj", "down_proj"], layers_to_transform=[1]
+    ),
+}
+PROMPTS = [[1, 520, 3310, 91, 4012, 77, 8001, 12, 600], [1, 42, 42, 9000, 15, 3, 777], [1, 2048, 31, 64]]
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def _base(path: str) -> transformers.LlamaForCausalLM:
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _make_adapter(base_dir: str, out_dir: str, seed: int, **lora_args) -> None:
+    """A random PEFT adapter (B non-zero) scaled up so it changes the greedy tokens, saved by PEFT."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(task_type="CAUSAL_LM", init_lora_weights=False, lora_dropout=0.0, **lora_args)
+    model = peft.get_peft_model(_base(base_dir), config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.3)
+    model.save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("lora")
+    dirs = {"base": make_tiny_llama_dir(str(root / "base"))}
+    for seed, (name, args) in enumerate(ADAPTERS.items()):
+        dirs[name] = str(root / name)
+        _make_adapter(dirs["base"], dirs[name], seed + 1, **args)
+    return dirs
+
+
+def _merged_greedy(model_dirs: dict[str, str], name: str | None) -> list[tuple[list[int], list[float]]]:
+    """PEFT's merged model's greedy tokens and their log-probs, per prompt (the base's for None)."""
+    model = _base(model_dirs["base"])
+    if name is not None:
+        model = peft.PeftModel.from_pretrained(model, model_dirs[name]).merge_and_unload()
+    results = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids, tokens, logprobs = list(prompt), [], []
+            for _ in range(MAX_TOKENS):
+                logits = model(torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+                token = int(logits.argmax())
+                tokens.append(token)
+                logprobs.append(float(logits[token]))
+                ids.append(token)
+            results.append((tokens, logprobs))
+    return results
+
+
+def _llm(model_dirs: dict[str, str], max_loras: int, **kwargs) -> LLM:
+    modules = [f"{name}={model_dirs[name]}" for name in ADAPTERS]
+    return LLM(
+        model_dirs["base"],
+        dtype="float32",
+        kv_cache_memory="64MiB",
+        enable_lora=True,
+        lora_modules=modules,
+        max_loras=max_loras,
+        **kwargs,
+    )
+
+
+def _params(name: str | None) -> SamplingParams:
+    return dataclasses.replace(GREEDY, lora_name=name)
+
+
+def _tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
+    completion = output.outputs[0]
+    ids = list(completion.token_ids)
+    return ids, [entry[token] for entry, token in zip(completion.logprobs, ids, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs):
+    with _llm(model_dirs, max_loras=len(ADAPTERS)) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("name", [None, *ADAPTERS])
+def test_each_adapter_matches_peft_merged_model(llm, model_dirs, name):
+    expected = _merged_greedy(model_dirs, name)
+    outputs = llm.generate(PROMPTS, _params(name), use_tqdm=False)
+    for output, (tokens, logprobs) in zip(outputs, expected, strict=True):
+        got_tokens, got_logprobs = _tokens_and_logprobs(output)
+        assert got_tokens == tokens
+        torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(logprobs), atol=1e-3, rtol=1e-3)
+
+
+def test_adapters_change_the_output(llm):
+    """The fixture's adapters are strong enough that a wrong or missing delta would show."""
+    firsts = {name: llm.generate(PROMPTS[:1], _params(name), use_tqdm=False)[0] for name in [None, *ADAPTERS]}
+    assert len({tuple(output.outputs[0].token_ids) for output in firsts.values()}) == len(firsts)
+
+
+def test_mixed_batch_gives_each_row_what_it_gets_alone(llm):
+    names = [None, *ADAPTERS]
+    alone = {
+        (prompt_index, name): llm.generate([PROMPTS[prompt_index]], _params(name), use_tqdm=False)[0]
+        for prompt_index in range(len(PROMPTS))
+        for name in names
+    }
+    keys = list(alone)
+    mixed = llm.generate([PROMPTS[p] for p, _ in keys], [_params(n) for _, n in keys], use_tqdm=False)
+    for key, output in zip(keys, mixed, strict=True):
+        assert output.outputs[0].token_ids == alone[key].outputs[0].token_ids, key
+
+
+def test_lru_swap_with_one_slot_keeps_every_answer(model_dirs, llm):
+    """With one resident slot the scheduler runs one adapter at a time and swaps the others in."""
+    names = [None, *ADAPTERS, *reversed(ADAPTERS)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    expected = [llm.generate([p], _params(n), use_tqdm=False)[0] for p, n in zip(prompts, names, strict=True)]
+    with _llm(model_dirs, max_loras=1) as small:
+        got = small.generate(prompts, [_params(n) for n in names], use_tqdm=False)
+        assert set(small.engine.model_runner.lora.slots.resident.values()) == {0}
+    for want, have in zip(expected, got, strict=True):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_prefix_cache_is_not_shared_across_adapters(model_dirs):
+    prompt = list(range(100, 180))  # five full blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    with _llm(model_dirs, max_loras=2, block_size=16) as engine:
+
+        def cached(name):
+            output = engine.generate([prompt], dataclasses.replace(params, lora_name=name), False)
+            return output[0].num_cached_tokens
+
+        assert cached("qv") == 0
+        assert cached("all") == 0  # the same tokens under another adapter: no hit
+        assert cached(None) == 0  # nor for the base model
+        assert cached("qv") == 64  # its own blocks are reused
+        assert cached("all") == 64
+
+
+def test_unknown_adapter_is_refused(llm):
+    with pytest.raises(ValueError, match="LoRA adapter 'nope' does not exist"):
+        llm.generate(PROMPTS[:1], _params("nope"), use_tqdm=False)
+
+
+def test_dora_adapter_is_refused(model_dirs, tmp_path):
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True, init_lora_weights=False)
+    peft.get_peft_model(_base(model_dirs["base"]), config).save_pretrained(str(tmp_path / "dora"))
+    with pytest.raises(ValueError, match="DoRA adapters are not supported"):
+        LLM(
+            model_dirs["base"],
+            dtype="float32",
+            kv_cache_memory="64MiB",
+            enable_lora=True,
+            lora_modules=[f"dora={tmp_path / 'dora'}"],
+        )
+
+
+def test_rank_above_max_lora_rank_is_refused(model_dirs):
+    with pytest.raises(ValueError, match="exceeds --max-lora-rank 4"):
+        _llm(model_dirs, max_loras=1, max_lora_rank=4)
+
+
+def test_saved_config_fields_are_what_the_loader_reads(model_dirs):
+    """PEFT writes the fields the loader checks (a renamed field would otherwise pass unchecked)."""
+    with open(os.path.join(model_dirs["all"], "adapter_config.json")) as file:
+        config = json.load(file)
+    assert config["use_rslora"] is True and config["use_dora"] is False and config["r"] == 8
