@@ -16,6 +16,7 @@ import torch
 
 from llmserve.config import ModelArchConfig
 from llmserve.config.families import rope_scaling_type
+from llmserve.model_loader import multimodal
 from llmserve.model_loader.errors import ModelLoadError, describe
 
 ARCHITECTURES = {
@@ -26,6 +27,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its language model (model_loader/multimodal.py)
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
@@ -41,7 +43,7 @@ _REQUIRED_KEYS = (
 
 
 def read_arch_config(path: str) -> ModelArchConfig:
-    config = _read_json(os.path.join(path, "config.json"), path)
+    config = multimodal.language_model_config(_read_json(os.path.join(path, "config.json"), path))
     arch = _architecture(config, path)
     missing = [key for key in _REQUIRED_KEYS if config.get(key) is None]
     if missing:
@@ -187,13 +189,18 @@ def _sliding_window(config: dict[str, Any]) -> int | None:
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, with its HF name and stored dtype."""
-    from safetensors.torch import load_file
+    """Every tensor of the checkpoint, with its HF name and stored dtype; a multimodal checkpoint's
+    language model under the text model's names, its vision tensors never read."""
+    from safetensors import safe_open
 
     weights: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(path):
         try:
-            weights.update(load_file(file))
+            with safe_open(file, "pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (a safetensors handle is no dict)
+                    target = multimodal.language_model_weight_name(name)
+                    if target is not None:
+                        weights[target] = handle.get_tensor(name)
         except Exception as error:  # a damaged shard: safetensors raises its own error type
             raise ModelLoadError(f"{file}: unreadable safetensors file ({describe(error)})") from None
     return weights

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmserve.model_loader import weights_cache
+from llmserve.model_loader import multimodal, weights_cache
 from llmserve.model_loader.default_model import is_gguf, resolve_model_path
 from llmserve.model_loader.errors import ModelLoadError, describe
 from llmserve.model_loader.weights import load_arch_config
@@ -221,9 +221,12 @@ def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     try:
         if is_gguf(path):
             return _gguf_tokenizer(path)
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as error:  # transformers raises many kinds for a missing or bad tokenizer
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({describe(error)})") from None
+    if not hf.chat_template:  # a multimodal model may keep its template beside its processor
+        hf.chat_template = multimodal.processor_chat_template(path)
+    return hf
 
 
 def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
