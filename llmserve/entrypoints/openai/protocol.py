@@ -495,6 +495,19 @@ class ChatMessage(_Request):
     # tool turns only, and required there: the call this is the result of
     tool_call_id: str | None = Field(None, validate_default=True)
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content_parts(cls, content: Any) -> Any:
+        """Image, audio and file parts are refused by name: every model here is served for text."""
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(
+                    f"content parts of type {kind!r} are not supported: the model is served for text "
+                    "only (send parts of type 'text')"
+                )
+        return content
+
     @field_validator("tool_calls")
     @classmethod
     def _check_tool_calls(cls, calls: list | None, info: ValidationInfo) -> list | None:
