@@ -8,62 +8,26 @@ import dataclasses
 import json
 import os
 
+import peft
 import pytest
 import torch
-import transformers
 
 from llmserve import LLM, SamplingParams
-from tests.helpers import make_tiny_llama_dir
+from tests.lora.adapters import ADAPTERS, load_base, make_model_dirs
 
-peft = pytest.importorskip("peft")
-
-# name -> LoraConfig arguments: different ranks and targets, one with rsLoRA
-ADAPTERS = {
-    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "all": dict(
-        r=8,
-        lora_alpha=16,
-        use_rslora=True,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    ),
-    "mlp": dict(
-        r=2, lora_alpha=4, target_modules=["o_proj", "gate_proj", "down_proj"], layers_to_transform=[1]
-    ),
-}
 PROMPTS = [[1, 520, 3310, 91, 4012, 77, 8001, 12, 600], [1, 42, 42, 9000, 15, 3, 777], [1, 2048, 31, 64]]
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
 
-def _base(path: str) -> transformers.LlamaForCausalLM:
-    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def _make_adapter(base_dir: str, out_dir: str, seed: int, **lora_args) -> None:
-    """A random PEFT adapter (B non-zero) scaled up so it changes the greedy tokens, saved by PEFT."""
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(task_type="CAUSAL_LM", init_lora_weights=False, lora_dropout=0.0, **lora_args)
-    model = peft.get_peft_model(_base(base_dir), config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.normal_(0, 0.3)
-    model.save_pretrained(out_dir)
-
-
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("lora")
-    dirs = {"base": make_tiny_llama_dir(str(root / "base"))}
-    for seed, (name, args) in enumerate(ADAPTERS.items()):
-        dirs[name] = str(root / name)
-        _make_adapter(dirs["base"], dirs[name], seed + 1, **args)
-    return dirs
+    return make_model_dirs(tmp_path_factory.mktemp("lora"))
 
 
 def _merged_greedy(model_dirs: dict[str, str], name: str | None) -> list[tuple[list[int], list[float]]]:
     """PEFT's merged model's greedy tokens and their log-probs, per prompt (the base's for None)."""
-    model = _base(model_dirs["base"])
+    model = load_base(model_dirs["base"])
     if name is not None:
         model = peft.PeftModel.from_pretrained(model, model_dirs[name]).merge_and_unload()
     results = []
@@ -174,7 +138,7 @@ def test_unknown_adapter_is_refused(llm):
 def test_dora_adapter_is_refused(model_dirs, tmp_path):
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True, init_lora_weights=False)
-    peft.get_peft_model(_base(model_dirs["base"]), config).save_pretrained(str(tmp_path / "dora"))
+    peft.get_peft_model(load_base(model_dirs["base"]), config).save_pretrained(str(tmp_path / "dora"))
     with pytest.raises(ValueError, match="DoRA adapters are not supported"):
         LLM(
             model_dirs["base"],

@@ -156,9 +156,12 @@ async def generate(request: GenerateRequest, raw_request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(raw_request: Request) -> Response:
     ctx = _state(raw_request).ctx
-    return json_response(
-        ModelList(data=[ModelCard(id=ctx.served_model_name, max_model_len=ctx.max_model_len)])
-    )
+    base = ModelCard(id=ctx.served_model_name, root=ctx.served_model_name, max_model_len=ctx.max_model_len)
+    adapters = [
+        ModelCard(id=name, root=path, parent=ctx.served_model_name, max_model_len=ctx.max_model_len)
+        for name, path in (() if ctx.engine.config.lora is None else ctx.engine.config.lora.modules)
+    ]
+    return json_response(ModelList(data=[base, *adapters]))
 
 
 @router.post("/tokenize")

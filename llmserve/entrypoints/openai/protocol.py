@@ -743,6 +743,8 @@ class ModelCard(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "llmserve"
     max_model_len: int
+    root: str | None = None  # the model's own name, or a LoRA adapter's path (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model; None for the model itself
 
 
 class ModelList(_Response):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import re
@@ -90,15 +91,24 @@ class ServerContext:
     def max_model_len(self) -> int:
         return self.engine.config.model.max_model_len
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise ApiError(
-                f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
-                status=404,
-                type="not_found_error",
-                param="model",
-                code="model_not_found",
-            )
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters served over the model (`--lora-modules`), by name."""
+        lora = self.engine.config.lora
+        return () if lora is None else lora.names
+
+    def check_model(self, model: str | None, adapters: bool = True) -> None:
+        """404 unless `model` is the served model or (where `adapters`) one of its LoRA adapters."""
+        if model is None or model == self.served_model_name or (adapters and model in self.lora_names):
+            return
+        served = ", ".join(repr(name) for name in (self.served_model_name, *self.lora_names))
+        raise ApiError(
+            f"the model {model!r} does not exist; this server serves {served}",
+            status=404,
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
 
     def admit(
         self,
@@ -178,6 +188,9 @@ class ServerContext:
             )
         try:
             params = request.to_sampling_params(max_tokens)
+            model = getattr(request, "model", None)  # /v1/generate has no model field
+            if model is not None and model in self.lora_names:  # the request runs under that adapter
+                params = dataclasses.replace(params, lora_name=model)
             check_params(params, self.engine.config)
         except ValueError as error:  # SamplingParams messages start with the field's name
             raise ApiError(str(error), param=str(error).split(" ", 1)[0]) from error

@@ -35,7 +35,7 @@ class EmbeddingHandler:
 
     async def create(self, request: EmbeddingRequest, raw_request: Request) -> Response:
         ctx = self.ctx
-        ctx.check_model(request.model)
+        ctx.check_model(request.model, adapters=False)  # embeddings run the base model only
         if request.dimensions is not None and request.dimensions != self.dimensions:
             raise ApiError(
                 f"dimensions={request.dimensions} is not supported: this model's embeddings have "

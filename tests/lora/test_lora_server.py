@@ -1,0 +1,61 @@
+"""LoRA adapters through `llmserve serve`: /v1/models lists them under their base, a request names
+one in `model`, and an unknown name is a 404 with an OpenAI-style body."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.entrypoints.conftest import start_server, tiny_server_args
+from tests.lora.adapters import ADAPTERS, make_model_dirs
+
+pytestmark = pytest.mark.server
+
+BASE = "tiny-base"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    dirs = make_model_dirs(tmp_path_factory.mktemp("lora"))
+    modules = [f"{name}={dirs[name]}" for name in ADAPTERS]
+    args = tiny_server_args(dirs["base"], "--served-model-name", BASE, "--enable-lora", "--max-loras", "2")
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    process = start_server([*args, "--lora-modules", *modules], log)
+    yield process, dirs
+    process.stop()
+
+
+def _complete(http, model: str) -> str:
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_models_lists_adapters_with_their_base_as_parent(server):
+    process, dirs = server
+    with process.http() as http:
+        cards = {card["id"]: card for card in http.get("/v1/models").json()["data"]}
+    assert set(cards) == {BASE, *ADAPTERS}
+    assert cards[BASE]["parent"] is None
+    for name in ADAPTERS:
+        assert cards[name]["parent"] == BASE and cards[name]["root"] == dirs[name]
+
+
+def test_a_request_runs_under_the_adapter_it_names(server):
+    process, _ = server
+    with process.http() as http:
+        texts = {name: _complete(http, name) for name in (BASE, *ADAPTERS)}
+        assert _complete(http, "qv") == texts["qv"]  # greedy: the same adapter, the same text
+    assert len(set(texts.values())) == len(texts)  # every adapter changes the base model's text
+
+
+def test_unknown_model_is_an_openai_404(server):
+    process, _ = server
+    with process.http() as http:
+        body = {"model": "nope", "prompt": "hi", "max_tokens": 2}
+        response = http.post("/v1/completions", json=body)
+        embedding = http.post("/v1/embeddings", json={"model": "qv", "input": "hi"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model" and "'qv'" in error["message"]
+    assert embedding.status_code == 404  # embeddings run the base model only
