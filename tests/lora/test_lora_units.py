@@ -1,0 +1,94 @@
+"""LoRA's parts on their own: the adapter config's checks, the LRU slot table, the flags and config."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from llmserve.config import EngineArgs
+from llmserve.config.flags import changed_flags
+from llmserve.config.lora import LoRAConfig
+from llmserve.lora.adapter import check_adapter_config
+from llmserve.lora.manager import SlotTable
+
+PEFT_DEFAULTS = dict(
+    peft_type="LORA",
+    r=8,
+    lora_alpha=16,
+    target_modules=["q_proj", "v_proj"],
+    use_dora=False,
+    use_rslora=False,
+    bias="none",
+    rank_pattern={},
+    alpha_pattern={},
+    modules_to_save=None,
+    layer_replication=None,
+    fan_in_fan_out=False,
+)
+
+
+def test_scale_is_alpha_over_rank_or_its_square_root_with_rslora():
+    assert check_adapter_config(PEFT_DEFAULTS, 16) == (8, 2.0)
+    assert check_adapter_config({**PEFT_DEFAULTS, "use_rslora": True}, 16) == (8, 16 / math.sqrt(8))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("use_dora", True, "DoRA adapters are not supported"),
+        ("bias", "all", "adapters that train biases"),
+        ("rank_pattern", {"q_proj": 4}, "per-module ranks"),
+        ("modules_to_save", ["lm_head"], "modules_to_save"),
+        ("target_modules", ".*proj", "regular expression"),
+        ("target_modules", ["q_proj", "lm_head"], r"\['lm_head'\] are not supported"),
+        ("peft_type", "IA3", "not a LoRA adapter"),
+        ("r", 32, "exceeds --max-lora-rank 16"),
+    ],
+)
+def test_math_changing_fields_are_refused_in_one_line(field, value, message):
+    with pytest.raises(ValueError, match=message) as error:
+        check_adapter_config({**PEFT_DEFAULTS, field: value}, 16)
+    assert "\n" not in str(error.value)
+
+
+def test_slot_table_swaps_the_least_recently_used_adapter_out():
+    writes = []
+    table = SlotTable(2, lambda slot, name: writes.append((slot, name)))
+    assert table.slots_for(["a", "b"]) == {"a": 0, "b": 1}
+    assert table.slots_for(["a"]) == {"a": 0}  # b is now the least recently used
+    assert table.slots_for(["c"]) == {"c": 1}
+    assert table.slots_for(["a", "c"]) == {"a": 0, "c": 1}  # both resident: nothing written
+    assert writes == [(0, "a"), (1, "b"), (1, "c")]
+    table.release("a")
+    assert table.slots_for(["b", "c"]) == {"b": 0, "c": 1}
+    with pytest.raises(ValueError, match="a step uses 3 LoRA adapters; --max-loras is 2"):
+        table.slots_for(["a", "b", "c"])
+
+
+def test_flags_parse_and_reproduce_lora_modules():
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    argv = ["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2"]
+    args = EngineArgs.from_cli_args(parser.parse_args(argv))
+    assert args.lora_modules == ["a=/x", "b=/y"] and args.max_loras == 2 and args.enable_lora
+    assert changed_flags(args) == argv
+    assert LoRAConfig.create(True, args.lora_modules, 2, 16).modules == (("a", "/x"), ("b", "/y"))
+
+
+@pytest.mark.parametrize(
+    ("enable", "modules", "message"),
+    [
+        (False, ["a=/x"], "--lora-modules needs --enable-lora"),
+        (True, ["a"], "takes name=path"),
+        (True, ["a=/x", "a=/y"], "names a LoRA adapter twice"),
+    ],
+)
+def test_lora_config_refuses_bad_modules(enable, modules, message):
+    with pytest.raises(ValueError, match=message):
+        LoRAConfig.create(enable, modules, 1, 16)
+
+
+def test_lora_config_is_off_without_enable_lora():
+    assert LoRAConfig.create(False, (), 1, 16) is None
