@@ -68,7 +68,8 @@ def _gguf_name(name: str, arch: str) -> str:
     return f"blk.{layer}.{names[module]}.{kind}"
 
 
-def write_gguf(path, arch: str) -> None:
+def write_gguf(path, arch: str, metadata=None) -> None:
+    """`metadata(writer)` adds keys of the caller's (a tokenizer) before the file is written."""
     config_cls, model_cls, extra = CLASSES[arch]
     torch.manual_seed(0)
     model = model_cls(config_cls(**TINY, head_dim=HEAD_DIM[arch], **extra)).eval()
@@ -99,6 +100,8 @@ def write_gguf(path, arch: str) -> None:
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             array = array + 1  # llama.cpp's converter stores Gemma's (1 + w)
         writer.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(array))
+    if metadata is not None:
+        metadata(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
