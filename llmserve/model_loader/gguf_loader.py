@@ -28,6 +28,8 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"
 _GEMMA = frozenset({"gemma2", "gemma3"})
 # llama.cpp's Gemma layouts: every `pattern`-th layer global, the others sliding; local rope base
 _GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+# the 27B models' layer counts: llama.cpp scales their attention by 1/sqrt(hidden / heads)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # llama.cpp rotates adjacent pairs of q/k elements for "llama" (its "normal" rope) and converts HF's
 # rotate-half layout by permuting rows; "qwen2" uses the neox rope, which needs no permutation.
@@ -120,7 +122,7 @@ def _partial_rotary_factor(reader: GGUFReader, arch: str, hidden: int, heads: in
 
 def _gemma_fields(reader: GGUFReader, arch: str, hidden: int, heads: int, path: str) -> dict[str, Any]:
     """What llama.cpp derives for Gemma rather than stores: GeGLU, the attention scale (1/sqrt(head_dim),
-    Gemma 2 27B's 1/sqrt(hidden / heads)), the layer pattern and Gemma 3's local rope base."""
+    Gemma 2 and 3 27B's 1/sqrt(hidden / heads)), the layer pattern and Gemma 3's local rope base."""
     layers = int(_required(reader, f"{arch}.block_count", path))
     head_dim = _head_dim(reader, arch, hidden, heads, path)
     pattern = _GEMMA_SLIDING_PATTERN[arch]
@@ -128,7 +130,7 @@ def _gemma_fields(reader: GGUFReader, arch: str, hidden: int, heads: int, path: 
     final_softcap = _field(reader, f"{arch}.final_logit_softcapping")
     return {
         "hidden_act": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": float(hidden // heads if arch == "gemma2" and layers == 46 else head_dim),
+        "query_pre_attn_scalar": float(hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim),
         "attn_logit_softcapping": None if softcap is None else float(softcap),
         "final_logit_softcapping": None if final_softcap is None else float(final_softcap),
         "layer_types": tuple(

@@ -68,3 +68,28 @@ def test_a_chat_is_answered_and_the_end_of_turn_stops_it(gemma3_gguf):
         assert 0 < len(output.outputs[0].token_ids) <= 8
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize(("layers", "scalar"), [(34, 128.0), (62, 168.0)])
+def test_the_27b_scales_attention_by_hidden_over_heads(tmp_path, layers, scalar):
+    """llama.cpp picks Gemma 3's attention scale by size: 1/sqrt(hidden / heads) for the 27B (62
+    layers: 5376 / 32 = 168), 1/sqrt(head_dim) for the others (the metadata of a 27B, head_dim 128)."""
+    from llmserve.model_loader.gguf_loader import open_gguf, read_arch_config
+
+    path = str(tmp_path / "header-only.gguf")
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_block_count(layers)
+    writer.add_context_length(131072)
+    writer.add_embedding_length(5376)
+    writer.add_feed_forward_length(21504)
+    writer.add_head_count(32)
+    writer.add_head_count_kv(16)
+    writer.add_key_length(128)
+    writer.add_value_length(128)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(262208)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_arch_config(open_gguf(path), path).query_pre_attn_scalar == scalar
