@@ -13,12 +13,13 @@ GROUP_SIZES = (32, 64, 128)  # the sizes the packed int4 CPU kernel accepts that
 # int4 groups run along the input: under tensor parallelism a rank's columns must hold whole ones
 GROUPED_METHODS = ("int4", "gptq", "awq")
 CHECKPOINT = "checkpoint"  # method of a directory written by `llmserve quantize`
+PREQUANTIZED = "prequantized"  # a checkpoint published quantized: its own codes (model_loader)
 
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    method: str  # one of METHODS, or "checkpoint" (a saved quantized checkpoint in `path`)
-    group_size: int  # int4 group-wise methods: input channels sharing one scale and offset
+    method: str  # one of METHODS, "checkpoint" (a saved quantized checkpoint in `path`) or "prequantized"
+    group_size: int  # int4 group-wise methods: input channels sharing one scale and offset (prequantized: 0)
     path: str | None = None  # checkpoint: the directory `llmserve quantize` wrote
 
     @staticmethod
@@ -27,12 +28,16 @@ class QuantizationConfig:
         group_size: int | None,
         in_features: tuple[int, ...],
         shard_in_features: tuple[int, ...] = (),
+        checkpoint_method: str | None = None,
     ) -> QuantizationConfig | None:
         """`value`: a method name or a checkpoint directory; `in_features`: every quantized layer's
         input width, so that "auto" (None) picks the largest group size dividing them all; under
         tensor parallelism `shard_in_features`: each rank's share of the row-parallel layers' input
         width, which the groups of the methods that quantize a shard (int4) or cut one (gptq, awq)
-        must divide too."""
+        must divide too. `checkpoint_method`: a pre-quantized model's quant_method, whose own codes
+        serve when `value` is None ("none": all dequantized; a method: quantizes them again)."""
+        if value is None and checkpoint_method is not None:
+            return QuantizationConfig(PREQUANTIZED, 0)
         if value is None or value in ("", "none"):
             return None
         if value not in METHODS and not os.path.isdir(value):

@@ -18,6 +18,7 @@ from llmserve.config import ModelArchConfig
 from llmserve.config.families import rope_scaling_type
 from llmserve.model_loader import multimodal
 from llmserve.model_loader.errors import ModelLoadError, describe
+from llmserve.model_loader.prequantized import dequantized_weights, read_quantization
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -54,6 +55,7 @@ def read_arch_config(path: str) -> ModelArchConfig:
         rope_scaling_type(rope_scaling)
     except ValueError as error:
         raise ModelLoadError(f"{path}: {error}") from None
+    quantization = read_quantization(config, path)
     return ModelArchConfig(
         architecture=arch,
         vocab_size=int(config["vocab_size"]),
@@ -72,6 +74,7 @@ def read_arch_config(path: str) -> ModelArchConfig:
         bos_token_id=config["bos_token_id"] if isinstance(config.get("bos_token_id"), int) else None,
         eos_token_ids=_eos_token_ids(path, config),
         sliding_window=_sliding_window(config),
+        checkpoint_quantization=None if quantization is None else quantization.method,
         **_family_fields(config, arch, local_theta, path),
     )
 
@@ -186,6 +189,19 @@ def _sliding_window(config: dict[str, Any]) -> int | None:
         return None
     window = config.get("sliding_window")
     return None if window is None else int(window)
+
+
+def read_float_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`read_weights`, the layers of a pre-quantized checkpoint dequantized to `dtype`
+    (model_loader/prequantized.py; the `prequantized` quantization method keeps what kernels take)."""
+    weights = read_weights(path)
+    spec = read_quantization(read_config(path), path)
+    return weights if spec is None else dequantized_weights(weights, spec, dtype)
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """config.json of the HF directory `path`, as a dict."""
+    return _read_json(os.path.join(path, "config.json"), path)
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:

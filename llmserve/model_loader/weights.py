@@ -58,7 +58,7 @@ def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         arch, weights = _gguf_weights(path)
     else:
         arch = hf_loader.read_arch_config(path)
-        weights = family_weights.to_llama_names(arch, hf_loader.read_weights(path))
+        weights = family_weights.to_llama_names(arch, hf_loader.read_float_weights(path, dtype))
     check_weights(weights, arch, path)
     return {name: tensor.to(dtype) for name, tensor in weights.items()}
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from llmserve.config import ModelConfig
-from llmserve.config.quantization import CHECKPOINT
-from llmserve.quantization import awq, calibration, checkpoint, gguf_native
+from llmserve.config.quantization import CHECKPOINT, PREQUANTIZED
+from llmserve.quantization import awq, calibration, checkpoint, gguf_native, prequantized
 from llmserve.quantization.formats import QuantizedWeight, concat_rows, quantize_int4, quantize_int8
 from llmserve.quantization.gptq import HessianAccumulator, gptq_quantize
 from llmserve.quantization.kernels import QuantizedLinear
@@ -290,6 +290,26 @@ def _cached(
     info = {"method": entry, "source": config.path, "source_id": checkpoint.source_id(config.path)}
     weights_cache.save_dir(config.path, entry, lambda d: checkpoint.save_quantized(d, tensors, info))
     return tensors
+
+
+@register(PREQUANTIZED)
+def _prequantized(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
+    """A checkpoint published quantized: its own codes, where a kernel format holds them exactly
+    (quantization/prequantized.py); the other layers keep the float weights the loader decoded."""
+    layers, dequantized = prequantized.checkpoint_layers(config.path)
+    weights: dict[str, QuantizedWeight] = {}
+    for name in decoder_linears(model):
+        parent, _, child = name.rpartition(".")
+        parts = [layers.get(f"{parent}.{shard}") for shard in model.packed_modules.get(child, (child,))]
+        fused = layers.get(name)  # a checkpoint that stores the fused layer itself (Phi-3)
+        if fused is None and all(part is not None for part in parts):
+            fused = concat_rows(parts)
+        if fused is not None:
+            weights[name] = fused
+        elif any(part is not None for part in parts):
+            dequantized[name] = "fused parts of different formats"
+    prequantized.log_dequantized(config.arch.checkpoint_quantization, len(weights), dequantized, config.dtype)
+    return QuantizationResult(weights)
 
 
 @register(CHECKPOINT)

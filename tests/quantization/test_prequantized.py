@@ -1,0 +1,258 @@
+"""Checkpoints published quantized (GPTQ, AWQ, compressed-tensors, FP8): a tiny random Llama packed by
+tests/quantization/prequantized_packers.py serves as the same model with the packer's dequantized
+float weights does, its int4/int8 layers on the quantized kernels; unknown methods: a one-line error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmserve.config import EngineArgs
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.model_loader import ModelLoadError
+from llmserve.model_loader.prequantized import dequantized_weights, read_quantization, unpack_int32
+from llmserve.quantization.kernels import QuantizedLinear
+from llmserve.sampling_params import SamplingParams
+from tests.helpers import make_tiny_llama_dir, round_inputs_as_the_small_batch_kernels
+from tests.quantization import prequantized_packers as packers
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog", "def main():\n    return"]
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+KEPT_FLOAT = "model.layers.1.mlp.down_proj"  # listed as not quantized: stored and served in float
+ENGINE_LINEARS = 2 * 4  # qkv, o, gate_up, down per layer
+
+
+def _gptq_config(bits: int, sym: bool, desc_act: bool, v2: bool = False) -> dict:
+    return {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": 32,
+        "desc_act": desc_act,
+        "sym": sym,
+        "checkpoint_format": "gptq_v2" if v2 else "gptq",
+        "modules_to_not_convert": [KEPT_FLOAT],
+    }
+
+
+def _ct_config(fmt: str, kind: str, bits: int, strategy: str, symmetric: bool = True) -> dict:
+    weights = {"num_bits": bits, "type": kind, "symmetric": symmetric, "strategy": strategy, "dynamic": False}
+    if strategy == "group":
+        weights["group_size"] = 32
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+        "ignore": ["lm_head", KEPT_FLOAT],
+    }
+
+
+_AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+_AWQ_CONFIG["modules_to_not_convert"] = [KEPT_FLOAT]
+_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+
+# name -> (packer of one weight, quantization_config, the kernel kind of the layers kept quantized;
+# None: every layer dequantized at load)
+FORMATS: dict[str, tuple[Callable, dict, str | None]] = {
+    "gptq-4bit-sym": (packers.gptq, _gptq_config(4, True, False), "int4"),
+    "gptq-4bit-asym-v2": (
+        lambda w: packers.gptq(w, sym=False, v2=True),
+        _gptq_config(4, False, False, v2=True),
+        "int4",
+    ),
+    "gptq-4bit-desc-act": (
+        lambda w: packers.gptq(w, sym=False, desc_act=True, seed=w.shape[0] + w.shape[1]),
+        _gptq_config(4, False, True),
+        None,
+    ),
+    "gptq-8bit-sym": (lambda w: packers.gptq(w, bits=8), _gptq_config(8, True, False), "int8"),
+    "awq-gemm": (packers.awq, _AWQ_CONFIG, "int4"),
+    "ct-w4a16-sym": (packers.ct_int4, _ct_config("pack-quantized", "int", 4, "group"), "int4"),
+    "ct-w4a16-asym": (
+        lambda w: packers.ct_int4(w, symmetric=False),
+        _ct_config("pack-quantized", "int", 4, "group", symmetric=False),
+        "int4",
+    ),
+    "ct-w8a8-channel": (packers.ct_int8, _ct_config("int-quantized", "int", 8, "channel"), "int8"),
+    "ct-w8a8-tensor": (
+        lambda w: packers.ct_int8(w, per_tensor=True),
+        _ct_config("int-quantized", "int", 8, "tensor"),
+        "int8",
+    ),
+    "ct-fp8-channel": (
+        lambda w: packers.fp8(w, per_channel=True),
+        _ct_config("float-quantized", "float", 8, "channel"),
+        None,
+    ),
+    "fp8-tensor": (packers.fp8, _FP8_CONFIG, None),
+    "fp8-block": (packers.fp8_blocks, {**_FP8_CONFIG, "weight_block_size": [32, 32]}, None),
+}
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory) -> str:
+    return make_tiny_llama_dir(str(tmp_path_factory.mktemp("float")))
+
+
+def _is_quantized(name: str) -> bool:
+    module = name.removesuffix(".weight")
+    return name.endswith(".weight") and module.rpartition(".")[2] in LINEARS and module != KEPT_FLOAT
+
+
+def _write(source: str, dest: str, tensors: dict[str, torch.Tensor], quantization: dict | None) -> str:
+    shutil.copytree(source, dest)
+    save_file(tensors, os.path.join(dest, "model.safetensors"))
+    with open(os.path.join(dest, "config.json")) as file:
+        config = json.load(file)
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    with open(os.path.join(dest, "config.json"), "w") as file:
+        json.dump(config, file)
+    return dest
+
+
+def _pack(float_dir: str, tmp: str, fmt: str) -> tuple[str, str, dict[str, torch.Tensor]]:
+    """(the packed checkpoint, the float checkpoint of its dequantized weights, those weights)."""
+    pack, quantization, _ = FORMATS[fmt]
+    source = load_file(os.path.join(float_dir, "model.safetensors"))
+    packed, reference = {}, {}
+    for name, tensor in source.items():
+        if _is_quantized(name):
+            parts, dequantized = pack(tensor)
+            module = name.removesuffix(".weight")
+            packed.update({f"{module}.{suffix}": value for suffix, value in parts.items()})
+            reference[name] = dequantized.contiguous()
+        else:
+            packed[name] = reference[name] = tensor
+    if any(value.dtype == torch.float8_e4m3fn for value in packed.values()):
+        # an activation scale: dropped, activations stay float
+        packed["model.layers.0.self_attn.q_proj.input_scale"] = torch.ones(1)
+    quantized_dir = _write(float_dir, os.path.join(tmp, "quantized"), packed, quantization)
+    return quantized_dir, _write(float_dir, os.path.join(tmp, "reference"), reference, None), reference
+
+
+def _run(engine: LLMEngine) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens of each prompt and the log-probs of its prompt tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, prompt_logprobs=0)
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(str(index), prompt, params)
+    tokens, logprobs = {}, {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.prompt_logprobs is not None:
+                logprobs.setdefault(output.request_id, list(output.prompt_logprobs.token_logprobs))
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+    ids = [str(index) for index in range(len(PROMPTS))]
+    return [tokens[i] for i in ids], [logprobs[i] for i in ids]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_decoded_weights_equal_the_packers(float_dir, tmp_path, fmt):
+    """The loader's dequantization of every layer is the packer's float weight (the format's meaning)."""
+    quantized_dir, _, reference = _pack(float_dir, str(tmp_path), fmt)
+    with open(os.path.join(quantized_dir, "config.json")) as file:
+        spec = read_quantization(json.load(file), quantized_dir)
+    decoded = dequantized_weights(
+        load_file(os.path.join(quantized_dir, "model.safetensors")), spec, torch.float32
+    )
+    assert set(decoded) == set(reference)
+    for name, weight in reference.items():
+        torch.testing.assert_close(decoded[name], weight, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "fmt", ["ct-w4a16-sym", "ct-w4a16-asym", "ct-w8a8-channel", "ct-fp8-channel", "fp8-block"]
+)
+def test_decoded_weights_equal_transformers(float_dir, tmp_path, fmt):
+    """An independent reader of the format: transformers' own integration (compressed-tensors'
+    decompression; FP8 dequantized on a CPU) loads the same weights (compressed-tensors decompresses in
+    its scales' float16: within float16's rounding)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    quantized_dir, _, _ = _pack(float_dir, str(tmp_path), fmt)
+    options = {}
+    if fmt.startswith("ct-"):
+        options["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(quantized_dir, dtype=torch.float32, **options)
+    with open(os.path.join(quantized_dir, "config.json")) as file:
+        spec = read_quantization(json.load(file), quantized_dir)
+    tensors = load_file(os.path.join(quantized_dir, "model.safetensors"))
+    decoded = dequantized_weights(tensors, spec, torch.float32)
+    compared = [name for name in hf.state_dict() if _is_quantized(name)]
+    assert len(compared) == 2 * len(LINEARS) - 1
+    for name in compared:
+        weight = hf.state_dict()[name].float()
+        torch.testing.assert_close(decoded[name], weight, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_engine_serves_the_checkpoint_as_its_dequantized_float_model(float_dir, tmp_path, fmt):
+    """float32: greedy tokens equal and prompt log-probs close to the float model of the packer's
+    weights; the layers that map onto int4/int8 run on those kernels, with those very weights."""
+    quantized_dir, reference_dir, reference = _pack(float_dir, str(tmp_path), fmt)
+    expected_kind = FORMATS[fmt][2]
+    args = dict(dtype="float32", kv_cache_memory="4MiB")
+    engine = LLMEngine(EngineArgs(model=quantized_dir, **args))
+    model = engine.model_runner.model
+    swapped = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    if expected_kind is None:
+        assert swapped == {}
+    else:
+        assert len(swapped) == ENGINE_LINEARS - 1  # all but KEPT_FLOAT
+        assert KEPT_FLOAT not in swapped and "lm_head" not in swapped
+        assert {m.kernel.kind for m in swapped.values()} == {expected_kind}
+    for name, module in swapped.items():  # the kernels multiply by the packer's weights
+        parts = model.packed_modules.get(name.rpartition(".")[2], (name.rpartition(".")[2],))
+        parent = name.rpartition(".")[0]
+        weight = torch.cat([reference[f"{parent}.{part}.weight"] for part in parts])
+        torch.testing.assert_close(module.kernel.dequantize(torch.float32), weight, rtol=0, atol=1e-6)
+    float_engine = LLMEngine(EngineArgs(model=reference_dir, **args))
+    if round_inputs_as_the_small_batch_kernels(float_engine.model_runner.model, model):
+        float_engine.model_runner.decode_stack = None  # the rounding hooks are on the modules
+    tokens, logprobs = _run(engine)
+    float_tokens, float_logprobs = _run(float_engine)
+    assert tokens == float_tokens
+    for prompt, float_prompt in zip(logprobs, float_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(prompt), torch.tensor(float_prompt), rtol=0, atol=1e-3)
+
+
+def test_bfloat16_runs_the_packed_int4_kernel(float_dir, tmp_path):
+    """bfloat16 on a CPU: GPTQ's codes go to the packed int4 kernel, AWQ's too; the lm_head stays float."""
+    from llmserve.quantization.kernels import Int4PackedKernel
+
+    quantized_dir, _, _ = _pack(float_dir, str(tmp_path), "gptq-4bit-sym")
+    engine = LLMEngine(EngineArgs(model=quantized_dir, dtype="bfloat16", kv_cache_memory="4MiB"))
+    model = engine.model_runner.model
+    kernels = {type(m.kernel) for m in model.modules() if isinstance(m, QuantizedLinear)}
+    assert kernels == {Int4PackedKernel}
+    tokens, _ = _run(engine)
+    assert all(len(t) == 10 for t in tokens)
+
+
+def test_unpack_int32_reads_lowest_bits_first():
+    words = torch.tensor([[0x76543210, -0x789ABCDF]], dtype=torch.int32)  # the second: 0x87654321
+    assert unpack_int32(words, 4, 1).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 8]]
+    assert unpack_int32(words.t(), 8, 0).t().tolist() == [[0x10, 0x32, 0x54, 0x76, 0x21, 0x43, 0x65, 0x87]]
+
+
+@pytest.mark.parametrize(
+    ("quantization", "message"),
+    [
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "gptq: unsupported bits 3"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "awq: unsupported version 'gemv'"),
+    ],
+)
+def test_unsupported_quantization_is_a_one_line_error(float_dir, tmp_path, quantization, message):
+    tensors = load_file(os.path.join(float_dir, "model.safetensors"))
+    path = _write(float_dir, str(tmp_path / "model"), tensors, quantization)
+    with pytest.raises(ModelLoadError, match=message) as error:
+        LLMEngine(EngineArgs(model=path, dtype="float32", kv_cache_memory="4MiB"))
+    assert "\n" not in str(error.value)
