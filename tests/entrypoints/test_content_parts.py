@@ -8,7 +8,7 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 
 from llmserve.entrypoints.openai.api_server import validation_api_error
-from llmserve.entrypoints.openai.protocol import ChatCompletionRequest
+from llmserve.entrypoints.openai.protocol import ChatCompletionRequest, ResponsesRequest
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 
@@ -17,10 +17,10 @@ def _chat(*parts: dict) -> dict:
     return {"model": "m", "messages": [{"role": "user", "content": list(parts)}]}
 
 
-def _error_body(body: dict) -> dict:
+def _error_body(body: dict, request_cls: type[pydantic.BaseModel] = ChatCompletionRequest) -> dict:
     """The body the server answers with, as its validation-error handler builds it."""
     with pytest.raises(pydantic.ValidationError) as raised:
-        ChatCompletionRequest.model_validate(body)
+        request_cls.model_validate(body)
     errors = [{**error, "loc": ("body", *error["loc"])} for error in raised.value.errors()]
     error = validation_api_error(RequestValidationError(errors))
     assert error.status == 400
@@ -54,3 +54,13 @@ def test_text_parts_still_pass():
 
 def test_a_part_without_a_type_keeps_its_own_error():
     assert "content parts of type" not in _error_body(_chat({"text": "x"}))["error"]["message"]
+
+
+def test_responses_input_images_are_400_too():
+    part = {"type": "input_image", "image_url": "https://example.com/a.png"}
+    body = {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}, part]}]}
+    error = _error_body(body, ResponsesRequest)["error"]
+    assert error["param"] == "input"
+    assert "content parts of type 'input_image' are not supported" in error["message"]
+    text_only = {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}]}]}
+    assert ResponsesRequest.model_validate(text_only).input[0].content[0].text == "a"

@@ -498,15 +498,7 @@ class ChatMessage(_Request):
     @field_validator("content", mode="before")
     @classmethod
     def _check_content_parts(cls, content: Any) -> Any:
-        """Image, audio and file parts are refused by name: every model here is served for text."""
-        for part in content if isinstance(content, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise ValueError(
-                    f"content parts of type {kind!r} are not supported: the model is served for text "
-                    "only (send parts of type 'text')"
-                )
-        return content
+        return refuse_non_text_parts(content, ("text",))
 
     @field_validator("tool_calls")
     @classmethod
@@ -544,6 +536,19 @@ class ChatMessage(_Request):
         if self.role == "tool":
             message["tool_call_id"] = self.tool_call_id or ""
         return message
+
+
+def refuse_non_text_parts(content: Any, text_types: tuple[str, ...]) -> Any:
+    """`content` unchanged, or ValueError naming its first image, audio or file part: every model
+    here is served for text (Gemma 3 from 4B up reads images too, but not here yet)."""
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in text_types:
+            raise ValueError(
+                f"content parts of type {kind!r} are not supported: the model is served for text "
+                f"only (send parts of type {text_types[0]!r})"
+            )
+    return content
 
 
 def _arguments_value(call: AssistantToolCall) -> Any:
@@ -839,6 +844,11 @@ class ResponseInputMessage(_Request):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ResponseInputText]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content_parts(cls, content: Any) -> Any:
+        return refuse_non_text_parts(content, ("input_text", "output_text", "text"))
 
     def to_template_message(self) -> dict[str, str]:
         content = self.content
