@@ -63,6 +63,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         eos_token_ids: tuple[int, ...] = (),
+        lora_key: bytes = b"",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -72,6 +73,8 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
+        # LoRA: its adapter's load, mixed into its first block's prefix-cache hash (b"": the base model)
+        self.lora_key = lora_key
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache on admission

@@ -36,13 +36,6 @@ def hash_block(parent_hash: bytes, tokens: tuple[int, ...], extra_key: bytes = b
     return digest.digest()
 
 
-def _first_block_key(request: Request) -> bytes:
-    """The extra key of a request's first block (the chain carries it to the others): its LoRA
-    adapter's name, since an adapter changes every layer's KV (nothing for the base model)."""
-    name = request.sampling_params.lora_name
-    return b"" if name is None else b"lora:" + name.encode()
-
-
 class PrefixCache:
     def __init__(
         self, pool: BlockPool, block_size: int, groups: tuple[GroupManager, ...], enabled: bool = True
@@ -60,7 +53,9 @@ class PrefixCache:
         hashes = self._hashes.setdefault(request.request_id, [])
         size, tokens = self.block_size, request.all_token_ids
         for index in range(len(hashes), len(tokens) // size):
-            parent, extra = (hashes[-1], b"") if hashes else (b"", _first_block_key(request))
+            # the first block's hash carries the request's LoRA adapter (an adapter changes every
+            # layer's KV), and the chain carries it to the others
+            parent, extra = (hashes[-1], b"") if hashes else (b"", request.lora_key)
             hashes.append(hash_block(parent, tuple(tokens[index * size : (index + 1) * size]), extra))
         return hashes
 

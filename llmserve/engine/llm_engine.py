@@ -30,6 +30,7 @@ from llmserve.engine.invariants import InvariantChecker
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.step_stats import StepStatsRecorder
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
+from llmserve.lora.manager import LoRAManager
 from llmserve.metrics.stats import StepStats
 from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
 from llmserve.models.registry import build_model
@@ -228,6 +229,8 @@ class LLMEngine:
         """Queue a prompt already tokenized and validated (the server did both: engine_core.py)."""
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.lora_name is not None:
+            _lora_of(self.model_runner).check_name(params.lora_name)
         compiling = self.grammar_gate.future(params)
         children = [
             self._make_request(
@@ -287,7 +290,23 @@ class LLMEngine:
     def _make_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time, priority: int
     ) -> Request:
-        return Request(request_id, prompt_ids, params, arrival_time, priority, self.eos_token_ids)
+        lora = self.model_runner.lora
+        lora_key = b"" if lora is None else lora.cache_key(params.lora_name)
+        return Request(request_id, prompt_ids, params, arrival_time, priority, self.eos_token_ids, lora_key)
+
+    # -- LoRA adapters (llmserve/lora, docs/lora.md) -----------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in `path` as `name` while the engine runs; ValueError if LoRA is off,
+        the name is taken or the adapter is refused."""
+        _lora_of(self.model_runner).load(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter `name`; ValueError if it is unknown or unfinished requests use it."""
+        users = sum(r.sampling_params.lora_name == name for r in self.scheduler.requests.values())
+        if users:
+            raise ValueError(f"the LoRA adapter {name!r} is in use by {users} unfinished requests")
+        _lora_of(self.model_runner).remove(name)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish every unfinished child of the request and free its blocks; returns its last output."""
@@ -521,6 +540,13 @@ def _end_held(request: Request) -> None:
     request.finished_time = time.monotonic()
 
 
+def _lora_of(runner: ModelRunner) -> LoRAManager:
+    """The runner's LoRA adapters; ValueError where LoRA is off."""
+    if runner.lora is None:
+        raise ValueError("LoRA adapters need --enable-lora")
+    return runner.lora
+
+
 def check_params(params: SamplingParams, config: EngineConfig) -> None:
     """Raise ValueError for parameters this model cannot honour (token ids past its vocabulary)."""
     vocab_size = config.model.arch.vocab_size
@@ -532,8 +558,6 @@ def check_params(params: SamplingParams, config: EngineConfig) -> None:
         raise ValueError(f"stop_token_ids has token id {past[0]}, but the vocabulary has {vocab_size} tokens")
     if params.prompt_logprobs is not None and config.parallel.pipeline_parallel_size > 1:
         raise ValueError("prompt_logprobs is not supported with pipeline parallelism")
-    if params.lora_name is not None and (config.lora is None or params.lora_name not in config.lora.names):
-        raise ValueError(f"the LoRA adapter {params.lora_name!r} does not exist")
 
 
 def check_prompt(prompt_ids: list[int], config: EngineConfig) -> None:

@@ -75,6 +75,8 @@ class LoRAManager:
         self.config = config
         self.dtype = next(model.parameters()).dtype
         self.adapters: dict[str, LoRAAdapter] = {}  # every loaded adapter, in host memory
+        self._load_ids: dict[str, int] = {}  # name -> its load's number: a reloaded name is another key
+        self._loads = 0
         self.slots = SlotTable(config.max_loras, self._write_slot)
         self.layers: dict[tuple[int, str], LoRALayerWeights] = {}  # (layer, fused module) -> stacks
         self._groups: SlotGroups | None = None  # the step being run's rows by slot; None: no adapter
@@ -83,7 +85,7 @@ class LoRAManager:
             for fused, modules in _FUSED.items():
                 self._attach(index, fused, layer.get_submodule(fused), _shard_sizes(layer, fused, modules))
         for name, path in config.modules:
-            self.add(load_peft_adapter(name, path, config.max_lora_rank, self.dtype))
+            self.load(name, path)
 
     def _attach(self, index: int, fused: str, linear: nn.Linear, shard_sizes: tuple[int, ...]) -> None:
         weights = LoRALayerWeights(linear, shard_sizes, self.config.max_loras, self.config.max_lora_rank)
@@ -114,10 +116,27 @@ class LoRAManager:
         except ValueError:
             del self.adapters[adapter.name]
             raise
+        self._loads += 1
+        self._load_ids[adapter.name] = self._loads
+
+    def cache_key(self, name: str | None) -> bytes:
+        """The prefix-cache key of requests under adapter `name` (b"": the base model): its load,
+        so that blocks cached under an unloaded adapter never serve one loaded again by its name."""
+        return b"" if name is None else b"lora:%d" % self._load_ids[name]
+
+    def load(self, name: str, path: str) -> None:
+        """Read the PEFT adapter in `path` into host memory as `name` (add's errors)."""
+        self.add(load_peft_adapter(name, path, self.config.max_lora_rank, self.dtype))
+
+    def check_name(self, name: str) -> None:
+        if name not in self.adapters:
+            raise ValueError(f"the LoRA adapter {name!r} does not exist")
 
     def remove(self, name: str) -> None:
-        """Unload an adapter (KeyError if unknown); requests using it must have finished."""
+        """Unload an adapter (ValueError if unknown); requests using it must have finished."""
+        self.check_name(name)
         del self.adapters[name]
+        del self._load_ids[name]
         self.slots.release(name)
 
     def _write_slot(self, slot: int, name: str) -> None:

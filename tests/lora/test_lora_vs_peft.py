@@ -159,3 +159,64 @@ def test_saved_config_fields_are_what_the_loader_reads(model_dirs):
     with open(os.path.join(model_dirs["all"], "adapter_config.json")) as file:
         config = json.load(file)
     assert config["use_rslora"] is True and config["use_dora"] is False and config["r"] == 8
+
+
+def _run_all(engine) -> dict[str, list[int]]:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
+    return finished
+
+
+def test_load_and_unload_at_run_time_under_load(model_dirs, llm):
+    """Adapters loaded while requests run, with one resident slot: every request gets its own
+    adapter's tokens; an adapter in use cannot be unloaded; a name loaded again is a new adapter."""
+    names = ["qv", "all", "mlp"]
+    want = {
+        (p, n): llm.generate([PROMPTS[p]], _params(n), use_tqdm=False)[0].outputs[0].token_ids
+        for p in range(len(PROMPTS))
+        for n in [None, *names]
+    }
+    with LLM(model_dirs["base"], dtype="float32", kv_cache_memory="64MiB", enable_lora=True) as offline:
+        engine = offline.engine
+        engine.add_lora("qv", model_dirs["qv"])
+        for p in range(len(PROMPTS)):
+            engine.add_request(f"qv-{p}", PROMPTS[p], _params("qv"))
+            engine.add_request(f"base-{p}", PROMPTS[p], _params(None))
+        engine.step()
+        engine.add_lora("all", model_dirs["all"])  # while qv's requests run
+        engine.add_lora("mlp", model_dirs["mlp"])
+        for p in range(len(PROMPTS)):
+            engine.add_request(f"all-{p}", PROMPTS[p], _params("all"))
+            engine.add_request(f"mlp-{p}", PROMPTS[p], _params("mlp"))
+        with pytest.raises(ValueError, match="'qv' is in use by 3 unfinished requests"):
+            engine.remove_lora("qv")
+        finished = _run_all(engine)
+        for request_id, tokens in finished.items():
+            name, p = request_id.split("-")
+            assert tokens == want[(int(p), None if name == "base" else name)], request_id
+        assert len(finished) == 4 * len(PROMPTS)
+
+        engine.remove_lora("qv")
+        with pytest.raises(ValueError, match="LoRA adapter 'qv' does not exist"):
+            engine.add_request("gone", PROMPTS[0], _params("qv"))
+        engine.add_lora("qv", model_dirs["all"])  # the name again, other weights: none of the old KV
+        engine.add_request("again", PROMPTS[0], _params("qv"))
+        assert _run_all(engine) == {"again": want[(0, "all")]}
+
+
+def test_an_adapter_loaded_again_shares_no_cached_blocks_with_its_old_load(model_dirs):
+    long_prompt = list(range(100, 180))  # five full blocks of 16
+    options = dict(dtype="float32", kv_cache_memory="64MiB", enable_lora=True, block_size=16)
+    with LLM(model_dirs["base"], **options) as llm:
+        llm.engine.add_lora("x", model_dirs["qv"])
+
+        def cached() -> int:
+            return llm.generate([long_prompt], _params("x"), use_tqdm=False)[0].num_cached_tokens
+
+        assert (cached(), cached()) == (0, 64)
+        llm.engine.remove_lora("x")
+        llm.engine.add_lora("x", model_dirs["all"])
+        assert (cached(), cached()) == (0, 64)
