@@ -84,7 +84,8 @@ def log_dequantized(method: str, kept: int, dequantized: dict[str, str], dtype: 
         for fmt, names in by_format.items()
     ]
     logger.info(
-        "checkpoint quantization %s: %d layers kept quantized, %d dequantized to %s at load (%s)",
+        "checkpoint quantization %s: %d layers kept quantized, %d checkpoint layers dequantized to %s "
+        "at load (%s)",
         method,
         kept,
         len(dequantized),

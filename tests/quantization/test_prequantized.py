@@ -5,6 +5,7 @@ float weights does, its int4/int8 layers on the quantized kernels; unknown metho
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -193,13 +194,17 @@ def test_decoded_weights_equal_transformers(float_dir, tmp_path, fmt):
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_engine_serves_the_checkpoint_as_its_dequantized_float_model(float_dir, tmp_path, fmt):
+def test_engine_serves_the_checkpoint_as_its_dequantized_float_model(float_dir, tmp_path, caplog, fmt):
     """float32: greedy tokens equal and prompt log-probs close to the float model of the packer's
-    weights; the layers that map onto int4/int8 run on those kernels, with those very weights."""
+    weights; the layers that map onto int4/int8 run on those kernels, with those very weights; the
+    others are named in one log line."""
     quantized_dir, reference_dir, reference = _pack(float_dir, str(tmp_path), fmt)
     expected_kind = FORMATS[fmt][2]
     args = dict(dtype="float32", kv_cache_memory="4MiB")
-    engine = LLMEngine(EngineArgs(model=quantized_dir, **args))
+    with caplog.at_level(logging.INFO, logger="llmserve"):
+        engine = LLMEngine(EngineArgs(model=quantized_dir, **args))
+    lines = [r.getMessage() for r in caplog.records if "dequantized to float32 at load" in r.getMessage()]
+    assert len(lines) == (1 if expected_kind is None else 0)
     model = engine.model_runner.model
     swapped = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if expected_kind is None:
@@ -234,6 +239,13 @@ def test_bfloat16_runs_the_packed_int4_kernel(float_dir, tmp_path):
     assert kernels == {Int4PackedKernel}
     tokens, _ = _run(engine)
     assert all(len(t) == 10 for t in tokens)
+
+
+def test_quantization_none_serves_the_checkpoint_dequantized(float_dir, tmp_path):
+    quantized_dir, _, _ = _pack(float_dir, str(tmp_path), "awq-gemm")
+    args = EngineArgs(model=quantized_dir, dtype="float32", kv_cache_memory="4MiB", quantization="none")
+    model = LLMEngine(args).model_runner.model
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
 def test_unpack_int32_reads_lowest_bits_first():
