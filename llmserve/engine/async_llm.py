@@ -32,6 +32,7 @@ from llmserve.engine.core_client import (
 )
 from llmserve.engine.health import EngineHealth, HealthState, WatchdogConfig
 from llmserve.engine.llm_engine import LLMEngine, check_prompt
+from llmserve.engine.lora_commands import LoRACommands
 from llmserve.engine.messages import (
     AbortRequest,
     AddPoolingRequest,
@@ -39,6 +40,7 @@ from llmserve.engine.messages import (
     EngineMessage,
     EngineStatus,
     FailureKind,
+    LoRACommandDone,
     RequestAborted,
     RequestsFailed,
     StepOutputs,
@@ -124,6 +126,7 @@ class AsyncLLM:
             self.engine_core.kill()
             raise
         self.config: EngineConfig = ready.config
+        self.lora = LoRACommands(self.config.lora, self.engine_core.send)  # adapters loaded at run time
         if ready.main_cpu is not None:  # before the threads below start: they inherit it
             keep_process_off(ready.main_cpu)
         self.health.max_step_tokens = self.config.scheduler.max_num_batched_tokens
@@ -135,6 +138,7 @@ class AsyncLLM:
         """A new engine is ready: its warm-up's steps are the first speeds (health) and the wait
         predictor's prior (the warm-up listeners); none without a warm-up."""
         steps = ready.warmup_steps
+        self.lora.replay()  # a restarted engine: the adapters loaded at run time, again
         self.health.on_warmed_up(steps)
         with self._warmup_lock:
             self._warmup_steps = steps
@@ -277,6 +281,7 @@ class AsyncLLM:
     def on_engine_exit(self, message: str) -> None:
         """End every stream with EngineDeadError; the engine that knew these requests is gone."""
         error = EngineDeadError(message)
+        self.lora.fail_all(message)
         self._deliver_all([(request_id, error) for request_id in list(self._streams)])
         for request_id in list(self._prompts):
             self._forget(request_id)
@@ -309,6 +314,8 @@ class AsyncLLM:
             self._deliver_all([(request_id, error) for request_id in message.request_ids])
         elif isinstance(message, EngineStatus):
             self.gauges = message.gauges
+        elif isinstance(message, LoRACommandDone):
+            self.lora.on_done(message)
 
     def _request_output(self, wire) -> RequestOutput | None:
         """The delta as a RequestOutput with its prompt; None for a request this side forgot."""

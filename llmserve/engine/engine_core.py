@@ -28,6 +28,8 @@ from llmserve.engine.messages import (
     EngineStatus,
     EngineWarming,
     FailureKind,
+    LoRACommand,
+    LoRACommandDone,
     RequestAborted,
     RequestsFailed,
     Shutdown,
@@ -137,7 +139,10 @@ class EngineCore:
                 self.outputs.send(EngineStatus(self._gauges()))
         self.commands.poll(None)
 
-    def _apply(self, command: AddRequest | AddPoolingRequest | AbortRequest) -> None:
+    def _apply(self, command: AddRequest | AddPoolingRequest | AbortRequest | LoRACommand) -> None:
+        if isinstance(command, LoRACommand):
+            self._apply_lora(command)
+            return
         if isinstance(command, AbortRequest):
             output = self.engine.abort_request(command.request_id)
             wire = None if output is None else EngineOutput.of(output)
@@ -161,6 +166,18 @@ class EngineCore:
                 )
         except ValueError as error:
             self.outputs.send(RequestsFailed([command.request_id], FailureKind.INVALID, str(error)))
+
+    def _apply_lora(self, command: LoRACommand) -> None:
+        """Load or unload an adapter between steps; the answer names why it was refused, if it was."""
+        try:
+            if command.path is None:
+                self.engine.remove_lora(command.name)
+            else:
+                self.engine.add_lora(command.name, command.path)
+        except Exception as error:  # noqa: BLE001 - an unreadable adapter must not take the engine down
+            self.outputs.send(LoRACommandDone(command.command_id, str(error) or type(error).__name__))
+            return
+        self.outputs.send(LoRACommandDone(command.command_id, None))
 
     def _step(self) -> None:
         try:

@@ -5,11 +5,12 @@ request's outputs cross as deltas (`RequestOutputKind.DELTA`) whatever kind it a
 `EngineOutput` holds only what is new since the previous one (the server applies the kind:
 async_llm.py), and the prompt never crosses back (the server tokenized it).
 
-  server -> engine, a list per send: AddRequest, AddPoolingRequest, AbortRequest, Shutdown.
+  server -> engine, a list per send: AddRequest, AddPoolingRequest, AbortRequest, LoRACommand, Shutdown.
   engine -> server: EngineWarming (loaded, warming up; not sent with --no-warmup) then EngineReady
       (with the warm-up's measured steps), or EngineLoadFailed, once; then StepOutputs after every
       step, RequestAborted for every AbortRequest, RequestsFailed for requests the engine gave up on,
-      EngineStatus when its state changed without a step (a tensor-parallel rank exited while idle).
+      EngineStatus when its state changed without a step (a tensor-parallel rank exited while idle),
+      LoRACommandDone for every LoRACommand.
 """
 
 from __future__ import annotations
@@ -53,11 +54,20 @@ class AbortRequest(_Message):
     request_id: str
 
 
+class LoRACommand(_Message):
+    """Load the PEFT adapter at `path` as `name`, or with no path unload adapter `name`
+    (/v1/load_lora_adapter, /v1/unload_lora_adapter)."""
+
+    command_id: str
+    name: str
+    path: str | None = None
+
+
 class Shutdown(_Message):
     pass
 
 
-EngineCommand = AddRequest | AddPoolingRequest | AbortRequest | Shutdown
+EngineCommand = AddRequest | AddPoolingRequest | AbortRequest | LoRACommand | Shutdown
 
 
 # -- engine -> server ------------------------------------------------------------------------------
@@ -146,6 +156,11 @@ class EngineStatus(_Message):
     gauges: EngineGauges
 
 
+class LoRACommandDone(_Message):
+    command_id: str
+    error: str | None  # why the engine refused the command; None: done
+
+
 EngineMessage = (
     EngineReady
     | EngineWarming
@@ -154,4 +169,5 @@ EngineMessage = (
     | RequestAborted
     | RequestsFailed
     | EngineStatus
+    | LoRACommandDone
 )

@@ -1,25 +1,28 @@
 """LoRA adapters through `llmserve serve`: /v1/models lists them under their base, a request names
-one in `model`, and an unknown name is a 404 with an OpenAI-style body."""
+one in `model`, an unknown name is a 404 with an OpenAI-style body, and adapters load and unload
+while the server runs (behind the API key)."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from tests.entrypoints.conftest import start_server, tiny_server_args
-from tests.lora.adapters import ADAPTERS, make_model_dirs
+from tests.entrypoints.conftest import API_KEY, start_server, tiny_server_args
+from tests.lora.adapters import make_model_dirs
 
 pytestmark = pytest.mark.server
 
 BASE = "tiny-base"
+AT_START = ("qv", "all")  # --lora-modules; "mlp" is loaded at run time
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     dirs = make_model_dirs(tmp_path_factory.mktemp("lora"))
-    modules = [f"{name}={dirs[name]}" for name in ADAPTERS]
+    modules = [f"{name}={dirs[name]}" for name in AT_START]
     args = tiny_server_args(dirs["base"], "--served-model-name", BASE, "--enable-lora", "--max-loras", "2")
     log = tmp_path_factory.mktemp("server") / "server.log"
-    process = start_server([*args, "--lora-modules", *modules], log)
+    process = start_server([*args, "--lora-modules", *modules], log, api_key=API_KEY)
     yield process, dirs
     process.stop()
 
@@ -35,16 +38,16 @@ def test_models_lists_adapters_with_their_base_as_parent(server):
     process, dirs = server
     with process.http() as http:
         cards = {card["id"]: card for card in http.get("/v1/models").json()["data"]}
-    assert set(cards) == {BASE, *ADAPTERS}
+    assert set(cards) == {BASE, *AT_START}
     assert cards[BASE]["parent"] is None
-    for name in ADAPTERS:
+    for name in AT_START:
         assert cards[name]["parent"] == BASE and cards[name]["root"] == dirs[name]
 
 
 def test_a_request_runs_under_the_adapter_it_names(server):
     process, _ = server
     with process.http() as http:
-        texts = {name: _complete(http, name) for name in (BASE, *ADAPTERS)}
+        texts = {name: _complete(http, name) for name in (BASE, *AT_START)}
         assert _complete(http, "qv") == texts["qv"]  # greedy: the same adapter, the same text
     assert len(set(texts.values())) == len(texts)  # every adapter changes the base model's text
 
@@ -59,3 +62,28 @@ def test_unknown_model_is_an_openai_404(server):
     error = response.json()["error"]
     assert error["code"] == "model_not_found" and error["param"] == "model" and "'qv'" in error["message"]
     assert embedding.status_code == 404  # embeddings run the base model only
+
+
+def test_load_and_unload_while_serving(server):
+    process, dirs = server
+    with process.http() as http:
+        before = {name: _complete(http, name) for name in (BASE, *AT_START)}
+        assert http.post("/v1/completions", json={"model": "mlp", "prompt": "hi"}).status_code == 404
+        response = http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": dirs["mlp"]})
+        assert response.status_code == 200, response.text
+        assert "mlp" in {card["id"] for card in http.get("/v1/models").json()["data"]}
+        text = _complete(http, "mlp")
+        assert text not in before.values()
+        again = http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": dirs["mlp"]})
+        assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": dirs["base"]})
+        assert bad.status_code == 400 and "not a PEFT adapter directory" in bad.json()["error"]["message"]
+
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
+        assert http.post("/v1/completions", json={"model": "mlp", "prompt": "hi"}).status_code == 404
+        gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"})
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+        assert {name: _complete(http, name) for name in (BASE, *AT_START)} == before
+    body = {"lora_name": "x", "lora_path": "/"}
+    unauthorized = httpx.post(f"{process.base_url}/v1/load_lora_adapter", json=body)
+    assert unauthorized.status_code == 401

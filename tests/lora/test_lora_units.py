@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from llmserve.config import EngineArgs
 from llmserve.config.flags import changed_flags
 from llmserve.config.lora import LoRAConfig
+from llmserve.engine.lora_commands import LoRACommands
+from llmserve.engine.messages import LoRACommandDone
 from llmserve.lora.adapter import check_adapter_config
 from llmserve.lora.manager import SlotTable
 
@@ -92,3 +95,35 @@ def test_lora_config_refuses_bad_modules(enable, modules, message):
 
 def test_lora_config_is_off_without_enable_lora():
     assert LoRAConfig.create(False, (), 1, 16) is None
+
+
+def test_lora_commands_wait_for_the_engine_and_replay_after_a_restart():
+    sent = []
+    commands = LoRACommands(LoRAConfig((("a", "/a"), ("b", "/b"))), sent.append)
+
+    async def scenario():
+        load = asyncio.ensure_future(commands.load("c", "/c"))
+        await asyncio.sleep(0)
+        assert not load.done() and sent[-1].name == "c"
+        commands.on_done(LoRACommandDone(sent[-1].command_id, None))
+        await load
+        unload = asyncio.ensure_future(commands.unload("a"))
+        await asyncio.sleep(0)
+        commands.on_done(LoRACommandDone(sent[-1].command_id, None))
+        await unload
+        refused = asyncio.ensure_future(commands.load("d", "/d"))
+        await asyncio.sleep(0)
+        commands.on_done(LoRACommandDone(sent[-1].command_id, "not a PEFT adapter directory"))
+        with pytest.raises(ValueError, match="not a PEFT adapter directory"):
+            await refused
+        lost = asyncio.ensure_future(commands.load("e", "/e"))
+        await asyncio.sleep(0)
+        commands.fail_all("the engine process exited")
+        with pytest.raises(ValueError, match="the engine process exited"):
+            await lost
+
+    asyncio.run(scenario())
+    assert commands.names == ("b", "c")
+    sent.clear()
+    commands.replay()  # a new engine process starts with --lora-modules: c again, a unloaded again
+    assert [(command.name, command.path) for command in sent] == [("a", None), ("c", "/c")]

@@ -41,11 +41,13 @@ from llmserve.entrypoints.openai.protocol import (
     DetokenizeResponse,
     EmbeddingRequest,
     GenerateRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from llmserve.entrypoints.openai.server_info import server_info
 from llmserve.entrypoints.openai.serving import ApiError, ClientDisconnected, ServerContext, json_response
@@ -159,9 +161,45 @@ async def list_models(raw_request: Request) -> Response:
     base = ModelCard(id=ctx.served_model_name, root=ctx.served_model_name, max_model_len=ctx.max_model_len)
     adapters = [
         ModelCard(id=name, root=path, parent=ctx.served_model_name, max_model_len=ctx.max_model_len)
-        for name, path in (() if ctx.engine.config.lora is None else ctx.engine.config.lora.modules)
+        for name, path in ctx.engine.lora.adapters.items()
     ]
     return json_response(ModelList(data=[base, *adapters]))
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
+    """Load a LoRA adapter while serving (vLLM's route; docs/lora.md)."""
+    ctx = _state(raw_request).ctx
+    if request.lora_name == ctx.served_model_name:
+        raise ApiError(f"{request.lora_name!r} is the served model's name", param="lora_name")
+    try:
+        await ctx.engine.lora.load(request.lora_name, request.lora_path)
+    except ValueError as error:
+        raise ApiError(str(error), param="lora_path") from None
+    return Response(
+        f"Success: LoRA adapter '{request.lora_name}' added successfully.", media_type="text/plain"
+    )
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
+    """Unload a LoRA adapter no unfinished request uses (vLLM's route)."""
+    ctx = _state(raw_request).ctx
+    if request.lora_name not in ctx.engine.lora.adapters:
+        raise ApiError(
+            f"the LoRA adapter {request.lora_name!r} does not exist",
+            status=404,
+            type="not_found_error",
+            param="lora_name",
+            code="model_not_found",
+        )
+    try:
+        await ctx.engine.lora.unload(request.lora_name)
+    except ValueError as error:
+        raise ApiError(str(error), param="lora_name") from None
+    return Response(
+        f"Success: LoRA adapter '{request.lora_name}' removed successfully.", media_type="text/plain"
+    )
 
 
 @router.post("/tokenize")

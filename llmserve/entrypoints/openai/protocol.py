@@ -752,6 +752,19 @@ class ModelCard(_Response):
     parent: str | None = None  # a LoRA adapter's base model; None for the model itself
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)  # a PEFT directory on the server's machine
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """POST /v1/unload_lora_adapter (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1)
+
+
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]

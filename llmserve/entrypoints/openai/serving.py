@@ -93,9 +93,8 @@ class ServerContext:
 
     @property
     def lora_names(self) -> tuple[str, ...]:
-        """The LoRA adapters served over the model (`--lora-modules`), by name."""
-        lora = self.engine.config.lora
-        return () if lora is None else lora.names
+        """The LoRA adapters served over the model (`--lora-modules` and those loaded since), by name."""
+        return self.engine.lora.names
 
     def check_model(self, model: str | None, adapters: bool = True) -> None:
         """404 unless `model` is the served model or (where `adapters`) one of its LoRA adapters."""
