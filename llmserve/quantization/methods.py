@@ -298,16 +298,24 @@ def _prequantized(model: nn.Module, config: ModelConfig, tokenizer) -> Quantizat
     (quantization/prequantized.py); the other layers keep the float weights the loader decoded."""
     layers, dequantized = prequantized.checkpoint_layers(config.path)
     weights: dict[str, QuantizedWeight] = {}
+    used: set[str] = set()
     for name in decoder_linears(model):
         parent, _, child = name.rpartition(".")
-        parts = [layers.get(f"{parent}.{shard}") for shard in model.packed_modules.get(child, (child,))]
+        names = [f"{parent}.{shard}" for shard in model.packed_modules.get(child, (child,))]
+        parts = [layers.get(part) for part in names]
         fused = layers.get(name)  # a checkpoint that stores the fused layer itself (Phi-3)
         if fused is None and all(part is not None for part in parts):
             fused = concat_rows(parts)
         if fused is not None:
             weights[name] = fused
+            used.update([name, *names])
         elif any(part is not None for part in parts):
             dequantized[name] = "fused parts of different formats"
+            used.update(names)
+    for name in sorted(layers.keys() - used):  # the lm_head, experts (no nn.Linear)
+        if name.startswith("model.layers.") and int(name.split(".")[2]) not in model.stage.layers:
+            continue  # another pipeline stage's
+        dequantized[name] = "not a quantizable linear of this model"
     prequantized.log_dequantized(config.arch.checkpoint_quantization, len(weights), dequantized, config.dtype)
     return QuantizationResult(weights)
 

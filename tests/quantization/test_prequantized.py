@@ -241,6 +241,28 @@ def test_bfloat16_runs_the_packed_int4_kernel(float_dir, tmp_path):
     assert all(len(t) == 10 for t in tokens)
 
 
+def test_a_quantized_lm_head_is_dequantized_and_named(tmp_path, caplog):
+    """A GPTQ checkpoint that quantized its (untied) lm_head too: served in float, named in the log line."""
+    float_dir = make_tiny_llama_dir(str(tmp_path / "float"), tie_word_embeddings=False)
+    packed, head = {}, None
+    for name, tensor in load_file(os.path.join(float_dir, "model.safetensors")).items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and (module.rpartition(".")[2] in LINEARS or module == "lm_head"):
+            parts, dequantized = packers.gptq(tensor)
+            packed.update({f"{module}.{suffix}": value for suffix, value in parts.items()})
+            head = dequantized if module == "lm_head" else head
+        else:
+            packed[name] = tensor
+    path = _write(float_dir, str(tmp_path / "quantized"), packed, _gptq_config(4, True, False))
+    with caplog.at_level(logging.INFO, logger="llmserve"):
+        model = LLMEngine(EngineArgs(model=path, dtype="float32", kv_cache_memory="4MiB")).model_runner.model
+    assert not isinstance(model.lm_head, QuantizedLinear)
+    torch.testing.assert_close(model.lm_head.weight, head, rtol=0, atol=1e-6)
+    assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == ENGINE_LINEARS
+    (line,) = [r.getMessage() for r in caplog.records if "at load" in r.getMessage()]
+    assert "not a quantizable linear of this model: 1 (lm_head)" in line
+
+
 def test_quantization_none_serves_the_checkpoint_dequantized(float_dir, tmp_path):
     quantized_dir, _, _ = _pack(float_dir, str(tmp_path), "awq-gemm")
     args = EngineArgs(model=quantized_dir, dtype="float32", kv_cache_memory="4MiB", quantization="none")
