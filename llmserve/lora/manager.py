@@ -4,7 +4,8 @@ row's adapter delta after the targeted linear layers of the base model.
 
 The delta is added by forward hooks on the model's own linear modules (the model file knows
 nothing of adapters, and the modules keep their names and kernels). The fused C++ decode stack and
-CUDA graphs do not run these hooks: the model runner turns both off when LoRA is enabled.
+CUDA graphs do not run these hooks: the model runner gives the stack only steps without an adapter
+and captures no graphs when LoRA is enabled.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ class ModelRunner:
         )
         self.input_builder = InputBuilder(config.cache, self.attention_backend, self.device)
         # LoRA adapters: deltas added by hooks on the linear layers, which the fused stack and CUDA
-        # graphs do not run, so both are off with --enable-lora (docs/lora.md)
+        # graphs do not run: the stack serves only steps without an adapter, graphs none (docs/lora.md)
         self.lora = None if config.lora is None else LoRAManager(config.lora, model)
         self._early_kv_pool = early_kv_pool
         self._static_decode = self._uses_static_decode()  # decided first: its padding needs a scratch block
@@ -122,9 +122,7 @@ class ModelRunner:
         # decode-only steps run every decoder layer in one compiled call where it applies (CPU); it
         # runs the whole model (embedding to norm), so a pipeline stage runs the modules
         pipeline = config.parallel.pipeline_parallel_size > 1
-        self.decode_stack = None
-        if not pipeline and self.lora is None:
-            self.decode_stack = build_decode_stack(model, self.attention_backend)
+        self.decode_stack = None if pipeline else build_decode_stack(model, self.attention_backend)
         # Called with each step's final hidden states, whichever path made them (evaluation and
         # draft-head training read them here: the fused stack runs no module hooks).
         self.hidden_hooks: list[Callable[[torch.Tensor], None]] = []
@@ -343,7 +341,7 @@ class ModelRunner:
         fused stack where it applies (the same kernels in one call: bit-identical)."""
         lora = contextlib.nullcontext() if self.lora is None else self.lora.activate(inputs.lora_slots)
         with set_forward_context(inputs.attention), lora:
-            stack = self.decode_stack
+            stack = self.decode_stack if inputs.lora_slots is None else None  # adapters: the modules
             if stack is not None and stack.serves(len(inputs.input_ids), inputs.attention):
                 hidden = stack(inputs.input_ids, inputs.positions, inputs.attention)
             else:

@@ -220,3 +220,15 @@ def test_an_adapter_loaded_again_shares_no_cached_blocks_with_its_old_load(model
         llm.engine.remove_lora("x")
         llm.engine.add_lora("x", model_dirs["all"])
         assert (cached(), cached()) == (0, 64)
+
+
+def test_fused_decode_stack_serves_the_steps_without_an_adapter(llm):
+    """Rows without an adapter pay nothing: a step with none takes the compiled stack as without
+    --enable-lora; a step with one takes the modules, whose hooks add the deltas."""
+    stack = llm.engine.model_runner.decode_stack
+    assert stack is not None  # float32 on the CPU: every layer on the float32 kernel
+    before = stack.calls
+    llm.generate(PROMPTS[:1], _params("qv"), use_tqdm=False)
+    assert stack.calls == before
+    llm.generate(PROMPTS[:1], _params(None), use_tqdm=False)
+    assert stack.calls == before + MAX_TOKENS - 1  # every decode step after the prompt's
