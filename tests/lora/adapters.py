@@ -23,8 +23,8 @@ ADAPTERS = {
 }
 
 
-def load_base(path: str) -> transformers.LlamaForCausalLM:
-    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def load_base(path: str) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def make_adapter(base_dir: str, out_dir: str, seed: int, **lora_args) -> None:

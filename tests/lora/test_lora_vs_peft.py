@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from tests.lora.adapters import ADAPTERS, load_base, make_model_dirs
+from tests.lora.adapters import ADAPTERS, load_base, make_adapter, make_model_dirs
+from tests.models.families import make_family_dir
 
 PROMPTS = [[1, 520, 3310, 91, 4012, 77, 8001, 12, 600], [1, 42, 42, 9000, 15, 3, 777], [1, 2048, 31, 64]]
 MAX_TOKENS = 8
@@ -25,11 +26,11 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return make_model_dirs(tmp_path_factory.mktemp("lora"))
 
 
-def _merged_greedy(model_dirs: dict[str, str], name: str | None) -> list[tuple[list[int], list[float]]]:
+def _merged_greedy(base_dir: str, adapter_dir: str | None) -> list[tuple[list[int], list[float]]]:
     """PEFT's merged model's greedy tokens and their log-probs, per prompt (the base's for None)."""
-    model = load_base(model_dirs["base"])
-    if name is not None:
-        model = peft.PeftModel.from_pretrained(model, model_dirs[name]).merge_and_unload()
+    model = load_base(base_dir)
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     results = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -75,12 +76,29 @@ def llm(model_dirs):
 
 @pytest.mark.parametrize("name", [None, *ADAPTERS])
 def test_each_adapter_matches_peft_merged_model(llm, model_dirs, name):
-    expected = _merged_greedy(model_dirs, name)
-    outputs = llm.generate(PROMPTS, _params(name), use_tqdm=False)
+    expected = _merged_greedy(model_dirs["base"], None if name is None else model_dirs[name])
+    _check_against(llm.generate(PROMPTS, _params(name), use_tqdm=False), expected)
+
+
+def _check_against(outputs, expected) -> None:
     for output, (tokens, logprobs) in zip(outputs, expected, strict=True):
         got_tokens, got_logprobs = _tokens_and_logprobs(output)
         assert got_tokens == tokens
         torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(logprobs), atol=1e-3, rtol=1e-3)
+
+
+def test_a_qwen3_adapter_matches_peft_merged_model(tmp_path):
+    """Another family (Qwen3: q/k norms, untied head), every module targeted, with rsLoRA."""
+    base, adapter = str(tmp_path / "qwen3"), str(tmp_path / "qwen3-all")
+    make_family_dir(base, "qwen3-qk-norm", seed=3)
+    make_adapter(base, adapter, 11, **ADAPTERS["all"])
+    expected = _merged_greedy(base, adapter)
+    options = dict(dtype="float32", kv_cache_memory="64MiB", enable_lora=True)
+    with LLM(base, lora_modules=[f"all={adapter}"], **options) as qwen3:
+        _check_against(qwen3.generate(PROMPTS, _params("all"), use_tqdm=False), expected)
+        assert [o.outputs[0].token_ids for o in qwen3.generate(PROMPTS, _params(None), use_tqdm=False)] != [
+            tokens for tokens, _ in expected
+        ]
 
 
 def test_adapters_change_the_output(llm):
