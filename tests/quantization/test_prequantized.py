@@ -263,6 +263,50 @@ def test_a_quantized_lm_head_is_dequantized_and_named(tmp_path, caplog):
     assert "not a quantizable linear of this model: 1 (lm_head)" in line
 
 
+@pytest.mark.parametrize(
+    ("case", "kept"),
+    [
+        ("phi3-partial-rotary", 3 * 4),  # its fused qkv_proj and gate_up_proj as the checkpoint stores them
+        ("qwen3-moe-dense-layer", 3 * 2 + 2),  # attention, and layer 1's dense MLP; experts dequantized
+        ("gemma3-qk-norm-local-rope", 3 * 4),
+    ],
+)
+def test_other_families_serve_gptq_checkpoints(tmp_path, case, kept):
+    """GPTQ packs every projection (Mixtral-style experts included; the router stays float): greedy
+    tokens equal the float model of the packer's weights; the fused and dense linears are int4."""
+    from tests.models.families import make_family_dir
+
+    float_dir = str(tmp_path / "float")
+    make_family_dir(float_dir, case)
+    packed, reference = {}, {}
+    for name, tensor in load_file(os.path.join(float_dir, "model.safetensors")).items():
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            group = 32 if tensor.shape[1] % 32 == 0 else 16  # Qwen3-MoE's experts: 48 inputs
+            parts, reference[name] = packers.gptq(tensor, group=group)
+            packed.update(
+                {f"{name.removesuffix('.weight')}.{suffix}": value for suffix, value in parts.items()}
+            )
+        else:
+            packed[name] = reference[name] = tensor
+    config = _gptq_config(4, True, False)
+    quantized_dir = _write(float_dir, str(tmp_path / "quantized"), packed, config)
+    reference_dir = _write(float_dir, str(tmp_path / "reference"), reference, None)
+    args = dict(dtype="float32", kv_cache_memory="4MiB")
+    engine = LLMEngine(EngineArgs(model=quantized_dir, **args))
+    model = engine.model_runner.model
+    swapped = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert len(swapped) == kept
+    assert {m.kernel.kind for m in swapped.values()} == {"int4"}
+    float_engine = LLMEngine(EngineArgs(model=reference_dir, **args))
+    if round_inputs_as_the_small_batch_kernels(float_engine.model_runner.model, model):
+        float_engine.model_runner.decode_stack = None
+    tokens, logprobs = _run(engine)
+    float_tokens, float_logprobs = _run(float_engine)
+    assert tokens == float_tokens
+    for prompt, float_prompt in zip(logprobs, float_logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(prompt), torch.tensor(float_prompt), rtol=0, atol=1e-3)
+
+
 def test_quantization_none_serves_the_checkpoint_dequantized(float_dir, tmp_path):
     quantized_dir, _, _ = _pack(float_dir, str(tmp_path), "awq-gemm")
     args = EngineArgs(model=quantized_dir, dtype="float32", kv_cache_memory="4MiB", quantization="none")
