@@ -31,6 +31,7 @@ def _complete(http, model: str) -> str:
     body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
+    assert response.json()["model"] == model  # an adapter's name, as vLLM reports it
     return response.json()["choices"][0]["text"]
 
 

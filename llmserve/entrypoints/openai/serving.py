@@ -96,6 +96,10 @@ class ServerContext:
         """The LoRA adapters served over the model (`--lora-modules` and those loaded since), by name."""
         return self.engine.lora.names
 
+    def model_name(self, requested: str | None) -> str:
+        """The `model` a response reports: the LoRA adapter the request named, else the served model."""
+        return requested if requested is not None and requested in self.lora_names else self.served_model_name
+
     def check_model(self, model: str | None, adapters: bool = True) -> None:
         """404 unless `model` is the served model or (where `adapters`) one of its LoRA adapters."""
         if model is None or model == self.served_model_name or (adapters and model in self.lora_names):

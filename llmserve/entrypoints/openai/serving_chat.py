@@ -188,7 +188,7 @@ class ChatHandler:
         return json_response(
             ChatCompletionResponse(
                 id=requests.id,
-                model=self.ctx.served_model_name,
+                model=self.ctx.model_name(request.model),
                 choices=choices,
                 usage=requests.usage(),
                 prompt_logprobs=prompt_logprobs,
@@ -205,7 +205,7 @@ class ChatHandler:
             body = ChatCompletionChunk(
                 id=requests.id,
                 created=created,
-                model=self.ctx.served_model_name,
+                model=self.ctx.model_name(request.model),
                 choices=choices,
                 usage=usage,
             )

@@ -124,7 +124,7 @@ class CompletionHandler:
                 )
                 choices.append(choice)
         response = CompletionResponse(
-            id=requests.id, model=self.ctx.served_model_name, choices=choices, usage=requests.usage()
+            id=requests.id, model=self.ctx.model_name(request.model), choices=choices, usage=requests.usage()
         )
         return json_response(response)
 
@@ -141,7 +141,7 @@ class CompletionHandler:
             body = CompletionResponse(
                 id=requests.id,
                 created=created,
-                model=self.ctx.served_model_name,
+                model=self.ctx.model_name(request.model),
                 choices=choices,
                 usage=usage,
             )

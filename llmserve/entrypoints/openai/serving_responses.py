@@ -87,7 +87,7 @@ class ResponsesHandler:
     def _response(self, request: ResponsesRequest, requests: EngineRequests, **fields: Any) -> ResponseObject:
         return ResponseObject(
             id=requests.id,
-            model=self.ctx.served_model_name,
+            model=self.ctx.model_name(request.model),
             instructions=request.instructions,
             max_output_tokens=request.max_output_tokens,
             temperature=request.temperature,
