@@ -19,6 +19,7 @@ from llmserve.engine.llm_engine import LLMEngine
 from llmserve.model_loader import ModelLoadError
 from llmserve.model_loader.prequantized import dequantized_weights, read_quantization, unpack_int32
 from llmserve.quantization.kernels import QuantizedLinear
+from llmserve.quantization.methods import quantize_model
 from llmserve.sampling_params import SamplingParams
 from tests.helpers import make_tiny_llama_dir, round_inputs_as_the_small_batch_kernels
 from tests.quantization import prequantized_packers as packers
@@ -305,6 +306,36 @@ def test_other_families_serve_gptq_checkpoints(tmp_path, case, kept):
     assert tokens == float_tokens
     for prompt, float_prompt in zip(logprobs, float_logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(prompt), torch.tensor(float_prompt), rtol=0, atol=1e-3)
+
+
+def test_each_tensor_parallel_rank_holds_its_cut_of_the_checkpoints_codes(tmp_path):
+    """Two ranks of a model whose heads split unevenly (6 query / 3 KV heads): each rank's int4
+    weights are the whole model's, cut by hand (tests/distributed/test_quantized_shards.py's oracle)."""
+    from tests.distributed.conftest import UNEVEN_HEADS
+    from tests.distributed.test_quantized_shards import _build, _config, _cut, _dequantized, _shards
+
+    float_dir = make_tiny_llama_dir(str(tmp_path / "float"), **UNEVEN_HEADS)
+    packed = {}
+    for name, tensor in load_file(os.path.join(float_dir, "model.safetensors")).items():
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            parts, _ = packers.gptq(tensor, sym=False)
+            packed.update(
+                {f"{name.removesuffix('.weight')}.{suffix}": value for suffix, value in parts.items()}
+            )
+        else:
+            packed[name] = tensor
+    path = _write(float_dir, str(tmp_path / "quantized"), packed, _gptq_config(4, False, False))
+    config = _config(path, None)
+    assert config.quantization.method == "prequantized"
+    whole = _build(config)
+    quantize_model(whole, config)
+    want = _dequantized(whole)
+    assert len(want) == 2 * 4
+    for shard in _shards(config, None):
+        got = _dequantized(shard)
+        assert got.keys() == want.keys()
+        for name, weight in want.items():
+            assert torch.equal(got[name], _cut(name, weight, shard.shard, config)), (shard.shard.rank, name)
 
 
 def test_quantization_none_serves_the_checkpoint_dequantized(float_dir, tmp_path):
