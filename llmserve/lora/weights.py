@@ -1,9 +1,10 @@
 """One linear layer's adapters, stacked by resident slot, and the delta they add to its output.
 
 A fused layer (qkv_proj, gate_up_proj) holds its shards' adapters side by side: slot s's A is
-[shards * R, in] (shard i's A in rows i*R..), its B [out, shards * R] block-diagonal (shard i's
-B, times the adapter's scale, in shard i's output rows and columns i*R..), R the largest rank.
-So one slot costs two matmuls whatever it targets, and an empty shard adds zeros.
+[shards * R, in], R the largest rank, of which an adapter of rank r fills the first shards * r
+rows (shard i's A in rows i*r..), its B [out, shards * R] block-diagonal (shard i's B, times the
+adapter's scale, in shard i's output rows and columns i*r..). So one slot costs two matmuls of
+width shards * r whatever it targets, and an empty shard adds zeros.
 
     out[rows of slot s] += (x[rows] @ A[s]^T) @ B[s]^T
 
@@ -30,14 +31,17 @@ class LoRALayerWeights:
         self.max_rank = max_rank
         self.row_starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
         self.shard_sizes = shard_sizes
-        self.loaded = [False] * max_loras  # whether slot s's adapter targets this layer at all
+        self.widths = [0] * max_loras  # columns slot s's adapter uses (shards * rank); 0: not this layer
 
     def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """Write an adapter's (A, B) of each shard index it targets into `slot` (zeros elsewhere)."""
         self.a[slot].zero_()
         self.b[slot].zero_()
+        rank = next(iter(shards.values()))[0].shape[0] if shards else 0  # one rank per adapter
         for shard, (a, b) in shards.items():
-            rank, column = a.shape[0], shard * self.max_rank
+            column = shard * rank
+            if a.shape[0] != rank:
+                raise ValueError(f"LoRA weights of rank {a.shape[0]} in an adapter of rank {rank}")
             if a.shape[1] != self.a.shape[2] or b.shape[0] != self.shard_sizes[shard]:
                 raise ValueError(
                     f"LoRA weights A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a layer of "
@@ -46,17 +50,18 @@ class LoRALayerWeights:
             rows = slice(self.row_starts[shard], self.row_starts[shard] + b.shape[0])
             self.a[slot, column : column + rank] = a
             self.b[slot, rows, column : column + rank] = b * scale
-        self.loaded[slot] = bool(shards)
+        self.widths[slot] = len(self.shard_sizes) * rank
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, groups: SlotGroups) -> None:
         """Add each group's adapter delta to `out` ([rows, out_features]) in place."""
         x = x.reshape(-1, x.shape[-1])
         out2d = out.view(-1, out.shape[-1])
         for slot, rows in groups:
-            if not self.loaded[slot]:
+            width = self.widths[slot]
+            if not width:
                 continue
             inputs = x if rows is None else x.index_select(0, rows)
-            delta = (inputs @ self.a[slot].T) @ self.b[slot].T
+            delta = (inputs @ self.a[slot, :width].T) @ self.b[slot, :, :width].T
             if rows is None:
                 out2d += delta
             else:
