@@ -404,7 +404,10 @@ class EngineArgs:
     # -- LoRA adapters (llmserve/lora, docs/lora.md) --
     enable_lora: bool = arg(False, "serve LoRA adapters over the base model (a request names one in `model`)")
     lora_modules: tuple[str, ...] = arg(
-        (), "LoRA adapters to load at start, as name=path (a PEFT directory)", metavar="NAME=PATH", nargs="+"
+        (),
+        "LoRA adapters to load at start, as name=path (a PEFT directory or a llama.cpp .gguf LoRA file)",
+        metavar="NAME=PATH",
+        nargs="+",
     )
     max_loras: int = arg(1, "LoRA adapters resident at once (one step's requests use at most this many)")
     max_lora_rank: int = arg(16, "the largest LoRA rank an adapter may have")

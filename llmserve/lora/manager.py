@@ -20,6 +20,7 @@ from torch import nn
 
 from llmserve.config.lora import LoRAConfig
 from llmserve.lora.adapter import LoRAAdapter, load_peft_adapter
+from llmserve.lora.gguf_adapter import load_gguf_adapter
 from llmserve.lora.weights import LoRALayerWeights, SlotGroups
 
 # fused module of a decoder layer -> the checkpoint modules stacked into it, in order
@@ -75,6 +76,7 @@ class LoRAManager:
     def __init__(self, config: LoRAConfig, model: nn.Module) -> None:
         self.config = config
         self.dtype = next(model.parameters()).dtype
+        self.arch = model.arch  # a GGUF adapter's q/k rows are put back in order by its heads
         self.adapters: dict[str, LoRAAdapter] = {}  # every loaded adapter, in host memory
         self._load_ids: dict[str, int] = {}  # name -> its load's number: a reloaded name is another key
         self._loads = 0
@@ -126,8 +128,13 @@ class LoRAManager:
         return b"" if name is None else b"lora:%d" % self._load_ids[name]
 
     def load(self, name: str, path: str) -> None:
-        """Read the PEFT adapter in `path` into host memory as `name` (add's errors)."""
-        self.add(load_peft_adapter(name, path, self.config.max_lora_rank, self.dtype))
+        """Read the adapter at `path` (a PEFT directory or a llama.cpp GGUF LoRA file) into host memory
+        as `name` (add's errors)."""
+        if path.endswith(".gguf"):
+            adapter = load_gguf_adapter(name, path, self.config.max_lora_rank, self.dtype, self.arch)
+        else:
+            adapter = load_peft_adapter(name, path, self.config.max_lora_rank, self.dtype)
+        self.add(adapter)
 
     def check_name(self, name: str) -> None:
         if name not in self.adapters:

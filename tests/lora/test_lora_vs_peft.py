@@ -8,12 +8,15 @@ import dataclasses
 import json
 import os
 
+import gguf
+import numpy as np
 import peft
 import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from tests.lora.adapters import ADAPTERS, load_base, make_adapter, make_model_dirs
+from tests.helpers import TINY_LLAMA_CONFIG
+from tests.lora.adapters import ADAPTERS, load_base, make_adapter, make_model_dirs, write_gguf_lora
 from tests.models.families import make_family_dir
 
 PROMPTS = [[1, 520, 3310, 91, 4012, 77, 8001, 12, 600], [1, 42, 42, 9000, 15, 3, 777], [1, 2048, 31, 64]]
@@ -250,3 +253,27 @@ def test_fused_decode_stack_serves_the_steps_without_an_adapter(llm):
     assert stack.calls == before
     llm.generate(PROMPTS[:1], _params(None), use_tqdm=False)
     assert stack.calls == before + MAX_TOKENS - 1  # every decode step after the prompt's
+
+
+def test_gguf_lora_files_match_peft_merged_model(model_dirs, tmp_path):
+    """llama.cpp's adapter format (q/k rows permuted, alpha in the metadata) loads to the same model."""
+    heads = TINY_LLAMA_CONFIG["num_attention_heads"], TINY_LLAMA_CONFIG["num_key_value_heads"]
+    names = ("qv", "mlp")  # rsLoRA has no GGUF form: llama.cpp scales by alpha / rank
+    paths = {n: write_gguf_lora(model_dirs[n], str(tmp_path / f"{n}.gguf"), *heads) for n in names}
+    options = dict(dtype="float32", kv_cache_memory="64MiB", enable_lora=True, max_loras=2)
+    with LLM(model_dirs["base"], lora_modules=[f"{n}={p}" for n, p in paths.items()], **options) as llm:
+        for name in paths:
+            expected = _merged_greedy(model_dirs["base"], model_dirs[name])
+            _check_against(llm.generate(PROMPTS, _params(name), use_tqdm=False), expected)
+        with pytest.raises(ValueError, match="is not a GGUF LoRA adapter"):
+            llm.engine.add_lora("model", _write_plain_gguf(str(tmp_path / "model.gguf")))
+
+
+def _write_plain_gguf(path: str) -> str:
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
