@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections import Counter
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
@@ -227,7 +228,17 @@ class EngineCore:
             ranks=self.engine.rank_stats(),
             failure=self.engine.failure,
             invariant_violations=0 if self.engine.invariants is None else self.engine.invariants.violations,
+            lora_requests=self._lora_requests(),
         )
+
+    def _lora_requests(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, running, waiting) of each loaded LoRA adapter; () with LoRA off."""
+        lora, scheduler = self.engine.model_runner.lora, self.engine.scheduler
+        if lora is None:
+            return ()
+        running = Counter(r.sampling_params.lora_name for r in scheduler.running)
+        waiting = Counter(r.sampling_params.lora_name for r in scheduler.waiting)
+        return tuple((name, running[name], waiting[name]) for name in lora.adapters)
 
 
 def _picklable(error: BaseException) -> BaseException:

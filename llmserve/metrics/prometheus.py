@@ -297,6 +297,7 @@ class PrometheusMetrics:
         llm.step_listeners.append(self.on_step)
         llm.request_listeners.append(self.on_request)
         self.registry.register(RankCollector(lambda: llm.gauges.ranks))
+        self.registry.register(LoRACollector(lambda: llm.gauges.lora_requests))
 
     def on_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Request listener: the parameters operators size the server by."""
@@ -441,6 +442,32 @@ class RankCollector(Collector):
         for rank in ranks:
             families[1].add_metric([str(rank.rank), str(rank.pid)], 1)
         return families
+
+
+class LoRACollector(Collector):
+    """Requests running and waiting under each loaded LoRA adapter, as `llmserve:lora_requests_*
+    {lora_name}` series read at scrape time (none without --enable-lora)."""
+
+    def __init__(self, adapters: Callable[[], Sequence[tuple[str, int, int]]]) -> None:
+        self.adapters = adapters
+
+    def describe(self) -> list[Metric]:
+        return []  # the series depend on the adapters loaded, known only at scrape time
+
+    def collect(self) -> list[Metric]:
+        adapters = self.adapters()
+        if not adapters:
+            return []
+        running = GaugeMetricFamily(
+            PREFIX + "lora_requests_running", "Requests running under the LoRA adapter.", labels=["lora_name"]
+        )
+        waiting = GaugeMetricFamily(
+            PREFIX + "lora_requests_waiting", "Requests waiting under the LoRA adapter.", labels=["lora_name"]
+        )
+        for name, num_running, num_waiting in adapters:
+            running.add_metric([name], num_running)
+            waiting.add_metric([name], num_waiting)
+        return [running, waiting]
 
 
 def _gauge(name: str, documentation: str, values: list[tuple[RankStats, float | None]]) -> Metric:

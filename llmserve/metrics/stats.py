@@ -48,3 +48,5 @@ class EngineGauges:
     ranks: tuple[RankStats, ...] = ()  # tensor parallelism: each rank's own report, rank 0 first
     failure: str | None = None  # why the engine can no longer step (a tensor-parallel rank died)
     invariant_violations: int = 0  # --check-invariants: failed integrity checks since start-up
+    # --enable-lora: (adapter name, requests running under it, requests waiting) per loaded adapter
+    lora_requests: tuple[tuple[str, int, int], ...] = ()

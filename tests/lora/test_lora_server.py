@@ -88,3 +88,15 @@ def test_load_and_unload_while_serving(server):
     body = {"lora_name": "x", "lora_path": "/"}
     unauthorized = httpx.post(f"{process.base_url}/v1/load_lora_adapter", json=body)
     assert unauthorized.status_code == 401
+
+
+def test_metrics_count_requests_by_adapter(server):
+    process, _ = server
+    with process.http() as http:
+        _complete(http, "qv")
+        text = http.get("/metrics").text
+    lines = text.splitlines()
+    for name in AT_START:
+        for kind in ("running", "waiting"):
+            series = [line for line in lines if line.startswith(f"llmserve:lora_requests_{kind}{{")]
+            assert any(f'lora_name="{name}"' in line and line.endswith(" 0.0") for line in series), series
