@@ -505,8 +505,6 @@ class EngineArgs:
         lora = LoRAConfig.create(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank)
         if lora is not None and parallel.world_size > 1:
             raise ValueError("--enable-lora does not combine with tensor or pipeline parallelism yet")
-        if lora is not None and self.speculative_method is not None:
-            raise ValueError("--enable-lora does not combine with speculative decoding yet")
         return lora
 
     def _scheduler_config(self, arch: ModelArchConfig, device: torch.device) -> SchedulerConfig:

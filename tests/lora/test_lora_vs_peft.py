@@ -277,3 +277,22 @@ def _write_plain_gguf(path: str) -> str:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.mark.parametrize("method", ["ngram", "early_exit"])
+def test_speculative_decoding_verifies_drafts_against_the_adapted_model(model_dirs, llm, method):
+    """Drafts come from the text (n-gram) or the base model's first layer (early exit: no adapter);
+    greedy verification against the adapted model keeps each adapter's tokens."""
+    prompts = [[1, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], *PROMPTS]
+    names = [None, *ADAPTERS]
+    want = {n: [o.outputs[0].token_ids for o in llm.generate(prompts, _params(n), False)] for n in names}
+    options = dict(speculative_method=method, num_speculative_tokens=3, speculative_disable_batch_size=0)
+    if method == "early_exit":
+        options["speculative_draft_layers"] = 1
+    with _llm(model_dirs, len(ADAPTERS), **options) as spec:
+        for name in names:
+            outputs = spec.generate(prompts, _params(name), use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == want[name], name
+        drafted = spec.engine.scheduler.spec_decode_stats.num_draft_tokens
+    if method == "early_exit":  # n-gram drafts need the random model's text to repeat itself
+        assert drafted > 0  # drafts were verified, not only proposed

@@ -248,9 +248,10 @@ class DraftModelProposer(ModelRunner):
 
 
 def _draft_config(config: EngineConfig) -> EngineConfig:
-    """The draft never swaps (a preempted request's draft KV is recomputed) and takes no drafts itself."""
+    """The draft never swaps (a preempted request's draft KV is recomputed), takes no drafts itself and
+    runs no LoRA adapter (its drafts are the base model's; the target verifies them adapted)."""
     cache = dataclasses.replace(config.cache, num_swap_blocks=0)
-    return dataclasses.replace(config, cache=cache, speculative=None)
+    return dataclasses.replace(config, cache=cache, speculative=None, lora=None)
 
 
 def create_early_exit_proposer(
