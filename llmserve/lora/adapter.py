@@ -16,8 +16,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-# The Llama-family projections an adapter may target (the HF checkpoint's module names)
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The Llama-family projections an adapter may target (the HF checkpoint's module names; Phi-3's
+# checkpoint has q/k/v and gate/up fused already)
+TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+)
 
 # config field -> (value that keeps the plain LoRA math, the refusal's reason)
 _REFUSED_FIELDS = {

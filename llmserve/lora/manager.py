@@ -33,6 +33,12 @@ _FUSED = {
 _SHARD_OF = {
     module: (fused, index) for fused, modules in _FUSED.items() for index, module in enumerate(modules)
 }
+# a checkpoint module that is a whole fused layer (Phi-3): one A for every shard, B's rows split
+_WHOLE = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
+
+
+def _fused_of(module: str) -> str:
+    return _WHOLE[module] if module in _WHOLE else _SHARD_OF[module][0]
 
 
 class SlotTable:
@@ -109,7 +115,7 @@ class LoRAManager:
         if adapter.name in self.adapters:
             raise ValueError(f"LoRA adapter {adapter.name!r} is already loaded")
         missing = [
-            layer for layer, module in adapter.weights if (layer, _SHARD_OF[module][0]) not in self.layers
+            layer for layer, module in adapter.weights if (layer, _fused_of(module)) not in self.layers
         ]
         if missing:
             raise ValueError(f"adapter {adapter.name!r} targets layer {missing[0]}, which the model lacks")
@@ -151,10 +157,21 @@ class LoRAManager:
         adapter = self.adapters[name]
         by_layer: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), (a, b) in adapter.weights.items():
+            a, b = a.to(self._device), b.to(self._device)
+            if module in _WHOLE:
+                by_layer[(layer, _WHOLE[module])] = self._split_whole(layer, module, a, b)
+                continue
             fused, shard = _SHARD_OF[module]
-            by_layer.setdefault((layer, fused), {})[shard] = (a.to(self._device), b.to(self._device))
+            by_layer.setdefault((layer, fused), {})[shard] = (a, b)
         for key, weights in self.layers.items():
             weights.load(slot, by_layer.get(key, {}), adapter.scale)
+
+    def _split_whole(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> dict:
+        """A whole fused layer's (A, B) as its shards' pairs: x A^T B_i^T is shard i's part."""
+        sizes = self.layers[(layer, _WHOLE[module])].shard_sizes
+        if b.shape[0] != sum(sizes):
+            raise ValueError(f"LoRA B of {module} has {b.shape[0]} rows; the layer has {sum(sizes)}")
+        return dict(enumerate((a, rows) for rows in b.split(sizes)))
 
     def row_slots(self, names: list[str | None]) -> np.ndarray:
         """Each row's slot (-1: the base model), swapping in the adapters the rows name."""

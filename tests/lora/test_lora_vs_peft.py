@@ -104,6 +104,20 @@ def test_a_qwen3_adapter_matches_peft_merged_model(tmp_path):
         ]
 
 
+def test_a_phi3_adapter_on_its_fused_projections_matches_peft_merged_model(tmp_path):
+    """Phi-3's checkpoint fuses q/k/v and gate/up: its adapters target qkv_proj and gate_up_proj whole."""
+    base, adapter = str(tmp_path / "phi3"), str(tmp_path / "phi3-lora")
+    make_family_dir(base, "phi3-partial-rotary", seed=5)
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    make_adapter(base, adapter, 13, r=4, lora_alpha=8, target_modules=targets)
+    expected = _merged_greedy(base, adapter)
+    options = dict(dtype="float32", kv_cache_memory="64MiB", enable_lora=True)
+    with LLM(base, lora_modules=[f"phi={adapter}"], **options) as phi3:
+        _check_against(phi3.generate(PROMPTS, _params("phi"), use_tqdm=False), expected)
+        base_tokens = [o.outputs[0].token_ids for o in phi3.generate(PROMPTS, _params(None), use_tqdm=False)]
+        assert base_tokens != [tokens for tokens, _ in expected]
+
+
 def test_adapters_change_the_output(llm):
     """The fixture's adapters are strong enough that a wrong or missing delta would show."""
     firsts = {name: llm.generate(PROMPTS[:1], _params(name), use_tqdm=False)[0] for name in [None, *ADAPTERS]}
