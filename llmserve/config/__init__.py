@@ -503,8 +503,8 @@ class EngineArgs:
 
     def _lora(self, parallel: ParallelConfig) -> LoRAConfig | None:
         lora = LoRAConfig.create(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank)
-        if lora is not None and parallel.world_size > 1:
-            raise ValueError("--enable-lora does not combine with tensor or pipeline parallelism yet")
+        if lora is not None and parallel.pipeline_parallel_size > 1:
+            raise ValueError("--enable-lora does not combine with pipeline parallelism yet")
         return lora
 
     def _scheduler_config(self, arch: ModelArchConfig, device: torch.device) -> SchedulerConfig:

@@ -299,10 +299,14 @@ class LLMEngine:
     def add_lora(self, name: str, path: str) -> None:
         """Load the PEFT adapter in `path` as `name` while the engine runs; ValueError if LoRA is off,
         the name is taken or the adapter is refused."""
+        if self.executor is not None:  # the other ranks' adapters are fixed at start
+            raise ValueError("loading LoRA adapters after start is not supported with tensor parallelism yet")
         _lora_of(self.model_runner).load(name, path)
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter `name`; ValueError if it is unknown or unfinished requests use it."""
+        if self.executor is not None:
+            raise ValueError("unloading LoRA adapters is not supported with tensor parallelism yet")
         users = sum(r.sampling_params.lora_name == name for r in self.scheduler.requests.values())
         if users:
             raise ValueError(f"the LoRA adapter {name!r} is in use by {users} unfinished requests")

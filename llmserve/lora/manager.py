@@ -18,7 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmserve.config import ModelArchConfig
 from llmserve.config.lora import LoRAConfig
+from llmserve.distributed.shard import ShardLayout
 from llmserve.lora.adapter import LoRAAdapter, load_peft_adapter
 from llmserve.lora.gguf_adapter import load_gguf_adapter
 from llmserve.lora.weights import LoRALayerWeights, SlotGroups
@@ -83,6 +85,7 @@ class LoRAManager:
         self.config = config
         self.dtype = next(model.parameters()).dtype
         self.arch = model.arch  # a GGUF adapter's q/k rows are put back in order by its heads
+        self.shard = model.shard  # tensor parallelism: the heads and units this rank holds
         self.adapters: dict[str, LoRAAdapter] = {}  # every loaded adapter, in host memory
         self._load_ids: dict[str, int] = {}  # name -> its load's number: a reloaded name is another key
         self._loads = 0
@@ -157,7 +160,7 @@ class LoRAManager:
         adapter = self.adapters[name]
         by_layer: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         for (layer, module), (a, b) in adapter.weights.items():
-            a, b = a.to(self._device), b.to(self._device)
+            a, b = _rank_part(module, a.to(self._device), b.to(self._device), self.shard, self.arch)
             if module in _WHOLE:
                 by_layer[(layer, _WHOLE[module])] = self._split_whole(layer, module, a, b)
                 continue
@@ -196,6 +199,28 @@ class LoRAManager:
             return [(int(slots[0]), None)]
         to_device = lambda rows: torch.from_numpy(rows).to(self._device)  # noqa: E731
         return [(int(s), to_device(np.flatnonzero(token_slots == s))) for s in slots if s >= 0]
+
+
+def _rank_part(module: str, a: torch.Tensor, b: torch.Tensor, shard: ShardLayout, arch: ModelArchConfig):
+    """The (A, B) of this rank's shard of its layer (all of it with one rank): a column-parallel
+    layer's B rows of the rank's heads or units, a row-parallel one's A columns of its inputs. The
+    row-parallel delta is then a partial sum, added before the layer's all-reduce like its output."""
+    hd, units = arch.head_dim, shard.intermediate
+    q, kv, mlp = (
+        slice(shard.q_heads.start * hd, shard.q_heads.stop * hd),
+        slice(shard.kv_heads.start * hd, shard.kv_heads.stop * hd),
+        slice(units.start, units.stop),
+    )
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
+    if module in rows:
+        return a, b[rows[module]]
+    if module in ("o_proj", "down_proj"):
+        return a[:, q if module == "o_proj" else mlp], b
+    if module == "qkv_proj":  # Phi-3's whole fused layer: [q; k; v] rows, each part sliced
+        parts = b.split([arch.num_attention_heads * hd, *[arch.num_key_value_heads * hd] * 2])
+        return a, torch.cat([parts[0][q], parts[1][kv], parts[2][kv]])
+    parts = b.split([arch.intermediate_size] * 2)  # gate_up_proj: [gate; up]
+    return a, torch.cat([parts[0][mlp], parts[1][mlp]])
 
 
 def _decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
