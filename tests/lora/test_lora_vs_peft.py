@@ -90,16 +90,26 @@ def _check_against(outputs, expected) -> None:
         torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(logprobs), atol=1e-3, rtol=1e-3)
 
 
-def test_a_qwen3_adapter_matches_peft_merged_model(tmp_path):
-    """Another family (Qwen3: q/k norms, untied head), every module targeted, with rsLoRA."""
-    base, adapter = str(tmp_path / "qwen3"), str(tmp_path / "qwen3-all")
-    make_family_dir(base, "qwen3-qk-norm", seed=3)
+FAMILIES = [
+    "qwen3-qk-norm",
+    "mistral-sliding-window",
+    "gemma2-softcap-interleaved-window",
+    "gemma3-qk-norm-local-rope",
+]
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_other_families_adapters_match_peft_merged_model(tmp_path, case):
+    """Other families (q/k norms, sliding windows, soft-capping, Gemma's norms), every module
+    targeted, with rsLoRA."""
+    base, adapter = str(tmp_path / "base"), str(tmp_path / "all")
+    make_family_dir(base, case, seed=3)
     make_adapter(base, adapter, 11, **ADAPTERS["all"])
     expected = _merged_greedy(base, adapter)
     options = dict(dtype="float32", kv_cache_memory="64MiB", enable_lora=True)
-    with LLM(base, lora_modules=[f"all={adapter}"], **options) as qwen3:
-        _check_against(qwen3.generate(PROMPTS, _params("all"), use_tqdm=False), expected)
-        assert [o.outputs[0].token_ids for o in qwen3.generate(PROMPTS, _params(None), use_tqdm=False)] != [
+    with LLM(base, lora_modules=[f"all={adapter}"], **options) as llm:
+        _check_against(llm.generate(PROMPTS, _params("all"), use_tqdm=False), expected)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _params(None), use_tqdm=False)] != [
             tokens for tokens, _ in expected
         ]
 
