@@ -320,3 +320,12 @@ def test_speculative_decoding_verifies_drafts_against_the_adapted_model(model_di
         drafted = spec.engine.scheduler.spec_decode_stats.num_draft_tokens
     if method == "early_exit":  # n-gram drafts need the random model's text to repeat itself
         assert drafted > 0  # drafts were verified, not only proposed
+
+
+@pytest.mark.parametrize("case", ["mixtral-top2-of-4", "qwen3-moe-dense-layer"])
+def test_mixture_of_experts_models_refuse_lora_in_one_line(tmp_path, case):
+    base = str(tmp_path / "moe")
+    make_family_dir(base, case)
+    with pytest.raises(ValueError, match=r"LoRA adapters need mlp.gate_up_proj in every decoder") as error:
+        LLM(base, dtype="float32", kv_cache_memory="64MiB", enable_lora=True)
+    assert "\n" not in str(error.value)
