@@ -73,7 +73,7 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
-        # LoRA: its adapter's load, mixed into its first block's prefix-cache hash (b"": the base model)
+        # LoRA: its adapter's digest, mixed into its first block's prefix-cache hash (b"": the base model)
         self.lora_key = lora_key
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

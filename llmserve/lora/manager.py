@@ -11,6 +11,8 @@ and captures no graphs when LoRA is enabled.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 
@@ -87,8 +89,7 @@ class LoRAManager:
         self.arch = model.arch  # a GGUF adapter's q/k rows are put back in order by its heads
         self.shard = model.shard  # tensor parallelism: the heads and units this rank holds
         self.adapters: dict[str, LoRAAdapter] = {}  # every loaded adapter, in host memory
-        self._load_ids: dict[str, int] = {}  # name -> its load's number: a reloaded name is another key
-        self._loads = 0
+        self._cache_keys: dict[str, bytes] = {}  # name -> the prefix-cache key of its requests
         self.slots = SlotTable(config.max_loras, self._write_slot)
         self.layers: dict[tuple[int, str], LoRALayerWeights] = {}  # (layer, fused module) -> stacks
         self._groups: SlotGroups | None = None  # the step being run's rows by slot; None: no adapter
@@ -128,13 +129,13 @@ class LoRAManager:
         except ValueError:
             del self.adapters[adapter.name]
             raise
-        self._loads += 1
-        self._load_ids[adapter.name] = self._loads
+        self._cache_keys[adapter.name] = _content_key(adapter)
 
     def cache_key(self, name: str | None) -> bytes:
-        """The prefix-cache key of requests under adapter `name` (b"": the base model): its load,
-        so that blocks cached under an unloaded adapter never serve one loaded again by its name."""
-        return b"" if name is None else b"lora:%d" % self._load_ids[name]
+        """The prefix-cache key of requests under adapter `name` (b"": the base model): a digest of
+        what the adapter computes, so blocks cached under an unloaded adapter never serve other
+        weights loaded again by its name, and the key is the same on every replica and restart."""
+        return b"" if name is None else self._cache_keys[name]
 
     def load(self, name: str, path: str) -> None:
         """Read the adapter at `path` (a PEFT directory or a llama.cpp GGUF LoRA file) into host memory
@@ -153,7 +154,7 @@ class LoRAManager:
         """Unload an adapter (ValueError if unknown); requests using it must have finished."""
         self.check_name(name)
         del self.adapters[name]
-        del self._load_ids[name]
+        del self._cache_keys[name]
         self.slots.release(name)
 
     def _write_slot(self, slot: int, name: str) -> None:
@@ -199,6 +200,16 @@ class LoRAManager:
             return [(int(slots[0]), None)]
         to_device = lambda rows: torch.from_numpy(rows).to(self._device)  # noqa: E731
         return [(int(s), to_device(np.flatnonzero(token_slots == s))) for s in slots if s >= 0]
+
+
+def _content_key(adapter: LoRAAdapter) -> bytes:
+    """sha256 of the adapter's scale and weights (its name and path do not change its KV)."""
+    digest = hashlib.sha256(struct.pack("<d", adapter.scale))
+    for key in sorted(adapter.weights):
+        digest.update(repr(key).encode())
+        for tensor in adapter.weights[key]:
+            digest.update(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
+    return b"lora:" + digest.digest()
 
 
 def _rank_part(module: str, a: torch.Tensor, b: torch.Tensor, shard: ShardLayout, arch: ModelArchConfig):

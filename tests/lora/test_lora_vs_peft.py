@@ -265,6 +265,9 @@ def test_an_adapter_loaded_again_shares_no_cached_blocks_with_its_old_load(model
         llm.engine.remove_lora("x")
         llm.engine.add_lora("x", model_dirs["all"])
         assert (cached(), cached()) == (0, 64)
+        llm.engine.add_lora("same-weights", model_dirs["all"])  # another name, the same KV: a hit
+        hit = llm.generate([long_prompt], _params("same-weights"), use_tqdm=False)[0].num_cached_tokens
+        assert hit == 64
 
 
 def test_fused_decode_stack_serves_the_steps_without_an_adapter(llm):
