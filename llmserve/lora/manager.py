@@ -67,7 +67,11 @@ class SlotTable:
         for name in wanted:
             if name not in self.resident:
                 slot = self.free.pop() if self.free else self._evict(set(wanted))
-                self.write(slot, name)
+                try:
+                    self.write(slot, name)
+                except BaseException:
+                    self.free.append(slot)  # a refused adapter leaves its slot free, not lost
+                    raise
                 self.resident[name] = slot
         return {name: self.resident[name] for name in wanted}
 

@@ -70,6 +70,18 @@ def test_slot_table_swaps_the_least_recently_used_adapter_out():
         table.slots_for(["a", "b", "c"])
 
 
+def test_slot_table_keeps_the_slot_of_an_adapter_that_failed_to_load():
+    def write(slot, name):
+        if name == "bad":
+            raise ValueError("does not fit")
+
+    table = SlotTable(1, write)
+    table.slots_for(["a"])
+    with pytest.raises(ValueError, match="does not fit"):
+        table.slots_for(["bad"])
+    assert table.slots_for(["b"]) == {"b": 0}
+
+
 def test_flags_parse_and_reproduce_lora_modules():
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
