@@ -4,6 +4,8 @@ while the server runs (behind the API key)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -14,6 +16,7 @@ pytestmark = pytest.mark.server
 
 BASE = "tiny-base"
 AT_START = ("qv", "all")  # --lora-modules; "mlp" is loaded at run time
+LONG = 200  # tokens: completions still running while an adapter loads
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +30,8 @@ def server(tmp_path_factory):
     process.stop()
 
 
-def _complete(http, model: str) -> str:
-    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+def _complete(http, model: str, max_tokens: int = 8) -> str:
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": max_tokens, "temperature": 0}
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["model"] == model  # an adapter's name, as vLLM reports it
@@ -100,3 +103,25 @@ def test_metrics_count_requests_by_adapter(server):
         for kind in ("running", "waiting"):
             series = [line for line in lines if line.startswith(f"llmserve:lora_requests_{kind}{{")]
             assert any(f'lora_name="{name}"' in line and line.endswith(" 0.0") for line in series), series
+
+
+def test_loading_while_requests_run_fails_none_and_mixes_no_adapters(server):
+    """Completions under every adapter run while another adapter loads and unloads: each answers
+    as it does alone (greedy), none fails."""
+    process, dirs = server
+    names = (BASE, *AT_START)
+    with process.http() as http:
+        alone = {name: _complete(http, name, LONG) for name in names}
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            running = [pool.submit(_complete_fresh, process, names[i % len(names)]) for i in range(12)]
+            body = {"lora_name": "mlp", "lora_path": dirs["mlp"]}
+            assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
+            results = [future.result() for future in running]
+    for i, text in enumerate(results):
+        assert text == alone[names[i % len(names)]], i
+
+
+def _complete_fresh(process, model: str) -> str:
+    with process.http() as http:
+        return _complete(http, model, LONG)
