@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from llmserve.config import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.lora.request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -50,12 +52,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+        `lora_request` (vLLM's): the LoRA adapter of every prompt or of each, loaded on first use."""
         if not self._release.alive:
             raise RuntimeError("this LLM was shut down")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        if lora_request is not None:
+            params = self._with_adapters(params, lora_request)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         request_ids = []
         for prompt, param, prio in zip(prompts, params, priorities, strict=True):
@@ -64,6 +70,18 @@ class LLM:
             final = param.with_output_kind(RequestOutputKind.FINAL_ONLY)
             self.engine.add_request(request_ids[-1], prompt, final, priority=prio)
         return self._run(request_ids, use_tqdm)
+
+    def _with_adapters(self, params: list[SamplingParams], requests) -> list[SamplingParams]:
+        """Each prompt's parameters naming its adapter, loading the adapters not loaded yet."""
+        requests = [requests] * len(params) if isinstance(requests, LoRARequest) else list(requests)
+        if len(requests) != len(params):
+            raise ValueError(f"got {len(requests)} LoRA requests for {len(params)} prompts")
+        lora = self.engine.model_runner.lora
+        for request in {r.lora_name: r for r in requests if r is not None}.values():
+            if lora is None or request.lora_name not in lora.adapters:
+                self.engine.add_lora(request.lora_name, request.lora_path)  # refused with LoRA off
+        pairs = zip(params, requests, strict=True)
+        return [p if r is None else replace(p, lora_name=r.lora_name) for p, r in pairs]
 
     def chat(
         self,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.lora.request import LoRARequest
 from tests.helpers import TINY_LLAMA_CONFIG
 from tests.lora.adapters import ADAPTERS, load_base, make_adapter, make_model_dirs, write_gguf_lora
 from tests.models.families import make_family_dir
@@ -332,3 +333,18 @@ def test_mixture_of_experts_models_refuse_lora_in_one_line(tmp_path, case):
     with pytest.raises(ValueError, match=r"LoRA adapters need mlp.gate_up_proj in every decoder") as error:
         LLM(base, dtype="float32", kv_cache_memory="64MiB", enable_lora=True)
     assert "\n" not in str(error.value)
+
+
+def test_vllm_style_lora_request_loads_on_first_use(model_dirs, llm):
+    params = [_params(n) for n in ("qv", None, "mlp")]
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    options = dict(dtype="float32", kv_cache_memory="64MiB", enable_lora=True, max_loras=2)
+    with LLM(model_dirs["base"], **options) as fresh:
+        requests = [LoRARequest("qv", 1, model_dirs["qv"]), None, LoRARequest("mlp", 2, model_dirs["mlp"])]
+        got = fresh.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=requests)
+        assert [o.outputs[0].token_ids for o in got] == want
+        again = fresh.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=requests[0])  # loaded once
+        assert again[0].outputs[0].token_ids == want[0]
+    without = LLM(model_dirs["base"], dtype="float32", kv_cache_memory="64MiB")
+    with without, pytest.raises(ValueError, match="LoRA adapters need --enable-lora"):
+        without.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=requests[0])
