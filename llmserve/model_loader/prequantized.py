@@ -5,7 +5,8 @@ Each format's packed tensors are unpacked here into one plain form per layer, wh
     IntegerLinear:  w[n, k] = (codes[n, k] - zeros[n, k // group]) * scales[n, k // group]
 
 (unsigned codes; float zeros and scales), or, where the format has no such groups (FP8; GPTQ's
-`desc_act` with input rows out of group order), the float weight itself. The loader dequantizes
+`desc_act` and compressed-tensors' actorder "group" with inputs out of group order: `g_idx`), the
+float weight itself. The loader dequantizes
 every layer to build the float model; the `prequantized` quantization method
 (quantization/methods.py) then swaps in kernels for the layers whose codes fit them.
 
@@ -18,8 +19,10 @@ every layer to build the float model; the `prequantized` quantization method
                         float16 [groups, out].
     compressed-tensors  pack-quantized: weight_packed int32 [out, in / (32/bits)] of codes q + 2^(bits-1)
                         along input columns, weight_shape, weight_scale [out, groups | 1], optional
-                        weight_zero_point packed along output rows; int-quantized: weight int8 (signed
-                        codes), weight_scale, optional weight_zero_point; float-quantized: FP8 weight.
+                        weight_zero_point packed along output rows, optional weight_g_idx [in]
+                        (actorder "group": each input column's group); int-quantized: weight int8
+                        (signed codes), weight_scale, optional weight_zero_point; float-quantized:
+                        FP8 weight.
     fp8                 weight float8_e4m3fn with weight_scale (per tensor or channel) or
                         weight_scale_inv (one per weight_block_size block): w = weight * scale.
 
@@ -250,7 +253,7 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
     return nibbles.view(nibbles.shape[0], -1, 8)[:, :, list(_AWQ_COLUMNS)].reshape(nibbles.shape[0], -1)
 
 
-def _ct_packed(parts: dict[str, torch.Tensor], bits: int) -> IntegerLinear:
+def _ct_packed(parts: dict[str, torch.Tensor], bits: int) -> DecodedLinear:
     rows, cols = (int(v) for v in parts["weight_shape"].tolist())
     codes = unpack_int32(parts["weight_packed"], bits, 1)[:, :cols]
     scales = _per_row(parts["weight_scale"], rows)
@@ -259,24 +262,32 @@ def _ct_packed(parts: dict[str, torch.Tensor], bits: int) -> IntegerLinear:
         zeros = torch.full_like(scales, float(1 << (bits - 1)))
     else:  # packed along output rows, stored as zero + 2^(bits-1): the unsigned zero itself
         zeros = unpack_int32(packed_zeros, bits, 0)[:rows].float()
-    return _integer(codes, scales, zeros, bits)
+    return _integer(codes, scales, zeros, bits, parts.get("weight_g_idx"))
 
 
-def _ct_integer(parts: dict[str, torch.Tensor], bits: int) -> IntegerLinear:
+def _ct_integer(parts: dict[str, torch.Tensor], bits: int) -> DecodedLinear:
     middle = 1 << (bits - 1)
     codes = parts["weight"].to(torch.int16) + middle
     scales = _per_row(parts["weight_scale"], codes.shape[0])
     zero_point = parts.get("weight_zero_point")
     signed_zeros = torch.zeros_like(scales) if zero_point is None else _per_row(zero_point, codes.shape[0])
-    return _integer(codes, scales, signed_zeros + middle, bits)
+    return _integer(codes, scales, signed_zeros + middle, bits, parts.get("weight_g_idx"))
 
 
-def _integer(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> IntegerLinear:
+def _integer(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, g_idx: torch.Tensor | None
+) -> DecodedLinear:
+    """compressed-tensors' codes [out, in]; `g_idx` (actorder "group"): each input column's group."""
     cols = codes.shape[1]
     if cols % scales.shape[1]:
         raise ValueError(f"{scales.shape[1]} scale groups do not divide {cols} input columns")
     zeros = zeros.expand_as(scales).float()
-    return IntegerLinear(codes.to(torch.uint8).contiguous(), scales, zeros, cols // scales.shape[1], bits)
+    group = cols // scales.shape[1]
+    if g_idx is None or torch.equal(g_idx.long(), torch.arange(cols) // group):
+        return IntegerLinear(codes.to(torch.uint8).contiguous(), scales, zeros, group, bits)
+    groups = g_idx.long()  # columns out of group order: no contiguous groups for a kernel
+    weight = (codes.float() - zeros[:, groups]) * scales[:, groups]
+    return FloatLinear(weight.contiguous(), "compressed-tensors actorder group")
 
 
 def _per_row(values: torch.Tensor, rows: int) -> torch.Tensor:

@@ -7,8 +7,8 @@ model_loader/prequantized.py unpacks each layer to w = (codes - zeros) * scales.
                 scale over groups of the largest of those dividing it);
     Int8Weight  for 8-bit codes whose zero is 128 in every group (symmetric): codes - 128.
 
-Everything else (asymmetric 8-bit, groups of other sizes, GPTQ desc_act, FP8) stays float: the
-loader has already dequantized it into the float model.
+Everything else (asymmetric 8-bit, groups of other sizes, GPTQ desc_act, compressed-tensors'
+actorder "group", FP8) stays float: the loader has already dequantized it into the float model.
 """
 
 from __future__ import annotations

@@ -102,29 +102,41 @@ def awq(weight: torch.Tensor, group: int = 32) -> Packed:
     return tensors, dequantized
 
 
-def ct_int4(weight: torch.Tensor, group: int = 32, symmetric: bool = True) -> Packed:
-    """compressed-tensors pack-quantized (w4a16), packed by compressed-tensors' own pack_to_int32."""
+def ct_int4(
+    weight: torch.Tensor, group: int = 32, symmetric: bool = True, actorder_seed: int | None = None
+) -> Packed:
+    """compressed-tensors pack-quantized (w4a16), packed by compressed-tensors' own pack_to_int32;
+    `actorder_seed`: actorder "group", each group's columns scattered over the input by a shuffled
+    weight_g_idx [in] (column k uses scale[:, g_idx[k]]; the columns stay in their own order)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    rows, cols = weight.shape
-    grouped = weight.double().view(rows, -1, group)
-    if symmetric:
-        scale = (grouped.abs().amax(-1) / 7).half().double()
-        zero = torch.zeros_like(scale)
-    else:
-        low, high = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
-        scale = ((high - low) / 15).half().double()
-        zero = (torch.round(-low / scale) - 8).clamp(-8, 7)
-    codes = torch.clamp(torch.round(grouped / scale[..., None]) + zero[..., None], -8, 7)
-    dequantized = ((codes - zero[..., None]) * scale[..., None]).view(rows, cols).float()
+    w = weight.double()
+    rows, cols = w.shape
+    g_idx = torch.arange(cols) // group
+    if actorder_seed is not None:
+        g_idx = g_idx[torch.randperm(cols, generator=torch.Generator().manual_seed(actorder_seed))]
+    scale = torch.empty(rows, cols // group, dtype=torch.float64)
+    zero = torch.zeros_like(scale)
+    for g in range(cols // group):
+        part = w[:, g_idx == g]
+        if symmetric:
+            scale[:, g] = (part.abs().amax(-1) / 7).half().double()
+        else:
+            low, high = part.amin(-1).clamp(max=0), part.amax(-1).clamp(min=0)
+            scale[:, g] = ((high - low) / 15).half().double()
+            zero[:, g] = (torch.round(-low / scale[:, g]) - 8).clamp(-8, 7)
+    s, z = scale[:, g_idx], zero[:, g_idx]
+    codes = torch.clamp(torch.round(w / s) + z, -8, 7)
     tensors = {
-        "weight_packed": pack_to_int32(codes.view(rows, cols).to(torch.int8), 4),
+        "weight_packed": pack_to_int32(codes.to(torch.int8), 4),
         "weight_scale": scale.half(),
         "weight_shape": torch.tensor([rows, cols]),
     }
     if not symmetric:
         tensors["weight_zero_point"] = pack_to_int32(zero.to(torch.int8), 4, packed_dim=0)
-    return tensors, dequantized
+    if actorder_seed is not None:
+        tensors["weight_g_idx"] = g_idx.int()
+    return tensors, ((codes - z) * s).float()
 
 
 def ct_int8(weight: torch.Tensor, per_tensor: bool = False) -> Packed:

@@ -42,10 +42,14 @@ def _gptq_config(bits: int, sym: bool, desc_act: bool, v2: bool = False) -> dict
     }
 
 
-def _ct_config(fmt: str, kind: str, bits: int, strategy: str, symmetric: bool = True) -> dict:
+def _ct_config(
+    fmt: str, kind: str, bits: int, strategy: str, symmetric: bool = True, actorder: str | None = None
+) -> dict:
     weights = {"num_bits": bits, "type": kind, "symmetric": symmetric, "strategy": strategy, "dynamic": False}
     if strategy == "group":
         weights["group_size"] = 32
+    if actorder is not None:
+        weights["actorder"] = actorder
     return {
         "quant_method": "compressed-tensors",
         "format": fmt,
@@ -80,6 +84,11 @@ FORMATS: dict[str, tuple[Callable, dict, str | None]] = {
         lambda w: packers.ct_int4(w, symmetric=False),
         _ct_config("pack-quantized", "int", 4, "group", symmetric=False),
         "int4",
+    ),
+    "ct-w4a16-actorder-group": (  # weight_g_idx shuffled: no contiguous groups, dequantized at load
+        lambda w: packers.ct_int4(w, symmetric=False, actorder_seed=w.shape[0] + w.shape[1]),
+        _ct_config("pack-quantized", "int", 4, "group", symmetric=False, actorder="group"),
+        None,
     ),
     "ct-w8a8-channel": (packers.ct_int8, _ct_config("int-quantized", "int", 8, "channel"), "int8"),
     "ct-w8a8-tensor": (
