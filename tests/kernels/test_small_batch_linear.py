@@ -411,3 +411,43 @@ def test_float32_inputs_where_the_build_takes_them(rows):
         ops.small_batch_linear_int4(as_bf16.float(), int4_packed, params, 70).bfloat16(),
         ops.small_batch_linear_int4(as_bf16, int4_packed, params, 70),
     )
+
+
+@pytest.mark.cpu_kernels("int8_linear")
+@pytest.mark.parametrize("rows", [1, 5])
+def test_scales_exact_in_float16_are_packed_as_float16_with_the_same_outputs(rows):
+    """A GGUF file's block scales are float16: packed as such (half the bytes the kernels stream), with
+    outputs bit-equal to the same parameters in float32; scales float16 cannot hold stay float32."""
+    gen = torch.Generator().manual_seed(rows)
+    nibbles = torch.randint(0, 16, (70, 576), generator=gen, dtype=torch.uint8)
+    int4_scales = (torch.rand(70, 18, generator=gen) * 0.02 + 1e-3).half().float()
+    int4_offsets = (-8 * int4_scales).half().float()
+    packed, params = ops.small_batch_pack_int4(nibbles, int4_scales, int4_offsets)
+    assert params.dtype == torch.float16
+    codes = torch.randint(-127, 128, (70, 576), generator=gen, dtype=torch.int8)
+    q8_scales = ops.small_batch_pack_int8_group_scales(
+        (torch.rand(70, 18, generator=gen) * 0.01 + 1e-4).half().float()
+    )
+    assert q8_scales.dtype == torch.float16
+    q8_packed = ops.small_batch_pack_int8(codes)
+    for dtype in (torch.bfloat16, torch.float32):
+        if not ops.small_batch_linear_int8_supported(dtype):
+            continue  # float32 inputs: the AVX2 level's kernels only (test_float32_inputs_where_...)
+        x = torch.randn(rows, 576, generator=gen).to(dtype)
+        assert torch.equal(
+            ops.small_batch_linear_int4(x, packed, params, 70),
+            ops.small_batch_linear_int4(x, packed, params.float(), 70),
+        )
+        assert torch.equal(
+            ops.small_batch_linear_int8(x, q8_packed, q8_scales, 70),
+            ops.small_batch_linear_int8(x, q8_packed, q8_scales.float(), 70),
+        )
+        assert torch.equal(
+            ops.small_batch_linear_int8_float_out(x, q8_packed, q8_scales, 70),
+            ops.small_batch_linear_int8_float_out(x, q8_packed, q8_scales.float(), 70),
+        )
+    inexact = int4_scales.clone()
+    inexact[3, 4] += 2**-20
+    assert ops.small_batch_pack_int4(nibbles, inexact, int4_offsets)[1].dtype == torch.float32
+    tiny = torch.full((70, 18), 1e-9)  # a float16 subnormal: not exact
+    assert ops.small_batch_pack_int8_group_scales(tiny).dtype == torch.float32

@@ -83,6 +83,12 @@ struct QuantizedInput {
 
 #ifdef LLMSERVE_INT8_LINEAR
 
+// 16 scales or offsets as float32 lanes, stored as float32 or (where exact: the packers decide) float16.
+inline __m512 load_params16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_params16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size) {
   const int64_t blocks = k_size / kInputBlock;
   QuantizedInput q{std::vector<int8_t>(m_size * k_size), std::vector<float>(m_size * blocks),
@@ -118,9 +124,9 @@ QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size)
 // Scales: one per output row (`row_scales`, per-channel), or with Grouped one per (row, 32 columns)
 // (`group_scales`: the block's [K/32][32], GGUF Q8_0). `prefetch`: this pass streams the block in (later
 // passes over it read it from cache).
-template <int MC, bool Grouped, typename Out>
+template <int MC, bool Grouped, typename Out, typename Param>
 inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* row_scales,
-                       const float* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row,
+                       const Param* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row,
                        bool prefetch) {
   const int64_t blocks = k_size / kInputBlock;
   __m512 acc[2][MC];
@@ -146,8 +152,8 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
     }
     __m512 weight_scale[2] = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f)};
     if constexpr (Grouped) {
-      weight_scale[0] = _mm512_loadu_ps(group_scales + b * kRows);
-      weight_scale[1] = _mm512_loadu_ps(group_scales + b * kRows + 16);
+      weight_scale[0] = load_params16(group_scales + b * kRows);
+      weight_scale[1] = load_params16(group_scales + b * kRows + 16);
     }
     for (int m = 0; m < MC; ++m) {
       const __m512i correction = _mm512_set1_epi32(128 * in.sums[(m0 + m) * blocks + b]);  // the + 128
@@ -181,8 +187,8 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
 // int4: rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block. `params` holds the block's
 // [groups][2][32] float32 scales and offsets; `group_sums` [M, groups] is sum x over each group;
 // `prefetch` as for int8_block. bf16 outputs only (float32 inputs are the AVX2 level's).
-template <int MC>
-inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* params,
+template <int MC, typename Param>
+inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const Param* params,
                        const float* group_sums, uint16_t* out, int64_t k_size, int64_t n_size, int64_t row,
                        int64_t group_size, bool prefetch) {
   const int64_t blocks = k_size / kInputBlock, groups = k_size / group_size;
@@ -191,10 +197,10 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
   __m512 acc[2][MC];
   for (int m = 0; m < MC; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const float* group_params = params + g * 2 * kRows;
-    const __m512 scale[2] = {_mm512_loadu_ps(group_params), _mm512_loadu_ps(group_params + 16)};
+    const Param* group_params = params + g * 2 * kRows;
+    const __m512 scale[2] = {load_params16(group_params), load_params16(group_params + 16)};
     for (int t = 0; t < 2; ++t) {
-      const __m512 offset = _mm512_loadu_ps(group_params + kRows + 16 * t);
+      const __m512 offset = load_params16(group_params + kRows + 16 * t);
       for (int m = 0; m < MC; ++m)
         acc[t][m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(group_sums[(m0 + m) * groups + g]), acc[t][m]);
     }
@@ -266,6 +272,12 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
 inline __m256 load_input8(const uint16_t* x) { return load8(reinterpret_cast<const c10::BFloat16*>(x)); }
 inline __m256 load_input8(const float* x) { return _mm256_loadu_ps(x); }
 
+// 8 scales or offsets as float32 lanes, stored as float32 or (where exact: the packers decide) float16.
+inline __m256 load_params8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_params8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 inline int32_t horizontal_sum8_epi32(__m256i v) {
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -314,9 +326,9 @@ QuantizedInput quantize_input(const In* x, int64_t m_size, int64_t k_size) {
 
 // Rows [row, row + 32) of inputs [m0, m0 + MC) from one packed int8 block (the AVX-512 int8_block's
 // contract).
-template <int MC, bool Grouped, typename Out>
+template <int MC, bool Grouped, typename Out, typename Param>
 inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* row_scales,
-                       const float* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row,
+                       const Param* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row,
                        bool prefetch) {
   const int64_t blocks = k_size / kInputBlock;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
@@ -352,7 +364,7 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
       const __m256 scale = _mm256_set1_ps(in.scales[(m0 + m) * blocks + b]);
       LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
         const __m256 block_scale =
-            Grouped ? _mm256_mul_ps(scale, _mm256_loadu_ps(group_scales + b * kRows + 8 * v)) : scale;
+            Grouped ? _mm256_mul_ps(scale, load_params8(group_scales + b * kRows + 8 * v)) : scale;
         acc[v][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[v][m]), block_scale, acc[v][m]);
       }
     }
@@ -370,8 +382,8 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
 
 // int4: rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block (the AVX-512 int4_block's
 // contract), bf16 or float32 outputs.
-template <int MC, typename Out>
-inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* params,
+template <int MC, typename Out, typename Param>
+inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const Param* params,
                        const float* group_sums, Out* out, int64_t k_size, int64_t n_size, int64_t row,
                        int64_t group_size, bool prefetch) {
   const int64_t blocks = k_size / kInputBlock, groups = k_size / group_size;
@@ -381,9 +393,9 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
   LLMSERVE_UNROLL for (int v = 0; v < 4; ++v)
     LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) acc[v][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const float* group_params = params + g * 2 * kRows;  // 32 scales, then 32 offsets
+    const Param* group_params = params + g * 2 * kRows;  // 32 scales, then 32 offsets
     LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
-      const __m256 offset = _mm256_loadu_ps(group_params + kRows + 8 * v);
+      const __m256 offset = load_params8(group_params + kRows + 8 * v);
       LLMSERVE_UNROLL for (int m = 0; m < MC; ++m)
         acc[v][m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(group_sums[(m0 + m) * groups + g]), acc[v][m]);
     }
@@ -416,7 +428,7 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
       LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) {
         const __m256 input_scale = _mm256_set1_ps(in.scales[(m0 + m) * blocks + b]);
         LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
-          const __m256 scale = _mm256_loadu_ps(group_params + 8 * v);
+          const __m256 scale = load_params8(group_params + 8 * v);
           const __m256 block_sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[v][m], ones));
           acc[v][m] = _mm256_fmadd_ps(block_sums, _mm256_mul_ps(scale, input_scale), acc[v][m]);
         }
@@ -433,24 +445,27 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
 
 // Inputs in passes of at most 4 rows (accumulators stay in registers) over each block of the level's
 // int8_block; the first pass streams the block's weights in, later ones re-read them from the L2 cache.
-template <bool Grouped, typename Out>
-void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* scales,
+// scales: float32 [N] per row, or (Grouped) the packed group scales in float32 or float16.
+template <bool Grouped, typename Out, typename Param = float>
+void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const Param* scales,
                  Out* out, int64_t k_size, int64_t n_size) {
+  static_assert(Grouped || std::is_same_v<Param, float>, "row scales are float32");
+  const float* row_scales = reinterpret_cast<const float*>(scales);  // !Grouped only
   const int64_t blocks = (n_size + kRows - 1) / kRows;
   const int64_t block_bytes = kRows * k_size;
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* block = packed + b * block_bytes;
-      const float* group_scales = scales + b * kRows * (k_size / kInputBlock);  // Grouped only
+      const Param* group_scales = scales + b * kRows * (k_size / kInputBlock);  // Grouped only
       const int64_t row = b * kRows;
       for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
         const bool first = m0 == 0;
         switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
-          case 1: int8_block<1, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
-          case 2: int8_block<2, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
-          case 3: int8_block<3, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
-          default: int8_block<4, Grouped>(in, m0, block, scales, group_scales, out, k_size, n_size, row, first); break;
+          case 1: int8_block<1, Grouped>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
+          case 2: int8_block<2, Grouped>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
+          case 3: int8_block<3, Grouped>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
+          default: int8_block<4, Grouped>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
         }
       }
     }
@@ -458,8 +473,8 @@ void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed
 }
 
 // The int4 blocks likewise; `group_sums` (sum x per group, from the rounded input) feed the offsets.
-template <typename Out>
-void int4_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const float* params, Out* out,
+template <typename Out, typename Param>
+void int4_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const Param* params, Out* out,
                  int64_t k_size, int64_t n_size, int64_t group_size) {
   const int64_t blocks = (n_size + kRows - 1) / kRows, groups = k_size / group_size;
   const int64_t input_blocks = k_size / kInputBlock, blocks_per_group = group_size / kInputBlock;
@@ -472,7 +487,7 @@ void int4_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* block = packed + b * block_bytes;
-      const float* block_params = params + b * groups * 2 * kRows;
+      const Param* block_params = params + b * groups * 2 * kRows;
       const int64_t row = b * kRows;
       for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
         const bool first = m0 == 0;
@@ -517,15 +532,27 @@ torch::Tensor small_batch_pack_int8(torch::Tensor qweight) {
   return rows.view({padded / kRows, kRows, k_size / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({padded, k_size});
 }
 
+namespace {
+
+// values as float16 where that is exact for every one of them (a GGUF file's scales are float16, so
+// the kernels then stream the file's bytes, not twice them), else unchanged in float32.
+torch::Tensor half_if_exact(const torch::Tensor& values) {
+  const auto half = values.to(torch::kHalf);
+  return half.to(torch::kFloat).equal(values) ? half : values;
+}
+
+}  // namespace
+
 // scales [N, K / 32] float32 of int8 codes in groups of 32 columns (GGUF Q8_0) -> the layout
-// small_batch_linear_int8 reads them in: [N' / 32, K / 32, 32], zero rows padding N to N'.
+// small_batch_linear_int8 reads them in: [N' / 32, K / 32, 32], zero rows padding N to N'; float16
+// where every scale is exact in it, else float32.
 torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales) {
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kFloat, "group scales must be float32 [N, K / 32]");
   const int64_t n_size = scales.size(0), groups = scales.size(1);
   const int64_t padded = (n_size + kRows - 1) / kRows * kRows;
   auto rows = torch::zeros({padded, groups}, scales.options());
   rows.narrow(0, 0, n_size).copy_(scales);
-  return rows.view({padded / kRows, kRows, groups}).permute({0, 2, 1}).contiguous();
+  return half_if_exact(rows.view({padded / kRows, kRows, groups}).permute({0, 2, 1}).contiguous());
 }
 
 namespace {
@@ -544,11 +571,12 @@ void check_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch
   TORCH_CHECK(n_size >= 1 && (n_size + kRows - 1) / kRows * kRows == packed.size(0),
               "small_batch_linear_int8 takes weights packed by small_batch_pack_int8 for out_features rows");
   const bool grouped = scales.dim() == 3;
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+  TORCH_CHECK((scales.scalar_type() == torch::kFloat || (grouped && scales.scalar_type() == torch::kHalf)) &&
+                  scales.is_contiguous() &&
                   (grouped ? scales.size(0) * kRows == packed.size(0) && scales.size(1) * kInputBlock == x.size(1) &&
                                  scales.size(2) == kRows
                            : scales.dim() == 1 && scales.size(0) == n_size),
-              "scales must be float32 [N], or packed by small_batch_pack_int8_group_scales");
+              "scales must be float32 [N], or packed by small_batch_pack_int8_group_scales (float32 or float16)");
 }
 
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
@@ -566,7 +594,10 @@ void run_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::
               int64_t n_size) {
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
   const auto input = quantized_rows(x);
-  if (scales.dim() == 3)
+  if (scales.dim() == 3 && scales.scalar_type() == torch::kHalf)
+    int8_linear<true>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), out, x.size(1),
+                      n_size);
+  else if (scales.dim() == 3)
     int8_linear<true>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out, x.size(1), n_size);
   else
     int8_linear<false>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out, x.size(1), n_size);
@@ -600,8 +631,9 @@ torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor p
 }
 
 // codes [N, K] uint8 (0..15), scales and offsets [N, K / group_size] float32, group_size a multiple of 32
-// dividing K -> (packed [N', K / 2] uint8, params [N' / 32, groups, 2, 32] float32) with N' = N rounded up
-// to a multiple of 32 (zero rows pad).
+// dividing K -> (packed [N', K / 2] uint8, params [N' / 32, groups, 2, 32]) with N' = N rounded up
+// to a multiple of 32 (zero rows pad); params in float16 where every scale and offset is exact in it
+// (GGUF Q4_0/Q4_1's, or float16 checkpoints'), else float32.
 std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kByte, "small_batch_pack_int4 takes 2-D uint8 codes");
   TORCH_CHECK(codes.numel() == 0 || codes.max().item<int>() <= 15, "int4 codes must lie in [0, 15]");
@@ -622,7 +654,7 @@ std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Ten
   params.narrow(0, 0, n_size).select(2, 0).copy_(scales);
   params.narrow(0, 0, n_size).select(2, 1).copy_(offsets);
   params = params.view({padded / kRows, kRows, groups, 2}).permute({0, 2, 3, 1}).contiguous();
-  return {packed, params};
+  return {packed, half_if_exact(params)};
 }
 
 // x [M, K] bf16 (or float32 at the AVX2 level) with 1 <= M <= 8, (packed, params) from
@@ -637,7 +669,8 @@ torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, tor
   const int64_t padded = (out_features + kRows - 1) / kRows * kRows;
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(0) == padded && packed.size(1) * 2 == x.size(1) && params.dim() == 4 &&
-                  params.scalar_type() == torch::kFloat && params.is_contiguous() && params.size(0) * kRows == padded &&
+                  (params.scalar_type() == torch::kFloat || params.scalar_type() == torch::kHalf) &&
+                  params.is_contiguous() && params.size(0) * kRows == padded &&
                   params.size(2) == 2 && params.size(3) == kRows && x.size(1) % params.size(1) == 0 &&
                   (x.size(1) / params.size(1)) % kInputBlock == 0,
               "small_batch_linear_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
@@ -645,15 +678,21 @@ torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, tor
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
   const auto input = quantized_rows(x);
   const int64_t group_size = x.size(1) / params.size(1);
+  const auto run = [&](auto* params_data) {
 #ifdef LLMSERVE_INT8_LINEAR_AVX2
-  if (x.scalar_type() == torch::kFloat) {
-    int4_linear(input, x.size(0), packed.data_ptr<uint8_t>(), params.data_ptr<float>(), out.data_ptr<float>(),
-                x.size(1), out_features, group_size);
-    return out;
-  }
+    if (x.scalar_type() == torch::kFloat) {
+      int4_linear(input, x.size(0), packed.data_ptr<uint8_t>(), params_data, out.data_ptr<float>(), x.size(1),
+                  out_features, group_size);
+      return;
+    }
 #endif
-  int4_linear(input, x.size(0), packed.data_ptr<uint8_t>(), params.data_ptr<float>(),
-              reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(1), out_features, group_size);
+    int4_linear(input, x.size(0), packed.data_ptr<uint8_t>(), params_data,
+                reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(1), out_features, group_size);
+  };
+  if (params.scalar_type() == torch::kHalf)
+    run(params.data_ptr<c10::Half>());
+  else
+    run(params.data_ptr<float>());
 #endif
   return out;
 }
