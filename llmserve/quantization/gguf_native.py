@@ -1,4 +1,4 @@
-"""`--quantization gguf`: a GGUF's Q4_0, Q4_1 and Q8_0 blocks read straight into the engine's formats.
+"""`--quantization gguf`: a GGUF's Q4_0, Q4_1, Q8_0 and Q4_K blocks read straight into the engine's formats.
 
 No detour through float and no second rounding: a block's float16 `d` (and `m`) become float32
 scales (and offsets) exactly, its codes become our codes. llama.cpp's blocks hold 32 weights:
@@ -8,7 +8,15 @@ scales (and offsets) exactly, its codes become our codes. llama.cpp's blocks hol
     Q8_0: d, 32 int8                w = d * q          -> Int8Weight(group 32, scale d)
 
 The nibbles of a block are elements 0..15 in the low halves of its 16 bytes and 16..31 in the high
-halves. Tensors of other types (float, K-quants) are not read here: their layers stay in float.
+halves. Q4_K's super-blocks hold 256 weights as eight sub-blocks of 32 (its own scale and minimum
+each, 6-bit codes under two float16 factors):
+
+    Q4_K: d, dmin, 12 bytes of 6-bit (sc, m) x 8, 128 bytes of nibbles
+          w = (d * sc) * q - dmin * m  -> Int4Weight(scale d * sc, offset -dmin * m), groups of 32
+
+d * sc and dmin * m are exact in float32 (11 by 6 significant bits), so the weights equal the
+reference dequantization bit for bit. Tensors of other types (float, Q5/Q6 and the other K-quants)
+are not read here: their layers stay in float.
 """
 
 from __future__ import annotations
@@ -21,11 +29,12 @@ from llmserve.model_loader import gguf_loader
 from llmserve.quantization.formats import Int4Weight, Int8Weight, QuantizedWeight
 
 BLOCK = 32
+SUPER_BLOCK = 256  # a K-quant block's weights
 _HALF = 2  # bytes of a float16
 
 
 def read_quantized_tensors(path: str, arch: ModelArchConfig) -> dict[str, QuantizedWeight]:
-    """Every Q4_0/Q4_1/Q8_0 tensor of the GGUF at `path`, under its HF name, in HF's row order."""
+    """Every Q4_0/Q4_1/Q8_0/Q4_K tensor of the GGUF at `path`, under its HF name, in HF's row order."""
     reader = gguf_loader.open_gguf(path)
     weights: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
@@ -34,7 +43,8 @@ def read_quantized_tensors(path: str, arch: ModelArchConfig) -> dict[str, Quanti
         if name is None or reader_fn is None:
             continue
         rows, cols = (int(dim) for dim in reversed(tensor.shape))
-        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, cols // BLOCK, -1)
+        block = SUPER_BLOCK if tensor.tensor_type.name in _SUPER_BLOCK_TYPES else BLOCK
+        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, cols // block, -1)
         weights[name] = _hf_rows(reader_fn(blocks), name, arch, path)
     return weights
 
@@ -65,7 +75,26 @@ def _read_q8_0(blocks: np.ndarray) -> Int8Weight:
     return Int8Weight(torch.from_numpy(codes.reshape(codes.shape[0], -1)), _halves(blocks, 0), BLOCK)
 
 
-_READERS = {"Q4_0": _read_q4_0, "Q4_1": _read_q4_1, "Q8_0": _read_q8_0}
+def _read_q4_k(blocks: np.ndarray) -> Int4Weight:
+    """[rows, super-blocks, 144] -> groups of 32: scale d * sc and offset -dmin * m per sub-block."""
+    rows, supers = blocks.shape[:2]
+    d, dmin = _halves(blocks, 0), _halves(blocks, _HALF)
+    fields = blocks[..., 2 * _HALF : 2 * _HALF + 12].astype(np.int32)
+    first, second, low_high = fields[..., 0:4], fields[..., 4:8], fields[..., 8:12]
+    # sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums); sub-blocks 4-7: the
+    # nibbles of bytes 8-11 (scale low, minimum high) under those bytes' top 2 bits
+    sc = np.concatenate([first & 63, (low_high & 15) | ((first >> 6) << 4)], axis=-1)
+    m = np.concatenate([second & 63, (low_high >> 4) | ((second >> 6) << 4)], axis=-1)
+    scales = d[..., None] * torch.from_numpy(sc.astype(np.float32))
+    offsets = -(dmin[..., None] * torch.from_numpy(m.astype(np.float32)))
+    # four runs of 32 bytes, each two sub-blocks: its low nibbles, then its high ones
+    runs = blocks[..., 2 * _HALF + 12 :].reshape(rows, supers, 4, 1, 32)
+    codes = np.concatenate([runs & 0x0F, runs >> 4], axis=3).reshape(rows, -1)
+    return Int4Weight(torch.from_numpy(codes), scales.reshape(rows, -1), offsets.reshape(rows, -1), BLOCK)
+
+
+_READERS = {"Q4_0": _read_q4_0, "Q4_1": _read_q4_1, "Q8_0": _read_q8_0, "Q4_K": _read_q4_k}
+_SUPER_BLOCK_TYPES = frozenset({"Q4_K"})
 SUPPORTED_TYPES = tuple(_READERS)
 
 

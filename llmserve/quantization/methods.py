@@ -255,7 +255,7 @@ def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
         weights[LM_HEAD] = tensors[head]
     kept = len(decoder_linears(model)) + 1 - len(weights)
     if kept:
-        logger.info("quantization gguf: %d layers have no Q4_0/Q4_1/Q8_0 tensor and stay in float", kept)
+        logger.info("quantization gguf: %d layers have no Q4_0/Q4_1/Q8_0/Q4_K tensor and stay in float", kept)
     return QuantizationResult(weights)
 
 
@@ -266,7 +266,7 @@ def _gguf_tensors(config: ModelConfig) -> dict[str, QuantizedWeight]:
     )
 
 
-_GGUF_CACHE_ENTRY = "gguf-native-v1"
+_GGUF_CACHE_ENTRY = "gguf-native-v2"  # v2: Q4_K tensors too
 
 
 def _cached(

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from llmserve.model_loader import default_model_path, load_arch_config
-from llmserve.model_loader.gguf_loader import _to_hf_layout, open_gguf
+from llmserve.model_loader.gguf_loader import _to_hf_layout, hf_name, open_gguf
 from llmserve.quantization import gguf_native
 from llmserve.quantization.formats import Int4Weight, Int8Weight
 
@@ -26,6 +26,85 @@ def test_block_readers_equal_gguf_dequantize(type_name, kind):
     assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
 
 
+def _random_q4_k_blocks(rng: np.random.Generator, rows: int, supers: int) -> np.ndarray:
+    """Valid Q4_K super-blocks [rows, supers, 144]: random 6-bit scales, minimums and nibbles under
+    float16 factors of a real model's size."""
+    blocks = rng.integers(0, 256, (rows, supers, 144), dtype=np.uint8)
+    for start in (0, 2):  # d, dmin
+        factors = rng.uniform(1e-4, 3e-3, (rows, supers)).astype(np.float16)
+        blocks[..., start : start + 2] = factors[..., None].view(np.uint8)
+    return blocks
+
+
+def test_q4_k_super_blocks_equal_gguf_dequantize():
+    """Q4_K: eight sub-blocks of 32 per super-block become int4 groups of 32 (scale d * sc, offset
+    -dmin * m), equal to the gguf package's dequantization bit for bit."""
+    blocks = _random_q4_k_blocks(np.random.default_rng(1), 7, 3)
+    weight = gguf_native._READERS["Q4_K"](blocks)
+    assert isinstance(weight, Int4Weight) and weight.group_size == 32 and weight.shape == (7, 768)
+    reference = dequantize(blocks.reshape(7, -1), GGMLQuantizationType.Q4_K)
+    assert torch.equal(weight.dequantize(), torch.from_numpy(reference))
+
+
+def test_a_file_of_q4_k_tensors_reads_in_hf_layout(tmp_path):
+    """A GGUF whose linear layers are Q4_K (q/k rows permuted as llama.cpp writes them): each is read
+    as int4 equal to the gguf package's dequantization of the file's tensor, rows put back in HF order."""
+    hidden, intermediate, heads, kv_heads = 256, 512, 4, 2
+    path = tmp_path / "q4k.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(97)
+    rng = np.random.default_rng(2)
+    head_dim = hidden // heads
+    shapes = {
+        "attn_q": (hidden, hidden),
+        "attn_k": (kv_heads * head_dim, hidden),
+        "attn_v": (kv_heads * head_dim, hidden),
+        "attn_output": (hidden, hidden),
+        "ffn_gate": (intermediate, hidden),
+        "ffn_up": (intermediate, hidden),
+        "ffn_down": (hidden, intermediate),
+    }
+    written = {}
+    for short, (rows, cols) in shapes.items():
+        blocks = _random_q4_k_blocks(rng, rows, cols // 256)
+        written[f"blk.0.{short}.weight"] = blocks
+        writer.add_tensor(
+            f"blk.0.{short}.weight", blocks.reshape(rows, -1), raw_dtype=GGMLQuantizationType.Q4_K
+        )
+    writer.add_tensor("token_embd.weight", rng.standard_normal((97, hidden)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    arch = load_arch_config(str(path))
+    weights = gguf_native.read_quantized_tensors(str(path), arch)
+    assert len(weights) == len(shapes)
+    for gguf_name, blocks in written.items():
+        name = hf_name(gguf_name)
+        rows = blocks.shape[0]
+        reference = dequantize(blocks.reshape(rows, -1), GGMLQuantizationType.Q4_K)
+        reference = np.ascontiguousarray(_to_hf_layout(name, reference, arch, str(path)))
+        assert weights[name].group_size == 32
+        assert torch.equal(weights[name].dequantize(), torch.from_numpy(reference)), name
+    q_name = hf_name("blk.0.attn_q.weight")
+    assert not torch.equal(  # the q rows really moved (so the layout check above can fail)
+        weights[q_name].dequantize(),
+        torch.from_numpy(
+            dequantize(written["blk.0.attn_q.weight"].reshape(hidden, -1), GGMLQuantizationType.Q4_K)
+        ),
+    )
+
+
 def test_default_model_tensors_equal_gguf_dequantize_in_hf_layout():
     """The real Q4_1 file: q/k rows un-permuted like the float loader, the Q8_0 embedding too."""
     path = default_model_path()
@@ -36,8 +115,6 @@ def test_default_model_tensors_equal_gguf_dequantize_in_hf_layout():
     tensors = [t for t in reader.tensors if t.name in checked]
     assert len(tensors) == len(checked)
     for tensor in tensors:
-        from llmserve.model_loader.gguf_loader import hf_name
-
         name = hf_name(tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape))
         reference = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
