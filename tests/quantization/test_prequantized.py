@@ -17,7 +17,14 @@ from safetensors.torch import load_file, save_file
 from llmserve.config import EngineArgs
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.model_loader import ModelLoadError
-from llmserve.model_loader.prequantized import dequantized_weights, read_quantization, unpack_int32
+from llmserve.model_loader.prequantized import (
+    CheckpointQuantization,
+    IntegerLinear,
+    decode_layer,
+    dequantized_weights,
+    read_quantization,
+    unpack_int32,
+)
 from llmserve.quantization.kernels import QuantizedLinear
 from llmserve.quantization.methods import quantize_model
 from llmserve.sampling_params import SamplingParams
@@ -360,6 +367,59 @@ def test_unpack_int32_reads_lowest_bits_first():
     words = torch.tensor([[0x76543210, -0x789ABCDF]], dtype=torch.int32)  # the second: 0x87654321
     assert unpack_int32(words, 4, 1).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 8]]
     assert unpack_int32(words.t(), 8, 0).t().tolist() == [[0x10, 0x32, 0x54, 0x76, 0x21, 0x43, 0x65, 0x87]]
+
+
+def _word(unsigned: int) -> int:
+    """A 32-bit word written as hex, as the int32 a checkpoint stores it."""
+    return unsigned - 2**32 if unsigned >= 2**31 else unsigned
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_gptq_words_decode_by_the_formats_definition(v2):
+    """Golden words, independent of our packer. GPTQ's qweight [in / 8, out] holds input rows 8i .. 8i+7
+    of one output column in a word, row 8i + j in bits 4j .. 4j+3: 0x76543210 in column 0 is rows 0..7
+    with codes 0..7. qzeros [groups, out / 8] holds output columns 8i .. 8i+7 the same way: 0xFEDCBA98
+    is columns 0..7 with 8..15, the zero itself in gptq_v2 and the zero minus one in v1."""
+    qweight = torch.tensor([[_word(0x76543210)] + [0] * 7], dtype=torch.int32)  # [in 8 / 8, out 8]
+    parts = {
+        "qweight": qweight,
+        "qzeros": torch.tensor([[_word(0xFEDCBA98)]], dtype=torch.int32),
+        "scales": torch.ones(1, 8, dtype=torch.float16),
+    }
+    spec = CheckpointQuantization("gptq", 4, zeros_minus_one=not v2)
+    layer = decode_layer(parts, spec)
+    assert isinstance(layer, IntegerLinear) and layer.group_size == 8
+    assert layer.codes[0].tolist() == list(range(8))  # output 0, inputs 0..7
+    assert layer.codes[1:].eq(0).all()
+    assert layer.zeros[:, 0].tolist() == [z + (0 if v2 else 1) for z in range(8, 16)]
+    eight_bit = decode_layer(
+        {
+            "qweight": torch.tensor([[0x03020100], [0x07060504]], dtype=torch.int32),  # [in 8 / 4, out 1]
+            "qzeros": torch.tensor([[0x7F]], dtype=torch.int32),  # v1: 127 + 1
+            "scales": torch.ones(1, 1, dtype=torch.float16),
+        },
+        CheckpointQuantization("gptq", 8, zeros_minus_one=True),
+    )
+    assert eight_bit.codes.tolist() == [list(range(8))] and eight_bit.zeros.tolist() == [[128.0]]
+
+
+def test_awq_words_decode_by_the_formats_definition():
+    """Golden words, independent of our packer. AutoAWQ's GEMM packer puts output column
+    order_map[i] of each 8 into nibble i (bits 4i .. 4i+3), order_map = (0, 2, 4, 6, 1, 3, 5, 7).
+    Codes 0..7 in columns 0..7: nibbles 0..7 hold 0, 2, 4, 6, 1, 3, 5, 7, so the word, highest nibble
+    first, is 0x75316420. Zeros 15, 14, ..., 8 in columns 0..7: nibbles hold 15, 13, 11, 9, 14, 12,
+    10, 8, the word 0x8ACE9BDF."""
+    qweight = torch.tensor([[_word(0x75316420)]] + [[0]] * 7, dtype=torch.int32)  # [in 8, out 8 / 8]
+    parts = {
+        "qweight": qweight,
+        "qzeros": torch.tensor([[_word(0x8ACE9BDF)]], dtype=torch.int32),
+        "scales": torch.ones(1, 8, dtype=torch.float16),
+    }
+    layer = decode_layer(parts, CheckpointQuantization("awq", 4))
+    assert isinstance(layer, IntegerLinear) and layer.group_size == 8
+    assert layer.codes[:, 0].tolist() == list(range(8))  # input 0, outputs 0..7
+    assert layer.codes[:, 1:].eq(0).all()
+    assert layer.zeros[:, 0].tolist() == list(range(15, 7, -1))
 
 
 @pytest.mark.parametrize(
