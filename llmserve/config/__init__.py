@@ -544,6 +544,7 @@ class EngineArgs:
             (arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim),
             parallel.row_parallel_in_features(arch),
             arch.checkpoint_quantization,
+            device.type,
         )
         return ModelConfig(
             path=model_path,

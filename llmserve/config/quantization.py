@@ -14,6 +14,9 @@ GROUP_SIZES = (32, 64, 128)  # the sizes the packed int4 CPU kernel accepts that
 GROUPED_METHODS = ("int4", "gptq", "awq")
 CHECKPOINT = "checkpoint"  # method of a directory written by `llmserve quantize`
 PREQUANTIZED = "prequantized"  # a checkpoint published quantized: its own codes (model_loader)
+# where int4/int8 codes have kernels of their own (quantization/kernels.py); elsewhere a quantized
+# layer rebuilds its float weight every forward, slower than the float model the loader decoded
+PACKED_KERNEL_DEVICES = ("cpu",)
 
 
 @dataclass(frozen=True)
@@ -29,15 +32,17 @@ class QuantizationConfig:
         in_features: tuple[int, ...],
         shard_in_features: tuple[int, ...] = (),
         checkpoint_method: str | None = None,
+        device_type: str = "cpu",
     ) -> QuantizationConfig | None:
         """`value`: a method name or a checkpoint directory; `in_features`: every quantized layer's
         input width, so that "auto" (None) picks the largest group size dividing them all; under
         tensor parallelism `shard_in_features`: each rank's share of the row-parallel layers' input
         width, which the groups of the methods that quantize a shard (int4) or cut one (gptq, awq)
         must divide too. `checkpoint_method`: a pre-quantized model's quant_method, whose own codes
-        serve when `value` is None ("none": all dequantized; a method: quantizes them again)."""
+        serve when `value` is None on a device of PACKED_KERNEL_DEVICES (`device_type`; elsewhere,
+        and with "none": all dequantized; a method: quantizes them again)."""
         if value is None and checkpoint_method is not None:
-            return QuantizationConfig(PREQUANTIZED, 0)
+            return QuantizationConfig(PREQUANTIZED, 0) if device_type in PACKED_KERNEL_DEVICES else None
         if value is None or value in ("", "none"):
             return None
         if value not in METHODS and not os.path.isdir(value):

@@ -156,6 +156,10 @@ class LLMEngine:
             quantize_shard(
                 model, config, self.tokenizer, lambda: build_model(config, load_weights(path, config.dtype))
             )
+        elif config.arch.checkpoint_quantization is not None:  # a pre-quantized checkpoint served in float
+            from llmserve.quantization.prequantized import log_served_float
+
+            log_served_float(config.arch.checkpoint_quantization, config.dtype, config.device)
         use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
         config = self.config
         if config.cache.size_from_gpu_memory is not None:  # the pool: what the weights and a step leave

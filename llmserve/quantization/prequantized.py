@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from llmserve.config.quantization import PACKED_KERNEL_DEVICES
 from llmserve.model_loader import hf_loader
 from llmserve.model_loader.prequantized import (
     FloatLinear,
@@ -70,6 +71,21 @@ def _why_float(layer: IntegerLinear) -> str:
     if layer.bits == 8:
         return "int8 with zero points"
     return f"int{layer.bits} groups of {layer.group_size}"
+
+
+def log_served_float(method: str, dtype: torch.dtype, device: torch.device) -> None:
+    """One line: a pre-quantized checkpoint served as the float model the loader decoded, and why."""
+    why = (
+        "--quantization none"
+        if device.type in PACKED_KERNEL_DEVICES
+        else f"no int4/int8 kernel on {device.type}: its codes would be dequantized at every forward"
+    )
+    logger.info(
+        "checkpoint quantization %s: served as its float model, every layer dequantized to %s (%s)",
+        method,
+        str(dtype).removeprefix("torch."),
+        why,
+    )
 
 
 def log_dequantized(method: str, kept: int, dequantized: dict[str, str], dtype: torch.dtype) -> None:

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmserve.config import EngineArgs
+from llmserve.config.quantization import QuantizationConfig
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.model_loader import ModelLoadError
 from llmserve.model_loader.prequantized import (
@@ -356,11 +357,36 @@ def test_each_tensor_parallel_rank_holds_its_cut_of_the_checkpoints_codes(tmp_pa
             assert torch.equal(got[name], _cut(name, weight, shard.shard, config)), (shard.shard.rank, name)
 
 
-def test_quantization_none_serves_the_checkpoint_dequantized(float_dir, tmp_path):
+def test_quantization_none_serves_the_checkpoint_dequantized(float_dir, tmp_path, caplog):
     quantized_dir, _, _ = _pack(float_dir, str(tmp_path), "awq-gemm")
     args = EngineArgs(model=quantized_dir, dtype="float32", kv_cache_memory="4MiB", quantization="none")
-    model = LLMEngine(args).model_runner.model
+    with caplog.at_level(logging.INFO, logger="llmserve"):
+        model = LLMEngine(args).model_runner.model
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    (line,) = [r.getMessage() for r in caplog.records if "served as its float model" in r.getMessage()]
+    assert "awq" in line and "(--quantization none)" in line
+
+
+@pytest.mark.parametrize(("device", "method"), [("cpu", "prequantized"), ("cuda", None)])
+def test_checkpoint_codes_are_kept_only_where_a_packed_kernel_runs(device, method):
+    """No --quantization: the checkpoint's own codes on the CPU (its int4/int8 kernels); on a GPU,
+    where they would be dequantized at every forward, the float model the loader decoded."""
+    config = QuantizationConfig.create(None, None, (64,), (), "gptq", device)
+    assert (config and config.method) == method
+    assert QuantizationConfig.create("none", None, (64,), (), "gptq", device) is None
+    assert QuantizationConfig.create("int8", None, (64,), (), "gptq", device).method == "int8"
+
+
+def test_the_float_model_on_a_gpu_is_named_in_one_line(caplog):
+    from llmserve.quantization.prequantized import log_served_float
+
+    with caplog.at_level(logging.INFO, logger="llmserve"):
+        log_served_float("gptq", torch.bfloat16, torch.device("cuda", 0))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "checkpoint quantization gptq: served as its float model, every layer dequantized to bfloat16 "
+        "(no int4/int8 kernel on cuda: its codes would be dequantized at every forward)"
+    )
 
 
 def test_unpack_int32_reads_lowest_bits_first():
