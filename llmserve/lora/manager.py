@@ -87,9 +87,13 @@ class SlotTable:
 
 
 class LoRAManager:
-    def __init__(self, config: LoRAConfig, model: nn.Module) -> None:
+    def __init__(
+        self, config: LoRAConfig, model: nn.Module, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """`dtype`, `device`: the model's compute dtype and device (a quantized layer has no float
+        weight to read them from); the deltas are kept and added in `dtype`."""
         self.config = config
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = dtype
         self.arch = model.arch  # a GGUF adapter's q/k rows are put back in order by its heads
         self.shard = model.shard  # tensor parallelism: the heads and units this rank holds
         self.adapters: dict[str, LoRAAdapter] = {}  # every loaded adapter, in host memory
@@ -97,17 +101,19 @@ class LoRAManager:
         self.slots = SlotTable(config.max_loras, self._write_slot)
         self.layers: dict[tuple[int, str], LoRALayerWeights] = {}  # (layer, fused module) -> stacks
         self._groups: SlotGroups | None = None  # the step being run's rows by slot; None: no adapter
-        self._device = torch.device("cpu")
+        self._device = torch.device(device)
         for index, layer in _decoder_layers(model):
             for fused, modules in _FUSED.items():
                 self._attach(index, fused, layer.get_submodule(fused), _shard_sizes(layer, fused, modules))
         for name, path in config.modules:
             self.load(name, path)
 
-    def _attach(self, index: int, fused: str, linear: nn.Linear, shard_sizes: tuple[int, ...]) -> None:
-        weights = LoRALayerWeights(linear, shard_sizes, self.config.max_loras, self.config.max_lora_rank)
+    def _attach(self, index: int, fused: str, linear: nn.Module, shard_sizes: tuple[int, ...]) -> None:
+        config = self.config
+        weights = LoRALayerWeights(
+            linear, shard_sizes, config.max_loras, config.max_lora_rank, self.dtype, self._device
+        )
         self.layers[(index, fused)] = weights
-        self._device = linear.weight.device
 
         def add_delta(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
             if self._groups is None:  # no row of this step has an adapter

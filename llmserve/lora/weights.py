@@ -22,12 +22,21 @@ SlotGroups = list[tuple[int, torch.Tensor | None]]
 
 
 class LoRALayerWeights:
-    def __init__(self, base: nn.Linear, shard_sizes: tuple[int, ...], max_loras: int, max_rank: int) -> None:
-        """`shard_sizes`: the output rows of each checkpoint module fused into `base` (q, k, v ...)."""
-        weight = base.weight
+    def __init__(
+        self,
+        base: nn.Module,
+        shard_sizes: tuple[int, ...],
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """`base`: an `nn.Linear` or a `QuantizedLinear` (which has no `.weight`: the delta is kept in
+        the model's float `dtype` over its quantized output); `shard_sizes`: the output rows of each
+        checkpoint module fused into `base` (q, k, v ...)."""
         width = len(shard_sizes) * max_rank
-        self.a = torch.zeros(max_loras, width, base.in_features, dtype=weight.dtype, device=weight.device)
-        self.b = torch.zeros(max_loras, base.out_features, width, dtype=weight.dtype, device=weight.device)
+        self.a = torch.zeros(max_loras, width, base.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, base.out_features, width, dtype=dtype, device=device)
         self.max_rank = max_rank
         self.row_starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
         self.shard_sizes = shard_sizes

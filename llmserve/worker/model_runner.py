@@ -112,7 +112,9 @@ class ModelRunner:
         self.input_builder = InputBuilder(config.cache, self.attention_backend, self.device)
         # LoRA adapters: deltas added by hooks on the linear layers, which the fused stack and CUDA
         # graphs do not run: the stack serves only steps without an adapter, graphs none (docs/lora.md)
-        self.lora = None if config.lora is None else LoRAManager(config.lora, model)
+        self.lora = (
+            None if config.lora is None else LoRAManager(config.lora, model, config.model.dtype, self.device)
+        )
         self._early_kv_pool = early_kv_pool
         self._static_decode = self._uses_static_decode()  # decided first: its padding needs a scratch block
         self.kv_cache = self._allocate_kv_cache()

@@ -30,9 +30,12 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return make_model_dirs(tmp_path_factory.mktemp("lora"))
 
 
-def _merged_greedy(base_dir: str, adapter_dir: str | None) -> list[tuple[list[int], list[float]]]:
-    """PEFT's merged model's greedy tokens and their log-probs, per prompt (the base's for None)."""
-    model = load_base(base_dir)
+def _merged_greedy(
+    base_dir: str, adapter_dir: str | None, model: torch.nn.Module | None = None
+) -> list[tuple[list[int], list[float]]]:
+    """PEFT's merged model's greedy tokens and their log-probs, per prompt (the base's for None);
+    `model`: the base model to merge into instead of the checkpoint's."""
+    model = load_base(base_dir) if model is None else model
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     results = []
@@ -127,6 +130,53 @@ def test_a_phi3_adapter_on_its_fused_projections_matches_peft_merged_model(tmp_p
         _check_against(phi3.generate(PROMPTS, _params("phi"), use_tqdm=False), expected)
         base_tokens = [o.outputs[0].token_ids for o in phi3.generate(PROMPTS, _params(None), use_tqdm=False)]
         assert base_tokens != [tokens for tokens, _ in expected]
+
+
+def _dequantized_base(base_dir: str, served: torch.nn.Module) -> torch.nn.Module:
+    """The HF base model with every linear layer llmserve quantized replaced by its dequantized
+    weights (fused qkv/gate_up rows split back), so PEFT's merge of it is what QLoRA serves."""
+    model = load_base(base_dir)
+    with torch.no_grad():
+        for index, layer in enumerate(served.model.layers):
+            hf = model.model.layers[index]
+            attention = layer.self_attn
+            sizes = (attention.q_size, attention.kv_size, attention.kv_size)
+            parts = {
+                "self_attn.qkv_proj": (("q_proj", "k_proj", "v_proj"), sizes),
+                "self_attn.o_proj": (("o_proj",), None),
+                "mlp.gate_up_proj": (("gate_proj", "up_proj"), None),
+                "mlp.down_proj": (("down_proj",), None),
+            }
+            for fused, (names, split) in parts.items():
+                weight = layer.get_submodule(fused).kernel.dequantize(torch.float32)
+                rows = weight.split(split) if split else weight.chunk(len(names))
+                parent = hf.get_submodule(fused.split(".")[0])
+                for name, part in zip(names, rows, strict=True):
+                    getattr(parent, name).weight.copy_(part)
+        # a new Parameter unties lm_head from the (float) embeddings
+        model.lm_head.weight = torch.nn.Parameter(served.lm_head.kernel.dequantize(torch.float32))
+    return model
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_adapters_over_a_quantized_base_match_peft_merged_dequantized_model(model_dirs, quantization):
+    """QLoRA-style: the delta in float over a quantized base equals PEFT's merge of the adapter
+    into the dequantized base, for each adapter, alone and mixed with the base model."""
+    with _llm(model_dirs, max_loras=2, quantization=quantization) as quantized:
+        served = quantized.engine.model_runner.model
+        for name in [None, *ADAPTERS]:
+            adapter = None if name is None else model_dirs[name]
+            expected = _merged_greedy(
+                model_dirs["base"], adapter, _dequantized_base(model_dirs["base"], served)
+            )
+            _check_against(quantized.generate(PROMPTS, _params(name), use_tqdm=False), expected)
+        names = [None, "qv", "all"]
+        mixed = quantized.generate(PROMPTS, [_params(n) for n in names], use_tqdm=False)
+        alone = [
+            quantized.generate([p], _params(n), use_tqdm=False)[0]
+            for p, n in zip(PROMPTS, names, strict=True)
+        ]
+        assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in alone]
 
 
 def test_adapters_change_the_output(llm):
