@@ -33,7 +33,8 @@ in float and stay so. Activation scales (`input_scale`, ...) are dropped: activa
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,8 +91,12 @@ class IntegerLinear:
 class FloatLinear:
     """A layer whose format has no contiguous integer groups: its weight, dequantized at load."""
 
-    weight: torch.Tensor  # float32 [out, in]
     format: str  # why it is float, for the load's log line ("fp8", "gptq desc_act")
+    # the float32 [out, in] weight, computed only when asked: naming the format costs nothing
+    compute: Callable[[], torch.Tensor]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.compute().to(dtype)
 
 
 DecodedLinear = IntegerLinear | FloatLinear
@@ -187,10 +192,18 @@ def decode_layers(
     layers: dict[str, dict[str, torch.Tensor]], spec: CheckpointQuantization
 ) -> Iterator[tuple[str, DecodedLinear]]:
     for module, parts in layers.items():
-        try:
-            yield module, decode_layer(parts, spec)
-        except (KeyError, RuntimeError, ValueError) as error:
-            raise ModelLoadError(f"quantized layer {module} ({spec.name}): cannot decode ({error})") from None
+        with _decoding(module, spec):
+            layer = decode_layer(parts, spec)
+        yield module, layer
+
+
+@contextmanager
+def _decoding(module: str, spec: CheckpointQuantization) -> Iterator[None]:
+    """A layer's tensors that do not fit together: a one-line ModelLoadError naming it."""
+    try:
+        yield
+    except (KeyError, RuntimeError, ValueError) as error:
+        raise ModelLoadError(f"quantized layer {module} ({spec.name}): cannot decode ({error})") from None
 
 
 def decode_layer(parts: dict[str, torch.Tensor], spec: CheckpointQuantization) -> DecodedLinear:
@@ -210,8 +223,8 @@ def dequantized_weights(
     """Every tensor of the checkpoint under its HF name, quantized layers' weights in float `dtype`."""
     floats, layers = split_checkpoint(tensors)
     for module, layer in decode_layers(layers, spec):
-        weight = layer.dequantize(dtype) if isinstance(layer, IntegerLinear) else layer.weight.to(dtype)
-        floats[f"{module}.weight"] = weight
+        with _decoding(module, spec):
+            floats[f"{module}.weight"] = layer.dequantize(dtype)
     return floats
 
 
@@ -236,8 +249,9 @@ def _gptq(parts: dict[str, torch.Tensor], spec: CheckpointQuantization) -> Decod
     if g_idx is None or torch.equal(g_idx.long(), torch.arange(rows) // group):
         return IntegerLinear(codes.t().to(torch.uint8).contiguous(), scales.t(), zeros.t(), group, spec.bits)
     groups = g_idx.long()  # desc_act: input rows in another order than their groups
-    weight = (codes.float() - zeros[groups]) * scales[groups]
-    return FloatLinear(weight.t().contiguous(), "gptq desc_act")
+    return FloatLinear(
+        "gptq desc_act", lambda: ((codes.float() - zeros[groups]) * scales[groups]).t().contiguous()
+    )
 
 
 def _awq(parts: dict[str, torch.Tensor]) -> IntegerLinear:
@@ -286,8 +300,9 @@ def _integer(
     if g_idx is None or torch.equal(g_idx.long(), torch.arange(cols) // group):
         return IntegerLinear(codes.to(torch.uint8).contiguous(), scales, zeros, group, bits)
     groups = g_idx.long()  # columns out of group order: no contiguous groups for a kernel
-    weight = (codes.float() - zeros[:, groups]) * scales[:, groups]
-    return FloatLinear(weight.contiguous(), "compressed-tensors actorder group")
+    return FloatLinear(
+        "compressed-tensors actorder group", lambda: (codes.float() - zeros[:, groups]) * scales[:, groups]
+    )
 
 
 def _per_row(values: torch.Tensor, rows: int) -> torch.Tensor:
@@ -299,19 +314,22 @@ def _per_row(values: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _fp8(parts: dict[str, torch.Tensor], block: tuple[int, int] | None) -> FloatLinear:
-    weight = parts["weight"].float()
+    weight = parts["weight"]
     rows, cols = weight.shape
     if "weight_scale_inv" in parts:  # block-wise (DeepSeek, Qwen FP8): multiplied, despite the name
         scale = parts["weight_scale_inv"].float()
         block = block or (math.ceil(rows / scale.shape[0]), math.ceil(cols / scale.shape[1]))
-        return FloatLinear(weight * _blocks(scale, block, rows, cols), "fp8 block-wise")
+        return FloatLinear("fp8 block-wise", lambda: weight.float() * _blocks(scale, block, rows, cols))
     scale = parts["weight_scale"].float()
     if scale.numel() > 1 and scale.shape[0] != rows:  # compressed-tensors' block strategy
         block = block or (math.ceil(rows / scale.shape[0]), math.ceil(cols / scale.shape[1]))
-        return FloatLinear(weight * _blocks(scale, block, rows, cols), "fp8 block-wise")
+        return FloatLinear("fp8 block-wise", lambda: weight.float() * _blocks(scale, block, rows, cols))
     scale = _per_row(scale, rows)
-    per_group = scale.repeat_interleave(math.ceil(cols / scale.shape[1]), 1)[:, :cols]
-    return FloatLinear(weight * per_group, "fp8")
+    return FloatLinear("fp8", lambda: weight.float() * _columns(scale, cols))
+
+
+def _columns(scale: torch.Tensor, cols: int) -> torch.Tensor:
+    return scale.repeat_interleave(math.ceil(cols / scale.shape[1]), 1)[:, :cols]
 
 
 def _blocks(scale: torch.Tensor, block: tuple[int, int], rows: int, cols: int) -> torch.Tensor:

@@ -35,7 +35,8 @@ _INT8_ZERO = 128
 
 
 def checkpoint_layers(path: str) -> tuple[dict[str, QuantizedWeight], dict[str, str]]:
-    """(layers whose codes the kernels take, by HF module name; the others' formats, by name)."""
+    """(layers whose codes the kernels take, by HF module name; the others' formats, by name). The
+    loader has decoded the checkpoint once already; float layers are only named here, not decoded."""
     spec = read_quantization(hf_loader.read_config(path), path)
     if spec is None:
         raise ValueError(f"quantization prequantized: {path} has no quantization_config")

@@ -248,6 +248,24 @@ def test_engine_serves_the_checkpoint_as_its_dequantized_float_model(float_dir, 
         torch.testing.assert_close(torch.tensor(prompt), torch.tensor(float_prompt), rtol=0, atol=1e-3)
 
 
+def test_naming_the_float_layers_does_not_dequantize_them(float_dir, tmp_path, monkeypatch):
+    """The `prequantized` method reads the checkpoint's layers again only to find the codes its kernels
+    take: the FP8 layers (the loader's float model has them) are named, never multiplied out again."""
+    from llmserve.model_loader import prequantized as decoding
+    from llmserve.quantization.prequantized import checkpoint_layers
+
+    quantized_dir, _, _ = _pack(float_dir, str(tmp_path), "fp8-block")
+
+    def refuse(*_):
+        raise AssertionError("an FP8 layer dequantized only to be named")
+
+    monkeypatch.setattr(decoding, "_blocks", refuse)
+    kept, dequantized = checkpoint_layers(quantized_dir)
+    assert kept == {}
+    assert len(dequantized) == 2 * len(LINEARS) - 1
+    assert set(dequantized.values()) == {"fp8 block-wise"}
+
+
 def test_bfloat16_runs_the_packed_int4_kernel(float_dir, tmp_path):
     """bfloat16 on a CPU: GPTQ's codes go to the packed int4 kernel, AWQ's too; the lm_head stays float."""
     from llmserve.quantization.kernels import Int4PackedKernel
