@@ -46,6 +46,12 @@ _REFUSED_FIELDS = {
 }
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# the text model's decoder layers under PEFT's wrapper: a CausalLM's `model.layers`, a bare model's
+# `layers`, an image-and-text model's language model (model_loader/multimodal.py's two spellings);
+# a vision tower's `...encoder.layers.N.self_attn` is not among them
+_TEXT_PREFIX = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.|language_model\.model\.|model\.language_model\.)?"
+)
 
 
 @dataclass(frozen=True)
@@ -94,8 +100,14 @@ def load_peft_adapter(name: str, path: str, max_rank: int, dtype: torch.dtype) -
         match = _KEY.search(key)
         if match is None or match.group(2) not in TARGET_MODULES:
             raise ValueError(f"adapter tensor {key!r} is not a LoRA weight of a supported module")
+        prefix = key[: match.start()]  # what precedes ".layers.N" (its dot is the match's)
+        if not _TEXT_PREFIX.fullmatch(prefix + "." if prefix else ""):
+            raise ValueError(f"adapter tensor {key!r} is outside the language model's decoder layers")
         layer, module, half = int(match.group(1)), match.group(2), match.group(3)
-        pairs.setdefault((layer, module), {})[half] = tensor.to(dtype)
+        halves = pairs.setdefault((layer, module), {})
+        if half in halves:
+            raise ValueError(f"adapter {name!r} has lora_{half} of {module} in layer {layer} twice ({key!r})")
+        halves[half] = tensor.to(dtype)
     weights = {}
     for target, halves in pairs.items():
         if set(halves) != {"A", "B"}:

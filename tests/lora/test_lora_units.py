@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from llmserve.config import EngineArgs
 from llmserve.config.flags import changed_flags
 from llmserve.config.lora import LoRAConfig
 from llmserve.engine.lora_commands import LoRACommands
 from llmserve.engine.messages import LoRACommandDone
-from llmserve.lora.adapter import check_adapter_config
+from llmserve.lora.adapter import check_adapter_config, load_peft_adapter
 from llmserve.lora.manager import SlotTable
 
 PEFT_DEFAULTS = dict(
@@ -139,3 +142,51 @@ def test_lora_commands_wait_for_the_engine_and_replay_after_a_restart():
     sent.clear()
     commands.replay()  # a new engine process starts with --lora-modules: c again, a unloaded again
     assert [(command.name, command.path) for command in sent] == [("a", None), ("c", "/c")]
+
+
+def _write_peft_dir(path, modules: list[str]) -> str:
+    """A rank-2 PEFT directory with a q_proj A/B pair under each of `modules` (key prefixes)."""
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({**PEFT_DEFAULTS, "r": 2}))
+    tensors = {}
+    for prefix in modules:
+        tensors[f"{prefix}.layers.0.self_attn.q_proj.lora_A.weight"] = torch.ones(2, 8)
+        tensors[f"{prefix}.layers.0.self_attn.q_proj.lora_B.weight"] = torch.ones(8, 2)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "base_model.model.model",
+        "base_model.model",
+        "base_model.model.language_model.model",
+        "model.language_model",
+    ],
+)
+def test_adapter_keys_of_the_text_model_are_read(tmp_path, prefix):
+    adapter = load_peft_adapter("x", _write_peft_dir(tmp_path / "x", [prefix]), 16, torch.float32)
+    assert list(adapter.weights) == [(0, "q_proj")]
+
+
+@pytest.mark.parametrize(
+    ("prefixes", "message"),
+    [
+        (
+            [
+                "base_model.model.model.language_model",
+                "base_model.model.model.vision_tower.vision_model.encoder",
+            ],
+            "outside the language model's decoder layers",
+        ),
+        (
+            ["base_model.model.model", "base_model.model.language_model.model"],
+            "has lora_A of q_proj in layer 0 twice",
+        ),
+    ],
+)
+def test_adapter_keys_of_other_towers_or_twice_are_refused_in_one_line(tmp_path, prefixes, message):
+    with pytest.raises(ValueError, match=message) as error:
+        load_peft_adapter("x", _write_peft_dir(tmp_path / "x", prefixes), 16, torch.float32)
+    assert "\n" not in str(error.value)
