@@ -74,7 +74,9 @@ def check_adapter_config(config: dict, max_rank: int) -> tuple[int, float]:
         if value != plain and (value or plain):  # None, {}, [] and False all mean "off"
             raise ValueError(f"{reason} ({name}={value!r})")
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", 8))
-    if not 0 < rank <= max_rank:
+    if rank <= 0:
+        raise ValueError(f"adapter rank r={rank} is not a LoRA rank (r must be >= 1)")
+    if rank > max_rank:
         raise ValueError(f"adapter rank {rank} exceeds --max-lora-rank {max_rank}")
     targets = config.get("target_modules") or []
     if isinstance(targets, str):

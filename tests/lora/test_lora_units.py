@@ -51,6 +51,8 @@ def test_scale_is_alpha_over_rank_or_its_square_root_with_rslora():
         ("target_modules", ["q_proj", "lm_head"], r"\['lm_head'\] are not supported"),
         ("peft_type", "IA3", "not a LoRA adapter"),
         ("r", 32, "exceeds --max-lora-rank 16"),
+        ("r", 0, r"adapter rank r=0 is not a LoRA rank \(r must be >= 1\)"),
+        ("r", -4, "adapter rank r=-4 is not a LoRA rank"),
     ],
 )
 def test_math_changing_fields_are_refused_in_one_line(field, value, message):
