@@ -29,7 +29,8 @@ class LoRACommands:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(self.adapters)
+        with self._lock:
+            return tuple(self.adapters)
 
     async def load(self, name: str, path: str) -> None:
         """Load adapter `name` from PEFT directory `path`; ValueError saying why the engine refused."""
@@ -38,21 +39,27 @@ class LoRACommands:
         if name in self.adapters:
             raise ValueError(f"the LoRA adapter {name!r} is already loaded")
         await self._run(LoRACommand(self._next_id(), name, path))
-        self.adapters[name] = path
+        with self._lock:  # replay() reads the adapters on the engine client's reader thread
+            self.adapters[name] = path
 
     async def unload(self, name: str) -> None:
         """Unload adapter `name`; ValueError if unknown or in use."""
         if name not in self.adapters:
             raise ValueError(f"the LoRA adapter {name!r} does not exist")
         await self._run(LoRACommand(self._next_id(), name))
-        del self.adapters[name]
+        with self._lock:
+            del self.adapters[name]
 
     def replay(self) -> None:
-        """A new engine process: send it the adapters loaded at run time (nobody waits for these)."""
+        """A new engine process: send it the adapters loaded at run time (nobody waits for these).
+        Runs on the engine client's reader thread: it reads a snapshot taken under the lock, as the
+        event loop's load and unload change the adapters meanwhile."""
+        with self._lock:
+            adapters = dict(self.adapters)
         for name, path in self._at_start.items():  # unloaded (or loaded again from elsewhere) since
-            if self.adapters.get(name) != path:
+            if adapters.get(name) != path:
                 self._send(LoRACommand(f"replay-{self._next_id()}", name))
-        for name, path in self.adapters.items():
+        for name, path in adapters.items():
             if self._at_start.get(name) != path:
                 self._send(LoRACommand(f"replay-{self._next_id()}", name, path))
 

@@ -146,6 +146,21 @@ def test_lora_commands_wait_for_the_engine_and_replay_after_a_restart():
     assert [(command.name, command.path) for command in sent] == [("a", None), ("c", "/c")]
 
 
+def test_lora_commands_replay_a_snapshot_while_the_adapters_change():
+    """replay() runs on the reader thread while the event loop loads and unloads: an adapter loaded
+    between two of its sends changes what it iterates not at all."""
+    sent = []
+
+    def send(command):
+        sent.append(command)
+        commands.adapters[f"late-{len(sent)}"] = "/late"  # the event loop's load, meanwhile
+
+    commands = LoRACommands(LoRAConfig((("a", "/a"),)), send)
+    commands.adapters.update({"b": "/b", "c": "/c"})
+    commands.replay()
+    assert [(command.name, command.path) for command in sent] == [("b", "/b"), ("c", "/c")]
+
+
 def _write_peft_dir(path, modules: list[str]) -> str:
     """A rank-2 PEFT directory with a q_proj A/B pair under each of `modules` (key prefixes)."""
     path.mkdir()
