@@ -16,7 +16,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.lora.request import LoRARequest
-from tests.helpers import TINY_LLAMA_CONFIG
+from tests.helpers import TINY_LLAMA_CONFIG, make_tiny_llama_dir
 from tests.lora.adapters import ADAPTERS, load_base, make_adapter, make_model_dirs, write_gguf_lora
 from tests.models.families import make_family_dir
 
@@ -208,6 +208,25 @@ def test_lru_swap_with_one_slot_keeps_every_answer(model_dirs, llm):
         assert set(small.engine.model_runner.lora.slots.resident.values()) == {0}
     for want, have in zip(expected, got, strict=True):
         assert have.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_an_adapter_for_another_base_is_refused_and_leaves_its_slot_free(model_dirs, llm, tmp_path):
+    """With one slot: an adapter whose shapes are another model's is refused in one line when
+    loaded (it was written over the resident adapter's slot first), and the next adapter gets the slot."""
+    other = make_tiny_llama_dir(str(tmp_path / "other"), intermediate_size=96)
+    make_adapter(other, str(tmp_path / "bad"), 5, **ADAPTERS["all"])
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _params("all"), use_tqdm=False)]
+    options = dict(dtype="float32", kv_cache_memory="64MiB", enable_lora=True, max_loras=1)
+    with LLM(model_dirs["base"], **options) as small:
+        small.engine.add_lora("qv", model_dirs["qv"])
+        with pytest.raises(ValueError, match="do not fit a layer of") as error:
+            small.engine.add_lora("bad", str(tmp_path / "bad"))
+        assert "\n" not in str(error.value)
+        with pytest.raises(ValueError, match="LoRA adapter 'bad' does not exist"):
+            small.generate(PROMPTS[:1], _params("bad"), use_tqdm=False)
+        small.engine.add_lora("all", model_dirs["all"])
+        got = small.generate(PROMPTS, _params("all"), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
 
 
 def test_prefix_cache_is_not_shared_across_adapters(model_dirs):
