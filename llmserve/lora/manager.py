@@ -136,7 +136,7 @@ class LoRAManager:
         self.adapters[adapter.name] = adapter
         try:
             self.slots.slots_for([adapter.name])  # written once now: its shapes are checked at load
-        except ValueError:
+        except BaseException:  # whatever refused it, the name stays free
             del self.adapters[adapter.name]
             raise
         self._cache_keys[adapter.name] = _content_key(adapter)
@@ -238,10 +238,18 @@ def _rank_part(module: str, a: torch.Tensor, b: torch.Tensor, shard: ShardLayout
     if module in ("o_proj", "down_proj"):
         return a[:, q if module == "o_proj" else mlp], b
     if module == "qkv_proj":  # Phi-3's whole fused layer: [q; k; v] rows, each part sliced
-        parts = b.split([arch.num_attention_heads * hd, *[arch.num_key_value_heads * hd] * 2])
+        parts = _split_rows(module, b, [arch.num_attention_heads * hd, *[arch.num_key_value_heads * hd] * 2])
         return a, torch.cat([parts[0][q], parts[1][kv], parts[2][kv]])
-    parts = b.split([arch.intermediate_size] * 2)  # gate_up_proj: [gate; up]
+    parts = _split_rows(module, b, [arch.intermediate_size] * 2)  # gate_up_proj: [gate; up]
     return a, torch.cat([parts[0][mlp], parts[1][mlp]])
+
+
+def _split_rows(module: str, b: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """B's rows split into the fused layer's parts; ValueError (not torch's error) for an adapter
+    built for another model's shapes."""
+    if b.shape[0] != sum(sizes):
+        raise ValueError(f"LoRA B of {module} has {b.shape[0]} rows; the model's layer has {sum(sizes)}")
+    return b.split(sizes)
 
 
 def _decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:

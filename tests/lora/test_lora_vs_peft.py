@@ -13,6 +13,7 @@ import numpy as np
 import peft
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from llmserve import LLM, SamplingParams
 from llmserve.lora.request import LoRARequest
@@ -177,6 +178,29 @@ def test_adapters_over_a_quantized_base_match_peft_merged_dequantized_model(mode
             for p, n in zip(PROMPTS, names, strict=True)
         ]
         assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_a_phi3_adapter_for_another_size_is_refused_and_its_name_stays_free(tmp_path):
+    """A fused-projection B with another model's rows is refused in one line (not torch's split
+    error), the name is not left half-loaded, and the slot serves the next adapter."""
+    base, adapter, bad = str(tmp_path / "phi3"), str(tmp_path / "phi3-lora"), tmp_path / "bad"
+    make_family_dir(base, "phi3-partial-rotary", seed=5)
+    make_adapter(base, adapter, 13, r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj"])
+    config = json.loads((tmp_path / "phi3-lora" / "adapter_config.json").read_text())
+    weights = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    weights = {k: torch.cat([w, w[:8]]) if ".lora_B." in k else w for k, w in weights.items()}
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    save_file(weights, str(bad / "adapter_model.safetensors"))
+    options = dict(dtype="float32", kv_cache_memory="64MiB", enable_lora=True, max_loras=1)
+    with LLM(base, **options) as phi3:
+        with pytest.raises(
+            ValueError, match=r"LoRA B of \w+_proj has \d+ rows; the model's layer has"
+        ) as error:
+            phi3.engine.add_lora("phi", str(bad))
+        assert "\n" not in str(error.value)
+        phi3.engine.add_lora("phi", adapter)
+        assert phi3.generate(PROMPTS[:1], _params("phi"), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_adapters_change_the_output(llm):
