@@ -1,10 +1,13 @@
-"""`--quantization gguf`: a GGUF's Q4_0, Q4_1, Q8_0 and Q4_K blocks read straight into the engine's formats.
+"""`--quantization gguf`: a GGUF's Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K blocks read straight into the engine's
+formats.
 
 No detour through float and no second rounding: a block's float16 `d` (and `m`) become float32
 scales (and offsets) exactly, its codes become our codes. llama.cpp's blocks hold 32 weights:
 
     Q4_0: d, 16 bytes of nibbles    w = d * (q - 8)    -> Int4Weight(scale d, offset -8d)
     Q4_1: d, m, 16 bytes of nibbles w = d * q + m      -> Int4Weight(scale d, offset m)
+    Q5_0: d, 32 high bits, 16 bytes of nibbles
+                                    w = d * (q - 16)   -> Int8Weight(group 32, scale d), codes q - 16
     Q8_0: d, 32 int8                w = d * q          -> Int8Weight(group 32, scale d)
 
 The nibbles of a block are elements 0..15 in the low halves of its 16 bytes and 16..31 in the high
@@ -15,8 +18,8 @@ each, 6-bit codes under two float16 factors):
           w = (d * sc) * q - dmin * m  -> Int4Weight(scale d * sc, offset -dmin * m), groups of 32
 
 d * sc and dmin * m are exact in float32 (11 by 6 significant bits), so the weights equal the
-reference dequantization bit for bit. Tensors of other types (float, Q5/Q6 and the other K-quants)
-are not read here: their layers stay in float.
+reference dequantization bit for bit. Tensors of other types (float, Q5_1, Q5_K, Q6_K and the other
+K-quants) are not read here: their layers stay in float.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ _HALF = 2  # bytes of a float16
 
 
 def read_quantized_tensors(path: str, arch: ModelArchConfig) -> dict[str, QuantizedWeight]:
-    """Every Q4_0/Q4_1/Q8_0/Q4_K tensor of the GGUF at `path`, under its HF name, in HF's row order."""
+    """Every Q4_0/Q4_1/Q5_0/Q8_0/Q4_K tensor of the GGUF at `path`, under its HF name, in HF's row order."""
     reader = gguf_loader.open_gguf(path)
     weights: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
@@ -70,6 +73,16 @@ def _read_q4_1(blocks: np.ndarray) -> Int4Weight:
     return Int4Weight(_nibbles(blocks[..., 2 * _HALF :]), _halves(blocks, 0), _halves(blocks, _HALF), BLOCK)
 
 
+def _read_q5_0(blocks: np.ndarray) -> Int8Weight:
+    """Element i's fifth bit is bit i of the block's little-endian 32-bit word after d."""
+    high = np.ascontiguousarray(blocks[..., _HALF : _HALF + 4]).view("<u4")
+    fifth = (high >> np.arange(BLOCK, dtype=np.uint32)) & 1  # [rows, blocks, 32]
+    codes = _nibbles(blocks[..., _HALF + 4 :]).numpy().astype(np.int16) | (
+        fifth.reshape(len(blocks), -1) << 4
+    )
+    return Int8Weight(torch.from_numpy((codes - 16).astype(np.int8)), _halves(blocks, 0), BLOCK)
+
+
 def _read_q8_0(blocks: np.ndarray) -> Int8Weight:
     codes = np.ascontiguousarray(blocks[..., _HALF:]).view(np.int8)
     return Int8Weight(torch.from_numpy(codes.reshape(codes.shape[0], -1)), _halves(blocks, 0), BLOCK)
@@ -93,7 +106,13 @@ def _read_q4_k(blocks: np.ndarray) -> Int4Weight:
     return Int4Weight(torch.from_numpy(codes), scales.reshape(rows, -1), offsets.reshape(rows, -1), BLOCK)
 
 
-_READERS = {"Q4_0": _read_q4_0, "Q4_1": _read_q4_1, "Q8_0": _read_q8_0, "Q4_K": _read_q4_k}
+_READERS = {
+    "Q4_0": _read_q4_0,
+    "Q4_1": _read_q4_1,
+    "Q5_0": _read_q5_0,
+    "Q8_0": _read_q8_0,
+    "Q4_K": _read_q4_k,
+}
 _SUPER_BLOCK_TYPES = frozenset({"Q4_K"})
 SUPPORTED_TYPES = tuple(_READERS)
 

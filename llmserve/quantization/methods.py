@@ -255,7 +255,8 @@ def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
         weights[LM_HEAD] = tensors[head]
     kept = len(decoder_linears(model)) + 1 - len(weights)
     if kept:
-        logger.info("quantization gguf: %d layers have no Q4_0/Q4_1/Q8_0/Q4_K tensor and stay in float", kept)
+        types = "/".join(gguf_native.SUPPORTED_TYPES)
+        logger.info("quantization gguf: %d layers have no %s tensor and stay in float", kept, types)
     return QuantizationResult(weights)
 
 
@@ -266,7 +267,7 @@ def _gguf_tensors(config: ModelConfig) -> dict[str, QuantizedWeight]:
     )
 
 
-_GGUF_CACHE_ENTRY = "gguf-native-v2"  # v2: Q4_K tensors too
+_GGUF_CACHE_ENTRY = "gguf-native-v2"  # v2: Q4_K and Q5_0 tensors too
 
 
 def _cached(

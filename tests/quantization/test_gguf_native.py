@@ -15,7 +15,8 @@ from llmserve.quantization.formats import Int4Weight, Int8Weight
 
 
 @pytest.mark.parametrize(
-    ("type_name", "kind"), [("Q4_0", Int4Weight), ("Q4_1", Int4Weight), ("Q8_0", Int8Weight)]
+    ("type_name", "kind"),
+    [("Q4_0", Int4Weight), ("Q4_1", Int4Weight), ("Q5_0", Int8Weight), ("Q8_0", Int8Weight)],
 )
 def test_block_readers_equal_gguf_dequantize(type_name, kind):
     qtype = GGMLQuantizationType[type_name]
