@@ -1,5 +1,5 @@
-"""`--quantization gguf`: a GGUF's Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K blocks read straight into the engine's
-formats.
+"""`--quantization gguf`: a GGUF's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks read straight into the
+engine's formats.
 
 No detour through float and no second rounding: a block's float16 `d` (and `m`) become float32
 scales (and offsets) exactly, its codes become our codes. llama.cpp's blocks hold 32 weights:
@@ -18,8 +18,14 @@ each, 6-bit codes under two float16 factors):
           w = (d * sc) * q - dmin * m  -> Int4Weight(scale d * sc, offset -dmin * m), groups of 32
 
 d * sc and dmin * m are exact in float32 (11 by 6 significant bits), so the weights equal the
-reference dequantization bit for bit. Tensors of other types (float, Q5_1, Q5_K, Q6_K and the other
-K-quants) are not read here: their layers stay in float.
+reference dequantization bit for bit. Q6_K's hold 256 weights as sixteen sub-blocks of 16 under one
+float16 factor:
+
+    Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales sc, d
+          w = (d * sc) * (q - 32)      -> Int8Weight(scale d * sc, codes q - 32), groups of 16
+
+Tensors of other types (float, Q5_1, Q5_K and the other K-quants) are not read here: their layers
+stay in float.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ _HALF = 2  # bytes of a float16
 
 
 def read_quantized_tensors(path: str, arch: ModelArchConfig) -> dict[str, QuantizedWeight]:
-    """Every Q4_0/Q4_1/Q5_0/Q8_0/Q4_K tensor of the GGUF at `path`, under its HF name, in HF's row order."""
+    """Every tensor of the GGUF at `path` of a type read here (SUPPORTED_TYPES), under its HF name, in HF's
+    row order."""
     reader = gguf_loader.open_gguf(path)
     weights: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
@@ -106,14 +113,30 @@ def _read_q4_k(blocks: np.ndarray) -> Int4Weight:
     return Int4Weight(torch.from_numpy(codes), scales.reshape(rows, -1), offsets.reshape(rows, -1), BLOCK)
 
 
+def _read_q6_k(blocks: np.ndarray) -> Int8Weight:
+    """[rows, super-blocks, 210] -> int8 codes q - 32 in groups of 16, scale d * sc (exact in float32)."""
+    rows, supers = blocks.shape[:2]
+    # each half of 128 weights: 64 bytes of nibbles (weights 0-63 low, 64-127 high) and 32 bytes
+    # holding the weights' top two bits (bits 0-1 for weights 0-31, 2-3 for 32-63, and so on)
+    low = blocks[..., :128].reshape(rows, supers, 2, 64)
+    high = blocks[..., 128:192].reshape(rows, supers, 2, 32)
+    nibbles = np.concatenate([low & 0x0F, low >> 4], axis=-1)
+    tops = np.concatenate([(high >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1)
+    codes = (nibbles.astype(np.int16) | (tops.astype(np.int16) << 4)) - 32
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    scales = _halves(blocks, 208)[..., None] * torch.from_numpy(sc)
+    return Int8Weight(torch.from_numpy(codes.astype(np.int8).reshape(rows, -1)), scales.reshape(rows, -1), 16)
+
+
 _READERS = {
     "Q4_0": _read_q4_0,
     "Q4_1": _read_q4_1,
     "Q5_0": _read_q5_0,
     "Q8_0": _read_q8_0,
     "Q4_K": _read_q4_k,
+    "Q6_K": _read_q6_k,
 }
-_SUPER_BLOCK_TYPES = frozenset({"Q4_K"})
+_SUPER_BLOCK_TYPES = frozenset({"Q4_K", "Q6_K"})
 SUPPORTED_TYPES = tuple(_READERS)
 
 

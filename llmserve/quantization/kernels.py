@@ -125,7 +125,7 @@ class Int8GroupedPackedKernel(LinearKernel):
         grouped = weight.qweight.view(rows, -1, self.group_size).transpose(0, 1).contiguous()
         self.register_buffer("qweight", grouped)  # [groups, out, group_size]
         self.register_buffer("scales", weight.scales.t().to(dtype).contiguous())  # [groups, out]
-        ops = _small_batch_int8_ops(weight.qweight) if self.group_size == 32 else None
+        ops = _small_batch_int8_ops(weight.qweight) if self.group_size in (16, 32) else None
         self._small_batch = None if ops is None else ops.small_batch_linear_int8
         self._float_out = None if ops is None else ops.small_batch_linear_int8_float_out
         small_batch = (None, None)
@@ -258,7 +258,7 @@ class Float32SmallBatchKernel(DequantizeKernel):
             return False
         if isinstance(weight, Int4Weight):
             return weight.group_size % 32 == 0
-        return weight.group_size in (32, weight.shape[1])
+        return weight.group_size in (16, 32, weight.shape[1])
 
     def takes(self, rows: int, logits: bool = False) -> bool:
         """Whether `rows` float32 rows run on the compiled kernel, their input rounded (else F.linear):

@@ -291,13 +291,15 @@ def test_int4_matches_its_rounded_input_reference(rows, out_features, in_feature
 @pytest.mark.cpu_kernels("int8_linear")
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (45, 64)])
-def test_int8_with_a_scale_per_32_columns(rows, out_features, in_features):
-    """GGUF Q8_0's layout: the rounded input times codes scaled per (row, 32 columns)."""
-    gen = torch.Generator().manual_seed(rows * 3 + out_features)
+@pytest.mark.parametrize("group", [32, 16])
+def test_int8_with_a_scale_per_group_of_columns(rows, out_features, in_features, group):
+    """GGUF Q8_0's and Q5_0's layout (a scale per 32 columns) and Q6_K's (per 16): the rounded input
+    times codes scaled per (row, group)."""
+    gen = torch.Generator().manual_seed(rows * 3 + out_features + group)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     codes = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
-    scales = torch.rand(out_features, in_features // 32, generator=gen) * 0.01 + 1e-4
-    weight = (codes.double().view(out_features, -1, 32) * scales.double()[..., None]).view(
+    scales = torch.rand(out_features, in_features // group, generator=gen) * 0.01 + 1e-4
+    weight = (codes.double().view(out_features, -1, group) * scales.double()[..., None]).view(
         out_features, in_features
     )
     packed_scales = ops.small_batch_pack_int8_group_scales(scales)

@@ -89,6 +89,7 @@ def test_concat_rows_fuses_and_refuses_mixed_formats(weight):
     [
         (lambda w: quantize_int8(w), Int8PackedKernel),
         (lambda w: quantize_int8(w, 32), Int8GroupedPackedKernel),
+        (lambda w: quantize_int8(w, 16), Int8GroupedPackedKernel),  # GGUF Q6_K's groups
         (lambda w: quantize_int4(w, 32), Int4PackedKernel),
         (lambda w: quantize_int4(w, 64), Int4PackedKernel),
     ],
@@ -131,8 +132,13 @@ def test_int8_packed_kernel_takes_a_weight_at_an_unaligned_address(weight):
 
 @pytest.mark.parametrize(
     "make",
-    [lambda w: quantize_int8(w), lambda w: quantize_int8(w, 32), lambda w: quantize_int4(w, 32)],
-    ids=["int8", "int8-groups-of-32", "int4"],
+    [
+        lambda w: quantize_int8(w),
+        lambda w: quantize_int8(w, 32),
+        lambda w: quantize_int8(w, 16),
+        lambda w: quantize_int4(w, 32),
+    ],
+    ids=["int8", "int8-groups-of-32", "int8-groups-of-16", "int4"],
 )
 def test_float32_takes_the_small_batch_kernels_where_they_take_float32_else_dequantizes(weight, make):
     """float32 activations: more than 8 rows multiply by the dequantized weight (F.linear) either way;

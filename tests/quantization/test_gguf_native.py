@@ -47,11 +47,24 @@ def test_q4_k_super_blocks_equal_gguf_dequantize():
     assert torch.equal(weight.dequantize(), torch.from_numpy(reference))
 
 
-def test_a_file_of_q4_k_tensors_reads_in_hf_layout(tmp_path):
-    """A GGUF whose linear layers are Q4_K (q/k rows permuted as llama.cpp writes them): each is read
-    as int4 equal to the gguf package's dequantization of the file's tensor, rows put back in HF order."""
+def test_q6_k_super_blocks_equal_gguf_dequantize():
+    """Q6_K: sixteen sub-blocks of 16 per super-block become int8 codes q - 32 in groups of 16 (scale
+    d * sc), equal to the gguf package's dequantization bit for bit."""
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, (7, 3, 210), dtype=np.uint8)
+    blocks[..., 208:210] = rng.uniform(1e-4, 2e-3, (7, 3, 1)).astype(np.float16).view(np.uint8)
+    weight = gguf_native._READERS["Q6_K"](blocks)
+    assert isinstance(weight, Int8Weight) and weight.group_size == 16 and weight.shape == (7, 768)
+    reference = dequantize(blocks.reshape(7, -1), GGMLQuantizationType.Q6_K)
+    assert torch.equal(weight.dequantize(), torch.from_numpy(reference))
+
+
+def test_a_q4_k_m_style_file_reads_in_hf_layout(tmp_path):
+    """A GGUF mixing types as a Q4_K_M file does (Q4_K, with Q6_K for the v and down projections; q/k
+    rows permuted as llama.cpp writes them): each tensor is read natively, equal to the gguf package's
+    dequantization of the file's tensor, rows put back in HF order."""
     hidden, intermediate, heads, kv_heads = 256, 512, 4, 2
-    path = tmp_path / "q4k.gguf"
+    path = tmp_path / "q4_k_m.gguf"
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
     writer.add_context_length(128)
@@ -74,11 +87,18 @@ def test_a_file_of_q4_k_tensors_reads_in_hf_layout(tmp_path):
     }
     written = {}
     for short, (rows, cols) in shapes.items():
-        blocks = _random_q4_k_blocks(rng, rows, cols // 256)
-        written[f"blk.0.{short}.weight"] = blocks
-        writer.add_tensor(
-            f"blk.0.{short}.weight", blocks.reshape(rows, -1), raw_dtype=GGMLQuantizationType.Q4_K
-        )
+        if short in ("attn_v", "ffn_down"):
+            qtype, blocks = (
+                GGMLQuantizationType.Q6_K,
+                rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8),
+            )
+            blocks[..., 208:210] = (
+                rng.uniform(1e-4, 2e-3, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+            )
+        else:
+            qtype, blocks = GGMLQuantizationType.Q4_K, _random_q4_k_blocks(rng, rows, cols // 256)
+        written[f"blk.0.{short}.weight"] = (qtype, blocks)
+        writer.add_tensor(f"blk.0.{short}.weight", blocks.reshape(rows, -1), raw_dtype=qtype)
     writer.add_tensor("token_embd.weight", rng.standard_normal((97, hidden)).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(hidden, dtype=np.float32))
@@ -90,18 +110,19 @@ def test_a_file_of_q4_k_tensors_reads_in_hf_layout(tmp_path):
     arch = load_arch_config(str(path))
     weights = gguf_native.read_quantized_tensors(str(path), arch)
     assert len(weights) == len(shapes)
-    for gguf_name, blocks in written.items():
+    for gguf_name, (qtype, blocks) in written.items():
         name = hf_name(gguf_name)
         rows = blocks.shape[0]
-        reference = dequantize(blocks.reshape(rows, -1), GGMLQuantizationType.Q4_K)
+        reference = dequantize(blocks.reshape(rows, -1), qtype)
         reference = np.ascontiguousarray(_to_hf_layout(name, reference, arch, str(path)))
-        assert weights[name].group_size == 32
+        kind = (Int8Weight, 16) if qtype == GGMLQuantizationType.Q6_K else (Int4Weight, 32)
+        assert (type(weights[name]), weights[name].group_size) == kind, name
         assert torch.equal(weights[name].dequantize(), torch.from_numpy(reference)), name
     q_name = hf_name("blk.0.attn_q.weight")
     assert not torch.equal(  # the q rows really moved (so the layout check above can fail)
         weights[q_name].dequantize(),
         torch.from_numpy(
-            dequantize(written["blk.0.attn_q.weight"].reshape(hidden, -1), GGMLQuantizationType.Q4_K)
+            dequantize(written["blk.0.attn_q.weight"][1].reshape(hidden, -1), GGMLQuantizationType.Q4_K)
         ),
     )
 

@@ -1,6 +1,6 @@
 // Quantized linear layers at small batch (bfloat16 x [M, K], M <= 8; float32 x too on AVX2): int8 codes
 // Q [N, K] (|q| <= 127) with one float scale per output row (per-channel weight-only quantization:
-// `int8`), y = (x Q^T) * s, or per (row, 32 columns) (GGUF Q8_0);
+// `int8`), y = (x Q^T) * s, or per (row, 32 columns) (GGUF Q8_0, Q5_0) or (row, 16 columns) (Q6_K);
 // and int4 codes 0..15 in groups of G columns with a scale and an offset per (row, group) (`int4`,
 // AWQ, GPTQ, GGUF Q4_0/Q4_1), y = x W^T with W = q * scale + offset.
 //
@@ -72,12 +72,21 @@ inline int32_t four_codes(const int8_t* codes) {
 }
 
 // x rows -> int8 codes [M, K], a scale per (row, 32-column block) [M, K/32], and the sum of each
-// block's codes [M, K/32].
+// block's codes [M, K/32]; on AVX-512 also each block's two halves' sums [M, K/32, 2] (weights scaled
+// per 16 columns take the + 128 back out per half).
 struct QuantizedInput {
   std::vector<int8_t> codes;
   std::vector<float> scales;
   std::vector<int32_t> sums;
+  std::vector<int32_t> half_sums = {};
 };
+
+// Weight scales per 32 columns (GGUF Q8_0, Q5_0) or per 16 (Q6_K): how many parts of a 32-column
+// input block get their own weight scale, and the column quads of each part.
+template <int Group>
+constexpr int kParts = Group == 16 ? 2 : 1;
+template <int Group>
+constexpr int kQuadsPerPart = kInputBlock / 4 / kParts<Group>;
 
 #endif
 
@@ -92,7 +101,7 @@ inline __m512 load_params16(const c10::Half* p) {
 QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size) {
   const int64_t blocks = k_size / kInputBlock;
   QuantizedInput q{std::vector<int8_t>(m_size * k_size), std::vector<float>(m_size * blocks),
-                   std::vector<int32_t>(m_size * blocks)};
+                   std::vector<int32_t>(m_size * blocks), std::vector<int32_t>(m_size * blocks * 2)};
   for (int64_t m = 0; m < m_size; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const uint16_t* src = x + m * k_size + b * kInputBlock;
@@ -114,28 +123,31 @@ QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(low_codes));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(high_codes));
       q.scales[m * blocks + b] = scale;
-      q.sums[m * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(low_codes, high_codes));
+      q.half_sums[(m * blocks + b) * 2] = _mm512_reduce_add_epi32(low_codes);
+      q.half_sums[(m * blocks + b) * 2 + 1] = _mm512_reduce_add_epi32(high_codes);
+      q.sums[m * blocks + b] = q.half_sums[(m * blocks + b) * 2] + q.half_sums[(m * blocks + b) * 2 + 1];
     }
   }
   return q;
 }
 
 // Rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block; rows >= n_size are not written.
-// Scales: one per output row (`row_scales`, per-channel), or with Grouped one per (row, 32 columns)
-// (`group_scales`: the block's [K/32][32], GGUF Q8_0). `prefetch`: this pass streams the block in (later
-// passes over it read it from cache).
-template <int MC, bool Grouped, typename Out, typename Param>
+// Scales: one per output row (`row_scales`, per-channel, Group 0), or one per (row, Group columns)
+// (`group_scales`: the block's [K/Group][32]; GGUF Q8_0 and Q5_0: 32, Q6_K: 16). `prefetch`: this pass
+// streams the block in (later passes over it read it from cache).
+template <int MC, int Group, typename Out, typename Param>
 inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* row_scales,
                        const Param* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row,
                        bool prefetch) {
+  constexpr bool Grouped = Group != 0;
   const int64_t blocks = k_size / kInputBlock;
   __m512 acc[2][MC];
   for (int m = 0; m < MC; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) for (int part = 0; part < kParts<Group>; ++part) {
     __m512i sums[2][MC];
     for (int m = 0; m < MC; ++m) sums[0][m] = sums[1][m] = _mm512_setzero_si512();
     const uint8_t* weights = block + b * kInputBlock * kRows;  // 8 column quads x 32 rows x 4 bytes
-    for (int quad = 0; quad < kInputBlock / 4; ++quad) {
+    for (int quad = part * kQuadsPerPart<Group>; quad < (part + 1) * kQuadsPerPart<Group>; ++quad) {
       const uint8_t* lines = weights + quad * 4 * kRows;  // two cache lines: rows 0-15, rows 16-31
       if (prefetch) {
         _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes, _MM_HINT_T0);
@@ -152,11 +164,14 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
     }
     __m512 weight_scale[2] = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f)};
     if constexpr (Grouped) {
-      weight_scale[0] = load_params16(group_scales + b * kRows);
-      weight_scale[1] = load_params16(group_scales + b * kRows + 16);
+      const int64_t group = b * kParts<Group> + part;
+      weight_scale[0] = load_params16(group_scales + group * kRows);
+      weight_scale[1] = load_params16(group_scales + group * kRows + 16);
     }
     for (int m = 0; m < MC; ++m) {
-      const __m512i correction = _mm512_set1_epi32(128 * in.sums[(m0 + m) * blocks + b]);  // the + 128
+      const int32_t code_sum = kParts<Group> == 1 ? in.sums[(m0 + m) * blocks + b]
+                                                  : in.half_sums[((m0 + m) * blocks + b) * 2 + part];
+      const __m512i correction = _mm512_set1_epi32(128 * code_sum);  // the + 128
       const __m512 scale = _mm512_set1_ps(in.scales[(m0 + m) * blocks + b]);
       for (int t = 0; t < 2; ++t) {
         const __m512 block_scale = Grouped ? _mm512_mul_ps(scale, weight_scale[t]) : scale;
@@ -326,22 +341,23 @@ QuantizedInput quantize_input(const In* x, int64_t m_size, int64_t k_size) {
 
 // Rows [row, row + 32) of inputs [m0, m0 + MC) from one packed int8 block (the AVX-512 int8_block's
 // contract).
-template <int MC, bool Grouped, typename Out, typename Param>
+template <int MC, int Group, typename Out, typename Param>
 inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const float* row_scales,
                        const Param* group_scales, Out* out, int64_t k_size, int64_t n_size, int64_t row,
                        bool prefetch) {
+  constexpr bool Grouped = Group != 0;
   const int64_t blocks = k_size / kInputBlock;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   __m256 acc[4][MC];
   LLMSERVE_UNROLL for (int v = 0; v < 4; ++v)
     LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) acc[v][m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) for (int part = 0; part < kParts<Group>; ++part) {
     __m256i sums[4][MC];
     LLMSERVE_UNROLL for (int v = 0; v < 4; ++v)
       LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) sums[v][m] = _mm256_setzero_si256();
     const uint8_t* weights = block + b * kInputBlock * kRows;  // 8 column quads x 32 rows x 4 bytes
     const int8_t* codes = in.codes.data() + m0 * k_size + b * kInputBlock;
-    for (int quad = 0; quad < kInputBlock / 4; ++quad) {
+    for (int quad = part * kQuadsPerPart<Group>; quad < (part + 1) * kQuadsPerPart<Group>; ++quad) {
       const uint8_t* lines = weights + quad * 4 * kRows;  // two cache lines: rows 0-15, rows 16-31
       if (prefetch) {
         _mm_prefetch(reinterpret_cast<const char*>(lines) + kPrefetchBytes, _MM_HINT_T0);
@@ -364,7 +380,8 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
       const __m256 scale = _mm256_set1_ps(in.scales[(m0 + m) * blocks + b]);
       LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
         const __m256 block_scale =
-            Grouped ? _mm256_mul_ps(scale, load_params8(group_scales + b * kRows + 8 * v)) : scale;
+            Grouped ? _mm256_mul_ps(scale, load_params8(group_scales + (b * kParts<Group> + part) * kRows + 8 * v))
+                    : scale;
         acc[v][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[v][m]), block_scale, acc[v][m]);
       }
     }
@@ -445,11 +462,11 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
 
 // Inputs in passes of at most 4 rows (accumulators stay in registers) over each block of the level's
 // int8_block; the first pass streams the block's weights in, later ones re-read them from the L2 cache.
-// scales: float32 [N] per row, or (Grouped) the packed group scales in float32 or float16.
-template <bool Grouped, typename Out, typename Param = float>
+// scales: float32 [N] per row (Group 0), or the packed scales per Group columns in float32 or float16.
+template <int Group, typename Out, typename Param = float>
 void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const Param* scales,
                  Out* out, int64_t k_size, int64_t n_size) {
-  static_assert(Grouped || std::is_same_v<Param, float>, "row scales are float32");
+  static_assert(Group != 0 || std::is_same_v<Param, float>, "row scales are float32");
   const float* row_scales = reinterpret_cast<const float*>(scales);  // !Grouped only
   const int64_t blocks = (n_size + kRows - 1) / kRows;
   const int64_t block_bytes = kRows * k_size;
@@ -457,15 +474,15 @@ void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* block = packed + b * block_bytes;
-      const Param* group_scales = scales + b * kRows * (k_size / kInputBlock);  // Grouped only
+      const Param* group_scales = scales + b * kRows * (k_size / std::max(Group, 1));  // Group > 0 only
       const int64_t row = b * kRows;
       for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
         const bool first = m0 == 0;
         switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
-          case 1: int8_block<1, Grouped>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
-          case 2: int8_block<2, Grouped>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
-          case 3: int8_block<3, Grouped>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
-          default: int8_block<4, Grouped>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
+          case 1: int8_block<1, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
+          case 2: int8_block<2, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
+          case 3: int8_block<3, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
+          default: int8_block<4, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
         }
       }
     }
@@ -543,11 +560,11 @@ torch::Tensor half_if_exact(const torch::Tensor& values) {
 
 }  // namespace
 
-// scales [N, K / 32] float32 of int8 codes in groups of 32 columns (GGUF Q8_0) -> the layout
-// small_batch_linear_int8 reads them in: [N' / 32, K / 32, 32], zero rows padding N to N'; float16
-// where every scale is exact in it, else float32.
+// scales [N, K / G] float32 of int8 codes in groups of G = 32 (GGUF Q8_0, Q5_0) or 16 (Q6_K) columns
+// -> the layout small_batch_linear_int8 reads them in: [N' / 32, K / G, 32], zero rows padding N to N';
+// float16 where every scale is exact in it, else float32.
 torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales) {
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kFloat, "group scales must be float32 [N, K / 32]");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kFloat, "group scales must be float32 [N, K / G]");
   const int64_t n_size = scales.size(0), groups = scales.size(1);
   const int64_t padded = (n_size + kRows - 1) / kRows * kRows;
   auto rows = torch::zeros({padded, groups}, scales.options());
@@ -573,7 +590,8 @@ void check_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch
   const bool grouped = scales.dim() == 3;
   TORCH_CHECK((scales.scalar_type() == torch::kFloat || (grouped && scales.scalar_type() == torch::kHalf)) &&
                   scales.is_contiguous() &&
-                  (grouped ? scales.size(0) * kRows == packed.size(0) && scales.size(1) * kInputBlock == x.size(1) &&
+                  (grouped ? scales.size(0) * kRows == packed.size(0) &&
+                                 (scales.size(1) * kInputBlock == x.size(1) || scales.size(1) * 16 == x.size(1)) &&
                                  scales.size(2) == kRows
                            : scales.dim() == 1 && scales.size(0) == n_size),
               "scales must be float32 [N], or packed by small_batch_pack_int8_group_scales (float32 or float16)");
@@ -594,20 +612,26 @@ void run_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::
               int64_t n_size) {
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
   const auto input = quantized_rows(x);
-  if (scales.dim() == 3 && scales.scalar_type() == torch::kHalf)
-    int8_linear<true>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), out, x.size(1),
-                      n_size);
-  else if (scales.dim() == 3)
-    int8_linear<true>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out, x.size(1), n_size);
+  const uint8_t* codes = packed.data_ptr<uint8_t>();
+  const int64_t rows = x.size(0), k_size = x.size(1);
+  const bool half = scales.scalar_type() == torch::kHalf;
+  if (scales.dim() != 3)
+    int8_linear<0>(input, rows, codes, scales.data_ptr<float>(), out, k_size, n_size);
+  else if (scales.size(1) * 16 == k_size && half)
+    int8_linear<16>(input, rows, codes, scales.data_ptr<c10::Half>(), out, k_size, n_size);
+  else if (scales.size(1) * 16 == k_size)
+    int8_linear<16>(input, rows, codes, scales.data_ptr<float>(), out, k_size, n_size);
+  else if (half)
+    int8_linear<32>(input, rows, codes, scales.data_ptr<c10::Half>(), out, k_size, n_size);
   else
-    int8_linear<false>(input, x.size(0), packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out, x.size(1), n_size);
+    int8_linear<32>(input, rows, codes, scales.data_ptr<float>(), out, k_size, n_size);
 #endif
 }
 
 }  // namespace
 
 // x [M, K] bf16 (or float32 at the AVX2 level) with 1 <= M <= 8, packed from small_batch_pack_int8, and
-// scales: [N] float32 per row, or from small_batch_pack_int8_group_scales for groups of 32 columns.
+// scales: [N] float32 per row, or from small_batch_pack_int8_group_scales for groups of 32 or 16 columns.
 // Returns [M, N] in x's dtype: x' W^T with W the scaled codes, x' being x rounded to 8 bits per 32-column
 // block.
 torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features) {
