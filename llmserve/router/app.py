@@ -159,6 +159,20 @@ async def forward(raw_request: Request) -> Response:
         return error_response(error.message, 503)
 
 
+@routes.post("/v1/load_lora_adapter")
+@routes.post("/v1/unload_lora_adapter")
+async def broadcast(raw_request: Request) -> Response:
+    """Run-time LoRA loading and unloading reach every replica (vLLM's routes, api_server.py)."""
+    state = _state(raw_request)
+    body = await raw_request.body()
+    if len(body) > MAX_BODY_BYTES:
+        return error_response(f"the request body exceeds {MAX_BODY_BYTES} bytes", 413)
+    try:
+        return await state.proxy.broadcast(raw_request.url.path, body, state.upstream_headers(raw_request))
+    except NoReplicaError as error:
+        return error_response(error.message, 503)
+
+
 @routes.get("/v1/models")
 async def list_models(raw_request: Request) -> Response:
     state = _state(raw_request)

@@ -15,6 +15,7 @@ API key, and tokens stream through as the replica sends them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -79,6 +80,27 @@ class Proxy:
             finally:
                 if not streaming:
                     replica.in_flight -= 1
+
+    async def broadcast(self, path: str, body: bytes, headers: dict[str, str]) -> Response:
+        """POST to every replica (run-time LoRA loading: a request naming the adapter may go to any):
+        the first replica's answer when all succeed, else the first failure's. An unreachable replica
+        is marked down and raises NoReplicaError naming it (the others have the change; a retry
+        repeats it)."""
+
+        async def send(replica: Replica) -> httpx.Response | str:
+            try:
+                return await self.client.post(f"{replica.url}{path}", content=body, headers=headers)
+            except httpx.TransportError as error:
+                replica.mark_failed(_describe(error))
+                return f"replica {replica.url} could not be reached: {_describe(error)}"
+
+        answers = await asyncio.gather(*(send(replica) for replica in self.replicas))
+        unreachable = [answer for answer in answers if isinstance(answer, str)]
+        if unreachable:
+            raise NoReplicaError("; ".join(unreachable))
+        failed = [answer for answer in answers if answer.status_code >= 400]
+        answer = failed[0] if failed else answers[0]
+        return Response(answer.content, answer.status_code, media_type=answer.headers.get("content-type"))
 
     async def _attempt(
         self, replica: Replica, path: str, body: bytes, headers: dict[str, str], stream: bool, last_try: bool

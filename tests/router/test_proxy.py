@@ -105,3 +105,39 @@ def test_no_replica_left_is_an_error_naming_the_last_failure():
     message, _, calls = run({"r0": "refuse", "r1": "refuse"})
     assert calls == ["r0", "r1"]
     assert message.startswith("no replica could serve the request: http://r1: connection refused")
+
+
+def test_a_broadcast_reaches_every_replica_and_answers_with_the_first_failure():
+    """Run-time LoRA loading: every replica gets the POST; all succeed -> the first answer; a refusal
+    -> that refusal; an unreachable replica -> NoReplicaError naming it, marked down."""
+
+    def broadcast(answers: dict[str, object]):
+        calls: list[tuple[str, bytes]] = []
+
+        def handle(request: httpx.Request) -> httpx.Response:
+            calls.append((request.url.host, request.content))
+            answer = answers[request.url.host]
+            if answer == "refuse":
+                raise httpx.ConnectError("connection refused")
+            return httpx.Response(answer[0], content=answer[1], headers={"content-type": "text/plain"})
+
+        async def send():
+            replicas = [Replica(f"http://r{i}", INFO) for i in range(2)]
+            client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+            proxy = Proxy(client, replicas, RoutingPolicy(PrefixIndex([r.url for r in replicas]), 4))
+            try:
+                response = await proxy.broadcast("/v1/load_lora_adapter", b'{"lora_name": "a"}', {})
+            except NoReplicaError as error:
+                return error.message, replicas, calls
+            return (response.status_code, response.body), replicas, calls
+
+        return asyncio.run(send())
+
+    result, _, calls = broadcast({"r0": (200, b"Success"), "r1": (200, b"Success")})
+    assert result == (200, b"Success")
+    assert sorted(calls) == [("r0", b'{"lora_name": "a"}'), ("r1", b'{"lora_name": "a"}')]
+    result, _, _ = broadcast({"r0": (200, b"Success"), "r1": (400, b'{"error": "bad path"}')})
+    assert result == (400, b'{"error": "bad path"}')
+    message, replicas, calls = broadcast({"r0": (200, b"Success"), "r1": "refuse"})
+    assert "http://r1" in message and not replicas[1].healthy and replicas[0].healthy
+    assert len(calls) == 2
