@@ -47,6 +47,7 @@ class FailingEngine:
         self.gauges = EngineGauges()
         self.health = EngineHealth()
         self.queued_prompt_tokens = 0
+        self.lora = types.SimpleNamespace(names=(), adapters={})  # no LoRA adapters (AsyncLLM.lora)
 
     def has_request(self, request_id: str) -> bool:
         return False
