@@ -126,6 +126,7 @@ class AsyncLLM:
             self.engine_core.kill()
             raise
         self.config: EngineConfig = ready.config
+        self.memory = ready.memory  # the loaded model's (worker/memory_report.py), for /server_info
         self.lora = LoRACommands(self.config.lora, self.engine_core.send)  # adapters loaded at run time
         if ready.main_cpu is not None:  # before the threads below start: they inherit it
             keep_process_off(ready.main_cpu)
@@ -138,6 +139,7 @@ class AsyncLLM:
         """A new engine is ready: its warm-up's steps are the first speeds (health) and the wait
         predictor's prior (the warm-up listeners); none without a warm-up."""
         steps = ready.warmup_steps
+        self.memory = ready.memory  # a restarted engine measured its own
         self.lora.replay()  # a restarted engine: the adapters loaded at run time, again
         self.health.on_warmed_up(steps)
         with self._warmup_lock:

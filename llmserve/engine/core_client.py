@@ -29,6 +29,7 @@ from llmserve.engine.messages import EngineLoadFailed, EngineMessage, EngineWarm
 from llmserve.engine.supervision import RestartBudget, RestartPolicy
 from llmserve.metrics.stats import StepStats
 from llmserve.worker.cpu_binding import keep_process_off
+from llmserve.worker.memory_report import MemoryReport
 
 logger = logging.getLogger("llmserve")
 
@@ -51,11 +52,13 @@ class EngineLaunch:
 
 @dataclass(frozen=True)
 class EngineReady:
-    """A loaded, warmed-up engine process: its config, its main thread's CPU, its warm-up's steps."""
+    """A loaded, warmed-up engine process: its config, its main thread's CPU, its warm-up's steps,
+    and what its model holds in memory (None from an engine that does not measure it)."""
 
     config: EngineConfig
     main_cpu: int | None
     warmup_steps: list[StepStats]
+    memory: MemoryReport | None = None
 
 
 class EngineEvents(Protocol):
@@ -163,7 +166,7 @@ class EngineCoreClient:
         if isinstance(message, EngineLoadFailed):
             self._process.join()
             raise message.error  # bad model or flags: the caller reports it, as in one process
-        return EngineReady(message.config, message.main_cpu, message.warmup_steps)
+        return EngineReady(message.config, message.main_cpu, message.warmup_steps, message.memory)
 
     def start_threads(self) -> None:
         """The sender and reader of the current engine process (each bound to its own pipe)."""

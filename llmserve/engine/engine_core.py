@@ -93,7 +93,8 @@ def run_engine_core(
     if warmup:  # on the bound threads, so the warm-up is what the first requests find
         outputs.send(EngineWarming())
         steps = warm_up(engine)
-    outputs.send(EngineReady(engine.config, main_cpu, steps))
+    # a test's stand-in engine measures nothing
+    outputs.send(EngineReady(engine.config, main_cpu, steps, getattr(engine, "memory", None)))
     try:
         EngineCore(engine, commands, outputs).run()
     finally:

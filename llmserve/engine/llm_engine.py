@@ -44,6 +44,7 @@ from llmserve.spec_decode.target_vocabulary import TargetVocabulary
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.worker.executor import TensorParallelExecutor
 from llmserve.worker.gpu_memory import profile_device_memory
+from llmserve.worker.memory_report import log_memory_report, measure_memory
 from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput, allocate_kv_pool_early
 from llmserve.worker.pipeline_stage import PipelineDriver
 
@@ -129,6 +130,9 @@ class LLMEngine:
         torch.manual_seed(self.config.model.seed)
         self.startup_seconds = time.monotonic() - start
         log_startup(self.config, self.startup_seconds, self.kv_cache_manager.max_blocks_per_sequence)
+        # the packed model (rank 0's shard), its KV pool left out; sent on to /server_info
+        self.memory = measure_memory(model, path, (self.model_runner.kv_cache,))
+        log_memory_report(self.memory, path)
 
     def _load_model_runner(
         self, path: str, resolve_config: Callable[[DeviceMemory], EngineConfig]

@@ -84,6 +84,7 @@ class EngineReady(_Message):
     config: Any  # EngineConfig
     main_cpu: int | None  # the CPU the engine's main thread is pinned to, if any
     warmup_steps: list[StepStats]  # the warm-up's measured steps (engine/warmup.py); none without it
+    memory: Any = None  # MemoryReport (worker/memory_report.py): the loaded model's, for /server_info
 
 
 class EngineWarming(_Message):

@@ -238,9 +238,11 @@ async def health(raw_request: Request) -> Response:
 
 @router.get("/server_info")
 async def get_server_info(raw_request: Request) -> Response:
-    """Block size, hash scheme, tokenizer and KV-events endpoints, for a router (server_info.py)."""
+    """Block size, hash scheme, tokenizer and KV-events endpoints, for a router, and the model's
+    memory (server_info.py)."""
     ctx = _state(raw_request).ctx
-    return json_response(server_info(ctx.served_model_name, ctx.engine.config, ctx.engine.tokenizer))
+    engine = ctx.engine
+    return json_response(server_info(ctx.served_model_name, engine.config, engine.tokenizer, engine.memory))
 
 
 @router.get("/metrics")

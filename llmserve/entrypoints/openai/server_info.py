@@ -7,6 +7,7 @@ ids of a fixed text, chat markup included), and it learns where the replica publ
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 from pydantic import BaseModel
@@ -33,6 +34,11 @@ class ServerInfo(BaseModel):
     prefix_caching: bool
     tokenizer_fingerprint: str
     kv_events: KVEventsEndpoints | None  # None: this replica publishes no KV events
+    # what the loaded model holds (worker/memory_report.py; rank 0's under tensor parallelism); None:
+    # unknown. Defaults keep an older replica's answer valid; the router checks none of them.
+    weights_memory_bytes: int | None = None
+    weights_file_bytes: int | None = None
+    engine_resident_bytes: int | None = None
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
@@ -40,9 +46,10 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
-def server_info(served_model_name: str, config, tokenizer: Tokenizer) -> ServerInfo:
-    """`config`: the replica's EngineConfig."""
+def server_info(served_model_name: str, config, tokenizer: Tokenizer, memory=None) -> ServerInfo:
+    """`config`: the replica's EngineConfig; `memory`: its engine's MemoryReport, if it measured one."""
     events = config.cache.kv_events
+    sizes = {} if memory is None else dataclasses.asdict(memory)
     return ServerInfo(
         model=served_model_name,
         max_model_len=config.model.max_model_len,
@@ -55,4 +62,5 @@ def server_info(served_model_name: str, config, tokenizer: Tokenizer) -> ServerI
         else KVEventsEndpoints(
             endpoint=events.endpoint, replay_endpoint=events.replay_endpoint, topic=events.topic
         ),
+        **sizes,
     )
