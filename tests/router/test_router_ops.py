@@ -184,6 +184,9 @@ def test_the_playground_and_dashboard_work_behind_the_router(router, replica):
     info = httpx.get(f"{router.base_url}/server_info", timeout=10).json()
     own = httpx.get(f"{replica.base_url}/server_info", timeout=10).json()
     assert info == {**own, "kv_events": None}  # a router publishes no KV events
+    # the replica's engine measured its model (worker/memory_report.py), passed through the router
+    assert own["weights_memory_bytes"] > 0 and own["weights_file_bytes"] > 0
+    assert own["engine_resident_bytes"] is None or own["engine_resident_bytes"] > own["weights_memory_bytes"]
     config = httpx.get(f"{router.base_url}/playground/config", timeout=10).json()
     assert config == {"api_key_required": True}
     models = httpx.get(f"{router.base_url}/v1/models", headers=AUTH, timeout=10).json()
