@@ -154,6 +154,7 @@ def test_the_engine_process_says_warming_before_ready_unless_told_not_to(tiny_mo
             assert isinstance(first, EngineWarming)
             first = outputs.recv()
         assert isinstance(first, EngineReady)
+        assert first.memory.weights_memory_bytes > 0  # the loaded model's, measured in the engine process
         commands.send([Shutdown()])
         process.join(60)
         assert process.exitcode == 0
