@@ -224,30 +224,34 @@ def _small_batch_int8_ops(codes: torch.Tensor, dtype: torch.dtype = torch.bfloat
     return ops
 
 
-class Float32SmallBatchKernel(DequantizeKernel):
+class Float32SmallBatchKernel(LinearKernel):
     """float32 activations where this build's small-batch int8/int4 kernels take them (AVX2): up to 8
     rows (decode, verification) the compiled kernel on its packed copy, the input rounded to 8 bits
-    per 32 columns as with bf16; more rows (a prefill) dequantize on the fly and run float32's GEMM.
-    The kernel multiplies by the weight's own float32 scales (and offsets), as `dequantize` does."""
+    per 32 columns as with bf16; more rows (a prefill) rebuild the float32 weight from that packed
+    copy, the layer's only one (`small_batch_dequantize_*`: W = q * scale (+ offset), as the weight's
+    own `dequantize`), and run float32's GEMM."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
-        super().__init__(weight, dtype)
+        super().__init__()
+        self.kind, self.group_size = weight.kind, weight.group_size
         ops = _small_batch_int8_ops(weight.qweight, torch.float32)
         codes = weight.qweight.contiguous()
         self._float_out = None
         if isinstance(weight, Int4Weight):
             self._small_batch = ops.small_batch_linear_int4
-            packed, scales = ops.small_batch_pack_int4(codes, self.scales, self.offsets)
+            self._unpack = ops.small_batch_dequantize_int4
+            packed, scales = ops.small_batch_pack_int4(codes, weight.scales.float(), weight.offsets.float())
         else:
             self._small_batch = ops.small_batch_linear_int8
+            self._unpack = ops.small_batch_dequantize_int8
             self._float_out = ops.small_batch_linear_int8_float_out  # float32 x: both write float32
             packed = ops.small_batch_pack_int8(codes)
             if weight.group_size == weight.shape[1]:  # per channel
-                scales = self.scales[:, 0].contiguous()
+                scales = weight.scales[:, 0].float().contiguous()
             else:
-                scales = ops.small_batch_pack_int8_group_scales(self.scales)
+                scales = ops.small_batch_pack_int8_group_scales(weight.scales.float().contiguous())
         self.register_buffer("small_batch_qweight", packed)
-        self.register_buffer("small_batch_scales", scales)  # [N], per 32 columns packed, or int4's params
+        self.register_buffer("small_batch_scales", scales)  # [N], per 16/32 columns packed, or int4's params
         self.out_features = weight.shape[0]
 
     @staticmethod
@@ -265,10 +269,13 @@ class Float32SmallBatchKernel(DequantizeKernel):
         up to 8 rows, and an int8 output projection's at any row count."""
         return rows <= SMALL_BATCH_MAX_ROWS or (logits and self._float_out is not None)
 
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._unpack(self.small_batch_qweight, self.small_batch_scales, self.out_features).to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if x.dtype != torch.float32 or not self.takes(flat.shape[0]):
-            return super().forward(x)
+            return F.linear(x, self.dequantize(x.dtype))
         out = self._small_batch(
             flat.contiguous(), self.small_batch_qweight, self.small_batch_scales, self.out_features
         )

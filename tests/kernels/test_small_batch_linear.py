@@ -16,6 +16,7 @@ from llmserve.kernels.small_batch_linear import (
     use_small_batch_linear,
 )
 from llmserve.models.layers.lm_head import LMHead
+from llmserve.quantization.formats import Int4Weight, Int8Weight
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.cpu_kernels("bf16_linear")
@@ -453,3 +454,41 @@ def test_scales_exact_in_float16_are_packed_as_float16_with_the_same_outputs(row
     assert ops.small_batch_pack_int4(nibbles, inexact, int4_offsets)[1].dtype == torch.float32
     tiny = torch.full((70, 18), 1e-9)  # a float16 subnormal: not exact
     assert ops.small_batch_pack_int8_group_scales(tiny).dtype == torch.float32
+
+
+@pytest.mark.cpu_kernels("int8_linear")
+@pytest.mark.parametrize(
+    ("kind", "group", "out_features"),
+    [("int4", 32, 70), ("int4", 64, 64), ("int8", 32, 50), ("int8", 16, 45), ("int8", None, 33)],
+)
+def test_packed_weights_read_back_as_the_weights_they_hold(kind, group, out_features):
+    """small_batch_dequantize_*: the float32 W of a packed weight (padded rows dropped), equal to the
+    formats' own dequantization (q * scale + offset, two roundings), with float16 or float32 scales
+    (int8 group None: one float32 scale per row)."""
+    gen = torch.Generator().manual_seed(out_features)
+    cols = 192
+    if kind == "int4":
+        nibbles = torch.randint(0, 16, (out_features, cols), generator=gen, dtype=torch.uint8)
+        for half in (False, True):
+            scales = torch.rand(out_features, cols // group, generator=gen) * 0.02 + 1e-3
+            offsets = -8 * scales + torch.randn(out_features, cols // group, generator=gen) * 1e-3
+            if half:
+                scales, offsets = scales.half().float(), offsets.half().float()
+            packed, params = ops.small_batch_pack_int4(nibbles, scales, offsets)
+            assert (params.dtype == torch.float16) == half
+            expected = Int4Weight(nibbles, scales, offsets, group).dequantize()
+            assert torch.equal(ops.small_batch_dequantize_int4(packed, params, out_features), expected)
+        return
+    codes = torch.randint(-127, 128, (out_features, cols), generator=gen, dtype=torch.int8)
+    packed = ops.small_batch_pack_int8(codes)
+    if group is None:
+        scales = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
+        expected = Int8Weight(codes, scales[:, None], cols).dequantize()
+        assert torch.equal(ops.small_batch_dequantize_int8(packed, scales, out_features), expected)
+        return
+    scales = (torch.rand(out_features, cols // group, generator=gen) * 0.01 + 1e-4).half().float()
+    packed_scales = ops.small_batch_pack_int8_group_scales(scales)
+    assert packed_scales.dtype == torch.float16
+    expected = Int8Weight(codes, scales, group).dequantize()
+    assert torch.equal(ops.small_batch_dequantize_int8(packed, packed_scales, out_features), expected)
+    assert torch.equal(ops.small_batch_dequantize_int8(packed, packed_scales.float(), out_features), expected)

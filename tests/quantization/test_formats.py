@@ -155,6 +155,9 @@ def test_float32_takes_the_small_batch_kernels_where_they_take_float32_else_dequ
         torch.testing.assert_close(kernel(x[:3]), expected[:3])
         return
     assert type(kernel) is Float32SmallBatchKernel
+    # its packed copy is its only one; more rows multiply by the weight rebuilt from it, exactly
+    assert {name for name, _ in kernel.named_buffers()} == {"small_batch_qweight", "small_batch_scales"}
+    assert torch.equal(kernel.dequantize(torch.float32), q.dequantize())
     few = kernel(x[:5])
     assert few.dtype == torch.float32
     step = x[:5].view(5, -1, 32).abs().amax(dim=-1, keepdim=True).expand(5, 4, 32).reshape(5, 128) / 127

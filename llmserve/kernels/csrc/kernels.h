@@ -45,6 +45,8 @@ torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor p
 bool small_batch_linear_int8_supported(at::ScalarType input = at::kBFloat16);  // for inputs of this dtype
 std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets);
 torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features);
+torch::Tensor small_batch_dequantize_int4(torch::Tensor packed, torch::Tensor params, int64_t out_features);
+torch::Tensor small_batch_dequantize_int8(torch::Tensor packed, torch::Tensor scales, int64_t out_features);
 
 // decode_stack.cpp: x W^T through the small-batch kernel for W's packed format and x's dtype: uint8 W ->
 // small_batch_linear_int8 (scales [N] or [blocks, groups, 32]) or small_batch_linear_int4 (4-D params), for

@@ -720,3 +720,105 @@ torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, tor
 #endif
   return out;
 }
+
+// ---- the packed layouts read back as float32 weights --------------------------------------------
+// A quantized layer keeps only its packed copy: batches above the small-batch kernels' rows multiply
+// by the float weight rebuilt from it, one pass over the codes. Products and sums stay two roundings
+// (no fused multiply-add), as Int8Weight/Int4Weight.dequantize compute them, so the weights are equal.
+
+namespace {
+
+template <typename Param>
+__attribute__((optimize("fp-contract=off"))) void dequantize_int4_blocks(const uint8_t* packed, const Param* params,
+                                                                        float* out, int64_t n_size, int64_t k_size,
+                                                                        int64_t groups) {
+  const int64_t blocks = (n_size + kRows - 1) / kRows, group_size = k_size / groups;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = packed + b * kRows * k_size / 2;
+      const Param* block_params = params + b * groups * 2 * kRows;
+      const int64_t rows = std::min<int64_t>(kRows, n_size - b * kRows);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* dst = out + (b * kRows + r) * k_size;
+        for (int64_t chunk = 0; chunk < k_size / 8; ++chunk) {
+          const uint8_t* bytes = block + (chunk * kRows + r) * 4;  // columns 8 chunk.. (low), +4.. (high)
+          const int64_t g = chunk * 8 / group_size;
+          const float scale = static_cast<float>(block_params[g * 2 * kRows + r]);
+          const float offset = static_cast<float>(block_params[g * 2 * kRows + kRows + r]);
+          for (int j = 0; j < 4; ++j) {
+            const float low = static_cast<float>(bytes[j] & 0x0F) * scale;
+            const float high = static_cast<float>(bytes[j] >> 4) * scale;
+            dst[chunk * 8 + j] = low + offset;
+            dst[chunk * 8 + 4 + j] = high + offset;
+          }
+        }
+      }
+    }
+  });
+}
+
+template <typename Param>
+void dequantize_int8_blocks(const uint8_t* packed, const Param* scales, float* out, int64_t n_size, int64_t k_size,
+                            int64_t groups) {
+  const int64_t blocks = (n_size + kRows - 1) / kRows;
+  const int64_t group_size = groups ? k_size / groups : k_size;  // groups 0: one float32 scale per row
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = packed + b * kRows * k_size;
+      const int64_t rows = std::min<int64_t>(kRows, n_size - b * kRows);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* dst = out + (b * kRows + r) * k_size;
+        for (int64_t quad = 0; quad < k_size / 4; ++quad) {
+          const uint8_t* bytes = block + (quad * kRows + r) * 4;
+          const float scale =
+              groups ? static_cast<float>(scales[(b * groups + quad * 4 / group_size) * kRows + r])
+                     : static_cast<float>(scales[b * kRows + r]);
+          for (int j = 0; j < 4; ++j) dst[quad * 4 + j] = static_cast<float>(int{bytes[j]} - 128) * scale;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// (packed, params) from small_batch_pack_int4 for out_features rows -> the float32 W [N, K] that
+// small_batch_linear_int4 multiplies by: q * scale + offset per group.
+torch::Tensor small_batch_dequantize_int4(torch::Tensor packed, torch::Tensor params, int64_t out_features) {
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(0) == (out_features + kRows - 1) / kRows * kRows && params.dim() == 4 &&
+                  params.is_contiguous() && params.size(0) * kRows == packed.size(0) && params.size(2) == 2 &&
+                  (params.scalar_type() == torch::kFloat || params.scalar_type() == torch::kHalf),
+              "small_batch_dequantize_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
+  const int64_t k_size = packed.size(1) * 2, groups = params.size(1);
+  auto out = torch::empty({out_features, k_size}, packed.options().dtype(torch::kFloat));
+  if (params.scalar_type() == torch::kHalf)
+    dequantize_int4_blocks(packed.data_ptr<uint8_t>(), params.data_ptr<c10::Half>(), out.data_ptr<float>(),
+                           out_features, k_size, groups);
+  else
+    dequantize_int4_blocks(packed.data_ptr<uint8_t>(), params.data_ptr<float>(), out.data_ptr<float>(), out_features,
+                           k_size, groups);
+  return out;
+}
+
+// packed from small_batch_pack_int8 with its scales ([N] float32 per row, or packed per 32 or 16
+// columns) -> the float32 W [N, K] that small_batch_linear_int8 multiplies by: q * scale.
+torch::Tensor small_batch_dequantize_int8(torch::Tensor packed, torch::Tensor scales, int64_t out_features) {
+  const bool grouped = scales.dim() == 3;
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(0) == (out_features + kRows - 1) / kRows * kRows && scales.is_contiguous() &&
+                  (grouped ? scales.size(0) * kRows == packed.size(0) && scales.size(2) == kRows &&
+                                 (scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf)
+                           : scales.dim() == 1 && scales.size(0) == out_features &&
+                                 scales.scalar_type() == torch::kFloat),
+              "small_batch_dequantize_int8 takes weights packed by small_batch_pack_int8 and their scales");
+  const int64_t k_size = packed.size(1), groups = grouped ? scales.size(1) : 0;
+  auto out = torch::empty({out_features, k_size}, packed.options().dtype(torch::kFloat));
+  if (grouped && scales.scalar_type() == torch::kHalf)
+    dequantize_int8_blocks(packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), out.data_ptr<float>(),
+                           out_features, k_size, groups);
+  else
+    dequantize_int8_blocks(packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out.data_ptr<float>(), out_features,
+                           k_size, groups);
+  return out;
+}

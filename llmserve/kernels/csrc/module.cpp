@@ -42,6 +42,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_batch_pack_int4", &small_batch_pack_int4, "int4 codes, scales, offsets in the layout small_batch_linear_int4 reads");
   m.def("small_batch_linear_int4", &small_batch_linear_int4,
         "x W^T for 1-8 bfloat16 rows, float32 too on AVX2, W int4 in groups (8-bit inputs per 32 columns)");
+  m.def("small_batch_dequantize_int4", &small_batch_dequantize_int4,
+        "The float32 W [N, K] of an int4 weight packed by small_batch_pack_int4 (its one copy)");
+  m.def("small_batch_dequantize_int8", &small_batch_dequantize_int8,
+        "The float32 W [N, K] of an int8 weight packed by small_batch_pack_int8 with its scales");
   m.def("small_batch_linear_int8_supported", &small_batch_linear_int8_supported,
         "Whether the int8 and int4 small-batch kernels were compiled in for inputs of this dtype",
         py::arg("input_dtype") = at::kBFloat16);
