@@ -728,32 +728,38 @@ torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, tor
 
 namespace {
 
+// One 32-row block's rows (its own function: the attribute does not reach into a lambda).
 template <typename Param>
-__attribute__((optimize("fp-contract=off"))) void dequantize_int4_blocks(const uint8_t* packed, const Param* params,
-                                                                        float* out, int64_t n_size, int64_t k_size,
-                                                                        int64_t groups) {
-  const int64_t blocks = (n_size + kRows - 1) / kRows, group_size = k_size / groups;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* block = packed + b * kRows * k_size / 2;
-      const Param* block_params = params + b * groups * 2 * kRows;
-      const int64_t rows = std::min<int64_t>(kRows, n_size - b * kRows);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* dst = out + (b * kRows + r) * k_size;
-        for (int64_t chunk = 0; chunk < k_size / 8; ++chunk) {
-          const uint8_t* bytes = block + (chunk * kRows + r) * 4;  // columns 8 chunk.. (low), +4.. (high)
-          const int64_t g = chunk * 8 / group_size;
-          const float scale = static_cast<float>(block_params[g * 2 * kRows + r]);
-          const float offset = static_cast<float>(block_params[g * 2 * kRows + kRows + r]);
-          for (int j = 0; j < 4; ++j) {
-            const float low = static_cast<float>(bytes[j] & 0x0F) * scale;
-            const float high = static_cast<float>(bytes[j] >> 4) * scale;
-            dst[chunk * 8 + j] = low + offset;
-            dst[chunk * 8 + 4 + j] = high + offset;
-          }
-        }
+__attribute__((optimize("fp-contract=off"))) void dequantize_int4_block(const uint8_t* block,
+                                                                       const Param* block_params, float* out,
+                                                                       int64_t rows, int64_t k_size,
+                                                                       int64_t group_size) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out + r * k_size;
+    for (int64_t chunk = 0; chunk < k_size / 8; ++chunk) {
+      const uint8_t* bytes = block + (chunk * kRows + r) * 4;  // columns 8 chunk.. (low), +4.. (high)
+      const int64_t g = chunk * 8 / group_size;
+      const float scale = static_cast<float>(block_params[g * 2 * kRows + r]);
+      const float offset = static_cast<float>(block_params[g * 2 * kRows + kRows + r]);
+      for (int j = 0; j < 4; ++j) {
+        const float low = static_cast<float>(bytes[j] & 0x0F) * scale;
+        const float high = static_cast<float>(bytes[j] >> 4) * scale;
+        dst[chunk * 8 + j] = low + offset;
+        dst[chunk * 8 + 4 + j] = high + offset;
       }
     }
+  }
+}
+
+template <typename Param>
+void dequantize_int4_blocks(const uint8_t* packed, const Param* params, float* out, int64_t n_size, int64_t k_size,
+                            int64_t groups) {
+  const int64_t blocks = (n_size + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      dequantize_int4_block(packed + b * kRows * k_size / 2, params + b * groups * 2 * kRows,
+                            out + b * kRows * k_size, std::min<int64_t>(kRows, n_size - b * kRows), k_size,
+                            k_size / groups);
   });
 }
 
