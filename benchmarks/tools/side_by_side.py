@@ -1,7 +1,8 @@
 """Side by side through HTTP with a peer server (vLLM-CPU, llama.cpp), one system at a time.
 
     python -m benchmarks.tools.side_by_side TAG [--workload bench_results/mixed-100.jsonl] \
-        [--peer-command "vllm serve ..." --peer-url http://127.0.0.1:8092 --peer-model smollm2] [--dry-run]
+        [--peer-command "vllm serve ..." --peer-url http://127.0.0.1:8092 --peer-model smollm2] \
+        [--engine-args "--model FILE --quantization gguf"] [--dry-run]
 
 In order: the offline engine on the workload (`llmserve bench throughput --naive-batch-sizes none`);
 a fresh `llmserve serve` swept at rates 2, 4, inf (`--rates`); a fresh server at rate inf (left out
@@ -56,12 +57,13 @@ def plan(args: argparse.Namespace) -> list[Step]:
     """The steps in the order they run."""
     llmserve = [llmserve_command()]
     ours_url = f"http://127.0.0.1:{args.port}"
-    ours_server = [*llmserve, "serve", "--port", str(args.port)]
+    engine = shlex.split(args.engine_args)  # ours, offline and served alike
+    ours_server = [*llmserve, "serve", "--port", str(args.port), *engine]
 
     def offline(index: int) -> Step:
         output = args.results / f"offline-{args.tag}-{index}.json"
         bench = ["bench", "throughput", "--workload", str(args.workload), "--naive-batch-sizes", "none"]
-        return Step(f"offline-{index}", [*llmserve, *bench, "--output", str(output)])
+        return Step(f"offline-{index}", [*llmserve, *bench, *engine, "--output", str(output)])
 
     def serve(name: str, server: list[str] | None, url: str, rates: str, model: str | None = None) -> Step:
         bench = [
@@ -151,6 +153,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer-model", default=None, help="model name to request from the peer")
     parser.add_argument("--health-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument("--rates", default=RATES_SWEEP, help="the sweep's request rates (inf: all at once)")
+    parser.add_argument("--engine-args", default="", help="flags for our serve and offline runs (one string)")
     parser.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
     return parser.parse_args(argv)
 

@@ -105,6 +105,12 @@ def test_side_by_side_times_each_system_alone_in_order(tmp_path):
     all_at_once = side_by_side.plan(side_by_side.parse_args(["t4", "--rates", "inf", "--peer-command", "x"]))
     assert [step.name for step in all_at_once] == ["offline-1", "sweep", "peer", "inf2", "offline-2"]
     assert all(step.bench[step.bench.index("--sweep") + 1] == "inf" for step in all_at_once[1:4])
+    engine = ["--engine-args", "--model m.gguf --quantization gguf", "--peer-command", "x"]
+    flagged = side_by_side.plan(side_by_side.parse_args(["t5", *engine]))
+    flags = ["--model", "m.gguf", "--quantization", "gguf"]
+    for step in flagged:  # ours, offline and served, run the model the flags name; the peer does not
+        command = step.bench if step.server is None else step.server
+        assert (command[-6:-2] if step.server is None else command[-4:]) == flags or step.name == "peer"
 
 
 def test_side_by_side_dry_run_prints_the_steps(capsys):
