@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -141,34 +141,40 @@ def _state(raw_request: Request) -> RouterState:
 @routes.post("/tokenize")
 @routes.post("/detokenize")
 async def forward(raw_request: Request) -> Response:
-    state = _state(raw_request)
-    body = await raw_request.body()
-    if len(body) > MAX_BODY_BYTES:
-        return error_response(f"the request body exceeds {MAX_BODY_BYTES} bytes", 413)
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        parsed = None  # the replica answers with the precise 400
-    path = raw_request.url.path
-    hashes = await asyncio.to_thread(state.hasher.hashes, path, parsed)
-    stream = isinstance(parsed, dict) and parsed.get("stream") is True
-    headers = state.upstream_headers(raw_request)
-    try:
-        return await state.proxy.forward(path, body, headers, hashes, stream)
-    except NoReplicaError as error:
-        return error_response(error.message, 503)
+    async def send(state: RouterState, body: bytes) -> Response:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None  # the replica answers with the precise 400
+        path = raw_request.url.path
+        hashes = await asyncio.to_thread(state.hasher.hashes, path, parsed)
+        stream = isinstance(parsed, dict) and parsed.get("stream") is True
+        return await state.proxy.forward(path, body, state.upstream_headers(raw_request), hashes, stream)
+
+    return await _pass_on(raw_request, send)
 
 
 @routes.post("/v1/load_lora_adapter")
 @routes.post("/v1/unload_lora_adapter")
 async def broadcast(raw_request: Request) -> Response:
     """Run-time LoRA loading and unloading reach every replica (vLLM's routes, api_server.py)."""
-    state = _state(raw_request)
+
+    async def send(state: RouterState, body: bytes) -> Response:
+        return await state.proxy.broadcast(raw_request.url.path, body, state.upstream_headers(raw_request))
+
+    return await _pass_on(raw_request, send)
+
+
+Sender = Callable[[RouterState, bytes], Awaitable[Response]]
+
+
+async def _pass_on(raw_request: Request, send: Sender) -> Response:
+    """The request's body passed on by `send`: too large is a 413, no replica able to take it a 503."""
     body = await raw_request.body()
     if len(body) > MAX_BODY_BYTES:
         return error_response(f"the request body exceeds {MAX_BODY_BYTES} bytes", 413)
     try:
-        return await state.proxy.broadcast(raw_request.url.path, body, state.upstream_headers(raw_request))
+        return await send(_state(raw_request), body)
     except NoReplicaError as error:
         return error_response(error.message, 503)
 
