@@ -48,6 +48,7 @@ class FailingEngine:
         self.health = EngineHealth()
         self.queued_prompt_tokens = 0
         self.lora = types.SimpleNamespace(names=(), adapters={})  # no LoRA adapters (AsyncLLM.lora)
+        self.memory = None  # no memory report (AsyncLLM.memory: the engine measures its model)
 
     def has_request(self, request_id: str) -> bool:
         return False
