@@ -552,7 +552,7 @@ torch::Tensor small_batch_pack_int8(torch::Tensor qweight) {
 namespace {
 
 // values as float16 where that is exact for every one of them (a GGUF file's scales are float16, so
-// the kernels then stream the file's bytes, not twice them), else unchanged in float32.
+// the kernels then stream the file's scale bytes, not twice as many), else unchanged in float32.
 torch::Tensor half_if_exact(const torch::Tensor& values) {
   const auto half = values.to(torch::kHalf);
   return half.to(torch::kFloat).equal(values) ? half : values;
