@@ -19,18 +19,9 @@ from llmserve.model_loader import default_model_path, load_arch_config, load_tok
 from llmserve.model_loader.hf_loader import read_arch_config
 from tests.e2e.conftest import hf_greedy, teacher_forced_logits
 
-from .families import COMMON, VOCAB
+from .families import CASES, COMMON, VOCAB
 
-TEXT = dict(
-    COMMON,
-    sliding_window=16,
-    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-    query_pre_attn_scalar=32,
-    rope_parameters={
-        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
-    },
-)
+TEXT = dict(COMMON, **CASES["gemma3-qk-norm-local-rope"][2])  # the text family test's Gemma 3
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, patch_size=8)
 # google/gemma-3-4b-it's config.json: transformers saved only what differs from Gemma3TextConfig's defaults
 GEMMA3_4B_CONFIG = {
