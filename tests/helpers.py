@@ -100,13 +100,15 @@ def round_inputs_as_the_small_batch_kernels(reference: torch.nn.Module, quantize
     for name, module in quantized.named_modules():
         kernel = getattr(module, "kernel", None)
         if isinstance(kernel, Float32SmallBatchKernel):
-            hook = _rounding_hook(kernel, getattr(module, "float_logits", False))
+            hook = rounding_hook(kernel, getattr(module, "float_logits", False))
             reference.get_submodule(name).register_forward_pre_hook(hook)
             hooked += 1
     return hooked
 
 
-def _rounding_hook(kernel, logits: bool):
+def rounding_hook(kernel, logits: bool):
+    """A forward pre-hook rounding a layer's input as `kernel` rounds it for that many rows (else none)."""
+
     def hook(_module, args):
         (x,) = args
         rows = x.numel() // x.shape[-1]
