@@ -67,8 +67,12 @@ class SparseMoE(nn.Module):
         self.experts = MoEExperts(num_experts, hidden_size, intermediate_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden, *self.route(hidden))
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, experts), each [tokens, top_k]: the chosen experts and their float32 weights."""
         probs = self.gate(hidden).float().softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(hidden, weights, experts)
+        return weights, experts
