@@ -423,6 +423,11 @@ class EngineArgs:
         "layers' KV pool",
         aliases=("-pp",),
     )
+    enable_expert_parallel: bool = arg(
+        False,
+        "mixture-of-experts models: split the experts over the tensor-parallel ranks (each holds whole "
+        "experts; tokens reach them by all-to-all) instead of splitting every expert's units",
+    )
     distributed_executor_backend: ExecutorBackend = arg(
         "mp",
         "mp: ranks as processes llmserve starts (on several machines with --nnodes) | ray: Ray actors "
@@ -647,7 +652,12 @@ class EngineArgs:
             NodeArgs(self.nnodes, self.node_rank, self.master_addr, self.master_port),
             self.pipeline_parallel_size,
             arch.num_hidden_layers,
+            self.enable_expert_parallel,
         )
+        if self.enable_expert_parallel and not arch.num_experts:
+            raise ValueError(
+                f"--enable-expert-parallel needs a mixture-of-experts model; {arch.architecture} has none"
+            )
         if parallel.world_size == 1:
             return parallel
         if self.speculative_method == "early_exit":

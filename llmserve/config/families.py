@@ -3,8 +3,9 @@
 Families whose layers are Llama's (linear layers of the same names, norms feeding the same
 projections) take every feature. Gemma's extra norms and scaled embeddings are outside what
 quantization's calibration and folding, the early-exit and draft-head proposers (which run the
-target's embedding and layers themselves) and tensor parallelism were built and tested for; Mixtral's
-expert layers are no nn.Linear for quantization to swap and are not split over ranks.
+target's embedding and layers themselves) and tensor parallelism were built and tested for. The
+mixture-of-experts families split over tensor-parallel ranks (by expert units, or by experts with
+--enable-expert-parallel); Mixtral's expert layers are no nn.Linear for quantization to swap.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # feature -> the families that have it (the others get the error)
 _FEATURES = {
     "quantization": LLAMA_LIKE,
-    "tensor parallelism": LLAMA_LIKE,
+    "tensor parallelism": (*LLAMA_LIKE, "mixtral", "qwen3_moe"),
     "speculative method early_exit": (*LLAMA_LIKE, "mixtral", "qwen3_moe"),
     "speculative method draft_head": (*LLAMA_LIKE, "mixtral", "qwen3_moe"),
 }
@@ -36,6 +37,10 @@ def check_family_features(
         wanted.append("tensor parallelism")
     if speculative_method in ("early_exit", "draft_head"):
         wanted.append(f"speculative method {speculative_method}")
+    if quantization is not None and arch.num_experts and tensor_parallel_size > 1:
+        raise ValueError(
+            "quantization does not combine with tensor parallelism for mixture-of-experts models yet"
+        )
     if quantization == "gguf" and arch.architecture == "phi3":  # its fused GGUF blocks are not cut per part
         raise ValueError("quantization gguf does not apply to phi3 models yet (the other methods do)")
     for feature in wanted:

@@ -67,6 +67,7 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"  # mp across nodes, ray: the address node 0's rendezvous listens on
     master_port: int = DEFAULT_MASTER_PORT  # mp across nodes: its port (ray and one node: a free port)
     pipeline_parallel_size: int = 1  # stages the decoder layers are split over, each of T ranks
+    enable_expert_parallel: bool = False  # MoE layers: experts split over the T ranks, not their units
 
     @property
     def world_size(self) -> int:
@@ -123,6 +124,7 @@ class ParallelConfig:
         nodes: NodeArgs | None = None,
         pipeline_parallel_size: int = 1,
         num_layers: int | None = None,
+        enable_expert_parallel: bool = False,
     ) -> ParallelConfig:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -164,6 +166,7 @@ class ParallelConfig:
             master_addr=nodes.master_addr or "127.0.0.1",
             master_port=nodes.master_port or DEFAULT_MASTER_PORT,
             pipeline_parallel_size=pipeline_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
         )
 
 

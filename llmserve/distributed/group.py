@@ -42,9 +42,10 @@ PLAN_HEAD_BYTES = 4096
 
 
 class TensorParallelGroup:
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, expert_parallel: bool = False) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.expert_parallel = expert_parallel  # MoE layers split experts, not units (expert_parallel.py)
         self._plan_group = None  # the gloo group the plan bytes cross on, on the CPU whatever the device
         self._device_group = None  # the forward's collectives (None: the default group, every rank)
         self._first_global_rank = 0  # rank 0 of this group in the world's numbering
@@ -136,6 +137,15 @@ class TensorParallelGroup:
             and tensor.is_contiguous()
             and tensor.numel() * tensor.element_size() <= SHM_SLOT_BYTES
         )
+
+    def all_to_all(self, tensor: torch.Tensor, out_rows: list[int], in_rows: list[int]) -> torch.Tensor:
+        """Rows in_rows[r] of `tensor` (in rank order) go to rank r; the rows every rank sends here,
+        out_rows[r] from rank r, come back concatenated in rank order (gloo or NCCL alike)."""
+        if self.world_size == 1:
+            return tensor
+        out = tensor.new_empty((sum(out_rows), *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), out_rows, in_rows, group=self._device_group)
+        return out
 
     def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Every rank's tensor (one shape on all) concatenated along the last dimension on rank 0;

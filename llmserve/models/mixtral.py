@@ -2,20 +2,21 @@
 
 Checkpoints store each expert's w1 (gate), w3 (up) and w2 (down) under block_sparse_moe.experts.N;
 the loader stacks them into the experts' [E, ...] parameters (model_loader/family_weights.py).
-Tensor parallelism, quantization and the fused decode stack do not handle expert layers
-(config/__init__.py says so in one line; the stack is off).
+Over a tensor-parallel group the expert layers split by units or, with --enable-expert-parallel, by
+experts (models/layers/moe_parallel.py). Quantization and the fused decode stack do not handle expert
+layers (config/families.py says so in one line; the stack is off).
 """
 
 from __future__ import annotations
 
-from llmserve.models.layers.moe import SparseMoE
+from llmserve.models.layers.moe_parallel import ExpertShardLoading, ParallelSparseMoE
 from llmserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
-class MixtralMoE(SparseMoE):
+class MixtralMoE(ParallelSparseMoE):
     def __init__(self, arch, shard, tp) -> None:
         units = arch.moe_intermediate_size or arch.intermediate_size
-        super().__init__(arch.hidden_size, units, arch.num_experts, arch.num_experts_per_tok)
+        super().__init__(arch.hidden_size, units, arch.num_experts, arch.num_experts_per_tok, tp)
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
@@ -26,6 +27,6 @@ class MixtralModel(LlamaModel):
     layer_cls = MixtralDecoderLayer
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
+class MixtralForCausalLM(ExpertShardLoading, LlamaForCausalLM):
     model_cls = MixtralModel
     fused_decode_stack = False

@@ -1,25 +1,27 @@
 """Qwen3-MoE: Qwen3's attention (q/k head norms) with sparse expert MLPs (models/layers/moe.py),
 except on the layers its config keeps dense (`mlp_only_layers`, `decoder_sparse_step`); the chosen
-experts' weights are renormalized only where `norm_topk_prob` says so. As for Mixtral, tensor
-parallelism, quantization and the fused decode stack do not handle the expert layers.
+experts' weights are renormalized only where `norm_topk_prob` says so. As for Mixtral, the expert
+layers split over tensor-parallel ranks by units or by experts (models/layers/moe_parallel.py), and
+quantization and the fused decode stack do not handle them.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from llmserve.models.layers.moe import SparseMoE
+from llmserve.models.layers.moe_parallel import ExpertShardLoading, ParallelSparseMoE
 from llmserve.models.llama import LlamaDecoderLayer, LlamaMLP
 from llmserve.models.qwen3 import QKNormAttention, Qwen3ForCausalLM, Qwen3Model
 
 
-class Qwen3MoeMLP(SparseMoE):
+class Qwen3MoeMLP(ParallelSparseMoE):
     def __init__(self, arch, shard, tp) -> None:
         super().__init__(
             arch.hidden_size,
             arch.moe_intermediate_size,
             arch.num_experts,
             arch.num_experts_per_tok,
+            tp,
             renormalize=arch.norm_topk_prob,
         )
 
@@ -40,5 +42,5 @@ class Qwen3MoeModel(Qwen3Model):
         return layer_cls(arch, rotary, shard, tp)
 
 
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+class Qwen3MoeForCausalLM(ExpertShardLoading, Qwen3ForCausalLM):
     model_cls = Qwen3MoeModel

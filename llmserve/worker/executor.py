@@ -66,7 +66,9 @@ class TensorParallelExecutor:
                 f"node {parallel.node_rank} runs no engine (node 0 does): start it with `serve --headless`"
             )
         self.config = config
-        self.group = TensorParallelGroup(0, parallel.tensor_parallel_size)  # stage 0's ranks
+        self.group = TensorParallelGroup(  # stage 0's ranks
+            0, parallel.tensor_parallel_size, parallel.enable_expert_parallel
+        )
         layout = PipelineLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.pipeline = PipelineGroup(layout, 0, self.group) if layout.pipeline_parallel_size > 1 else None
         self._world = self.pipeline or self.group  # what this rank joins, stops and leaves

@@ -48,7 +48,9 @@ def rank_groups(config: EngineConfig, rank: int) -> tuple[TensorParallelGroup, P
     """Global `rank`'s tensor-parallel group handle and pipeline stage (tensor-parallel rank fastest)."""
     parallel = config.parallel
     layout = PipelineLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-    group = TensorParallelGroup(layout.tp_rank_of(rank), parallel.tensor_parallel_size)
+    group = TensorParallelGroup(
+        layout.tp_rank_of(rank), parallel.tensor_parallel_size, parallel.enable_expert_parallel
+    )
     stage = PipelineStage.of(
         config.model.arch.num_hidden_layers, layout.pipeline_parallel_size, layout.stage_of(rank)
     )

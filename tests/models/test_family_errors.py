@@ -63,10 +63,19 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     "family, engine_args, expected",
     [
         ("gemma2", dict(quantization="int8"), "quantization does not apply to gemma2 models"),
-        ("mixtral", dict(quantization="int8"), "quantization does not apply to mixtral models"),
+        ("mixtral", dict(quantization="gptq"), "quantization gptq does not apply to mixture-of-experts"),
         ("phi3", dict(quantization="gguf"), "quantization gguf does not apply to phi3 models"),
         ("gemma2", dict(tensor_parallel_size=2), "tensor parallelism does not apply to gemma2 models"),
-        ("mixtral", dict(tensor_parallel_size=2), "tensor parallelism does not apply to mixtral models"),
+        (
+            "mixtral",
+            dict(tensor_parallel_size=2, quantization="int8"),
+            "quantization does not combine with tensor parallelism for mixture-of-experts models",
+        ),
+        (
+            "qwen3",
+            dict(enable_expert_parallel=True),
+            "--enable-expert-parallel needs a mixture-of-experts model",
+        ),
         (
             "gemma2",
             dict(speculative_method="early_exit", num_speculative_tokens=2, speculative_draft_layers=1),
