@@ -22,6 +22,7 @@ from llmserve.config.flags import add_flags, arg, check_choice, from_namespace
 from llmserve.config.kv_cache_dtype import KVCacheDtype, check_kv_cache_dtype, kv_row_bytes, kv_storage_dtype
 from llmserve.config.kv_events import KVEventsConfig
 from llmserve.config.kv_groups import KVCacheGroup, group_size, kv_cache_groups
+from llmserve.config.kv_offloading import KVOffloadingBackend, KVOffloadingConfig
 from llmserve.config.lora import LoRAConfig
 from llmserve.config.parallel import ExecutorBackend, NodeArgs, ParallelConfig, stage_layer_ranges
 from llmserve.config.quantization import QuantizationConfig
@@ -129,6 +130,7 @@ class CacheConfig:
     sliding_window: int = 0  # keep only the last this many tokens' KV (0: keep all)
     attention_sinks: int = 0  # with a window: also keep the first this many tokens (StreamingLLM)
     kv_events: KVEventsConfig | None = None  # publish the prefix cache's changes; None: off
+    kv_offloading: KVOffloadingConfig | None = None  # RAM and disk tiers under the prefix cache; None: off
     # layers by attention kind, one block table each (config/kv_groups.py); (): one group of every
     # layer, with `sliding_window`
     kv_groups: tuple[KVCacheGroup, ...] = ()
@@ -360,6 +362,15 @@ class EngineArgs:
         "publish KV-cache events for a prefix-aware router, as vLLM: a JSON object such as "
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'',
     )
+    # -- KV offloading: RAM and disk tiers under the prefix cache (docs/kv_cache.md) --
+    kv_offloading_size: float | None = arg(
+        None, "GiB of host RAM for prefix-cached KV blocks evicted from the pool (vLLM's flag); default: off"
+    )
+    kv_offloading_backend: KVOffloadingBackend | None = arg(None, "native (the only one; vLLM's flag)")
+    kv_offloading_disk_dir: str | None = arg(
+        None, "folder for blocks leaving the RAM tier; kept across restarts of the same model"
+    )
+    kv_offloading_disk_size: float | None = arg(None, "GiB the disk tier's files may take")
     # -- weight quantization (llmserve/quantization, docs/quantization.md) --
     quantization: str | None = arg(
         None,
@@ -470,6 +481,15 @@ class EngineArgs:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if not (0 <= self.ttft_target_ms < math.inf and 0 <= self.tpot_target_ms < math.inf):
             raise ValueError("ttft_target_ms and tpot_target_ms must be >= 0 (0: no target)")
+        self._kv_offloading_flags()
+
+    def _kv_offloading_flags(self) -> KVOffloadingConfig | None:
+        return KVOffloadingConfig.create(
+            self.kv_offloading_size,
+            self.kv_offloading_backend,
+            self.kv_offloading_disk_dir,
+            self.kv_offloading_disk_size,
+        )
 
     def create_config(
         self,
@@ -599,6 +619,7 @@ class EngineArgs:
             sliding_window=window,
             attention_sinks=sinks,
             kv_events=self._kv_events(),
+            kv_offloading=self._kv_offloading(window, parallel, draft_arch, kv_groups),
             kv_groups=kv_groups,
             size_from_gpu_memory=from_gpu,
         )
@@ -675,6 +696,26 @@ class EngineArgs:
         if config.enabled and not self.prefix_caching:
             raise ValueError("--kv-events-config reports prefix-cache changes; --no-prefix-caching is set")
         return config if config.enabled else None
+
+    def _kv_offloading(
+        self, window: int, parallel: ParallelConfig, draft_arch: ModelArchConfig | None, kv_groups
+    ) -> KVOffloadingConfig | None:
+        """The RAM / disk tiers' config; refused where a block's KV is not all in the one pool yet."""
+        config = self._kv_offloading_flags()
+        if config is None:
+            return None
+        refused = None
+        if not self.prefix_caching:
+            refused = "--no-prefix-caching (the tiers hold prefix-cached blocks)"
+        elif parallel.world_size > 1:
+            refused = "tensor or pipeline parallelism"
+        elif draft_arch is not None:
+            refused = "a draft model (its KV shares the block ids)"
+        elif window or kv_groups:
+            refused = "a sliding window"
+        if refused is not None:
+            raise ValueError(f"--kv-offloading-size does not combine with {refused} yet")
+        return config
 
     def _window(self, arch: ModelArchConfig, max_model_len: int) -> tuple[int, int]:
         """(window, sinks); (0, 0) when no sequence can outgrow sinks + window anyway."""

@@ -9,7 +9,11 @@ a hit. A cached block is evicted (its hash forgotten) only when `allocate` hands
 
 With `record_events`, every change to the cache index is also appended to `events` (core/kv_events.py:
 BlockRemoved here, BlockStored by the prefix cache, which knows each block's parent) until the
-engine takes them after its step, so that the events replayed in order give exactly `_cached`'s keys.
+engine takes them after its step, so that the events replayed in order give exactly `_cached`'s keys
+(with tiers: those keys and the tiers' ones, core/kv_tiers.py).
+
+With `tiers`, a cached block handed out again is first offered to the RAM tier (core/kv_tiers.py),
+which queues the copy of its KV before the step overwrites it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from llmserve.core.kv_events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from llmserve.core.kv_tiers import KVTiers, TierSpec
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -25,7 +30,13 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, record_events: bool = False, reuse_latest: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        record_events: bool = False,
+        reuse_latest: bool = False,
+        tiers: TierSpec | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -39,6 +50,7 @@ class BlockPool:
         # a pool without a prefix cache (swap space) hands out the blocks freed last: lazily mapped
         # memory then stays within the peak in use instead of every page being touched in turn
         self._take_latest = reuse_latest
+        self.tiers = KVTiers(tiers, self) if tiers is not None else None  # RAM and disk under the cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,6 +95,10 @@ class BlockPool:
             return None
         return block
 
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether a block of the pool is cached under this hash."""
+        return block_hash in self._cached
+
     def is_cached(self, block: int) -> bool:
         return block in self._block_keys
 
@@ -91,17 +107,21 @@ class BlockPool:
         return len(self._cached)
 
     def _evict(self, block: int) -> bytes | None:
-        """Forget the block's hash, if it had one; that hash."""
+        """Forget the block's hash, if it had one; that hash, unless a tier keeps the block's KV."""
         key = self._block_keys.pop(block, None)
         if key is None:
             return None
         del self._cached[key[0]]
         self.num_evictions += 1
+        if self.tiers is not None and self.tiers.offer(block, *key):
+            return None
         return key[0]
 
     def reset_prefix_cache(self) -> None:
         self._cached.clear()
         self._block_keys.clear()
+        if self.tiers is not None:
+            self.tiers.reset()
         if self.events is not None:
             self.events.append(AllBlocksCleared())
 
@@ -142,3 +162,5 @@ class BlockPool:
             assert (count == 0) == (block in free), f"block {block}: ref {count}, free={block in free}"
         assert all(self._block_keys[b][0] == h for h, b in self._cached.items()), "cache index is stale"
         assert len(self._cached) == len(self._block_keys), "cache index is stale"
+        if self.tiers is not None:
+            self.tiers.check_integrity()

@@ -65,6 +65,10 @@ class BlockTables:
         if num_new > 0:
             table.extend(self.pool.allocate(num_new))
 
+    def adopt(self, request_id: str, entries: list[int]) -> None:
+        """Append entries whose blocks already hold a reference for this request (a tier's hit)."""
+        self.by_request[request_id].extend(entries)
+
     def free_out_of_window(self, request_id: str, position: int) -> None:
         """Return each sliding group's blocks that no query from `position` on can see."""
         table, groups = self.by_request[request_id], self.num_groups

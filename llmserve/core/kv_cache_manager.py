@@ -8,6 +8,7 @@ that own the state:
     core/attention_managers.py  one manager per KV-cache group by attention kind (full, sliding window)
     core/prefix_cache.py        block hashes, hit lookup, registration of computed blocks, KV events
     core/swap_space.py          the CPU swap space of preempted requests
+    core/kv_tiers.py            RAM and disk tiers under the prefix cache (evicted blocks, loaded back)
 
 A request's block table maps its logical token positions to physical KV slots:
 
@@ -59,8 +60,9 @@ from __future__ import annotations
 
 from llmserve.core.attention_managers import attention_managers
 from llmserve.core.block_pool import BlockPool
-from llmserve.core.block_tables import NULL_BLOCK, BlockTables, cdiv, live
+from llmserve.core.block_tables import BlockTables, cdiv, live
 from llmserve.core.kv_events import KVCacheEvent
+from llmserve.core.kv_tiers import TIER_BLOCK, TierOp, TierSpec
 from llmserve.core.prefix_cache import PrefixCache
 from llmserve.core.swap_space import SwapSpace
 from llmserve.request import Request
@@ -77,20 +79,28 @@ class KVCacheManager:
         attention_sinks: int = 0,
         enable_kv_events: bool = False,
         group_windows: tuple[int, ...] | None = None,
+        tiers: TierSpec | None = None,
     ) -> None:
+        """`tiers`: RAM and disk under the prefix cache (core/kv_tiers.py); one global group only."""
         # KV-cache groups' windows (0: global); None: one group of every layer with `sliding_window`
         windows = group_windows if group_windows is not None else (sliding_window,)
         if len(windows) > 1 and attention_sinks:
             raise ValueError("attention sinks apply to a model-wide window, not per-layer windows")
         if len(windows) > 1 and enable_kv_events and enable_prefix_caching:
             raise ValueError("KV events do not combine with per-layer KV-cache groups (sliding layers)")
+        if tiers is not None and (len(windows) > 1 or any(windows)):
+            raise ValueError("KV offloading does not combine with sliding-window layers yet")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_groups = len(windows)
         self.has_window = any(windows)
         num_sink_blocks = cdiv(attention_sinks, block_size) if self.has_window else 0
         self.groups = attention_managers(windows, block_size, num_sink_blocks)
-        self.pool = BlockPool(num_blocks, record_events=enable_kv_events and enable_prefix_caching)
+        self.pool = BlockPool(
+            num_blocks,
+            record_events=enable_kv_events and enable_prefix_caching,
+            tiers=tiers if enable_prefix_caching else None,
+        )
         self.block_tables = BlockTables(self.pool, block_size, self.groups)
         self.prefix_cache = PrefixCache(self.pool, block_size, self.groups, enable_prefix_caching)
         self.swap_space = SwapSpace(num_swap_blocks, self.pool)
@@ -117,8 +127,8 @@ class KVCacheManager:
         for admission: a sliding group takes at most its window's)."""
         table = self.block_tables.by_request.get(request.request_id, computed_blocks)
         logical = cdiv(request.num_tokens, self.block_size)
-        if not self.has_window:
-            return max(0, logical * self.num_groups - len(table))
+        if not self.has_window:  # a tier's hit takes a fresh block each
+            return max(0, logical * self.num_groups - len(table)) + table.count(TIER_BLOCK)
         return sum(
             max(0, group.blocks_wanted(logical) - len(live(table[index :: self.num_groups])))
             for index, group in enumerate(self.groups)
@@ -170,20 +180,58 @@ class KVCacheManager:
             tables.free_out_of_window(rid, request.num_computed_tokens)
         num_tokens = request.num_computed_tokens + self.num_cached_tokens(computed_blocks) + num_new_tokens
         needed = tables.entries_for(num_tokens) - len(table) - len(computed_blocks)
-        revived = sum(
-            1 for block in computed_blocks if block != NULL_BLOCK and self.pool.ref_counts[block] == 0
-        )
+        revived = sum(1 for block in computed_blocks if block >= 0 and self.pool.ref_counts[block] == 0)
+        loads = [index for index, block in enumerate(computed_blocks) if block == TIER_BLOCK]
         shared = tables.shared_write_entries(rid, request.num_computed_tokens)
-        if max(needed, 0) + revived + len(shared) > self.pool.num_free_blocks:
+        if max(needed, 0) + revived + len(shared) + len(loads) > self.pool.num_free_blocks:
+            return False
+        sources = self._fetch_tier_hit(request, loads)
+        if sources is None:
             return False
         tables.copy_on_write(rid, shared)
-        tables.grow(rid, computed_blocks, needed)
+        if loads:
+            tables.adopt(rid, self._load_tier_hit(request, computed_blocks, loads, sources))
+            tables.grow(rid, [], needed)
+        else:
+            tables.grow(rid, computed_blocks, needed)
         if computed_blocks:
             num_hit = len(computed_blocks) // self.num_groups
             self.prefix_cache.set_registered(rid, num_hit)
             for group in self.groups:
                 group.adopt_hit(rid, num_hit)
         return True
+
+    def _tier_keys(self, request: Request, indices: list[int]) -> list[tuple[bytes, tuple[int, ...]]]:
+        hashes, tokens, size = self.prefix_cache.block_hashes(request), request.all_token_ids, self.block_size
+        return [(hashes[i], tuple(tokens[i * size : (i + 1) * size])) for i in indices]
+
+    def _fetch_tier_hit(self, request: Request, loads: list[int]) -> list[int | bytes] | None:
+        """The sources of a hit's tier blocks (disk files read and verified now); None if one failed:
+        the admission waits a step and its next lookup stops before that block."""
+        if not loads:
+            return []
+        return self.pool.tiers.fetch(self._tier_keys(request, loads))
+
+    def _load_tier_hit(
+        self, request: Request, hit: list[int], loads: list[int], sources: list[int | bytes]
+    ) -> list[int]:
+        """The hit's entries with fresh blocks in place of its tier entries, their loads queued and
+        their hashes cached in the pool (a concurrent request with the prefix shares them); every
+        entry holds one reference for the request."""
+        keys, tiers = self._tier_keys(request, loads), self.pool.tiers
+        self.pool.incref([block for block in hit if block >= 0])  # before the allocation can evict them
+        with tiers.pinned(keys):
+            fresh = self.pool.allocate(len(loads))
+        tiers.load(keys, sources, fresh)
+        entries = list(hit)
+        for index, block, (block_hash, tokens) in zip(loads, fresh, keys, strict=True):
+            entries[index] = block
+            self.pool.cache_block(block, block_hash, tokens)
+        return entries
+
+    def take_tier_ops(self) -> list[TierOp]:
+        """The tiers' copies since the last call, for the step plan (empty without tiers)."""
+        return self.pool.tiers.take_ops() if self.pool.tiers is not None else []
 
     def fork(self, source: Request, child: Request, num_tokens: int) -> None:
         """Let `child` share the blocks holding `source`'s first `num_tokens` tokens (parallel

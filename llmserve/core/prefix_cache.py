@@ -25,6 +25,7 @@ from llmserve.core.attention_managers import GroupManager
 from llmserve.core.block_pool import BlockPool
 from llmserve.core.block_tables import NULL_BLOCK
 from llmserve.core.kv_events import BlockStored
+from llmserve.core.kv_tiers import TIER_BLOCK
 from llmserve.request import Request
 
 
@@ -61,7 +62,8 @@ class PrefixCache:
 
     def longest_hit(self, request: Request) -> list[int]:
         """The longest run of cached blocks that starts the request's tokens (with groups: the flat
-        entries of every group, NULL_BLOCK where a sliding group needs no block).
+        entries of every group, NULL_BLOCK where a sliding group needs no block; with tiers,
+        TIER_BLOCK where the block is in RAM or on disk, core/kv_tiers.py).
 
         At least one token is always left to compute, because the model must produce the logits
         of the last one.
@@ -74,8 +76,12 @@ class PrefixCache:
             return self._hit_by_group(request, hashes, max_blocks)
         tokens, size = request.all_token_ids, self.block_size
         hits = []
+        tiers = self.pool.tiers
         for index, block_hash in enumerate(hashes[:max_blocks]):
-            block = self.pool.lookup(block_hash, tuple(tokens[index * size : (index + 1) * size]))
+            block_tokens = tuple(tokens[index * size : (index + 1) * size])
+            block = self.pool.lookup(block_hash, block_tokens)
+            if block is None and tiers is not None and tiers.find(block_hash, block_tokens):
+                block = TIER_BLOCK  # in RAM or on disk: the cache manager loads it into a fresh block
             if block is None:
                 break
             hits.append(block)

@@ -66,7 +66,8 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         plan = self.plan
-        return not (self.requests or self.finished or plan.swap_out or plan.swap_in or plan.block_copies)
+        moves = plan.swap_out or plan.swap_in or plan.block_copies or plan.tier_ops
+        return not (self.requests or self.finished or moves)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.requests.append(request)
@@ -165,6 +166,7 @@ class Scheduler:
         plan = output.plan
         plan.speculate, plan.max_drafts = self._speculation(len(self.running))
         plan.block_copies = self.kv_cache.take_pending_copies()
+        plan.tier_ops = self.kv_cache.take_tier_ops()
         output.num_prompt_tokens, output.shape = self.plan_writer.write(plan, output.requests)
         now = time.monotonic()
         for request in output.requests:

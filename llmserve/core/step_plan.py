@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
+from llmserve.core.kv_tiers import TierOp
 from llmserve.sampling_params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False):
     swap_out: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (device, swap) block copies
     swap_in: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (swap, device) block copies
     block_copies: list[tuple[int, int]] = msgspec.field(default_factory=list)  # copy-on-write (src, dst)
+    tier_ops: list[TierOp] = msgspec.field(default_factory=list)  # RAM / disk tier copies, in order
     # speculative decoding: whether to draft after this step, and auto mode's cap on drafts per request
     speculate: bool = False
     max_drafts: int | None = None

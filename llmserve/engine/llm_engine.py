@@ -98,6 +98,7 @@ class LLMEngine:
             attention_sinks=cache.attention_sinks,
             enable_kv_events=cache.kv_events is not None,
             group_windows=tuple(group.window for group in cache.kv_groups) or None,
+            tiers=self.model_runner.kv_tier_store.spec if self.model_runner.kv_tier_store else None,
         )
         self.kv_event_publisher = None  # the prefix cache's changes, for a router (--kv-events-config)
         if cache.kv_events is not None:

@@ -53,7 +53,7 @@ def profile_device_memory(config: EngineConfig, model: nn.Module) -> DeviceMemor
 def profile_runner(config: EngineConfig, model: nn.Module) -> ModelRunner:
     """A runner of the profile's own: the config's pool (the profiling step's blocks), no swap space,
     no LoRA adapters (the engine's runner attaches them to the model once)."""
-    cache = dataclasses.replace(config.cache, num_swap_blocks=0)
+    cache = dataclasses.replace(config.cache, num_swap_blocks=0, kv_offloading=None)
     return ModelRunner(dataclasses.replace(config, cache=cache, lora=None), model)
 
 

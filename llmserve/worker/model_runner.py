@@ -35,6 +35,7 @@ from llmserve.sample.verifier import DraftVerifier
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import GrammarState
 from llmserve.worker.cuda_graphs import DecodeGraphs
+from llmserve.worker.kv_tier_store import KVTierStore
 from llmserve.worker.prefault import PrefaultThread, populate_in_background
 from llmserve.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from llmserve.worker.request_state import CachedRequestState, apply_plan
@@ -143,6 +144,8 @@ class ModelRunner:
                 device="cpu",
                 pin_memory=self.device.type == "cuda",
             )
+        # RAM and disk tiers under the prefix cache (core/kv_tiers.py decides, this copies)
+        self.kv_tier_store = KVTierStore(config, self.kv_blocks) if cache.kv_offloading is not None else None
         # after the pool, whose addresses graphs capture (the start-up time includes the capture);
         # padded rows write to the block past the pool's blocks
         self.decode_graphs = None
@@ -224,12 +227,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def move_blocks(self, plan: StepPlan) -> None:
-        """Copy preempted requests' blocks to the swap space, resumed ones back, and shared blocks
-        about to be written (copy-on-write), before the step's forward writes into any of them."""
+        """Copy preempted requests' blocks to the swap space, evicted and hit blocks to and from the KV
+        tiers, resumed ones back, and shared blocks about to be written (copy-on-write), before the
+        step's forward writes into any of them. Swap-outs read first (a block freed by one may be
+        loaded into); tier saves read evicted blocks before swap-ins or loads reuse them."""
         swap_out, swap_in, copies = plan.swap_out, plan.swap_in, plan.block_copies
         if swap_out:
             device_blocks, swap_blocks = map(list, zip(*swap_out, strict=True))
             self.swap_space[:, :, swap_blocks] = self.kv_blocks[:, :, device_blocks].to("cpu")
+        if plan.tier_ops:
+            self.kv_tier_store.apply(plan.tier_ops)
         if swap_in:
             swap_blocks, device_blocks = map(list, zip(*swap_in, strict=True))
             self.kv_blocks[:, :, device_blocks] = self.swap_space[:, :, swap_blocks].to(self.device)

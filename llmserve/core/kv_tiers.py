@@ -1,0 +1,268 @@
+"""Tiers under the prefix cache: blocks evicted from the device pool go to host RAM, then to local disk.
+
+The scheduler's side, no tensors: which block hashes each tier holds, in LRU order, and the copies the
+model runner makes (worker/kv_tier_store.py), in the order they were decided:
+
+    device pool --evicted--> RAM tier --LRU out--> disk tier --LRU out--> gone
+         ^                      |                      |
+         '------ a prefix hit loads a block back ------'
+
+    save (device block -> RAM slot)     demote (RAM slot -> file)     delete (file)
+    load (RAM slot -> device block)     load_bytes (a file's verified bytes -> device block)
+
+Both tiers are inclusive: a block loaded back keeps its RAM copy and its file, so evicting it again
+costs nothing; a RAM entry leaves for the disk only if the disk lacks it. Ops run before the step's
+forward, in order: each reads the state the ops before it left, so a save reads a block before a load
+overwrites it, and a demote reads a slot before a save reuses it. Entries a hit is loading from are
+pinned while its blocks are allocated (an allocation evicts, and an eviction takes a RAM slot).
+
+Loads are synchronous at schedule time: a disk hit's file is read and verified (core/kv_block_file.py)
+when the request is admitted, and both kinds of load run before the step. A failed read drops the entry
+and refuses that admission; the next step's lookup finds the shorter hit. The interface is the one an
+asynchronous loader needs (a hit is a list of sources, the loads are ops the runner runs), which is
+not done yet (docs/kv_cache.md).
+
+KV events: a block that moves to a tier stays in the set of hashes the engine can hit, so its eviction
+from the device is not reported; `BlockRemoved` (medium of the tier it left last) comes when no tier
+and not the pool holds it any more. A block loaded back was never reported removed: no `BlockStored`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+from llmserve.core import kv_block_file
+from llmserve.core.kv_events import MEDIUM_CPU, BlockRemoved
+
+if TYPE_CHECKING:
+    from llmserve.core.block_pool import BlockPool
+
+logger = logging.getLogger("llmserve")
+
+TIER_BLOCK = -2  # a prefix-hit entry whose KV waits in a tier: it gets a fresh block and a load
+MEDIUM_DISK = "DISK"
+TierName = Literal["ram", "disk"]
+Key = tuple[bytes, tuple[int, ...]]  # (block hash, its tokens)
+
+
+class TierOp(msgspec.Struct, array_like=True, gc=False):
+    """One copy for the model runner; the fields its kind does not use keep their defaults."""
+
+    kind: Literal["save", "demote", "load", "load_bytes", "delete"]
+    block: int = -1  # device block
+    slot: int = -1  # RAM slot
+    block_hash: bytes = b""  # demote, delete: the file's block
+    tokens: tuple[int, ...] = ()  # demote: the block's tokens (the file's header keeps them)
+    payload: bytes = b""  # load_bytes: a file's verified K/V bytes
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """The tiers' sizes and the disk tier's identity, resolved from the pool's shape by the runner."""
+
+    ram_blocks: int  # blocks the RAM tier holds
+    disk_dir: Path | None  # this model's folder of block files; None: no disk tier
+    disk_blocks: int  # block files the disk tier keeps
+    model_key: bytes  # kv_block_file.fingerprint of everything that changes a block's bytes
+    block_bytes: int  # K/V bytes of one block (a file's payload)
+
+
+@dataclass
+class TierCounters:
+    """Running totals of one tier (metrics read what they grew by)."""
+
+    hits: int = 0  # blocks a prefix hit found here (not in the device pool)
+    bytes_loaded: int = 0  # K/V bytes copied from here into the device pool
+    bytes_stored: int = 0  # K/V bytes copied here
+    load_seconds: list[float] = field(default_factory=list)  # disk: each admission's reads; taken
+
+
+class _LRU:
+    """Hashes in least-recently-used order with their tokens and a value; pinned ones are never evicted."""
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[bytes, tuple[tuple[int, ...], int]] = OrderedDict()
+        self.pinned: set[bytes] = set()
+
+    def get(self, block_hash: bytes, tokens: tuple[int, ...]) -> int | None:
+        """The entry's value if it holds these tokens (a hash collision never hits)."""
+        entry = self.entries.get(block_hash)
+        return entry[1] if entry is not None and entry[0] == tokens else None
+
+    def touch(self, block_hash: bytes) -> None:
+        self.entries.move_to_end(block_hash)
+
+    def victim(self) -> bytes | None:
+        """The least recently used hash that is not pinned."""
+        return next((h for h in self.entries if h not in self.pinned), None)
+
+
+class KVTiers:
+    def __init__(self, spec: TierSpec, pool: BlockPool) -> None:
+        self.spec = spec
+        self.pool = pool  # the device pool whose evictions come here (its events, its cache index)
+        self.ram = _LRU()  # value: the RAM slot
+        self.free_slots = list(reversed(range(spec.ram_blocks)))
+        self.disk = _LRU()  # value: unused (0)
+        self.ops: list[TierOp] = []
+        self.counters: dict[TierName, TierCounters] = {"ram": TierCounters(), "disk": TierCounters()}
+        self._unflushed: set[bytes] = set()  # files whose write is an op not yet run
+        if spec.disk_dir is not None:
+            self._rebuild_disk_index(spec.disk_dir)
+
+    def _rebuild_disk_index(self, directory: Path) -> None:
+        """Index the folder's files of this model (a restart gets hits at once), oldest first; files
+        past the disk tier's size are deleted, oldest first."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for header, _ in kv_block_file.scan(directory, self.spec.model_key):
+            if header.payload_bytes == self.spec.block_bytes:
+                self.disk.entries[header.block_hash] = (header.tokens, 0)
+        while len(self.disk.entries) > self.spec.disk_blocks:
+            block_hash, _ = self.disk.entries.popitem(last=False)
+            kv_block_file.block_path(directory, block_hash).unlink(missing_ok=True)
+        if self.disk.entries:
+            logger.info("KV disk tier: %d blocks found in %s", len(self.disk.entries), directory)
+
+    # -- lookups ------------------------------------------------------------------------------------
+
+    def find(self, block_hash: bytes, tokens: tuple[int, ...]) -> bool:
+        """Whether a tier holds the block (an index lookup, no I/O; `fetch` reads and verifies)."""
+        if self.ram.get(block_hash, tokens) is not None:
+            return True
+        return block_hash not in self._unflushed and self.disk.get(block_hash, tokens) is not None
+
+    def fetch(self, keys: list[Key]) -> list[int | bytes] | None:
+        """Each block's source: its RAM slot, or its file's verified bytes; None (and the entries that
+        failed dropped, so the next lookup stops before them) if any is gone or its file is bad."""
+        sources: list[int | bytes] = []
+        start, read = time.monotonic(), False
+        for block_hash, tokens in keys:
+            slot = self.ram.get(block_hash, tokens)
+            if slot is not None:
+                sources.append(slot)
+                continue
+            payload = self._read_file(block_hash, tokens)
+            read = True
+            if payload is None:
+                return None
+            sources.append(payload)
+        if read:
+            self.counters["disk"].load_seconds.append(time.monotonic() - start)
+        return sources
+
+    def _read_file(self, block_hash: bytes, tokens: tuple[int, ...]) -> bytes | None:
+        directory = self.spec.disk_dir
+        if directory is None or self.disk.get(block_hash, tokens) is None or block_hash in self._unflushed:
+            return None
+        path = kv_block_file.block_path(directory, block_hash)
+        payload = kv_block_file.read_block(path, self.spec.model_key, block_hash, tokens)
+        if payload is None or len(payload) != self.spec.block_bytes:
+            # a missing file is a write that failed (logged then); a bad one is news
+            log = logger.warning if path.exists() else logger.debug
+            log("KV disk tier: the file of block %s is missing or corrupt; recomputing it", block_hash.hex())
+            del self.disk.entries[block_hash]
+            self.ops.append(TierOp("delete", block_hash=block_hash))
+            self._gone(block_hash, MEDIUM_DISK)
+            return None
+        return payload
+
+    @contextlib.contextmanager
+    def pinned(self, keys: list[Key]) -> Iterator[None]:
+        """Keep these entries while a hit's blocks are allocated (the allocation's evictions take RAM)."""
+        hashes = {block_hash for block_hash, _ in keys}
+        self.ram.pinned |= hashes
+        try:
+            yield
+        finally:
+            self.ram.pinned -= hashes
+
+    def load(self, keys: list[Key], sources: list[int | bytes], blocks: list[int]) -> None:
+        """Queue the copies of a fetched hit into its fresh device blocks; the entries become most recent."""
+        for (block_hash, _), source, block in zip(keys, sources, blocks, strict=True):
+            if isinstance(source, int):
+                self.ram.touch(block_hash)
+                self.ops.append(TierOp("load", block=block, slot=source))
+                tier: TierName = "ram"
+            else:
+                self.disk.touch(block_hash)
+                self.ops.append(TierOp("load_bytes", block=block, payload=source))
+                tier = "disk"
+            self.counters[tier].hits += 1
+            self.counters[tier].bytes_loaded += self.spec.block_bytes
+
+    # -- evictions ----------------------------------------------------------------------------------
+
+    def offer(self, block: int, block_hash: bytes, tokens: tuple[int, ...]) -> bool:
+        """The device pool evicts `block`: keep its KV in RAM (a save op); whether a tier holds it now."""
+        if self.ram.get(block_hash, tokens) is not None:
+            self.ram.touch(block_hash)
+            return True
+        slot = self._free_slot()
+        if slot is None:  # no RAM tier, or every entry pinned by the hit being loaded
+            return self.disk.get(block_hash, tokens) is not None
+        self.ram.entries[block_hash] = (tokens, slot)
+        self.ops.append(TierOp("save", block=block, slot=slot))
+        self.counters["ram"].bytes_stored += self.spec.block_bytes
+        return True
+
+    def _free_slot(self) -> int | None:
+        """A RAM slot: a free one, else the least recent entry's, moved to the disk if it lacks it."""
+        if self.free_slots:
+            return self.free_slots.pop()
+        victim = self.ram.victim()
+        if victim is None:
+            return None
+        tokens, slot = self.ram.entries.pop(victim)
+        if self.disk.get(victim, tokens) is None and self._disk_room():
+            self.disk.entries[victim] = (tokens, 0)
+            self._unflushed.add(victim)
+            self.ops.append(TierOp("demote", slot=slot, block_hash=victim, tokens=tokens))
+            self.counters["disk"].bytes_stored += self.spec.block_bytes
+        elif victim not in self.disk.entries:
+            self._gone(victim, MEDIUM_CPU)
+        return slot
+
+    def _disk_room(self) -> bool:
+        """Whether the disk tier can take one more file (its least recent one deleted if it is full)."""
+        if self.spec.disk_dir is None or not self.spec.disk_blocks:
+            return False
+        if len(self.disk.entries) >= self.spec.disk_blocks:
+            block_hash, _ = self.disk.entries.popitem(last=False)
+            self._unflushed.discard(block_hash)
+            self.ops.append(TierOp("delete", block_hash=block_hash))
+            if block_hash not in self.ram.entries:
+                self._gone(block_hash, MEDIUM_DISK)
+        return True
+
+    def _gone(self, block_hash: bytes, medium: str) -> None:
+        """Report a block no tier holds any more, unless the device pool still does."""
+        if self.pool.events is not None and not self.pool.holds(block_hash):
+            self.pool.events.append(BlockRemoved([block_hash], medium=medium))
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    def take_ops(self) -> list[TierOp]:
+        """The copies decided since the last call, in order (the step plan carries them)."""
+        ops, self.ops = self.ops, []
+        self._unflushed.clear()
+        return ops
+
+    def reset(self) -> None:
+        """Forget the RAM tier's blocks (the warm-up's, say); the disk tier outlives resets as restarts."""
+        self.free_slots = list(reversed(range(self.spec.ram_blocks)))
+        self.ram.entries.clear()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every RAM slot is free or held by exactly one entry."""
+        slots = [slot for _, slot in self.ram.entries.values()] + self.free_slots
+        assert sorted(slots) == list(range(self.spec.ram_blocks)), "RAM tier slots are lost or shared"
+        assert len(self.disk.entries) <= self.spec.disk_blocks, "disk tier over its size"

@@ -1,0 +1,119 @@
+"""The model runner's side of the KV tiers (core/kv_tiers.py): the RAM tier's tensor, the disk tier's
+files, and the copies the step plan orders between them and the device pool.
+
+The RAM tier is one CPU tensor of `ram_blocks` blocks shaped as the pool's blocks (pinned on CUDA, so
+copies from and to the device are DMA). The disk tier is one folder per model fingerprint under
+`--kv-offloading-disk-dir`, one file per block (core/kv_block_file.py). Ops run in their order; runs of
+saves or of loads are batched into one indexed copy (ops of one kind never touch each other's blocks).
+
+A file that cannot be written (disk full, permissions) is logged once and the disk tier stops
+writing; the scheduler's index then finds those files missing at their lookup and recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.core import kv_block_file
+from llmserve.core.kv_tiers import TierOp, TierSpec
+
+logger = logging.getLogger("llmserve")
+
+
+def model_fingerprint(config: EngineConfig, block_shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
+    """Everything that changes a block's K/V bytes: the model (its path, its files' sizes and times,
+    its architecture, quantization and dtype), the KV format and the block's shape."""
+    model, cache = config.model, config.cache
+    path = os.path.realpath(model.path)
+    files = [path] if os.path.isfile(path) else sorted(str(p) for p in Path(path).iterdir() if p.is_file())
+    stats = [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    return kv_block_file.fingerprint(
+        format=1,
+        path=path,
+        files=stats,
+        arch=dataclasses.asdict(model.arch),
+        quantization=repr(model.quantization),
+        dtype=str(model.dtype),
+        kv_cache_dtype=cache.kv_cache_dtype,
+        block_size=cache.block_size,
+        block_shape=list(block_shape),
+        storage=str(dtype),
+    )
+
+
+class KVTierStore:
+    def __init__(self, config: EngineConfig, kv_blocks: torch.Tensor) -> None:
+        """`kv_blocks`: the pool as [layers, 2, blocks, block_size, kv_heads, row]."""
+        offloading = config.cache.kv_offloading
+        self.kv_blocks = kv_blocks
+        self.device = kv_blocks.device
+        self.block_shape = (*kv_blocks.shape[:2], *kv_blocks.shape[3:])
+        block_bytes = kv_blocks[:, :, 0].numel() * kv_blocks.element_size()
+        model_key = model_fingerprint(config, self.block_shape, kv_blocks.dtype)
+        disk_dir = None
+        if offloading.disk_dir is not None:
+            disk_dir = Path(offloading.disk_dir) / model_key.hex()[:16]
+        self.spec = TierSpec(
+            ram_blocks=offloading.ram_bytes // block_bytes,
+            disk_dir=disk_dir,
+            disk_blocks=offloading.disk_bytes
+            // kv_block_file.file_size(config.cache.block_size, block_bytes),
+            model_key=model_key,
+            block_bytes=block_bytes,
+        )
+        self.ram = torch.empty(
+            *kv_blocks.shape[:2],
+            self.spec.ram_blocks,
+            *kv_blocks.shape[3:],
+            dtype=kv_blocks.dtype,
+            device="cpu",
+            pin_memory=self.device.type == "cuda",
+        )
+        self.disk_writable = disk_dir is not None
+
+    @torch.inference_mode()
+    def apply(self, ops: list[TierOp]) -> None:
+        """Run the plan's tier ops in order."""
+        for kind, run in itertools.groupby(ops, key=lambda op: op.kind):
+            run = list(run)
+            if kind == "save":
+                self.ram[:, :, [op.slot for op in run]] = self.kv_blocks[:, :, [op.block for op in run]].cpu()
+            elif kind == "load":
+                slots = [op.slot for op in run]
+                self.kv_blocks[:, :, [op.block for op in run]] = self.ram[:, :, slots].to(self.device)
+            elif kind == "load_bytes":
+                for op in run:
+                    self.kv_blocks[:, :, op.block] = self._from_bytes(op.payload).to(self.device)
+            else:
+                for op in run:
+                    (self._write if kind == "demote" else self._delete)(op)
+
+    def _from_bytes(self, payload: bytes) -> torch.Tensor:
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return raw.view(self.kv_blocks.dtype).view(self.block_shape)
+
+    def _write(self, op: TierOp) -> None:
+        """One RAM slot to its file; the first failure is logged and ends the disk tier's writes."""
+        if not self.disk_writable:
+            return
+        block = self.ram[:, :, op.slot].contiguous()
+        payload = block.view(torch.uint8).numpy().tobytes()
+        path = kv_block_file.block_path(self.spec.disk_dir, op.block_hash)
+        try:
+            kv_block_file.write_block(path, self.spec.model_key, op.block_hash, op.tokens, payload)
+        except OSError as error:
+            self.disk_writable = False
+            logger.error("KV disk tier: cannot write %s (%s); no more blocks go to disk", path, error)
+
+    def _delete(self, op: TierOp) -> None:
+        try:
+            kv_block_file.block_path(self.spec.disk_dir, op.block_hash).unlink(missing_ok=True)
+        except OSError as error:
+            logger.debug("KV disk tier: cannot delete block %s: %s", op.block_hash.hex(), error)
