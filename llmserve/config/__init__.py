@@ -566,7 +566,12 @@ class EngineArgs:
         quantization = QuantizationConfig.create(
             self.quantization,
             self.quantization_group_size,
-            (arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim),
+            (
+                arch.hidden_size,
+                arch.intermediate_size,
+                arch.num_attention_heads * arch.head_dim,
+                arch.moe_intermediate_size or arch.intermediate_size,  # the experts' down_proj
+            ),
             parallel.row_parallel_in_features(arch),
             arch.checkpoint_quantization,
             device.type,

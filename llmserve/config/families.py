@@ -5,7 +5,9 @@ projections) take every feature. Gemma's extra norms and scaled embeddings are o
 quantization's calibration and folding, the early-exit and draft-head proposers (which run the
 target's embedding and layers themselves) and tensor parallelism were built and tested for. The
 mixture-of-experts families split over tensor-parallel ranks (by expert units, or by experts with
---enable-expert-parallel); Mixtral's expert layers are no nn.Linear for quantization to swap.
+--enable-expert-parallel); on one rank their experts are quantized by the methods that quantize each
+weight alone (int8-rtn, int4, a GGUF's blocks, checkpoints of those: quantization/moe.py), not by
+the calibrated ones, which run no expert layer yet.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ if TYPE_CHECKING:
 
 ROPE_SCALING_TYPES = ("default", "linear", "llama3", "longrope")  # models/layers/rotary.py computes these
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+MOE_QUANTIZATION = ("int8-rtn", "int4", "gguf")  # methods that quantize expert layers (besides checkpoints)
 # feature -> the families that have it (the others get the error)
 _FEATURES = {
-    "quantization": LLAMA_LIKE,
+    "quantization": (*LLAMA_LIKE, "mixtral", "qwen3_moe"),
     "tensor parallelism": (*LLAMA_LIKE, "mixtral", "qwen3_moe"),
     "speculative method early_exit": (*LLAMA_LIKE, "mixtral", "qwen3_moe"),
     "speculative method draft_head": (*LLAMA_LIKE, "mixtral", "qwen3_moe"),
@@ -40,6 +43,11 @@ def check_family_features(
     if quantization is not None and arch.num_experts and tensor_parallel_size > 1:
         raise ValueError(
             "quantization does not combine with tensor parallelism for mixture-of-experts models yet"
+        )
+    if quantization in ("int8", "gptq", "awq") and arch.num_experts:  # calibration runs no expert layer
+        raise ValueError(
+            f"quantization {quantization} does not apply to mixture-of-experts models yet "
+            f"(these do: {', '.join(MOE_QUANTIZATION)})"
         )
     if quantization == "gguf" and arch.architecture == "phi3":  # its fused GGUF blocks are not cut per part
         raise ValueError("quantization gguf does not apply to phi3 models yet (the other methods do)")

@@ -19,10 +19,10 @@ from torch import nn
 
 from llmserve.config import ModelConfig
 from llmserve.config.quantization import CHECKPOINT, PREQUANTIZED
-from llmserve.quantization import awq, calibration, checkpoint, gguf_native, prequantized
+from llmserve.quantization import awq, calibration, checkpoint, gguf_native, moe, prequantized
 from llmserve.quantization.formats import QuantizedWeight, concat_rows, quantize_int4, quantize_int8
 from llmserve.quantization.gptq import HessianAccumulator, gptq_quantize
-from llmserve.quantization.kernels import QuantizedLinear
+from llmserve.quantization.kernels import LinearKernel, QuantizedLinear
 
 logger = logging.getLogger("llmserve")
 
@@ -48,10 +48,12 @@ def register(name: str) -> Callable[[QuantizeMethod], QuantizeMethod]:
 
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The decoder layers' linears, less mixture-of-experts routers (kept in float)."""
+    routers = moe.router_names(model)
     return {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.startswith("model.layers.")
+        if isinstance(module, nn.Linear) and name.startswith("model.layers.") and name not in routers
     }
 
 
@@ -66,7 +68,11 @@ def apply_quantization(model: nn.Module, result: QuantizationResult, config: Mod
     with torch.no_grad():
         for name, value in result.float_updates.items():
             params[name].copy_(value)
+    experts = {name: weight for name, weight in result.weights.items() if moe.parse_expert_key(name)}
+    moe.apply_experts(model, experts, config.dtype, config.device)
     for name, weight in result.weights.items():
+        if name in experts:
+            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
@@ -85,24 +91,25 @@ def quantize_model(
     says for this model); returns that."""
     start = time.monotonic()
     result = compute(model, config, tokenizer)
-    float_bytes = sum(_float_bytes(model.get_submodule(name), config.dtype) for name in result.weights)
+    float_bytes = sum(_float_bytes(weight.shape, config.dtype) for weight in result.weights.values())
     apply_quantization(model, result, config)
-    quant_bytes = sum(_buffer_bytes(model.get_submodule(name)) for name in result.weights)
-    kernels = sorted({type(model.get_submodule(name).kernel).__name__ for name in result.weights})
+    layers = [model.get_submodule(name) for name in dict.fromkeys(map(moe.owner, result.weights))]
+    quant_bytes = sum(_buffer_bytes(layer) for layer in layers)
+    kernels = {type(m).__name__ for layer in layers for m in layer.modules() if isinstance(m, LinearKernel)}
     logger.info(
         "quantization %s: %d layers, %.1f -> %.1f MiB (kernels %s) in %.1f s",
         config.quantization.method,
-        len(result.weights),
+        len(layers),
         float_bytes / 2**20,
         quant_bytes / 2**20,
-        ", ".join(kernels),
+        ", ".join(sorted(kernels)),
         time.monotonic() - start,
     )
     return result
 
 
-def _float_bytes(module: nn.Module, dtype: torch.dtype) -> int:
-    return module.weight.numel() * torch.tensor([], dtype=dtype).element_size()
+def _float_bytes(shape: tuple[int, int], dtype: torch.dtype) -> int:
+    return shape[0] * shape[1] * torch.tensor([], dtype=dtype).element_size()
 
 
 def _buffer_bytes(module: nn.Module) -> int:
@@ -121,14 +128,16 @@ def _lm_head_int8(model: nn.Module) -> dict[str, QuantizedWeight]:
 @register("int8-rtn")
 def _int8_rtn(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
     weights = {name: quantize_int8(linear.weight) for name, linear in decoder_linears(model).items()}
-    return QuantizationResult({**weights, **_lm_head_int8(model)})
+    experts = moe.quantize_experts(model, quantize_int8)
+    return QuantizationResult({**weights, **experts, **_lm_head_int8(model)})
 
 
 @register("int4")
 def _int4(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
     group = config.quantization.group_size
     weights = {name: quantize_int4(linear.weight, group) for name, linear in decoder_linears(model).items()}
-    return QuantizationResult({**weights, **_lm_head_int8(model)})
+    experts = moe.quantize_experts(model, lambda weight: quantize_int4(weight, group))
+    return QuantizationResult({**weights, **experts, **_lm_head_int8(model)})
 
 
 # -- calibrated ------------------------------------------------------------------------------------
@@ -254,6 +263,9 @@ def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
     if head in tensors:
         weights[LM_HEAD] = tensors[head]
     kept = len(decoder_linears(model)) + 1 - len(weights)
+    experts = moe.gguf_expert_weights(model, tensors)
+    weights.update(experts)
+    kept += len(moe.experts_modules(model)) - len({moe.owner(name) for name in experts})
     if kept:
         types = "/".join(gguf_native.SUPPORTED_TYPES)
         logger.info("quantization gguf: %d layers have no %s tensor and stay in float", kept, types)

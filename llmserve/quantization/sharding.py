@@ -28,6 +28,7 @@ from torch import nn
 
 from llmserve.config import ModelConfig
 from llmserve.distributed.shard import ShardLayout
+from llmserve.quantization import moe
 from llmserve.quantization.formats import QuantizedWeight, column_groups, shard_columns, shard_rows
 from llmserve.quantization.methods import QuantizationResult, compute_quantization, quantize_model
 
@@ -64,7 +65,7 @@ def on_this_stage(result: QuantizationResult, model: nn.Module) -> QuantizationR
     """The part of `result` for the modules and parameters `model` (one pipeline stage) builds."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
-    weights = {name: weight for name, weight in result.weights.items() if name in modules}
+    weights = {name: weight for name, weight in result.weights.items() if moe.owner(name) in modules}
     updates = {name: value for name, value in result.float_updates.items() if name in params}
     return QuantizationResult(weights, updates)
 

@@ -1,0 +1,231 @@
+"""Quantized mixture-of-experts layers: every expert's gate/up and down projections in int8 or int4
+(RTN, or a GGUF's own blocks), the router kept in float.
+
+A model's experts module (models/layers/moe.py's `MoEExperts`: stacked parameters gate_up_proj
+[E, 2I, H] and down_proj [E, H, I]) is recognised by those parameters, since this package does not
+import models/, and replaced by `QuantizedMoEExperts`, whose forward has the same contract. Expert
+weights travel in a `QuantizationResult` and a saved checkpoint as one 2-D weight per expert, under
+`<experts module>.<parameter>.<expert>` (model.layers.0.mlp.experts.gate_up_proj.3), so that the
+formats, the checkpoint file and the weights cache need nothing new.
+
+Each expert's projection keeps one copy of its weight, in the compiled small-batch kernels' layout
+(kernels/csrc/linear_quantized.cpp: int4 two codes a byte, int8 a byte, scales per group): its 1-8
+routed rows run the kernel where it takes the activation dtype (bf16; float32 at the AVX2 level),
+more rows rebuild the float weight from that copy for one GEMM. The forward groups the tokens by
+expert and runs only the experts some token chose, one kernel call per projection each (a host sync
+for the group sizes, as the float layer's per-expert path).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.kernels.cpu_ops import load_cpu_ops
+from llmserve.kernels.small_batch_linear import MAX_ROWS
+from llmserve.quantization.formats import Int4Weight, QuantizedWeight, concat_rows
+from llmserve.quantization.kernels import DequantizeKernel, LinearKernel, select_kernel
+
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+_EXPERT_KEY = re.compile(r"(.+)\.(gate_up_proj|down_proj)\.(\d+)")
+_KERNEL_BLOCK = 32  # the compiled kernels' input block: widths and int4 groups are multiples of it
+
+
+def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every float experts module of `model` by name (stacked 3-D gate_up_proj and down_proj)."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if all(
+            isinstance(getattr(module, param, None), nn.Parameter) and getattr(module, param).dim() == 3
+            for param in EXPERT_PARAMETERS
+        )
+    }
+
+
+def router_names(model: nn.Module) -> set[str]:
+    """The routers (`gate` beside each experts module): linears that quantization leaves in float."""
+    return {f"{name.rpartition('.')[0]}.gate" for name in experts_modules(model)}
+
+
+def expert_key(module: str, parameter: str, expert: int) -> str:
+    return f"{module}.{parameter}.{expert}"
+
+
+def parse_expert_key(key: str) -> tuple[str, str, int] | None:
+    """(experts module, parameter, expert) of an expert weight's key; None for a linear layer's."""
+    match = _EXPERT_KEY.fullmatch(key)
+    return None if match is None else (match[1], match[2], int(match[3]))
+
+
+def owner(key: str) -> str:
+    """The module a quantized weight's key replaces: the experts module for an expert weight."""
+    parsed = parse_expert_key(key)
+    return key if parsed is None else parsed[0]
+
+
+def quantize_experts(
+    model: nn.Module, quantize: Callable[[torch.Tensor], QuantizedWeight]
+) -> dict[str, QuantizedWeight]:
+    """`quantize` of every expert's gate/up and down weight, under their expert keys."""
+    weights: dict[str, QuantizedWeight] = {}
+    for name, module in experts_modules(model).items():
+        for param in EXPERT_PARAMETERS:
+            for expert, weight in enumerate(getattr(module, param).detach()):
+                weights[expert_key(name, param, expert)] = quantize(weight)
+    return weights
+
+
+def gguf_expert_weights(model: nn.Module, tensors: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+    """The expert weights of a GGUF's natively read tensors (quantization/gguf_native.py names each
+    expert's rows `<experts module>.<expert>.gate_proj.weight`, up_proj, down_proj): gate and up fused
+    per expert. An experts module takes them only if every expert's three are there in fusable
+    formats; else it stays in float."""
+    weights: dict[str, QuantizedWeight] = {}
+    for name, module in experts_modules(model).items():
+        layer: dict[str, QuantizedWeight] = {}
+        for expert in range(module.gate_up_proj.shape[0]):
+            parts = [
+                tensors.get(f"{name}.{expert}.{part}.weight")
+                for part in ("gate_proj", "up_proj", "down_proj")
+            ]
+            gate_up = None if None in parts else concat_rows(parts[:2])
+            if gate_up is None:
+                break
+            layer[expert_key(name, "gate_up_proj", expert)] = gate_up
+            layer[expert_key(name, "down_proj", expert)] = parts[2]
+        else:
+            weights.update(layer)
+    return weights
+
+
+def apply_experts(model: nn.Module, weights: dict[str, QuantizedWeight], dtype: torch.dtype, device) -> None:
+    """Replace each experts module that `weights` (expert keys only) covers by a QuantizedMoEExperts;
+    a module must get every expert's two weights, each of its float parameter's shape."""
+    grouped: dict[str, dict[str, dict[int, QuantizedWeight]]] = {}
+    for key, weight in weights.items():
+        module, param, expert = parse_expert_key(key)
+        grouped.setdefault(module, {}).setdefault(param, {})[expert] = weight
+    for name, params in grouped.items():
+        module = model.get_submodule(name)
+        stacked = [_expert_list(name, param, module, params.get(param, {})) for param in EXPERT_PARAMETERS]
+        parent, _, child = name.rpartition(".")
+        setattr(
+            model.get_submodule(parent), child, QuantizedMoEExperts(*stacked, dtype, torch.device(device))
+        )
+
+
+def _expert_list(name: str, param: str, module: nn.Module, weights: dict[int, QuantizedWeight]):
+    stacked = getattr(module, param)
+    if sorted(weights) != list(range(stacked.shape[0])):
+        raise ValueError(
+            f"{name}.{param}: quantized weights for {len(weights)} of {stacked.shape[0]} experts"
+        )
+    for expert, weight in weights.items():
+        if tuple(weight.shape) != tuple(stacked.shape[1:]):
+            raise ValueError(
+                f"{name}.{param}: expert {expert}'s quantized weight is {tuple(weight.shape)}, the layer's "
+                f"{tuple(stacked.shape[1:])} (a quantization of another split of the model)"
+            )
+    return [weights[expert] for expert in range(stacked.shape[0])]
+
+
+class ExpertKernel(LinearKernel):
+    """One expert's projection on its one packed copy (module docstring): the compiled kernel for 1-8
+    rows where it takes x's dtype (each row's input rounded to 8 bits per 32 columns), else the float
+    weight rebuilt from the copy (W = q * scale (+ offset), the format's dequantize) and F.linear."""
+
+    def __init__(self, weight: QuantizedWeight, ops) -> None:
+        super().__init__()
+        codes = weight.qweight.contiguous()
+        if isinstance(weight, Int4Weight):
+            self._linear, self._unpack = ops.small_batch_linear_int4, ops.small_batch_dequantize_int4
+            packed, scales = ops.small_batch_pack_int4(codes, weight.scales.float(), weight.offsets.float())
+        else:
+            self._linear, self._unpack = ops.small_batch_linear_int8, ops.small_batch_dequantize_int8
+            packed = ops.small_batch_pack_int8(codes)
+            if weight.group_size == weight.shape[1]:  # per channel
+                scales = weight.scales[:, 0].float().contiguous()
+            else:
+                scales = ops.small_batch_pack_int8_group_scales(weight.scales.float().contiguous())
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.out_features = weight.shape[0]
+        self._takes = {d for d in (torch.bfloat16, torch.float32) if ops.small_batch_linear_int8_supported(d)}
+
+    @staticmethod
+    def serves(weight: QuantizedWeight, device: torch.device) -> bool:
+        if device.type != "cpu" or weight.shape[1] % _KERNEL_BLOCK or load_cpu_ops() is None:
+            return False
+        if isinstance(weight, Int4Weight):
+            return weight.group_size % _KERNEL_BLOCK == 0
+        if weight.qweight.numel() and int(weight.qweight.min()) < -127:  # the kernel stores q + 128
+            return False
+        return weight.group_size in (16, 32, weight.shape[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MAX_ROWS and x.dtype in self._takes:
+            return self._linear(x.contiguous(), self.packed, self.scales, self.out_features)
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._unpack(self.packed, self.scales, self.out_features).to(dtype)
+
+
+def expert_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> LinearKernel:
+    """The packed one-copy kernel on the CPU where it takes the weight; elsewhere the formats' own
+    tensors (DequantizeKernel: every device) or, off the CPU, what `select_kernel` picks."""
+    if ExpertKernel.serves(weight, device):
+        return ExpertKernel(weight, load_cpu_ops())
+    if device.type == "cpu":
+        return DequantizeKernel(weight, dtype)
+    return select_kernel(weight, dtype, device)
+
+
+class QuantizedMoEExperts(nn.Module):
+    """Drop-in for `MoEExperts` (same forward) with each expert's weights in a quantized kernel."""
+
+    def __init__(
+        self,
+        gate_up: list[QuantizedWeight],
+        down: list[QuantizedWeight],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.gate_up = nn.ModuleList(expert_kernel(weight, dtype, device) for weight in gate_up)
+        self.down = nn.ModuleList(expert_kernel(weight, dtype, device) for weight in down)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up)
+
+    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """sum over each token's k experts of weight * expert(token); weights, experts: [tokens, k]."""
+        top_k = experts.shape[1]
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # pairs grouped by expert
+        tokens = order // top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        routed = hidden[tokens]
+        out = torch.empty_like(routed)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:  # an expert no token chose is never read
+                rows = slice(start, start + count)
+                gate, up = self.gate_up[expert](routed[rows]).chunk(2, dim=-1)
+                out[rows] = self.down[expert](F.silu(gate) * up)
+                start += count
+        out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(hidden).index_add_(0, tokens, out)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float (gate_up_proj, down_proj) the kernels multiply by, stacked as MoEExperts holds them."""
+        return (
+            torch.stack([kernel.dequantize(dtype) for kernel in self.gate_up]),
+            torch.stack([kernel.dequantize(dtype) for kernel in self.down]),
+        )
