@@ -25,6 +25,10 @@ from torch import nn
 
 from llmserve.config.parallel import split_range
 
+# Tensor parallelism cuts the experts' units in runs of this many: the grouped matmul needs the row
+# stride of its operands a multiple of 16 bytes, which a run of 8 units keeps in every dtype served.
+UNIT_ALIGNMENT = 8
+
 
 @dataclass(frozen=True)
 class ExpertLayout:
@@ -44,17 +48,17 @@ class ExpertLayout:
                 f"expert parallelism over {world_size} ranks leaves a rank with no expert: the model has "
                 f"{num_experts} experts"
             )
-        if not expert_parallel and units < world_size:
+        if not expert_parallel and -(-units // UNIT_ALIGNMENT) < world_size:
             raise ValueError(
-                f"tensor parallelism over {world_size} ranks leaves a rank with no expert unit: each expert "
-                f"has {units}"
+                f"tensor parallelism over {world_size} ranks leaves a rank without {UNIT_ALIGNMENT} of "
+                f"each expert's {units} units (--enable-expert-parallel splits the experts instead)"
             )
         return cls(
             num_experts=num_experts,
             world_size=world_size,
             rank=rank,
             experts=split_range(num_experts, world_size, rank) if expert_parallel else range(num_experts),
-            units=range(units) if expert_parallel else split_range(units, world_size, rank),
+            units=range(units) if expert_parallel else _aligned_units(units, world_size, rank),
             expert_parallel=expert_parallel,
         )
 
@@ -71,6 +75,12 @@ class ExpertLayout:
             gate, up = tensor.chunk(2, dim=1)
             return torch.cat((gate[:, units], up[:, units]), dim=1)
         return tensor[:, :, units]
+
+
+def _aligned_units(units: int, world_size: int, rank: int) -> range:
+    """`rank`'s units: runs of UNIT_ALIGNMENT split as evenly as they go, the last run short."""
+    runs = split_range(-(-units // UNIT_ALIGNMENT), world_size, rank)
+    return range(runs.start * UNIT_ALIGNMENT, min(runs.stop * UNIT_ALIGNMENT, units))
 
 
 @dataclass(frozen=True)

@@ -441,7 +441,7 @@ class RankCollector(Collector):
         ]
         for rank in ranks:
             families[1].add_metric([str(rank.rank), str(rank.pid)], 1)
-        return families
+        return families + _expert_load(ranks)
 
 
 class LoRACollector(Collector):
@@ -483,6 +483,27 @@ def _counter(name: str, documentation: str, values: list[tuple[RankStats, float]
     for rank, value in values:
         family.add_metric([str(rank.rank)], float(value))
     return family
+
+
+def _expert_load(ranks: Sequence[RankStats]) -> list[Metric]:
+    """Mixture-of-experts load per rank and expert (none for a dense model): divided by the rank's
+    steps, the tokens each expert took per step and the all-to-all bytes per step."""
+    if not any(rank.expert_tokens for rank in ranks):
+        return []
+    tokens = CounterMetricFamily(
+        PREFIX + "rank_expert_tokens",
+        "(token, expert) pairs the rank computed for the expert, over its expert layers.",
+        labels=["rank", "expert"],
+    )
+    for rank in ranks:
+        for offset, count in enumerate(rank.expert_tokens):
+            tokens.add_metric([str(rank.rank), str(rank.first_expert + offset)], float(count))
+    sent = _counter(
+        "rank_all_to_all_bytes",
+        "Bytes the rank's expert-parallel all-to-alls sent to other ranks.",
+        [(r, r.all_to_all_bytes) for r in ranks],
+    )
+    return [tokens, sent]
 
 
 def _reason(completion: CompletionOutput) -> str:

@@ -20,6 +20,8 @@ from typing import Protocol
 
 import msgspec
 
+from llmserve.distributed.expert_parallel import total_expert_load
+
 REPORT_INTERVAL_SECONDS = 1.0
 
 
@@ -32,6 +34,12 @@ class RankStats(msgspec.Struct, frozen=True, gc=False):
     kv_blocks_used: int = 0  # blocks its live requests' block tables hold, by its own copy of them
     kv_cache_bytes: int = 0  # bytes of its KV pool
     exit_code: int | None = None  # set once the process has exited; None while it runs
+    # mixture-of-experts models: (token, expert) pairs the rank computed per expert it holds, over its
+    # expert layers, since start-up (every expert under tensor parallelism, its own under expert
+    # parallelism), the first of them, and the bytes its all-to-alls sent to the other ranks
+    expert_tokens: tuple[int, ...] = ()
+    first_expert: int = 0
+    all_to_all_bytes: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -68,6 +76,7 @@ class RankMeter:
 
     def snapshot(self) -> RankStats:
         kv_cache = self.runner.kv_cache
+        first_expert, expert_tokens, all_to_all_bytes = total_expert_load(self.runner.model)
         return RankStats(
             rank=self.rank,
             pid=os.getpid(),
@@ -76,6 +85,9 @@ class RankMeter:
             kv_num_blocks=self.runner.config.cache.num_blocks,
             kv_blocks_used=blocks_in_use(state.block_ids for state in self.runner.requests.values()),
             kv_cache_bytes=kv_cache.numel() * kv_cache.element_size(),
+            expert_tokens=expert_tokens,
+            first_expert=first_expert,
+            all_to_all_bytes=all_to_all_bytes,
         )
 
 
