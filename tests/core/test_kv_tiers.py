@@ -1,0 +1,193 @@
+"""RAM and disk tiers under the prefix cache, the scheduler's side: exact ops, slots, blocks and events
+(core/kv_tiers.py); and the disk tier's file format (core/kv_block_file.py)."""
+
+from pathlib import Path
+
+import pytest
+
+from llmserve.config import SchedulerConfig
+from llmserve.core import kv_block_file
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+from llmserve.core.kv_tiers import TIER_BLOCK, TierSpec
+from llmserve.core.prefix_cache import hash_block
+from llmserve.core.scheduler import Scheduler
+
+from .test_scheduler import finish_step
+
+SHARED = list(range(100, 112))  # three full blocks of 4
+KEY = b"m" * 32
+BLOCK_BYTES = 64
+
+
+def make_scheduler(num_blocks=8, ram=8, disk_dir=None, disk=0, events=False):
+    spec = TierSpec(ram, disk_dir, disk, KEY, BLOCK_BYTES)
+    kv = KVCacheManager(num_blocks, block_size=4, tiers=spec, enable_kv_events=events)
+    return Scheduler(SchedulerConfig(64, 8, 1000), kv), kv
+
+
+def run_to_end(scheduler, request):
+    """Schedule the request (alone or beside others) until it finishes; the plans' tier ops."""
+    scheduler.add_request(request)
+    ops = []
+    while not request.is_finished:
+        output = scheduler.schedule()
+        ops += output.plan.tier_ops
+        finish_step(scheduler, output)
+    return ops
+
+
+def fill_pool(scheduler, make_request, num_blocks):
+    """Run a prompt that takes every block of the pool: the cached blocks before it are evicted."""
+    return run_to_end(scheduler, make_request(4 * num_blocks - 3, max_tokens=1))
+
+
+def test_evicted_blocks_go_to_ram_and_a_hit_loads_them_into_fresh_blocks_of_its_own(make_request):
+    scheduler, kv = make_scheduler(num_blocks=8, ram=16)
+    run_to_end(scheduler, make_request(0, tokens=SHARED + [1], max_tokens=1))  # caches blocks 0-2
+    ops = fill_pool(scheduler, make_request, 8)
+    slots = {op.block: op.slot for op in ops if op.kind == "save"}
+    assert set(slots) == {0, 1, 2} and [op.kind for op in ops] == ["save"] * 3
+    bystander = make_request(5, max_tokens=50)  # runs beside the hit, holding blocks of its own
+    scheduler.add_request(bystander)
+    finish_step(scheduler, scheduler.schedule())
+
+    again = make_request(0, tokens=SHARED + [7, 8])
+    assert kv.get_computed_blocks(again) == [TIER_BLOCK] * 3
+    scheduler.add_request(again)
+    output = scheduler.schedule()
+    table = kv.get_block_table(again.request_id)
+    loads = [(op.slot, op.block) for op in output.plan.tier_ops if op.kind == "load"]
+    assert loads == [(slots[block], table[i]) for i, block in enumerate([0, 1, 2])]
+    assert again.num_computed_tokens == 12 and again.num_cached_tokens == 12
+    # the loads' blocks are the new request's alone: not the bystander's, one reference each
+    assert not set(kv.get_block_table(bystander.request_id)) & set(table[:3])
+    assert [kv.pool.ref_counts[block] for block in table[:3]] == [1, 1, 1]
+    assert kv.pool.tiers.counters["ram"].hits == 3
+    kv.check_integrity()
+
+
+def test_a_loaded_hit_is_shared_by_a_concurrent_request_with_the_same_prefix(make_request):
+    scheduler, kv = make_scheduler(num_blocks=10, ram=16)
+    run_to_end(scheduler, make_request(0, tokens=SHARED + [1], max_tokens=1))
+    fill_pool(scheduler, make_request, 10)
+    first, second = make_request(0, tokens=SHARED + [7]), make_request(0, tokens=SHARED + [9])
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    output = scheduler.schedule()
+    assert [op.kind for op in output.plan.tier_ops].count("load") == 3  # loaded once
+    assert kv.get_block_table(first.request_id)[:3] == kv.get_block_table(second.request_id)[:3]
+    assert second.num_cached_tokens == 12
+    kv.check_integrity()
+
+
+def test_entries_a_hit_loads_from_are_pinned_while_its_blocks_are_allocated(make_request):
+    scheduler, kv = make_scheduler(num_blocks=5, ram=3, events=True)
+    run_to_end(scheduler, make_request(0, tokens=SHARED + [1], max_tokens=1))
+    fill_pool(scheduler, make_request, 5)  # 0-2 to RAM, which is then full
+    kv.take_events()
+    # the hit's own allocation evicts two cached blocks of the filler: the RAM tier holds only the
+    # hit's entries, so those two are dropped (and reported), never saved over a slot being read;
+    # the request's new block, allocated after the loads are queued, may reuse a slot
+    again = make_request(0, tokens=SHARED + [7, 8])
+    scheduler.add_request(again)
+    output = scheduler.schedule()
+    assert [op.kind for op in output.plan.tier_ops] == ["load"] * 3 + ["save"]
+    removed = [h for event in kv.take_events() if isinstance(event, BlockRemoved) for h in event.block_hashes]
+    assert len(removed) == 2
+    kv.check_integrity()
+
+
+def test_kv_events_report_a_block_removed_only_when_no_tier_holds_it(make_request):
+    scheduler, kv = make_scheduler(num_blocks=4, ram=3, events=True)
+    run_to_end(scheduler, make_request(0, tokens=SHARED + [1], max_tokens=1))
+    stored = [h for event in kv.take_events() if isinstance(event, BlockStored) for h in event.block_hashes]
+    run_to_end(scheduler, make_request(0, tokens=list(range(500, 513)), max_tokens=1))  # 0-2 to RAM
+    events = kv.take_events()
+    assert not [event for event in events if isinstance(event, BlockRemoved)]  # held in RAM
+    run_to_end(scheduler, make_request(0, tokens=list(range(600, 613)), max_tokens=1))  # RAM overflows
+    removed = [event for event in kv.take_events() if isinstance(event, BlockRemoved)]
+    assert {h for event in removed for h in event.block_hashes} == set(stored)
+    assert {event.medium for event in removed} == {MEDIUM_CPU}
+
+
+def test_ram_overflow_moves_blocks_to_the_disk_tier_which_a_restart_finds(make_request, tmp_path):
+    scheduler, kv = make_scheduler(num_blocks=4, ram=3, disk_dir=tmp_path, disk=8)
+    run_to_end(scheduler, make_request(0, tokens=SHARED + [1], max_tokens=1))
+    run_to_end(scheduler, make_request(0, tokens=list(range(500, 513)), max_tokens=1))
+    ops = run_to_end(scheduler, make_request(0, tokens=list(range(600, 613)), max_tokens=1))
+    demotes = [op for op in ops if op.kind == "demote"]
+    assert sorted(op.tokens for op in demotes) == [tuple(SHARED[i : i + 4]) for i in (0, 4, 8)]
+    payloads = {op.block_hash: bytes([op.slot]) * BLOCK_BYTES for op in demotes}
+    for op in demotes:  # as the model runner writes them
+        path = kv_block_file.block_path(tmp_path, op.block_hash)
+        kv_block_file.write_block(path, KEY, op.block_hash, op.tokens, payloads[op.block_hash])
+
+    restarted, kv = make_scheduler(num_blocks=4, ram=3, disk_dir=tmp_path, disk=8)
+    again = make_request(0, tokens=SHARED + [7])
+    restarted.add_request(again)
+    output = restarted.schedule()
+    loads = [op for op in output.plan.tier_ops if op.kind == "load_bytes"]
+    hashes = kv.prefix_cache.block_hashes(again)[:3]
+    assert [op.payload for op in loads] == [payloads[block_hash] for block_hash in hashes]
+    assert [op.block for op in loads] == kv.get_block_table(again.request_id)[:3]
+    assert again.num_cached_tokens == 12 and kv.pool.tiers.counters["disk"].hits == 3
+
+
+def test_a_bad_file_refuses_one_admission_then_the_hit_stops_before_it(make_request, tmp_path):
+    blocks = [tuple(SHARED[i : i + 4]) for i in (0, 4, 8)]
+    hashes, parent = [], b""
+    for tokens in blocks:
+        parent = hash_block(parent, tokens)
+        hashes.append(parent)
+        kv_block_file.write_block(kv_block_file.block_path(tmp_path, parent), KEY, parent, tokens, bytes(64))
+    path = kv_block_file.block_path(tmp_path, hashes[1])
+    path.write_bytes(path.read_bytes()[:-1] + b"\x01")  # a flipped byte: the checksum fails
+    scheduler, kv = make_scheduler(disk_dir=tmp_path, disk=8)
+    request = make_request(0, tokens=SHARED + [7])
+    scheduler.add_request(request)
+    assert scheduler.schedule().plan.tier_ops[0].kind == "delete"  # refused; the bad file goes
+    output = scheduler.schedule()
+    assert [op.kind for op in output.plan.tier_ops] == ["load_bytes"]
+    assert request.num_cached_tokens == 4
+    kv.check_integrity()
+
+
+def test_block_files_are_read_only_whole_ours_and_unchanged(tmp_path: Path):
+    tokens, block_hash = (5, 6, 7, 8), b"h" * 32
+    path = kv_block_file.block_path(tmp_path, block_hash)
+    kv_block_file.write_block(path, KEY, block_hash, tokens, b"kv" * 32)
+    assert kv_block_file.read_block(path, KEY, block_hash, tokens) == b"kv" * 32
+    assert kv_block_file.read_block(path, b"x" * 32, block_hash, tokens) is None  # another model's
+    assert kv_block_file.read_block(path, KEY, block_hash, (5, 6, 7, 9)) is None  # other tokens
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-3])  # truncated
+    assert kv_block_file.read_block(path, KEY, block_hash, tokens) is None
+    assert list(kv_block_file.scan(tmp_path, KEY)) == []
+    path.write_bytes(whole[:100] + bytes([whole[100] ^ 1]) + whole[101:])  # one bit flipped
+    assert kv_block_file.read_block(path, KEY, block_hash, tokens) is None
+    path.write_bytes(whole)
+    assert [header.tokens for header, _ in kv_block_file.scan(tmp_path, KEY)] == [tokens]
+    assert list(kv_block_file.scan(tmp_path, b"x" * 32)) == []
+    path.rename(tmp_path / ("0" * 64 + kv_block_file.SUFFIX))  # not under its own hash
+    assert list(kv_block_file.scan(tmp_path, KEY)) == []
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(kv_offloading_size=0), "positive number of GiB"),
+        (dict(kv_offloading_size=1, kv_offloading_disk_dir="/tmp/x"), "go together"),
+        (dict(kv_offloading_disk_size=1.0), "need --kv-offloading-size"),
+        (
+            dict(kv_offloading_size=1, kv_offloading_disk_dir="/tmp/x", kv_offloading_disk_size=-1),
+            "disk-size",
+        ),
+    ],
+)
+def test_bad_offloading_flags_are_one_line_errors(flags, message):
+    from llmserve.config import EngineArgs
+
+    with pytest.raises(ValueError, match=message) as error:
+        EngineArgs(**flags)
+    assert "\n" not in str(error.value)
