@@ -1,0 +1,54 @@
+"""Mixture-of-experts models over two ranks, as real processes over gloo: tensor parallelism (every
+expert's units split) and expert parallelism (the experts split, tokens dispatched by all-to-all)
+give transformers' greedy tokens in float32, and rank 0 counts the expert load it computed.
+
+Two requests of different lengths make the later decode steps a single token, fewer tokens than
+ranks: under expert parallelism rank 1 then routes none and only receives.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.distributed.expert_parallel import total_expert_load
+from tests.e2e.conftest import hf_greedy
+from tests.models.families import CASES, VOCAB, make_family_dir
+
+pytestmark = pytest.mark.process
+
+PROMPT_LENGTHS, MAX_TOKENS = (20, 7), (12, 4)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+@pytest.mark.parametrize("case", ["mixtral-top2-of-4", "qwen3-moe-dense-layer"])
+def test_two_ranks_give_transformers_greedy_tokens(tmp_path, case, expert_parallel):
+    hf = make_family_dir(str(tmp_path), case)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in MAX_TOKENS]
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory="8MiB",
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        first_expert, tokens, sent = total_expert_load(llm.engine.model_runner.model)
+    finally:
+        llm.shutdown()
+    for prompt, output, max_tokens in zip(prompts, outputs, MAX_TOKENS, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(hf, prompt, max_tokens)
+    num_experts = CASES[case][2]["num_local_experts" if case.startswith("mixtral") else "num_experts"]
+    if expert_parallel:  # rank 0 holds the first half of the experts and sent rows to rank 1
+        assert first_expert == 0 and len(tokens) == num_experts // 2
+        assert sum(tokens) > 0 and sent > 0
+    else:  # every rank routes every token to top-2 experts in every expert layer
+        expert_layers = 3 - ("qwen3" in case)  # Qwen3-MoE's layer 1 is dense
+        fed = sum(PROMPT_LENGTHS) + sum(MAX_TOKENS) - len(MAX_TOKENS)
+        assert len(tokens) == num_experts and sent == 0
+        assert sum(tokens) >= 2 * expert_layers * fed
