@@ -47,6 +47,34 @@ class DraftProposal:
     probs: torch.Tensor | None = None
 
 
+# Adaptive K: the weight of the latest verify pass in a request's moving average of accepted drafts; a
+# half follows a change in the text (a quoted span ends, another starts) within two or three steps.
+ACCEPTANCE_AVERAGE_WEIGHT = 0.5
+
+
+@dataclass
+class DraftAcceptance:
+    """Speculative decoding, adaptive K: a moving average of the drafts a request's verify passes
+    accepted, and how many drafts are worth proposing for it from there."""
+
+    mean_accepted: float | None = None  # None before its first verify pass
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """A verify pass of `num_drafts` drafts accepted the leading `num_accepted`. Where it accepted
+        all of them one more counts, as the next draft might have been right too: K grows back."""
+        value = num_accepted + (num_accepted == num_drafts)
+        mean = self.mean_accepted
+        self.mean_accepted = value if mean is None else mean + ACCEPTANCE_AVERAGE_WEIGHT * (value - mean)
+
+    def limit(self, k: int) -> int:
+        """Drafts to propose at most, of the request's `k`: one more than the drafts it accepts on
+        average, and at least one (a request that stopped accepting keeps measuring); `k` before its
+        first verify pass."""
+        if self.mean_accepted is None or k <= 0:
+            return k
+        return min(k, int(self.mean_accepted + 0.5) + 1)
+
+
 class Request:
     """One sequence being generated.
 
@@ -90,10 +118,11 @@ class Request:
         self.finished_time: float | None = None
         # Speculative decoding (llmserve/spec_decode): drafts to verify in the step being planned (empty
         # otherwise; never part of all_token_ids), the proposal made after the last step, and the
-        # drafts and accepted tokens so far.
+        # drafts and accepted tokens so far, and their moving average (adaptive K).
         self.spec_token_ids: list[int] = []
         self.draft_proposal: DraftProposal | None = None
         self.spec_decode_stats = SpecDecodeStats()
+        self.draft_acceptance = DraftAcceptance()
         self.pooling = False  # an embedding request: prefill only, finished once its prompt is computed
 
     @property

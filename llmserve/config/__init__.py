@@ -26,7 +26,7 @@ from llmserve.config.kv_offloading import KVOffloadingBackend, KVOffloadingConfi
 from llmserve.config.lora import LoRAConfig
 from llmserve.config.parallel import ExecutorBackend, NodeArgs, ParallelConfig, stage_layer_ranges
 from llmserve.config.quantization import QuantizationConfig
-from llmserve.config.speculative import SpeculativeConfig
+from llmserve.config.speculative import SpeculativeConfig, SuffixDecodingConfig
 from llmserve.config.structured_outputs import StructuredOutputsConfig
 
 logger = logging.getLogger("llmserve")
@@ -384,7 +384,8 @@ class EngineArgs:
     speculative_method: str | None = arg(
         None,
         "ngram (prompt lookup) | draft (a smaller model) | early_exit (the target's first layers) | "
-        "draft_head (prompt lookup, else a small head trained on the target's own outputs)",
+        "draft_head (prompt lookup, else a small head trained on the target's own outputs) | "
+        "suffix (the most frequent continuation in the request's own text and recent requests' outputs)",
     )
     num_speculative_tokens: int | None = arg(
         None,
@@ -407,6 +408,17 @@ class EngineArgs:
     prompt_lookup_max: int = arg(6, "ngram, draft_head: longest suffix tried first (draft_head: 0 = none)")
     speculative_disable_batch_size: int = arg(
         4, "propose nothing while more requests than this run (0: always speculate)"
+    )
+    speculative_adaptive_k: bool = arg(
+        True, "each request's drafts per step follow its measured acceptance, up to K (docs/speculative.md)"
+    )
+    suffix_decoding_max_tree_depth: int = arg(24, "suffix: longest matched suffix plus the drafts after it")
+    suffix_decoding_max_cached_requests: int = arg(
+        1000, "suffix: finished requests whose outputs are searched too, oldest dropped first (0: none)"
+    )
+    suffix_decoding_max_spec_factor: float = arg(1.0, "suffix: drafts per matched suffix token at most")
+    suffix_decoding_min_token_prob: float = arg(
+        0.1, "suffix: stop drafting where the path's estimated probability (from its counts) falls below"
     )
     # -- structured outputs (llmserve/structured, docs/server.md) --
     structured_outputs_compile_timeout: float = arg(
@@ -520,10 +532,23 @@ class EngineArgs:
                 disable_batch_size=self.speculative_disable_batch_size,
                 draft_head=self.speculative_draft_head,
                 draft_head_tokens=self.speculative_draft_head_tokens,
+                adaptive_k=self.speculative_adaptive_k,
+                suffix=self._suffix_decoding(),
             ),
             parallel=parallel,
             structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout),
             lora=self._lora(parallel),
+        )
+
+    def _suffix_decoding(self) -> SuffixDecodingConfig | None:
+        """The suffix proposer's options (validated) where --speculative-method suffix is chosen."""
+        if self.speculative_method != "suffix":
+            return None
+        return SuffixDecodingConfig(
+            max_tree_depth=self.suffix_decoding_max_tree_depth,
+            max_cached_requests=self.suffix_decoding_max_cached_requests,
+            max_spec_factor=self.suffix_decoding_max_spec_factor,
+            min_token_prob=self.suffix_decoding_min_token_prob,
         )
 
     def _lora(self, parallel: ParallelConfig) -> LoRAConfig | None:

@@ -8,14 +8,15 @@ from typing import TYPE_CHECKING, Literal, get_args
 if TYPE_CHECKING:
     from llmserve.sampling_params import SamplingParams
 
-SpeculativeMethod = Literal["ngram", "draft", "early_exit", "draft_head"]
+SpeculativeMethod = Literal["ngram", "draft", "early_exit", "draft_head", "suffix"]
 METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 # K when none is given. N-gram drafts are free and adapt to the match (a match of n tokens proposes at
 # most 2 ** n, see proposers/ngram.py), so its K is only a cap: 7 keeps the verify pass at 8 rows, the
 # small-batch linear kernel's limit. A model proposer pays a draft forward per draft, hence 3. The
 # draft head drafts by prompt lookup where the context repeats (K caps those) and with its own
-# network elsewhere, where `draft_head_tokens` caps it.
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 3, "early_exit": 3, "draft_head": 7}
+# network elsewhere, where `draft_head_tokens` caps it. Suffix decoding's drafts, free like n-gram's,
+# adapt to the match and its counts, so its K is a cap too.
+DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 3, "early_exit": 3, "draft_head": 7, "suffix": 7}
 DEFAULT_DRAFT_HEAD_TOKENS = 3
 # Auto mode also shares drafts so that a step's decodes verify at most this many rows in all: the
 # small-batch linear kernels' limit, below which a step is bound by reading the weights and extra rows
@@ -25,11 +26,36 @@ DEFAULT_MAX_VERIFY_ROWS = 8  # kernels/small_batch_linear.py: MAX_ROWS (tests/te
 
 
 @dataclass(frozen=True)
+class SuffixDecodingConfig:
+    """`--speculative-method suffix` (spec_decode/proposers/suffix.py), with vLLM's option names."""
+
+    max_tree_depth: int = 24  # longest matched suffix plus the drafts that follow it
+    # finished requests whose outputs the global structure keeps, oldest dropped first (0: none); each
+    # draft searches them all, so this bounds the proposer's time as well as its memory
+    max_cached_requests: int = 1000
+    max_spec_factor: float = 1.0  # drafts per matched suffix token at most
+    min_token_prob: float = 0.1  # stop where a path's estimated probability (from its counts) falls below
+
+    def __post_init__(self) -> None:
+        if self.max_tree_depth < 2:
+            raise ValueError(f"suffix_decoding_max_tree_depth must be >= 2, got {self.max_tree_depth}")
+        if self.max_cached_requests < 0:
+            raise ValueError(
+                f"suffix_decoding_max_cached_requests must be >= 0, got {self.max_cached_requests}"
+            )
+        if self.max_spec_factor <= 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be > 0, got {self.max_spec_factor}")
+        if not 0.0 <= self.min_token_prob <= 1.0:
+            raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got {self.min_token_prob}")
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """How drafts are proposed and how many; `create` returns None when speculation is off."""
 
     # "ngram" (prompt lookup), "draft" (a smaller model), "early_exit" (the target's first layers) or
-    # "draft_head" (prompt lookup, else a head trained on the target's outputs)
+    # "draft_head" (prompt lookup, else a head trained on the target's outputs) or "suffix" (the most
+    # frequent continuation of the context's suffix in its own text and in recent requests' outputs)
     method: SpeculativeMethod
     num_speculative_tokens: int  # K: drafts proposed per step for a request (SamplingParams may override)
     prompt_lookup_min: int = 2  # ngram, draft_head: shortest suffix that may match
@@ -40,6 +66,8 @@ class SpeculativeConfig:
     draft_head_tokens: int = DEFAULT_DRAFT_HEAD_TOKENS  # draft_head: drafts per step from the head at most
     disable_batch_size: int = 0  # propose nothing while more requests than this run (0: never disable)
     max_verify_rows: int = DEFAULT_MAX_VERIFY_ROWS  # auto (disable_batch_size > 0): rows of a step's decodes
+    adaptive_k: bool = True  # each request's K follows its acceptance (core/draft_planner.py), up to K
+    suffix: SuffixDecodingConfig | None = None  # suffix: its options (None for the other methods)
 
     @property
     def writes_draft_kv(self) -> bool:
@@ -65,6 +93,8 @@ class SpeculativeConfig:
         disable_batch_size: int,
         draft_head: str | None = None,
         draft_head_tokens: int | None = None,
+        adaptive_k: bool = True,
+        suffix: SuffixDecodingConfig | None = None,
     ) -> SpeculativeConfig | None:
         """Validate the flags (K None: the method's default); ValueError names the offending one."""
         if method is None or method == "none":
@@ -104,4 +134,6 @@ class SpeculativeConfig:
             draft_head=draft_head if method == "draft_head" else None,
             draft_head_tokens=draft_head_tokens,
             disable_batch_size=disable_batch_size,
+            adaptive_k=adaptive_k,
+            suffix=(suffix or SuffixDecodingConfig()) if method == "suffix" else None,
         )

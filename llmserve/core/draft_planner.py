@@ -1,5 +1,5 @@
 """The scheduler's side of speculative decoding: whether a step speculates, and how many drafts each
-decoding request verifies.
+decoding request verifies (at most its K, fewer where its drafts were rejected lately: adaptive K).
 
 Drafts are proposed after each step, for the next one (spec_decode/proposer.py), and wait on the
 request as a `DraftProposal`. A request verifying k of them catches up by 1 + k tokens (its last
@@ -67,9 +67,9 @@ class DraftPlanner:
         runner that drafted them).
 
         K is the request's `SamplingParams.num_speculative_tokens` when set (0 turns speculation off
-        for it), else the engine's `--num-speculative-tokens`.
+        for it), else the engine's `--num-speculative-tokens`, cut by adaptive K (`draft_length`).
         """
-        k = min(self.config.drafts_for(request.sampling_params), max_drafts)
+        k = min(self.draft_length(request), max_drafts)
         proposal = request.draft_proposal
         if k <= 0 or proposal is None or proposal.num_tokens != request.num_tokens:
             return 0  # none yet (the prompt is still being computed), or for an earlier context
@@ -83,5 +83,25 @@ class DraftPlanner:
         most the auto-mode `share`). Zero for proposers without a KV cache."""
         if not self.config.writes_draft_kv:
             return 0
-        k = self.config.drafts_for(request.sampling_params)
+        k = self.draft_length(request)
         return k if share is None else min(k, share)
+
+    def draft_length(self, request: Request) -> int:
+        """The drafts `request` may verify at most: its K and, with adaptive K (`--speculative-adaptive-k`,
+        the default), one more than it accepted per verify pass on average (`DraftAcceptance`), so
+        a request whose drafts are rejected costs few verify rows and one whose drafts are accepted
+        grows back to K; auto mode's share (`drafts_per_request`) still applies on top."""
+        k = self.config.drafts_for(request.sampling_params)
+        return request.draft_acceptance.limit(k) if self.config.adaptive_k else k
+
+    def draft_limits(self, requests: list[Request]) -> dict[str, int]:
+        """Adaptive K, for the proposer drafting after this step (`StepPlan.draft_limits`): the requests
+        of `requests` that may verify fewer drafts than their K, by id, with that number."""
+        if not self.config.adaptive_k:
+            return {}
+        limits = {}
+        for request in requests:
+            limit = self.draft_length(request)
+            if limit < self.config.drafts_for(request.sampling_params):
+                limits[request.request_id] = limit
+        return limits

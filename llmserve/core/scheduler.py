@@ -165,6 +165,8 @@ class Scheduler:
             self._schedule_waiting(output, budget)
         plan = output.plan
         plan.speculate, plan.max_drafts = self._speculation(len(self.running))
+        if plan.speculate:
+            plan.draft_limits = self.draft_planner.draft_limits(output.requests)
         plan.block_copies = self.kv_cache.take_pending_copies()
         plan.tier_ops = self.kv_cache.take_tier_ops()
         output.num_prompt_tokens, output.shape = self.plan_writer.write(plan, output.requests)
@@ -445,6 +447,7 @@ class Scheduler:
         self.kv_cache.free_excess_blocks(request)
         request.clear_drafts()
         request.spec_decode_stats.observe(num_drafts, num_accepted)
+        request.draft_acceptance.observe(num_drafts, num_accepted)  # adaptive K
         self.spec_decode_stats.observe(num_drafts, num_accepted)
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> RequestStatus | None:

@@ -56,6 +56,8 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False):
     # speculative decoding: whether to draft after this step, and auto mode's cap on drafts per request
     speculate: bool = False
     max_drafts: int | None = None
+    # adaptive K: request id -> drafts to propose after this step at most, where fewer than its K
+    draft_limits: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -17,11 +17,13 @@ Proposers, by `--speculative-method` (registry.py):
   write draft KV into slots the scheduler reserved past the step's tokens (lookahead);
 - draft_head (proposers/draft_head.py): prompt lookup, else a head run on the target's last hidden
   state (`SampledBatch.last_hidden`).
+- suffix (proposers/suffix.py): the most frequent continuation of the context's suffix in the request's
+  own text and in recent requests' outputs, on the host, no model.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -43,12 +45,14 @@ class SampledBatch:
     # verified k drafts (row j judged the token after its first j drafts), one row otherwise
     hidden: torch.Tensor
     max_drafts: int | None = None  # auto mode: drafts per request at most at this batch size
+    # adaptive K: request id -> drafts at most, where its acceptance leaves fewer than its K
+    draft_limits: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_step(cls, plan: StepPlan, output: ModelRunnerOutput) -> SampledBatch:
         requests = output.sampled_requests
         new_token_ids = [output.sampled_token_ids[r.request_id] for r in requests]
-        return cls(requests, new_token_ids, output.sample_hidden, plan.max_drafts)
+        return cls(requests, new_token_ids, output.sample_hidden, plan.max_drafts, plan.draft_limits)
 
     def num_tokens(self, index: int) -> int:
         """Request `index`'s tokens once this step's are appended: the length its drafts follow."""
@@ -59,16 +63,17 @@ class SampledBatch:
         return self.requests[index].all_token_ids + self.new_token_ids[index]
 
     def draft_limit(self, index: int, k: int) -> int:
-        """Drafts worth proposing for request `index`, at most `k`: within the auto-mode share and
-        short of its max_tokens (verifying k drafts yields up to k + 1 tokens). Zero for a request
-        whose first token this step sampled: its first token leaves with the step that finished its
-        prompt, before any drafting for it (a draft model's catch-up on the prompt included); it
-        drafts from its first decode on."""
+        """Drafts worth proposing for request `index`, at most `k`: within the auto-mode share, its
+        adaptive-K limit and short of its max_tokens (verifying k drafts yields up to k + 1 tokens).
+        Zero for a request whose first token this step sampled: its first token leaves with the step
+        that finished its prompt, before any drafting for it (a draft model's catch-up on the prompt
+        included); it drafts from its first decode on."""
         request = self.requests[index]
         if request.num_output_tokens == 0:
             return 0
         left = request.sampling_params.max_tokens - request.num_output_tokens - len(self.new_token_ids[index])
         cap = k if self.max_drafts is None else min(k, self.max_drafts)
+        cap = min(cap, self.draft_limits.get(request.request_id, cap))
         return max(0, min(cap, left - 1))
 
     def last_hidden(self) -> torch.Tensor:

@@ -11,6 +11,7 @@ from llmserve.spec_decode.proposer import Proposer
 from llmserve.spec_decode.proposers.draft_head import create_draft_head_proposer
 from llmserve.spec_decode.proposers.draft_model import create_draft_model_proposer, create_early_exit_proposer
 from llmserve.spec_decode.proposers.ngram import NgramProposer
+from llmserve.spec_decode.proposers.suffix import SuffixProposer
 from llmserve.worker.model_runner import ModelRunner
 
 _PROPOSERS: dict[str, Callable[[EngineConfig, nn.Module, ModelRunner], Proposer]] = {
@@ -18,6 +19,7 @@ _PROPOSERS: dict[str, Callable[[EngineConfig, nn.Module, ModelRunner], Proposer]
     "draft": create_draft_model_proposer,
     "early_exit": create_early_exit_proposer,
     "draft_head": lambda config, target, runner: create_draft_head_proposer(config, target),
+    "suffix": lambda config, target, runner: SuffixProposer(config.speculative, runner.requests),
 }
 
 

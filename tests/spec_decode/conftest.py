@@ -47,6 +47,7 @@ def spec_kwargs(method: str, target_dir: str, other_draft_dir: str, draft_head: 
         "draft_self": dict(speculative_method="draft", speculative_draft_model=target_dir),
         "draft_head": head,
         "draft_head_only": dict(head, prompt_lookup_max=0),
+        "suffix": dict(speculative_method="suffix"),
     }[method]
 
 
