@@ -83,7 +83,7 @@ THROUGHPUT_COLUMNS = (
 class Method:
     """A speculation setting to measure: its label and the engine arguments that select it."""
 
-    name: str  # "none", "ngram", "early_exit:15", "draft", "draft_head", "draft_head_only"
+    name: str  # "none", "ngram", "early_exit:15", "draft", "draft_head", "draft_head_only", "suffix"
     engine_kwargs: dict
 
 
@@ -91,8 +91,8 @@ def methods(names: Sequence[str], early_exit_layers: Sequence[int | None], draft
     """The methods to measure, "none" first (the baseline); early_exit once per depth."""
     result = [Method("none", {"speculative_method": None})]
     for name in names:
-        if name == "ngram":
-            result.append(Method("ngram", {"speculative_method": "ngram"}))
+        if name in ("ngram", "suffix"):
+            result.append(Method(name, {"speculative_method": name}))
         elif name == "early_exit":
             for layers in early_exit_layers:
                 label = "early_exit" if layers is None else f"early_exit:{layers}"
@@ -110,7 +110,7 @@ def methods(names: Sequence[str], early_exit_layers: Sequence[int | None], draft
             result.append(Method("draft_head_only", kwargs))
         elif name != "none":
             raise ValueError(
-                "--methods takes none, ngram, early_exit, draft, draft_head and draft_head_only; "
+                "--methods takes none, ngram, early_exit, draft, draft_head, draft_head_only and suffix; "
                 f"got {name!r}"
             )
     return result

@@ -77,3 +77,5 @@ def test_method_list_errors():
         "early_exit",
         "early_exit:3",
     ]
+    suffix = methods(["suffix"], [None], None)[1]
+    assert (suffix.name, suffix.engine_kwargs) == ("suffix", {"speculative_method": "suffix"})
