@@ -112,6 +112,9 @@ class ModelConfig:
     attention_backend: AttentionBackendName = "auto"  # "auto": the fastest that fits (attention/registry.py)
     quantization: QuantizationConfig | None = None  # weight quantization (llmserve/quantization); None: float
     enforce_eager: bool = False  # CUDA: every step eagerly, no decode graphs (worker/cuda_graphs.py)
+    # batch-invariant kernels: a row's result never depends on the rest of its step
+    # (worker/batch_invariance.py, docs/reliability.md)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -356,6 +359,12 @@ class EngineArgs:
     )
     enforce_eager: bool = arg(
         False, "CUDA: run every step eagerly, capturing no CUDA graphs of decode steps (vLLM's flag)"
+    )
+    deterministic: bool = arg(
+        False,
+        "batch-invariant kernels (CPU): a request's greedy tokens and logprobs are bitwise the same whatever "
+        "else runs, however its prompt is chunked or cached (vLLM's VLLM_BATCH_INVARIANT, SGLang's "
+        "--enable-deterministic-inference); /server_info says whether the configuration is",
     )
     kv_events_config: str | None = arg(
         None,
@@ -611,7 +620,19 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             quantization=quantization,
+            deterministic=self._deterministic(device),
         )
+
+    def _deterministic(self, device: torch.device) -> bool:
+        """--deterministic, where it can hold: the CPU's compiled paged attention (the reference's
+        prefill and decode take different SDPA calls; the GPU's kernels are another issue's)."""
+        if self.deterministic and device.type != "cpu":
+            raise ValueError(f"--deterministic runs on the CPU only, not on {device.type}")
+        if self.deterministic and self.attention_backend not in ("auto", "cpu_paged"):
+            raise ValueError(
+                f"--deterministic needs the cpu_paged attention backend, not {self.attention_backend!r}"
+            )
+        return self.deterministic
 
     def _cache_config(
         self,

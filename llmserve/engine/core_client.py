@@ -59,6 +59,7 @@ class EngineReady:
     main_cpu: int | None
     warmup_steps: list[StepStats]
     memory: MemoryReport | None = None
+    batch_invariance: tuple[str, ...] | None = None  # worker/batch_invariance.py; None: not reported
 
 
 class EngineEvents(Protocol):
@@ -166,7 +167,9 @@ class EngineCoreClient:
         if isinstance(message, EngineLoadFailed):
             self._process.join()
             raise message.error  # bad model or flags: the caller reports it, as in one process
-        return EngineReady(message.config, message.main_cpu, message.warmup_steps, message.memory)
+        return EngineReady(
+            message.config, message.main_cpu, message.warmup_steps, message.memory, message.batch_invariance
+        )
 
     def start_threads(self) -> None:
         """The sender and reader of the current engine process (each bound to its own pipe)."""

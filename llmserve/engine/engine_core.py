@@ -94,7 +94,8 @@ def run_engine_core(
         outputs.send(EngineWarming())
         steps = warm_up(engine)
     # a test's stand-in engine measures nothing
-    outputs.send(EngineReady(engine.config, main_cpu, steps, getattr(engine, "memory", None)))
+    memory, invariance = getattr(engine, "memory", None), getattr(engine, "batch_invariance", None)
+    outputs.send(EngineReady(engine.config, main_cpu, steps, memory, invariance))
     try:
         EngineCore(engine, commands, outputs).run()
     finally:

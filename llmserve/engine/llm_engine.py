@@ -87,6 +87,8 @@ class LLMEngine:
             self.shutdown()
             raise
         self.config = self.model_runner.config  # on a GPU: the pool sized from the measured memory
+        # why a row's results may depend on the rest of its step, for /server_info; (): they do not
+        self.batch_invariance = self.model_runner.batch_invariance
         model = self.model_runner.model
         cache = self.config.cache
         self.kv_cache_manager = KVCacheManager(

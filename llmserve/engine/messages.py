@@ -85,6 +85,8 @@ class EngineReady(_Message):
     main_cpu: int | None  # the CPU the engine's main thread is pinned to, if any
     warmup_steps: list[StepStats]  # the warm-up's measured steps (engine/warmup.py); none without it
     memory: Any = None  # MemoryReport (worker/memory_report.py): the loaded model's, for /server_info
+    # why the engine is not batch invariant (worker/batch_invariance.py), for /server_info; (): it is
+    batch_invariance: Any = None
 
 
 class EngineWarming(_Message):

@@ -114,13 +114,17 @@ class PackedLinear(nn.Linear):
     packed_weight: torch.Tensor | None  # oneDNN-blocked, for rows above 8 (None: the kernel takes them)
     small_batch_weight: torch.Tensor | None  # the float32 kernel's layout, float32 or bf16 (None: no kernel)
     packed_from: tuple[int, int]  # (data_ptr, version) of the weight the copy was made from
+    # the kernel at every row count even where oneDNN has a copy (batch invariance:
+    # worker/batch_invariance.py); each sums a row in its own order
+    every_row_count: bool = False
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dtype != torch.float32 or input.device.type != "cpu":
             return F.linear(input, self.weight, self.bias)
         if self.packed_from != _identity(self.weight):  # written or replaced since: pack it again
             self._pack_again()
-        few_rows = input.numel() <= MAX_ROWS * self.in_features  # oneDNN, where it has a copy, takes more
+        # oneDNN, where it has a copy, takes more rows
+        few_rows = self.every_row_count or input.numel() <= MAX_ROWS * self.in_features
         if self.small_batch_weight is not None and (self.packed_weight is None or few_rows):
             rows = input.reshape(-1, self.in_features).contiguous()
             out = load_cpu_ops().small_batch_linear_f32(rows, self.small_batch_weight, self.out_features)

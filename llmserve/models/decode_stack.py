@@ -48,6 +48,9 @@ class FusedDecodeStack:
         self.tp = tp
         self._all_reduce_bound = tp.world_size == 1
         self.calls = 0  # steps it ran (tests check that a configuration takes it)
+        # > 0: only steps whose spans have at most this many queries (batch invariance: the attention
+        # backend cuts longer ones into pieces of it, which bounds the kernel's score buffers)
+        self.max_span = 0
         # The caches the stack was built with; a caller that rebinds a layer's cache (the naive
         # batching baseline does) gets the module path, which reads the layers' current caches.
         self.bound = [(layer, layer.key_cache, layer.value_cache) for layer in attention_layers]
@@ -57,8 +60,13 @@ class FusedDecodeStack:
             num_tokens <= self.max_rows
             and not metadata.prefills
             and metadata.decode_block_tables is not None
+            and (not self.max_span or num_tokens <= self.max_span or self._spans_within(metadata))
             and all(layer.key_cache is key and layer.value_cache is value for layer, key, value in self.bound)
         )
+
+    def _spans_within(self, metadata: AttentionMetadata) -> bool:
+        starts = metadata.decode_query_starts
+        return starts is None or int((starts[1:] - starts[:-1]).max()) <= self.max_span
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

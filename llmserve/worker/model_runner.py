@@ -34,6 +34,8 @@ from llmserve.sample.sampler import Sampler, SamplerOutput
 from llmserve.sample.verifier import DraftVerifier
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import GrammarState
+from llmserve.worker.batch_invariance import make_batch_invariant
+from llmserve.worker.batch_invariance import reasons as batch_invariance_reasons
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.kv_tier_store import KVTierStore
 from llmserve.worker.prefault import PrefaultThread, populate_in_background
@@ -110,6 +112,10 @@ class ModelRunner:
             config.cache.kv_cache_dtype,
             reference_only=getattr(model, "reference_attention_only", False),
         )
+        if config.model.deterministic:  # before the fused stack, which takes the layers' kernels
+            make_batch_invariant(model, self.attention_backend)
+        # why a row's results may depend on the rest of its step (/server_info); (): they do not
+        self.batch_invariance = batch_invariance_reasons(config, model, self.attention_backend)
         self.input_builder = InputBuilder(config.cache, self.attention_backend, self.device)
         # LoRA adapters: deltas added by hooks on the linear layers, which the fused stack and CUDA
         # graphs do not run: the stack serves only steps without an adapter, graphs none (docs/lora.md)
@@ -126,6 +132,8 @@ class ModelRunner:
         # runs the whole model (embedding to norm), so a pipeline stage runs the modules
         pipeline = config.parallel.pipeline_parallel_size > 1
         self.decode_stack = None if pipeline else build_decode_stack(model, self.attention_backend)
+        if self.decode_stack is not None and config.model.deterministic:
+            self.decode_stack.max_span = self.attention_backend.piece_len  # longer: the modules' pieces
         # Called with each step's final hidden states, whichever path made them (evaluation and
         # draft-head training read them here: the fused stack runs no module hooks).
         self.hidden_hooks: list[Callable[[torch.Tensor], None]] = []

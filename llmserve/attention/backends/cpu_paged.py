@@ -10,9 +10,17 @@ Longer prefill spans are compute-bound: with a bfloat16 cache on an AVX-512 BF16
 cache on an AVX2 CPU, they go to `prefill_attention`, a blocked causal kernel that reads the context
 through its slots (no gathered copy); anything else (8-bit caches, a sliding window, other dtypes)
 keeps the reference SDPA path.
+
+Batch invariance (`serve_every_span`, worker/batch_invariance.py): the two kernels sum in different
+orders, so a prompt token's attention would depend on the length of the chunk it came in. There every
+span goes to `paged_attention`, whose query rows each give what a decode of them gives, cut into pieces
+of at most 16 queries (one sequence's piece per `paged_attention` sequence) so that its per-row score
+buffers stay the size of a verification's.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -26,6 +34,7 @@ class CPUPagedBackend(TorchSDPABackend):
     needs_gathered_decode = False
     # A verify pass of up to 15 drafts stays in this kernel; longer spans are matmul-shaped (_prefill).
     max_decode_query_len = 16
+    piece_len = 0  # > 0: every span in the paged kernel, in pieces of this many queries at most
 
     def __init__(self, kv_cache_dtype: str = "auto") -> None:
         super().__init__(kv_cache_dtype)
@@ -39,16 +48,25 @@ class CPUPagedBackend(TorchSDPABackend):
             if plain_cache and self.ops.prefill_attention_supported(dtype)
         }
 
+    def serve_every_span(self) -> None:
+        """Batch invariance: prompt chunks too in the paged kernel (module docstring)."""
+        self.piece_len = type(self).max_decode_query_len
+        self.max_decode_query_len = sys.maxsize
+        self._pieces: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+
     def _decode(
         self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, window=0, softcap=0.0
     ) -> torch.Tensor:
         query_starts = metadata.query_starts(query.shape[0], query.device)
+        tables, seq_lens = metadata.decode_block_tables, metadata.decode_seq_lens
+        if self.piece_len:
+            tables, seq_lens, query_starts = self._span_pieces(tables, seq_lens, query_starts)
         return self.ops.paged_attention(
             query.contiguous(),
             key_cache,
             value_cache,
-            metadata.decode_block_tables,
-            metadata.decode_seq_lens,
+            tables,
+            seq_lens,
             query_starts,
             metadata.block_size,
             scale,
@@ -56,6 +74,15 @@ class CPUPagedBackend(TorchSDPABackend):
             metadata.attention_sinks,
             window,  # the engine's window, or a layer's own over the whole context (sinks then 0)
         )
+
+    def _span_pieces(
+        self, tables: torch.Tensor, seq_lens: torch.Tensor, query_starts: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """The step's spans cut into pieces of `piece_len` queries, once per step (every layer reads
+        the same metadata; the last step's answer is kept while its seq_lens tensor is the one given)."""
+        if self._pieces is None or self._pieces[0] is not seq_lens:
+            self._pieces = (seq_lens, span_pieces(tables, seq_lens, query_starts, self.piece_len))
+        return self._pieces[1]
 
     def _prefill(
         self,
@@ -78,3 +105,23 @@ class CPUPagedBackend(TorchSDPABackend):
         ):
             return self.ops.prefill_attention(query, key_cache, value_cache, span.context_slots, scale)
         return super()._prefill(query, key_cache, value_cache, span, metadata, scale, window, softcap)
+
+
+def span_pieces(
+    tables: torch.Tensor, seq_lens: torch.Tensor, query_starts: torch.Tensor, piece_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block tables, context lengths, query starts) with every span of more than `piece_len` queries
+    cut into consecutive pieces of `piece_len` (the last shorter): piece j of a span of n queries over
+    a context of length L is a span of its queries over the first L - n + (its end) positions, reading
+    the same block table. Unchanged where no span is longer."""
+    counts = query_starts[1:] - query_starts[:-1]
+    if int(counts.max()) <= piece_len:
+        return tables, seq_lens, query_starts
+    pieces = (counts + piece_len - 1) // piece_len
+    owner = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), pieces)
+    first_piece = torch.repeat_interleave(pieces.cumsum(0) - pieces, pieces)
+    index = torch.arange(len(owner), device=counts.device) - first_piece  # the piece's place in its span
+    end = torch.minimum((index + 1) * piece_len, counts[owner])  # queries of the span up to its end
+    piece_counts = end - index * piece_len
+    starts = torch.cat([query_starts[:1], query_starts[0] + piece_counts.cumsum(0)])
+    return tables[owner].contiguous(), seq_lens[owner] - counts[owner] + end, starts

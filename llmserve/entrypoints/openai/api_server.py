@@ -242,7 +242,10 @@ async def get_server_info(raw_request: Request) -> Response:
     memory (server_info.py)."""
     ctx = _state(raw_request).ctx
     engine = ctx.engine
-    return json_response(server_info(ctx.served_model_name, engine.config, engine.tokenizer, engine.memory))
+    invariance = getattr(engine, "batch_invariance", None)
+    return json_response(
+        server_info(ctx.served_model_name, engine.config, engine.tokenizer, engine.memory, invariance)
+    )
 
 
 @router.get("/metrics")

@@ -39,6 +39,10 @@ class ServerInfo(BaseModel):
     weights_memory_bytes: int | None = None
     weights_file_bytes: int | None = None
     engine_resident_bytes: int | None = None
+    # whether a request's tokens and logprobs are bitwise the same whatever else runs (--deterministic,
+    # worker/batch_invariance.py); None: unknown. The reasons name each component that is not.
+    batch_invariant: bool | None = None
+    batch_invariance_reasons: list[str] = []
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
@@ -46,8 +50,11 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
-def server_info(served_model_name: str, config, tokenizer: Tokenizer, memory=None) -> ServerInfo:
-    """`config`: the replica's EngineConfig; `memory`: its engine's MemoryReport, if it measured one."""
+def server_info(
+    served_model_name: str, config, tokenizer: Tokenizer, memory=None, batch_invariance=None
+) -> ServerInfo:
+    """`config`: the replica's EngineConfig; `memory`: its engine's MemoryReport, if it measured one;
+    `batch_invariance`: why its engine is not batch invariant (() where it is; None: not reported)."""
     events = config.cache.kv_events
     sizes = {} if memory is None else dataclasses.asdict(memory)
     return ServerInfo(
@@ -62,5 +69,7 @@ def server_info(served_model_name: str, config, tokenizer: Tokenizer, memory=Non
         else KVEventsEndpoints(
             endpoint=events.endpoint, replay_endpoint=events.replay_endpoint, topic=events.topic
         ),
+        batch_invariant=None if batch_invariance is None else not batch_invariance,
+        batch_invariance_reasons=list(batch_invariance or ()),
         **sizes,
     )

@@ -1,0 +1,110 @@
+"""Batch invariance (--deterministic, worker/batch_invariance.py): the same prompts greedy-decoded alone,
+batched with other prompts, in chunks of several sizes, with and without prefix-cache hits, preempted
+and resumed, and verified as speculative drafts give bitwise-equal token ids and logprobs.
+
+A random Llama of two layers with the default model's widths (oneDNN's GEMM sums inputs of fewer
+columns in the compiled kernels' order) and a small vocabulary, in float32 and bf16. Its prompts are
+long enough for the default kernels to differ: above 8 rows a float32 layer took oneDNN's GEMM on
+AVX-512 CPUs, above 16 queries a span the prefill kernel, above 256 rows a bf16 layer oneDNN's GEMM
+(tests/kernels/test_batch_invariance.py checks each kernel). Without --deterministic the batched and
+the chunked tests fail on an AVX-512 machine (its logprobs differ in their last bits).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from tests.helpers import make_tiny_llama_dir
+
+pytestmark = pytest.mark.cpu_kernels
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.full)]  # full: the same in float32
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    return make_tiny_llama_dir(
+        str(tmp_path_factory.mktemp("models") / "tiny-llama"),
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=8192,
+    )
+
+
+def make_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of 3 to 300 tokens; each repeats a stretch of itself (prompt lookup then drafts), and
+    pairs share a 64-token prefix (two blocks: prefix-cache hits within one batch)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(10, 5000) for _ in range(64)]
+    prompts = []
+    for index in range(count):
+        length = 3 + (index * 97) % 298
+        body = [rng.randrange(10, 5000) for _ in range(length)]
+        body[length // 2 :] = body[: length - length // 2]
+        prompts.append(prefix + body if index % 3 == 1 else body)
+    return prompts
+
+
+def engine(tiny_dir: str, dtype: str, **kwargs) -> LLM:
+    options = dict(dtype=dtype, max_model_len=512, kv_cache_memory="32MiB", deterministic=True)
+    return LLM(tiny_dir, **{**options, **kwargs})
+
+
+def results(outputs) -> list[tuple[list[int], list[dict[int, float]]]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def alone(request, tiny_dir):
+    """Each prompt alone, whole in one step, with nothing cached: the reference."""
+    dtype, prompts = request.param, make_prompts(8)
+    llm = engine(tiny_dir, dtype, prefix_caching=False, max_num_batched_tokens=512)
+    expected = [results(llm.generate([prompt], GREEDY, use_tqdm=False))[0] for prompt in prompts]
+    return dtype, prompts, expected
+
+
+def test_batched_with_other_prompts(tiny_dir, alone):
+    dtype, prompts, expected = alone
+    llm = engine(tiny_dir, dtype, prefix_caching=False, max_num_batched_tokens=4096, max_model_len=512)
+    assert results(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert llm.engine.batch_invariance == ()
+
+
+@pytest.mark.parametrize(
+    "budget", [pytest.param(5, marks=pytest.mark.full), 37, pytest.param(200, marks=pytest.mark.full)]
+)
+def test_chunked_prefill_and_prefix_hits(tiny_dir, alone, budget):
+    """Prompts chunked by a step budget, decodes among their chunks; twice, the second time through the
+    prefix cache (every full block of every prompt cached by the first)."""
+    dtype, prompts, expected = alone
+    llm = engine(tiny_dir, dtype, max_num_batched_tokens=budget)
+    assert results(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    manager = llm.engine.kv_cache_manager
+    hits = manager.prefix_cache_hits
+    assert results(llm.generate(prompts[::-1], GREEDY, use_tqdm=False)) == expected[::-1]
+    assert manager.prefix_cache_hits > hits
+
+
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.full)])
+def test_preempted_and_resumed(tiny_dir, alone, mode):
+    dtype, prompts, expected = alone
+    num_blocks = sum(-(-(len(p) + 1) // 16) for p in prompts) + 1  # all admitted; their growth won't fit
+    llm = engine(
+        tiny_dir, dtype, block_size=16, num_kv_blocks=num_blocks, prefix_caching=False, preemption_mode=mode
+    )
+    assert results(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_speculative_decoding(tiny_dir, alone):
+    dtype, prompts, expected = alone
+    early_exit = dict(speculative_method="early_exit", speculative_draft_layers=1, num_speculative_tokens=3)
+    llm = engine(tiny_dir, dtype, speculative_disable_batch_size=0, **early_exit)
+    assert results(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert llm.engine.spec_decode_stats.num_draft_tokens > 0
