@@ -52,3 +52,24 @@ def test_two_ranks_give_transformers_greedy_tokens(tmp_path, case, expert_parall
         fed = sum(PROMPT_LENGTHS) + sum(MAX_TOKENS) - len(MAX_TOKENS)
         assert len(tokens) == num_experts and sent == 0
         assert sum(tokens) >= 2 * expert_layers * fed
+
+
+def test_expert_parallel_pipeline_stages_give_transformers_greedy_tokens(tmp_path):
+    """TP=2 x PP=2 (four processes): each stage's two ranks split its expert layers' experts, their
+    all-to-alls on the stage's own group."""
+    hf = make_family_dir(str(tmp_path), "qwen3-moe-dense-layer")
+    prompt = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(6)).tolist()
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory="8MiB",
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        enable_expert_parallel=True,
+    )
+    try:
+        (output,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert output.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
