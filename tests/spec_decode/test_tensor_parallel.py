@@ -1,5 +1,5 @@
-"""Speculative decoding under tensor parallelism: a draft model and a draft head draft on rank 0
-(the head from rank 0's copy of the whole vocabulary), the sharded target verifies, and the greedy
+"""Speculative decoding under tensor parallelism: a draft model, a draft head and suffix decoding draft
+on rank 0 (the head from rank 0's copy of the whole vocabulary), the sharded target verifies, and the greedy
 tokens are one process's without speculation (up to a near-tie, tests/distributed/conftest.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .conftest import PROMPTS, greedy, make_llm, spec_kwargs
 pytestmark = pytest.mark.process
 
 
-@pytest.mark.parametrize("method", ["draft_head_only", "draft_self"])
+@pytest.mark.parametrize("method", ["draft_head_only", "draft_self", "suffix"])
 def test_drafts_from_rank_0_keep_the_sharded_targets_tokens(
     method, target_dir, other_draft_dir, draft_head, reference_llm
 ):
