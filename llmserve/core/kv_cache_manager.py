@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from llmserve.core.attention_managers import attention_managers
 from llmserve.core.block_pool import BlockPool
-from llmserve.core.block_tables import BlockTables, cdiv, live
+from llmserve.core.block_tables import NULL_BLOCK, BlockTables, cdiv, live
 from llmserve.core.kv_events import KVCacheEvent
 from llmserve.core.kv_tiers import TIER_BLOCK, TierOp, TierSpec
 from llmserve.core.prefix_cache import PrefixCache
@@ -180,7 +180,8 @@ class KVCacheManager:
             tables.free_out_of_window(rid, request.num_computed_tokens)
         num_tokens = request.num_computed_tokens + self.num_cached_tokens(computed_blocks) + num_new_tokens
         needed = tables.entries_for(num_tokens) - len(table) - len(computed_blocks)
-        revived = sum(1 for block in computed_blocks if block >= 0 and self.pool.ref_counts[block] == 0)
+        hit_blocks = [block for block in computed_blocks if block not in (NULL_BLOCK, TIER_BLOCK)]
+        revived = sum(1 for block in hit_blocks if self.pool.ref_counts[block] == 0)
         loads = [index for index, block in enumerate(computed_blocks) if block == TIER_BLOCK]
         shared = tables.shared_write_entries(rid, request.num_computed_tokens)
         if max(needed, 0) + revived + len(shared) + len(loads) > self.pool.num_free_blocks:
@@ -219,7 +220,7 @@ class KVCacheManager:
         their hashes cached in the pool (a concurrent request with the prefix shares them); every
         entry holds one reference for the request."""
         keys, tiers = self._tier_keys(request, loads), self.pool.tiers
-        self.pool.incref([block for block in hit if block >= 0])  # before the allocation can evict them
+        self.pool.incref([block for block in hit if block not in (NULL_BLOCK, TIER_BLOCK)])  # unevictable now
         with tiers.pinned(keys):
             fresh = self.pool.allocate(len(loads))
         tiers.load(keys, sources, fresh)
