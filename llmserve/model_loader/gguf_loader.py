@@ -1,10 +1,14 @@
 """GGUF files (llama.cpp's format): architecture from the metadata, tensors as HF Llama weights.
 
-Only dense models are accepted: "llama" (Llama 1-3, SmolLM2, Mistral, which llama.cpp also files as
-llama), "qwen2", "qwen3" (q/k head norms), "phi3" (fused attn_qkv and gate/up ffn_up, split by
-model_loader/family_weights.py as an HF checkpoint's; LongRoPE's factor tensors are refused), "gemma2"
-and "gemma3" (whose norm weights llama.cpp stores as 1 + w: 1 is taken off again, as transformers
-does). Tensors are dequantized to
+Accepted: "llama" (Llama 1-3, SmolLM2, Mistral, which llama.cpp also files as llama; with
+`llama.expert_count` set, Mixtral), "qwen2", "qwen3" (q/k head norms), "qwen3moe" (Qwen3-MoE),
+"phi3" (fused attn_qkv and gate/up ffn_up, split by model_loader/family_weights.py as an HF
+checkpoint's; LongRoPE's factor tensors are refused), "gemma2" and "gemma3" (whose norm weights
+llama.cpp stores as 1 + w: 1 is taken off again, as transformers does). A mixture-of-experts layer's
+router is `ffn_gate_inp` [E, H] and its experts are merged tensors `ffn_gate_exps`, `ffn_up_exps`
+[E, I, H] and `ffn_down_exps` [E, H, I] (older Mixtral files: one `ffn_gate.N` ... per expert), cut
+here into each expert's HF-named rows (`mlp.experts.N.gate_proj.weight`), which family_weights.py
+stacks as for an HF checkpoint. Tensors are dequantized to
 float32 and renamed and reshaped so they equal what HF transformers loads from the same file,
 including undoing the row permutation that llama.cpp's converter applies to the q and k projections
 of "llama" models.
@@ -24,8 +28,11 @@ from llmserve.model_loader.errors import ModelLoadError, describe
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+# llama.cpp's name -> ours where they differ ("llama" with experts is Mixtral)
+_OUR_ARCHITECTURE = {"qwen3moe": "qwen3_moe"}
 _GEMMA = frozenset({"gemma2", "gemma3"})
+_MOE_ARCHITECTURES = frozenset({"llama", "qwen3moe"})  # "llama" with experts: Mixtral
 # llama.cpp's Gemma layouts: every `pattern`-th layer global, the others sliding; local rope base
 _GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
 # the 27B models' layer counts: llama.cpp scales their attention by 1/sqrt(hidden / heads)
@@ -33,7 +40,7 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # llama.cpp rotates adjacent pairs of q/k elements for "llama" (its "normal" rope) and converts HF's
 # rotate-half layout by permuting rows; "qwen2" uses the neox rope, which needs no permutation.
-_ROPE_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+_ROPE_PERMUTED_ARCHITECTURES = frozenset({"llama", "mixtral"})
 _GGUF_MAGIC = b"GGUF"
 
 _LAYER_TENSORS = {
@@ -48,6 +55,11 @@ _LAYER_TENSORS = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture-of-experts layer's router
+    # every expert's weights in one tensor [E, ...]: cut per expert by `expert_parts`
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GEMMA_LAYER_TENSORS = {
     **_LAYER_TENSORS,
@@ -58,6 +70,8 @@ _GEMMA_LAYER_TENSORS = {
 _PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # older Mixtral files
+_MERGED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\w+)\.weight")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
 
@@ -86,12 +100,13 @@ def _check_magic(path: str) -> None:
 def read_arch_config(reader: GGUFReader, path: str) -> ModelArchConfig:
     """The architecture, from llama.cpp's `{arch}.*` and `tokenizer.ggml.*` metadata keys."""
     arch = _architecture(reader, path)
+    experts = int(_optional(reader, f"{arch}.expert_count", 0))
     hidden = int(_required(reader, f"{arch}.embedding_length", path))
     heads = int(_required(reader, f"{arch}.attention.head_count", path))
     tensor_names = {tensor.name for tensor in reader.tensors}
     _reject_rope_frequency_factors(tensor_names, path)
     return ModelArchConfig(
-        architecture=arch,
+        architecture="mixtral" if arch == "llama" and experts else _OUR_ARCHITECTURE.get(arch, arch),
         vocab_size=_vocab_size(reader, arch, path),
         hidden_size=hidden,
         intermediate_size=int(_required(reader, f"{arch}.feed_forward_length", path)),
@@ -111,7 +126,25 @@ def read_arch_config(reader: GGUFReader, path: str) -> ModelArchConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         partial_rotary_factor=_partial_rotary_factor(reader, arch, hidden, heads, path),
         **(_gemma_fields(reader, arch, hidden, heads, path) if arch in _GEMMA else {}),
+        **(_moe_fields(reader, arch, experts, tensor_names, path) if experts else {}),
     )
+
+
+def _moe_fields(reader: GGUFReader, arch: str, experts: int, tensor_names: set[str], path: str) -> dict:
+    """The experts' count, top k and width (Mixtral's: feed_forward_length), whether the chosen
+    weights are renormalized (llama.cpp does for both families unless `expert_weights_norm` says
+    otherwise), and the layers without a router, which have a dense MLP."""
+    layers = int(_required(reader, f"{arch}.block_count", path))
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(_required(reader, f"{arch}.expert_used_count", path)),
+        "moe_intermediate_size": int(
+            _optional(reader, f"{arch}.expert_feed_forward_length")
+            or _required(reader, f"{arch}.feed_forward_length", path)
+        ),
+        "norm_topk_prob": bool(_optional(reader, f"{arch}.expert_weights_norm", True)),
+        "dense_layers": tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names),
+    }
 
 
 def _partial_rotary_factor(reader: GGUFReader, arch: str, hidden: int, heads: int, path: str) -> float:
@@ -167,7 +200,7 @@ def _architecture(reader: GGUFReader, path: str) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {supported})")
-    if _optional(reader, f"{arch}.expert_count", 0):  # Mixtral is filed as "llama" with experts
+    if _optional(reader, f"{arch}.expert_count", 0) and arch not in _MOE_ARCHITECTURES:
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r} with mixture-of-experts layers")
     return arch
 
@@ -230,12 +263,26 @@ def read_weights(reader: GGUFReader, arch: ModelArchConfig, path: str) -> dict[s
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} (an unsupported model variant)")
         array = _to_hf_layout(name, _dequantize(tensor, path), arch, path)
-        weights[name] = torch.from_numpy(array if array.flags.writeable else array.copy())
+        for part_name, part in expert_parts(name, array):
+            weights[part_name] = torch.from_numpy(part if part.flags.writeable else part.copy())
     return weights
+
+
+def expert_parts(name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A merged experts tensor (`mlp.experts.gate_proj.weight`, first axis the experts) as each
+    expert's HF name and rows (views); any other tensor as itself."""
+    match = _MERGED_EXPERTS.fullmatch(name)
+    if match is None:
+        return [(name, array)]
+    return [(f"{match[1]}.{expert}.{match[2]}.weight", array[expert]) for expert in range(len(array))]
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown tensors."""
+    match = _EXPERT_TENSOR.fullmatch(gguf_name)
+    if match:
+        layer, part, expert = match.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.weight"
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match:
         layer, part, kind = match.groups()

@@ -44,7 +44,8 @@ _HALF = 2  # bytes of a float16
 
 def read_quantized_tensors(path: str, arch: ModelArchConfig) -> dict[str, QuantizedWeight]:
     """Every tensor of the GGUF at `path` of a type read here (SUPPORTED_TYPES), under its HF name, in HF's
-    row order."""
+    row order; a merged experts tensor [E, rows, cols] as each expert's weight
+    (`mlp.experts.N.up_proj.weight`)."""
     reader = gguf_loader.open_gguf(path)
     weights: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
@@ -52,10 +53,11 @@ def read_quantized_tensors(path: str, arch: ModelArchConfig) -> dict[str, Quanti
         reader_fn = _READERS.get(tensor.tensor_type.name)
         if name is None or reader_fn is None:
             continue
-        rows, cols = (int(dim) for dim in reversed(tensor.shape))
+        *experts, rows, cols = (int(dim) for dim in reversed(tensor.shape))
         block = SUPER_BLOCK if tensor.tensor_type.name in _SUPER_BLOCK_TYPES else BLOCK
-        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, cols // block, -1)
-        weights[name] = _hf_rows(reader_fn(blocks), name, arch, path)
+        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(*experts, rows, cols // block, -1)
+        for part_name, part in gguf_loader.expert_parts(name, blocks):
+            weights[part_name] = _hf_rows(reader_fn(part), part_name, arch, path)
     return weights
 
 

@@ -486,8 +486,9 @@ def test_unsupported_gguf_models(tmp_path, cache_dir):
     writer.write_tensors_to_file()
     writer.close()
     assert "unsupported architecture 'gpt2'" in _load_error(load_arch_config, str(tmp_path / "gpt2.gguf"))
-    write_tiny_gguf(tmp_path / "moe.gguf", expert_count=8)
-    assert "mixture-of-experts" in _load_error(load_weights, str(tmp_path / "moe.gguf"), torch.float32)
+    write_tiny_gguf(tmp_path / "moe.gguf", arch="qwen2", expert_count=8)  # llama.cpp's Qwen2-MoE is qwen2moe
+    message = _load_error(load_weights, str(tmp_path / "moe.gguf"), torch.float32)
+    assert "unsupported architecture 'qwen2' with mixture-of-experts layers" in message
 
 
 def test_a_gguf_with_a_missing_tensor(tmp_path, cache_dir):

@@ -4,11 +4,9 @@ run, the router in float; against the same experts dequantized, in the layer and
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 
 from llmserve import LLM, SamplingParams
@@ -20,7 +18,7 @@ from llmserve.quantization.kernels import QuantizedLinear
 from llmserve.quantization.moe import ExpertKernel, QuantizedMoEExperts
 from llmserve.worker.memory_report import weights_memory_bytes
 from tests.e2e.conftest import teacher_forced_logits
-from tests.helpers import round_inputs_as_the_small_batch_kernels, rounding_hook
+from tests.quantization.moe_reference import dequantized_reference
 
 pytestmark = pytest.mark.cpu_kernels
 
@@ -149,52 +147,6 @@ def make_moe_dir(path: str, case: str) -> str:
     model.save_pretrained(path, safe_serialization=True)
     load_tokenizer(default_model_path()).hf.save_pretrained(path)
     return path
-
-
-def _round_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as the small-batch kernels read it: 8 bits per 32 columns, a step of max|x| / 127 per block."""
-    hook = rounding_hook(SimpleNamespace(takes=lambda rows, logits: True), False)
-    return hook(None, (x,))
-
-
-class RoundingExperts(torch.nn.Module):
-    """The float oracle of experts whose kernels take float32 rows (the AVX2 level): each expert's
-    1-8 rows have their inputs rounded as the kernel rounds them, more rows none."""
-
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        super().__init__()
-        self.gate_up, self.down = gate_up, down
-
-    def forward(self, hidden, weights, experts):
-        out = torch.zeros_like(hidden)
-        for expert in experts.unique().tolist():
-            token, slot = torch.nonzero(experts == expert, as_tuple=True)
-            small = len(token) <= 8
-            x = _round_rows(hidden[token]) if small else hidden[token]
-            gate, up = (x @ self.gate_up[expert].T).chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            y = (_round_rows(act) if small else act) @ self.down[expert].T
-            out.index_add_(0, token, y * weights[token, slot].unsqueeze(1))
-        return out
-
-
-def dequantized_reference(quantized: LLM, reference: LLM) -> None:
-    """Give the float engine's model the weights the quantized engine's kernels multiply by, and
-    round its layers' inputs where the quantized kernels round theirs (float32 at the AVX2 level)."""
-    quantized_model, float_model = quantized.engine.model_runner.model, reference.engine.model_runner.model
-    float_modules = dict(float_model.named_modules())
-    with torch.no_grad():
-        for name, module in quantized_model.named_modules():
-            if isinstance(module, QuantizedLinear):
-                float_modules[name].weight.copy_(module.kernel.dequantize(torch.float32))
-            elif isinstance(module, QuantizedMoEExperts):
-                gate_up, down = module.dequantize(torch.float32)
-                float_modules[name].gate_up_proj.copy_(gate_up)
-                float_modules[name].down_proj.copy_(down)
-                if torch.float32 in getattr(module.gate_up[0], "_takes", ()):
-                    parent, _, child = name.rpartition(".")
-                    setattr(float_model.get_submodule(parent), child, RoundingExperts(gate_up, down))
-    round_inputs_as_the_small_batch_kernels(float_model, quantized_model)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
