@@ -96,10 +96,13 @@ class DispatchPlan:
     @classmethod
     def of(cls, layout: ExpertLayout, table: torch.Tensor) -> DispatchPlan:
         """`table` [N, E]: pairs each rank routed to each expert (on every rank alike)."""
-        counts = table.tolist()  # the split sizes: the host needs them
+        starts = [layout.experts_of(r).start for r in range(layout.world_size)] + [layout.num_experts]
+        bounds = torch.tensor(starts, device=table.device)
+        running = torch.nn.functional.pad(table.cumsum(1), (1, 0))  # [N, E + 1]
+        # [N, N]: pairs rank s sends to rank d; the host needs them as split sizes
+        between = (running[:, bounds[1:]] - running[:, bounds[:-1]]).tolist()
+        send, recv = between[layout.rank], [row[layout.rank] for row in between]
         mine = layout.experts
-        send = [sum(counts[layout.rank][e] for e in layout.experts_of(r)) for r in range(layout.world_size)]
-        recv = [sum(row[e] for e in mine) for row in counts]
         held = torch.arange(len(mine), device=table.device).repeat(layout.world_size)
         local = held.repeat_interleave(table[:, mine.start : mine.stop].flatten())
         return cls(send_rows=send, recv_rows=recv, local_experts=local)
