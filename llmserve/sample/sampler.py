@@ -131,13 +131,21 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor, candidates: int) -> torch.
         sorted_logits = logits.topk(candidates, dim=-1).values
     else:
         sorted_logits = logits.sort(dim=-1, descending=True).values
-    probs = sorted_logits.softmax(dim=-1)
-    mass_above = probs.cumsum(dim=-1) - probs
     # the top token always stays: a top_p below float32's smallest value arrives here as 0
-    num_kept = (mass_above < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
+    num_kept = (mass_above(sorted_logits) < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
     threshold = sorted_logits.gather(1, num_kept - 1)
     threshold = threshold.masked_fill((top_p >= 1.0).unsqueeze(1), _NEG_INF)
     return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def mass_above(sorted_logits: torch.Tensor) -> torch.Tensor:
+    """Each token's share of the probability held by the tokens ranked above it (logits sorted in
+    descending order). Running sums in rank order, the total their last: a row's masked tail adds exact
+    zeros, so its bits do not depend on how many candidates the batch's other rows need (a softmax's
+    vectorized sum over the longer row would)."""
+    weights = (sorted_logits - sorted_logits[:, :1]).exp_()
+    running = weights.cumsum(dim=-1)
+    return (running - weights) / running[:, -1:]
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
