@@ -16,7 +16,9 @@ from llmserve import LLM, SamplingParams
 from llmserve.worker.executor import TensorParallelError
 from tests.distributed.conftest import ENGINE_KWARGS, assert_same_greedy, engine
 from tests.distributed.test_tensor_parallel import PROMPTS
+from tests.e2e.conftest import hf_greedy
 from tests.helpers import wait_until
+from tests.models.families import make_family_dir
 
 pytestmark = pytest.mark.ray
 
@@ -75,6 +77,21 @@ def test_an_actor_reports_its_own_rank_stats(two_nodes, tiny_llama_dir):
     assert rank1.pid == actor_pid != os.getpid()
     assert rank1.kv_num_blocks == stats[0].kv_num_blocks > 0 and rank1.kv_cache_bytes > 0
     assert rank1.exit_code is None
+
+
+def test_expert_parallel_across_two_nodes(two_nodes, tmp_path):
+    """Qwen3-MoE with --enable-expert-parallel, rank 1 an actor on the other node: transformers'
+    greedy tokens (the all-to-alls on gloo between the nodes), and the actor's expert load (its
+    half of the experts) reaches rank 0."""
+    hf = make_family_dir(str(tmp_path), "qwen3-moe-dense-layer")  # 8 experts
+    prompt = PROMPTS[2][:12]
+    kwargs = dict(tensor_parallel_size=2, enable_expert_parallel=True, **RAY_KWARGS)
+    with engine(str(tmp_path), max_model_len=128, **kwargs) as llm:
+        (output,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        stats = _wait_for_reports(llm, 2)
+    assert output.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
+    assert stats[1].first_expert == 4 and len(stats[1].expert_tokens) == 4
+    assert stats[1].all_to_all_bytes > 0
 
 
 def test_a_cluster_too_small_for_the_placement_group_is_one_line(two_nodes, tiny_llama_dir):
