@@ -83,7 +83,13 @@ class TierCounters:
     hits: int = 0  # blocks a prefix hit found here (not in the device pool)
     bytes_loaded: int = 0  # K/V bytes copied from here into the device pool
     bytes_stored: int = 0  # K/V bytes copied here
-    load_seconds: list[float] = field(default_factory=list)  # disk: each admission's reads; taken
+    load_seconds: list[float] = field(default_factory=list)  # disk: each admission's reads
+
+    def take_load_seconds(self) -> tuple[float, ...]:
+        """The load times since the last call."""
+        seconds = tuple(self.load_seconds)
+        self.load_seconds.clear()
+        return seconds
 
 
 class _LRU:

@@ -127,7 +127,9 @@ class LLMEngine:
         self.failed_requests: list[str] = []  # of the last step: their output processing raised
         self.failed_logits_requests: list[str] = []  # of the last step: a logits processor of theirs raised
         self.invariants = InvariantChecker(self.kv_cache_manager) if args.check_invariants else None
-        self.step_stats = StepStatsRecorder(self.scheduler, self.kv_cache_manager)
+        self.step_stats = StepStatsRecorder(
+            self.scheduler, self.kv_cache_manager, self.model_runner.kv_tier_store
+        )
         self._publish_kv_events = True  # False while warming up: a router must not see the warm-up
         self._measure_step_costs = True  # False while the warm-up builds kernels
         torch.manual_seed(self.config.model.seed)

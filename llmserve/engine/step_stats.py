@@ -10,13 +10,19 @@ from __future__ import annotations
 
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler, SchedulerOutput
-from llmserve.metrics.stats import StepStats
+from llmserve.metrics.stats import StepStats, TierStepStats
+from llmserve.worker.kv_tier_store import KVTierStore
 
 
 class StepStatsRecorder:
-    def __init__(self, scheduler: Scheduler, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self, scheduler: Scheduler, kv_cache_manager: KVCacheManager, kv_tier_store: KVTierStore | None = None
+    ) -> None:
+        """`kv_tier_store`: the model runner's side of the KV tiers (its RAM load times), if any."""
         self._scheduler = scheduler
         self._kv = kv_cache_manager
+        self._tier_store = kv_tier_store
+        self._tiers_reported: dict[str, tuple[int, int, int]] = {}  # tier -> counters in StepStats so far
         self._prefix_cache_reported = (0, 0)  # the cache manager's (queries, hits) in StepStats so far
         self._swap_preemptions_reported = 0  # the scheduler's swap preemptions in StepStats so far
 
@@ -48,6 +54,7 @@ class StepStatsRecorder:
             accepted_per_position=accepted_per_position(accepted),
             step_shape=tuple(scheduled.shape),
             step_cost=scheduler.cost_model.coefficients,
+            kv_tiers=self._tier_stats(),
         )
 
     def restart(self) -> None:
@@ -55,6 +62,23 @@ class StepStatsRecorder:
         kv = self._kv
         self._prefix_cache_reported = (kv.prefix_cache_queries, kv.prefix_cache_hits)
         self._swap_preemptions_reported = self._scheduler.preemptions_by_mode["swap"]
+        self._tier_stats()  # the warm-up's tier traffic is never reported
+
+    def _tier_stats(self) -> tuple[TierStepStats, ...]:
+        """Each KV tier's hits, bytes and load times since the last StepStats (none without tiers)."""
+        tiers = self._kv.pool.tiers
+        if tiers is None:
+            return ()
+        ram_seconds = self._tier_store.take_ram_load_seconds() if self._tier_store is not None else ()
+        stats = []
+        for name, counters in tiers.counters.items():
+            totals = (counters.hits, counters.bytes_loaded, counters.bytes_stored)
+            hits, loaded, stored = self._tiers_reported.get(name, (0, 0, 0))
+            self._tiers_reported[name] = totals
+            seconds = ram_seconds if name == "ram" else counters.take_load_seconds()
+            delta = (totals[0] - hits, totals[1] - loaded, totals[2] - stored)
+            stats.append(TierStepStats(name, *delta, load_seconds=seconds))
+        return tuple(stats)
 
     def _prefix_cache_delta(self) -> tuple[int, int]:
         """Prefix-cache (queries, hits) in tokens since the last StepStats."""

@@ -30,7 +30,11 @@ sample's tokens after its first), `request_inference_time_seconds`; `request_par
 and from the CPU swap space (`swapped_out_blocks`, `swapped_in_blocks`), with the gauges
 `num_requests_swapped` and `cpu_cache_usage_perc` (the swap space's use); speculative decoding counts
 `spec_decode_num_drafts` and `spec_decode_num_accepted_tokens_per_pos{position}` (requests whose draft
-at that position was accepted).
+at that position was accepted). The KV tiers under the prefix cache (--kv-offloading-size, core/kv_tiers.py)
+count per tier (`tier` = ram | disk) `kv_offload_hits` (blocks a prefix hit loaded instead of recomputing),
+`kv_offload_bytes{direction=load|store}` and the histogram `kv_offload_load_seconds` (ram: a step's
+copies to the device; disk: an admission's file reads and checks); their hits' tokens are in
+`prefix_cache_hits` too.
 
 The registry holds `llmserve:*` without labels of its own; a scrape (`render`) exports every family
 under `llmserve:` and vLLM's `vllm:` (or one of them: `metric_names`) with a `model_name` label on
@@ -60,7 +64,7 @@ from prometheus_client.registry import Collector
 
 from llmserve.metrics.export import exposition_registry
 from llmserve.metrics.ranks import RankStats
-from llmserve.metrics.stats import EngineGauges, StepStats
+from llmserve.metrics.stats import EngineGauges, StepStats, TierStepStats
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -257,6 +261,19 @@ class PrometheusMetrics:
         self.request_params_max_tokens = self.histogram(
             "request_params_max_tokens", "The max_tokens parameter of requests.", REQUEST_TOKEN_BUCKETS
         )
+        self.kv_offload_hits = self.counter(
+            "kv_offload_hits",
+            "KV blocks a prefix hit loaded from a tier (ram, disk) instead of recomputing.",
+            ["tier"],
+        )
+        self.kv_offload_bytes = self.counter(
+            "kv_offload_bytes",
+            "K/V bytes copied to (store) and from (load) a KV tier.",
+            ["tier", "direction"],
+        )
+        self.kv_offload_load_seconds = self.histogram(
+            "kv_offload_load_seconds", "Time loading blocks from a KV tier.", LATENCY_BUCKETS, ["tier"]
+        )
         self.spec_decode_num_drafts = self.counter(
             "spec_decode_num_drafts", "Speculative decoding: verification steps (one request) with drafts."
         )
@@ -332,12 +349,23 @@ class PrometheusMetrics:
         if stats.num_prefix_cache_queries:
             self.prefix_cache_queries.inc(stats.num_prefix_cache_queries)
             self.prefix_cache_hits.inc(stats.num_prefix_cache_hits)
+        for tier in stats.kv_tiers:
+            self._observe_tier(tier)
         if stats.num_draft_tokens:
             self.spec_decode_num_draft_tokens.inc(stats.num_draft_tokens)
             self.spec_decode_num_accepted_tokens.inc(stats.num_accepted_tokens)
             self.spec_decode_num_drafts.inc(stats.num_drafts)
             for position, count in enumerate(stats.accepted_per_position):
                 self.spec_decode_accepted_per_pos.labels(position=str(position)).inc(count)
+
+    def _observe_tier(self, tier: TierStepStats) -> None:
+        if tier.hits:
+            self.kv_offload_hits.labels(tier=tier.tier).inc(tier.hits)
+        for direction, count in (("load", tier.bytes_loaded), ("store", tier.bytes_stored)):
+            if count:
+                self.kv_offload_bytes.labels(tier=tier.tier, direction=direction).inc(count)
+        for seconds in tier.load_seconds:
+            self.kv_offload_load_seconds.labels(tier=tier.tier).observe(seconds)
 
     def _observe_output(self, output: RequestOutput, now: float) -> None:
         """`output` is a delta (RequestOutputKind.DELTA): its tokens and finish reasons are new."""

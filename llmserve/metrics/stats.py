@@ -9,6 +9,17 @@ from llmserve.outputs import SpecDecodeStats
 
 
 @dataclass(frozen=True)
+class TierStepStats:
+    """One KV tier's share of a step (core/kv_tiers.py): what moved and how long loads took."""
+
+    tier: str  # "ram" or "disk"
+    hits: int = 0  # KV blocks a prefix hit loaded from this tier instead of recomputing
+    bytes_loaded: int = 0  # K/V bytes copied from it into the device pool
+    bytes_stored: int = 0  # K/V bytes copied to it
+    load_seconds: tuple[float, ...] = ()  # ram: each step's copies; disk: each admission's file reads
+
+
+@dataclass(frozen=True)
 class StepStats:
     num_running: int  # requests running after the step
     num_waiting: int  # requests waiting (new or preempted) after the step
@@ -33,6 +44,7 @@ class StepStats:
     # the engine's step-time model after the step (core/step_cost.py StepCost), read by the server's
     # admission and watchdog; None until fitted
     step_cost: tuple[float, ...] | None = None
+    kv_tiers: tuple[TierStepStats, ...] = ()  # --kv-offloading-size: each tier's step (none without)
 
 
 @dataclass(frozen=True)

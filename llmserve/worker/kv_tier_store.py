@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -77,16 +78,24 @@ class KVTierStore:
             pin_memory=self.device.type == "cuda",
         )
         self.disk_writable = disk_dir is not None
+        self._ram_load_seconds: list[float] = []  # each step's RAM-to-device copies
+
+    def take_ram_load_seconds(self) -> tuple[float, ...]:
+        """The RAM tier's load times since the last call (the engine's step stats take them)."""
+        seconds = tuple(self._ram_load_seconds)
+        self._ram_load_seconds.clear()
+        return seconds
 
     @torch.inference_mode()
     def apply(self, ops: list[TierOp]) -> None:
         """Run the plan's tier ops in order."""
+        start, loaded = time.monotonic(), False
         for kind, run in itertools.groupby(ops, key=lambda op: op.kind):
             run = list(run)
             if kind == "save":
                 self.ram[:, :, [op.slot for op in run]] = self.kv_blocks[:, :, [op.block for op in run]].cpu()
             elif kind == "load":
-                slots = [op.slot for op in run]
+                slots, loaded = [op.slot for op in run], True
                 self.kv_blocks[:, :, [op.block for op in run]] = self.ram[:, :, slots].to(self.device)
             elif kind == "load_bytes":
                 for op in run:
@@ -94,6 +103,10 @@ class KVTierStore:
             else:
                 for op in run:
                     (self._write if kind == "demote" else self._delete)(op)
+        if loaded:  # the whole op list: a copy to the device may wait for the saves before it
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._ram_load_seconds.append(time.monotonic() - start)
 
     def _from_bytes(self, payload: bytes) -> torch.Tensor:
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)

@@ -66,13 +66,27 @@ def counters(llm: LLM):
     return llm.engine.kv_cache_manager.pool.tiers.counters
 
 
-def test_evicted_prefix_hits_from_ram_with_the_same_tokens(tiny, prompts, expected):
+def test_evicted_prefix_hits_from_ram_with_the_same_tokens_and_step_stats(
+    tiny, prompts, expected, monkeypatch
+):
     llm = tiered(tiny, ram_blocks=64)
     first = one_by_one(llm, prompts)  # each prompt evicts the ones before it from the 12-block pool
+    steps, engine_step = [], llm.engine.step
+
+    def step():
+        outputs = engine_step()
+        steps.append(llm.engine.last_step)
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", step)
     again = one_by_one(llm, prompts)
     assert tokens(first) == expected and tokens(again) == expected
-    assert [o.num_cached_tokens for o in again] == [PREFIX] * len(prompts)
+    assert [o.num_cached_tokens for o in again] == [PREFIX] * len(prompts)  # usage's cached_tokens
     assert counters(llm)["ram"].hits == 4 * len(prompts) and counters(llm)["disk"].hits == 0
+    ram = [tier for stats in steps if stats is not None for tier in stats.kv_tiers if tier.tier == "ram"]
+    assert sum(tier.hits for tier in ram) == 4 * len(prompts)
+    assert sum(tier.bytes_loaded for tier in ram) == 4 * len(prompts) * BLOCK_BYTES
+    assert sum(len(tier.load_seconds) for tier in ram) == len(prompts)  # one step of loads per prompt
 
 
 @pytest.mark.full  # tests/core/test_kv_tiers.py checks the same at the scheduler's level

@@ -16,6 +16,9 @@ LLMSERVE_ONLY = {  # exported under vllm: as well, for one scrape config, but vL
     "vllm:swapped_out_blocks",
     "vllm:swapped_in_blocks",
     "vllm:iteration_batch_size",
+    "vllm:kv_offload_hits",  # llmserve's RAM / disk tiers (vLLM counts its connector's under external_*)
+    "vllm:kv_offload_bytes",
+    "vllm:kv_offload_load_seconds",
 }
 
 
