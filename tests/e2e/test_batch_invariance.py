@@ -17,6 +17,7 @@ import random
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.entrypoints.openai.server_info import server_info
 from tests.helpers import make_tiny_llama_dir
 
 pytestmark = pytest.mark.cpu_kernels
@@ -73,7 +74,19 @@ def test_batched_with_other_prompts(tiny_dir, alone):
     dtype, prompts, expected = alone
     llm = engine(tiny_dir, dtype, prefix_caching=False, max_num_batched_tokens=4096, max_model_len=512)
     assert results(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
-    assert llm.engine.batch_invariance == ()
+    info = server_info("tiny", llm.engine.config, llm.engine.tokenizer, None, llm.engine.batch_invariance)
+    assert info.batch_invariant and info.batch_invariance_reasons == []
+
+
+def test_server_info_names_what_is_not_invariant_and_the_flag_is_checked(tiny_dir):
+    llm = engine(tiny_dir, "float32", deterministic=False)
+    info = server_info("tiny", llm.engine.config, llm.engine.tokenizer, None, llm.engine.batch_invariance)
+    assert info.batch_invariant is False
+    assert info.batch_invariance_reasons[0] == "--deterministic is off"
+    assert any("prefill kernel" in reason for reason in info.batch_invariance_reasons)
+    assert server_info("tiny", llm.engine.config, llm.engine.tokenizer).batch_invariant is None  # unknown
+    with pytest.raises(ValueError, match="cpu_paged"):
+        engine(tiny_dir, "float32", attention_backend="torch")
 
 
 @pytest.mark.parametrize(

@@ -155,6 +155,7 @@ def test_the_engine_process_says_warming_before_ready_unless_told_not_to(tiny_mo
             first = outputs.recv()
         assert isinstance(first, EngineReady)
         assert first.memory.weights_memory_bytes > 0  # the loaded model's, measured in the engine process
+        assert first.batch_invariance[0] == "--deterministic is off"  # why not (worker/batch_invariance.py)
         commands.send([Shutdown()])
         process.join(60)
         assert process.exitcode == 0
