@@ -146,6 +146,19 @@ def test_a_finished_requests_output_serves_the_next_request():
     assert proposer.recent.tokens().tolist() == [30, 31, 32, 33, 34, 35, 36, SEPARATOR]
 
 
+def test_no_work_for_a_request_before_its_first_token_leaves():
+    """The step that finished a prompt returns its first token right after the proposer: the prompt
+    is copied into its history only at its first decode."""
+    live = {}
+    proposer = SuffixProposer(_suffix_config(), live)
+    request = live["r"] = _state("r", [5, 6, 5, 6, 5], [])
+    assert proposer.propose(SampledBatch([request], [[6]], torch.zeros(1, 1))) == {"r": None}
+    assert not proposer._histories
+    request.all_token_ids += [6]
+    proposals = proposer.propose(SampledBatch([request], [[5]], torch.zeros(1, 1)))
+    assert proposals == {"r": DraftProposal(7, [6, 5, 6, 5])}
+
+
 def test_a_seeded_sampling_request_drafts_from_its_own_text_only():
     """Its draws depend on its drafts: its seed must give the same tokens whatever ran before."""
     live = {}

@@ -140,6 +140,9 @@ class SuffixProposer:
         proposals: dict[str, DraftProposal | None] = {}
         recent, none = self.recent.tokens(), np.empty(0, dtype=np.int32)
         for index, request in enumerate(batch.requests):
+            if request.num_output_tokens == 0:  # its first token leaves with this step: no work for it yet
+                proposals[request.request_id] = None
+                continue
             context = self._append(request, batch.new_token_ids[index])
             params = request.sampling_params
             k = batch.draft_limit(index, self.config.drafts_for(params))
