@@ -23,7 +23,7 @@ from llmserve.spec_decode.proposers.suffix import (
     most_frequent_path,
 )
 
-from .conftest import PROMPTS, assert_no_leaks, greedy, make_llm, token_ids
+from .conftest import PROMPTS, assert_no_leaks, greedy, make_llm, spec_kwargs, token_ids
 
 
 def _ids(tokens: list[int]) -> np.ndarray:
@@ -117,7 +117,7 @@ def test_recent_outputs_memory_stays_bounded():
     for _ in range(500):
         recent.add(rng.integers(0, 1000, size=int(rng.integers(1, 50)), dtype=np.int32))
         assert recent.num_tokens <= 4 * 50
-        assert len(recent._buffer._data) <= 4 * 4 * 50
+        assert recent.capacity <= 4 * 4 * 50
     assert len(recent) == 4
 
 
@@ -153,7 +153,7 @@ def test_no_work_for_a_request_before_its_first_token_leaves():
     proposer = SuffixProposer(_suffix_config(), live)
     request = live["r"] = _state("r", [5, 6, 5, 6, 5], [])
     assert proposer.propose(SampledBatch([request], [[6]], torch.zeros(1, 1))) == {"r": None}
-    assert not proposer._histories
+    assert proposer.history("r") is None
     request.all_token_ids += [6]
     proposals = proposer.propose(SampledBatch([request], [[5]], torch.zeros(1, 1)))
     assert proposals == {"r": DraftProposal(7, [6, 5, 6, 5])}
@@ -179,10 +179,10 @@ def test_a_requests_own_text_grows_by_its_new_tokens():
     request.all_token_ids += [8]  # the step's token appended, as apply_plan does
     proposals = proposer.propose(SampledBatch([request], [[1, 2]], torch.zeros(1, 1)))  # 1 draft accepted
     assert proposals == {"r": DraftProposal(11, [3, 4, 5, 6])}
-    assert proposer._histories["r"].tokens.view().tolist() == [1, 2, 3, 4, 5, 6, 7, 9, 8, 1, 2]
+    assert proposer.history("r").tolist() == [1, 2, 3, 4, 5, 6, 7, 9, 8, 1, 2]
     del live["r"]
     proposer.propose(SampledBatch([], [], torch.zeros(0, 1)))
-    assert not proposer._histories and len(proposer.recent) == 0  # max_cached_requests 0: kept nowhere
+    assert proposer.history("r") is None and len(proposer.recent) == 0  # max_cached_requests 0: kept nowhere
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -302,3 +302,19 @@ def test_suffix_with_chunked_prefill_and_prefix_caching_equals_no_speculation(ta
     assert len(llm.engine.proposer.recent) > 0
     assert llm.engine.spec_decode_stats.num_accepted_tokens > first > 0
     assert_no_leaks(llm)
+
+
+def test_adaptive_k_proposes_fewer_drafts_where_they_are_rejected(target_dir, other_draft_dir, reference_llm):
+    """A draft model that is rarely right (another random model): with adaptive K the verify passes
+    carry fewer drafts than K on average, and the tokens are plain decoding's either way."""
+    reference = token_ids(reference_llm.generate(PROMPTS[:2], greedy(), use_tqdm=False))
+    per_pass = []
+    for adaptive in (True, False):
+        kwargs = spec_kwargs("draft", target_dir, other_draft_dir)
+        llm = make_llm(target_dir, num_speculative_tokens=5, speculative_adaptive_k=adaptive, **kwargs)
+        assert token_ids(llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)) == reference
+        stats = llm.engine.spec_decode_stats
+        assert stats.acceptance_rate < 0.5
+        per_pass.append(stats.num_draft_tokens / stats.num_drafts)
+        assert_no_leaks(llm)
+    assert per_pass[0] < 3 < per_pass[1]

@@ -45,6 +45,11 @@ class TokenBuffer:
     def __len__(self) -> int:
         return self._size
 
+    @property
+    def capacity(self) -> int:
+        """Tokens it has room for before it grows."""
+        return len(self._data)
+
     def view(self) -> np.ndarray:
         return self._data[: self._size]
 
@@ -82,6 +87,11 @@ class RecentOutputs:
     def num_tokens(self) -> int:
         """Tokens kept, separators included."""
         return len(self._buffer) - self._start
+
+    @property
+    def capacity(self) -> int:
+        """Tokens its buffer has room for: its memory."""
+        return self._buffer.capacity
 
     def tokens(self) -> np.ndarray:
         return self._buffer.view()[self._start :]
@@ -152,6 +162,11 @@ class SuffixProposer:
             drafts = self.search.drafts(context, searched, k) if k > 0 else []
             proposals[request.request_id] = DraftProposal(batch.num_tokens(index), drafts) if drafts else None
         return proposals
+
+    def history(self, request_id: str) -> np.ndarray | None:
+        """The tokens of a live request it holds (prompt and output so far); None before its first decode."""
+        history = self._histories.get(request_id)
+        return None if history is None else history.tokens.view()
 
     def _append(self, request: CachedRequestState, new_token_ids: list[int]) -> np.ndarray:
         """The request's tokens including this step's, appending to its history what it lacks."""
