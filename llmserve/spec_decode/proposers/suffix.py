@@ -148,7 +148,7 @@ class SuffixProposer:
     def propose(self, batch: SampledBatch) -> dict[str, DraftProposal | None]:
         self._retire_finished()
         proposals: dict[str, DraftProposal | None] = {}
-        recent, none = self.recent.tokens(), np.empty(0, dtype=np.int32)
+        recent = self.recent.tokens()
         for index, request in enumerate(batch.requests):
             if request.num_output_tokens == 0:  # its first token leaves with this step: no work for it yet
                 proposals[request.request_id] = None
@@ -158,7 +158,7 @@ class SuffixProposer:
             k = batch.draft_limit(index, self.config.drafts_for(params))
             # A seeded sampling request's draws depend on its drafts: from its own text only, so that
             # its seed gives the same tokens whatever other requests ran before.
-            searched = recent if params.seed is None or params.is_greedy else none
+            searched = recent if params.seed is None or params.is_greedy else recent[:0]
             drafts = self.search.drafts(context, searched, k) if k > 0 else []
             proposals[request.request_id] = DraftProposal(batch.num_tokens(index), drafts) if drafts else None
         return proposals
