@@ -39,6 +39,7 @@ AVX2_ENV := LLMSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AV
 AVX2_TESTS := tests/kernels tests/attention tests/quantization tests/models/test_decode_stack.py \
 	tests/distributed/test_quantized_tensor_parallel.py tests/e2e/test_logits_precision.py \
 	tests/e2e/test_greedy_vs_hf.py::test_batch_of_mixed_length_prompts_matches_hf_float32 \
+	tests/e2e/test_batch_invariance.py::test_batched_with_other_prompts \
 	tests/entrypoints/test_server_lifecycle.py::test_default_model_smoke tests/lora/test_lora_vs_peft.py
 test-avx2: venv
 	$(AVX2_ENV) $(BIN)/python -m pytest -q -x -rs --durations=10 $(AVX2_TESTS)
