@@ -3,27 +3,30 @@ run, the router in float; against the same experts dequantized, in the layer and
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import transformers
 
 from llmserve import LLM, SamplingParams
+from llmserve.cli.main import main
 from llmserve.config import EngineArgs
-from llmserve.model_loader import default_model_path, load_tokenizer
+from llmserve.model_loader import load_arch_config
 from llmserve.models.layers.moe import MoEExperts
 from llmserve.quantization.formats import quantize_int4, quantize_int8
 from llmserve.quantization.kernels import QuantizedLinear
 from llmserve.quantization.moe import ExpertKernel, QuantizedMoEExperts
 from llmserve.worker.memory_report import weights_memory_bytes
 from tests.e2e.conftest import teacher_forced_logits
+from tests.models.moe_gguf import VOCAB, write_moe_gguf
 from tests.quantization.moe_reference import dequantized_reference
 
 pytestmark = pytest.mark.cpu_kernels
 
 EXPERTS, HIDDEN, UNITS = 8, 64, 96
-QUANTIZERS = {"int8": quantize_int8, "int4": lambda weight: quantize_int4(weight, 32)}
+QUANTIZERS = {
+    "int8": quantize_int8,  # one scale per row (int8-rtn)
+    "int8-g16": lambda weight: quantize_int8(weight, 16),  # GGUF Q6_K's groups
+    "int4": lambda weight: quantize_int4(weight, 32),
+}
 
 
 def _quantized_layer(kind: str, dtype: torch.dtype) -> tuple[QuantizedMoEExperts, MoEExperts]:
@@ -53,7 +56,7 @@ def _unbalanced_routing(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return weights / weights.sum(-1, keepdim=True), chosen
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", list(QUANTIZERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 20])
 def test_quantized_experts_equal_their_dequantized_weights(kind, dtype, tokens):
@@ -99,94 +102,82 @@ def test_quantized_experts_hold_only_their_packed_bytes(kind):
 
 
 # -- through the engine ----------------------------------------------------------------------------
+# float32 GGUF files of tiny Mixtral and Qwen3-MoE models (small vocabularies: quick to load), quantized
+# at start-up as any float model (the HF directory path loads to the same modules: test_families.py)
 
-CASES = {
-    "mixtral": (
-        transformers.MixtralConfig,
-        transformers.MixtralForCausalLM,
-        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
-    ),
-    "qwen3_moe": (  # layer 1 dense
-        transformers.Qwen3MoeConfig,
-        transformers.Qwen3MoeForCausalLM,
-        dict(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            mlp_only_layers=[1],
-            norm_topk_prob=True,
-        ),
-    ),
-}
-TINY = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    bos_token_id=1,
-    eos_token_id=None,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-)
+ENGINE = dict(dtype="float32", max_model_len=128, kv_cache_memory="8MiB", enforce_eager=True)
 
 
-def make_moe_dir(path: str, case: str) -> str:
-    config_cls, model_cls, extra = CASES[case]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**{**TINY, **extra})).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0, 0.2)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    load_tokenizer(default_model_path()).hf.save_pretrained(path)
-    return path
+@pytest.fixture(scope="module", params=["llama", "qwen3moe"])
+def moe_file(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf"
+    write_moe_gguf(path, request.param)
+    return request.param, str(path)
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def moe_dir(request, tmp_path_factory):
-    return request.param, make_moe_dir(str(tmp_path_factory.mktemp(request.param)), request.param)
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("method", ["int4", "int8-rtn"])
-def test_quantized_moe_engine_matches_its_dequantized_weights(moe_dir, method):
+def test_quantized_moe_engine_matches_its_dequantized_weights(moe_file, method):
     """Every expert and decoder linear quantized, routers in float; the prompt's logits and greedy
     tokens equal a float run of the dequantized weights (float32)."""
-    case, path = moe_dir
-    args = dict(dtype="float32", max_model_len=128, kv_cache_memory="8MiB", enforce_eager=True)
-    quantized, reference = LLM(path, quantization=method, **args), LLM(path, **args)
+    _, path = moe_file
+    quantized, reference = LLM(path, quantization=method, **ENGINE), LLM(path, **ENGINE)
     try:
-        model = quantized.engine.model_runner.model
-        modules = dict(model.named_modules())
-        assert isinstance(modules["model.layers.0.mlp.experts"], QuantizedMoEExperts)
+        modules = dict(quantized.engine.model_runner.model.named_modules())
+        assert all(
+            isinstance(modules[f"model.layers.{i}.mlp.experts"], QuantizedMoEExperts) for i in range(2)
+        )
         assert type(modules["model.layers.0.mlp.gate"]) is not QuantizedLinear  # the router stays float
         assert not any(isinstance(m, MoEExperts) for m in modules.values())
-        if case == "qwen3_moe":  # the dense layer's MLP is quantized as any linear
-            assert isinstance(modules["model.layers.1.mlp.down_proj"], QuantizedLinear)
+        assert isinstance(modules["model.layers.1.self_attn.o_proj"], QuantizedLinear)
         dequantized_reference(quantized, reference)
-        tokens = torch.randint(3, 49152, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+        tokens = _prompt(3, 24)
         ours, expected = teacher_forced_logits(quantized, tokens), teacher_forced_logits(reference, tokens)
         torch.testing.assert_close(ours, expected, atol=2e-2 * expected.abs().max().item(), rtol=0)
-        params = SamplingParams(temperature=0, max_tokens=12)
         prompts = [tokens[:9], tokens[5:]]
-        got = [o.outputs[0].token_ids for o in quantized.generate(prompts, params, use_tqdm=False)]
-        want = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
-        assert got == want
+        assert _greedy(quantized, prompts) == _greedy(reference, prompts)
     finally:
         quantized.shutdown()
         reference.shutdown()
 
 
 @pytest.mark.parametrize("method", ["int8", "gptq", "awq"])
-def test_calibrated_methods_refuse_expert_layers_in_one_line(moe_dir, method):
-    from llmserve.model_loader import load_arch_config
-
-    _, path = moe_dir
+def test_calibrated_methods_refuse_expert_layers_in_one_line(moe_file, method):
+    _, path = moe_file
     with pytest.raises(ValueError, match=f"quantization {method} does not apply to mixture-of-experts"):
         EngineArgs(model=path, quantization=method).create_config(load_arch_config(path), path)
+
+
+def test_a_saved_moe_checkpoint_reloads_the_same_experts(tmp_path):
+    """`llmserve quantize` saves every expert's weight (one entry per expert); `--quantization DIR`
+    puts them back: the same codes and the same greedy tokens as quantizing at start-up."""
+    path = str(tmp_path / "tiny-qwen3moe.gguf")
+    write_moe_gguf(path, "qwen3moe")
+    output = str(tmp_path / "int4")
+    assert main(["quantize", "--model", path, "--quantization", "int4", "--output", output]) == 0
+    direct, saved = LLM(path, quantization="int4", **ENGINE), LLM(path, quantization=output, **ENGINE)
+    try:
+        llms = (direct, saved)
+        experts = [
+            dict(llm.engine.model_runner.model.named_modules())["model.layers.0.mlp.experts"] for llm in llms
+        ]
+        for a, b in zip(experts[0].dequantize(), experts[1].dequantize(), strict=True):
+            assert torch.equal(a, b)
+        prompts = [_prompt(5, 9)]
+        assert _greedy(direct, prompts) == _greedy(saved, prompts)
+    finally:
+        direct.shutdown()
+        saved.shutdown()
