@@ -14,11 +14,20 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.distributed.expert_parallel import total_expert_load
 from tests.e2e.conftest import hf_greedy
+from tests.helpers import wait_until
 from tests.models.families import CASES, VOCAB, make_family_dir
 
 pytestmark = pytest.mark.process
 
 PROMPT_LENGTHS, MAX_TOKENS = (20, 7), (12, 4)
+
+
+def _rank1_report(llm):
+    def reported():
+        report = llm.engine.rank_stats()[1]
+        return report if report.num_steps else None
+
+    return wait_until(reported, 30, "rank 1's report of a step")
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
@@ -39,6 +48,7 @@ def test_two_ranks_give_transformers_greedy_tokens(tmp_path, case, expert_parall
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         first_expert, tokens, sent = total_expert_load(llm.engine.model_runner.model)
+        rank1 = _rank1_report(llm)
     finally:
         llm.shutdown()
     for prompt, output, max_tokens in zip(prompts, outputs, MAX_TOKENS, strict=True):
@@ -47,11 +57,14 @@ def test_two_ranks_give_transformers_greedy_tokens(tmp_path, case, expert_parall
     if expert_parallel:  # rank 0 holds the first half of the experts and sent rows to rank 1
         assert first_expert == 0 and len(tokens) == num_experts // 2
         assert sum(tokens) > 0 and sent > 0
+        # rank 1's report, up its start-up pipe: the other half
+        assert rank1.first_expert == num_experts // 2 and len(rank1.expert_tokens) == num_experts // 2
     else:  # every rank routes every token to top-2 experts in every expert layer
         expert_layers = 3 - ("qwen3" in case)  # Qwen3-MoE's layer 1 is dense
         fed = sum(PROMPT_LENGTHS) + sum(MAX_TOKENS) - len(MAX_TOKENS)
         assert len(tokens) == num_experts and sent == 0
         assert sum(tokens) >= 2 * expert_layers * fed
+        assert rank1.first_expert == 0 and len(rank1.expert_tokens) == num_experts
 
 
 def test_expert_parallel_pipeline_stages_give_transformers_greedy_tokens(tmp_path):
