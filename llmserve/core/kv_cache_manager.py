@@ -230,6 +230,12 @@ class KVCacheManager:
             self.pool.cache_block(block, block_hash, tokens)
         return entries
 
+    def tier_hit_ready(self, request: Request, computed_blocks: list[int]) -> bool:
+        """Whether the hit's blocks on disk have been read (their reads start now if not: the request
+        waits while the steps go on, core/kv_tiers.py); True for a hit without tier blocks."""
+        loads = [index for index, block in enumerate(computed_blocks) if block == TIER_BLOCK]
+        return not loads or self.pool.tiers.ready(self._tier_keys(request, loads))
+
     def take_tier_ops(self) -> list[TierOp]:
         """The tiers' copies since the last call, for the step plan (empty without tiers)."""
         return self.pool.tiers.take_ops() if self.pool.tiers is not None else []

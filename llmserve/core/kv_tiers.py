@@ -16,11 +16,11 @@ forward, in order: each reads the state the ops before it left, so a save reads 
 overwrites it, and a demote reads a slot before a save reuses it. Entries a hit is loading from are
 pinned while its blocks are allocated (an allocation evicts, and an eviction takes a RAM slot).
 
-Loads are synchronous at schedule time: a disk hit's file is read and verified (core/kv_block_file.py)
-when the request is admitted, and both kinds of load run before the step. A failed read drops the entry
-and refuses that admission; the next step's lookup finds the shorter hit. The interface is the one an
-asynchronous loader needs (a hit is a list of sources, the loads are ops the runner runs), which is
-not done yet (docs/kv_cache.md).
+Disk reads run in the background: a request whose hit has blocks on disk starts their reads (a thread
+reads and verifies each file, core/kv_block_file.py) and waits in the queue while the steps go on
+without it; once every read is done it is admitted and its loads run before its first step like any
+copy. A failed read drops the entry and refuses that admission; the next lookup finds the shorter hit.
+Copies between RAM and the device are not overlapped with the forward (they run before it).
 
 KV events: a block that moves to a tier stays in the set of hashes the engine can hit, so its eviction
 from the device is not reported; `BlockRemoved` (medium of the tier it left last) comes when no tier
@@ -34,6 +34,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("llmserve")
 
 TIER_BLOCK = -2  # a prefix-hit entry whose KV waits in a tier: it gets a fresh block and a load
+_MAX_IDLE_READS = 4096  # reads done but never loaded (their request went away) kept at most
 MEDIUM_DISK = "DISK"
 TierName = Literal["ram", "disk"]
 Key = tuple[bytes, tuple[int, ...]]  # (block hash, its tokens)
@@ -74,6 +76,7 @@ class TierSpec:
     disk_blocks: int  # block files the disk tier keeps
     model_key: bytes  # kv_block_file.fingerprint of everything that changes a block's bytes
     block_bytes: int  # K/V bytes of one block (a file's payload)
+    disk_read_threads: int = 1  # threads reading files in the background; 0: read at once, in the caller
 
 
 @dataclass
@@ -83,13 +86,21 @@ class TierCounters:
     hits: int = 0  # blocks a prefix hit found here (not in the device pool)
     bytes_loaded: int = 0  # K/V bytes copied from here into the device pool
     bytes_stored: int = 0  # K/V bytes copied here
-    load_seconds: list[float] = field(default_factory=list)  # disk: each admission's reads
+    load_seconds: list[float] = field(default_factory=list)  # disk: each file's read and check
 
     def take_load_seconds(self) -> tuple[float, ...]:
         """The load times since the last call."""
-        seconds = tuple(self.load_seconds)
-        self.load_seconds.clear()
-        return seconds
+        seconds, self.load_seconds = self.load_seconds, []  # a reader thread appends to the list
+        return tuple(seconds)
+
+
+class _InlineExecutor(Executor):
+    """Runs each read at once, in the caller (disk_read_threads = 0)."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
 
 
 class _LRU:
@@ -122,8 +133,16 @@ class KVTiers:
         self.ops: list[TierOp] = []
         self.counters: dict[TierName, TierCounters] = {"ram": TierCounters(), "disk": TierCounters()}
         self._unflushed: set[bytes] = set()  # files whose write is an op not yet run
+        self._reads: dict[bytes, Future[bytes | None]] = {}  # disk blocks being read, or read, not loaded
+        self._reader: Executor | None = None
         if spec.disk_dir is not None:
             self._rebuild_disk_index(spec.disk_dir)
+            threads = spec.disk_read_threads
+            self._reader = (
+                ThreadPoolExecutor(threads, thread_name_prefix="kv-disk-read")
+                if threads
+                else _InlineExecutor()
+            )
 
     def _rebuild_disk_index(self, directory: Path) -> None:
         """Index the folder's files of this model (a restart gets hits at once), oldest first; files
@@ -146,40 +165,58 @@ class KVTiers:
             return True
         return block_hash not in self._unflushed and self.disk.get(block_hash, tokens) is not None
 
+    def ready(self, keys: list[Key]) -> bool:
+        """Whether the hit's blocks on disk have been read; reads not started yet start now, in the
+        background (the request waits, the steps go on)."""
+        done = True
+        for block_hash, tokens in keys:
+            if self._reader is None or self.ram.get(block_hash, tokens) is not None:
+                continue
+            future = self._reads.get(block_hash)
+            if future is None:
+                future = self._reader.submit(self._read_file, block_hash, tokens)
+                self._reads[block_hash] = future
+            done = done and future.done()
+        return done
+
     def fetch(self, keys: list[Key]) -> list[int | bytes] | None:
-        """Each block's source: its RAM slot, or its file's verified bytes; None (and the entries that
-        failed dropped, so the next lookup stops before them) if any is gone or its file is bad."""
+        """Each block's source: its RAM slot, or its file's verified bytes (read now if `ready` did
+        not start it); None (and the entries that failed dropped, so the next lookup stops before
+        them) if any is gone or its file is bad."""
         sources: list[int | bytes] = []
-        start, read = time.monotonic(), False
         for block_hash, tokens in keys:
             slot = self.ram.get(block_hash, tokens)
-            if slot is not None:
-                sources.append(slot)
-                continue
-            payload = self._read_file(block_hash, tokens)
-            read = True
-            if payload is None:
+            source = slot if slot is not None else self._take_read(block_hash, tokens)
+            if source is None:
                 return None
-            sources.append(payload)
-        if read:
-            self.counters["disk"].load_seconds.append(time.monotonic() - start)
+            sources.append(source)
         return sources
 
-    def _read_file(self, block_hash: bytes, tokens: tuple[int, ...]) -> bytes | None:
+    def _take_read(self, block_hash: bytes, tokens: tuple[int, ...]) -> bytes | None:
+        """A disk block's bytes as its read found them; a failed read drops the block from the tier."""
         directory = self.spec.disk_dir
+        future = self._reads.pop(block_hash, None)
         if directory is None or self.disk.get(block_hash, tokens) is None or block_hash in self._unflushed:
             return None
-        path = kv_block_file.block_path(directory, block_hash)
-        payload = kv_block_file.read_block(path, self.spec.model_key, block_hash, tokens)
-        if payload is None or len(payload) != self.spec.block_bytes:
+        payload = future.result() if future is not None else self._read_file(block_hash, tokens)
+        if payload is None:
             # a missing file is a write that failed (logged then); a bad one is news
+            path = kv_block_file.block_path(directory, block_hash)
             log = logger.warning if path.exists() else logger.debug
             log("KV disk tier: the file of block %s is missing or corrupt; recomputing it", block_hash.hex())
             del self.disk.entries[block_hash]
             self.ops.append(TierOp("delete", block_hash=block_hash))
             self._gone(block_hash, MEDIUM_DISK)
-            return None
         return payload
+
+    def _read_file(self, block_hash: bytes, tokens: tuple[int, ...]) -> bytes | None:
+        """The file's K/V bytes if it is whole and this block's (a reader thread runs this: it touches
+        nothing but the file and its counter's list)."""
+        start = time.monotonic()
+        path = kv_block_file.block_path(self.spec.disk_dir, block_hash)
+        payload = kv_block_file.read_block(path, self.spec.model_key, block_hash, tokens)
+        self.counters["disk"].load_seconds.append(time.monotonic() - start)
+        return payload if payload is not None and len(payload) == self.spec.block_bytes else None
 
     @contextlib.contextmanager
     def pinned(self, keys: list[Key]) -> Iterator[None]:
@@ -260,6 +297,8 @@ class KVTiers:
         """The copies decided since the last call, in order (the step plan carries them)."""
         ops, self.ops = self.ops, []
         self._unflushed.clear()
+        if len(self._reads) > _MAX_IDLE_READS:  # reads of requests that went away before loading them
+            self._reads = {h: future for h, future in self._reads.items() if not future.done()}
         return ops
 
     def reset(self) -> None:

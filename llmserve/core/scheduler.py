@@ -320,6 +320,8 @@ class Scheduler:
                 budget -= output.plan.num_scheduled_tokens[request.request_id]
                 continue
             cached_blocks = self.kv_cache.get_computed_blocks(request)
+            if not self.kv_cache.tier_hit_ready(request, cached_blocks):
+                continue  # its hit's blocks are being read from disk: the requests after it go first
             num_cached = self.kv_cache.num_cached_tokens(cached_blocks)
             num_new = request.num_tokens - num_cached
             if num_new > budget:

@@ -33,7 +33,7 @@ and from the CPU swap space (`swapped_out_blocks`, `swapped_in_blocks`), with th
 at that position was accepted). The KV tiers under the prefix cache (--kv-offloading-size, core/kv_tiers.py)
 count per tier (`tier` = ram | disk) `kv_offload_hits` (blocks a prefix hit loaded instead of recomputing),
 `kv_offload_bytes{direction=load|store}` and the histogram `kv_offload_load_seconds` (ram: a step's
-copies to the device; disk: an admission's file reads and checks); their hits' tokens are in
+copies to the device; disk: one file's read and check); their hits' tokens are in
 `prefix_cache_hits` too.
 
 The registry holds `llmserve:*` without labels of its own; a scrape (`render`) exports every family

@@ -16,7 +16,7 @@ class TierStepStats:
     hits: int = 0  # KV blocks a prefix hit loaded from this tier instead of recomputing
     bytes_loaded: int = 0  # K/V bytes copied from it into the device pool
     bytes_stored: int = 0  # K/V bytes copied to it
-    load_seconds: tuple[float, ...] = ()  # ram: each step's copies; disk: each admission's file reads
+    load_seconds: tuple[float, ...] = ()  # ram: each step's copies; disk: each file's read
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """RAM and disk tiers under the prefix cache, the scheduler's side: exact ops, slots, blocks and events
 (core/kv_tiers.py); and the disk tier's file format (core/kv_block_file.py)."""
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from llmserve.core.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 from llmserve.core.kv_tiers import TIER_BLOCK, TierSpec
 from llmserve.core.prefix_cache import hash_block
 from llmserve.core.scheduler import Scheduler
+from tests.helpers import wait_until
 
 from .test_scheduler import finish_step
 
@@ -20,8 +22,9 @@ KEY = b"m" * 32
 BLOCK_BYTES = 64
 
 
-def make_scheduler(num_blocks=8, ram=8, disk_dir=None, disk=0, events=False):
-    spec = TierSpec(ram, disk_dir, disk, KEY, BLOCK_BYTES)
+def make_scheduler(num_blocks=8, ram=8, disk_dir=None, disk=0, events=False, read_threads=0):
+    """Disk files are read at once in the scheduler unless `read_threads` (exact ops per step)."""
+    spec = TierSpec(ram, disk_dir, disk, KEY, BLOCK_BYTES, disk_read_threads=read_threads)
     kv = KVCacheManager(num_blocks, block_size=4, tiers=spec, enable_kv_events=events)
     return Scheduler(SchedulerConfig(64, 8, 1000), kv), kv
 
@@ -150,6 +153,36 @@ def test_a_bad_file_refuses_one_admission_then_the_hit_stops_before_it(make_requ
     output = scheduler.schedule()
     assert [op.kind for op in output.plan.tier_ops] == ["load_bytes"]
     assert request.num_cached_tokens == 4
+    kv.check_integrity()
+
+
+def test_a_request_waits_for_its_disk_reads_while_the_others_run(make_request, tmp_path, monkeypatch):
+    parent, tokens = b"", tuple(SHARED[:4])
+    block_hash = hash_block(parent, tokens)
+    kv_block_file.write_block(
+        kv_block_file.block_path(tmp_path, block_hash), KEY, block_hash, tokens, bytes(64)
+    )
+    release, read = threading.Event(), kv_block_file.read_block
+
+    def slow_read(*args):
+        release.wait(30)
+        return read(*args)
+
+    monkeypatch.setattr(kv_block_file, "read_block", slow_read)
+    scheduler, kv = make_scheduler(disk_dir=tmp_path, disk=8, read_threads=1)
+    waiting, other = make_request(0, tokens=SHARED[:4] + [7]), make_request(6)
+    scheduler.add_request(waiting)
+    scheduler.add_request(other)
+    output = scheduler.schedule()  # the read has started; the request behind goes first
+    assert [r.request_id for r in output.requests] == [other.request_id]
+    finish_step(scheduler, output)
+    assert [r.request_id for r in scheduler.schedule().requests] == [other.request_id]
+    release.set()
+    wait_until(lambda: kv.tier_hit_ready(waiting, [TIER_BLOCK]))
+    output = scheduler.schedule()
+    assert waiting in output.requests and waiting.num_cached_tokens == 4
+    (load,) = output.plan.tier_ops
+    assert load.kind == "load_bytes" and load.block == kv.get_block_table(waiting.request_id)[0]
     kv.check_integrity()
 
 
