@@ -760,8 +760,8 @@ class EngineArgs:
             refused = "--no-prefix-caching (the tiers hold prefix-cached blocks)"
         elif parallel.world_size > 1:
             refused = "tensor or pipeline parallelism"
-        elif draft_arch is not None:
-            refused = "a draft model (its KV shares the block ids)"
+        elif draft_arch is not None or self.speculative_method in ("draft", "early_exit"):
+            refused = f"speculative_method {self.speculative_method} (its draft's KV shares the block ids)"
         elif window or kv_groups:
             refused = "a sliding window"
         if refused is not None:

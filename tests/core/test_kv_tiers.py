@@ -224,3 +224,24 @@ def test_bad_offloading_flags_are_one_line_errors(flags, message):
     with pytest.raises(ValueError, match=message) as error:
         EngineArgs(**flags)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(prefix_caching=False), "--no-prefix-caching"),
+        (dict(speculative_method="early_exit"), "speculative_method early_exit"),
+        (dict(sliding_window=64), "a sliding window"),
+    ],
+)
+def test_offloading_is_refused_where_a_blocks_kv_is_not_all_in_the_pool(flags, message):
+    from llmserve.config import EngineArgs
+    from llmserve.model_loader import default_model_path, load_arch_config
+
+    args = EngineArgs(device="cpu", dtype="float32", kv_offloading_size=1, max_model_len=512, **flags)
+    with pytest.raises(ValueError, match=message):
+        args.create_config(load_arch_config(default_model_path()), "m")
+    config = EngineArgs(device="cpu", dtype="float32", kv_offloading_size=0.5).create_config(
+        load_arch_config(default_model_path()), "m"
+    )
+    assert config.cache.kv_offloading.ram_bytes == 1 << 29 and config.cache.kv_offloading.disk_dir is None
