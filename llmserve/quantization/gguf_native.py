@@ -25,7 +25,8 @@ float16 factor:
           w = (d * sc) * (q - 32)      -> Int8Weight(scale d * sc, codes q - 32), groups of 16
 
 Tensors of other types (float, Q5_1, Q5_K and the other K-quants) are not read here: their layers
-stay in float.
+stay in float. A mixture-of-experts file's merged experts tensors [E, rows, cols] are read as each
+expert's rows (`gguf_loader.expert_parts`), which quantization/moe.py fuses per expert.
 """
 
 from __future__ import annotations
