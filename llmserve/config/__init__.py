@@ -24,7 +24,13 @@ from llmserve.config.kv_events import KVEventsConfig
 from llmserve.config.kv_groups import KVCacheGroup, group_size, kv_cache_groups
 from llmserve.config.kv_offloading import KVOffloadingBackend, KVOffloadingConfig
 from llmserve.config.lora import LoRAConfig
-from llmserve.config.parallel import ExecutorBackend, NodeArgs, ParallelConfig, stage_layer_ranges
+from llmserve.config.parallel import (
+    ExecutorBackend,
+    NodeArgs,
+    ParallelConfig,
+    check_expert_split,
+    stage_layer_ranges,
+)
 from llmserve.config.quantization import QuantizationConfig
 from llmserve.config.speculative import SpeculativeConfig, SuffixDecodingConfig
 from llmserve.config.structured_outputs import StructuredOutputsConfig
@@ -729,6 +735,11 @@ class EngineArgs:
         if self.enable_expert_parallel and not arch.num_experts:
             raise ValueError(
                 f"--enable-expert-parallel needs a mixture-of-experts model; {arch.architecture} has none"
+            )
+        if arch.num_experts:
+            units = arch.moe_intermediate_size or arch.intermediate_size
+            check_expert_split(
+                arch.num_experts, units, parallel.tensor_parallel_size, self.enable_expert_parallel
             )
         if parallel.world_size == 1:
             return parallel

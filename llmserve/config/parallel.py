@@ -37,6 +37,26 @@ def split_range(total: int, parts: int, rank: int) -> range:
     return range(start, start + sizes[rank])
 
 
+# Tensor parallelism cuts the experts' units in runs of this many: the grouped matmul needs the row
+# stride of its operands a multiple of 16 bytes, which a run of 8 units keeps in every dtype served.
+EXPERT_UNIT_ALIGNMENT = 8
+
+
+def check_expert_split(num_experts: int, units: int, world_size: int, expert_parallel: bool) -> None:
+    """A one-line error where a mixture-of-experts layer leaves a rank without experts (expert
+    parallelism) or without a run of each expert's units (tensor parallelism)."""
+    if expert_parallel and num_experts < world_size:
+        raise ValueError(
+            f"expert parallelism over {world_size} ranks leaves a rank with no expert: the model has "
+            f"{num_experts} experts"
+        )
+    if not expert_parallel and -(-units // EXPERT_UNIT_ALIGNMENT) < world_size:
+        raise ValueError(
+            f"tensor parallelism over {world_size} ranks leaves a rank without {EXPERT_UNIT_ALIGNMENT} of "
+            f"each expert's {units} units (--enable-expert-parallel splits the experts instead)"
+        )
+
+
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
     """Contiguous layer runs, one per stage: an even split whose remainder goes one layer each to
     the stages before the last, from the last but one backwards (as vLLM: the last stage also runs

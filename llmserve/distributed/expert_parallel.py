@@ -23,11 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmserve.config.parallel import split_range
-
-# Tensor parallelism cuts the experts' units in runs of this many: the grouped matmul needs the row
-# stride of its operands a multiple of 16 bytes, which a run of 8 units keeps in every dtype served.
-UNIT_ALIGNMENT = 8
+from llmserve.config.parallel import EXPERT_UNIT_ALIGNMENT, check_expert_split, split_range
 
 
 @dataclass(frozen=True)
@@ -43,16 +39,7 @@ class ExpertLayout:
     def of(
         cls, num_experts: int, units: int, world_size: int = 1, rank: int = 0, expert_parallel: bool = False
     ) -> ExpertLayout:
-        if expert_parallel and num_experts < world_size:
-            raise ValueError(
-                f"expert parallelism over {world_size} ranks leaves a rank with no expert: the model has "
-                f"{num_experts} experts"
-            )
-        if not expert_parallel and -(-units // UNIT_ALIGNMENT) < world_size:
-            raise ValueError(
-                f"tensor parallelism over {world_size} ranks leaves a rank without {UNIT_ALIGNMENT} of "
-                f"each expert's {units} units (--enable-expert-parallel splits the experts instead)"
-            )
+        check_expert_split(num_experts, units, world_size, expert_parallel)
         return cls(
             num_experts=num_experts,
             world_size=world_size,
@@ -78,9 +65,9 @@ class ExpertLayout:
 
 
 def _aligned_units(units: int, world_size: int, rank: int) -> range:
-    """`rank`'s units: runs of UNIT_ALIGNMENT split as evenly as they go, the last run short."""
-    runs = split_range(-(-units // UNIT_ALIGNMENT), world_size, rank)
-    return range(runs.start * UNIT_ALIGNMENT, min(runs.stop * UNIT_ALIGNMENT, units))
+    """`rank`'s units: runs of EXPERT_UNIT_ALIGNMENT split as evenly as they go, the last run short."""
+    runs = split_range(-(-units // EXPERT_UNIT_ALIGNMENT), world_size, rank)
+    return range(runs.start * EXPERT_UNIT_ALIGNMENT, min(runs.stop * EXPERT_UNIT_ALIGNMENT, units))
 
 
 @dataclass(frozen=True)
