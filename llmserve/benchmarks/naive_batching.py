@@ -50,7 +50,11 @@ class NaiveBatchRunner:
     def __init__(self, model: nn.Module, block_size: int = 16, pad_token_id: int = 0) -> None:
         self.model = model
         self.layers = model.attention_layers()
-        self.gathered_decode = getattr(self.layers[0].backend, "needs_gathered_decode", True)
+        backend = self.layers[0].backend
+        self.gathered_decode = getattr(backend, "needs_gathered_decode", True)
+        # the longest span the backend attends to in place, as the engine's input builder sends it
+        # (every span under --deterministic: a prompt's rows then equal their decodes)
+        self.max_in_place_span = 0 if self.gathered_decode else backend.max_decode_query_len
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
         self.block_size = block_size
@@ -78,9 +82,10 @@ class NaiveBatchRunner:
         lens = torch.tensor([len(p) for p in prompts], device=self.device)
         steps = max(max_tokens)
         row_len = -(-(int(lens.max()) + steps) // self.block_size) * self.block_size
+        layout = _RowLayout(len(prompts), row_len, self.block_size, self.device)
         with self._bound_cache(len(prompts) * row_len):
-            first = self._prefill(prompts, lens, row_len)
-            tokens = self._decode(first, lens, row_len, steps)
+            first = self._prefill(prompts, lens, layout)
+            tokens = self._decode(first, lens, layout, steps)
         return [row[:count] for row, count in zip(tokens.tolist(), max_tokens, strict=True)]
 
     @contextmanager
@@ -109,7 +114,9 @@ class NaiveBatchRunner:
             for layer, (key_cache, value_cache) in zip(self.layers, saved, strict=True):
                 layer.key_cache, layer.value_cache = key_cache, value_cache
 
-    def _prefill(self, prompts: Sequence[Sequence[int]], lens: torch.Tensor, row_len: int) -> torch.Tensor:
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], lens: torch.Tensor, layout: _RowLayout
+    ) -> torch.Tensor:
         """One forward over the right-padded group; the first generated token of every row."""
         batch, width = len(prompts), int(lens.max())
         padded = np.full((batch, width), self.pad_token_id, dtype=np.int64)
@@ -117,26 +124,19 @@ class NaiveBatchRunner:
             padded[row, : len(prompt)] = prompt
         input_ids = torch.from_numpy(padded).to(self.device).flatten()
         columns = torch.arange(width, device=self.device)
-        slots = (torch.arange(batch, device=self.device)[:, None] * row_len + columns).flatten()
-        spans = [
-            PrefillSpan(r * width, (r + 1) * width, slots[r * width : (r + 1) * width]) for r in range(batch)
-        ]
-        metadata = AttentionMetadata(
-            slot_mapping=slots,
-            num_decode_tokens=0,
-            decode_context_slots=None,
-            decode_context_mask=None,
-            prefills=spans,
-            block_size=self.block_size,
-        )
+        if width <= self.max_in_place_span:
+            metadata = layout.span_metadata(width)
+        else:
+            metadata = layout.prefill_metadata(width)
         with set_forward_context(metadata):
             hidden = self.model(input_ids, columns.repeat(batch))
         last_real = torch.arange(batch, device=self.device) * width + lens - 1
         return greedy_token_ids(self.model.compute_logits(hidden[last_real]))
 
-    def _decode(self, first: torch.Tensor, lens: torch.Tensor, row_len: int, steps: int) -> torch.Tensor:
+    def _decode(
+        self, first: torch.Tensor, lens: torch.Tensor, layout: _RowLayout, steps: int
+    ) -> torch.Tensor:
         """Decode every row for `steps - 1` more tokens; returns [batch, steps] token ids."""
-        layout = _RowLayout(len(first), row_len, self.block_size, self.device)
         tokens = [first]
         for step in range(steps - 1):
             positions = lens + step  # token `step` sits right after the row's own real tokens
@@ -151,12 +151,45 @@ class _RowLayout:
     """Row r's KV lives in slots [r*L, (r+1)*L): consecutive blocks r*L/bs ... (r+1)*L/bs - 1."""
 
     def __init__(self, batch: int, row_len: int, block_size: int, device: torch.device) -> None:
+        self.row_len = row_len
         self.row_base = torch.arange(batch, device=device) * row_len
         self.context = torch.arange(row_len, device=device)
         self.block_size = block_size
         blocks_per_row = row_len // block_size
         self.block_tables = torch.arange(batch, device=device)[:, None] * blocks_per_row + torch.arange(
             blocks_per_row, device=device
+        )
+
+    def prefill_metadata(self, width: int) -> AttentionMetadata:
+        """Every row's first `width` positions as a prefill span over its own slots."""
+        slots = (self.row_base[:, None] + self.context[:width]).flatten()
+        batch = len(self.row_base)
+        spans = [
+            PrefillSpan(r * width, (r + 1) * width, slots[r * width : (r + 1) * width]) for r in range(batch)
+        ]
+        return AttentionMetadata(
+            slot_mapping=slots,
+            num_decode_tokens=0,
+            decode_context_slots=None,
+            decode_context_mask=None,
+            prefills=spans,
+            block_size=self.block_size,
+        )
+
+    def span_metadata(self, width: int) -> AttentionMetadata:
+        """The same positions as in-place spans through the block tables (an in-place backend's
+        short rows, or every row under --deterministic)."""
+        batch = len(self.row_base)
+        return AttentionMetadata(
+            slot_mapping=(self.row_base[:, None] + self.context[:width]).flatten(),
+            num_decode_tokens=batch * width,
+            decode_context_slots=None,
+            decode_context_mask=None,
+            prefills=[],
+            decode_block_tables=self.block_tables,
+            decode_seq_lens=torch.full((batch,), width, device=self.row_base.device),
+            decode_query_starts=torch.arange(batch + 1, device=self.row_base.device) * width,
+            block_size=self.block_size,
         )
 
     def decode_metadata(self, positions: torch.Tensor, context_len: int, gathered: bool) -> AttentionMetadata:

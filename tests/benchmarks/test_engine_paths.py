@@ -46,6 +46,24 @@ def test_naive_batching_and_continuous_batching_give_the_same_greedy_tokens(tiny
     assert naive[0].computed_tokens == sum(r.prompt_len + r.max_tokens - 1 for r in workload)
 
 
+def test_deterministic_naive_batches_prefill_in_place_and_all_match(tiny_model_dir, workload):
+    """Under --deterministic the naive runner's padded prompts go through the paged kernel as the
+    engine's chunks do (not the prefill kernel), so every output is the continuous engine's."""
+    from llmserve import LLM
+
+    llm = LLM(
+        tiny_model_dir,
+        dtype="float32",
+        kv_cache_memory="16MiB",
+        max_num_batched_tokens=32,
+        deterministic=True,
+    )
+    _, naive = run_throughput(llm, workload, batch_sizes=[3, 7])
+    assert [result.matching_share for result in naive] == [1.0, 1.0]
+    runner = NaiveBatchRunner(llm.engine.model_runner.model)
+    assert runner.max_in_place_span > max(r.prompt_len for r in workload)
+
+
 def test_naive_batching_feeds_the_reference_backend_too(tiny_model_dir, workload):
     """The module's engine picks the compiled in-place backend (block tables) where it builds; the
     reference backend reads gathered slots and a mask instead: naive batching must serve both."""

@@ -42,6 +42,8 @@ def test_throughput_rates_and_speedup_over_the_best_naive_batch_size():
     assert best is naive_16 and ratio == pytest.approx(2.5)
     report = format_report(continuous, [naive_8, naive_16])
     assert "2.50x" in report and "naive(B=16)" in report and "matching_outputs" in report
+    assert naive_16.matching_share == 0.9 and naive_16.to_json()["matching_share"] == 0.9
+    assert "matching_share" in report and continuous.matching_share is None
 
 
 def test_naive_result_counts_padding_and_waiting_rows_as_computed():

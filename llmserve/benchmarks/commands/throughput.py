@@ -62,6 +62,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         "workload": {"file": args.workload, **describe(requests)},
         "engine_args": dataclasses.asdict(engine_args),
         "engine_thread": args.engine_thread,
+        # why greedy outputs may differ between batchings (worker/batch_invariance.py); []: they cannot
+        "batch_invariance_reasons": list(llm.engine.batch_invariance),
         "results": [r.to_json() for r in (*naive, continuous)],
         "speedup_vs_best_naive": ratio,
         "best_naive": best and best.system,
