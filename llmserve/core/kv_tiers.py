@@ -146,8 +146,10 @@ class KVTiers:
 
     def _rebuild_disk_index(self, directory: Path) -> None:
         """Index the folder's files of this model (a restart gets hits at once), oldest first; files
-        past the disk tier's size are deleted, oldest first."""
+        past the disk tier's size are deleted, oldest first, and so are half-written ones."""
         directory.mkdir(parents=True, exist_ok=True)
+        for partial in directory.glob(f"*{kv_block_file.SUFFIX}.tmp"):  # a write a crash interrupted
+            partial.unlink(missing_ok=True)
         for header, _ in kv_block_file.scan(directory, self.spec.model_key):
             if header.payload_bytes == self.spec.block_bytes:
                 self.disk.entries[header.block_hash] = (header.tokens, 0)
