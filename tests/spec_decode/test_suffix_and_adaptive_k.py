@@ -20,6 +20,7 @@ from llmserve.spec_decode.proposers.suffix import (
     RecentOutputs,
     SuffixProposer,
     SuffixSearch,
+    children,
     most_frequent_path,
 )
 
@@ -62,6 +63,14 @@ def test_options_cap_the_drafts():
     assert drafts(text, 8, max_spec_factor=2.0) == [4, 5, 6, 7, 8, 9]
     assert drafts(text, 8, max_spec_factor=2.0, max_tree_depth=5) == [4, 5]  # match + drafts <= depth
     assert drafts(text, 2, max_spec_factor=2.0) == [4, 5]  # K
+
+
+def test_children_give_every_continuation_with_its_count_for_a_tree():
+    """What a token tree would expand: all next tokens, the most frequent first, ties the latest first."""
+    tokens, counts = children(_ids([7, 8, 7, 9, 8, 7]))
+    assert tokens.tolist() == [7, 8, 9] and counts.tolist() == [3, 2, 1]
+    tokens, counts = children(_ids([4, 5]))
+    assert tokens.tolist() == [5, 4] and counts.tolist() == [1, 1]
 
 
 def test_the_path_stops_where_its_probability_falls_below_the_minimum():
