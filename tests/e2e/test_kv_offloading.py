@@ -14,7 +14,7 @@ from llmserve.core import kv_block_file
 from llmserve.core.prefix_cache import hash_block
 from tests.helpers import make_tiny_llama_dir
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 BLOCK = 16
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # layers, K and V, tokens, KV heads, head dim, float32
 GIB = 1 << 30
@@ -29,7 +29,7 @@ def tiny(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     rng = random.Random(0)
-    return [[rng.randrange(100, 40000) for _ in range(70)] for _ in range(6)]
+    return [[rng.randrange(100, 40000) for _ in range(70)] for _ in range(5)]
 
 
 @pytest.fixture(scope="module")
