@@ -78,6 +78,8 @@ class KVTierStore:
             pin_memory=self.device.type == "cuda",
         )
         self.disk_writable = disk_dir is not None
+        where = f", disk {self.spec.disk_blocks} blocks in {disk_dir}" if disk_dir is not None else ""
+        logger.info("KV tiers: RAM %d blocks of %d bytes%s", self.spec.ram_blocks, block_bytes, where)
         self._ram_load_seconds: list[float] = []  # each step's RAM-to-device copies
 
     def take_ram_load_seconds(self) -> tuple[float, ...]:
