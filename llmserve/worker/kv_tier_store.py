@@ -69,6 +69,8 @@ class KVTierStore:
             model_key=model_key,
             block_bytes=block_bytes,
         )
+        if not self.spec.ram_blocks or (disk_dir is not None and not self.spec.disk_blocks):
+            raise ValueError(f"--kv-offloading-size and -disk-size must hold a block ({block_bytes} bytes)")
         self.ram = torch.empty(
             *kv_blocks.shape[:2],
             self.spec.ram_blocks,
