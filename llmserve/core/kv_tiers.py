@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -218,7 +219,11 @@ class KVTiers:
         path = kv_block_file.block_path(self.spec.disk_dir, block_hash)
         payload = kv_block_file.read_block(path, self.spec.model_key, block_hash, tokens)
         self.counters["disk"].load_seconds.append(time.monotonic() - start)
-        return payload if payload is not None and len(payload) == self.spec.block_bytes else None
+        if payload is None or len(payload) != self.spec.block_bytes:
+            return None
+        with contextlib.suppress(OSError):  # a hit is a use: a restart's index keeps the LRU order
+            os.utime(path)
+        return payload
 
     @contextlib.contextmanager
     def pinned(self, keys: list[Key]) -> Iterator[None]:
