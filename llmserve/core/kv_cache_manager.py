@@ -9,6 +9,7 @@ that own the state:
     core/prefix_cache.py        block hashes, hit lookup, registration of computed blocks, KV events
     core/swap_space.py          the CPU swap space of preempted requests
     core/kv_tiers.py            RAM and disk tiers under the prefix cache (evicted blocks, loaded back)
+    core/tier_hits.py           a prefix hit's blocks in those tiers, made into pool blocks
 
 A request's block table maps its logical token positions to physical KV slots:
 
@@ -65,6 +66,7 @@ from llmserve.core.kv_events import KVCacheEvent
 from llmserve.core.kv_tiers import TIER_BLOCK, TierOp, TierSpec
 from llmserve.core.prefix_cache import PrefixCache
 from llmserve.core.swap_space import SwapSpace
+from llmserve.core.tier_hits import TierHits
 from llmserve.request import Request
 
 
@@ -104,6 +106,7 @@ class KVCacheManager:
         self.block_tables = BlockTables(self.pool, block_size, self.groups)
         self.prefix_cache = PrefixCache(self.pool, block_size, self.groups, enable_prefix_caching)
         self.swap_space = SwapSpace(num_swap_blocks, self.pool)
+        self.tier_hits = TierHits(self.pool, self.prefix_cache, block_size)
         # blocks a decoding sequence holds at most: all of them while a group keeps every block
         bounds = [group.max_blocks for group in self.groups]
         self.max_blocks_per_sequence = num_blocks if None in bounds else sum(bounds)
@@ -182,16 +185,16 @@ class KVCacheManager:
         needed = tables.entries_for(num_tokens) - len(table) - len(computed_blocks)
         hit_blocks = [block for block in computed_blocks if block not in (NULL_BLOCK, TIER_BLOCK)]
         revived = sum(1 for block in hit_blocks if self.pool.ref_counts[block] == 0)
-        loads = [index for index, block in enumerate(computed_blocks) if block == TIER_BLOCK]
+        num_loads = computed_blocks.count(TIER_BLOCK)  # blocks in a tier: a fresh block each
         shared = tables.shared_write_entries(rid, request.num_computed_tokens)
-        if max(needed, 0) + revived + len(shared) + len(loads) > self.pool.num_free_blocks:
+        if max(needed, 0) + revived + len(shared) + num_loads > self.pool.num_free_blocks:
             return False
-        sources = self._fetch_tier_hit(request, loads)
+        sources = self.tier_hits.fetch(request, computed_blocks)
         if sources is None:
             return False
         tables.copy_on_write(rid, shared)
-        if loads:
-            tables.adopt(rid, self._load_tier_hit(request, computed_blocks, loads, sources))
+        if num_loads:
+            tables.adopt(rid, self.tier_hits.adopt(request, computed_blocks, sources))
             tables.grow(rid, [], needed)
         else:
             tables.grow(rid, computed_blocks, needed)
@@ -202,39 +205,10 @@ class KVCacheManager:
                 group.adopt_hit(rid, num_hit)
         return True
 
-    def _tier_keys(self, request: Request, indices: list[int]) -> list[tuple[bytes, tuple[int, ...]]]:
-        hashes, tokens, size = self.prefix_cache.block_hashes(request), request.all_token_ids, self.block_size
-        return [(hashes[i], tuple(tokens[i * size : (i + 1) * size])) for i in indices]
-
-    def _fetch_tier_hit(self, request: Request, loads: list[int]) -> list[int | bytes] | None:
-        """The sources of a hit's tier blocks (disk files read and verified now); None if one failed:
-        the admission waits a step and its next lookup stops before that block."""
-        if not loads:
-            return []
-        return self.pool.tiers.fetch(self._tier_keys(request, loads))
-
-    def _load_tier_hit(
-        self, request: Request, hit: list[int], loads: list[int], sources: list[int | bytes]
-    ) -> list[int]:
-        """The hit's entries with fresh blocks in place of its tier entries, their loads queued and
-        their hashes cached in the pool (a concurrent request with the prefix shares them); every
-        entry holds one reference for the request."""
-        keys, tiers = self._tier_keys(request, loads), self.pool.tiers
-        self.pool.incref([block for block in hit if block not in (NULL_BLOCK, TIER_BLOCK)])  # unevictable now
-        with tiers.pinned(keys):
-            fresh = self.pool.allocate(len(loads))
-        tiers.load(keys, sources, fresh)
-        entries = list(hit)
-        for index, block, (block_hash, tokens) in zip(loads, fresh, keys, strict=True):
-            entries[index] = block
-            self.pool.cache_block(block, block_hash, tokens)
-        return entries
-
     def tier_hit_ready(self, request: Request, computed_blocks: list[int]) -> bool:
         """Whether the hit's blocks on disk have been read (their reads start now if not: the request
         waits while the steps go on, core/kv_tiers.py); True for a hit without tier blocks."""
-        loads = [index for index, block in enumerate(computed_blocks) if block == TIER_BLOCK]
-        return not loads or self.pool.tiers.ready(self._tier_keys(request, loads))
+        return self.tier_hits.ready(request, computed_blocks)
 
     def take_tier_ops(self) -> list[TierOp]:
         """The tiers' copies since the last call, for the step plan (empty without tiers)."""
