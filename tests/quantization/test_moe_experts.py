@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmserve import LLM, SamplingParams
+from llmserve import LLM
 from llmserve.cli.main import main
 from llmserve.config import EngineArgs
 from llmserve.model_loader import load_arch_config
@@ -17,7 +17,11 @@ from llmserve.quantization.moe import ExpertKernel, QuantizedMoEExperts
 from llmserve.worker.memory_report import weights_memory_bytes
 from tests.e2e.conftest import teacher_forced_logits
 from tests.models.moe_gguf import VOCAB, write_moe_gguf
-from tests.quantization.moe_reference import dequantized_reference
+from tests.quantization.moe_reference import (
+    assert_greedy_equal_but_at_near_ties,
+    dequantized_reference,
+    greedy,
+)
 
 pytestmark = pytest.mark.cpu_kernels
 
@@ -124,11 +128,6 @@ def _prompt(seed: int, length: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
 @pytest.mark.parametrize("method", ["int4", "int8-rtn"])
 def test_quantized_moe_engine_matches_its_dequantized_weights(moe_file, method):
     """Every expert and decoder linear quantized, routers in float; the prompt's logits and greedy
@@ -143,12 +142,11 @@ def test_quantized_moe_engine_matches_its_dequantized_weights(moe_file, method):
         assert type(modules["model.layers.0.mlp.gate"]) is not QuantizedLinear  # the router stays float
         assert not any(isinstance(m, MoEExperts) for m in modules.values())
         assert isinstance(modules["model.layers.1.self_attn.o_proj"], QuantizedLinear)
-        dequantized_reference(quantized, reference)
+        rounded = dequantized_reference(quantized, reference)
         tokens = _prompt(3, 24)
         ours, expected = teacher_forced_logits(quantized, tokens), teacher_forced_logits(reference, tokens)
         torch.testing.assert_close(ours, expected, atol=2e-2 * expected.abs().max().item(), rtol=0)
-        prompts = [tokens[:9], tokens[5:]]
-        assert _greedy(quantized, prompts) == _greedy(reference, prompts)
+        assert_greedy_equal_but_at_near_ties(quantized, reference, [tokens[:9], tokens[5:]], rounded)
     finally:
         quantized.shutdown()
         reference.shutdown()
@@ -177,7 +175,7 @@ def test_a_saved_moe_checkpoint_reloads_the_same_experts(tmp_path):
         for a, b in zip(experts[0].dequantize(), experts[1].dequantize(), strict=True):
             assert torch.equal(a, b)
         prompts = [_prompt(5, 9)]
-        assert _greedy(direct, prompts) == _greedy(saved, prompts)
+        assert greedy(direct, prompts) == greedy(saved, prompts)
     finally:
         direct.shutdown()
         saved.shutdown()
