@@ -7,7 +7,8 @@ target's embedding and layers themselves) and tensor parallelism were built and 
 mixture-of-experts families split over tensor-parallel ranks (by expert units, or by experts with
 --enable-expert-parallel); on one rank their experts are quantized by the methods that quantize each
 weight alone (int8-rtn, int4, a GGUF's blocks, checkpoints of those: quantization/moe.py), not by
-the calibrated ones, which run no expert layer yet.
+the calibrated ones, which run no expert layer yet. Over several ranks only int8-rtn and int4 (each
+rank quantizes its own experts or units); a file's quantized experts are not cut per rank yet.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 
 ROPE_SCALING_TYPES = ("default", "linear", "llama3", "longrope")  # models/layers/rotary.py computes these
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+PER_RANK_MOE_QUANTIZATION = ("int8-rtn", "int4")  # quantize each rank's own experts: TP and EP take them
 MOE_QUANTIZATION = ("int8-rtn", "int4", "gguf")  # methods that quantize expert layers (besides checkpoints)
 # feature -> the families that have it (the others get the error)
 _FEATURES = {
@@ -40,9 +42,11 @@ def check_family_features(
         wanted.append("tensor parallelism")
     if speculative_method in ("early_exit", "draft_head"):
         wanted.append(f"speculative method {speculative_method}")
-    if quantization is not None and arch.num_experts and tensor_parallel_size > 1:
-        raise ValueError(
-            "quantization does not combine with tensor parallelism for mixture-of-experts models yet"
+    split_moe = arch.num_experts and tensor_parallel_size > 1
+    if split_moe and quantization not in (None, *PER_RANK_MOE_QUANTIZATION):
+        raise ValueError(  # a file's quantized experts would need cutting by expert and unit
+            f"quantization {quantization} does not combine with tensor parallelism for mixture-of-experts "
+            f"models yet (these do: {', '.join(PER_RANK_MOE_QUANTIZATION)})"
         )
     if quantization in ("int8", "gptq", "awq") and arch.num_experts:  # calibration runs no expert layer
         raise ValueError(

@@ -57,6 +57,13 @@ def check_expert_split(num_experts: int, units: int, world_size: int, expert_par
         )
 
 
+def expert_unit_range(units: int, world_size: int, rank: int) -> range:
+    """`rank`'s units of every expert under tensor parallelism: runs of EXPERT_UNIT_ALIGNMENT split
+    as evenly as they go, the last run short."""
+    runs = split_range(-(-units // EXPERT_UNIT_ALIGNMENT), world_size, rank)
+    return range(runs.start * EXPERT_UNIT_ALIGNMENT, min(runs.stop * EXPERT_UNIT_ALIGNMENT, units))
+
+
 def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
     """Contiguous layer runs, one per stage: an even split whose remainder goes one layer each to
     the stages before the last, from the last but one backwards (as vLLM: the last stage also runs
@@ -119,15 +126,20 @@ class ParallelConfig:
         return max(map(len, stage_layer_ranges(num_layers, self.pipeline_parallel_size)))
 
     def row_parallel_in_features(self, arch: ModelArchConfig) -> tuple[int, ...]:
-        """Each rank's input width of o_proj (its query heads) and down_proj (its MLP units);
-        empty without tensor parallelism."""
+        """Each rank's input width of o_proj (its query heads), down_proj (its MLP units) and, where
+        experts split by units, the experts' down_proj; empty without tensor parallelism."""
         if self.tensor_parallel_size == 1:
             return ()
         query_heads_per_kv = arch.num_attention_heads // arch.num_key_value_heads
         kv_heads = split_sizes(arch.num_key_value_heads, self.tensor_parallel_size)
-        return tuple(heads * query_heads_per_kv * arch.head_dim for heads in kv_heads) + tuple(
+        widths = tuple(heads * query_heads_per_kv * arch.head_dim for heads in kv_heads) + tuple(
             split_sizes(arch.intermediate_size, self.tensor_parallel_size)
         )
+        if not arch.num_experts or self.enable_expert_parallel:
+            return widths
+        units = arch.moe_intermediate_size or arch.intermediate_size
+        ranks = range(self.tensor_parallel_size)
+        return widths + tuple(len(expert_unit_range(units, len(ranks), rank)) for rank in ranks)
 
     def threads_per_rank(self) -> int:
         """Each rank's share of this process's CPUs, at least one (ranks on this machine only)."""

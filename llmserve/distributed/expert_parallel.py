@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmserve.config.parallel import EXPERT_UNIT_ALIGNMENT, check_expert_split, split_range
+from llmserve.config.parallel import check_expert_split, expert_unit_range, split_range
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ExpertLayout:
             world_size=world_size,
             rank=rank,
             experts=split_range(num_experts, world_size, rank) if expert_parallel else range(num_experts),
-            units=range(units) if expert_parallel else _aligned_units(units, world_size, rank),
+            units=range(units) if expert_parallel else expert_unit_range(units, world_size, rank),
             expert_parallel=expert_parallel,
         )
 
@@ -62,12 +62,6 @@ class ExpertLayout:
             gate, up = tensor.chunk(2, dim=1)
             return torch.cat((gate[:, units], up[:, units]), dim=1)
         return tensor[:, :, units]
-
-
-def _aligned_units(units: int, world_size: int, rank: int) -> range:
-    """`rank`'s units: runs of EXPERT_UNIT_ALIGNMENT split as evenly as they go, the last run short."""
-    runs = split_range(-(-units // EXPERT_UNIT_ALIGNMENT), world_size, rank)
-    return range(runs.start * EXPERT_UNIT_ALIGNMENT, min(runs.stop * EXPERT_UNIT_ALIGNMENT, units))
 
 
 @dataclass(frozen=True)

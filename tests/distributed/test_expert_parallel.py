@@ -10,10 +10,12 @@ test_moe_parallel.py runs the models over real process groups.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from llmserve.config.parallel import ParallelConfig
 from llmserve.distributed.expert_parallel import DispatchPlan, ExpertLayout, total_expert_load
 from llmserve.metrics.prometheus import RankCollector
 from llmserve.metrics.ranks import RankStats
@@ -167,3 +169,20 @@ def test_rank_reports_expose_the_expert_load():
     assert samples[("llmserve:rank_all_to_all_bytes_total", (("rank", "1"),))] == 256
     dense = RankCollector(lambda: [RankStats(0, 10), RankStats(1, 11)]).collect()
     assert not any(family.name.startswith("llmserve:rank_expert") for family in dense)
+
+
+def test_quantization_groups_see_each_ranks_expert_units():
+    """Under tensor parallelism an expert's down_proj input is the rank's run of units, which a
+    quantization group must divide; under expert parallelism it stays whole."""
+    arch = SimpleNamespace(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        num_experts=8,
+        moe_intermediate_size=40,
+    )
+    tp = ParallelConfig(tensor_parallel_size=2)
+    assert tp.row_parallel_in_features(arch) == (32, 32, 64, 64, 24, 16)  # runs of 8 units: 3 + 2
+    ep = ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True)
+    assert ep.row_parallel_in_features(arch) == (32, 32, 64, 64)

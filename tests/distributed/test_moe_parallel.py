@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from llmserve import LLM, SamplingParams
 from llmserve.distributed.expert_parallel import total_expert_load
+from tests.distributed.conftest import assert_same_greedy
 from tests.e2e.conftest import hf_greedy
 from tests.helpers import wait_until
 from tests.models.families import CASES, VOCAB, make_family_dir
@@ -86,3 +88,34 @@ def test_expert_parallel_pipeline_stages_give_transformers_greedy_tokens(tmp_pat
     finally:
         llm.shutdown()
     assert output.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_int4_experts_split_over_ranks_give_one_process_tokens(tmp_path, monkeypatch, expert_parallel):
+    """int4 quantizes each rank's own experts (or units): with one group size, the tokens of one
+    process quantizing the whole model."""
+    case = (  # widths whose per-rank shares take groups of 32
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128),
+    )
+    monkeypatch.setitem(CASES, "qwen3-moe-int4", case)
+    make_family_dir(str(tmp_path), "qwen3-moe-int4")
+    prompt = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(7)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    outputs = []
+    for parallel in (dict(), dict(tensor_parallel_size=2, enable_expert_parallel=expert_parallel)):
+        llm = LLM(
+            str(tmp_path),
+            dtype="float32",
+            max_model_len=128,
+            kv_cache_memory="8MiB",
+            quantization="int4",
+            quantization_group_size=32,
+            **parallel,
+        )
+        try:
+            outputs += llm.generate([prompt], params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    assert_same_greedy(*outputs)
