@@ -74,8 +74,28 @@ def test_batched_with_other_prompts(tiny_dir, alone):
     dtype, prompts, expected = alone
     llm = engine(tiny_dir, dtype, prefix_caching=False, max_num_batched_tokens=4096, max_model_len=512)
     assert results(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert results(llm.generate(prompts[1:3], GREEDY, use_tqdm=False)) == expected[1:3]  # a batch of 2
     info = server_info("tiny", llm.engine.config, llm.engine.tokenizer, None, llm.engine.batch_invariance)
     assert info.batch_invariant and info.batch_invariance_reasons == []
+
+
+@pytest.mark.full  # the same property as test_batched_with_other_prompts, at 64 rows a decode step
+def test_a_batch_of_64(tiny_dir, alone):
+    """Each prompt 8 times over, its copies computed apart (no prefix cache): every copy decodes alike."""
+    dtype, prompts, expected = alone
+    llm = engine(tiny_dir, dtype, prefix_caching=False, max_num_batched_tokens=4096, kv_cache_memory="128MiB")
+    assert results(llm.generate(prompts * 8, GREEDY, use_tqdm=False)) == expected * 8
+
+
+def test_the_flag_on_the_command_line():
+    import argparse
+
+    from llmserve.config import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args(["--deterministic"])).deterministic
+    assert not EngineArgs.from_cli_args(parser.parse_args([])).deterministic
 
 
 def test_server_info_names_what_is_not_invariant_and_the_flag_is_checked(tiny_dir):
