@@ -243,7 +243,8 @@ class KVTiers:
                 self.ops.append(TierOp("load", block=block, slot=source))
                 tier: TierName = "ram"
             else:
-                self.disk.touch(block_hash)
+                if block_hash in self.disk.entries:  # the allocation's demotions may have pushed it out
+                    self.disk.touch(block_hash)
                 self.ops.append(TierOp("load_bytes", block=block, payload=source))
                 tier = "disk"
             self.counters[tier].hits += 1

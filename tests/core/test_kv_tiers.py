@@ -245,3 +245,23 @@ def test_offloading_is_refused_where_a_blocks_kv_is_not_all_in_the_pool(flags, m
         load_arch_config(default_model_path()), "m"
     )
     assert config.cache.kv_offloading.ram_bytes == 1 << 29 and config.cache.kv_offloading.disk_dir is None
+
+
+def test_a_disk_hit_survives_its_own_allocation_pushing_it_off_the_disk_tier(make_request, tmp_path):
+    parent = b""
+    for start in (0, 4, 8):
+        tokens = tuple(SHARED[start : start + 4])
+        parent = hash_block(parent, tokens)
+        kv_block_file.write_block(kv_block_file.block_path(tmp_path, parent), KEY, parent, tokens, bytes(64))
+    scheduler, kv = make_scheduler(num_blocks=5, ram=1, disk_dir=tmp_path, disk=3)
+    run_to_end(scheduler, make_request(17, max_tokens=1))  # four cached blocks wait in the pool
+    again = make_request(0, tokens=SHARED + [7])
+    scheduler.add_request(again)
+    ops = scheduler.schedule().plan.tier_ops
+    # the hit's fresh blocks evict two cached ones: RAM takes the first, the second pushes it to the
+    # full disk tier, which deletes the hit's own oldest file (already read); the request's new
+    # block, allocated after the loads are queued, evicts once more
+    expected = ["save", "delete", "demote", "save"] + ["load_bytes"] * 3 + ["delete", "demote", "save"]
+    assert [op.kind for op in ops] == expected
+    assert again.num_cached_tokens == 12
+    kv.check_integrity()
