@@ -24,10 +24,13 @@ import torch
 from torch import nn
 
 from llmserve.config.parallel import check_expert_split, expert_unit_range, split_range
+from llmserve.distributed.group import TensorParallelGroup
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
+    """Which experts, and which units of each, one rank of an expert layer holds."""
+
     num_experts: int
     world_size: int
     rank: int
@@ -109,7 +112,7 @@ class ExpertLoad:
         self.tokens = counts.clone() if self.tokens is None else self.tokens.add_(counts)
 
 
-def exchange_counts(tp, counts: torch.Tensor) -> torch.Tensor:
+def exchange_counts(tp: TensorParallelGroup, counts: torch.Tensor) -> torch.Tensor:
     """Every rank's per-expert pair counts [E] as one [N, E] int64 table on every rank; float32 in
     the all-reduce (exact far beyond a step's pairs) so it takes the shared-memory path."""
     table = torch.zeros(tp.world_size, counts.shape[0], dtype=torch.float32, device=counts.device)
