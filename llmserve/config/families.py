@@ -43,10 +43,15 @@ def check_family_features(
     if speculative_method in ("early_exit", "draft_head"):
         wanted.append(f"speculative method {speculative_method}")
     split_moe = arch.num_experts and tensor_parallel_size > 1
-    if split_moe and quantization not in (None, *PER_RANK_MOE_QUANTIZATION):
+    if split_moe and quantization not in (None, "", "none", *PER_RANK_MOE_QUANTIZATION):
         raise ValueError(  # a file's quantized experts would need cutting by expert and unit
             f"quantization {quantization} does not combine with tensor parallelism for mixture-of-experts "
             f"models yet (these do: {', '.join(PER_RANK_MOE_QUANTIZATION)})"
+        )
+    if split_moe and quantization is None and arch.checkpoint_quantization is not None:
+        raise ValueError(
+            f"a {arch.checkpoint_quantization} checkpoint's experts do not split over tensor-parallel ranks "
+            "yet (--quantization none serves them in float)"
         )
     if quantization in ("int8", "gptq", "awq") and arch.num_experts:  # calibration runs no expert layer
         raise ValueError(
