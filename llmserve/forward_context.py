@@ -22,6 +22,9 @@ class PrefillSpan:
     context_slots: torch.Tensor  # [context_len] KV slots of positions 0..context_len-1 (new ones included)
     # sliding window: the positions of context_slots (sinks, then the window; None = 0..context_len-1)
     context_positions: torch.Tensor | None = None
+    # a token tree's verify span (sample/token_tree.py): [q, context_len] True where a query may see a
+    # key (the context, the root, its own ancestors); None: causal by position
+    tree_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -47,6 +50,9 @@ class AttentionMetadata:
     attention_sinks: int = 0  # ... except the sequence's first this many tokens (StreamingLLM)
     # KV-cache groups 1.. (config/kv_groups.py): their own slots and tables; this one is group 0's
     other_groups: tuple[AttentionMetadata, ...] = ()
+    # the backend every layer calls this step in place of its own (None: its own): a step verifying a
+    # token tree runs the torch reference, the one backend that takes tree masks
+    backend: object | None = None
 
     def query_starts(self, num_rows: int, device: torch.device) -> torch.Tensor:
         """decode_query_starts, or where it is None one query row for each of the `num_rows` decodes."""

@@ -40,11 +40,13 @@ class DraftProposal:
     """Speculative decoding: drafts a proposer (spec_decode/proposer.py) left after a step, to follow the
     request's first `num_tokens` tokens, for the scheduler to take some of at the next step; and the q
     they were drawn from ([k, V]; None when the request is greedy or the q is one-hot, as for n-gram
-    drafts)."""
+    drafts). A token tree (sample/token_tree.py) has `parents`: each draft's parent index (-1: the
+    request's last token), parents first; None is a chain. Tree drafts carry no q (fixed candidates)."""
 
     num_tokens: int
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    parents: list[int] | None = None
 
 
 # Adaptive K: the weight of the latest verify pass in a request's moving average of accepted drafts; a
@@ -120,6 +122,7 @@ class Request:
         # otherwise; never part of all_token_ids), the proposal made after the last step, and the
         # drafts and accepted tokens so far, and their moving average (adaptive K).
         self.spec_token_ids: list[int] = []
+        self.spec_tree_parents: list[int] | None = None  # a token tree's parents (None: a chain)
         self.draft_proposal: DraftProposal | None = None
         self.spec_decode_stats = SpecDecodeStats()
         self.draft_acceptance = DraftAcceptance()
@@ -162,6 +165,7 @@ class Request:
     def clear_drafts(self) -> None:
         """Speculative decoding: nothing to verify (drafts checked, rolled back, or void)."""
         self.spec_token_ids = []
+        self.spec_tree_parents = None
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Drop output tokens past the first `num_output_tokens` (speculative decoding: a stop string hit

@@ -28,13 +28,15 @@ class Attention(nn.Module):
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **options) -> torch.Tensor:
         """The backend on this layer's heads and KV views; `options`: a layer's own window, soft-cap."""
         num_tokens = query.shape[0]
-        out = self.backend.forward(
+        metadata = get_attention_metadata(self.kv_group)
+        backend = self.backend if metadata.backend is None else metadata.backend  # token trees: the reference
+        out = backend.forward(
             query.view(num_tokens, self.num_heads, self.head_dim),
             key.view(num_tokens, self.num_kv_heads, self.head_dim),
             value.view(num_tokens, self.num_kv_heads, self.head_dim),
             self.key_cache,
             self.value_cache,
-            get_attention_metadata(self.kv_group),
+            metadata,
             self.scale,
             **options,
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from llmserve.config.speculative import SpeculativeConfig
 from llmserve.request import Request
+from llmserve.sample.token_tree import is_chain
 
 
 class DraftPlanner:
@@ -75,6 +76,9 @@ class DraftPlanner:
             return 0  # none yet (the prompt is still being computed), or for an earlier context
         k = min(k, len(proposal.token_ids))
         request.spec_token_ids = proposal.token_ids[:k]
+        # a token tree's first k drafts are a tree (parents come first); one that is a chain runs as one
+        parents = None if proposal.parents is None else proposal.parents[:k]
+        request.spec_tree_parents = None if parents is None or is_chain(parents) else parents
         return k
 
     def num_lookahead_tokens(self, request: Request, share: int | None) -> int:

@@ -246,6 +246,8 @@ class Scheduler:
                 output.add(request, num_new + num_drafts)
                 if num_drafts:
                     output.plan.spec_token_ids[request.request_id] = request.spec_token_ids
+                    if request.spec_tree_parents is not None:  # a token tree (sample/token_tree.py)
+                        output.plan.spec_tree_parents[request.request_id] = request.spec_tree_parents
                 budget -= num_new + num_drafts
                 index += 1
         return budget

@@ -58,6 +58,8 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False):
     max_drafts: int | None = None
     # adaptive K: request id -> drafts to propose after this step at most, where fewer than its K
     draft_limits: dict[str, int] = msgspec.field(default_factory=dict)
+    # token trees (sample/token_tree.py): request id -> its drafts' parents, for those verifying a tree
+    spec_tree_parents: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

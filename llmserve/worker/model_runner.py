@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from llmserve.attention.kv_format import get_kv_cache_format
-from llmserve.attention.registry import select_attention_backend
+from llmserve.attention.registry import get_attention_backend, select_attention_backend
 from llmserve.config import EngineConfig
 from llmserve.config.kv_groups import group_size, stage_layers
 from llmserve.core.step_plan import StepPlan
@@ -31,6 +31,7 @@ from llmserve.outputs import PromptLogprobs
 from llmserve.request import DraftProposal
 from llmserve.sample.metadata import SamplingMetadata
 from llmserve.sample.sampler import Sampler, SamplerOutput
+from llmserve.sample.tree_verifier import TreeVerifier
 from llmserve.sample.verifier import DraftVerifier
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import GrammarState
@@ -42,6 +43,7 @@ from llmserve.worker.prefault import PrefaultThread, populate_in_background
 from llmserve.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from llmserve.worker.request_state import CachedRequestState, apply_plan
 from llmserve.worker.step_inputs import InputBuilder, StepInputs
+from llmserve.worker.token_tree_kv import move_accepted_kv, tree_hidden_rows
 
 
 @dataclass
@@ -56,6 +58,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # requests that asked
     pooled: dict[str, list[float]] = field(default_factory=dict)  # embedding requests whose prompt is done
     failed: list[str] = field(default_factory=list)  # requests whose logits processor raised: they fail
+    # token trees: request id -> the accepted drafts' indices, root to leaf (sample/tree_verifier.py)
+    tree_paths: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +121,12 @@ class ModelRunner:
         # why a row's results may depend on the rest of its step (/server_info); (): they do not
         self.batch_invariance = batch_invariance_reasons(config, model, self.attention_backend)
         self.input_builder = InputBuilder(config.cache, self.attention_backend, self.device)
+        # token trees: verified on the torch reference (the compiled and Triton kernels take no tree mask)
+        self.tree_verifier = TreeVerifier(self.vocab_size, self.device)
+        self.tree_input_builder = self.input_builder
+        if self.attention_backend.name != "torch":
+            reference = get_attention_backend("torch", config.cache.kv_cache_dtype)
+            self.tree_input_builder = InputBuilder(config.cache, reference, self.device)
         # LoRA adapters: deltas added by hooks on the linear layers, which the fused stack and CUDA
         # graphs do not run: the stack serves only steps without an adapter, graphs none (docs/lora.md)
         self.lora = (
@@ -299,6 +309,8 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return None
         rows = [(self.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
+        if plan.spec_tree_parents:  # a token tree: the reference attention, which takes tree masks
+            return self.tree_input_builder.build(rows, None if self.lora is None else self._lora_slots)
         if self.decode_graphs is not None and self.decode_graphs.serves(rows):
             return self._prepare_static([request for request, _ in rows])
         return self.input_builder.build(rows, None if self.lora is None else self._lora_slots)
@@ -341,8 +353,38 @@ class ModelRunner:
         """Sample (or verify drafts for) the step's sampling rows from their logits."""
         sampling_requests = [inputs.requests[row] for row in inputs.sample_rows]
         self._start_grammars(sampling_requests)
-        output = self._sample_or_verify(logits, sampling_requests)
+        if any(r.spec_tree_parents for r in sampling_requests):
+            output = self._verify_with_trees(logits, sampling_requests)
+            if sample_hidden is not None:  # rows in path order, as a chain's (proposers read them so)
+                order = tree_hidden_rows(sampling_requests, output.tree_paths)
+                sample_hidden = sample_hidden[order.to(sample_hidden.device)]
+        else:
+            output = self._sample_or_verify(logits, sampling_requests)
         output.sampled_requests, output.sample_hidden = sampling_requests, sample_hidden
+        return output
+
+    def _verify_with_trees(
+        self, logits: torch.Tensor, requests: list[CachedRequestState]
+    ) -> ModelRunnerOutput:
+        """A step with token trees: the trees through the tree verifier, the other requests (chains,
+        plain decodes) as in any step, each on its own logits rows; then the accepted paths' KV is
+        moved into place."""
+        is_tree = [r.spec_tree_parents is not None for r in requests]
+        counts = [1 + len(r.spec_token_ids) for r in requests]
+        trees = [r for r, tree in zip(requests, is_tree, strict=True) if tree]
+        failed: list[str] = []
+        verified = self.tree_verifier(
+            logits[_rows_where(counts, is_tree, True, logits.device)], trees, failed
+        )
+        output = ModelRunnerOutput(verified.token_ids, verified.logprobs, failed=failed)
+        others = [r for r, tree in zip(requests, is_tree, strict=True) if not tree]
+        if others:
+            rest = self._sample_or_verify(logits[_rows_where(counts, is_tree, False, logits.device)], others)
+            output.sampled_token_ids.update(rest.sampled_token_ids)
+            output.logprobs.update(rest.logprobs)
+            output.failed += rest.failed
+        move_accepted_kv(self.kv_cache, self.block_size, trees, verified.paths)
+        output.tree_paths = verified.paths
         return output
 
     def _start_grammars(self, requests: list[CachedRequestState]) -> None:
@@ -359,6 +401,8 @@ class ModelRunner:
         lora = contextlib.nullcontext() if self.lora is None else self.lora.activate(inputs.lora_slots)
         with set_forward_context(inputs.attention), lora:
             stack = self.decode_stack if inputs.lora_slots is None else None  # adapters: the modules
+            if inputs.attention.backend is not None:  # a token tree's step: the modules, on the reference
+                stack = None
             if stack is not None and stack.serves(len(inputs.input_ids), inputs.attention):
                 hidden = stack(inputs.input_ids, inputs.positions, inputs.attention)
             else:
@@ -454,3 +498,14 @@ def _logprob_rows(sampled: SamplerOutput) -> list[list[float]]:
         sampled.sampled_logprobs[:, None],
     )
     return torch.cat([column.double() for column in columns], dim=1).tolist()
+
+
+def _rows_where(counts: list[int], flags: list[bool], value: bool, device: torch.device) -> torch.Tensor:
+    """The logits rows of the requests whose flag is `value` (request i has counts[i] rows, in order)."""
+    ends = np.cumsum(counts)
+    rows = [
+        np.arange(end - count, end)
+        for count, end, flag in zip(counts, ends, flags, strict=True)
+        if flag == value
+    ]
+    return torch.from_numpy(np.concatenate(rows)).to(device)

@@ -28,6 +28,7 @@ class CachedRequestState:
     num_resumptions: int = 0  # times it came back from a preemption
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step
     spec_token_probs: torch.Tensor | None = None  # their q ([k, V]); None: greedy or one-hot
+    spec_tree_parents: list[int] | None = None  # a token tree's parents (sample/token_tree.py); None: a chain
     # the q of the last proposal drafted for it, kept here for the step that verifies some of them
     draft_probs: torch.Tensor | None = None
     pooling: bool = False  # an embedding request: pooled instead of sampled
@@ -58,9 +59,11 @@ class CachedRequestState:
         self.num_resumptions += data.resumed
         self.num_computed_tokens = data.num_computed_tokens
 
-    def set_drafts(self, token_ids: list[int]) -> None:
-        """The drafts the plan has it verify: a prefix of its last proposal, whose q the runner kept."""
+    def set_drafts(self, token_ids: list[int], tree_parents: list[int] | None = None) -> None:
+        """The drafts the plan has it verify: a prefix of its last proposal, whose q the runner kept;
+        `tree_parents` where they are a token tree."""
         self.spec_token_ids = token_ids
+        self.spec_tree_parents = tree_parents
         probs = self.draft_probs
         self.spec_token_probs = None if probs is None or not token_ids else probs[: len(token_ids)]
 
@@ -90,6 +93,6 @@ def apply_plan(requests: dict[str, CachedRequestState], plan: StepPlan, device: 
         requests[new.request_id] = CachedRequestState.from_new(new, device)
     for cached in plan.cached_requests:
         requests[cached.request_id].update(cached)
-    drafts = plan.spec_token_ids
+    drafts, trees = plan.spec_token_ids, plan.spec_tree_parents
     for request_id in plan.num_scheduled_tokens:
-        requests[request_id].set_drafts(drafts.get(request_id, []))
+        requests[request_id].set_drafts(drafts.get(request_id, []), trees.get(request_id))

@@ -17,6 +17,7 @@ import torch
 from llmserve.attention.window import decode_context_positions, prefill_context_positions
 from llmserve.config import CacheConfig
 from llmserve.forward_context import AttentionMetadata, PrefillSpan
+from llmserve.sample.token_tree import ancestor_mask, depths
 from llmserve.worker.prompt_logprobs import PromptLogprobRows
 from llmserve.worker.prompt_logprobs import select_rows as select_prompt_logprob_rows
 
@@ -82,7 +83,8 @@ class InputBuilder:
         for request, first, count in zip(requests, computed.tolist(), num_new.tolist(), strict=True):
             token_ids.extend(request.all_token_ids[first : first + count])
             token_ids.extend(request.spec_token_ids)  # speculative decoding: drafts follow the last token
-        positions = np.arange(ends[-1]) - np.repeat(starts - computed, num_new)
+        positions = np.arange(ends[-1]) - np.repeat(starts - computed, num_new)  # in the KV slots' order
+        trees = {i: t for i, r in enumerate(requests) if (t := getattr(r, "spec_tree_parents", None))}
         block_tables = self._block_tables(requests, int(seq_lens.max()))
         token_rows = np.repeat(np.arange(len(requests)), num_new)
         if self.kv_groups:
@@ -90,6 +92,8 @@ class InputBuilder:
         else:
             slot_mapping = self._slots(block_tables[token_rows, positions // self.block_size], positions)
             attention = self.attention_metadata(block_tables, num_new, seq_lens, starts, slot_mapping)
+        if trees:
+            self._add_tree_masks(attention, trees, seq_lens)
 
         num_drafts = np.array([len(r.spec_token_ids) for r in requests], dtype=np.int64)
         caught_up = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens + num_drafts[i]]
@@ -101,7 +105,7 @@ class InputBuilder:
             lora_slots=row_slots[token_rows] if row_slots is not None and row_slots.max() >= 0 else None,
             requests=requests,
             input_ids=to_device(np.asarray(token_ids, dtype=np.int64)),
-            positions=to_device(positions),
+            positions=to_device(_tree_positions(positions, trees, ends, computed) if trees else positions),
             attention=attention,
             sample_rows=sample_rows,
             logits_indices=to_device(_logits_indices(ends[sample_rows], num_drafts[sample_rows])),
@@ -109,6 +113,18 @@ class InputBuilder:
             pool_rows=pool_rows,
             pool_indices=to_device(ends[pool_rows] - 1) if pool_rows else None,
         )
+
+    def _add_tree_masks(self, attention: AttentionMetadata, trees: dict[int, list[int]], seq_lens) -> None:
+        """Token trees (sample/token_tree.py): each tree's verify span (a prefill span here, the reference
+        backend taking spans of one token as decodes) gets its mask, and the step runs this builder's
+        backend, which must be the reference: it is the one backend that takes tree masks."""
+        if self.attention_backend.name != "torch" or self.kv_groups or self.cache.sliding_window:
+            raise ValueError("token trees need the torch attention backend, no sliding window, no KV groups")
+        attention.backend = self.attention_backend
+        num_decodes = len(seq_lens) - len(attention.prefills)
+        for row, parents in trees.items():
+            mask = _tree_mask(parents, int(seq_lens[row]))
+            attention.prefills[row - num_decodes].tree_mask = self._to_device(mask)
 
     def _group_metadata(self, flat_tables, token_rows, positions, num_new, seq_lens, starts):
         """Group 0's metadata carrying the other groups': each from its columns of the flat tables."""
@@ -195,3 +211,23 @@ def _logits_indices(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
     counts = num_drafts + 1
     firsts = np.repeat(ends - counts, counts)
     return firsts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def _tree_positions(positions: np.ndarray, trees: dict[int, list[int]], ends, computed) -> np.ndarray:
+    """Rotary positions: a tree's drafts (the last n tokens of its span) sit at the root's position
+    plus their depth, not at their index."""
+    positions = positions.copy()
+    for row, parents in trees.items():
+        end = int(ends[row])
+        positions[end - len(parents) : end] = computed[row] + depths(parents)
+    return positions
+
+
+def _tree_mask(parents: list[int], seq_len: int) -> np.ndarray:
+    """[1 + n, seq_len] bool for a tree's verify span (root, then its n drafts in slot order): every
+    query sees the context and the root; a draft sees its ancestors and itself among the drafts."""
+    num_drafts = len(parents)
+    mask = np.ones((1 + num_drafts, seq_len), dtype=bool)
+    mask[:, seq_len - num_drafts :] = False
+    mask[1:, seq_len - num_drafts :] = ancestor_mask(parents)
+    return mask

@@ -3,6 +3,8 @@
 Decodes are batched: each decode gathers its context K/V through its block table into one padded
 tensor and a single masked SDPA call serves them all. Prefill chunks run one SDPA call per sequence
 with a causal mask offset by the context already cached. Faster backends are tested against this.
+A token tree's verify span (sample/token_tree.py) carries its own mask (`PrefillSpan.tree_mask`);
+this is the only backend that takes one, so steps with a tree run here whatever the engine's backend.
 
 The KV cache format (`kv_format.py`) decides how rows are written and read back: as they are, or
 quantized on write and dequantized here, after the gather. With a sliding window (and attention
@@ -96,7 +98,9 @@ class TorchSDPABackend:
         keys = read(key_cache, span.context_slots, query.dtype).transpose(0, 1).unsqueeze(0)
         values = read(value_cache, span.context_slots, query.dtype).transpose(0, 1).unsqueeze(0)
         queries = query.transpose(0, 1).unsqueeze(0)  # [1, heads, q, head_dim]
-        if (
+        if span.tree_mask is not None:  # a token tree's verify span: each draft sees its ancestors only
+            out = attend(queries, keys, values, span.tree_mask, scale, softcap)
+        elif (
             context_len == num_queries
             and span.context_positions is None
             and context_len <= (window or context_len)
