@@ -325,11 +325,15 @@ def _prequantized(model: nn.Module, config: ModelConfig, tokenizer) -> Quantizat
         elif any(part is not None for part in parts):
             dequantized[name] = "fused parts of different formats"
             used.update(names)
-    for name in sorted(layers.keys() - used):  # the lm_head, experts (no nn.Linear)
+    experts, expert_names = moe.checkpoint_expert_weights(model, layers)
+    weights.update(experts)
+    used.update(expert_names)
+    for name in sorted(layers.keys() - used):  # the lm_head, experts some expert of which stays float
         if name.startswith("model.layers.") and int(name.split(".")[2]) not in model.stage.layers:
             continue  # another pipeline stage's
         dequantized[name] = "not a quantizable linear of this model"
-    prequantized.log_dequantized(config.arch.checkpoint_quantization, len(weights), dequantized, config.dtype)
+    kept = len({moe.owner(name) for name in weights})
+    prequantized.log_dequantized(config.arch.checkpoint_quantization, kept, dequantized, config.dtype)
     return QuantizationResult(weights)
 
 

@@ -80,19 +80,49 @@ def quantize_experts(
     return weights
 
 
+_PARTS = ("gate_proj", "up_proj", "down_proj")
+_MIXTRAL_PARTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # block_sparse_moe.experts.N.w1
+
+
 def gguf_expert_weights(model: nn.Module, tensors: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
     """The expert weights of a GGUF's natively read tensors (quantization/gguf_native.py names each
-    expert's rows `<experts module>.<expert>.gate_proj.weight`, up_proj, down_proj): gate and up fused
-    per expert. An experts module takes them only if every expert's three are there in fusable
-    formats; else it stays in float."""
+    expert's rows `<experts module>.<expert>.gate_proj.weight`, up_proj, down_proj)."""
+    weights, _ = stacked_expert_weights(
+        model, lambda name, expert, part: f"{name}.{expert}.{part}.weight", tensors
+    )
+    return weights
+
+
+def checkpoint_expert_weights(
+    model: nn.Module, layers: dict[str, QuantizedWeight]
+) -> tuple[dict[str, QuantizedWeight], set[str]]:
+    """The expert weights among a pre-quantized HF checkpoint's layers (by module name: Qwen3-MoE's
+    `mlp.experts.N.gate_proj`, Mixtral's `block_sparse_moe.experts.N.w1`), and the names they used."""
+
+    def source(name: str, expert: int, part: str) -> str:
+        qwen = f"{name}.{expert}.{part}"
+        mixtral = (
+            f"{name.replace('.mlp.experts', '.block_sparse_moe.experts')}.{expert}.{_MIXTRAL_PARTS[part]}"
+        )
+        return qwen if qwen in layers else mixtral
+
+    return stacked_expert_weights(model, source, layers)
+
+
+def stacked_expert_weights(
+    model: nn.Module, source: Callable[[str, int, str], str], tensors: dict[str, QuantizedWeight]
+) -> tuple[dict[str, QuantizedWeight], set[str]]:
+    """Each experts module's weights, `tensors[source(module, expert, part)]` for the parts gate_proj,
+    up_proj and down_proj, gate and up fused per expert; and the names used. A module takes them only
+    if every expert's three are there in fusable formats; else it stays in float."""
     weights: dict[str, QuantizedWeight] = {}
+    used: set[str] = set()
     for name, module in experts_modules(model).items():
         layer: dict[str, QuantizedWeight] = {}
-        for expert in range(module.gate_up_proj.shape[0]):
-            parts = [
-                tensors.get(f"{name}.{expert}.{part}.weight")
-                for part in ("gate_proj", "up_proj", "down_proj")
-            ]
+        names = [
+            [source(name, expert, part) for part in _PARTS] for expert in range(module.gate_up_proj.shape[0])
+        ]
+        for expert, parts in enumerate([[tensors.get(key) for key in keys] for keys in names]):
             gate_up = None if None in parts else concat_rows(parts[:2])
             if gate_up is None:
                 break
@@ -100,7 +130,8 @@ def gguf_expert_weights(model: nn.Module, tensors: dict[str, QuantizedWeight]) -
             layer[expert_key(name, "down_proj", expert)] = parts[2]
         else:
             weights.update(layer)
-    return weights
+            used.update(key for keys in names for key in keys)
+    return weights, used
 
 
 def apply_experts(model: nn.Module, weights: dict[str, QuantizedWeight], dtype: torch.dtype, device) -> None:

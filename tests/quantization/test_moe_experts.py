@@ -3,6 +3,9 @@ run, the router in float; against the same experts dequantized, in the layer and
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -13,7 +16,7 @@ from llmserve.model_loader import load_arch_config
 from llmserve.models.layers.moe import MoEExperts
 from llmserve.quantization.formats import quantize_int4, quantize_int8
 from llmserve.quantization.kernels import QuantizedLinear
-from llmserve.quantization.moe import ExpertKernel, QuantizedMoEExperts
+from llmserve.quantization.moe import ExpertKernel, QuantizedMoEExperts, checkpoint_expert_weights
 from llmserve.worker.memory_report import weights_memory_bytes
 from tests.e2e.conftest import teacher_forced_logits
 from tests.models.moe_gguf import VOCAB, write_moe_gguf
@@ -179,3 +182,92 @@ def test_a_saved_moe_checkpoint_reloads_the_same_experts(tmp_path):
     finally:
         direct.shutdown()
         saved.shutdown()
+
+
+def test_checkpoint_expert_names_map_to_each_experts_layer():
+    """A pre-quantized checkpoint's experts, by Mixtral's (w1/w3/w2) or Qwen3-MoE's names: gate and up
+    fused per expert under the layer's expert keys; a layer missing one expert's part takes none."""
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+    for layer in model.layers:
+        layer.mlp = torch.nn.Module()
+        layer.mlp.experts = MoEExperts(2, HIDDEN, UNITS)
+    quantize = QUANTIZERS["int4"]
+    shapes = {"w1": (UNITS, HIDDEN), "w3": (UNITS, HIDDEN), "w2": (HIDDEN, UNITS)}
+    mixtral = {
+        f"layers.0.block_sparse_moe.experts.{e}.{w}": quantize(torch.randn(*shape))
+        for e in range(2)
+        for w, shape in shapes.items()
+    }
+    qwen = {  # expert 1 missing
+        f"layers.1.mlp.experts.0.{part}": mixtral[f"layers.0.block_sparse_moe.experts.0.{w}"]
+        for part, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
+    }
+    weights, used = checkpoint_expert_weights(model, {**mixtral, **qwen})
+    assert set(weights) == {
+        f"layers.0.mlp.experts.{p}.{e}" for p in ("gate_up_proj", "down_proj") for e in range(2)
+    }
+    assert used == set(mixtral)
+    gate, up = (
+        mixtral["layers.0.block_sparse_moe.experts.1.w1"],
+        mixtral["layers.0.block_sparse_moe.experts.1.w3"],
+    )
+    fused = torch.cat([gate.dequantize(), up.dequantize()])
+    assert torch.equal(weights["layers.0.mlp.experts.gate_up_proj.1"].dequantize(), fused)
+    weights, used = checkpoint_expert_weights(
+        model, {k.replace("experts.1.", "experts.0."): v for k, v in mixtral.items()}
+    )
+    assert not weights and not used
+
+
+@pytest.mark.full
+def test_a_gptq_mixtral_checkpoint_serves_its_experts_own_codes(tmp_path):
+    """A GPTQ checkpoint of a Mixtral (every projection packed, its experts' w1/w3/w2 included; the
+    router float): each experts layer holds the checkpoint's int4 codes (their dequantization is the
+    packer's weights) and the engine gives the float run of those weights. (Fast tier: the name
+    mapping, test_checkpoint_expert_names_map_to_each_experts_layer; the layer, the tests above.)"""
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.families import make_family_dir
+    from tests.quantization import prequantized_packers as packers
+
+    float_dir = str(tmp_path / "float")
+    make_family_dir(float_dir, "mixtral-top2-of-4")
+    packed, reference = {}, {}
+    for name, tensor in load_file(f"{float_dir}/model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if name.startswith("model.layers.") and module.endswith(("proj", ".w1", ".w2", ".w3")):
+            parts, reference[name] = packers.gptq(tensor, group=32)
+            packed.update({f"{module}.{suffix}": value for suffix, value in parts.items()})
+        else:
+            packed[name] = reference[name] = tensor
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+    dirs = {}
+    for kind, tensors, quantization in (("quantized", packed, config), ("reference", reference, None)):
+        dirs[kind] = str(tmp_path / kind)
+        shutil.copytree(float_dir, dirs[kind])
+        save_file({k: v.contiguous() for k, v in tensors.items()}, f"{dirs[kind]}/model.safetensors")
+        with open(f"{dirs[kind]}/config.json") as file:
+            fields = json.load(file)
+        with open(f"{dirs[kind]}/config.json", "w") as file:
+            json.dump({**fields, **({"quantization_config": quantization} if quantization else {})}, file)
+    quantized, float_run = LLM(dirs["quantized"], **ENGINE), LLM(dirs["reference"], **ENGINE)
+    try:
+        modules = dict(quantized.engine.model_runner.model.named_modules())
+        layer = modules["model.layers.0.mlp.experts"]
+        assert isinstance(layer, QuantizedMoEExperts) and isinstance(layer.gate_up[0], ExpertKernel)
+        gate_up, down = layer.dequantize()
+        expected = torch.cat(
+            [reference[f"model.layers.0.block_sparse_moe.experts.3.{w}.weight"] for w in ("w1", "w3")]
+        )
+        torch.testing.assert_close(gate_up[3], expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            down[3], reference["model.layers.0.block_sparse_moe.experts.3.w2.weight"], rtol=0, atol=1e-6
+        )
+        assert type(modules["model.layers.0.mlp.gate"]) is not QuantizedLinear
+        rounded = dequantized_reference(quantized, float_run)
+        tokens = torch.randint(3, 49152, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+        assert_greedy_equal_but_at_near_ties(quantized, float_run, [tokens[:7], tokens], rounded)
+    finally:
+        quantized.shutdown()
+        float_run.shutdown()
