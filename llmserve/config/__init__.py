@@ -23,6 +23,7 @@ from llmserve.config.kv_cache_dtype import KVCacheDtype, check_kv_cache_dtype, k
 from llmserve.config.kv_events import KVEventsConfig
 from llmserve.config.kv_groups import KVCacheGroup, group_size, kv_cache_groups
 from llmserve.config.kv_offloading import KVOffloadingBackend, KVOffloadingConfig
+from llmserve.config.kv_transfer import KVTransferConfig
 from llmserve.config.lora import LoRAConfig
 from llmserve.config.parallel import (
     ExecutorBackend,
@@ -38,6 +39,7 @@ from llmserve.config.structured_outputs import StructuredOutputsConfig
 logger = logging.getLogger("llmserve")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CONSUMER_RAM_BYTES = 1 << 30  # a decode instance's RAM tier when --kv-offloading-size is not given
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 # "torch" the reference, "cpu_paged" the compiled CPU kernel, "triton" the CUDA one (attention/registry.py)
@@ -140,6 +142,7 @@ class CacheConfig:
     attention_sinks: int = 0  # with a window: also keep the first this many tokens (StreamingLLM)
     kv_events: KVEventsConfig | None = None  # publish the prefix cache's changes; None: off
     kv_offloading: KVOffloadingConfig | None = None  # RAM and disk tiers under the prefix cache; None: off
+    kv_transfer: KVTransferConfig | None = None  # a prefill or decode instance; None: neither
     # layers by attention kind, one block table each (config/kv_groups.py); (): one group of every
     # layer, with `sliding_window`
     kv_groups: tuple[KVCacheGroup, ...] = ()
@@ -386,6 +389,12 @@ class EngineArgs:
         None, "folder for blocks leaving the RAM tier; kept across restarts of the same model"
     )
     kv_offloading_disk_size: float | None = arg(None, "GiB the disk tier's files may take")
+    # -- prefill/decode disaggregation (docs/data_parallel.md) --
+    kv_transfer_config: str | None = arg(
+        None,
+        'start as a prefill or decode instance, as vLLM: a JSON object such as \'{"kv_connector": '
+        '"LlmserveConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_dir": DIR}}\'',
+    )
     # -- weight quantization (llmserve/quantization, docs/quantization.md) --
     quantization: str | None = arg(
         None,
@@ -400,7 +409,8 @@ class EngineArgs:
         None,
         "ngram (prompt lookup) | draft (a smaller model) | early_exit (the target's first layers) | "
         "draft_head (prompt lookup, else a small head trained on the target's own outputs) | "
-        "suffix (the most frequent continuation in the request's own text and recent requests' outputs)",
+        "suffix (the most frequent continuation in the request's own text and recent requests' outputs) | "
+        "medusa (Medusa heads on the last hidden state, a token tree verified in one pass)",
     )
     num_speculative_tokens: int | None = arg(
         None,
@@ -414,7 +424,9 @@ class EngineArgs:
         None, "early_exit: target layers in the draft (default: 0.93 of them, see docs/speculative.md)"
     )
     speculative_draft_head: str | None = arg(
-        None, "draft_head: the head's file (`llmserve train-draft-head`); default: the default model's"
+        None,
+        "draft_head: the head's file (`llmserve train-draft-head`; default: the default model's); "
+        "medusa: the Medusa heads' file (required)",
     )
     speculative_draft_head_tokens: int | None = arg(
         None, "draft_head: drafts per step from the head at most (default 3; prompt lookup may propose K)"
@@ -509,6 +521,11 @@ class EngineArgs:
         if not (0 <= self.ttft_target_ms < math.inf and 0 <= self.tpot_target_ms < math.inf):
             raise ValueError("ttft_target_ms and tpot_target_ms must be >= 0 (0: no target)")
         self._kv_offloading_flags()
+        self._kv_transfer()
+
+    def _kv_transfer(self) -> KVTransferConfig | None:
+        text = self.kv_transfer_config
+        return None if text is None else KVTransferConfig.from_json(text)
 
     def _kv_offloading_flags(self) -> KVOffloadingConfig | None:
         return KVOffloadingConfig.create(
@@ -677,6 +694,7 @@ class EngineArgs:
             attention_sinks=sinks,
             kv_events=self._kv_events(),
             kv_offloading=self._kv_offloading(window, parallel, draft_arch, kv_groups),
+            kv_transfer=self._kv_transfer(),
             kv_groups=kv_groups,
             size_from_gpu_memory=from_gpu,
         )
@@ -748,6 +766,10 @@ class EngineArgs:
                 "speculative_method early_exit drafts with the target's first layers, which tensor "
                 "and pipeline parallelism split over the ranks; use draft_head, draft or ngram"
             )
+        if self.speculative_method == "medusa":  # a tree's accepted KV is moved on the sampling rank only
+            raise ValueError(
+                "speculative_method medusa (token trees) runs on one rank; use draft_head or ngram"
+            )
         return parallel
 
     def _kv_events(self) -> KVEventsConfig | None:
@@ -762,9 +784,13 @@ class EngineArgs:
     def _kv_offloading(
         self, window: int, parallel: ParallelConfig, draft_arch: ModelArchConfig | None, kv_groups
     ) -> KVOffloadingConfig | None:
-        """The RAM / disk tiers' config; refused where a block's KV is not all in the one pool yet."""
-        config = self._kv_offloading_flags()
-        if config is None:
+        """The RAM / disk tiers' config (a decode instance's disk tier is the transfer's shared folder);
+        refused where a block's KV is not all in the one pool yet."""
+        config, transfer = self._kv_offloading_flags(), self._kv_transfer()
+        flag = "--kv-offloading-size"
+        if transfer is not None:
+            config, flag = _with_transfer(config, transfer), "--kv-transfer-config"
+        if config is None and transfer is None:
             return None
         refused = None
         if not self.prefix_caching:
@@ -776,7 +802,7 @@ class EngineArgs:
         elif window or kv_groups:
             refused = "a sliding window"
         if refused is not None:
-            raise ValueError(f"--kv-offloading-size does not combine with {refused} yet")
+            raise ValueError(f"{flag} does not combine with {refused} yet")
         return config
 
     def _window(self, arch: ModelArchConfig, max_model_len: int) -> tuple[int, int]:
@@ -818,6 +844,21 @@ class EngineArgs:
                 "pass --disable-hybrid-kv-cache-manager to keep full KV in its sliding layers"
             )
         return groups
+
+
+def _with_transfer(
+    config: KVOffloadingConfig | None, transfer: KVTransferConfig
+) -> KVOffloadingConfig | None:
+    """The tiers of an instance in a prefill/decode pair: a decode instance's disk tier is the shared
+    folder (the producer's files are found there as disk hits), with a RAM tier of its own; a producer's
+    tiers are its flags' (it writes the folder from the model runner, not through its tiers)."""
+    if not transfer.consumes:
+        return config
+    if config is None:
+        return KVOffloadingConfig(_CONSUMER_RAM_BYTES, transfer.shared_dir, transfer.shared_bytes)
+    if config.disk_dir is not None and config.disk_dir != transfer.shared_dir:
+        raise ValueError("a kv_consumer's disk tier is its shared_dir; drop --kv-offloading-disk-dir")
+    return KVOffloadingConfig(config.ram_bytes, transfer.shared_dir, transfer.shared_bytes)
 
 
 def check_block_size(block_size: int) -> None:

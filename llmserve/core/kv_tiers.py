@@ -78,6 +78,9 @@ class TierSpec:
     model_key: bytes  # kv_block_file.fingerprint of everything that changes a block's bytes
     block_bytes: int  # K/V bytes of one block (a file's payload)
     disk_read_threads: int = 1  # threads reading files in the background; 0: read at once, in the caller
+    # a decode instance (core/kv_transfer.py): a prefill instance writes files into the disk folder too,
+    # so a lookup the index misses checks for a file that arrived since
+    shared: bool = False
 
 
 @dataclass
@@ -166,7 +169,25 @@ class KVTiers:
         """Whether a tier holds the block (an index lookup, no I/O; `fetch` reads and verifies)."""
         if self.ram.get(block_hash, tokens) is not None:
             return True
-        return block_hash not in self._unflushed and self.disk.get(block_hash, tokens) is not None
+        if block_hash in self._unflushed:
+            return False
+        if self.disk.get(block_hash, tokens) is not None:
+            return True
+        return self.spec.shared and self._arrived(block_hash, tokens)
+
+    def _arrived(self, block_hash: bytes, tokens: tuple[int, ...]) -> bool:
+        """Whether a prefill instance has written this block's file into the shared folder (its header
+        read and checked); such a block joins the disk tier's index as its most recent entry."""
+        if block_hash in self.disk.entries:  # indexed with other tokens: a hash collision never hits
+            return False
+        path = kv_block_file.block_path(self.spec.disk_dir, block_hash)
+        header = kv_block_file.read_header(path, self.spec.model_key)
+        if header is None or (header.block_hash, header.tokens) != (block_hash, tokens):
+            return False
+        if header.payload_bytes != self.spec.block_bytes or not self._disk_room():
+            return False
+        self.disk.entries[block_hash] = (tokens, 0)
+        return True
 
     def ready(self, keys: list[Key]) -> bool:
         """Whether the hit's blocks on disk have been read; reads not started yet start now, in the

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from llmserve.config import SchedulerConfig
 from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.kv_transfer import ExportPlanner
 from llmserve.core.latency_targets import LatencyTargets, OutputLengths, StepBudget
 from llmserve.core.plan_writer import PlanWriter
 from llmserve.core.preemption import PreemptionCosts
@@ -81,8 +82,10 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         preemption_costs: PreemptionCosts | None = None,
         draft_planner: DraftPlanner | None = None,
+        kv_exports: ExportPlanner | None = None,
     ) -> None:
         self.config = config
+        self.kv_exports = kv_exports  # a prefill instance's exported blocks; None: exports nothing
         self.kv_cache = kv_cache_manager
         self.preemption_costs = preemption_costs
         self.draft_planner = draft_planner  # speculative decoding; None when off
@@ -169,6 +172,8 @@ class Scheduler:
             plan.draft_limits = self.draft_planner.draft_limits(output.requests)
         plan.block_copies = self.kv_cache.take_pending_copies()
         plan.tier_ops = self.kv_cache.take_tier_ops()
+        if self.kv_exports is not None:
+            plan.kv_exports = self.kv_exports.exports(output.requests, plan.num_scheduled_tokens)
         output.num_prompt_tokens, output.shape = self.plan_writer.write(plan, output.requests)
         now = time.monotonic()
         for request in output.requests:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import msgspec
 
 from llmserve.core.kv_tiers import TierOp
+from llmserve.core.kv_transfer import KVExport
 from llmserve.sampling_params import SamplingParams
 
 
@@ -53,6 +54,8 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False):
     swap_in: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (swap, device) block copies
     block_copies: list[tuple[int, int]] = msgspec.field(default_factory=list)  # copy-on-write (src, dst)
     tier_ops: list[TierOp] = msgspec.field(default_factory=list)  # RAM / disk tier copies, in order
+    # a prefill instance: full prompt blocks to send after the forward (core/kv_transfer.py)
+    kv_exports: list[KVExport] = msgspec.field(default_factory=list)
     # speculative decoding: whether to draft after this step, and auto mode's cap on drafts per request
     speculate: bool = False
     max_drafts: int | None = None

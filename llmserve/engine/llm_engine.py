@@ -16,10 +16,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from llmserve.config import DeviceMemory, EngineArgs, EngineConfig
+from llmserve.config import CacheConfig, DeviceMemory, EngineArgs, EngineConfig
 from llmserve.config.parallel import split_sizes, stage_layer_ranges
 from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.kv_transfer import ExportPlanner
 from llmserve.core.preemption import PreemptionCosts
 from llmserve.core.scheduler import Scheduler, SchedulerOutput
 from llmserve.core.step_plan import StepPlan
@@ -113,6 +114,7 @@ class LLMEngine:
             self.kv_cache_manager,
             preemption_costs(self.config, model),
             DraftPlanner(spec) if spec is not None else None,
+            _export_planner(cache, self.kv_cache_manager),
         )
         # speculative decoding (a draft head under tensor parallelism reads rank 0's whole-vocabulary copy)
         self.proposer = create_proposer(
@@ -473,6 +475,13 @@ class LLMEngine:
         self.last_step = None
         self._publish_kv_events = self._measure_step_costs = True
         torch.manual_seed(self.config.model.seed)
+
+
+def _export_planner(cache: CacheConfig, kv_cache: KVCacheManager) -> ExportPlanner | None:
+    """A prefill instance's planner of the blocks it sends (--kv-transfer-config); None otherwise."""
+    if cache.kv_transfer is None or not cache.kv_transfer.produces:
+        return None
+    return ExportPlanner(kv_cache.prefix_cache, kv_cache.get_block_table, cache.block_size)
 
 
 def preemption_costs(config: EngineConfig, model) -> PreemptionCosts:

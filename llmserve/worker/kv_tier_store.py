@@ -68,6 +68,7 @@ class KVTierStore:
             // kv_block_file.file_size(config.cache.block_size, block_bytes),
             model_key=model_key,
             block_bytes=block_bytes,
+            shared=config.cache.kv_transfer is not None and config.cache.kv_transfer.consumes,
         )
         if not self.spec.ram_blocks or (disk_dir is not None and not self.spec.disk_blocks):
             raise ValueError(f"--kv-offloading-size and -disk-size must hold a block ({block_bytes} bytes)")

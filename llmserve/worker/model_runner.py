@@ -39,6 +39,7 @@ from llmserve.worker.batch_invariance import make_batch_invariant
 from llmserve.worker.batch_invariance import reasons as batch_invariance_reasons
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.kv_tier_store import KVTierStore
+from llmserve.worker.kv_transfer import create_connector
 from llmserve.worker.prefault import PrefaultThread, populate_in_background
 from llmserve.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from llmserve.worker.request_state import CachedRequestState, apply_plan
@@ -164,6 +165,7 @@ class ModelRunner:
             )
         # RAM and disk tiers under the prefix cache (core/kv_tiers.py decides, this copies)
         self.kv_tier_store = KVTierStore(config, self.kv_blocks) if cache.kv_offloading is not None else None
+        self.kv_connector = create_connector(config, self.kv_blocks)  # a prefill instance's sender
         # after the pool, whose addresses graphs capture (the start-up time includes the capture);
         # padded rows write to the block past the pool's blocks
         self.decode_graphs = None
@@ -262,9 +264,16 @@ class ModelRunner:
             sources, destinations = map(list, zip(*copies, strict=True))
             self.kv_blocks[:, :, destinations] = self.kv_blocks[:, :, sources]
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelRunnerOutput:
-        """Apply the plan, then run its requests' new tokens and sample those that caught up."""
+        """Apply the plan, then run its requests' new tokens and sample those that caught up; a prefill
+        instance then sends the prompt blocks the step finished (before its output leaves the engine)."""
+        output = self._execute(plan)
+        if plan.kv_exports:
+            self.kv_connector.send(plan.kv_exports)
+        return output
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> ModelRunnerOutput:
         inputs = self.prepare(plan)
         if inputs is None:
             return ModelRunnerOutput({}, {})
