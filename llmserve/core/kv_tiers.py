@@ -138,6 +138,7 @@ class KVTiers:
         self.counters: dict[TierName, TierCounters] = {"ram": TierCounters(), "disk": TierCounters()}
         self._unflushed: set[bytes] = set()  # files whose write is an op not yet run
         self._reads: dict[bytes, Future[bytes | None]] = {}  # disk blocks being read, or read, not loaded
+        self._wanted: set[bytes] = set()  # disk blocks a waiting hit asked for since the last take_ops
         self._reader: Executor | None = None
         if spec.disk_dir is not None:
             self._rebuild_disk_index(spec.disk_dir)
@@ -196,6 +197,7 @@ class KVTiers:
         for block_hash, tokens in keys:
             if self._reader is None or self.ram.get(block_hash, tokens) is not None:
                 continue
+            self._wanted.add(block_hash)
             future = self._reads.get(block_hash)
             if future is None:
                 future = self._reader.submit(self._read_file, block_hash, tokens)
@@ -327,7 +329,10 @@ class KVTiers:
         ops, self.ops = self.ops, []
         self._unflushed.clear()
         if len(self._reads) > _MAX_IDLE_READS:  # reads of requests that went away before loading them
-            self._reads = {h: future for h, future in self._reads.items() if not future.done()}
+            # a read a waiting hit still wants is kept: dropping it would start it again, never ready
+            wanted = self._wanted
+            self._reads = {h: f for h, f in self._reads.items() if h in wanted or not f.done()}
+        self._wanted = set()
         return ops
 
     def reset(self) -> None:

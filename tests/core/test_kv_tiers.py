@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llmserve.config import SchedulerConfig
-from llmserve.core import kv_block_file
+from llmserve.core import kv_block_file, kv_tiers
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 from llmserve.core.kv_tiers import TIER_BLOCK, TierSpec
@@ -265,3 +265,34 @@ def test_a_disk_hit_survives_its_own_allocation_pushing_it_off_the_disk_tier(mak
     assert [op.kind for op in ops] == expected
     assert again.num_cached_tokens == 12
     kv.check_integrity()
+
+
+def test_a_hit_with_more_disk_reads_than_the_idle_bound_is_admitted(make_request, tmp_path, monkeypatch):
+    parent = b""
+    for start in (0, 4):
+        tokens = tuple(SHARED[start : start + 4])
+        parent = hash_block(parent, tokens)
+        kv_block_file.write_block(kv_block_file.block_path(tmp_path, parent), KEY, parent, tokens, bytes(64))
+    # the reads finish one by one, each when released; a read started again would wait forever
+    gates, read, calls = [threading.Event() for _ in range(3)], kv_block_file.read_block, []
+
+    def gated_read(*args):
+        calls.append(args)
+        gates[len(calls) - 1].wait(5)
+        return read(*args)
+
+    monkeypatch.setattr(kv_block_file, "read_block", gated_read)
+    monkeypatch.setattr(kv_tiers, "_MAX_IDLE_READS", 1)  # this hit's two reads are over the bound
+    scheduler, kv = make_scheduler(disk_dir=tmp_path, disk=8, read_threads=1)
+    request = make_request(0, tokens=SHARED[:8] + [7])
+    scheduler.add_request(request)
+    assert not scheduler.schedule().requests  # both reads started
+    gates[0].set()
+    wait_until(lambda: sum(future.done() for future in kv.pool.tiers._reads.values()) == 1)
+    assert not scheduler.schedule().requests  # one read done, kept though over the bound
+    gates[1].set()
+    wait_until(lambda: all(future.done() for future in kv.pool.tiers._reads.values()))
+    output = scheduler.schedule()
+    assert request in output.requests and request.num_cached_tokens == 8 and len(calls) == 2
+    assert [op.kind for op in output.plan.tier_ops] == ["load_bytes"] * 2
+    gates[2].set()
