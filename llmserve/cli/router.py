@@ -38,6 +38,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=RouterConfig.register_timeout_seconds,
         help="seconds to wait at start-up for every replica to answer",
     )
+    router.add_argument(
+        "--prefill-replica",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill instance's base URL (repeat; started with --kv-transfer-config as kv_producer): "
+        "a new request's prompt runs there first and its KV blocks move to the --replica (a kv_consumer) "
+        "that then serves it",
+    )
+    router.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=RouterConfig.prefill_timeout_seconds,
+        help="seconds a prefill may take before the decode instance computes the prompt itself",
+    )
     add_flags(router, RoutingOptions, "routing")
     router.set_defaults(handler=_route)
 
@@ -46,13 +61,18 @@ def _route(args: argparse.Namespace) -> int:
     from llmserve.entrypoints.openai.serve import bound_socket
     from llmserve.router.app import run_router
 
-    for url in args.replica:
+    for flag, url in [("--replica", url) for url in args.replica] + [
+        ("--prefill-replica", url) for url in args.prefill_replica
+    ]:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"--replica {url!r} must be an http:// or https:// URL")
+            raise ValueError(f"{flag} {url!r} must be an http:// or https:// URL")
     replicas = tuple(url.rstrip("/") for url in args.replica)
+    prefill = tuple(url.rstrip("/") for url in args.prefill_replica)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     routing = from_namespace(RoutingOptions, args)
-    config = RouterConfig.create(replicas, routing, args.model, args.register_timeout, api_key)
+    config = RouterConfig.create(
+        replicas, routing, args.model, args.register_timeout, api_key, prefill, args.prefill_timeout
+    )
     with bound_socket(args.host, args.port) as sock:
         run_router(config, sock, args.host)
     return 0

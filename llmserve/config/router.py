@@ -8,6 +8,7 @@ from llmserve.config.flags import arg
 
 _MAX_IMBALANCE = 4
 _HEALTH_INTERVAL_SECONDS = 1.0
+_PREFILL_TIMEOUT_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,11 @@ class RouterConfig:
     pending_prefix_seconds: float = 10.0  # a routed prompt counts as cached there until its events arrive
     # clients must send 'Authorization: Bearer KEY' (as `serve --api-key`); the replicas get it too
     api_key: str | None = field(default=None, repr=False)
+    # prefill/decode disaggregation (router/disaggregation.py): prefill instances' base URLs; with any,
+    # `replicas` are the decode instances. (): every replica serves whole requests
+    prefill_replicas: tuple[str, ...] = ()
+    # how long a prompt's prefill may take before the decode instance computes it alone
+    prefill_timeout_seconds: float = _PREFILL_TIMEOUT_SECONDS
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -44,6 +50,12 @@ class RouterConfig:
             raise ValueError(f"--max-imbalance must be >= 0, got {self.max_imbalance}")
         if self.health_interval_seconds <= 0 or self.register_timeout_seconds <= 0:
             raise ValueError("--health-interval and --register-timeout must be > 0")
+        if len(set(self.prefill_replicas)) != len(self.prefill_replicas):
+            raise ValueError("a --prefill-replica URL is given twice")
+        if set(self.prefill_replicas) & set(self.replicas):
+            raise ValueError("a URL is both a --prefill-replica and a --replica (a decode instance)")
+        if not self.prefill_timeout_seconds > 0:
+            raise ValueError(f"--prefill-timeout must be > 0, got {self.prefill_timeout_seconds}")
 
     @classmethod
     def create(
@@ -53,9 +65,13 @@ class RouterConfig:
         model: str | None,
         register_timeout: float,
         api_key: str | None = None,
+        prefill_replicas: tuple[str, ...] = (),
+        prefill_timeout: float = _PREFILL_TIMEOUT_SECONDS,
     ) -> RouterConfig:
         """From the routing flags of `router` or `serve` and the replicas they route to."""
         return cls(
+            prefill_replicas=prefill_replicas,
+            prefill_timeout_seconds=prefill_timeout,
             replicas=replicas,
             model=model,
             max_imbalance=routing.max_imbalance,

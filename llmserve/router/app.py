@@ -38,6 +38,7 @@ from llmserve.metrics.history import MetricsHistory
 from llmserve.metrics.summary import summary
 from llmserve.model_loader.default_model import resolve_model_path
 from llmserve.model_loader.tokenizer import Tokenizer, load_tokenizer
+from llmserve.router.disaggregation import PrefillStage
 from llmserve.router.events import KVEventSubscriber
 from llmserve.router.index import PrefixIndex
 from llmserve.router.metrics import RouterMetrics, merged_scrape
@@ -62,6 +63,7 @@ class RouterState:
     metrics: RouterMetrics
     history: MetricsHistory  # the dashboard's series, of the replicas' summed metrics
     api_key: str | None = None  # the router checks it and sends it on to the replicas
+    prefill: PrefillStage | None = None  # prefill/decode disaggregation; None: replicas serve whole requests
 
     def upstream_headers(self, raw_request: Request) -> dict[str, str]:
         """The client's headers a replica needs, with the router's API key where it has one."""
@@ -82,7 +84,7 @@ async def build_router(config: RouterConfig, tokenizer: Tokenizer | None = None)
     """Register every replica (ValueError if one is unreachable or incompatible) and build the app."""
     tokenizer = tokenizer or load_router_tokenizer(config)
     async with httpx.AsyncClient() as registration:  # this loop ends here; uvicorn runs another
-        replicas = await _register(registration, config, tokenizer_fingerprint(tokenizer))
+        replicas, prefill = await _register(registration, config, tokenizer_fingerprint(tokenizer))
     client = httpx.AsyncClient(  # generation has no read timeout: a long answer is not a failure
         timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
@@ -99,10 +101,11 @@ async def build_router(config: RouterConfig, tokenizer: Tokenizer | None = None)
         proxy=Proxy(client, replicas, RoutingPolicy(index, config.max_imbalance), metrics.on_routed),
         index=index,
         subscriber=subscriber,
-        health=HealthChecker(client, replicas, config.health_interval_seconds),
+        health=HealthChecker(client, replicas + prefill, config.health_interval_seconds),
         metrics=metrics,
         history=MetricsHistory(lambda: merged_scrape(replicas)),
         api_key=config.api_key,
+        prefill=PrefillStage(client, prefill, config.prefill_timeout_seconds) if prefill else None,
     )
     app = FastAPI(title="llmserve router", lifespan=_lifespan)
     app.state.router = state
@@ -113,14 +116,35 @@ async def build_router(config: RouterConfig, tokenizer: Tokenizer | None = None)
     return app
 
 
-async def _register(client: httpx.AsyncClient, config: RouterConfig, fingerprint: str) -> list[Replica]:
-    """Every replica, checked against the first one's model and block size and the router's tokenizer."""
+async def _register(
+    client: httpx.AsyncClient, config: RouterConfig, fingerprint: str
+) -> tuple[list[Replica], list[Replica]]:
+    """Every replica and prefill instance, checked against the first replica's model and block size and
+    the router's tokenizer; with prefill instances, each side's role (--kv-transfer-config)."""
     timeout = config.register_timeout_seconds
-    infos = await asyncio.gather(*(wait_for_info(client, url, timeout) for url in config.replicas))
+    urls = config.replicas + config.prefill_replicas
+    infos = await asyncio.gather(*(wait_for_info(client, url, timeout) for url in urls))
     expected = infos[0].model_copy(update={"tokenizer_fingerprint": fingerprint})
-    for url, info in zip(config.replicas, infos, strict=True):
-        check_compatible(url, info, expected)
-    return [Replica(url, info) for url, info in zip(config.replicas, infos, strict=True)]
+    replicas = [Replica(url, info) for url, info in zip(urls, infos, strict=True)]
+    decode, prefill = replicas[: len(config.replicas)], replicas[len(config.replicas) :]
+    for replica in decode:
+        check_compatible(replica.url, replica.info, expected)
+    for replica in prefill:
+        prefill_expected = expected.model_copy(update={"kv_role": replica.info.kv_role})
+        check_compatible(replica.url, replica.info, prefill_expected, needs_events=False)
+    if prefill:
+        _check_roles(decode, ("kv_consumer", "kv_both"), "--replica (a decode instance)")
+        _check_roles(prefill, ("kv_producer", "kv_both"), "--prefill-replica")
+    return decode, prefill
+
+
+def _check_roles(replicas: list[Replica], roles: tuple[str, ...], flag: str) -> None:
+    for replica in replicas:
+        if replica.info.kv_role not in roles:
+            raise ValueError(
+                f"{flag} {replica.url} has kv_role {replica.info.kv_role!r}; start it with "
+                f"--kv-transfer-config and a kv_role of {' or '.join(roles)}"
+            )
 
 
 # -- routes -----------------------------------------------------------------------------------------
@@ -149,7 +173,10 @@ async def forward(raw_request: Request) -> Response:
         path = raw_request.url.path
         hashes = await asyncio.to_thread(state.hasher.hashes, path, parsed)
         stream = isinstance(parsed, dict) and parsed.get("stream") is True
-        return await state.proxy.forward(path, body, state.upstream_headers(raw_request), hashes, stream)
+        headers = state.upstream_headers(raw_request)
+        if state.prefill is not None:  # the prompt's blocks to a decode instance first
+            await state.prefill.run(path, parsed, headers)
+        return await state.proxy.forward(path, body, headers, hashes, stream)
 
     return await _pass_on(raw_request, send)
 

@@ -61,17 +61,18 @@ class Replica:
         self.healthy, self.last_error = False, error
 
 
-def check_compatible(url: str, info: ServerInfo, expected: ServerInfo) -> None:
-    """Raise ValueError (one line) unless the replica hashes blocks as `expected` does."""
+def check_compatible(url: str, info: ServerInfo, expected: ServerInfo, needs_events: bool = True) -> None:
+    """Raise ValueError (one line) unless the replica hashes blocks as `expected` does and has its
+    prefill/decode role; `needs_events`: it must publish KV events (a prefill instance need not)."""
     if info.hash_scheme != BLOCK_HASH_SCHEME:
         raise ValueError(f"replica {url} hashes blocks with {info.hash_scheme!r}, not {BLOCK_HASH_SCHEME!r}")
-    for name in ("model", "block_size", "tokenizer_fingerprint"):
+    for name in ("model", "block_size", "tokenizer_fingerprint", "kv_role"):
         got, want = getattr(info, name), getattr(expected, name)
         if got != want:
             raise ValueError(f"replica {url} has {name} {got!r}, but the router expects {want!r}")
     if not info.prefix_caching:
         raise ValueError(f"replica {url} runs without prefix caching; start it without --no-prefix-caching")
-    if info.kv_events is None:
+    if info.kv_events is None and needs_events:
         raise ValueError(f"replica {url} publishes no KV events; start it with --kv-events-config")
 
 
@@ -116,7 +117,8 @@ class HealthChecker:
             if health.status_code != 200:
                 raise ValueError(f"/health answered HTTP {health.status_code}{_error_message(health)}")
             if not replica.healthy:  # it may have restarted as something else
-                check_compatible(replica.url, await fetch_info(self.client, replica.url), replica.info)
+                info, events = await fetch_info(self.client, replica.url), replica.info.kv_events is not None
+                check_compatible(replica.url, info, replica.info, needs_events=events)
             await self.read_metrics(replica)
         except (httpx.TransportError, ValueError) as error:
             replica.mark_failed(_describe(error))

@@ -43,6 +43,9 @@ class ServerInfo(BaseModel):
     # worker/batch_invariance.py); None: unknown. The reasons name each component that is not.
     batch_invariant: bool | None = None
     batch_invariance_reasons: list[str] = []
+    # prefill/decode disaggregation (--kv-transfer-config): kv_producer, kv_consumer or kv_both; None:
+    # neither. The router checks it against --prefill-replica and --replica.
+    kv_role: str | None = None
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
@@ -71,5 +74,6 @@ def server_info(
         ),
         batch_invariant=None if batch_invariance is None else not batch_invariance,
         batch_invariance_reasons=list(batch_invariance or ()),
+        kv_role=None if config.cache.kv_transfer is None else config.cache.kv_transfer.kv_role,
         **sizes,
     )

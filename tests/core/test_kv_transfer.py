@@ -1,0 +1,169 @@
+"""Prefill/decode disaggregation without a model: the --kv-transfer-config flag, the blocks a prefill
+instance exports and when (core/kv_transfer.py), a decode instance's tiers finding a block file that
+arrived in the shared folder (core/kv_tiers.py), the shared-folder connector's files
+(worker/kv_transfer.py) and the router's prefill request (router/disaggregation.py)."""
+
+import json
+
+import pytest
+import torch
+
+from llmserve.config import SchedulerConfig
+from llmserve.config.kv_transfer import KVTransferConfig
+from llmserve.core import kv_block_file
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.kv_tiers import TIER_BLOCK, TierSpec
+from llmserve.core.kv_transfer import ExportPlanner, KVExport
+from llmserve.core.scheduler import Scheduler
+from llmserve.router.disaggregation import prefill_request
+
+from .test_scheduler import finish_step
+
+KEY = b"m" * 32
+BLOCK_BYTES = 64
+PROMPT = list(range(100, 111))  # two full blocks of 4, and 3 tokens
+
+
+def transfer(role="kv_producer", **extra) -> str:
+    extra = {"shared_dir": "/tmp/kv", **extra}
+    return json.dumps(
+        {"kv_connector": "LlmserveConnector", "kv_role": role, "kv_connector_extra_config": extra}
+    )
+
+
+def test_the_flag_takes_vllms_keys_and_refuses_what_it_does_not_know_in_one_line():
+    config = KVTransferConfig.from_json(transfer("kv_both", shared_size_gib=0.5))
+    assert (config.produces, config.consumes, config.shared_dir, config.shared_bytes) == (
+        True,
+        True,
+        "/tmp/kv",
+        1 << 29,
+    )
+    assert KVTransferConfig.from_json(transfer("kv_consumer")).produces is False
+    bad = {
+        '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}': "unknown kv_connector 'NixlConnector'",
+        transfer("kv_decoder"): "kv_role must be one of",
+        transfer(kv_ip="10.0.0.1"): "unknown kv_connector_extra_config keys ['kv_ip']",
+        '{"kv_connector": "LlmserveConnector", "kv_role": "kv_producer", "kv_rank": 0}': "unknown keys",
+        '{"kv_connector": "LlmserveConnector", "kv_role": "kv_producer"}': "shared_dir must name a folder",
+        transfer(shared_size_gib=0): "shared_size_gib must be a positive number",
+        "{not json": "not valid JSON",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")) as error:
+            KVTransferConfig.from_json(text)
+        assert "\n" not in str(error.value)
+
+
+def producer(budget=64):
+    kv = KVCacheManager(16, block_size=4)
+    planner = ExportPlanner(kv.prefix_cache, kv.get_block_table, 4)
+    return Scheduler(SchedulerConfig(budget, 8, 1000), kv, kv_exports=planner), kv
+
+
+def test_a_prefill_instance_exports_a_prompts_full_blocks_in_the_step_that_finishes_the_prompt(make_request):
+    scheduler, kv = producer(budget=6)  # the 11-token prompt takes two chunks
+    request = make_request(0, tokens=PROMPT, max_tokens=2)
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert first.plan.kv_exports == []  # the prompt is not all computed after this step
+    finish_step(scheduler, first)
+    second = scheduler.schedule()
+    table, hashes = kv.get_block_table(request.request_id), kv.prefix_cache.block_hashes(request)
+    assert second.plan.kv_exports == [
+        KVExport(table[0], hashes[0], tuple(PROMPT[:4])),
+        KVExport(table[1], hashes[1], tuple(PROMPT[4:8])),
+    ]
+    finish_step(scheduler, second)
+    assert scheduler.schedule().plan.kv_exports == []  # its decode steps export nothing
+
+
+def test_an_engine_without_a_planner_exports_nothing(make_request):
+    kv = KVCacheManager(16, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(64, 8, 1000), kv)
+    scheduler.add_request(make_request(0, tokens=PROMPT, max_tokens=1))
+    assert scheduler.schedule().plan.kv_exports == []
+
+
+def consumer(tmp_path, shared=True, disk_blocks=8):
+    spec = TierSpec(4, tmp_path, disk_blocks, KEY, BLOCK_BYTES, disk_read_threads=0, shared=shared)
+    kv = KVCacheManager(8, block_size=4, tiers=spec)
+    return Scheduler(SchedulerConfig(64, 8, 1000), kv), kv
+
+
+def write_prompt_blocks(directory, kv, request, payload=b"k" * BLOCK_BYTES, key=KEY):
+    """Write the request's full prompt blocks as a prefill instance would (after the consumer started)."""
+    for index, block_hash in enumerate(kv.prefix_cache.block_hashes(request)[:2]):
+        tokens = tuple(PROMPT[4 * index : 4 * index + 4])
+        kv_block_file.write_block(
+            kv_block_file.block_path(directory, block_hash), key, block_hash, tokens, payload
+        )
+
+
+def test_a_decode_instance_hits_the_blocks_a_prefill_instance_wrote_after_it_started(tmp_path, make_request):
+    scheduler, kv = consumer(tmp_path)
+    request = make_request(0, tokens=PROMPT, max_tokens=1)
+    assert kv.get_computed_blocks(request) == []  # nothing arrived yet
+    write_prompt_blocks(tmp_path, kv, request)
+    assert kv.get_computed_blocks(request) == [TIER_BLOCK, TIER_BLOCK]
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    loads = [op for op in output.plan.tier_ops if op.kind == "load_bytes"]
+    assert [op.payload for op in loads] == [b"k" * BLOCK_BYTES] * 2
+    assert request.num_computed_tokens == 8 and output.plan.num_scheduled_tokens[request.request_id] == 3
+    assert kv.pool.tiers.counters["disk"].hits == 2
+
+
+def test_a_decode_instance_ignores_a_foreign_or_truncated_file_and_an_unshared_folder(tmp_path, make_request):
+    _, kv = consumer(tmp_path)
+    request = make_request(0, tokens=PROMPT, max_tokens=1)
+    write_prompt_blocks(tmp_path, kv, request, key=b"x" * 32)  # another model's blocks
+    assert kv.get_computed_blocks(request) == []
+    write_prompt_blocks(tmp_path, kv, request, payload=b"k" * (BLOCK_BYTES - 1))  # another pool shape
+    assert kv.get_computed_blocks(request) == []
+    write_prompt_blocks(tmp_path, kv, request)
+    first = kv_block_file.block_path(tmp_path, kv.prefix_cache.block_hashes(request)[0])
+    first.write_bytes(first.read_bytes()[:-5])  # a truncated first block: no hit at all
+    assert kv.get_computed_blocks(request) == []
+    other = tmp_path / "other"
+    other.mkdir()
+    _, unshared = consumer(other, shared=False)  # an ordinary disk tier indexes its folder at start only
+    write_prompt_blocks(other, unshared, request)
+    assert unshared.get_computed_blocks(make_request(0, tokens=PROMPT, max_tokens=1)) == []
+
+
+def test_the_shared_folder_connector_writes_checked_files_a_decode_instance_reads(tmp_path):
+    from llmserve.worker.kv_transfer import SharedFolderConnector
+
+    connector = SharedFolderConnector.__new__(SharedFolderConnector)  # no model: the pool and key set here
+    connector.kv_blocks = torch.arange(2 * 2 * 3 * 4 * 1 * 2, dtype=torch.float32).view(2, 2, 3, 4, 1, 2)
+    connector.model_key, connector.directory, connector.failed = KEY, tmp_path, False
+    connector.send([KVExport(1, b"h" * 32, (5, 6, 7, 8))])
+    path = kv_block_file.block_path(tmp_path, b"h" * 32)
+    payload = kv_block_file.read_block(path, KEY, b"h" * 32, (5, 6, 7, 8))
+    expected = connector.kv_blocks[:, :, 1].contiguous()
+    assert torch.equal(
+        torch.frombuffer(bytearray(payload), dtype=torch.float32).view(expected.shape), expected
+    )
+    connector.send([KVExport(2, b"h" * 32, (5, 6, 7, 8))])  # sent before: the file is left as it is
+    assert kv_block_file.read_block(path, KEY, b"h" * 32, (5, 6, 7, 8)) == payload
+
+
+def test_the_router_asks_a_prefill_instance_for_one_token_not_streamed():
+    request = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "n": 2,
+        "min_tokens": 5,
+        "temperature": 0,
+    }
+    assert prefill_request(request) == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0,
+        "max_tokens": 1,
+    }
+    assert request["stream"] is True  # the decode instance gets the request as sent
