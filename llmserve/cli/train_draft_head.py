@@ -75,6 +75,8 @@ def cmd_train_draft_head(args: argparse.Namespace) -> int:
                 "target_sample": target_sample(target),
             }
             torch.save(cache, args.text_cache)
+    if config.medusa_heads:
+        return _train_medusa(args.output, llm, target, text, features, config)
     head, report = train_draft_head(
         target, text, features, config, progress=functools.partial(print, flush=True)
     )
@@ -82,4 +84,19 @@ def cmd_train_draft_head(args: argparse.Namespace) -> int:
     save_draft_head(args.output, head, target, report)
     print(json.dumps(report, indent=1))
     print(f"wrote {args.output}; use: --speculative-method draft_head --speculative-draft-head {args.output}")
+    return 0
+
+
+def _train_medusa(output: str, llm, target, text, features, config) -> int:
+    """--medusa-heads K: Medusa heads instead of a draft head, saved in the published layout."""
+    from llmserve.spec_decode.medusa_training import train_medusa_heads
+    from llmserve.spec_decode.proposers.medusa import save_medusa_heads
+
+    heads, report = train_medusa_heads(
+        target, text, features, config, progress=functools.partial(print, flush=True)
+    )
+    report["target"] = os.path.basename(llm.engine.config.model.path)
+    save_medusa_heads(output, heads, {"info": json.dumps(report)})
+    print(json.dumps(report, indent=1))
+    print(f"wrote {output}; use: --speculative-method medusa --speculative-draft-head {output}")
     return 0

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 if TYPE_CHECKING:
     from llmserve.sampling_params import SamplingParams
 
-SpeculativeMethod = Literal["ngram", "draft", "early_exit", "draft_head", "suffix"]
+SpeculativeMethod = Literal["ngram", "draft", "early_exit", "draft_head", "suffix", "medusa"]
 METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 # K when none is given. N-gram drafts are free and adapt to the match (a match of n tokens proposes at
 # most 2 ** n, see proposers/ngram.py), so its K is only a cap: 7 keeps the verify pass at 8 rows, the
@@ -16,7 +16,15 @@ METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
 # draft head drafts by prompt lookup where the context repeats (K caps those) and with its own
 # network elsewhere, where `draft_head_tokens` caps it. Suffix decoding's drafts, free like n-gram's,
 # adapt to the match and its counts, so its K is a cap too.
-DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 7, "draft": 3, "early_exit": 3, "draft_head": 7, "suffix": 7}
+# Medusa's K is the size of its token tree (nodes verified per pass), 7 to keep the 8-row pass.
+DEFAULT_NUM_SPECULATIVE_TOKENS = {
+    "ngram": 7,
+    "draft": 3,
+    "early_exit": 3,
+    "draft_head": 7,
+    "suffix": 7,
+    "medusa": 7,
+}
 DEFAULT_DRAFT_HEAD_TOKENS = 3
 # Auto mode also shares drafts so that a step's decodes verify at most this many rows in all: the
 # small-batch linear kernels' limit, below which a step is bound by reading the weights and extra rows
@@ -113,6 +121,11 @@ class SpeculativeConfig:
             )
         if method == "draft" and not draft_model:
             raise ValueError("speculative_method draft needs --speculative-draft-model")
+        if method == "medusa" and not draft_head:
+            raise ValueError(
+                "speculative_method medusa needs --speculative-draft-head FILE (Medusa heads: "
+                "`llmserve train-draft-head --medusa-heads K`, or a published medusa_lm_head file)"
+            )
         if draft_layers is not None and draft_layers < 1:
             raise ValueError(f"speculative_draft_layers must be >= 1, got {draft_layers}")
         if draft_head_tokens is None or method != "draft_head":
@@ -131,7 +144,7 @@ class SpeculativeConfig:
             prompt_lookup_max=prompt_lookup_max,
             draft_model=draft_model if method == "draft" else None,
             draft_layers=draft_layers if method == "early_exit" else None,
-            draft_head=draft_head if method == "draft_head" else None,
+            draft_head=draft_head if method in ("draft_head", "medusa") else None,
             draft_head_tokens=draft_head_tokens,
             disable_batch_size=disable_batch_size,
             adaptive_k=adaptive_k,

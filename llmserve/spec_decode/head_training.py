@@ -109,8 +109,11 @@ class HeadTrainingConfig:
     feature_loss_weight: float = 0.1
     held_out: float = 0.1  # sequences kept for the acceptance report
     seed: int = 0
+    medusa_heads: int = 0  # > 0: train that many Medusa heads instead (medusa_training.py)
 
     def __post_init__(self) -> None:
+        if self.medusa_heads < 0:
+            raise ValueError(f"medusa_heads must be >= 0, got {self.medusa_heads}")
         for name in ("max_tokens", "intermediate_size", "vocab_subset", "unroll", "epochs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -71,7 +71,7 @@ def test_method_list_errors():
     with pytest.raises(ValueError, match="draft-model"):
         methods(["draft"], [None], None)
     with pytest.raises(ValueError, match="--methods"):
-        methods(["medusa"], [None], None)
+        methods(["hydra"], [None], None)
     assert [m.name for m in methods(["early_exit"], [None, 3], None)] == [
         "none",
         "early_exit",

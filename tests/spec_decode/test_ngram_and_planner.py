@@ -180,7 +180,8 @@ def test_auto_mode_shares_the_verify_rows_among_the_decodes():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("medusa", 3, 2, 4, None, None, 0), "speculative_method"),
+        (("hydra", 3, 2, 4, None, None, 0), "speculative_method"),
+        (("medusa", 3, 2, 4, None, None, 0), "speculative-draft-head"),
         (("ngram", 0, 2, 4, None, None, 0), "num_speculative_tokens"),
         (("ngram", 3, 3, 2, None, None, 0), "prompt_lookup_min"),
         (("draft", 3, 2, 4, None, None, 0), "draft-model"),
