@@ -127,6 +127,20 @@ class _LRU:
         return next((h for h in self.entries if h not in self.pinned), None)
 
 
+def _without_overwritten_saves(ops: list[TierOp]) -> list[TierOp]:
+    """The ops less each save whose RAM slot a later save overwrites before any op reads it (an entry
+    saved and evicted within one step): a wasted copy, and one indexed copy writing a slot twice."""
+    overwritten, unread = set(), {}  # unread: slot -> index of its latest save no op has read since
+    for index, op in enumerate(ops):
+        if op.kind == "save":
+            if op.slot in unread:
+                overwritten.add(unread[op.slot])
+            unread[op.slot] = index
+        elif op.kind in ("load", "demote"):
+            unread.pop(op.slot, None)
+    return [op for index, op in enumerate(ops) if index not in overwritten] if overwritten else ops
+
+
 class KVTiers:
     def __init__(self, spec: TierSpec, pool: BlockPool) -> None:
         self.spec = spec
@@ -326,7 +340,9 @@ class KVTiers:
 
     def take_ops(self) -> list[TierOp]:
         """The copies decided since the last call, in order (the step plan carries them)."""
-        ops, self.ops = self.ops, []
+        ops = _without_overwritten_saves(self.ops)
+        self.counters["ram"].bytes_stored -= (len(self.ops) - len(ops)) * self.spec.block_bytes
+        self.ops = []
         self._unflushed.clear()
         if len(self._reads) > _MAX_IDLE_READS:  # reads of requests that went away before loading them
             # a read a waiting hit still wants is kept: dropping it would start it again, never ready

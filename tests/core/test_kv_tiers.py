@@ -296,3 +296,24 @@ def test_a_hit_with_more_disk_reads_than_the_idle_bound_is_admitted(make_request
     assert request in output.requests and request.num_cached_tokens == 8 and len(calls) == 2
     assert [op.kind for op in output.plan.tier_ops] == ["load_bytes"] * 2
     gates[2].set()
+
+
+def test_a_slot_saved_and_evicted_in_one_step_is_written_once(make_request):
+    scheduler, kv = make_scheduler(num_blocks=8, ram=2)
+    first = make_request(0, tokens=SHARED + [1], max_tokens=1)
+    run_to_end(scheduler, first)  # caches three blocks
+    blocks = [
+        kv.pool.lookup(h, tuple(SHARED[i * 4 : i * 4 + 4]))
+        for i, h in enumerate(kv.prefix_cache.block_hashes(first))
+    ]
+    ops = fill_pool(scheduler, make_request, 8)  # evicts all three into two slots
+    saves = [(op.block, op.slot) for op in ops if op.kind == "save"]
+    # the slot of the block evicted first goes to the third before anything reads it: that save is
+    # no copy at all (one indexed copy writing a slot twice leaves either block's KV there)
+    assert [op.kind for op in ops] == ["save", "save"] and sorted(slot for _, slot in saves) == [0, 1]
+    slots = {block_hash: slot for block_hash, (_, slot) in kv.pool.tiers.ram.entries.items()}
+    assert sorted(saves) == sorted(
+        (blocks[i], slots[h]) for i, h in enumerate(kv.prefix_cache.block_hashes(first)) if h in slots
+    )
+    assert kv.pool.tiers.counters["ram"].bytes_stored == 2 * BLOCK_BYTES
+    kv.check_integrity()
