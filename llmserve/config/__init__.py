@@ -683,6 +683,8 @@ class EngineArgs:
                 f"kv_cache_memory={self.kv_cache_memory} holds no block of {block_size} tokens "
                 f"({block_bytes} bytes each)"
             )
+        if self.speculative_method == "medusa" and (window or kv_groups):  # tree masks assume full attention
+            raise ValueError("speculative_method medusa (token trees) does not run with a sliding window yet")
         return CacheConfig(
             block_size=block_size,
             num_blocks=num_blocks,
