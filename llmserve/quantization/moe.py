@@ -123,7 +123,7 @@ def stacked_expert_weights(
             [source(name, expert, part) for part in _PARTS] for expert in range(module.gate_up_proj.shape[0])
         ]
         for expert, parts in enumerate([[tensors.get(key) for key in keys] for keys in names]):
-            gate_up = None if None in parts else concat_rows(parts[:2])
+            gate_up = None if any(part is None for part in parts) else concat_rows(parts[:2])
             if gate_up is None:
                 break
             layer[expert_key(name, "gate_up_proj", expert)] = gate_up
