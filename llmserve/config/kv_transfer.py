@@ -6,7 +6,7 @@ instance that finds them as prefix-cache hits; `kv_both`: both) and `kv_connecto
 connector's own settings). The one connector, `LlmserveConnector`, moves blocks through a folder both
 instances can read (the disk tier's file format, core/kv_block_file.py): single machine or a shared
 filesystem. Its extra config: `shared_dir` (the folder) and `shared_size_gib` (how much of it a decode
-instance's disk tier keeps, LRU). docs/router.md's disaggregation section says what is not done.
+instance's disk tier keeps, LRU). docs/data_parallel.md says what is not done.
 """
 
 from __future__ import annotations
