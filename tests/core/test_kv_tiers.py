@@ -278,7 +278,7 @@ def test_a_hit_with_more_disk_reads_than_the_idle_bound_is_admitted(make_request
 
     def gated_read(*args):
         calls.append(args)
-        gates[len(calls) - 1].wait(5)
+        gates[len(calls) - 1].wait(30)
         return read(*args)
 
     monkeypatch.setattr(kv_block_file, "read_block", gated_read)
