@@ -167,3 +167,26 @@ def test_the_router_asks_a_prefill_instance_for_one_token_not_streamed():
         "max_tokens": 1,
     }
     assert request["stream"] is True  # the decode instance gets the request as sent
+
+
+def test_a_decode_instances_disk_tier_is_the_shared_folder_and_both_roles_take_the_tiers_refusals():
+    from llmserve.config import EngineArgs
+    from llmserve.model_loader import default_model_path, load_arch_config
+
+    arch = load_arch_config(default_model_path())
+    args = dict(device="cpu", dtype="float32", max_model_len=512)
+    decode = EngineArgs(**args, kv_transfer_config=transfer("kv_consumer", shared_size_gib=1)).create_config(
+        arch, "m"
+    )
+    tiers = decode.cache.kv_offloading
+    assert (tiers.disk_dir, tiers.disk_bytes, tiers.ram_bytes) == ("/tmp/kv", 1 << 30, 1 << 30)
+    assert decode.cache.kv_transfer.consumes
+    prefill = EngineArgs(**args, kv_transfer_config=transfer()).create_config(arch, "m")
+    assert prefill.cache.kv_offloading is None and prefill.cache.kv_transfer.produces
+    with pytest.raises(ValueError, match="--kv-transfer-config does not combine with --no-prefix-caching"):
+        EngineArgs(**args, kv_transfer_config=transfer(), prefix_caching=False).create_config(arch, "m")
+    own_disk = dict(kv_offloading_size=1, kv_offloading_disk_dir="/tmp/other", kv_offloading_disk_size=1)
+    with pytest.raises(ValueError, match="its shared_dir"):
+        EngineArgs(**args, **own_disk, kv_transfer_config=transfer("kv_consumer")).create_config(arch, "m")
+    with pytest.raises(ValueError, match="unknown kv_connector"):
+        EngineArgs(kv_transfer_config='{"kv_connector": "X", "kv_role": "kv_both"}')
