@@ -33,7 +33,7 @@ from llmserve.config.parallel import (
     stage_layer_ranges,
 )
 from llmserve.config.quantization import QuantizationConfig
-from llmserve.config.speculative import SpeculativeConfig, SuffixDecodingConfig
+from llmserve.config.speculative import TREE_METHODS, SpeculativeConfig, SuffixDecodingConfig
 from llmserve.config.structured_outputs import StructuredOutputsConfig
 
 logger = logging.getLogger("llmserve")
@@ -410,7 +410,8 @@ class EngineArgs:
         "ngram (prompt lookup) | draft (a smaller model) | early_exit (the target's first layers) | "
         "draft_head (prompt lookup, else a small head trained on the target's own outputs) | "
         "suffix (the most frequent continuation in the request's own text and recent requests' outputs) | "
-        "medusa (Medusa heads on the last hidden state, a token tree verified in one pass)",
+        "medusa (Medusa heads on the last hidden state, a token tree verified in one pass) | "
+        "eagle (the draft head expanded as a token tree by its top-k)",
     )
     num_speculative_tokens: int | None = arg(
         None,
@@ -426,7 +427,7 @@ class EngineArgs:
     speculative_draft_head: str | None = arg(
         None,
         "draft_head: the head's file (`llmserve train-draft-head`; default: the default model's); "
-        "medusa: the Medusa heads' file (required)",
+        "medusa: the Medusa heads' file (required); eagle: the draft head's, as draft_head",
     )
     speculative_draft_head_tokens: int | None = arg(
         None, "draft_head: drafts per step from the head at most (default 3; prompt lookup may propose K)"
@@ -683,8 +684,11 @@ class EngineArgs:
                 f"kv_cache_memory={self.kv_cache_memory} holds no block of {block_size} tokens "
                 f"({block_bytes} bytes each)"
             )
-        if self.speculative_method == "medusa" and (window or kv_groups):  # tree masks assume full attention
-            raise ValueError("speculative_method medusa (token trees) does not run with a sliding window yet")
+        if self.speculative_method in TREE_METHODS and (window or kv_groups):  # tree masks: full attention
+            raise ValueError(
+                f"speculative_method {self.speculative_method} (token trees) needs full attention, "
+                "no sliding window"
+            )
         return CacheConfig(
             block_size=block_size,
             num_blocks=num_blocks,
@@ -768,9 +772,10 @@ class EngineArgs:
                 "speculative_method early_exit drafts with the target's first layers, which tensor "
                 "and pipeline parallelism split over the ranks; use draft_head, draft or ngram"
             )
-        if self.speculative_method == "medusa":  # a tree's accepted KV is moved on the sampling rank only
+        if self.speculative_method in TREE_METHODS:  # a tree's accepted KV is moved on the sampling rank only
             raise ValueError(
-                "speculative_method medusa (token trees) runs on one rank; use draft_head or ngram"
+                f"speculative_method {self.speculative_method} (token trees) runs on one rank; "
+                "use draft_head or ngram"
             )
         return parallel
 

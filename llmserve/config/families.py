@@ -40,8 +40,10 @@ def check_family_features(
         wanted.append("quantization")
     if tensor_parallel_size > 1:
         wanted.append("tensor parallelism")
-    if speculative_method in ("early_exit", "draft_head"):
-        wanted.append(f"speculative method {speculative_method}")
+    if speculative_method in ("early_exit", "draft_head", "eagle"):  # eagle runs the draft head
+        wanted.append(
+            f"speculative method {'draft_head' if speculative_method == 'eagle' else speculative_method}"
+        )
     split_moe = arch.num_experts and tensor_parallel_size > 1
     if split_moe and quantization not in (None, "", "none", *PER_RANK_MOE_QUANTIZATION):
         raise ValueError(  # a file's quantized experts would need cutting by expert and unit

@@ -8,15 +8,16 @@ from typing import TYPE_CHECKING, Literal, get_args
 if TYPE_CHECKING:
     from llmserve.sampling_params import SamplingParams
 
-SpeculativeMethod = Literal["ngram", "draft", "early_exit", "draft_head", "suffix", "medusa"]
+SpeculativeMethod = Literal["ngram", "draft", "early_exit", "draft_head", "suffix", "medusa", "eagle"]
 METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
+TREE_METHODS = ("medusa", "eagle")  # methods that propose token trees (sample/token_tree.py)
 # K when none is given. N-gram drafts are free and adapt to the match (a match of n tokens proposes at
 # most 2 ** n, see proposers/ngram.py), so its K is only a cap: 7 keeps the verify pass at 8 rows, the
 # small-batch linear kernel's limit. A model proposer pays a draft forward per draft, hence 3. The
 # draft head drafts by prompt lookup where the context repeats (K caps those) and with its own
 # network elsewhere, where `draft_head_tokens` caps it. Suffix decoding's drafts, free like n-gram's,
 # adapt to the match and its counts, so its K is a cap too.
-# Medusa's K is the size of its token tree (nodes verified per pass), 7 to keep the 8-row pass.
+# Medusa's and eagle's K is the size of the token tree (nodes verified per pass), 7: an 8-row pass.
 DEFAULT_NUM_SPECULATIVE_TOKENS = {
     "ngram": 7,
     "draft": 3,
@@ -24,6 +25,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = {
     "draft_head": 7,
     "suffix": 7,
     "medusa": 7,
+    "eagle": 7,
 }
 DEFAULT_DRAFT_HEAD_TOKENS = 3
 # Auto mode also shares drafts so that a step's decodes verify at most this many rows in all: the
@@ -144,7 +146,7 @@ class SpeculativeConfig:
             prompt_lookup_max=prompt_lookup_max,
             draft_model=draft_model if method == "draft" else None,
             draft_layers=draft_layers if method == "early_exit" else None,
-            draft_head=draft_head if method in ("draft_head", "medusa") else None,
+            draft_head=draft_head if method in ("draft_head", *TREE_METHODS) else None,
             draft_head_tokens=draft_head_tokens,
             disable_batch_size=disable_batch_size,
             adaptive_k=adaptive_k,

@@ -10,6 +10,7 @@ from llmserve.config import EngineConfig
 from llmserve.spec_decode.proposer import Proposer
 from llmserve.spec_decode.proposers.draft_head import create_draft_head_proposer
 from llmserve.spec_decode.proposers.draft_model import create_draft_model_proposer, create_early_exit_proposer
+from llmserve.spec_decode.proposers.eagle import create_eagle_proposer
 from llmserve.spec_decode.proposers.medusa import create_medusa_proposer
 from llmserve.spec_decode.proposers.ngram import NgramProposer
 from llmserve.spec_decode.proposers.suffix import SuffixProposer
@@ -22,6 +23,7 @@ _PROPOSERS: dict[str, Callable[[EngineConfig, nn.Module, ModelRunner], Proposer]
     "draft_head": lambda config, target, runner: create_draft_head_proposer(config, target),
     "suffix": lambda config, target, runner: SuffixProposer(config.speculative, runner.requests),
     "medusa": lambda config, target, runner: create_medusa_proposer(config, target),
+    "eagle": lambda config, target, runner: create_eagle_proposer(config, target),
 }
 
 

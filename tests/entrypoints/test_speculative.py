@@ -130,7 +130,7 @@ def test_bad_speculative_flags_are_one_line_errors(tiny_model_dir, capsys):
     assert main(["generate", "x", "--model", tiny_model_dir, "--speculative-method", "bogus"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "llmserve: error: speculative_method must be one of ngram, draft, early_exit, draft_head, suffix, "
-        "medusa; got 'bogus'"
+        "medusa, eagle; got 'bogus'"
     ]
     result = llmserve(
         "serve", "--model", tiny_model_dir, "--speculative-method", "ngram", "--prompt-lookup-min", "9"

@@ -1,7 +1,10 @@
-"""Medusa heads (proposers/medusa.py): the published file layout, training by `train-draft-head
---medusa-heads`, and greedy output identical to plain decoding with the heads' token trees."""
+"""Tree proposers: Medusa heads (proposers/medusa.py: the published file layout, training by
+`train-draft-head --medusa-heads`) and eagle (proposers/eagle.py: the draft head expanded as a tree);
+greedy output identical to plain decoding with their token trees."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +12,8 @@ from safetensors.torch import save_file
 
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.proposer import SampledBatch
+from llmserve.spec_decode.proposers.draft_head import DraftHead
+from llmserve.spec_decode.proposers.eagle import EagleTreeProposer
 from llmserve.spec_decode.proposers.medusa import (
     DEFAULT_TREE,
     MedusaHeads,
@@ -136,5 +141,57 @@ def test_medusa_seeded_sampling_is_reproducible(target_dir, medusa_file):
     alone = token_ids(llm.generate([PROMPTS[0]], params, use_tqdm=False))
     batch = token_ids(llm.generate(PROMPTS[:3], [params, greedy(), greedy()], use_tqdm=False))
     assert batch[0] == alone[0]
+    assert llm.engine.spec_decode_stats.num_draft_tokens > 0
+    assert_no_leaks(llm)
+
+
+# -- eagle: the draft head expanded as a tree ---------------------------------------------------------
+
+
+def test_eagle_expands_each_branch_from_its_own_token():
+    """Node (r_1..r_d)'s token is the r_d-th best candidate of the head stepped from its parent's
+    guessed feature and its parent's token: the root from the target's feature and sampled token."""
+    torch.manual_seed(0)
+    hidden_size, vocab = 8, 40
+    head = DraftHead(hidden_size, 16, torch.arange(0, vocab, 2), 1e-5).eval()
+    embedding = torch.nn.Embedding(vocab, hidden_size)
+    target = SimpleNamespace(
+        model=SimpleNamespace(embed_tokens=embedding),
+        arch=SimpleNamespace(tie_word_embeddings=True),
+        lm_head=None,
+    )
+    proposer = EagleTreeProposer(head, target, k=6)
+    assert proposer.tree == DEFAULT_TREE[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    request = CachedRequestState("r", [1, 2], [1, 2, 3], params, (), None, [], 2)
+    feature = torch.randn(1, hidden_size)
+    with torch.inference_mode():
+        proposal = proposer.propose(SampledBatch([request], [[4]], feature))["r"]
+        weight = embedding.weight[head.vocab_ids]
+
+        def candidates(f, token):
+            guess = head(f, embedding(torch.tensor([token])))
+            return guess, head.vocab_ids[(guess @ weight.T).topk(3).indices[0]].tolist()
+
+        root, first = candidates(feature, 4)
+        _, under_best = candidates(root, first[0])
+        _, under_second = candidates(root, first[1])
+    # DEFAULT_TREE[:6]: (0,), (1,), (0, 0), (2,), (0, 1), (1, 0)
+    assert proposal.parents == [-1, -1, 0, -1, 0, 1]
+    assert proposal.token_ids == [first[0], first[1], under_best[0], first[2], under_best[1], under_second[0]]
+
+
+@pytest.mark.parametrize("k", [4, 15])
+def test_eagle_greedy_equals_plain_decoding(target_dir, draft_head, reference, k):
+    llm = make_llm(
+        target_dir,
+        speculative_method="eagle",
+        speculative_draft_head=draft_head,
+        num_speculative_tokens=k,
+        speculative_adaptive_k=False,
+        max_num_batched_tokens=16,
+    )
+    for _ in range(2):
+        assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
     assert llm.engine.spec_decode_stats.num_draft_tokens > 0
     assert_no_leaks(llm)
