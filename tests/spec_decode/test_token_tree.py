@@ -253,3 +253,19 @@ def test_tree_verifier_mixed_batch_and_seeded_requests():
         True,
         True,
     ]
+
+
+def test_tree_verifier_rows_follow_the_target_distribution():
+    """Through the verifier (row metadata, processing, the rows of each draft): 1,500 requests with
+    the same tree at temperature 1; the first token follows the root's row, the second, where draft 0
+    was accepted, draft 0's row (a row mix-up would show as another of P's rows)."""
+    parents, tokens = [-1, -1, 0], [1, 3, 0]
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    requests = [_tree_request(i, params, tokens, parents) for i in range(1500)]
+    torch.manual_seed(9)
+    result = TreeVerifier(V, torch.device("cpu"))(P.float().log().repeat(1500, 1), requests)
+    emitted = [result.token_ids[r.request_id] for r in requests]
+    assert _chi_square([e[0] for e in emitted], P[0]) < _chi_square_bound(V)
+    second = [e[1] for r, e in zip(requests, emitted, strict=True) if result.paths[r.request_id][:1] == [0]]
+    assert len(second) > 300
+    assert _chi_square(second, P[1]) < _chi_square_bound(V)
