@@ -105,7 +105,9 @@ async def build_router(config: RouterConfig, tokenizer: Tokenizer | None = None)
         metrics=metrics,
         history=MetricsHistory(lambda: merged_scrape(replicas)),
         api_key=config.api_key,
-        prefill=PrefillStage(client, prefill, config.prefill_timeout_seconds) if prefill else None,
+        prefill=PrefillStage(client, prefill, config.prefill_timeout_seconds, metrics.on_prefill)
+        if prefill
+        else None,
     )
     app = FastAPI(title="llmserve router", lifespan=_lifespan)
     app.state.router = state

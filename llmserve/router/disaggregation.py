@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import httpx
 
@@ -40,22 +39,18 @@ def prefill_request(request: dict) -> dict:
     return body
 
 
-@dataclass
-class PrefillCounts:
-    """What the prefill stage did (the router's tests and logs read them)."""
-
-    sent: int = 0  # prompts a prefill instance answered for
-    skipped: int = 0  # prompts the decode instance computed alone (no prefill instance up, or it failed)
-
-
 class PrefillStage:
     def __init__(
-        self, client: httpx.AsyncClient, replicas: Sequence[Replica], timeout_seconds: float
+        self,
+        client: httpx.AsyncClient,
+        replicas: Sequence[Replica],
+        timeout_seconds: float,
+        on_prefill: Callable[[str, bool], None] = lambda url, prefilled: None,
     ) -> None:
         self.client = client
         self.replicas = replicas  # the prefill instances
         self.timeout = httpx.Timeout(timeout_seconds)  # each of connect, read and write
-        self.counts = PrefillCounts()
+        self.on_prefill = on_prefill  # metrics: (the instance's URL, "" for none; whether it prefilled)
 
     async def run(self, path: str, request: object, headers: dict[str, str]) -> bool:
         """Prefill the request's prompt on the least loaded healthy prefill instance; whether one did
@@ -64,7 +59,7 @@ class PrefillStage:
             return False
         replica = min((r for r in self.replicas if r.healthy), key=lambda r: r.load, default=None)
         if replica is None:
-            return self._skip("no prefill instance is healthy")
+            return self._skip("", "no prefill instance is healthy")
         body = json.dumps(prefill_request(request)).encode()
         replica.in_flight += 1
         try:
@@ -73,15 +68,15 @@ class PrefillStage:
             )
         except httpx.TransportError as error:  # unreachable, died mid-request, or past the timeout
             replica.mark_failed(str(error) or type(error).__name__)
-            return self._skip(f"{replica.url}: {type(error).__name__} {error}")
+            return self._skip(replica.url, f"{type(error).__name__} {error}")
         finally:
             replica.in_flight -= 1
         if response.status_code != 200:
-            return self._skip(f"{replica.url} answered HTTP {response.status_code}")
-        self.counts.sent += 1
+            return self._skip(replica.url, f"HTTP {response.status_code}")
+        self.on_prefill(replica.url, True)
         return True
 
-    def _skip(self, reason: str) -> bool:
-        self.counts.skipped += 1
-        logger.warning("prefill skipped (%s); the decode instance computes the prompt", reason)
+    def _skip(self, url: str, reason: str) -> bool:
+        self.on_prefill(url, False)
+        logger.warning("prefill skipped (%s %s); the decode instance computes the prompt", url, reason)
         return False

@@ -43,6 +43,13 @@ class RouterMetrics:
             "Requests re-sent to another replica before any output reached the client.",
             registry=self.registry,
         )
+        self.prefills = Counter(
+            "llmserve_router:prefills",
+            "Prompts sent to a prefill instance first (--prefill-replica), by instance and outcome: "
+            "prefilled, or skipped (the decode instance computed it; replica empty when none was up).",
+            ["replica", "outcome"],
+            registry=self.registry,
+        )
         self.prefix_cache_hit_rate = Gauge(
             "llmserve_router:prefix_cache_hit_rate",
             "Prefix-cache hits / queries (tokens) over all replicas, from their /metrics.",
@@ -66,6 +73,9 @@ class RouterMetrics:
         self.matched_blocks.labels(replica.url).inc(matched_blocks)
         if resent:
             self.resent.inc()
+
+    def on_prefill(self, url: str, prefilled: bool) -> None:
+        self.prefills.labels(url, "prefilled" if prefilled else "skipped").inc()
 
     def render(self, replicas: Sequence[Replica], index: PrefixIndex) -> bytes:
         queries = sum(replica.prefix_cache_queries for replica in replicas)

@@ -17,13 +17,13 @@ import pytest
 
 from tests.entrypoints.conftest import free_port, start_server, tiny_server_args
 from tests.helpers import wait_until
-from tests.router.conftest import BLOCK_SIZE, router_command
+from tests.router.conftest import BLOCK_SIZE, router_command, scrape
 
 pytestmark = pytest.mark.server
 
 MODEL = "tiny-llama"
 MAX_TOKENS = 5
-PREFILL_TIMEOUT = 10
+PREFILL_TIMEOUT = 15  # seconds: a loaded machine still prefills a tiny prompt well within it
 
 
 def transfer_args(role: str, shared_dir, *extra: str) -> list[str]:
@@ -120,6 +120,17 @@ def test_a_hung_then_dead_prefill_instance_costs_a_cold_prefill_not_the_request(
     prefill.proc.wait(timeout=30)
     text, usage = streamed(url, prompts[1])
     assert text == expected[1] and usage["prompt_tokens_details"]["cached_tokens"] == 0
-    wait_until(
-        lambda: "prefill skipped" in router_log.read_text(), 10, "the router's log of the skipped prefill"
+    assert "prefill skipped" in router_log.read_text()
+    metrics = scrape(url)
+    prefilled = f"llmserve_router:prefills_total{{outcome=prefilled,replica={prefill.base_url}}}"
+    # the hung one timed out and was marked down: the next prompt found no prefill instance up
+    skipped = {"": 1.0, prefill.base_url: 1.0}
+    assert (
+        metrics[prefilled] == 2
+        and {
+            name.split("replica=")[1][:-1]: value
+            for name, value in metrics.items()
+            if name.startswith("llmserve_router:prefills_total{outcome=skipped")
+        }
+        == skipped
     )
