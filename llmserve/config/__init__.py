@@ -656,6 +656,11 @@ class EngineArgs:
             raise ValueError(
                 f"--deterministic needs the cpu_paged attention backend, not {self.attention_backend!r}"
             )
+        if self.deterministic and self.speculative_method in TREE_METHODS:  # tree steps: the reference
+            raise ValueError(
+                f"--deterministic does not combine with speculative_method {self.speculative_method} "
+                "(token trees run on the reference attention)"
+            )
         return self.deterministic
 
     def _cache_config(

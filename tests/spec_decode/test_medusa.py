@@ -195,3 +195,31 @@ def test_eagle_greedy_equals_plain_decoding(target_dir, draft_head, reference, k
         assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
     assert llm.engine.spec_decode_stats.num_draft_tokens > 0
     assert_no_leaks(llm)
+
+
+HEADS = dict(speculative_draft_head="heads.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            dict(HEADS, tensor_parallel_size=2, speculative_method="eagle"),
+            "eagle .token trees. runs on one rank",
+        ),
+        (
+            dict(HEADS, pipeline_parallel_size=2, speculative_method="medusa"),
+            "medusa .token trees. runs on one",
+        ),
+        (dict(HEADS, sliding_window=64, speculative_method="eagle"), "needs full attention"),
+        (dict(HEADS, deterministic=True, speculative_method="eagle"), "--deterministic does not combine"),
+        (dict(speculative_method="medusa"), "medusa needs --speculative-draft-head"),
+    ],
+)
+def test_what_tree_methods_refuse(kwargs, message):
+    from llmserve.config import EngineArgs
+    from tests.distributed.test_shard import ARCH
+
+    with pytest.raises(ValueError, match=message) as error:
+        EngineArgs(device="cpu", **kwargs).create_config(ARCH, "model")
+    assert "\n" not in str(error.value)

@@ -24,6 +24,7 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.proposer import SampledBatch
 from llmserve.worker.request_state import CachedRequestState
 from llmserve.worker.step_inputs import InputBuilder
+from llmserve.worker.token_tree_kv import accepted_slot_moves, tree_hidden_rows
 
 from .conftest import PROMPTS, assert_no_leaks, greedy, make_llm, token_ids
 
@@ -269,3 +270,16 @@ def test_tree_verifier_rows_follow_the_target_distribution():
     second = [e[1] for r, e in zip(requests, emitted, strict=True) if result.paths[r.request_id][:1] == [0]]
     assert len(second) > 300
     assert _chi_square(second, P[1]) < _chi_square_bound(V)
+
+
+def test_accepted_slot_moves_and_hidden_rows():
+    """A path 1 -> 4 from root position 9 (block size 4, scrambled blocks): draft 1 (position 11)
+    moves to 10, draft 4 (position 14) to 11; the rows put the root and the path first."""
+    request = CachedRequestState("r", [1] * 9, [1] * 10, SamplingParams(), (), None, [5, 2, 7, 0, 3], 9)
+    request.set_drafts([0] * 5, [-1, -1, 0, 1, 1])
+    sources, destinations = accepted_slot_moves(request, [1, 4], 4)
+    assert sources == [7 * 4 + 3, 0 * 4 + 2] and destinations == [7 * 4 + 2, 7 * 4 + 3]
+    assert accepted_slot_moves(request, [0], 4) == ([], [])  # draft 0 is already in place
+    other = CachedRequestState("o", [1], [1, 2], SamplingParams(), (), None, [1], 1)
+    rows = tree_hidden_rows([other, request], {"r": [1, 4]})
+    assert rows.tolist() == [0, 1, 3, 6, 2, 4, 5]
