@@ -415,8 +415,8 @@ class EngineArgs:
     )
     num_speculative_tokens: int | None = arg(
         None,
-        "drafts per step and request at most (K); default 7 for ngram and draft_head (their drafts adapt), "
-        "else 3",
+        "drafts per step and request at most (K); default 7 for ngram, draft_head and suffix (their drafts "
+        "adapt) and for medusa and eagle (K: the token tree's nodes), else 3",
     )
     speculative_draft_model: str | None = arg(
         None, "draft: GGUF file or HF directory of a model with the target's tokenizer"

@@ -19,6 +19,8 @@ Proposers, by `--speculative-method` (registry.py):
   state (`SampledBatch.last_hidden`).
 - suffix (proposers/suffix.py): the most frequent continuation of the context's suffix in the request's
   own text and in recent requests' outputs, on the host, no model.
+- medusa (proposers/medusa.py), eagle (proposers/eagle.py): a token tree (`DraftProposal.parents`,
+  sample/token_tree.py) from Medusa heads' top-k, or from the draft head expanded by its top-k.
 """
 
 from __future__ import annotations
