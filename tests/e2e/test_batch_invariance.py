@@ -141,3 +141,17 @@ def test_speculative_decoding(tiny_dir, alone):
     llm = engine(tiny_dir, dtype, speculative_disable_batch_size=0, **early_exit)
     assert results(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert llm.engine.spec_decode_stats.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+@pytest.mark.full  # the tiny model's tests check the same property in the fast tier
+def test_the_default_model_in_its_default_dtype(prompts_5_to_600):
+    """The embedded model in the machine's default dtype (bf16 where the CPU has native bf16): alone,
+    batched, and chunked by a budget of 61 tokens, bitwise alike (without the flag, batching changed
+    the tokens of some of these prompts on an AVX-512 BF16 machine)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    llm = LLM(kv_cache_memory="256MiB", prefix_caching=False, deterministic=True)
+    expected = [results(llm.generate([prompt], params, use_tqdm=False))[0] for prompt in prompts_5_to_600]
+    assert results(llm.generate(prompts_5_to_600, params, use_tqdm=False)) == expected
+    chunked = LLM(kv_cache_memory="256MiB", max_num_batched_tokens=61, deterministic=True)
+    assert results(chunked.generate(prompts_5_to_600, params, use_tqdm=False)) == expected
