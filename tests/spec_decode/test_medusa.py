@@ -223,3 +223,32 @@ def test_what_tree_methods_refuse(kwargs, message):
     with pytest.raises(ValueError, match=message) as error:
         EngineArgs(device="cpu", **kwargs).create_config(ARCH, "model")
     assert "\n" not in str(error.value)
+
+
+def test_eagle_trees_with_penalties_logit_bias_and_logprobs_equal_plain(
+    target_dir, draft_head, reference_llm
+):
+    """Rows processed along each draft's path (repetition penalty, logit bias) and log-probs at the
+    rows chosen at: the same tokens and top log-prob entries as plain decoding."""
+    params = greedy(repetition_penalty=1.3, logit_bias={PROMPTS[0][0]: 5.0}, logprobs=2)
+    plain = reference_llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    llm = make_llm(
+        target_dir,
+        speculative_method="eagle",
+        speculative_draft_head=draft_head,
+        num_speculative_tokens=15,
+        speculative_adaptive_k=False,
+    )
+    trees = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert token_ids(trees) == token_ids(plain)
+    for tree, base in zip(trees, plain, strict=True):
+        for ours, theirs in zip(tree.outputs[0].logprobs, base.outputs[0].logprobs, strict=True):
+            assert set(ours) == set(theirs)
+            for token, value in theirs.items():
+                assert abs(_logprob(ours[token]) - _logprob(value)) < 1e-4
+    assert llm.engine.spec_decode_stats.num_draft_tokens > 0
+    assert_no_leaks(llm)
+
+
+def _logprob(entry) -> float:
+    return entry if isinstance(entry, float) else entry.logprob
