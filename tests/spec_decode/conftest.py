@@ -48,6 +48,7 @@ def spec_kwargs(method: str, target_dir: str, other_draft_dir: str, draft_head: 
         "draft_head": head,
         "draft_head_only": dict(head, prompt_lookup_max=0),
         "suffix": dict(speculative_method="suffix"),
+        "eagle": dict(speculative_method="eagle", speculative_draft_head=draft_head),  # token trees
     }[method]
 
 

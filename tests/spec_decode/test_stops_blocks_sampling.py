@@ -97,7 +97,7 @@ def _value(entry) -> float:
 # -- blocks ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft", "draft_head_only", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft", "draft_head_only", "suffix", "eagle"])
 def test_no_leaks_through_rejections_preemption_and_aborts(
     target_dir, other_draft_dir, draft_head, reference, method
 ):
@@ -141,7 +141,7 @@ def _sampled(seed: int | None, k: int | None = None) -> SamplingParams:
     )
 
 
-@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft", "draft_head", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "early_exit", "draft", "draft_head", "suffix", "eagle"])
 def test_seeded_sampling_is_reproducible_alone_or_batched(target_dir, other_draft_dir, draft_head, method):
     kwargs = spec_kwargs(method, target_dir, other_draft_dir, draft_head)
     llm = make_llm(target_dir, num_speculative_tokens=4, **kwargs)
