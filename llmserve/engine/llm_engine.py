@@ -202,7 +202,8 @@ class LLMEngine:
         return () if self.executor is None else self.executor.rank_stats()
 
     def shutdown(self) -> None:
-        """Stop the tensor- or pipeline-parallel workers and the KV-event publisher, where there are any."""
+        """Stop the tensor- or pipeline-parallel workers, the KV-event publisher and the KV-transfer
+        receiver, where there are any."""
         queue = getattr(self, "batch_queue", None)
         if queue is not None:
             queue.drain()  # the last stage's answers to batches in flight, which it waits to send
@@ -211,6 +212,9 @@ class LLMEngine:
         publisher = getattr(self, "kv_event_publisher", None)  # None too when loading failed first
         if publisher is not None:
             publisher.shutdown()
+        receiver = getattr(getattr(self, "model_runner", None), "kv_receiver", None)  # a gloo decode instance
+        if receiver is not None:
+            receiver.close()
 
     # -- requests -------------------------------------------------------------------------------
 

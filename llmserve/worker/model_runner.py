@@ -39,7 +39,7 @@ from llmserve.worker.batch_invariance import make_batch_invariant
 from llmserve.worker.batch_invariance import reasons as batch_invariance_reasons
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.kv_tier_store import KVTierStore
-from llmserve.worker.kv_transfer import create_connector
+from llmserve.worker.kv_transfer import create_connector, create_receiver
 from llmserve.worker.prefault import PrefaultThread, populate_in_background
 from llmserve.worker.prompt_logprobs import compute as compute_prompt_logprobs
 from llmserve.worker.request_state import CachedRequestState, apply_plan
@@ -166,6 +166,7 @@ class ModelRunner:
         # RAM and disk tiers under the prefix cache (core/kv_tiers.py decides, this copies)
         self.kv_tier_store = KVTierStore(config, self.kv_blocks) if cache.kv_offloading is not None else None
         self.kv_connector = create_connector(config, self.kv_blocks)  # a prefill instance's sender
+        self.kv_receiver = create_receiver(config, self.kv_blocks)  # a decode instance's, over gloo
         # after the pool, whose addresses graphs capture (the start-up time includes the capture);
         # padded rows write to the block past the pool's blocks
         self.decode_graphs = None

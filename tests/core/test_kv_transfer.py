@@ -16,6 +16,7 @@ from llmserve.core.kv_tiers import TIER_BLOCK, TierSpec
 from llmserve.core.kv_transfer import ExportPlanner, KVExport
 from llmserve.core.scheduler import Scheduler
 from llmserve.router.disaggregation import prefill_request
+from tests.helpers import wait_until
 
 from .test_scheduler import finish_step
 
@@ -190,3 +191,62 @@ def test_a_decode_instances_disk_tier_is_the_shared_folder_and_both_roles_take_t
         EngineArgs(**args, **own_disk, kv_transfer_config=transfer("kv_consumer")).create_config(arch, "m")
     with pytest.raises(ValueError, match="unknown kv_connector"):
         EngineArgs(kv_transfer_config='{"kv_connector": "X", "kv_role": "kv_both"}')
+
+
+def free_address() -> tuple[str, int]:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return "127.0.0.1", probe.getsockname()[1]
+
+
+def pool() -> torch.Tensor:
+    """A pool of 3 blocks as [layers, 2, blocks, block_size 4, kv_heads, row]."""
+    return torch.arange(2 * 2 * 3 * 4 * 1 * 2, dtype=torch.float32).view(2, 2, 3, 4, 1, 2)
+
+
+EXPORTS = [KVExport(2, b"a" * 32, (1, 2, 3, 4)), KVExport(0, b"b" * 32, (5, 6, 7, 8))]
+
+
+def test_gloo_sends_blocks_the_receiver_writes_as_checked_files_and_refuses_another_models(tmp_path):
+    from llmserve.worker.kv_transfer import GlooConnector, GlooReceiver
+
+    address, blocks = free_address(), pool()
+    receiver = GlooReceiver(tmp_path, KEY, address, timeout_s=5)
+    GlooConnector(blocks, KEY, address, timeout_s=5).send(EXPORTS)
+    assert receiver.received == 2  # the send returned after the acknowledgement: the files are there
+    for export in EXPORTS:
+        path = kv_block_file.block_path(tmp_path, export.block_hash)
+        payload = kv_block_file.read_block(path, KEY, export.block_hash, export.tokens)
+        assert payload == blocks[:, :, export.block].contiguous().numpy().tobytes()
+    other = KVExport(1, b"c" * 32, (9, 9, 9, 9))
+    GlooConnector(blocks, b"x" * 32, address, timeout_s=5).send([other])  # another model's blocks
+    assert receiver.received == 2 and not kv_block_file.block_path(tmp_path, b"c" * 32).exists()
+    receiver.close()
+
+
+def test_gloo_transfers_that_fail_never_raise_nor_stall_each_step(tmp_path, caplog):
+    import torch.distributed as dist
+
+    from llmserve.worker.kv_transfer import GlooConnector, GlooReceiver
+
+    nobody = GlooConnector(pool(), KEY, free_address(), timeout_s=1)
+    nobody.send(EXPORTS)  # no decode instance listens: logged, not raised
+    assert "KV transfer to" in caplog.text and nobody.retry_at > 0
+    nobody.send(EXPORTS)  # skipped at once until the retry time (one timeout per outage, not per step)
+    assert nobody.store is None
+
+    address = free_address()
+    receiver = GlooReceiver(tmp_path, KEY, address, timeout_s=1)
+    sender = dist.TCPStore(*address, is_master=False)  # a prefill instance that dies mid-transfer:
+    sequence = sender.add("kv-transfer-seq", 1)
+    sender.queue_push("kv-transfers", str(sequence))
+    group = dist.ProcessGroupGloo(dist.PrefixStore(f"kv-transfer-{sequence}", sender), 0, 2, receiver.timeout)
+    group.send([torch.tensor([1, 4, 64])], 1, 0).wait()  # its first tensor only
+    del group
+    wait_until(lambda: "KV transfer 1 failed" in caplog.text, 10, "the receiver's log of the broken transfer")
+    GlooConnector(pool(), KEY, address, timeout_s=5).send(EXPORTS)  # the receiver still takes the next one
+    assert receiver.received == 2
+    receiver.close()
+    assert not receiver.is_alive()

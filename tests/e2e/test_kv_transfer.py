@@ -84,3 +84,31 @@ def _requests(prompts):
     from llmserve.request import Request
 
     return [Request(f"h{i}", prompt, GREEDY, eos_token_ids=()) for i, prompt in enumerate(prompts)]
+
+
+@pytest.mark.full  # tests/core/test_kv_transfer.py checks the gloo transfer and its failures without a model
+def test_the_gloo_connector_gives_the_decode_instance_the_same_hits_and_tokens(
+    tiny, prompts, expected, tmp_path
+):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def gloo(role: str) -> LLM:
+        config = {"kv_connector": "LlmserveGlooConnector", "kv_role": role, "kv_port": port}
+        config["kv_connector_extra_config"] = {"shared_dir": str(tmp_path / role), "timeout_s": 20}
+        return LLM(
+            tiny, dtype="float32", block_size=BLOCK, num_kv_blocks=16, kv_transfer_config=json.dumps(config)
+        )
+
+    decode = gloo("kv_consumer")  # listens first; the prefill instance connects at its first transfer
+    try:
+        gloo("kv_producer").generate(prompts, PREFILL, use_tqdm=False)
+        assert not (tmp_path / "kv_producer").exists()  # a gloo prefill instance writes no files
+        outputs = decode.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert [o.num_cached_tokens for o in outputs] == [FULL_BLOCKS * BLOCK] * len(prompts)
+    finally:
+        decode.engine.shutdown()
