@@ -91,6 +91,7 @@ def shared_folder(shared_dir: str, model_key: bytes) -> Path:
 
 _QUEUE, _SEQUENCE = "kv-transfers", "kv-transfer-seq"  # the TCPStore's keys
 _STOP = b"stop"  # queued by `GlooReceiver.close`
+_IDLE_WAIT = datetime.timedelta(hours=24)
 
 
 class GlooConnector(KVConnector):
@@ -147,6 +148,9 @@ class GlooReceiver(threading.Thread):
         self.directory.mkdir(parents=True, exist_ok=True)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(*address, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        # the queue is read through a connection of its own whose waits are long: each wait that ends
+        # empty-handed logs a warning in torch, which a short timeout would repeat all day
+        self.waiter = dist.TCPStore("127.0.0.1", self.store.port, is_master=False, timeout=_IDLE_WAIT)
         self.received = 0  # blocks written so far
         self.closing = False
         logger.info("KV transfer: a decode instance receiving blocks on port %d over gloo", address[1])
@@ -162,7 +166,7 @@ class GlooReceiver(threading.Thread):
     def run(self) -> None:
         while not self.closing:
             try:
-                item = self.store.queue_pop(_QUEUE)  # waits up to the timeout
+                item = self.waiter.queue_pop(_QUEUE)
             except RuntimeError:
                 continue  # nothing was sent meanwhile
             if item == _STOP:
