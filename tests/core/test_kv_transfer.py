@@ -250,3 +250,50 @@ def test_gloo_transfers_that_fail_never_raise_nor_stall_each_step(tmp_path, capl
     assert receiver.received == 2
     receiver.close()
     assert not receiver.is_alive()
+
+
+def prefill_stage(answer):
+    """A prefill stage over prefill instances p0 and p1 answering with `answer(request)`; (run's results,
+    the bodies they were sent, the outcomes counted, the replicas)."""
+    import asyncio
+
+    import httpx
+
+    from llmserve.router.disaggregation import PrefillStage
+    from llmserve.router.replica import Replica
+    from tests.router.test_routing_units import INFO
+
+    sent, outcomes = [], []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.host, json.loads(request.content)))
+        return answer(request)
+
+    replicas = [Replica(f"http://p{i}", INFO) for i in range(2)]
+    replicas[0].in_flight = 3  # p1 is the least loaded
+
+    async def go():
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+        stage = PrefillStage(client, replicas, 5.0, lambda url, done: outcomes.append((url, done)))
+        body = {"model": "m", "prompt": [1, 2], "max_tokens": 9, "stream": True}
+        return [await stage.run("/v1/completions", body, {}), await stage.run("/v1/embeddings", body, {})]
+
+    return asyncio.run(go()), sent, outcomes, replicas
+
+
+def test_the_prefill_stage_sends_one_token_to_the_least_loaded_and_skips_what_fails():
+    import httpx
+
+    results, sent, outcomes, replicas = prefill_stage(lambda request: httpx.Response(200, json={}))
+    assert results == [True, False]  # embeddings never take a prefill
+    assert sent == [("p1", {"model": "m", "prompt": [1, 2], "max_tokens": 1})]
+    assert outcomes == [("http://p1", True)] and replicas[1].in_flight == 0
+
+    results, _, outcomes, replicas = prefill_stage(lambda request: httpx.Response(500, json={}))
+    assert results[0] is False and outcomes == [("http://p1", False)] and replicas[1].healthy
+
+    def dies(request):
+        raise httpx.ReadTimeout("timed out")  # as a prefill instance that hangs past --prefill-timeout
+
+    results, _, outcomes, replicas = prefill_stage(dies)
+    assert results[0] is False and outcomes == [("http://p1", False)] and not replicas[1].healthy
