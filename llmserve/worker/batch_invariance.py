@@ -74,8 +74,8 @@ def _attention_reasons(config: EngineConfig, backend) -> list[str]:
     found = []
     if not backend.piece_len:
         found.append(
-            "attention: prompt spans longer than 16 tokens take the prefill kernel, shorter ones and "
-            "decodes the paged kernel (another summation order)"
+            "attention: prompt spans longer than 16 tokens take the prefill kernel (or SDPA), shorter "
+            "ones and decodes the paged kernel, which sums in another order"
         )
     if config.cache.sliding_window or config.cache.kv_groups:
         found.append("a sliding window: the paged kernel places a span's scores by where its window starts")
