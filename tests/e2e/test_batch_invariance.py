@@ -79,6 +79,20 @@ def test_batched_with_other_prompts(tiny_dir, alone):
     assert info.batch_invariant and info.batch_invariance_reasons == []
 
 
+def test_seeded_sampling_among_other_requests(tiny_dir, alone):
+    """Seeded requests at temperature > 0 with top-k and top-p draw the same tokens (and logprobs) alone
+    and chunked among greedy and unseeded sampled requests that need more top-k candidates."""
+    dtype, prompts, _ = alone
+    sampled = dict(temperature=0.9, top_k=40, top_p=0.9, max_tokens=8, ignore_eos=True, logprobs=2)
+    seeded = [SamplingParams(seed=index, **sampled) for index in range(3)]
+    llm = engine(tiny_dir, dtype, prefix_caching=False, max_num_batched_tokens=512)
+    expected = [results(llm.generate([prompts[i]], seeded[i], use_tqdm=False))[0] for i in range(3)]
+    unseeded = SamplingParams(temperature=1.0, top_k=300, top_p=0.95, max_tokens=8, ignore_eos=True)
+    mixed = engine(tiny_dir, dtype, max_num_batched_tokens=37)
+    params = seeded + [GREEDY, unseeded] * ((len(prompts) - 3) // 2) + [GREEDY] * ((len(prompts) - 3) % 2)
+    assert results(mixed.generate(prompts, params, use_tqdm=False))[:3] == expected
+
+
 @pytest.mark.full  # the same property as test_batched_with_other_prompts, at 64 rows a decode step
 def test_a_batch_of_64(tiny_dir, alone):
     """Each prompt 8 times over, its copies computed apart (no prefix cache): every copy decodes alike."""
