@@ -79,6 +79,7 @@ def test_batched_with_other_prompts(tiny_dir, alone):
     assert info.batch_invariant and info.batch_invariance_reasons == []
 
 
+@pytest.mark.full  # tests/kernels/test_batch_invariance.py checks the sampler's seeded rows in the fast tier
 def test_seeded_sampling_among_other_requests(tiny_dir, alone):
     """Seeded requests at temperature > 0 with top-k and top-p draw the same tokens (and logprobs) alone
     and chunked among greedy and unseeded sampled requests that need more top-k candidates."""
