@@ -90,31 +90,30 @@ def wait_until(
 
 def round_inputs_as_the_small_batch_kernels(reference: torch.nn.Module, quantized: torch.nn.Module) -> int:
     """Make a float model of a quantized model's weights round its linear layers' inputs where the
-    quantized layers' float32 small-batch kernels round theirs (quantization/kernels.py:
-    Float32SmallBatchKernel, the AVX2 level): to 8 bits per 32 columns, a step of max|x| / 127 per
-    block. The reference must run its modules (no fused decode stack, which calls no hooks). Returns
-    how many layers round; none where the quantized layers dequantize instead."""
-    from llmserve.quantization.kernels import Float32SmallBatchKernel
+    quantized layers' compiled kernels round theirs (quantization/kernels.py: RoundedInputKernel, at
+    every row count): to 8 bits per 32 columns, a step of max|x| / 127 per block. The reference must
+    run its modules (no fused decode stack, which calls no hooks). Returns how many layers round;
+    none where the quantized layers dequantize instead."""
+    from llmserve.quantization.kernels import RoundedInputKernel
 
     hooked = 0
     for name, module in quantized.named_modules():
         kernel = getattr(module, "kernel", None)
-        if isinstance(kernel, Float32SmallBatchKernel):
-            hook = rounding_hook(kernel, getattr(module, "float_logits", False))
-            reference.get_submodule(name).register_forward_pre_hook(hook)
+        if not isinstance(kernel, RoundedInputKernel):
+            continue
+        float_layer = reference.get_submodule(name)
+        if kernel.takes(float_layer.weight.dtype):
+            float_layer.register_forward_pre_hook(rounding_hook())
             hooked += 1
     return hooked
 
 
-def rounding_hook(kernel, logits: bool):
-    """A forward pre-hook rounding a layer's input as `kernel` rounds it for that many rows (else none)."""
+def rounding_hook():
+    """A forward pre-hook rounding a layer's input as the compiled int8/int4 kernels round it."""
 
     def hook(_module, args):
         (x,) = args
-        rows = x.numel() // x.shape[-1]
-        if not kernel.takes(rows, logits):
-            return None
-        blocks = x.reshape(rows, -1, 32)
+        blocks = x.reshape(-1, x.shape[-1] // 32, 32)
         largest = blocks.abs().amax(dim=-1, keepdim=True)
         scale = largest / 127
         inverse = torch.where(largest >= 1e-30, 1 / scale, torch.zeros_like(scale))

@@ -9,11 +9,11 @@ model runs on the CPU with the in-place paged attention backend and a plain KV c
 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise int4 with their
 small-batch kernels, or in float32 (the dtype of CPUs without native bf16) with every linear layer
 on the float32 kernel or, quantized, on the int8 and int4 kernels where they take float32 inputs.
-Above the small-batch kernel's 8 rows, where every layer is a bf16 `SmallBatchLinear` (with its
-oneDNN copy), it takes what the modules take: the AMX kernel on the
-packed copy up to `AMX_MAX_ROWS` where the CPU has AMX, else the small-batch kernel in tiles of 8
-rows up to `KERNEL_MAX_ROWS`, and oneDNN's GEMM on the blocked copy beyond; with int8, int4 or
-float32 layers it serves up to 8 rows. Anything else (prefill chunks, other quantized formats, 8-bit
+Above the small-batch kernel's 8 rows it takes what the modules take: int8 and int4 layers their
+compiled kernels at any row count; bf16 `SmallBatchLinear` layers (with their oneDNN copy) the AMX
+kernel on the packed copy up to `AMX_MAX_ROWS` where the CPU has AMX, else the small-batch kernel in
+tiles of 8 rows up to `KERNEL_MAX_ROWS`, and oneDNN's GEMM on the blocked copy beyond; with float32
+layers it serves up to 8 rows. Anything else (prefill chunks, other quantized formats, 8-bit
 KV caches, CUDA) takes the module path.
 
 Under tensor parallelism the stack holds the rank's shards and sums the o and down projections'
@@ -30,12 +30,7 @@ from llmserve.distributed.group import TensorParallelGroup
 from llmserve.forward_context import AttentionMetadata
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.small_batch_linear import AMX_MAX_ROWS, MAX_ROWS, PackedLinear, SmallBatchLinear
-from llmserve.quantization.kernels import (
-    Float32SmallBatchKernel,
-    Int4PackedKernel,
-    Int8GroupedPackedKernel,
-    Int8PackedKernel,
-)
+from llmserve.quantization.kernels import RoundedInputKernel
 
 
 class FusedDecodeStack:
@@ -103,27 +98,20 @@ StackWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def _small_batch_weights(module, dtype: torch.dtype) -> StackWeights | None:
-    """(packed weight, its scales: none, per row, per 32 columns or int4's parameters, the oneDNN copy
-    for more than 8 rows or None) of a linear layer the stack can run in a `dtype` model: bf16
-    (SmallBatchLinear), int8 or int4 with a small-batch kernel; float32 (PackedLinear with the float32
-    kernel, whose oneDNN copy is replaced when the weight changes: the stack keeps it to 8 rows; int8
-    or int4 where their small-batch kernels take float32 inputs); else None."""
+    """(packed weight, its scales: none, per row, per 16/32 columns or int4's parameters, the oneDNN
+    copy for more than 8 rows or None) of a linear layer the stack can run in a `dtype` model: bf16
+    (SmallBatchLinear); float32 (PackedLinear with the float32 kernel, whose oneDNN copy is replaced
+    when the weight changes: the stack keeps it to 8 rows); int8 or int4 on their compiled kernels
+    (any row count); else None."""
+    kernel = getattr(module, "kernel", None)
+    if isinstance(kernel, RoundedInputKernel) and kernel.takes(dtype):
+        return kernel.small_batch_qweight, kernel.small_batch_scales, None
     if dtype == torch.float32:
         if type(module) is PackedLinear and module.small_batch_weight is not None:
             return module.small_batch_weight, _EMPTY, None
-        kernel = getattr(module, "kernel", None)
-        if isinstance(kernel, Float32SmallBatchKernel):
-            return kernel.small_batch_qweight, kernel.small_batch_scales, None
         return None
     if type(module) is SmallBatchLinear:
         return module.small_batch_weight, _EMPTY, module.packed_weight
-    kernel = getattr(module, "kernel", None)
-    if isinstance(kernel, Int8PackedKernel) and kernel.small_batch_qweight is not None:
-        return kernel.small_batch_qweight, kernel.scales_float, None
-    if isinstance(kernel, Int8GroupedPackedKernel) and kernel.small_batch_qweight is not None:
-        return kernel.small_batch_qweight, kernel.small_batch_scales, None
-    if isinstance(kernel, Int4PackedKernel) and kernel.small_batch_qweight is not None:
-        return kernel.small_batch_qweight, kernel.small_batch_params, None
     return None
 
 
@@ -162,7 +150,10 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         if any(norm.eps != inner.norm.eps or norm.weight.dtype != dtype for norm in norms):
             return None
         (qkv, qkv_scales, _), (o, o_scales, _), (gate_up, gate_up_scales, _), (down, down_scales, _) = linears
-        any_rows = any_rows and all(linear[2] is not None for linear in linears)
+        # a layer runs any row count on its oneDNN copy, or on its int8/int4 kernel (uint8 codes)
+        any_rows = any_rows and all(
+            linear[2] is not None or linear[0].dtype == torch.uint8 for linear in linears
+        )
         qkv_bias = attention.qkv_proj.bias
         tensors += [
             layer.input_layernorm.weight.detach(),

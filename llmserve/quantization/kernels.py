@@ -1,12 +1,12 @@
 """Matmul kernels for quantized weights, chosen per (format, device, activation dtype).
 
-On a CPU with bfloat16 activations the packed kernels read a half or a quarter of bf16's weight
-bytes per decode step, which is what a decode step is bound by, while dequantizing on the fly costs
-more than it saves (docs/quantization.md: how the kernels work). With float32 activations (the dtype
-of CPUs without native bf16) the compiled small-batch kernels take the decode rows where this build
-has them for float32 inputs (the AVX2 level: `Float32SmallBatchKernel`), and larger batches
-dequantize on the fly, whose float32 GEMM beats the packed ops there. Elsewhere float32 and other
-devices dequantize on the fly: correct everywhere, a memory saving but not a speed-up.
+On a CPU the compiled int8/int4 kernels (`RoundedInputKernel`) take every row count: bfloat16
+activations, and float32 ones at the AVX2 level (the dtype of CPUs without native bf16). They round
+the input to 8 bits per 32 columns and multiply with integer dot products, streaming the packed
+codes at batch 1 and running several times faster than the dequantized GEMM or PyTorch's packed
+ops at batch sizes above (docs/quantization.md: how the kernels work). Where they do not serve (a
+width not a multiple of 32, an int8 code of -128), bf16 takes PyTorch's packed ops; float32 and
+other devices dequantize on the fly: correct everywhere, a memory saving but not a speed-up.
 
 Contract: a kernel maps x [..., in] to x @ W.T [..., out] in x's dtype, and `dequantize()` returns
 the W it multiplies by (what the tests compare a float run against).
@@ -22,7 +22,6 @@ from torch import nn
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.logits import float32_logits
-from llmserve.kernels.small_batch_linear import MAX_ROWS as SMALL_BATCH_MAX_ROWS
 from llmserve.quantization.formats import Int4Weight, Int8Weight, QuantizedWeight
 
 _INT4_INNER_K_TILES = 1  # the CPU packing ignores tiling beyond this; any value >= 1 is accepted
@@ -66,8 +65,76 @@ class DequantizeKernel(LinearKernel):
         return Int4Weight(self.qweight, self.scales, self.offsets, self.group_size).dequantize(dtype)
 
 
+class RoundedInputKernel(LinearKernel):
+    """The compiled int8/int4 kernels (kernels/csrc/linear_quantized.cpp) on the CPU, their packed copy
+    the layer's only one. Inputs of a dtype this build's kernels take (bfloat16; float32 too at the
+    AVX2 level) run them at every row count, rounded to 8 bits per 32 columns, each row's output
+    independent of the batch it came in (`batch_invariant`); other dtypes multiply by the float
+    weight rebuilt from the packed copy (`small_batch_dequantize_*`: W = q * scale (+ offset), as the
+    weight's own `dequantize`)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kind, self.group_size = weight.kind, weight.group_size
+        ops = load_cpu_ops()
+        codes = weight.qweight.contiguous()
+        self._float_out = None
+        if isinstance(weight, Int4Weight):
+            self._kernel = ops.small_batch_linear_int4
+            self._unpack = ops.small_batch_dequantize_int4
+            packed, scales = ops.small_batch_pack_int4(codes, weight.scales.float(), weight.offsets.float())
+        else:
+            self._kernel = ops.small_batch_linear_int8
+            self._float_out = ops.small_batch_linear_int8_float_out
+            self._unpack = ops.small_batch_dequantize_int8
+            packed = ops.small_batch_pack_int8(codes)
+            if weight.group_size == weight.shape[1]:  # per channel
+                scales = weight.scales[:, 0].float().contiguous()
+            else:
+                scales = ops.small_batch_pack_int8_group_scales(weight.scales.float().contiguous())
+        self.register_buffer("small_batch_qweight", packed)
+        self.register_buffer("small_batch_scales", scales)  # [N], per 16/32 columns packed, or int4's params
+        self.out_features = weight.shape[0]
+        self._takes = {d for d in (torch.bfloat16, torch.float32) if ops.small_batch_linear_int8_supported(d)}
+        self.batch_invariant = dtype in self._takes  # the model's activations run the kernel
+
+    @staticmethod
+    def serves(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+        if device.type != "cpu" or _small_batch_int8_ops(weight.qweight) is None:
+            return False
+        if isinstance(weight, Int4Weight):
+            return weight.group_size % 32 == 0
+        return weight.group_size in (16, 32, weight.shape[1])
+
+    def takes(self, dtype: torch.dtype) -> bool:
+        """Whether inputs of `dtype` run the compiled kernel (else the rebuilt float weight)."""
+        return dtype in self._takes
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._unpack(self.small_batch_qweight, self.small_batch_scales, self.out_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in self._takes:
+            return F.linear(x, self.dequantize(x.dtype))
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = self._kernel(flat, self.small_batch_qweight, self.small_batch_scales, self.out_features)
+        return out.view(*x.shape[:-1], -1)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel's float32 sums, unrounded: int8's float32-out entry point, or the forward of
+        float32 x (which writes them)."""
+        if x.dtype == torch.float32 and x.dtype in self._takes:
+            return self(x)
+        if self._float_out is None or x.dtype not in self._takes:
+            return super().logits(x)
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = self._float_out(flat, self.small_batch_qweight, self.small_batch_scales, self.out_features)
+        return out.view(*x.shape[:-1], -1)
+
+
 class Int8PackedKernel(LinearKernel):
-    """Per-output-channel int8: `aten._weight_int8pack_mm` (CPU, bf16).
+    """Per-output-channel int8 where the compiled kernels do not serve: `aten._weight_int8pack_mm`
+    (CPU, bf16).
 
     On torch 2.13 the op crashes (SIGSEGV) on a weight that is not 64-byte aligned, such as a view
     into a larger buffer (safetensors' `load_file` returns those: a checkpoint's or the weights
@@ -77,46 +144,19 @@ class Int8PackedKernel(LinearKernel):
         super().__init__()
         self.register_buffer("qweight", weight.qweight.clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", weight.scales[:, 0].to(dtype).contiguous())
-        # At 1-8 rows the compiled int8 matrix-vector kernel (kernels/csrc/linear_quantized.cpp) streams its
-        # own packed copy of the codes at memory speed, rounding the input to 8 bits per 32 columns;
-        # it multiplies by the same (bf16-rounded) scales as the packed op.
-        ops = _small_batch_int8_ops(self.qweight)
-        self._small_batch = None if ops is None else ops.small_batch_linear_int8
-        self._float_out = None if ops is None else ops.small_batch_linear_int8_float_out
-        small_batch = (
-            (None, None) if ops is None else (ops.small_batch_pack_int8(self.qweight), self.scales.float())
-        )
-        self.register_buffer("small_batch_qweight", small_batch[0])
-        self.register_buffer("scales_float", small_batch[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if self._small_batch is not None and flat.shape[0] <= SMALL_BATCH_MAX_ROWS:
-            out = self._small_batch(
-                flat.contiguous(), self.small_batch_qweight, self.scales_float, len(self.scales)
-            )
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
         return out.view(*x.shape[:-1], -1)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The compiled kernel at any row count with float32 out, where it serves x."""
-        if self._float_out is None or x.dtype != torch.bfloat16:
-            return super().logits(x)
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = self._float_out(flat, self.small_batch_qweight, self.scales_float, len(self.scales))
-        return out.view(*x.shape[:-1], -1)
-
 
 class Int8GroupedPackedKernel(LinearKernel):
-    """Group-wise int8 (GGUF Q8_0): one `_weight_int8pack_mm` per input group, summed in float32.
-
-    A loop over the few groups (in / 32), never over tokens; about as fast as a bf16 `F.linear` on
-    SmolLM2's lm_head, at half its memory. Groups of 32 columns at 1-8
-    rows take the compiled int8 kernel with its per-group scales instead (same rounded scales)."""
+    """Group-wise int8 (GGUF Q8_0) where the compiled kernels do not serve: one `_weight_int8pack_mm`
+    per input group, summed in float32 (a loop over the few groups, in / 32, never over tokens)."""
 
     def __init__(self, weight: Int8Weight, dtype: torch.dtype) -> None:
         super().__init__()
@@ -125,23 +165,8 @@ class Int8GroupedPackedKernel(LinearKernel):
         grouped = weight.qweight.view(rows, -1, self.group_size).transpose(0, 1).contiguous()
         self.register_buffer("qweight", grouped)  # [groups, out, group_size]
         self.register_buffer("scales", weight.scales.t().to(dtype).contiguous())  # [groups, out]
-        ops = _small_batch_int8_ops(weight.qweight) if self.group_size in (16, 32) else None
-        self._small_batch = None if ops is None else ops.small_batch_linear_int8
-        self._float_out = None if ops is None else ops.small_batch_linear_int8_float_out
-        small_batch = (None, None)
-        if ops is not None:
-            group_scales = ops.small_batch_pack_int8_group_scales(self.scales.float().t().contiguous())
-            small_batch = (ops.small_batch_pack_int8(weight.qweight.contiguous()), group_scales)
-        self.register_buffer("small_batch_qweight", small_batch[0])
-        self.register_buffer("small_batch_scales", small_batch[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if self._small_batch is not None and flat.shape[0] <= SMALL_BATCH_MAX_ROWS:
-            out = self._small_batch(
-                flat.contiguous(), self.small_batch_qweight, self.small_batch_scales, self.scales.shape[1]
-            )
-            return out.view(*x.shape[:-1], -1)
         groups = x.reshape(-1, self.qweight.shape[0], self.group_size).transpose(0, 1).contiguous()
         out = torch.ops.aten._weight_int8pack_mm(groups[0], self.qweight[0], self.scales[0]).float()
         for index in range(1, self.qweight.shape[0]):
@@ -152,17 +177,10 @@ class Int8GroupedPackedKernel(LinearKernel):
         grouped = self.qweight.to(dtype) * self.scales.to(dtype)[..., None]
         return grouped.transpose(0, 1).reshape(self.qweight.shape[1], -1)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The compiled kernel at any row count with float32 out, where it serves x."""
-        if self._float_out is None or x.dtype != torch.bfloat16:
-            return super().logits(x)
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        out = self._float_out(flat, self.small_batch_qweight, self.small_batch_scales, self.scales.shape[1])
-        return out.view(*x.shape[:-1], -1)
-
 
 class Int4PackedKernel(LinearKernel):
-    """Group-wise int4: `aten._weight_int4pack_mm_for_cpu` (tinygemm's layout, CPU, bf16).
+    """Group-wise int4 where the compiled kernels do not serve: `aten._weight_int4pack_mm_for_cpu`
+    (tinygemm's layout, CPU, bf16).
 
     tinygemm computes w = (q - 8) * scale + zero from scales_and_zeros [in / group, out, 2], so our
     offset becomes zero = offset + 8 * scale (rounded once, to the activation dtype)."""
@@ -177,27 +195,9 @@ class Int4PackedKernel(LinearKernel):
         scales_and_zeros = torch.stack([weight.scales, zeros], dim=-1).transpose(0, 1).to(dtype)
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
-        # At 1-8 rows the compiled int4 kernel (kernels/csrc/linear_quantized.cpp) streams its own packed
-        # copy of the codes, rounding the input to 8 bits per 32 columns, with the same (rounded) W:
-        # (q - 8) * scale + zero = q * scale + (zero - 8 * scale).
-        ops = _small_batch_int8_ops(weight.qweight) if weight.group_size % 32 == 0 else None
-        self._small_batch = None if ops is None else ops.small_batch_linear_int4
-        small_batch = (None, None)
-        if ops is not None:
-            scales, zeros = scales_and_zeros.float().transpose(0, 1).unbind(-1)
-            offsets = zeros - _INT4_CENTER * scales
-            small_batch = ops.small_batch_pack_int4(weight.qweight.contiguous(), scales, offsets)
-        self.register_buffer("small_batch_qweight", small_batch[0])
-        self.register_buffer("small_batch_params", small_batch[1])
-        self.out_features = weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
-        if self._small_batch is not None and flat.shape[0] <= SMALL_BATCH_MAX_ROWS:
-            out = self._small_batch(
-                flat, self.small_batch_qweight, self.small_batch_params, self.out_features
-            )
-            return out.view(*x.shape[:-1], -1)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             flat, self.packed, self.group_size, self.scales_and_zeros
         )
@@ -211,8 +211,8 @@ class Int4PackedKernel(LinearKernel):
 
 
 def _small_batch_int8_ops(codes: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
-    """The compiled kernels, where this build has the small-batch int8/int4 kernels for `dtype` inputs
-    and the codes suit them: a width that is a multiple of 32, and int8 codes within [-127, 127] (the
+    """The compiled kernels, where this build has the int8/int4 kernels for `dtype` inputs and the
+    codes suit them: a width that is a multiple of 32, and int8 codes within [-127, 127] (the
     kernel stores q + 128 unsigned; a checkpoint's -128 keeps the packed op)."""
     if codes.device.type != "cpu":
         return None
@@ -224,87 +224,19 @@ def _small_batch_int8_ops(codes: torch.Tensor, dtype: torch.dtype = torch.bfloat
     return ops
 
 
-class Float32SmallBatchKernel(LinearKernel):
-    """float32 activations where this build's small-batch int8/int4 kernels take them (AVX2): up to 8
-    rows (decode, verification) the compiled kernel on its packed copy, the input rounded to 8 bits
-    per 32 columns as with bf16; more rows (a prefill) rebuild the float32 weight from that packed
-    copy, the layer's only one (`small_batch_dequantize_*`: W = q * scale (+ offset), as the weight's
-    own `dequantize`), and run float32's GEMM."""
-
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.kind, self.group_size = weight.kind, weight.group_size
-        ops = _small_batch_int8_ops(weight.qweight, torch.float32)
-        codes = weight.qweight.contiguous()
-        self._float_out = None
-        if isinstance(weight, Int4Weight):
-            self._small_batch = ops.small_batch_linear_int4
-            self._unpack = ops.small_batch_dequantize_int4
-            packed, scales = ops.small_batch_pack_int4(codes, weight.scales.float(), weight.offsets.float())
-        else:
-            self._small_batch = ops.small_batch_linear_int8
-            self._unpack = ops.small_batch_dequantize_int8
-            self._float_out = ops.small_batch_linear_int8_float_out  # float32 x: both write float32
-            packed = ops.small_batch_pack_int8(codes)
-            if weight.group_size == weight.shape[1]:  # per channel
-                scales = weight.scales[:, 0].float().contiguous()
-            else:
-                scales = ops.small_batch_pack_int8_group_scales(weight.scales.float().contiguous())
-        self.register_buffer("small_batch_qweight", packed)
-        self.register_buffer("small_batch_scales", scales)  # [N], per 16/32 columns packed, or int4's params
-        self.out_features = weight.shape[0]
-
-    @staticmethod
-    def serves(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-        if device.type != "cpu" or dtype != torch.float32:
-            return False
-        if _small_batch_int8_ops(weight.qweight, torch.float32) is None:
-            return False
-        if isinstance(weight, Int4Weight):
-            return weight.group_size % 32 == 0
-        return weight.group_size in (16, 32, weight.shape[1])
-
-    def takes(self, rows: int, logits: bool = False) -> bool:
-        """Whether `rows` float32 rows run on the compiled kernel, their input rounded (else F.linear):
-        up to 8 rows, and an int8 output projection's at any row count."""
-        return rows <= SMALL_BATCH_MAX_ROWS or (logits and self._float_out is not None)
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._unpack(self.small_batch_qweight, self.small_batch_scales, self.out_features).to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if x.dtype != torch.float32 or not self.takes(flat.shape[0]):
-            return F.linear(x, self.dequantize(x.dtype))
-        out = self._small_batch(
-            flat.contiguous(), self.small_batch_qweight, self.small_batch_scales, self.out_features
-        )
-        return out.view(*x.shape[:-1], -1)
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 x: the forward's float32 sums, from int8's kernel at any row count (a row's logits
-        then do not depend on the batch)."""
-        flat = x.reshape(-1, x.shape[-1])
-        if x.dtype != torch.float32 or not self.takes(flat.shape[0], logits=True):
-            return super().logits(x)
-        kernel = self._float_out or self._small_batch
-        out = kernel(flat.contiguous(), self.small_batch_qweight, self.small_batch_scales, self.out_features)
-        return out.view(*x.shape[:-1], -1)
-
-
 def _packed_cpu(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16
 
 
 # In order of preference: (applies to weight/dtype/device, kernel class).
 _KERNELS: list[tuple[Callable[[QuantizedWeight, torch.dtype, torch.device], bool], type[LinearKernel]]] = [
+    (RoundedInputKernel.serves, RoundedInputKernel),
     (lambda w, d, dev: _packed_cpu(w, d, dev) and w.kind == "int4", Int4PackedKernel),
     (
         lambda w, d, dev: _packed_cpu(w, d, dev) and w.kind == "int8" and w.group_size == w.shape[1],
         Int8PackedKernel,
     ),
     (lambda w, d, dev: _packed_cpu(w, d, dev) and w.kind == "int8", Int8GroupedPackedKernel),
-    (Float32SmallBatchKernel.serves, Float32SmallBatchKernel),
     (lambda w, d, dev: True, DequantizeKernel),
 ]
 

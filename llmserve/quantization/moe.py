@@ -8,10 +8,10 @@ weights travel in a `QuantizationResult` and a saved checkpoint as one 2-D weigh
 `<experts module>.<parameter>.<expert>` (model.layers.0.mlp.experts.gate_up_proj.3), so that the
 formats, the checkpoint file and the weights cache need nothing new.
 
-Each expert's projection keeps one copy of its weight, in the compiled small-batch kernels' layout
-(kernels/csrc/linear_quantized.cpp: int4 two codes a byte, int8 a byte, scales per group): its 1-8
-routed rows run the kernel where it takes the activation dtype (bf16; float32 at the AVX2 level),
-more rows rebuild the float weight from that copy for one GEMM. The forward groups the tokens by
+Each expert's projection keeps one copy of its weight, in the compiled kernels' layout
+(kernels/csrc/linear_quantized.cpp: int4 two codes a byte, int8 a byte, scales per group): its
+routed rows run the kernel at any count where it takes the activation dtype (bf16; float32 at the
+AVX2 level), else they multiply by the float weight rebuilt from that copy. The forward groups the tokens by
 expert and runs only the experts some token chose, one kernel call per projection each (a host sync
 for the group sizes, as the float layer's per-expert path).
 """
@@ -25,14 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.kernels.small_batch_linear import MAX_ROWS
-from llmserve.quantization.formats import Int4Weight, QuantizedWeight, concat_rows
-from llmserve.quantization.kernels import DequantizeKernel, LinearKernel, select_kernel
+from llmserve.quantization.formats import QuantizedWeight, concat_rows
+from llmserve.quantization.kernels import DequantizeKernel, LinearKernel, RoundedInputKernel, select_kernel
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 _EXPERT_KEY = re.compile(r"(.+)\.(gate_up_proj|down_proj)\.(\d+)")
-_KERNEL_BLOCK = 32  # the compiled kernels' input block: widths and int4 groups are multiples of it
 
 
 def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -165,53 +162,12 @@ def _expert_list(name: str, param: str, module: nn.Module, weights: dict[int, Qu
     return [weights[expert] for expert in range(stacked.shape[0])]
 
 
-class ExpertKernel(LinearKernel):
-    """One expert's projection on its one packed copy (module docstring): the compiled kernel for 1-8
-    rows where it takes x's dtype (each row's input rounded to 8 bits per 32 columns), else the float
-    weight rebuilt from the copy (W = q * scale (+ offset), the format's dequantize) and F.linear."""
-
-    def __init__(self, weight: QuantizedWeight, ops) -> None:
-        super().__init__()
-        codes = weight.qweight.contiguous()
-        if isinstance(weight, Int4Weight):
-            self._linear, self._unpack = ops.small_batch_linear_int4, ops.small_batch_dequantize_int4
-            packed, scales = ops.small_batch_pack_int4(codes, weight.scales.float(), weight.offsets.float())
-        else:
-            self._linear, self._unpack = ops.small_batch_linear_int8, ops.small_batch_dequantize_int8
-            packed = ops.small_batch_pack_int8(codes)
-            if weight.group_size == weight.shape[1]:  # per channel
-                scales = weight.scales[:, 0].float().contiguous()
-            else:
-                scales = ops.small_batch_pack_int8_group_scales(weight.scales.float().contiguous())
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
-        self.out_features = weight.shape[0]
-        self._takes = {d for d in (torch.bfloat16, torch.float32) if ops.small_batch_linear_int8_supported(d)}
-
-    @staticmethod
-    def serves(weight: QuantizedWeight, device: torch.device) -> bool:
-        if device.type != "cpu" or weight.shape[1] % _KERNEL_BLOCK or load_cpu_ops() is None:
-            return False
-        if isinstance(weight, Int4Weight):
-            return weight.group_size % _KERNEL_BLOCK == 0
-        if weight.qweight.numel() and int(weight.qweight.min()) < -127:  # the kernel stores q + 128
-            return False
-        return weight.group_size in (16, 32, weight.shape[1])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_ROWS and x.dtype in self._takes:
-            return self._linear(x.contiguous(), self.packed, self.scales, self.out_features)
-        return F.linear(x, self.dequantize(x.dtype))
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._unpack(self.packed, self.scales, self.out_features).to(dtype)
-
-
 def expert_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> LinearKernel:
-    """The packed one-copy kernel on the CPU where it takes the weight; elsewhere the formats' own
-    tensors (DequantizeKernel: every device) or, off the CPU, what `select_kernel` picks."""
-    if ExpertKernel.serves(weight, device):
-        return ExpertKernel(weight, load_cpu_ops())
+    """The compiled kernels' one packed copy on the CPU where they take the weight (RoundedInputKernel);
+    elsewhere the formats' own tensors (DequantizeKernel: every device) or, off the CPU, what
+    `select_kernel` picks."""
+    if RoundedInputKernel.serves(weight, dtype, device):
+        return RoundedInputKernel(weight, dtype)
     if device.type == "cpu":
         return DequantizeKernel(weight, dtype)
     return select_kernel(weight, dtype, device)

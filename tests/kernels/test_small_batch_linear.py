@@ -232,7 +232,7 @@ def _rounded_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.cpu_kernels("int8_linear")
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 37])
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (7, 32), (576, 1536), (45, 64)])
 def test_int8_matches_its_rounded_input_reference(rows, out_features, in_features):
     """Exact int32 block sums of the 8-bit input codes times the weight codes, scaled: within float32
@@ -260,7 +260,7 @@ def test_int8_matches_its_rounded_input_reference(rows, out_features, in_feature
 
 
 @pytest.mark.cpu_kernels("int8_linear")
-@pytest.mark.parametrize("rows", [1, 4, 6])
+@pytest.mark.parametrize("rows", [1, 4, 6, 37])
 @pytest.mark.parametrize(
     ("out_features", "in_features", "group_size"),
     [(960, 576, 64), (7, 64, 32), (576, 1536, 128), (40, 256, 256)],
@@ -333,8 +333,8 @@ def test_quantized_input_edge_cases_zero_tiny_and_nan_blocks():
 def test_int8_rejects_what_it_does_not_serve():
     codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
     packed = ops.small_batch_pack_int8(codes)
-    with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        ops.small_batch_linear_int8(torch.randn(9, 64).bfloat16(), packed, torch.ones(8), 8)
+    with pytest.raises(RuntimeError, match="at least one row"):
+        ops.small_batch_linear_int8(torch.randn(0, 64).bfloat16(), packed, torch.ones(8), 8)
     with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
         ops.small_batch_pack_int8(torch.full((8, 64), -128, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="packed by small_batch_pack_int8"):
@@ -375,7 +375,7 @@ def test_int8_float_out_serves_any_rows_and_rounds_to_the_bf16_kernel(grouped):
 
 
 @pytest.mark.cpu_kernels("int8_linear")
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 37])
 def test_float32_inputs_where_the_build_takes_them(rows):
     """Where the int8 and int4 kernels take float32 inputs (the AVX2 level, whose models run in float32)
     they round them as they round bf16 ones and write float32; elsewhere they refuse them."""

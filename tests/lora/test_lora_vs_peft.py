@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from llmserve import LLM, SamplingParams
 from llmserve.lora.request import LoRARequest
-from llmserve.quantization.kernels import Float32SmallBatchKernel
+from llmserve.quantization.kernels import RoundedInputKernel
 from tests.helpers import TINY_LLAMA_CONFIG, make_tiny_llama_dir, rounding_hook
 from tests.lora.adapters import ADAPTERS, load_base, make_adapter, make_model_dirs, write_gguf_lora
 from tests.models.families import make_family_dir
@@ -148,18 +148,16 @@ def test_a_phi3_adapter_on_its_fused_projections_matches_peft_merged_model(tmp_p
 def _qlora_greedy(base_dir: str, adapter_dir: str | None, served: torch.nn.Module):
     """Greedy tokens and log-probs of PEFT's adapter, unmerged (its delta sees the unrounded input, as
     the served one does), over the dequantized base, whose layers round their inputs as the served
-    kernels do: at the AVX2 level the float32 int8/int4 kernels round decode rows and the output
-    projection's, not the prompts' batched prefill. Decoded a token at a time, as the engine does."""
+    kernels do (at the AVX2 level the float32 int8/int4 kernels round every row). Decoded a token at
+    a time, as the engine does."""
     model = _dequantized_base(base_dir, served)
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(model, adapter_dir)
-    decoding, _ = _round_as_served(model, served)
+    _round_as_served(model, served)
     results, margins = [], []
     with torch.no_grad():
         for prompt in PROMPTS:
-            decoding[0] = False
             out = model(torch.tensor([list(prompt)]), use_cache=True)
-            decoding[0] = True
             tokens, logprobs, margin = [], [], []
             for _ in range(MAX_TOKENS):
                 logits = out.logits[0, -1].log_softmax(-1)
@@ -174,16 +172,10 @@ def _qlora_greedy(base_dir: str, adapter_dir: str | None, served: torch.nn.Modul
     return results, margins
 
 
-def _round_as_served(model: torch.nn.Module, served: torch.nn.Module) -> tuple[list[bool], int]:
-    """Hooks on the HF base layers whose served (fused) layer rounds its input; returns the flag that
-    says a decode step runs (the prefill's rows are not rounded, the output projection's always are)
-    and how many layers were hooked."""
+def _round_as_served(model: torch.nn.Module, served: torch.nn.Module) -> int:
+    """Hooks on the HF base layers whose served (fused) layer rounds its input; returns how many."""
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    decoding, hooked = [False], 0
-
-    def hook(kernel, logits: bool):
-        rounding = rounding_hook(kernel, logits)
-        return lambda module, args: rounding(module, args) if logits or decoding[0] else None
+    hooked = 0
 
     fused = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -194,16 +186,16 @@ def _round_as_served(model: torch.nn.Module, served: torch.nn.Module) -> tuple[l
     for index, layer in enumerate(served.model.layers):
         for served_name, names in fused.items():
             kernel = layer.get_submodule(served_name).kernel
-            if not isinstance(kernel, Float32SmallBatchKernel):
+            if not (isinstance(kernel, RoundedInputKernel) and kernel.takes(torch.float32)):
                 continue
             for name in names:
                 module = base.model.layers[index].get_submodule(name)
-                getattr(module, "base_layer", module).register_forward_pre_hook(hook(kernel, False))
+                getattr(module, "base_layer", module).register_forward_pre_hook(rounding_hook())
                 hooked += 1
-    if isinstance(served.lm_head.kernel, Float32SmallBatchKernel):
-        base.lm_head.register_forward_pre_hook(hook(served.lm_head.kernel, True))
+    if isinstance(served.lm_head.kernel, RoundedInputKernel) and served.lm_head.kernel.takes(torch.float32):
+        base.lm_head.register_forward_pre_hook(rounding_hook())
         hooked += 1
-    return decoding, hooked
+    return hooked
 
 
 def _dequantized_base(base_dir: str, served: torch.nn.Module) -> torch.nn.Module:
@@ -241,7 +233,7 @@ def test_adapters_over_a_quantized_base_match_peft_over_the_dequantized_model(mo
     log-probs agree within ROUNDING_STEP_LOGPROB and tokens until the reference's top two come closer."""
     with _llm(model_dirs, max_loras=2, quantization=quantization) as quantized:
         served = quantized.engine.model_runner.model
-        rounds = _round_as_served(load_base(model_dirs["base"]), served)[1]
+        rounds = _round_as_served(load_base(model_dirs["base"]), served)
         for name in [None, *ADAPTERS]:
             adapter = None if name is None else model_dirs[name]
             expected, margins = _qlora_greedy(model_dirs["base"], adapter, served)
@@ -256,7 +248,7 @@ def test_adapters_over_a_quantized_base_match_peft_over_the_dequantized_model(mo
                     if got != want:  # a divergence only where the reference had a near-tie
                         assert margin[step] <= 2 * ROUNDING_STEP_LOGPROB
                         break
-        # prompts longer than the small-batch kernels' 8 rows, so alone as mixed their prefill rounds no input
+        # a row's output does not depend on its batch: mixed with others as alone, the same tokens
         long_prompts = [prompt * 3 for prompt in PROMPTS]
         names = [None, "qv", "all"]
         mixed = quantized.generate(long_prompts, [_params(n) for n in names], use_tqdm=False)

@@ -224,10 +224,30 @@ def test_rebound_caches_take_the_module_path(model_dir):
 
 
 @needs_bf16
-def test_quantized_layers_keep_the_stack_to_the_small_batch_kernel(model_dir):
-    """int8 layers have no oneDNN copy: their larger batches take the module path."""
-    llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, quantization="int8-rtn")
-    assert llm.engine.model_runner.decode_stack.max_rows == 8
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "float32"])
+def test_quantized_layers_take_every_decode_batch_into_the_stack(model_dir, dtype):
+    """int8 and int4 layers run their compiled kernels at any row count: decode batches above 8 rows
+    go through the stack too, bit-identical to the module path (float32 where the kernels take
+    float32 inputs, the AVX2 level; elsewhere those layers dequantize and there is no stack)."""
+    llm = LLM(
+        model_dir,
+        dtype=dtype,
+        kv_cache_memory="8MiB",
+        max_model_len=256,
+        prefix_caching=False,
+        quantization="int4",
+    )
+    runner = llm.engine.model_runner
+    if dtype == "float32" and not ops.small_batch_linear_int8_supported(torch.float32):
+        assert runner.decode_stack is None
+        return
+    assert runner.decode_stack.max_rows == float("inf")
+    prompts = [[7 * i + j + 3 for j in range(5)] for i in range(12)]
+    runner.decode_stack = counting = _Counting(runner.decode_stack)
+    fused = _run(llm, prompts, max_tokens=6)
+    assert counting.max_rows_seen > 8
+    runner.decode_stack = None
+    assert _run(llm, prompts, max_tokens=6) == fused
 
 
 def test_not_built_where_it_does_not_apply(model_dir):

@@ -3,13 +3,11 @@ rounded where the quantized kernels round theirs."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 
 from llmserve import LLM, SamplingParams
-from llmserve.quantization.kernels import QuantizedLinear
+from llmserve.quantization.kernels import QuantizedLinear, RoundedInputKernel
 from llmserve.quantization.moe import QuantizedMoEExperts
 from tests.helpers import round_inputs_as_the_small_batch_kernels, rounding_hook
 
@@ -21,14 +19,13 @@ NEAR_TIE_ROUNDED = 0.05
 
 
 def _round_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as the small-batch kernels read it: 8 bits per 32 columns, a step of max|x| / 127 per block."""
-    hook = rounding_hook(SimpleNamespace(takes=lambda rows, logits: True), False)
-    return hook(None, (x,))
+    """x as the compiled kernels read it: 8 bits per 32 columns, a step of max|x| / 127 per block."""
+    return rounding_hook()(None, (x,))
 
 
 class RoundingExperts(torch.nn.Module):
     """The float oracle of experts whose kernels take float32 rows (the AVX2 level): each expert's
-    1-8 rows have their inputs rounded as the kernel rounds them, more rows none."""
+    rows have their inputs rounded as the kernel rounds them."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         super().__init__()
@@ -38,11 +35,8 @@ class RoundingExperts(torch.nn.Module):
         out = torch.zeros_like(hidden)
         for expert in experts.unique().tolist():
             token, slot = torch.nonzero(experts == expert, as_tuple=True)
-            small = len(token) <= 8
-            x = _round_rows(hidden[token]) if small else hidden[token]
-            gate, up = (x @ self.gate_up[expert].T).chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            y = (_round_rows(act) if small else act) @ self.down[expert].T
+            gate, up = (_round_rows(hidden[token]) @ self.gate_up[expert].T).chunk(2, dim=-1)
+            y = _round_rows(F.silu(gate) * up) @ self.down[expert].T
             out.index_add_(0, token, y * weights[token, slot].unsqueeze(1))
         return out
 
@@ -62,7 +56,8 @@ def dequantized_reference(quantized: LLM, reference: LLM) -> bool:
                 gate_up, down = module.dequantize(torch.float32)
                 float_modules[name].gate_up_proj.copy_(gate_up)
                 float_modules[name].down_proj.copy_(down)
-                if torch.float32 in getattr(module.gate_up[0], "_takes", ()):
+                kernel = module.gate_up[0]
+                if isinstance(kernel, RoundedInputKernel) and kernel.takes(torch.float32):
                     parent, _, child = name.rpartition(".")
                     setattr(float_model.get_submodule(parent), child, RoundingExperts(gate_up, down))
                     rounding += 1

@@ -35,9 +35,9 @@ def _greedy(engine: LLMEngine) -> list[list[int]]:
 @pytest.mark.parametrize("method", ["int8", "int8-rtn", "int4"])
 def test_quantized_engine_matches_float_run_of_its_weights(tiny_dir, method):
     """float32: the swapped modules multiply by their dequantized weights, so a float model of those
-    weights gives the same tokens. Where their small-batch kernels take float32 inputs (the AVX2
-    level) those round the inputs of decode rows to 8 bits per 32 columns: the float model's layers
-    then round theirs the same way. (The bf16 packed kernels are checked against their weights in
+    weights gives the same tokens. Where their compiled kernels take float32 inputs (the AVX2
+    level) those round every row's input to 8 bits per 32 columns: the float model's layers then
+    round theirs the same way. (The bf16 packed kernels are checked against their weights in
     test_formats: their different accumulation order makes a random tiny model's greedy tokens
     drift after a few steps.)"""
     args = dict(model=tiny_dir, dtype="float32", kv_cache_memory="4MiB")

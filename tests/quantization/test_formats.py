@@ -11,11 +11,10 @@ from llmserve.quantization.checkpoint import load_quantized, save_quantized
 from llmserve.quantization.formats import Int8Weight, concat_rows, quantize_int4, quantize_int8
 from llmserve.quantization.gptq import gptq_quantize
 from llmserve.quantization.kernels import (
-    DequantizeKernel,
-    Float32SmallBatchKernel,
     Int4PackedKernel,
     Int8GroupedPackedKernel,
     Int8PackedKernel,
+    RoundedInputKernel,
     select_kernel,
 )
 
@@ -70,7 +69,10 @@ def test_gptq_int8_per_channel_keeps_the_single_packed_call(weight):
     q = gptq_quantize(weight, 2 * x.t() @ x / 512, None, kind="int8")
     assert q.qweight.dtype == torch.int8 and q.scales.shape == (96, 1)
     assert q.qweight.abs().max() <= 127
-    assert type(select_kernel(q, torch.bfloat16, torch.device("cpu"))) is Int8PackedKernel
+    kernel = select_kernel(q, torch.bfloat16, torch.device("cpu"))
+    assert type(kernel) in (RoundedInputKernel, Int8PackedKernel)
+    scales = kernel.small_batch_scales if type(kernel) is RoundedInputKernel else kernel.scales
+    assert scales.dim() == 1  # a scale per output row
     # The objective GPTQ minimizes: the output error on its own calibration inputs.
     gptq_error = (x @ (q.dequantize() - weight).t()).pow(2).mean()
     rtn_error = (x @ (quantize_int8(weight).dequantize() - weight).t()).pow(2).mean()
@@ -95,26 +97,16 @@ def test_concat_rows_fuses_and_refuses_mixed_formats(weight):
     ],
 )
 def test_packed_kernels_multiply_by_the_quantized_weight(weight, make, kernel_cls):
+    """PyTorch's packed ops, where the compiled kernels do not serve: the canonical weight with scales
+    (and offsets) rounded to bfloat16 once."""
     q = make(weight)
-    kernel = select_kernel(q, torch.bfloat16, torch.device("cpu"))
-    assert type(kernel) is kernel_cls
-    # The kernel's weight is the canonical one with scales (and offsets) rounded to bfloat16 once.
+    kernel = kernel_cls(q, torch.bfloat16)
     torch.testing.assert_close(kernel.dequantize(torch.float32), q.dequantize(), rtol=0.02, atol=0.02)
     x = torch.randn(9, 128).to(torch.bfloat16)
     expected = x.double() @ kernel.dequantize(torch.float32).double().t()
     out = kernel(x)
     assert out.dtype == torch.bfloat16 and out.shape == (9, 96)
     torch.testing.assert_close(out.double(), expected, rtol=0.02, atol=0.05)
-    # Up to 8 rows int8 takes the small-batch kernel, whose input is rounded to 8 bits per 32
-    # columns: off by at most half a rounding step per input element on top of that.
-    few = kernel(x[:5]).double()
-    step = (
-        (x[:5].float().view(5, -1, 32).abs().amax(dim=-1, keepdim=True) / 127)
-        .expand(5, 4, 32)
-        .reshape(5, 128)
-    )
-    rounding = step.double() / 2 @ kernel.dequantize(torch.float32).double().abs().t()
-    assert ((few - expected[:5]).abs() <= 0.02 * expected[:5].abs() + 0.05 + rounding).all()
 
 
 def test_int8_packed_kernel_takes_a_weight_at_an_unaligned_address(weight):
@@ -124,12 +116,13 @@ def test_int8_packed_kernel_takes_a_weight_at_an_unaligned_address(weight):
     unaligned = buffer[40:].view(q.shape)
     unaligned.copy_(q.qweight)
     assert unaligned.data_ptr() % 64 != 0
-    kernel = select_kernel(Int8Weight(unaligned, q.scales, q.group_size), torch.bfloat16, torch.device("cpu"))
-    x = torch.randn(9, 128).to(torch.bfloat16)  # more rows than the small-batch kernel takes: the packed op
+    kernel = Int8PackedKernel(Int8Weight(unaligned, q.scales, q.group_size), torch.bfloat16)
+    x = torch.randn(9, 128).to(torch.bfloat16)
     expected = x.double() @ kernel.dequantize(torch.float32).double().t()
     torch.testing.assert_close(kernel(x).double(), expected, rtol=0.02, atol=0.05)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize(
     "make",
     [
@@ -140,30 +133,39 @@ def test_int8_packed_kernel_takes_a_weight_at_an_unaligned_address(weight):
     ],
     ids=["int8", "int8-groups-of-32", "int8-groups-of-16", "int4"],
 )
-def test_float32_takes_the_small_batch_kernels_where_they_take_float32_else_dequantizes(weight, make):
-    """float32 activations: more than 8 rows multiply by the dequantized weight (F.linear) either way;
-    up to 8 rows take the small-batch kernel where this build has it for float32 inputs (the AVX2
-    level), whose input is rounded to 8 bits per 32 columns, else the same F.linear."""
+def test_compiled_kernels_take_every_row_count_where_the_build_takes_the_dtype(weight, make, dtype):
+    """On the CPU the compiled int8/int4 kernels' packed copy is the layer's only one. Where this
+    build's kernels take `dtype` inputs (bf16; float32 at the AVX2 level) they serve every row count,
+    multiplying by the format's own W, the input rounded to 8 bits per 32 columns, each row as it
+    would run alone; other dtypes multiply by the weight rebuilt from the packed copy."""
     q = make(weight)
-    kernel = select_kernel(q, torch.float32, torch.device("cpu"))
-    x = torch.randn(9, 128)
-    expected = x @ q.dequantize().t()
-    torch.testing.assert_close(kernel(x), expected)
-    ops = load_cpu_ops()
-    if ops is None or not ops.small_batch_linear_int8_supported(torch.float32):
-        assert type(kernel) is DequantizeKernel
-        torch.testing.assert_close(kernel(x[:3]), expected[:3])
+    kernel = select_kernel(q, dtype, torch.device("cpu"))
+    x = torch.randn(40, 128).to(dtype)
+    if load_cpu_ops() is None:
+        assert type(kernel) is not RoundedInputKernel
         return
-    assert type(kernel) is Float32SmallBatchKernel
-    # its packed copy is its only one; more rows multiply by the weight rebuilt from it, exactly
+    assert type(kernel) is RoundedInputKernel
     assert {name for name, _ in kernel.named_buffers()} == {"small_batch_qweight", "small_batch_scales"}
     assert torch.equal(kernel.dequantize(torch.float32), q.dequantize())
-    few = kernel(x[:5])
-    assert few.dtype == torch.float32
-    step = x[:5].view(5, -1, 32).abs().amax(dim=-1, keepdim=True).expand(5, 4, 32).reshape(5, 128) / 127
+    if not kernel.takes(dtype):  # float32 where the build's kernels take bf16 only
+        assert not kernel.batch_invariant
+        torch.testing.assert_close(kernel(x), x @ q.dequantize().t())
+        return
+    assert kernel.batch_invariant
+    out = kernel(x)
+    assert out.dtype == dtype and out.shape == (40, 96)
+    expected = x.double() @ q.dequantize().double().t()
+    step = (
+        x.float().view(40, -1, 32).abs().amax(dim=-1, keepdim=True).expand(40, 4, 32).reshape(40, 128) / 127
+    )
     rounding = step.double() / 2 @ q.dequantize().double().abs().t()
-    assert ((few.double() - expected[:5].double()).abs() <= 1e-5 + rounding).all()
-    assert torch.equal(kernel.logits(x[:5]), few)  # an output projection's logits: the same sums
+    output_rounding = 2**-8 * expected.abs() if dtype == torch.bfloat16 else 0
+    assert ((out.double() - expected).abs() <= 1e-5 + output_rounding + rounding).all()
+    for first, count in [(0, 1), (3, 9), (12, 28)]:  # decode-sized and prefill-sized batches
+        assert torch.equal(kernel(x[first : first + count]), out[first : first + count])
+    if dtype == torch.float32 or q.kind == "int8":  # an output projection's logits: the same sums, unrounded
+        logits = kernel.logits(x)
+        assert logits.dtype == torch.float32 and torch.equal(logits.to(dtype), out)
 
 
 def test_checkpoint_round_trip(tmp_path, weight):

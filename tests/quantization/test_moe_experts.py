@@ -15,8 +15,8 @@ from llmserve.config import EngineArgs
 from llmserve.model_loader import load_arch_config
 from llmserve.models.layers.moe import MoEExperts
 from llmserve.quantization.formats import quantize_int4, quantize_int8
-from llmserve.quantization.kernels import QuantizedLinear
-from llmserve.quantization.moe import ExpertKernel, QuantizedMoEExperts, checkpoint_expert_weights
+from llmserve.quantization.kernels import QuantizedLinear, RoundedInputKernel
+from llmserve.quantization.moe import QuantizedMoEExperts, checkpoint_expert_weights
 from llmserve.worker.memory_report import weights_memory_bytes
 from tests.e2e.conftest import teacher_forced_logits
 from tests.models.moe_gguf import VOCAB, write_moe_gguf
@@ -80,7 +80,7 @@ def test_quantized_experts_equal_their_dequantized_weights(kind, dtype, tokens):
         out = layer(hidden, weights, chosen)
         expected = reference(hidden, weights, chosen)
     assert sorted(set(calls)) == sorted(set(chosen.flatten().tolist())) and len(calls) == len(set(calls))
-    rounded = any(isinstance(k, ExpertKernel) and dtype in k._takes for k in layer.gate_up)  # noqa: SLF001
+    rounded = any(isinstance(k, RoundedInputKernel) and k.takes(dtype) for k in layer.gate_up)
     scale = expected.abs().max().item()
     tolerance = 3e-2 if rounded or dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance * scale, rtol=0)
@@ -91,7 +91,7 @@ def test_quantized_experts_hold_only_their_packed_bytes(kind):
     """Resident bytes (every unique storage of the layer) within 1.15x the quantized weights' bytes
     (codes at their bits, float32 scales and offsets): no float copy and no second packed copy."""
     layer, _ = _quantized_layer(kind, torch.bfloat16)
-    assert all(isinstance(kernel, ExpertKernel) for kernel in [*layer.gate_up, *layer.down])
+    assert all(isinstance(kernel, RoundedInputKernel) for kernel in [*layer.gate_up, *layer.down])
     quantize = QUANTIZERS[kind]
     weight = quantize(torch.randn(2 * UNITS, HIDDEN))
     bits = 4 if kind == "int4" else 8
@@ -255,7 +255,7 @@ def test_a_gptq_mixtral_checkpoint_serves_its_experts_own_codes(tmp_path):
     try:
         modules = dict(quantized.engine.model_runner.model.named_modules())
         layer = modules["model.layers.0.mlp.experts"]
-        assert isinstance(layer, QuantizedMoEExperts) and isinstance(layer.gate_up[0], ExpertKernel)
+        assert isinstance(layer, QuantizedMoEExperts) and isinstance(layer.gate_up[0], RoundedInputKernel)
         gate_up, down = layer.dequantize()
         expected = torch.cat(
             [reference[f"model.layers.0.block_sparse_moe.experts.3.{w}.weight"] for w in ("w1", "w3")]

@@ -267,14 +267,18 @@ def test_naming_the_float_layers_does_not_dequantize_them(float_dir, tmp_path, m
 
 
 def test_bfloat16_runs_the_packed_int4_kernel(float_dir, tmp_path):
-    """bfloat16 on a CPU: GPTQ's codes go to the packed int4 kernel, AWQ's too; the lm_head stays float."""
-    from llmserve.quantization.kernels import Int4PackedKernel
+    """bfloat16 on a CPU: GPTQ's codes go to the compiled int4 kernel (PyTorch's packed op where the
+    build lacks it), AWQ's too; the lm_head stays float."""
+    from llmserve.kernels.cpu_ops import load_cpu_ops
+    from llmserve.quantization.kernels import Int4PackedKernel, RoundedInputKernel
 
     quantized_dir, _, _ = _pack(float_dir, str(tmp_path), "gptq-4bit-sym")
     engine = LLMEngine(EngineArgs(model=quantized_dir, dtype="bfloat16", kv_cache_memory="4MiB"))
     model = engine.model_runner.model
     kernels = {type(m.kernel) for m in model.modules() if isinstance(m, QuantizedLinear)}
-    assert kernels == {Int4PackedKernel}
+    ops = load_cpu_ops()
+    compiled = ops is not None and ops.small_batch_linear_int8_supported(torch.bfloat16)
+    assert kernels == {RoundedInputKernel if compiled else Int4PackedKernel}
     tokens, _ = _run(engine)
     assert all(len(t) == 10 for t in tokens)
 

@@ -7,8 +7,8 @@
 // write_kv_rows, paged_attention, add_rms_norm, silu_and_mul, the residual add), so its output is
 // bit-identical to the Python path (tested); only the dispatch goes. Linear layers may be bf16,
 // per-channel int8 or group-wise int4, each through its small-batch kernel, or float32 in a float32
-// model (linear_f32.cpp; int8 and int4 too where their kernels take float32 inputs); above 8 rows,
-// bf16 ones go to AMX (linear_amx.cpp), the small-batch kernel in tiles of 8 (no AMX, up to
+// model (linear_f32.cpp; int8 and int4 too where their kernels take float32 inputs, at any row count);
+// above 8 rows, bf16 ones go to AMX (linear_amx.cpp), the small-batch kernel in tiles of 8 (no AMX, up to
 // kernel_max_rows) or oneDNN's GEMM, as the modules choose. The model uses it when every sequence is
 // a decode or a short span (models/decode_stack.py says when). Under tensor parallelism the layers are
 // one rank's shards, and the o and down projections' outputs are summed over the ranks in the stack
@@ -62,15 +62,16 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 // x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel up to
-// kSmallBatchRows, bf16 weights up to kernel_max_rows (the bias added after); above that AMX on the
-// same bf16 copy up to amx_max_rows, oneDNN on its blocked copy beyond.
+// kSmallBatchRows, int8 and int4 weights at any row count, bf16 weights up to kernel_max_rows (the bias
+// added after); above that AMX on the same bf16 copy up to amx_max_rows, oneDNN on its blocked copy beyond.
 torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                            const torch::Tensor& onednn_weight, const torch::Tensor& bias, int64_t out_features,
                            int64_t amx_max_rows, int64_t kernel_max_rows) {
   const int64_t rows = x.size(0);
   const bool bf16 = weight.scalar_type() == torch::kBFloat16;
   const bool has_bias = bias.defined() && bias.numel();
-  if (rows <= kSmallBatchRows || (bf16 && rows <= kernel_max_rows)) {
+  const bool quantized = weight.scalar_type() == torch::kByte;  // its kernel takes any row count
+  if (rows <= kSmallBatchRows || quantized || (bf16 && rows <= kernel_max_rows)) {
     auto out = small_batch_linear_packed(x, weight, scales, out_features);
     return has_bias ? out + bias : out;
   }

@@ -1,4 +1,4 @@
-// Quantized linear layers at small batch (bfloat16 x [M, K], M <= 8; float32 x too on AVX2): int8 codes
+// Quantized linear layers (bfloat16 x [M, K], any M; float32 x too on AVX2): int8 codes
 // Q [N, K] (|q| <= 127) with one float scale per output row (per-channel weight-only quantization:
 // `int8`), y = (x Q^T) * s, or per (row, 32 columns) (GGUF Q8_0, Q5_0) or (row, 16 columns) (Q6_K);
 // and int4 codes 0..15 in groups of G columns with a scale and an offset per (row, group) (`int4`,
@@ -58,6 +58,8 @@ namespace {
 constexpr int kRows = 32;        // output rows per packed block
 constexpr int kInputBlock = 32;  // input columns per activation scale
 constexpr int kMaxRowsPerPass = 4;
+// Rows of x rounded per thread: a decode step's few rows stay on the calling thread.
+constexpr int64_t kQuantizeRowsGrain = 16;
 // How far ahead of the loads the weight stream is prefetched: 8 KiB read 5-12% faster than 2 KiB
 // at 1-8 rows, and 16 KiB no faster (linear_micro, Zen 5).
 constexpr int kPrefetchBytes = 128 * 64;
@@ -102,7 +104,8 @@ QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size)
   const int64_t blocks = k_size / kInputBlock;
   QuantizedInput q{std::vector<int8_t>(m_size * k_size), std::vector<float>(m_size * blocks),
                    std::vector<int32_t>(m_size * blocks), std::vector<int32_t>(m_size * blocks * 2)};
-  for (int64_t m = 0; m < m_size; ++m) {
+  at::parallel_for(0, m_size, kQuantizeRowsGrain, [&](int64_t first_row, int64_t end_row) {
+  for (int64_t m = first_row; m < end_row; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const uint16_t* src = x + m * k_size + b * kInputBlock;
       const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -128,6 +131,7 @@ QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size)
       q.sums[m * blocks + b] = q.half_sums[(m * blocks + b) * 2] + q.half_sums[(m * blocks + b) * 2 + 1];
     }
   }
+  });
   return q;
 }
 
@@ -309,7 +313,8 @@ QuantizedInput quantize_input(const In* x, int64_t m_size, int64_t k_size) {
   const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   // packs_epi32 then packs_epi16 interleave the four vectors' halves per 128-bit lane: back in order
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t m = 0; m < m_size; ++m) {
+  at::parallel_for(0, m_size, kQuantizeRowsGrain, [&](int64_t first_row, int64_t end_row) {
+  for (int64_t m = first_row; m < end_row; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const In* src = x + m * k_size + b * kInputBlock;
       __m256 v[4];
@@ -336,6 +341,7 @@ QuantizedInput quantize_input(const In* x, int64_t m_size, int64_t k_size) {
           _mm256_add_epi32(_mm256_add_epi32(codes[0], codes[1]), _mm256_add_epi32(codes[2], codes[3])));
     }
   }
+  });
   return q;
 }
 
@@ -462,6 +468,8 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
 
 // Inputs in passes of at most 4 rows (accumulators stay in registers) over each block of the level's
 // int8_block; the first pass streams the block's weights in, later ones re-read them from the L2 cache.
+// A row's sums run in the same order whatever the pass and the row count: its output does not depend
+// on the other rows of the batch.
 // scales: float32 [N] per row (Group 0), or the packed scales per Group columns in float32 or float16.
 template <int Group, typename Out, typename Param = float>
 void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const Param* scales,
@@ -574,13 +582,12 @@ torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales) {
 
 namespace {
 
-// The int8 entry points' checks (max_rows: the most rows the entry point serves).
-void check_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t n_size,
-                int64_t max_rows) {
+// The int8 entry points' checks.
+void check_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t n_size) {
   TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int8 needs a CPU with AVX2 and FMA");
   TORCH_CHECK(small_batch_linear_int8_supported(x.scalar_type()) && x.dim() == 2 && x.is_contiguous(),
               "small_batch_linear_int8 takes contiguous bfloat16 inputs [M, K] (float32 too at the AVX2 level)");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, "small_batch_linear_int8 serves 1 to ", max_rows, " rows");
+  TORCH_CHECK(x.size(0) >= 1, "small_batch_linear_int8 takes at least one row");
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.size(1) == x.size(1) &&
                   packed.is_contiguous(),
               "small_batch_linear_int8 takes weights packed by small_batch_pack_int8");
@@ -630,12 +637,12 @@ void run_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::
 
 }  // namespace
 
-// x [M, K] bf16 (or float32 at the AVX2 level) with 1 <= M <= 8, packed from small_batch_pack_int8, and
+// x [M, K] bf16 (or float32 at the AVX2 level), any M >= 1, packed from small_batch_pack_int8, and
 // scales: [N] float32 per row, or from small_batch_pack_int8_group_scales for groups of 32 or 16 columns.
 // Returns [M, N] in x's dtype: x' W^T with W the scaled codes, x' being x rounded to 8 bits per 32-column
 // block.
 torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features) {
-  check_int8(x, packed, scales, out_features, 8);
+  check_int8(x, packed, scales, out_features);
   auto out = torch::empty({x.size(0), out_features}, x.options());
   if (x.scalar_type() == torch::kFloat)
     run_int8(x, packed, scales, out.data_ptr<float>(), out_features);
@@ -644,11 +651,10 @@ torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, tor
   return out;
 }
 
-// The same for any M >= 1 (each block's weights are re-read from cache by every pass of rows),
-// returning [M, N] float32: the logits of a quantized output projection, unrounded.
+// The same, returning [M, N] float32: the logits of a quantized output projection, unrounded.
 torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                                                 int64_t out_features) {
-  check_int8(x, packed, scales, out_features, std::numeric_limits<int64_t>::max());
+  check_int8(x, packed, scales, out_features);
   auto out = torch::empty({x.size(0), out_features}, x.options().dtype(torch::kFloat));
   run_int8(x, packed, scales, out.data_ptr<float>(), out_features);
   return out;
@@ -681,14 +687,14 @@ std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Ten
   return {packed, half_if_exact(params)};
 }
 
-// x [M, K] bf16 (or float32 at the AVX2 level) with 1 <= M <= 8, (packed, params) from
+// x [M, K] bf16 (or float32 at the AVX2 level), any M >= 1, (packed, params) from
 // small_batch_pack_int4, N output rows. Returns [M, N] in x's dtype: x' W^T with W = q * scale + offset
 // per group, x' being x rounded to 8 bits per 32 columns.
 torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features) {
   TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int4 needs a CPU with AVX2 and FMA");
   TORCH_CHECK(small_batch_linear_int8_supported(x.scalar_type()) && x.dim() == 2 && x.is_contiguous(),
               "small_batch_linear_int4 takes contiguous bfloat16 inputs [M, K] (float32 too at the AVX2 level)");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "small_batch_linear_int4 serves 1 to 8 rows");
+  TORCH_CHECK(x.size(0) >= 1, "small_batch_linear_int4 takes at least one row");
   TORCH_CHECK(x.size(1) % kInputBlock == 0, "small_batch_linear_int4 needs an input width that is a multiple of 32");
   const int64_t padded = (out_features + kRows - 1) / kRows * kRows;
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.is_contiguous() &&
