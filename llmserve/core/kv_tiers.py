@@ -154,6 +154,7 @@ class KVTiers:
         self._reads: dict[bytes, Future[bytes | None]] = {}  # disk blocks being read, or read, not loaded
         self._wanted: set[bytes] = set()  # disk blocks a waiting hit asked for since the last take_ops
         self._reader: Executor | None = None
+        self.disk_writable = True  # False once the model runner reports a file it could not write
         if spec.disk_dir is not None:
             self._rebuild_disk_index(spec.disk_dir)
             threads = spec.disk_read_threads
@@ -310,7 +311,7 @@ class KVTiers:
         if victim is None:
             return None
         tokens, slot = self.ram.entries.pop(victim)
-        if self.disk.get(victim, tokens) is None and self._disk_room():
+        if self.disk_writable and self.disk.get(victim, tokens) is None and self._disk_room():
             self.disk.entries[victim] = (tokens, 0)
             self._unflushed.add(victim)
             self.ops.append(TierOp("demote", slot=slot, block_hash=victim, tokens=tokens))
@@ -330,6 +331,14 @@ class KVTiers:
             if block_hash not in self.ram.entries:
                 self._gone(block_hash, MEDIUM_DISK)
         return True
+
+    def writes_failed(self, unwritten: list[bytes]) -> None:
+        """The model runner could not write these blocks' files (it writes no more): drop their entries
+        and demote nothing more, so that no good file is evicted to make room for a missing one."""
+        self.disk_writable = False
+        for block_hash in unwritten:
+            if self.disk.entries.pop(block_hash, None) is not None and block_hash not in self.ram.entries:
+                self._gone(block_hash, MEDIUM_DISK)
 
     def _gone(self, block_hash: bytes, medium: str) -> None:
         """Report a block no tier holds any more, unless the device pool still does."""

@@ -434,6 +434,9 @@ class LLMEngine:
         # a pipeline's batches overlap: their times are not step costs
         if self.batch_queue is None and self._measure_step_costs:
             self.scheduler.observe_step(scheduled, seconds)
+        tier_store = self.model_runner.kv_tier_store
+        if tier_store is not None and (unwritten := tier_store.take_unwritten()):
+            self.kv_cache_manager.pool.tiers.writes_failed(unwritten)  # the disk tier stops filling
         self.last_step = self.step_stats.record(scheduled, accepted, num_sampled, seconds)
         if self.kv_event_publisher is not None and self._publish_kv_events:
             self.kv_event_publisher.publish(self.kv_cache_manager.take_events())

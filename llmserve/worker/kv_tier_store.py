@@ -7,7 +7,8 @@ copies from and to the device are DMA). The disk tier is one folder per model fi
 saves or of loads are batched into one indexed copy (ops of one kind never touch each other's blocks).
 
 A file that cannot be written (disk full, permissions) is logged once and the disk tier stops
-writing; the scheduler's index then finds those files missing at their lookup and recomputes.
+writing; the engine hands the blocks whose files were not written to the scheduler's side after the
+step (`take_unwritten`), which drops them from its index and admits no more blocks to the disk.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class KVTierStore:
             pin_memory=self.device.type == "cuda",
         )
         self.disk_writable = disk_dir is not None
+        self._unwritten: list[bytes] = []  # blocks whose demote wrote no file, not yet taken
         where = f", disk {self.spec.disk_blocks} blocks in {disk_dir}" if disk_dir is not None else ""
         logger.info("KV tiers: RAM %d blocks of %d bytes%s", self.spec.ram_blocks, block_bytes, where)
         self._ram_load_seconds: list[float] = []  # each step's RAM-to-device copies
@@ -90,6 +92,11 @@ class KVTierStore:
         seconds = tuple(self._ram_load_seconds)
         self._ram_load_seconds.clear()
         return seconds
+
+    def take_unwritten(self) -> list[bytes]:
+        """The block hashes whose files were not written since the last call (none until a write fails)."""
+        unwritten, self._unwritten = self._unwritten, []
+        return unwritten
 
     @torch.inference_mode()
     def apply(self, ops: list[TierOp]) -> None:
@@ -120,6 +127,7 @@ class KVTierStore:
     def _write(self, op: TierOp) -> None:
         """One RAM slot to its file; the first failure is logged and ends the disk tier's writes."""
         if not self.disk_writable:
+            self._unwritten.append(op.block_hash)
             return
         block = self.ram[:, :, op.slot].contiguous()
         payload = block.view(torch.uint8).numpy().tobytes()
@@ -128,6 +136,7 @@ class KVTierStore:
             kv_block_file.write_block(path, self.spec.model_key, op.block_hash, op.tokens, payload)
         except OSError as error:
             self.disk_writable = False
+            self._unwritten.append(op.block_hash)
             logger.error("KV disk tier: cannot write %s (%s); no more blocks go to disk", path, error)
 
     def _delete(self, op: TierOp) -> None:

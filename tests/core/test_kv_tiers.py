@@ -137,6 +137,26 @@ def test_ram_overflow_moves_blocks_to_the_disk_tier_which_a_restart_finds(make_r
     assert again.num_cached_tokens == 12 and kv.pool.tiers.counters["disk"].hits == 3
 
 
+def test_after_a_failed_write_the_disk_tier_drops_the_unwritten_blocks_and_takes_no_more(
+    make_request, tmp_path
+):
+    good = hash_block(b"", (1, 2, 3, 4))
+    kv_block_file.write_block(kv_block_file.block_path(tmp_path, good), KEY, good, (1, 2, 3, 4), bytes(64))
+    scheduler, kv = make_scheduler(num_blocks=4, ram=3, disk_dir=tmp_path, disk=4)
+    run_to_end(scheduler, make_request(0, tokens=SHARED + [1], max_tokens=1))
+    run_to_end(scheduler, make_request(0, tokens=list(range(500, 513)), max_tokens=1))
+    ops = run_to_end(scheduler, make_request(0, tokens=list(range(600, 613)), max_tokens=1))
+    unwritten = [op.block_hash for op in ops if op.kind == "demote"]
+    assert len(unwritten) == 3
+    kv.pool.tiers.writes_failed(unwritten)  # as the engine hands on the model runner's report
+    assert list(kv.pool.tiers.disk.entries) == [good]
+    for start in (700, 800, 900):  # RAM overflows again: nothing goes to disk, the good file stays
+        ops = run_to_end(scheduler, make_request(0, tokens=list(range(start, start + 13)), max_tokens=1))
+        assert not [op for op in ops if op.kind in ("demote", "delete")]
+    assert list(kv.pool.tiers.disk.entries) == [good]
+    kv.check_integrity()
+
+
 def test_a_bad_file_refuses_one_admission_then_the_hit_stops_before_it(make_request, tmp_path):
     blocks = [tuple(SHARED[i : i + 4]) for i in (0, 4, 8)]
     hashes, parent = [], b""

@@ -154,6 +154,9 @@ def test_a_disk_that_cannot_be_written_is_logged_once_and_serving_goes_on(
     assert tokens(first) == expected and tokens(again) == expected[:2]
     assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
     assert not llm.engine.model_runner.kv_tier_store.disk_writable
+    # the scheduler's side was told: it indexes no file that was never written, and takes no more
+    tiers = llm.engine.kv_cache_manager.pool.tiers
+    assert not tiers.disk_writable and not tiers.disk.entries
 
 
 @pytest.mark.full  # tests/core/test_kv_tiers.py checks the same at the scheduler's level
