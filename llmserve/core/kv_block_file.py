@@ -10,8 +10,10 @@
 A file is loaded only if its magic, fingerprint, hash, tokens, length and checksum all match: a file of
 another model, a truncated write or a flipped bit reads as a miss (the block is recomputed), never as
 KV. Files are written to a temporary name and renamed, so a crash mid-write leaves no file under a
-block's name. No tensors here: the payload is bytes; the model runner (worker/kv_tier_store.py) turns
-blocks into bytes and back.
+block's name; the temporary name is the writing process's own (host, pid, a random part), so that
+servers sharing the folder neither write into nor delete each other's writes in progress. No
+tensors here: the payload is bytes; the model runner (worker/kv_tier_store.py) turns blocks into
+bytes and back.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
+import socket
 import struct
+import time
 import zlib
 from array import array
 from collections.abc import Iterator
@@ -29,6 +34,10 @@ from pathlib import Path
 MAGIC = b"LLMSKV01"
 _HEADER = struct.Struct("<8s32s32sIIQ")
 SUFFIX = ".kvb"
+
+
+_TEMPORARY_MAX_AGE = 60.0  # seconds; a write takes far less, so an older temporary file is a dead write's
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]  # a pid means something on its host
 
 
 def fingerprint(**parts: object) -> bytes:
@@ -58,7 +67,7 @@ def write_block(path: Path, model_key: bytes, block_hash: bytes, tokens: tuple[i
     token_bytes = array("q", tokens).tobytes()
     checksum = zlib.crc32(payload, zlib.crc32(token_bytes))
     header = _HEADER.pack(MAGIC, model_key, block_hash, len(tokens), checksum, len(payload))
-    temporary = path.with_name(path.name + ".tmp")
+    temporary = temporary_path(path)
     try:
         with open(temporary, "wb") as file:
             file.write(header)
@@ -68,6 +77,41 @@ def write_block(path: Path, model_key: bytes, block_hash: bytes, tokens: tuple[i
     except OSError:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def temporary_path(path: Path) -> Path:
+    """A name for a write of `path` in progress that no other write shares (host, pid, random part)."""
+    return path.with_name(f"{path.name}.{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def remove_dead_temporaries(directory: Path, max_age: float = _TEMPORARY_MAX_AGE) -> None:
+    """Delete the temporary files of writes a crash interrupted: those of a process of this host that
+    is gone, and any older than `max_age` seconds; a live process's write in progress stays."""
+    now = time.time()
+    for path in directory.glob(f"*{SUFFIX}.*tmp"):
+        try:
+            age = now - path.stat().st_mtime
+        except OSError:
+            continue
+        if age > max_age or _writer_gone(path.name):
+            path.unlink(missing_ok=True)
+
+
+def _writer_gone(name: str) -> bool:
+    """Whether the temporary file's writer is a process of this host that no longer runs."""
+    writer = name.removesuffix(".tmp").rsplit(".", 1)[-1].split("-")
+    if len(writer) != 3 or writer[0] != _HOST or not writer[1].isdigit():
+        return False  # another host's, or an older name: only its age tells
+    pid = int(writer[1])
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, another user's
+        return False
+    return False
 
 
 def read_header(path: Path, model_key: bytes) -> BlockFileHeader | None:

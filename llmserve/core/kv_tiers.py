@@ -166,10 +166,10 @@ class KVTiers:
 
     def _rebuild_disk_index(self, directory: Path) -> None:
         """Index the folder's files of this model (a restart gets hits at once), oldest first; files
-        past the disk tier's size are deleted, oldest first, and so are half-written ones."""
+        past the disk tier's size are deleted, oldest first, and so are half-written ones of dead writers
+        (another server on the folder may be writing its own)."""
         directory.mkdir(parents=True, exist_ok=True)
-        for partial in directory.glob(f"*{kv_block_file.SUFFIX}.tmp"):  # a write a crash interrupted
-            partial.unlink(missing_ok=True)
+        kv_block_file.remove_dead_temporaries(directory)
         for header, _ in kv_block_file.scan(directory, self.spec.model_key):
             if header.payload_bytes == self.spec.block_bytes:
                 self.disk.entries[header.block_hash] = (header.tokens, 0)

@@ -1,7 +1,9 @@
 """RAM and disk tiers under the prefix cache, the scheduler's side: exact ops, slots, blocks and events
 (core/kv_tiers.py); and the disk tier's file format (core/kv_block_file.py)."""
 
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -224,6 +226,33 @@ def test_block_files_are_read_only_whole_ours_and_unchanged(tmp_path: Path):
     assert list(kv_block_file.scan(tmp_path, b"x" * 32)) == []
     path.rename(tmp_path / ("0" * 64 + kv_block_file.SUFFIX))  # not under its own hash
     assert list(kv_block_file.scan(tmp_path, KEY)) == []
+
+
+def test_start_up_deletes_only_the_temporary_files_of_dead_writes(tmp_path: Path, monkeypatch):
+    path = kv_block_file.block_path(tmp_path, b"h" * 32)
+    live, mine_too = kv_block_file.temporary_path(path), kv_block_file.temporary_path(path)
+    assert live != mine_too and f"-{os.getpid()}-" in live.name  # each write its own name
+    renamed, replace = [], os.replace
+    monkeypatch.setattr(
+        os, "replace", lambda source, target: renamed.append(Path(source)) or replace(source, target)
+    )
+    kv_block_file.write_block(path, KEY, b"h" * 32, (1, 2, 3, 4), bytes(64))
+    assert len(renamed) == 1 and f"-{os.getpid()}-" in renamed[0].name  # written under its own name
+    monkeypatch.undo()
+    path.unlink()
+    host = live.name.removesuffix(".tmp").rsplit(".", 1)[-1].split("-")[0]
+    dead = path.with_name(f"{path.name}.{host}-{(1 << 22) + 1}-0.tmp")  # past Linux's largest pid
+    old = path.with_name(path.name + ".tmp")  # an older name: its age alone tells
+    other_host = path.with_name(f"{path.name}.ffffffff-1-0.tmp")  # pid 1 of another host
+    for temporary in (live, dead, old, other_host):
+        temporary.write_bytes(b"partial")
+    minutes_ago = time.time() - 120
+    os.utime(old, (minutes_ago, minutes_ago))
+    make_scheduler(disk_dir=tmp_path, disk=8)  # another server starting on the folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other_host.name])
+    os.utime(other_host, (minutes_ago, minutes_ago))
+    kv_block_file.remove_dead_temporaries(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [live.name]
 
 
 @pytest.mark.parametrize(
