@@ -327,6 +327,7 @@ class KVTiers:
         if len(self.disk.entries) >= self.spec.disk_blocks:
             block_hash, _ = self.disk.entries.popitem(last=False)
             self._unflushed.discard(block_hash)
+            self._reads.pop(block_hash, None)  # of the deleted file: a later file of the block is read anew
             self.ops.append(TierOp("delete", block_hash=block_hash))
             if block_hash not in self.ram.entries:
                 self._gone(block_hash, MEDIUM_DISK)
@@ -337,6 +338,7 @@ class KVTiers:
         and demote nothing more, so that no good file is evicted to make room for a missing one."""
         self.disk_writable = False
         for block_hash in unwritten:
+            self._reads.pop(block_hash, None)
             if self.disk.entries.pop(block_hash, None) is not None and block_hash not in self.ram.entries:
                 self._gone(block_hash, MEDIUM_DISK)
 

@@ -178,6 +178,46 @@ def test_a_bad_file_refuses_one_admission_then_the_hit_stops_before_it(make_requ
     kv.check_integrity()
 
 
+def test_a_failed_read_is_forgotten_with_its_file_so_the_block_written_again_hits(
+    make_request, tmp_path, caplog
+):
+    tokens = tuple(SHARED[:4])
+    block_hash = hash_block(b"", tokens)
+    path = kv_block_file.block_path(tmp_path, block_hash)
+    kv_block_file.write_block(path, KEY, block_hash, tokens, bytes(64))
+    path.write_bytes(path.read_bytes()[:-1] + b"\x01")  # the checksum fails; the header is indexed
+    scheduler, kv = make_scheduler(num_blocks=4, ram=1, disk_dir=tmp_path, disk=1)
+    gone = make_request(0, tokens=list(tokens) + [7])
+    assert kv.tier_hit_ready(gone, [TIER_BLOCK])  # its read fails; the request goes away unadmitted
+    written = set()
+
+    def run_and_write(request):  # as the model runner runs the ops
+        for op in run_to_end(scheduler, request):
+            if op.kind == "demote":
+                target = kv_block_file.block_path(tmp_path, op.block_hash)
+                kv_block_file.write_block(target, KEY, op.block_hash, op.tokens, bytes(64))
+                written.add(op.block_hash)
+
+    run_and_write(make_request(5))  # its block pushes the bad file off the one-file disk tier
+    for start in (500, 600):
+        run_and_write(make_request(0, tokens=list(range(start, start + 13)), max_tokens=1))
+    assert block_hash not in kv.pool.tiers.disk.entries
+    run_and_write(make_request(0, tokens=list(tokens) + [1], max_tokens=1))  # computed again
+    for _ in range(8):  # one block evicted at a time until its file is written again
+        run_and_write(make_request(4, max_tokens=1))
+        if block_hash in kv.pool.tiers.disk.entries:
+            break
+    assert block_hash in written and block_hash in kv.pool.tiers.disk.entries
+    again = make_request(0, tokens=list(tokens) + [9])
+    scheduler.add_request(again)
+    with caplog.at_level("WARNING", logger="llmserve"):
+        ops = scheduler.schedule().plan.tier_ops
+    # loaded at once (its own allocation may then push the file off the one-file tier), no warning
+    assert [op.kind for op in ops].count("load_bytes") == 1 and again.num_cached_tokens == 4
+    assert not [record for record in caplog.records if "corrupt" in record.getMessage()]
+    kv.check_integrity()
+
+
 def test_a_request_waits_for_its_disk_reads_while_the_others_run(make_request, tmp_path, monkeypatch):
     parent, tokens = b"", tuple(SHARED[:4])
     block_hash = hash_block(parent, tokens)
