@@ -1,10 +1,13 @@
 """The model runner's side of the KV tiers (core/kv_tiers.py): the RAM tier's tensor, the disk tier's
 files, and the copies the step plan orders between them and the device pool.
 
-The RAM tier is one CPU tensor of `ram_blocks` blocks shaped as the pool's blocks (pinned on CUDA, so
-copies from and to the device are DMA). The disk tier is one folder per model fingerprint under
-`--kv-offloading-disk-dir`, one file per block (core/kv_block_file.py). Ops run in their order; runs of
-saves or of loads are batched into one indexed copy (ops of one kind never touch each other's blocks).
+The RAM tier is one CPU tensor of `ram_blocks` blocks shaped as the pool's blocks (allocated pinned on
+CUDA). Its copies are not DMA from that pinned memory: the indexed reads make ordinary temporaries (a
+save gathers the pool's blocks on the device and copies them to pageable host memory, a load gathers
+the RAM slots into a pageable tensor and copies that to the device). The disk tier is one folder per
+model fingerprint under `--kv-offloading-disk-dir`, one file per block (core/kv_block_file.py). Ops
+run in their order; runs of saves or of loads are batched into one indexed copy (ops of one kind
+never touch each other's blocks).
 
 A file that cannot be written (disk full, permissions) is logged once and the disk tier stops
 writing; the engine hands the blocks whose files were not written to the scheduler's side after the
