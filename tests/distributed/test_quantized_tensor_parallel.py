@@ -24,7 +24,9 @@ pytestmark = pytest.mark.process
 
 PROMPTS = [[5, 6, 7, 8] * 6, [100, 200, 300] * 5 + [9], list(range(1000, 1040)), [31, 4159, 2653, 17]]
 BF16_TIE = 0.1  # bfloat16 moves this model's logits by a few hundredths between 1 and 2 ranks
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+GREEDY = SamplingParams(
+    temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5
+)  # near-ties among more than two candidates in bf16
 
 
 def _assert_same_tokens(reference, outputs) -> None:
