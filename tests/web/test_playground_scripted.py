@@ -16,6 +16,7 @@ import uvicorn
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
+from llmserve.config import CacheConfig
 from llmserve.entrypoints.openai.api_server import build_app
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
@@ -51,7 +52,9 @@ class ScriptedEngine(FailingEngine):
     def __init__(self) -> None:
         super().__init__(fail_after=None)
         self.tokenizer = _ChatTokenizer()
-        cache = types.SimpleNamespace(kv_events=None, block_size=16, enable_prefix_caching=True)
+        cache = CacheConfig(
+            block_size=16, num_blocks=64, kv_cache_memory=1 << 20
+        )  # every field /server_info reads
         self.config = types.SimpleNamespace(**vars(self.config), cache=cache)
         self.config.model.max_model_len = 4096
 
