@@ -110,3 +110,17 @@ def draft_head(target_dir, tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("spec") / "head.safetensors")
     assert main(["train-draft-head", "--model", target_dir, "--output", path, *HEAD_TRAINING_FLAGS]) == 0
     return path
+
+
+def record_tree_paths(runner) -> list:
+    """Make `runner`'s tree verifier record every accepted path it verifies; returns the list it fills."""
+    paths: list = []
+    verify = runner.tree_verifier.__call__
+
+    def recording(logits, requests, failed=None):
+        result = verify(logits, requests, failed)
+        paths.extend(result.paths.values())
+        return result
+
+    runner.tree_verifier = recording
+    return paths

@@ -24,7 +24,7 @@ from llmserve.spec_decode.proposers.medusa import (
 from llmserve.worker.request_state import CachedRequestState
 from tests.helpers import TINY_LLAMA_CONFIG
 
-from .conftest import PROMPTS, assert_no_leaks, greedy, make_llm, token_ids
+from .conftest import PROMPTS, assert_no_leaks, greedy, make_llm, record_tree_paths, token_ids
 
 HIDDEN, VOCAB = TINY_LLAMA_CONFIG["hidden_size"], TINY_LLAMA_CONFIG["vocab_size"]
 # Less text and fewer epochs than the draft head's fixture: the heads only need to load and draft.
@@ -117,15 +117,7 @@ def test_medusa_greedy_equals_plain_decoding(target_dir, medusa_file, reference,
         speculative_adaptive_k=False,  # whole trees every step (rarely right heads would shrink K to 1)
         max_num_batched_tokens=16,
     )
-    runner, paths = llm.engine.model_runner, []
-    verify = runner.tree_verifier.__call__
-
-    def recording(logits, requests, failed=None):
-        result = verify(logits, requests, failed)
-        paths.extend(result.paths.values())
-        return result
-
-    runner.tree_verifier = recording
+    paths = record_tree_paths(llm.engine.model_runner)
     for _ in range(2):
         assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
     assert llm.engine.spec_decode_stats.num_draft_tokens > 0

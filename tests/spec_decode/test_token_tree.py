@@ -26,7 +26,7 @@ from llmserve.worker.request_state import CachedRequestState
 from llmserve.worker.step_inputs import InputBuilder
 from llmserve.worker.token_tree_kv import accepted_slot_moves, tree_hidden_rows
 
-from .conftest import PROMPTS, assert_no_leaks, greedy, make_llm, token_ids
+from .conftest import PROMPTS, assert_no_leaks, greedy, make_llm, record_tree_paths, token_ids
 
 # Tree shapes: (parents, which draft at each depth lies on the right path). Right tokens sit on the
 # last branch so an accepted path is out of index order (its KV must move).
@@ -88,16 +88,7 @@ def test_greedy_tree_verification_equals_plain_decoding(target_dir, reference, s
     )
     proposer = OracleTreeProposer(reference, shape)
     llm.engine.proposer = proposer  # the engine drafts through whatever Proposer it holds
-    runner = llm.engine.model_runner
-    paths = []
-    verify = runner.tree_verifier.__call__
-
-    def recording(logits, requests, failed=None):
-        result = verify(logits, requests, failed)
-        paths.extend(result.paths.values())
-        return result
-
-    runner.tree_verifier = recording
+    paths = record_tree_paths(llm.engine.model_runner)
     for _ in range(2):
         outputs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
         assert token_ids(outputs) == [reference[tuple(p)] for p in PROMPTS]
