@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import field
@@ -114,3 +115,14 @@ def check_choice(name: str, value: Any, choices: Any) -> None:
     allowed = typing.get_args(choices)
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+
+def json_object(text: str, flag: str) -> dict:
+    """A flag's JSON object; ValueError (one line, naming `flag`) for bad JSON or another JSON type."""
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag} is not valid JSON: {error}") from error
+    if not isinstance(values, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return values

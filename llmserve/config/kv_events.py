@@ -8,8 +8,9 @@ Same keys and defaults as vLLM's `KVEventsConfig`, given as one JSON object:
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
+
+from llmserve.config.flags import json_object
 
 PUBLISHERS = ("zmq", "null")
 
@@ -32,12 +33,7 @@ class KVEventsConfig:
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """Parse the flag's JSON; ValueError (one line) for bad JSON, an unknown key or a bad value."""
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--kv-events-config is not valid JSON: {error}") from error
-        if not isinstance(values, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
+        values = json_object(text, "--kv-events-config")
         fields = {spec.name: spec for spec in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(fields))
         if unknown:

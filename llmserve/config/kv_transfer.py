@@ -17,10 +17,11 @@ docs/data_parallel.md says what is not done.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Literal, get_args
+
+from llmserve.config.flags import json_object
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 ROLES = get_args(KVRole)
@@ -82,12 +83,7 @@ class KVTransferConfig:
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
         """Parse the flag's JSON; ValueError (one line) for bad JSON, an unknown key or a bad value."""
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"--kv-transfer-config is not valid JSON: {error}") from error
-        if not isinstance(values, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
+        values = json_object(text, "--kv-transfer-config")
         _check_keys(values, _KEYS, "")
         extra = values.get("kv_connector_extra_config") or {}
         if not isinstance(extra, dict):
