@@ -5,11 +5,15 @@ root), else the index of an earlier draft (parents[i] < i), so every prefix of t
 too (the planner may cut a proposal to a prefix). A chain is parents [-1, 0, 1, ...]. The verify
 pass lays the drafts out after the root in index order (KV slots and logits rows 1..n), each at
 rotary position root + its depth, each attending to the context, the root and its own ancestors.
+A proposer's trees take few shapes (a static tree and its prefixes), so `tree_shape` computes each
+shape's structure once and caches it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,3 +65,35 @@ def path_tokens(parents: Sequence[int], token_ids: Sequence[int]) -> list[list[i
     for index, parent in enumerate(parents):
         paths.append((paths[parent] if parent >= 0 else []) + [token_ids[index]])
     return paths
+
+
+@dataclass(frozen=True, eq=False)
+class TreeShape:
+    """A tree's structure, computed once per parents list (`tree_shape`); its arrays are read-only.
+    Compared by identity: `tree_shape` returns the same object for the same parents."""
+
+    parents: np.ndarray  # [n] int64
+    depth: np.ndarray  # [n] int64, `depths`
+    ancestors: np.ndarray  # [n, n] bool, `ancestor_mask`
+    earlier_siblings: np.ndarray  # [n, n] bool: [i, j] where j < i and j has i's parent
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.parents)
+
+
+def tree_shape(parents: Sequence[int]) -> TreeShape:
+    """The cached structure of the tree with these parents."""
+    return _cached_tree_shape(tuple(parents))
+
+
+@functools.lru_cache(maxsize=256)  # bounded: a proposer's shapes are a static tree's prefixes
+def _cached_tree_shape(parents: tuple[int, ...]) -> TreeShape:
+    array = np.array(parents, dtype=np.int64).reshape(-1)
+    earlier = np.tri(len(parents), k=-1, dtype=bool)  # [i, j] where j < i
+    shape = TreeShape(
+        array, depths(parents), ancestor_mask(parents), earlier & (array[:, None] == array[None, :])
+    )
+    for value in (shape.parents, shape.depth, shape.ancestors, shape.earlier_siblings):
+        value.flags.writeable = False
+    return shape

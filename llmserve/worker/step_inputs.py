@@ -17,7 +17,7 @@ import torch
 from llmserve.attention.window import decode_context_positions, prefill_context_positions
 from llmserve.config import CacheConfig
 from llmserve.forward_context import AttentionMetadata, PrefillSpan
-from llmserve.sample.token_tree import ancestor_mask, depths
+from llmserve.sample.token_tree import tree_shape
 from llmserve.worker.prompt_logprobs import PromptLogprobRows
 from llmserve.worker.prompt_logprobs import select_rows as select_prompt_logprob_rows
 
@@ -219,7 +219,7 @@ def _tree_positions(positions: np.ndarray, trees: dict[int, list[int]], ends, co
     positions = positions.copy()
     for row, parents in trees.items():
         end = int(ends[row])
-        positions[end - len(parents) : end] = computed[row] + depths(parents)
+        positions[end - len(parents) : end] = computed[row] + tree_shape(parents).depth
     return positions
 
 
@@ -229,5 +229,5 @@ def _tree_mask(parents: list[int], seq_len: int) -> np.ndarray:
     num_drafts = len(parents)
     mask = np.ones((1 + num_drafts, seq_len), dtype=bool)
     mask[:, seq_len - num_drafts :] = False
-    mask[1:, seq_len - num_drafts :] = ancestor_mask(parents)
+    mask[1:, seq_len - num_drafts :] = tree_shape(parents).ancestors
     return mask
