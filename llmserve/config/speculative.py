@@ -41,7 +41,7 @@ class SuffixDecodingConfig:
 
     max_tree_depth: int = 24  # longest matched suffix plus the drafts that follow it
     # finished requests whose outputs the global structure keeps, oldest dropped first (0: none); each
-    # draft searches them all, so this bounds the proposer's time as well as its memory
+    # draft searches the occurrences of its last token in them, so this bounds its time and memory
     max_cached_requests: int = 1000
     max_spec_factor: float = 1.0  # drafts per matched suffix token at most
     min_token_prob: float = 0.1  # stop where a path's estimated probability (from its counts) falls below

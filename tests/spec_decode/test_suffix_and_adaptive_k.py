@@ -130,6 +130,49 @@ def test_recent_outputs_memory_stays_bounded():
     assert len(recent) == 4
 
 
+def test_the_position_index_finds_what_a_scan_finds_and_drafts_are_unchanged():
+    """Outputs added through eviction and compactions: each token's occurrences from the index equal
+    a scan of the kept tokens, the index holds at most the buffer's positions, and drafts searched
+    through the index equal drafts from a scan (the search before the index)."""
+    rng = np.random.default_rng(3)
+    recent = RecentOutputs(max_requests=5)
+    search = SuffixSearch(SuffixDecodingConfig(max_spec_factor=2.0))
+    proposed = 0
+    for _ in range(300):
+        recent.add(rng.integers(0, 12, size=int(rng.integers(0, 30)), dtype=np.int32))
+        tokens = recent.tokens()
+        for token in range(13):
+            assert recent.occurrences(token).tolist() == np.flatnonzero(tokens == token).tolist()
+        assert sum(len(p) for p in recent._positions.values()) <= 2 * recent.num_tokens
+        context = rng.integers(0, 12, size=int(rng.integers(2, 20)), dtype=np.int32)
+        expected = search.drafts(context, tokens, 6)
+        assert search.drafts(context, tokens, 6, recent.occurrences(int(context[-1]))) == expected
+        proposed += bool(expected)
+    assert proposed > 100
+
+
+def test_proposals_through_the_index_equal_proposals_from_a_scan():
+    """Two proposers fed the same requests, one finding occurrences in the recent outputs by a scan."""
+    rng = np.random.default_rng(4)
+    live_a, live_b = {}, {}
+    indexed, scanning = SuffixProposer(_suffix_config(), live_a), SuffixProposer(_suffix_config(), live_b)
+    scanning.recent.occurrences = lambda token: np.flatnonzero(scanning.recent.tokens() == token)
+    proposed = 0
+    for step in range(60):
+        prompt = rng.integers(0, 10, size=6).tolist()
+        output = rng.integers(0, 10, size=int(rng.integers(1, 12))).tolist()
+        new = [[int(rng.integers(0, 10))]]
+        live_a[str(step)] = _state(str(step), prompt, output)
+        live_b[str(step)] = _state(str(step), prompt, output)
+        batch_a = SampledBatch([live_a[str(step)]], new, torch.zeros(1, 1))
+        batch_b = SampledBatch([live_b[str(step)]], new, torch.zeros(1, 1))
+        proposals = indexed.propose(batch_a)
+        assert proposals == scanning.propose(batch_b)
+        proposed += proposals[str(step)] is not None
+        del live_a[str(step)], live_b[str(step)]  # finished: its output joins the recent outputs
+    assert proposed > 20 and len(indexed.recent) == 8
+
+
 def _state(request_id: str, prompt: list[int], output: list[int], **params):
     from llmserve.worker.request_state import CachedRequestState
 

@@ -7,10 +7,12 @@ The suffix structure is implicit: a node of the suffix tree (a string s) is the 
 where s occurs, its count their number, and its children the tokens that follow them. So a
 request's structure is its token array and grows by appending the new tokens, never rebuilt; the
 global one is the outputs of the last `max_cached_requests` finished requests in one array (a
-separator after each, the oldest dropped first). Drafting for a request finds every earlier
-occurrence of its last token and how far back each matches (one gather), then walks down from a
-few match lengths, a handful of small array operations per draft, and keeps the path whose
-estimated probabilities sum highest (the expected number of accepted drafts).
+separator after each, the oldest dropped first), with an index of each token's positions updated as
+outputs are added. Drafting for a request finds every earlier occurrence of its last token (in the
+global structure from the index, so without reading the tokens it keeps) and how far back each
+matches (one gather), then walks down from a few match lengths, a handful of small array operations
+per draft, and keeps the path whose estimated probabilities sum highest (the expected number of
+accepted drafts).
 
 A proposal is a chain, the most frequent path; `children` gives every continuation of a node with
 its count, from which a token tree can be grown once the verifier takes trees.
@@ -36,10 +38,11 @@ MATCH_LENGTHS_TRIED = 4
 
 
 class TokenBuffer:
-    """A growing int32 array: appending is amortized O(new tokens); `view` shares the memory."""
+    """A growing array (int32 tokens by default): appending is amortized O(new tokens); `view` shares
+    the memory."""
 
-    def __init__(self, capacity: int = 256) -> None:
-        self._data = np.empty(capacity, dtype=np.int32)
+    def __init__(self, capacity: int = 256, dtype: type = np.int32) -> None:
+        self._data = np.empty(capacity, dtype=dtype)
         self._size = 0
 
     def __len__(self) -> int:
@@ -56,7 +59,7 @@ class TokenBuffer:
     def extend(self, token_ids: list[int] | np.ndarray) -> None:
         size = self._size + len(token_ids)
         if size > len(self._data):
-            grown = np.empty(max(size, 2 * len(self._data)), dtype=np.int32)
+            grown = np.empty(max(size, 2 * len(self._data)), dtype=self._data.dtype)
             grown[: self._size] = self._data[: self._size]
             self._data = grown
         self._data[self._size : size] = token_ids
@@ -71,13 +74,17 @@ class TokenBuffer:
 
 class RecentOutputs:
     """The global structure: the outputs of the last `max_requests` finished requests, each followed
-    by a separator, in one array; the oldest output is dropped when one more would exceed it."""
+    by a separator, in one array; the oldest output is dropped when one more would exceed it. Each
+    token's buffer positions are indexed as outputs are added, so finding a token's occurrences costs
+    their number, not the tokens kept."""
 
     def __init__(self, max_requests: int) -> None:
         self.max_requests = max_requests
         self._buffer = TokenBuffer()
         self._start = 0  # the oldest kept output's first token in the buffer
         self._lengths: deque[int] = deque()  # each kept output's length, separator included, oldest first
+        # token -> its buffer positions, ascending; those before _start are dropped at the next compaction
+        self._positions: dict[int, TokenBuffer] = {}
 
     def __len__(self) -> int:
         """Outputs kept."""
@@ -96,9 +103,18 @@ class RecentOutputs:
     def tokens(self) -> np.ndarray:
         return self._buffer.view()[self._start :]
 
+    def occurrences(self, token: int) -> np.ndarray:
+        """Where `token` occurs in `tokens()`, ascending: `np.flatnonzero(tokens() == token)`."""
+        positions = self._positions.get(token)
+        if positions is None:
+            return np.empty(0, dtype=np.int64)
+        positions = positions.view()
+        return positions[np.searchsorted(positions, self._start) :] - self._start
+
     def add(self, token_ids: np.ndarray) -> None:
         if self.max_requests == 0 or len(token_ids) == 0:
             return
+        self._index(np.asarray(token_ids), len(self._buffer) + np.arange(len(token_ids), dtype=np.int64))
         self._buffer.extend(token_ids)
         self._buffer.extend([SEPARATOR])
         self._lengths.append(len(token_ids) + 1)
@@ -107,6 +123,19 @@ class RecentOutputs:
         if self._start > len(self._buffer) // 2:  # amortized: each token is copied at most once more
             self._buffer.drop_front(self._start)
             self._start = 0
+            self._positions = {}  # rebuilt for the kept tokens' new positions (amortized as the copy)
+            kept = self._buffer.view()
+            self._index(kept[kept != SEPARATOR], np.flatnonzero(kept != SEPARATOR))
+
+    def _index(self, token_ids: np.ndarray, positions: np.ndarray) -> None:
+        """Append each token's buffer positions (ascending, later than those it holds) to its entry."""
+        order = np.argsort(token_ids, kind="stable")  # stable: each token's positions stay ascending
+        tokens, firsts = np.unique(token_ids[order], return_index=True)
+        for token, group in zip(tokens.tolist(), np.split(positions[order], firsts[1:]), strict=True):
+            entry = self._positions.get(token)
+            if entry is None:
+                entry = self._positions[token] = TokenBuffer(4, np.int64)
+            entry.extend(group)
 
 
 @dataclass
@@ -159,7 +188,8 @@ class SuffixProposer:
             # A seeded sampling request's draws depend on its drafts: from its own text only, so that
             # its seed gives the same tokens whatever other requests ran before.
             searched = recent if params.seed is None or params.is_greedy else recent[:0]
-            drafts = self.search.drafts(context, searched, k) if k > 0 else []
+            ends = self.recent.occurrences(int(context[-1])) if len(searched) else None
+            drafts = self.search.drafts(context, searched, k, ends) if k > 0 else []
             proposals[request.request_id] = DraftProposal(batch.num_tokens(index), drafts) if drafts else None
         return proposals
 
@@ -192,20 +222,24 @@ class SuffixSearch:
     def __init__(self, options: SuffixDecodingConfig) -> None:
         self.options = options
 
-    def drafts(self, context: np.ndarray, recent: np.ndarray, k: int) -> list[int]:
+    def drafts(
+        self, context: np.ndarray, recent: np.ndarray, k: int, recent_ends: np.ndarray | None = None
+    ) -> list[int]:
         """Up to `k` drafts to follow `context`: the best-scoring path of the context's own earlier
-        text and of `recent` (the global structure's tokens); none where neither matches."""
+        text and of `recent` (the global structure's tokens); none where neither matches.
+        `recent_ends`: where the context's last token occurs in `recent` (None: found by a scan)."""
         if len(context) < 2 or k < 1:
             return []
-        own = self.best_path(context, len(context) - 1, context, k)
-        other = self.best_path(recent, len(recent), context, k) if len(recent) else NO_PATH
+        own = self.best_path(context, np.flatnonzero(context[:-1] == context[-1]), context, k)
+        if len(recent) and recent_ends is None:
+            recent_ends = np.flatnonzero(recent == context[-1])
+        other = self.best_path(recent, recent_ends, context, k) if len(recent) else NO_PATH
         return (other if other.score > own.score else own).token_ids
 
-    def best_path(self, text: np.ndarray, num_searched: int, context: np.ndarray, k: int) -> Path:
+    def best_path(self, text: np.ndarray, ends: np.ndarray, context: np.ndarray, k: int) -> Path:
         """The best-scoring most frequent path after an occurrence of the context's last tokens that
-        ends in the first `num_searched` tokens of `text`, tried from the longest match down
-        (`MATCH_LENGTHS_TRIED` lengths at most)."""
-        ends = np.flatnonzero(text[:num_searched] == context[-1])
+        ends at a position of `ends` (ascending, where `text` holds the context's last token), tried
+        from the longest match down (`MATCH_LENGTHS_TRIED` lengths at most)."""
         if len(ends) == 0:
             return NO_PATH
         depth = self.options.max_tree_depth
