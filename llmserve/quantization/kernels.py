@@ -26,6 +26,7 @@ from llmserve.quantization.formats import Int4Weight, Int8Weight, QuantizedWeigh
 
 _INT4_INNER_K_TILES = 1  # the CPU packing ignores tiling beyond this; any value >= 1 is accepted
 _INT4_CENTER = 8  # tinygemm's dequantization: w = (q - 8) * scale + zero
+_PACKED_ROWS = 32  # output rows per block of the compiled kernels' packed copies (kRows)
 
 
 class LinearKernel(nn.Module):
@@ -44,6 +45,12 @@ class LinearKernel(nn.Module):
             return self(x)
         return float32_logits(x, self.dequantize(x.dtype))
 
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor | None:
+        """Rows `index` of `dequantize(torch.float32)` (any shape of index, rows last), rebuilt from
+        those rows alone, bit for bit; None where this kernel's copy cannot give them exactly (its
+        scales rounded to the activation dtype)."""
+        return None
+
 
 class DequantizeKernel(LinearKernel):
     """Any format, any device: rebuild the float weight, then `F.linear`."""
@@ -60,9 +67,18 @@ class DequantizeKernel(LinearKernel):
         return F.linear(x, self.dequantize(x.dtype))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._weight().dequantize(dtype)
+
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor | None:
+        if self.scales.dtype != torch.float32:  # rounded to the activation dtype: not the file's values
+            return None
+        flat = index.reshape(-1)
+        return self._weight().rows(flat).dequantize(torch.float32).view(*index.shape, -1)
+
+    def _weight(self) -> QuantizedWeight:
         if self.kind == "int8":
-            return Int8Weight(self.qweight, self.scales, self.group_size).dequantize(dtype)
-        return Int4Weight(self.qweight, self.scales, self.offsets, self.group_size).dequantize(dtype)
+            return Int8Weight(self.qweight, self.scales, self.group_size)
+        return Int4Weight(self.qweight, self.scales, self.offsets, self.group_size)
 
 
 class RoundedInputKernel(LinearKernel):
@@ -112,6 +128,33 @@ class RoundedInputKernel(LinearKernel):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self._unpack(self.small_batch_qweight, self.small_batch_scales, self.out_features).to(dtype)
+
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Read from the packed layouts (small_batch_pack_int8/int4 in linear_quantized.cpp): codes
+        in blocks of 32 rows, [N'/32, K/4, 32, 4] bytes q + 128 (int8) or [N'/32, K/8, 32, 4] bytes
+        holding columns k..k+3 low and k+4..k+7 high (int4); scales [N] per row, [N'/32, K/G, 32] per
+        group, int4's (scale, offset) [N'/32, K/G, 2, 32]. Each product q * scale is exact in float32
+        for GGUF's scales, so (q * scale) + offset rounds once, as the reference does."""
+        flat = index.reshape(-1)
+        block, lane = flat // _PACKED_ROWS, flat % _PACKED_ROWS
+        rows, packed = flat.numel(), self.small_batch_qweight
+        if self.kind == "int4":
+            cols = packed.shape[1] * 2
+            data = packed.view(-1, cols // 8, _PACKED_ROWS, 4)[block, :, lane]  # [T, K/8, 4]
+            codes = torch.stack([data & 0x0F, data >> 4], dim=2).view(rows, cols)
+            params = self.small_batch_scales[block, :, :, lane].float()  # [T, groups, 2]
+            scales, offsets = params[..., 0], params[..., 1]
+        else:
+            cols = packed.shape[1]
+            data = packed.view(-1, cols // 4, _PACKED_ROWS, 4)[block, :, lane]  # [T, K/4, 4]
+            codes = data.view(rows, cols).to(torch.int16) - 128
+            scales = self.small_batch_scales
+            scales = scales[flat, None] if scales.dim() == 1 else scales[block, :, lane].float()
+            offsets = None
+        grouped = codes.float().view(rows, scales.shape[1], -1) * scales[..., None]
+        if offsets is not None:
+            grouped = grouped + offsets[..., None]
+        return grouped.view(*index.shape, cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in self._takes:

@@ -20,6 +20,7 @@ from torch import nn
 from llmserve.config import ModelConfig
 from llmserve.config.quantization import CHECKPOINT, PREQUANTIZED
 from llmserve.quantization import awq, calibration, checkpoint, gguf_native, moe, prequantized
+from llmserve.quantization.embedding import embed_from_head
 from llmserve.quantization.formats import QuantizedWeight, concat_rows, quantize_int4, quantize_int8
 from llmserve.quantization.gptq import HessianAccumulator, gptq_quantize
 from llmserve.quantization.kernels import LinearKernel, QuantizedLinear
@@ -33,6 +34,9 @@ LM_HEAD = "lm_head"
 class QuantizationResult:
     weights: dict[str, QuantizedWeight]  # module name (model.layers.0.mlp.down_proj) -> weight
     float_updates: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter name -> new value
+    # the lm_head's weight holds the tied embedding's own values (a GGUF's token_embd): the
+    # embedding reads its rows from it and its float table is freed (quantization/embedding.py)
+    embedding_in_head: bool = False
 
 
 QuantizeMethod = Callable[[nn.Module, ModelConfig, object], QuantizationResult]
@@ -93,6 +97,8 @@ def quantize_model(
     result = compute(model, config, tokenizer)
     float_bytes = sum(_float_bytes(weight.shape, config.dtype) for weight in result.weights.values())
     apply_quantization(model, result, config)
+    if result.embedding_in_head:
+        embed_from_head(model, config.dtype)
     layers = [model.get_submodule(name) for name in dict.fromkeys(map(moe.owner, result.weights))]
     quant_bytes = sum(_buffer_bytes(layer) for layer in layers)
     kernels = {type(m).__name__ for layer in layers for m in layer.modules() if isinstance(m, LinearKernel)}
@@ -269,7 +275,8 @@ def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
     if kept:
         types = "/".join(gguf_native.SUPPORTED_TYPES)
         logger.info("quantization gguf: %d layers have no %s tensor and stay in float", kept, types)
-    return QuantizationResult(weights)
+    tied = config.arch.tie_word_embeddings and LM_HEAD in weights  # the head is token_embd's blocks
+    return QuantizationResult(weights, embedding_in_head=tied)
 
 
 def _gguf_tensors(config: ModelConfig) -> dict[str, QuantizedWeight]:

@@ -12,14 +12,17 @@ quantization, for the layers of its pipeline stage.
 Cutting follows `LlamaForCausalLM._rank_part` for float tensors (`tensor_parallel_splits`,
 `packed_modules`): column-parallel layers (q/k/v, gate/up) keep their heads' or units' output rows,
 row-parallel ones (o_proj, down_proj) their input columns, the lm_head its vocabulary block, padded
-with zero rows as the float lm_head is. A column cut must fall on group boundaries (or the weight
-must have one scale per row); every rank checks every rank's cuts, so rank 0 reports a misaligned
-split of any rank in one line. A pipeline stage keeps the weights of the modules it builds (its
-decoder layers; the lm_head on the last stage) and the float updates of its own parameters.
+with zero rows as the float lm_head is; a mixture-of-experts layer's experts as its layout splits
+them (`moe.rank_experts`: whole experts, or every expert's units). A column cut must fall on group
+boundaries (or the weight must have one scale per row); every rank checks every rank's cuts, so
+rank 0 reports a misaligned split of any rank in one line. A pipeline stage keeps the weights of
+the modules it builds (its decoder layers; the lm_head on the last stage) and the float updates of
+its own parameters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -52,6 +55,7 @@ def quantize_shard(
         whole = on_this_stage(_whole_model_result(shard, config, tokenizer, whole_model), shard)
         for rank in range(shard.tp.world_size):  # every rank's cuts, so that rank 0 names any bad one
             _check_columns(whole.weights, shard, ShardLayout.of(shard.arch, shard.tp.world_size, rank))
+        moe.check_expert_cuts(_expert_weights(whole.weights), shard)
         return shard_result(whole, shard)
 
     return quantize_model(model, config, tokenizer, compute=compute)
@@ -67,7 +71,7 @@ def on_this_stage(result: QuantizationResult, model: nn.Module) -> QuantizationR
     params = dict(model.named_parameters())
     weights = {name: weight for name, weight in result.weights.items() if moe.owner(name) in modules}
     updates = {name: value for name, value in result.float_updates.items() if name in params}
-    return QuantizationResult(weights, updates)
+    return dataclasses.replace(result, weights=weights, float_updates=updates)
 
 
 def _whole_model_result(
@@ -86,7 +90,13 @@ def _whole_model_result(
 
 def shard_result(whole: QuantizationResult, model: nn.Module) -> QuantizationResult:
     """The part of the whole model's quantization that `model` (one rank's shard) holds."""
-    weights = {name: _rank_weight(name, weight, model) for name, weight in whole.weights.items()}
+    experts = _expert_weights(whole.weights)
+    weights = {
+        name: _rank_weight(name, weight, model)
+        for name, weight in whole.weights.items()
+        if name not in experts
+    }
+    weights.update(moe.rank_experts(experts, model))
     params = dict(model.named_parameters())
     for name, value in whole.float_updates.items():
         if params[name].shape != value.shape:
@@ -94,7 +104,11 @@ def shard_result(whole: QuantizationResult, model: nn.Module) -> QuantizationRes
                 f"{name} is split under tensor parallelism; a quantization may change replicated "
                 "float parameters (norms) only"
             )
-    return QuantizationResult(weights, dict(whole.float_updates))
+    return dataclasses.replace(whole, weights=weights, float_updates=dict(whole.float_updates))
+
+
+def _expert_weights(weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+    return {name: weight for name, weight in weights.items() if moe.parse_expert_key(name)}
 
 
 def _rank_weight(name: str, weight: QuantizedWeight, model: nn.Module) -> QuantizedWeight:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from llmserve.config import cpu_has_native_bf16
 from llmserve.corpus import CORPUS_MODULES
+from llmserve.models.layers.vocab_embedding import embedding_table
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.proposers.draft_head import DraftHead, subset_lm_head_weight
 
@@ -251,7 +252,7 @@ def _answer_arrays(target, text: TrainingText, features: list[torch.Tensor]):
 def _greedy_tokens(target, hidden: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
     """argmax lm_head(hidden) per row, in chunks of one size (oneDNN keeps a primitive, and its
     memory, per input shape: one call per sequence length grew the process by gigabytes)."""
-    device = target.model.embed_tokens.weight.device
+    device = target.model.norm.weight.device
     return torch.cat([
         target.compute_logits(hidden[i : i + chunk].to(device)).argmax(dim=-1).cpu()
         for i in range(0, len(hidden), chunk)
@@ -299,7 +300,7 @@ def train_draft_head(
     # The head trains on the CPU in float32 whatever device the target serves on, with bf16 autocast
     # where the CPU computes bf16 natively (elsewhere PyTorch's bf16 matmul falls back to a scalar loop).
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_native_bf16())
-    embedding = target.model.embed_tokens.weight.detach().to("cpu", torch.float32)
+    embedding = embedding_table(target.model.embed_tokens).detach().to("cpu", torch.float32)
     subset_weight = subset_lm_head_weight(target, vocab_ids).to("cpu", torch.float32)
     arch = target.arch
     head = DraftHead(arch.hidden_size, config.intermediate_size, vocab_ids, arch.rms_norm_eps)

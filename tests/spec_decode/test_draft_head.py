@@ -146,7 +146,7 @@ def test_a_head_recognizes_its_target_in_any_dtype_and_serves_a_quantized_one(
     target_dir, other_draft_dir, draft_head
 ):
     def model(weight):
-        return SimpleNamespace(model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)))
+        return SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding.from_pretrained(weight)))
 
     weight = torch.randn(1000, 64)
     sample = target_sample(model(weight))

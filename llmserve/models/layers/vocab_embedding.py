@@ -30,3 +30,19 @@ class VocabParallelEmbedding(nn.Embedding):
         elsewhere = (local < 0) | (local >= len(self.vocab))
         hidden = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
         return self.tp.all_reduce(hidden.masked_fill_(elsewhere.unsqueeze(-1), 0))
+
+
+def embedding_rows(embedding: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a token embedding's table (its vocabulary block under tensor parallelism): a
+    float embedding's weight rows, or those a quantized one rebuilds (quantization/embedding.py)."""
+    if isinstance(embedding, nn.Embedding):
+        return embedding.weight[ids.to(embedding.weight.device)]
+    return embedding.rows(ids)
+
+
+def embedding_table(embedding: nn.Module) -> torch.Tensor:
+    """A token embedding's whole table: a float embedding's weight, or for a quantized one a float
+    copy rebuilt on each call (for readers that truly need the whole matrix)."""
+    if isinstance(embedding, nn.Embedding):
+        return embedding.weight
+    return embedding.table()

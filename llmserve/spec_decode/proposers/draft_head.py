@@ -38,6 +38,7 @@ from llmserve.kernels.small_batch_linear import MAX_ROWS, use_small_batch_linear
 from llmserve.models.layers.custom_op import bind_kernels
 from llmserve.models.layers.lm_head import LMHead
 from llmserve.models.layers.norm import RMSNorm
+from llmserve.models.layers.vocab_embedding import embedding_rows, embedding_table
 from llmserve.request import DraftProposal
 from llmserve.sample.logits_processors import needs_processing
 from llmserve.sample.sampler import greedy_token_ids
@@ -86,9 +87,9 @@ class DraftHead(nn.Module):
 
 def target_sample(target: nn.Module) -> torch.Tensor:
     """What ties a head to its target: embedding rows spread over the vocabulary ([64, H] float32)."""
-    weight = target.model.embed_tokens.weight
-    ids = torch.linspace(0, weight.shape[0] - 1, _SAMPLE_ROWS).round().long().to(weight.device)
-    return weight[ids].detach().to("cpu", torch.float32)
+    embedding = target.model.embed_tokens
+    ids = torch.linspace(0, embedding.num_embeddings - 1, _SAMPLE_ROWS).round().long()
+    return embedding_rows(embedding, ids).detach().to("cpu", torch.float32)
 
 
 def is_head_target(sample: torch.Tensor, target: nn.Module) -> bool:
@@ -105,7 +106,7 @@ def subset_lm_head_weight(target: nn.Module, vocab_ids: torch.Tensor) -> torch.T
     if target.arch.tie_word_embeddings or weight is None:
         if not target.arch.tie_word_embeddings:
             raise ValueError("speculative_method draft_head needs an unquantized lm_head for this model")
-        weight = target.model.embed_tokens.weight
+        return embedding_rows(target.model.embed_tokens, vocab_ids).detach().contiguous()
     return weight.detach()[vocab_ids.to(weight.device)].contiguous()
 
 
@@ -281,7 +282,7 @@ class DraftHeadProposer:
         if ops is None or any(weight is None for weight in packed):
             return None
         return ops.DraftHeadChain(
-            self.embed_tokens.weight.detach(),
+            self._embedding_table(),
             self.head.token_norm.weight.detach(),
             packed[0],
             self.head.fc_in.bias.detach(),
@@ -293,6 +294,13 @@ class DraftHeadProposer:
             self.head.intermediate_size,
             self.head.out_norm.eps,
         )
+
+    def _embedding_table(self) -> torch.Tensor:
+        """The chain looks up any token in the whole table: a quantized embedding's float copy is
+        rebuilt for it (kept as long as the chain)."""
+        if not isinstance(self.embed_tokens, nn.Embedding):
+            logger.info("draft head: its compiled chain keeps a float copy of the quantized embedding")
+        return embedding_table(self.embed_tokens).detach()
 
     def _lookup_or_head(
         self, batch: SampledBatch, index: int, proposals: dict[str, DraftProposal | None]

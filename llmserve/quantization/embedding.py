@@ -1,0 +1,85 @@
+"""A tied token embedding read from its output projection's quantized copy.
+
+A model whose embedding is tied to its output projection holds one matrix; once quantization has
+replaced that projection by a packed layer, the float embedding table would be a second copy of the
+same weights (SmolLM2-135M's: vocab 49152 x 576, 108 MiB in float32). Where the packed rows are the
+very values the float table was loaded from (a GGUF's `token_embd` kept in its blocks, read by
+`quantization gguf`), the lookup rebuilds the rows it needs from the packed copy instead
+(`LinearKernel.weight_rows`: the same float32 values, then the model's dtype, as the float load did)
+and the float table is freed. Elsewhere (int8/int4 methods quantize the head from the float table, so
+its rows differ from the table's) the float table stays.
+
+Readers that need the whole matrix (a draft head's compiled chain, head training) call
+`models/layers/vocab_embedding.embedding_table`, which rebuilds it for them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from llmserve.distributed.group import TensorParallelGroup
+
+logger = logging.getLogger("llmserve")
+
+
+class QuantizedEmbedding(nn.Module):
+    """The rank's vocabulary block of the embedding (as `VocabParallelEmbedding`), its rows rebuilt
+    from the tied output projection's kernel, which stays that projection's module (only its row
+    readers, bound methods, are held here: no second owner of its buffers)."""
+
+    def __init__(self, head: nn.Module, vocab: range, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self._weight_rows = head.kernel.weight_rows
+        self._dequantize = head.kernel.dequantize
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features  # padding included
+        self.vocab = vocab
+        self.dtype = dtype
+        self.tp = tp
+
+    def rows(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Rows `local_ids` of this rank's block, in the model's dtype."""
+        return self._weight_rows(local_ids).to(self.dtype)
+
+    def table(self) -> torch.Tensor:
+        """The whole block as a float table (a new tensor each call: for readers of the whole matrix)."""
+        return self._dequantize(torch.float32).to(self.dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return self.rows(input_ids)
+        local = input_ids - self.vocab.start
+        elsewhere = (local < 0) | (local >= len(self.vocab))
+        hidden = self.rows(local.masked_fill(elsewhere, 0))
+        return self.tp.all_reduce(hidden.masked_fill_(elsewhere.unsqueeze(-1), 0))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows from the output projection's packed copy"
+
+
+def embed_from_head(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Swap `model`'s tied float embedding for a `QuantizedEmbedding` over its quantized output
+    projection, where this pipeline stage holds both and the kernel gives exact rows; returns
+    whether it did (the float table is then freed). The caller vouches that the head was quantized
+    from the embedding's own values (a GGUF's shared `token_embd`)."""
+    inner, head = model.model, model.lm_head
+    if inner.embed_tokens is None or head is None or not hasattr(head, "kernel"):
+        return False
+    device = next(head.kernel.buffers()).device
+    if head.kernel.weight_rows(torch.zeros(1, dtype=torch.long, device=device)) is None:
+        logger.info(
+            "quantization: kernel %s cannot rebuild embedding rows exactly; the tied embedding stays "
+            "in float",
+            type(head.kernel).__name__,
+        )
+        return False
+    table = inner.embed_tokens.weight
+    inner.embed_tokens = QuantizedEmbedding(head, inner.embed_tokens.vocab, dtype, model.tp)
+    logger.info(
+        "quantization: the tied embedding reads its rows from the output projection's quantized copy "
+        "(%.1f MiB float table freed)",
+        table.numel() * table.element_size() / 2**20,
+    )
+    return True
