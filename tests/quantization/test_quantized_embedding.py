@@ -12,7 +12,7 @@ import transformers
 
 from llmserve import LLM, SamplingParams
 from llmserve.distributed.group import single_rank
-from llmserve.quantization import gguf_native, methods
+from llmserve.quantization import gguf_native, methods, sharding
 from llmserve.quantization.embedding import QuantizedEmbedding
 from llmserve.quantization.formats import shard_rows
 from llmserve.quantization.kernels import DequantizeKernel, QuantizedLinear, RoundedInputKernel
@@ -103,6 +103,15 @@ def test_two_ranks_blocks_sum_to_the_whole_lookup():
         head.kernel = DequantizeKernel(part, torch.float32)
         total += QuantizedEmbedding(head, vocab, torch.float32, _OneOfTwoRanks())(IDS)
     assert torch.equal(total, reference[IDS])
+
+
+def test_the_flag_survives_each_ranks_and_stages_part():
+    """Under tensor or pipeline parallelism each rank's part of the result still says the head holds
+    the embedding's values (each stage then swaps where it holds both modules)."""
+    whole = methods.QuantizationResult({}, embedding_in_head=True)
+    model = torch.nn.Module()
+    assert sharding.on_this_stage(whole, model).embedding_in_head
+    assert sharding.shard_result(whole, model).embedding_in_head
 
 
 def test_a_kernel_with_rounded_scales_gives_no_rows():
