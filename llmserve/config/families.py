@@ -7,20 +7,26 @@ target's embedding and layers themselves) and tensor parallelism were built and 
 mixture-of-experts families split over tensor-parallel ranks (by expert units, or by experts with
 --enable-expert-parallel); on one rank their experts are quantized by the methods that quantize each
 weight alone (int8-rtn, int4, a GGUF's blocks, checkpoints of those: quantization/moe.py), not by
-the calibrated ones, which run no expert layer yet. Over several ranks only int8-rtn and int4 (each
-rank quantizes its own experts or units); a file's quantized experts are not cut per rank yet.
+the calibrated ones, which run no expert layer yet. Over several ranks int8-rtn and int4 quantize
+each rank's own experts or units, and a file's quantized experts (a GGUF's blocks, a checkpoint's
+codes) are cut per rank (quantization/sharding.py): whole experts, or every expert's units, whose
+down_proj columns must hold whole groups (checked here for a GGUF's blocks, at load for checkpoints).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from llmserve.config.parallel import expert_unit_range
+
 if TYPE_CHECKING:
     from llmserve.config import ModelArchConfig
 
 ROPE_SCALING_TYPES = ("default", "linear", "llama3", "longrope")  # models/layers/rotary.py computes these
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-PER_RANK_MOE_QUANTIZATION = ("int8-rtn", "int4")  # quantize each rank's own experts: TP and EP take them
+# every block type --quantization gguf reads has groups dividing 32 (Q6_K's 16): a unit cut on a
+# multiple of it keeps down_proj's groups whole, whatever types the file mixes
+GGUF_EXPERT_CUT = 32
 MOE_QUANTIZATION = ("int8-rtn", "int4", "gguf")  # methods that quantize expert layers (besides checkpoints)
 # feature -> the families that have it (the others get the error)
 _FEATURES = {
@@ -32,7 +38,11 @@ _FEATURES = {
 
 
 def check_family_features(
-    arch: ModelArchConfig, quantization: str | None, tensor_parallel_size: int, speculative_method: str | None
+    arch: ModelArchConfig,
+    quantization: str | None,
+    tensor_parallel_size: int,
+    speculative_method: str | None,
+    expert_parallel: bool = False,
 ) -> None:
     """Raise ValueError naming the feature, the family and the families that have it."""
     wanted = []
@@ -44,17 +54,8 @@ def check_family_features(
         wanted.append(
             f"speculative method {'draft_head' if speculative_method == 'eagle' else speculative_method}"
         )
-    split_moe = arch.num_experts and tensor_parallel_size > 1
-    if split_moe and quantization not in (None, "", "none", *PER_RANK_MOE_QUANTIZATION):
-        raise ValueError(  # a file's quantized experts would need cutting by expert and unit
-            f"quantization {quantization} does not combine with tensor parallelism for mixture-of-experts "
-            f"models yet (these do: {', '.join(PER_RANK_MOE_QUANTIZATION)})"
-        )
-    if split_moe and quantization is None and arch.checkpoint_quantization is not None:
-        raise ValueError(
-            f"a {arch.checkpoint_quantization} checkpoint's experts do not split over tensor-parallel ranks "
-            "yet (--quantization none serves them in float)"
-        )
+    if quantization == "gguf" and arch.num_experts and tensor_parallel_size > 1 and not expert_parallel:
+        _check_gguf_expert_units(arch, tensor_parallel_size)
     if quantization in ("int8", "gptq", "awq") and arch.num_experts:  # calibration runs no expert layer
         raise ValueError(
             f"quantization {quantization} does not apply to mixture-of-experts models yet "
@@ -69,6 +70,19 @@ def check_family_features(
             raise ValueError(
                 f"{feature} does not apply to {arch.architecture} models yet (it does to: {supported})"
             )
+
+
+def _check_gguf_expert_units(arch: ModelArchConfig, tensor_parallel_size: int) -> None:
+    """Each rank's units of every expert must start on a whole GGUF block of down_proj's input."""
+    units = arch.moe_intermediate_size or arch.intermediate_size
+    shares = [expert_unit_range(units, tensor_parallel_size, rank) for rank in range(tensor_parallel_size)]
+    if any(share.start % GGUF_EXPERT_CUT for share in shares):
+        raise ValueError(
+            f"quantization gguf cannot split the experts' {units} units over {tensor_parallel_size} "
+            f"tensor-parallel ranks ({' + '.join(str(len(share)) for share in shares)}) in whole blocks of "
+            f"{GGUF_EXPERT_CUT} (--enable-expert-parallel keeps each expert whole; --quantization none "
+            "serves them in float)"
+        )
 
 
 def rope_scaling_type(scaling: dict | None) -> str:

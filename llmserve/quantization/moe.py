@@ -25,7 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.quantization.formats import QuantizedWeight, concat_rows
+from llmserve.distributed.expert_parallel import ExpertLayout
+from llmserve.quantization.formats import (
+    QuantizedWeight,
+    column_groups,
+    concat_rows,
+    shard_columns,
+    shard_rows,
+)
 from llmserve.quantization.kernels import DequantizeKernel, LinearKernel, RoundedInputKernel, select_kernel
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
@@ -114,10 +121,10 @@ def stacked_expert_weights(
     if every expert's three are there in fusable formats; else it stays in float."""
     weights: dict[str, QuantizedWeight] = {}
     used: set[str] = set()
-    for name, module in experts_modules(model).items():
+    for name in experts_modules(model):
         layer: dict[str, QuantizedWeight] = {}
         names = [
-            [source(name, expert, part) for part in _PARTS] for expert in range(module.gate_up_proj.shape[0])
+            [source(name, expert, part) for part in _PARTS] for expert in range(_whole_count(model, name))
         ]
         for expert, parts in enumerate([[tensors.get(key) for key in keys] for keys in names]):
             gate_up = None if any(part is None for part in parts) else concat_rows(parts[:2])
@@ -129,6 +136,75 @@ def stacked_expert_weights(
             weights.update(layer)
             used.update(key for keys in names for key in keys)
     return weights, used
+
+
+def _layout(model: nn.Module, name: str) -> ExpertLayout | None:
+    """The expert layout of experts module `name`'s layer (models/layers/moe_parallel.py), if it has one."""
+    return getattr(model.get_submodule(name.rpartition(".")[0]), "layout", None)
+
+
+def _whole_count(model: nn.Module, name: str) -> int:
+    """The whole model's experts in layer `name` (a rank holds a run of them under expert parallelism)."""
+    layout = _layout(model, name)
+    return model.get_submodule(name).gate_up_proj.shape[0] if layout is None else layout.num_experts
+
+
+def rank_experts(weights: dict[str, QuantizedWeight], model: nn.Module) -> dict[str, QuantizedWeight]:
+    """The part of the whole model's expert weights (every expert, every unit; a file's blocks) that
+    `model`'s rank holds, under the keys of its experts modules: under expert parallelism its run of
+    experts, whole, numbered from 0; under tensor parallelism each expert's gate_up rows of its units
+    ([gate; up]) and those units' input columns of down_proj, which must hold whole groups."""
+    part: dict[str, QuantizedWeight] = {}
+    for key, weight in weights.items():
+        name, param, expert = parse_expert_key(key)
+        layout = _layout(model, name)
+        if layout is None or layout.world_size == 1:
+            part[key] = weight
+        elif expert in layout.experts:
+            local = expert_key(name, param, expert - layout.experts.start)
+            part[local] = _units(name, param, weight, _rank_layout(layout, param, weight, layout.rank))
+    return part
+
+
+def check_expert_cuts(weights: dict[str, QuantizedWeight], model: nn.Module) -> None:
+    """Raise the one-line error of `rank_experts` where any rank's units cut a down_proj group, so
+    that rank 0 reports another rank's bad cut too."""
+    for key, weight in weights.items():
+        name, param, _ = parse_expert_key(key)
+        layout = _layout(model, name)
+        if param != "down_proj" or layout is None or layout.expert_parallel:
+            continue
+        for rank in range(layout.world_size):
+            _units(name, param, weight, _rank_layout(layout, param, weight, rank), column_groups)
+
+
+def _rank_layout(layout: ExpertLayout, param: str, weight: QuantizedWeight, rank: int) -> ExpertLayout:
+    """`rank`'s layout of the layer, from the whole expert weight's width (units: the layout has its own)."""
+    units = weight.shape[0] // 2 if param == "gate_up_proj" else weight.shape[1]
+    return ExpertLayout.of(layout.num_experts, units, layout.world_size, rank, layout.expert_parallel)
+
+
+def _units(
+    name: str, param: str, weight: QuantizedWeight, layout: ExpertLayout, cut: Callable = shard_columns
+):
+    """An expert's whole weight cut to `layout`'s units: gate_up's rows (whole rows: exact at any
+    unit), down_proj's input columns by `cut(weight, start, stop)`, where a group must not straddle."""
+    units = layout.units
+    if layout.expert_parallel:  # whole experts
+        return weight
+    if param == "gate_up_proj":
+        whole = weight.shape[0] // 2
+        rows = torch.arange(units.start, units.stop)
+        return shard_rows(weight, torch.cat([rows, rows + whole]), 2 * len(units))
+    try:
+        return cut(weight, units.start, units.stop)
+    except ValueError:
+        raise ValueError(
+            f"quantized experts {name}.down_proj (groups of {weight.group_size} input columns) cannot be "
+            f"split over tensor_parallel_size {layout.world_size}: rank {layout.rank}'s units "
+            f"{units.start}..{units.stop} of each expert's {weight.shape[1]} do not hold whole groups "
+            "(--enable-expert-parallel keeps each expert whole)"
+        ) from None
 
 
 def apply_experts(model: nn.Module, weights: dict[str, QuantizedWeight], dtype: torch.dtype, device) -> None:

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmserve.config.families import check_family_features
 from llmserve.config.parallel import ParallelConfig
 from llmserve.distributed.expert_parallel import DispatchPlan, ExpertLayout, total_expert_load
 from llmserve.metrics.prometheus import RankCollector
@@ -187,18 +186,3 @@ def test_quantization_groups_see_each_ranks_expert_units():
     assert tp.row_parallel_in_features(arch) == (32, 32, 64, 64, 24, 16)  # runs of 8 units: 3 + 2
     ep = ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True)
     assert ep.row_parallel_in_features(arch) == (32, 32, 64, 64)
-
-
-def test_split_moe_refuses_the_quantized_experts_of_a_file():
-    """A file's quantized experts (a GGUF's, a pre-quantized checkpoint's) are not cut per rank:
-    refused in one line, while float and per-rank methods pass."""
-    moe = SimpleNamespace(architecture="qwen3_moe", num_experts=8, checkpoint_quantization=None)
-    for quantization in (None, "none", "int8-rtn", "int4"):
-        check_family_features(moe, quantization, 2, None)
-    with pytest.raises(ValueError, match="quantization gguf does not combine with tensor parallelism"):
-        check_family_features(moe, "gguf", 2, None)
-    prequantized = SimpleNamespace(**{**vars(moe), "checkpoint_quantization": "gptq"})
-    with pytest.raises(ValueError, match="a gptq checkpoint's experts do not split"):
-        check_family_features(prequantized, None, 2, None)
-    check_family_features(prequantized, "none", 2, None)
-    check_family_features(prequantized, None, 1, None)

@@ -68,9 +68,8 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
         ("gemma2", dict(tensor_parallel_size=2), "tensor parallelism does not apply to gemma2 models"),
         (
             "mixtral",
-            dict(tensor_parallel_size=2, quantization="int8"),
-            "quantization int8 does not combine with tensor parallelism for mixture-of-experts models yet "
-            "(these do: int8-rtn, int4)",
+            dict(tensor_parallel_size=2, quantization="gguf"),
+            "quantization gguf cannot split the experts' 96 units over 2 tensor-parallel ranks (48 + 48)",
         ),
         (
             "qwen3",
