@@ -549,7 +549,13 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         parallel = self._parallel(arch)
-        check_family_features(arch, self.quantization, parallel.tensor_parallel_size, self.speculative_method)
+        check_family_features(
+            arch,
+            self.quantization,
+            parallel.tensor_parallel_size,
+            self.speculative_method,
+            expert_parallel=parallel.enable_expert_parallel,
+        )
         scheduler = self._scheduler_config(arch, device)
         return EngineConfig(
             model=self._model_config(arch, model_path, dtype, device, scheduler.max_model_len, parallel),
