@@ -8,16 +8,20 @@ ranks: under expert parallelism rank 1 then routes none and only receives.
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 import transformers
 
 from llmserve import LLM, SamplingParams
 from llmserve.distributed.expert_parallel import total_expert_load
+from llmserve.quantization.moe import QuantizedMoEExperts
 from tests.distributed.conftest import assert_same_greedy
 from tests.e2e.conftest import hf_greedy
 from tests.helpers import wait_until
 from tests.models.families import CASES, VOCAB, make_family_dir
+from tests.models.moe_gguf import VOCAB as GGUF_VOCAB
+from tests.models.moe_gguf import write_moe_gguf
 
 pytestmark = pytest.mark.process
 
@@ -119,3 +123,41 @@ def test_int4_experts_split_over_ranks_give_one_process_tokens(tmp_path, monkeyp
         finally:
             llm.shutdown()
     assert_same_greedy(*outputs)
+
+
+@pytest.mark.parametrize(
+    ("arch", "qtype", "expert_parallel"),
+    [("qwen3moe", "Q4_0", False), ("llama", "Q8_0", True)],
+    ids=["qwen3-moe-tp", "mixtral-ep"],
+)
+def test_gguf_experts_split_over_ranks_give_one_process_tokens(
+    tmp_path, monkeypatch, arch, qtype, expert_parallel
+):
+    """`--quantization gguf` over two ranks cuts the file's expert blocks (every expert's units of
+    Qwen3-MoE's 64, or Mixtral's experts whole): one process's greedy tokens and log-probabilities,
+    rank 0 holding half of one process's expert bytes (test_moe_quantized_shards.py: both ranks,
+    exactly)."""
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))  # the ranks inherit it
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    write_moe_gguf(path, arch, getattr(gguf.GGMLQuantizationType, qtype))
+    prompt = torch.randint(3, GGUF_VOCAB, (12,), generator=torch.Generator().manual_seed(8)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
+    outputs, expert_bytes = [], []
+    for parallel in (dict(), dict(tensor_parallel_size=2, enable_expert_parallel=expert_parallel)):
+        llm = LLM(
+            path, dtype="float32", max_model_len=128, kv_cache_memory="8MiB", quantization="gguf", **parallel
+        )
+        try:
+            outputs += llm.generate([prompt], params, use_tqdm=False)
+            modules = llm.engine.model_runner.model.modules()
+            layers = [module for module in modules if isinstance(module, QuantizedMoEExperts)]
+            expert_bytes.append(sum(b.numel() * b.element_size() for m in layers for b in m.buffers()))
+        finally:
+            llm.shutdown()
+    assert_same_greedy(*outputs)
+    one, split = (output.outputs[0] for output in outputs)
+    for step, (a, b) in enumerate(zip(one.token_ids, split.token_ids, strict=True)):
+        if a != b:
+            break
+        assert abs(one.logprobs[step][a] - split.logprobs[step][b]) < 1e-3, step
+    assert expert_bytes[0] > 0 and expert_bytes[1] == expert_bytes[0] // 2
