@@ -9,6 +9,8 @@ dequantization. tests/distributed/test_moe_parallel.py runs the cut shards over 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -179,3 +181,70 @@ def _arch(**fields):
 
     base = dict(architecture="qwen3_moe", num_experts=8, intermediate_size=128, checkpoint_quantization=None)
     return SimpleNamespace(**{**base, **fields})
+
+
+def _gptq_mixtral_dir(tmp_path) -> str:
+    """The tiny Mixtral family model (4 experts of 96 units) as a GPTQ checkpoint: every projection,
+    experts' w1/w3/w2 included, packed in groups of 32; the router float."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.models.families import make_family_dir
+    from tests.quantization import prequantized_packers as packers
+
+    path = str(tmp_path / "gptq")
+    make_family_dir(path, "mixtral-top2-of-4")
+    packed = {}
+    for name, tensor in load_file(f"{path}/model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if name.startswith("model.layers.") and module.endswith(("proj", ".w1", ".w2", ".w3")):
+            parts, _ = packers.gptq(tensor, group=32)
+            packed.update({f"{module}.{suffix}": value for suffix, value in parts.items()})
+        else:
+            packed[name] = tensor
+    save_file({name: value.contiguous() for name, value in packed.items()}, f"{path}/model.safetensors")
+    with open(f"{path}/config.json") as file:
+        fields = json.load(file)
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+    with open(f"{path}/config.json", "w") as file:
+        json.dump({**fields, "quantization_config": gptq}, file)
+    return path
+
+
+@pytest.mark.full
+def test_a_prequantized_checkpoints_expert_codes_are_cut_per_rank(tmp_path):
+    """A GPTQ Mixtral's own expert codes under expert parallelism: each rank holds exactly its two
+    experts of one process's; under tensor parallelism its 48 + 48 units cut the groups of 32: one
+    line naming the widths, from every rank (each checks every rank's cuts). (Fast tier: the same
+    cut of a GGUF's experts, test_each_rank_holds_its_share_of_the_files_expert_blocks, and the
+    one-line error, test_a_share_that_cuts_a_group_is_one_line_naming_the_widths.)"""
+    path = _gptq_mixtral_dir(tmp_path)
+    arch = load_arch_config(path)
+
+    def config(tp: int, expert_parallel: bool = False):
+        args = EngineArgs(
+            model=path,
+            dtype="float32",
+            max_model_len=128,
+            kv_cache_memory="4MiB",
+            tensor_parallel_size=tp,
+            enable_expert_parallel=expert_parallel,
+        )
+        return args.create_config(arch, path).model
+
+    assert config(2).quantization.method == "prequantized"
+    one = build_model(config(1), load_weights(path, torch.float32))
+    quantize_model(one, config(1))
+    whole = {name: m.dequantize() for name, m in one.named_modules() if isinstance(m, QuantizedMoEExperts)}
+    assert len(whole) == arch.num_hidden_layers
+    for rank in range(2):
+        group = TensorParallelGroup(rank, 2, expert_parallel=True)
+        shard = build_model(config(2, True), load_weights(path, torch.float32), group)
+        quantize_shard(shard, config(2, True), None, lambda: None)
+        mine = slice(2 * rank, 2 * rank + 2)
+        for name, (gate_up, down) in whole.items():
+            got_gate_up, got_down = shard.get_submodule(name).dequantize()
+            assert torch.equal(got_gate_up, gate_up[mine]) and torch.equal(got_down, down[mine])
+        group = TensorParallelGroup(rank, 2)
+        shard = build_model(config(2), load_weights(path, torch.float32), group)
+        with pytest.raises(ValueError, match="rank 0's units 0..48 of each expert's 96 do not hold whole"):
+            quantize_shard(shard, config(2), None, lambda: None)
