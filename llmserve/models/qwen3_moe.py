@@ -2,7 +2,7 @@
 except on the layers its config keeps dense (`mlp_only_layers`, `decoder_sparse_step`); the chosen
 experts' weights are renormalized only where `norm_topk_prob` says so. As for Mixtral, the expert
 layers split over tensor-parallel ranks by units or by experts (models/layers/moe_parallel.py), are
-quantized by int8-rtn, int4 and (on one rank) a GGUF's blocks (quantization/moe.py), and the fused
+quantized by int8-rtn, int4 and a GGUF's blocks, cut per rank (quantization/moe.py), and the fused
 decode stack does not handle them.
 """
 

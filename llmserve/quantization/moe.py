@@ -6,7 +6,9 @@ A model's experts module (models/layers/moe.py's `MoEExperts`: stacked parameter
 import models/, and replaced by `QuantizedMoEExperts`, whose forward has the same contract. Expert
 weights travel in a `QuantizationResult` and a saved checkpoint as one 2-D weight per expert, under
 `<experts module>.<parameter>.<expert>` (model.layers.0.mlp.experts.gate_up_proj.3), so that the
-formats, the checkpoint file and the weights cache need nothing new.
+formats, the checkpoint file and the weights cache need nothing new. Under tensor or expert
+parallelism a file's expert weights (a GGUF's blocks, a checkpoint's codes) are read whole and cut
+for the rank by `rank_experts`, as its layer's layout splits them (quantization/sharding.py).
 
 Each expert's projection keeps one copy of its weight, in the compiled kernels' layout
 (kernels/csrc/linear_quantized.cpp: int4 two codes a byte, int8 a byte, scales per group): its
