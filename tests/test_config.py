@@ -2,6 +2,7 @@
 implementations agree with, and the package imports no implementation module. No model needed."""
 
 import ast
+import dataclasses
 import typing
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from llmserve.config import (
     SchedulerConfig,
 )
 from llmserve.config.kv_cache_dtype import KV_CACHE_DTYPES, kv_row_bytes
+from llmserve.config.quantization import GGUF_BLOCK_TYPES
 from llmserve.config.speculative import DEFAULT_MAX_VERIFY_ROWS
 
 CONFIG_DIR = Path(config_package.__file__).parent
@@ -140,3 +142,31 @@ def test_create_config_resolves_and_keeps_the_checks_that_need_the_model(smollm2
     assert config.scheduler.ttft_target_ms is None and config.scheduler.scheduling_policy == "priority"
     assert config.cache.block_size == 32
     assert config.model.max_model_len == min(smollm2_arch.max_position_embeddings, 4096)
+
+
+def test_a_gguf_files_blocks_are_the_cpus_default_and_none_opts_out(smollm2_arch, monkeypatch):
+    from llmserve.quantization.gguf_native import SUPPORTED_TYPES
+
+    assert set(SUPPORTED_TYPES) == set(GGUF_BLOCK_TYPES)  # what the loader reads is the default
+    assert "Q4_1" in smollm2_arch.gguf_tensor_types  # the embedded default model
+    assert EngineArgs(device="cpu").create_config(smollm2_arch, "m").model.quantization.method == "gguf"
+    for value in ("none", "int4"):
+        chosen = (
+            EngineArgs(device="cpu", quantization=value).create_config(smollm2_arch, "m").model.quantization
+        )
+        assert (chosen and chosen.method) == (None if value == "none" else value)
+    floats = dataclasses.replace(smollm2_arch, gguf_tensor_types=("F16", "F32"))  # nothing kept in blocks
+    assert EngineArgs(device="cpu").create_config(floats, "m").model.quantization is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no int4/int8 kernel there: float
+    assert EngineArgs(device="cuda").create_config(smollm2_arch, "m").model.quantization is None
+
+
+def test_the_gguf_default_falls_back_to_float_where_gguf_does_not_combine(smollm2_arch, caplog):
+    phi3 = dataclasses.replace(smollm2_arch, architecture="phi3")
+    with caplog.at_level("INFO", logger="llmserve"):
+        assert EngineArgs(device="cpu").create_config(phi3, "m").model.quantization is None
+    assert "served dequantized to float: quantization gguf does not apply to phi3" in caplog.text
+    with pytest.raises(ValueError, match="quantization gguf does not apply to phi3"):  # asked for: refused
+        EngineArgs(device="cpu", quantization="gguf").create_config(phi3, "m")
+    gemma = dataclasses.replace(smollm2_arch, architecture="gemma2")  # no quantization there: not even "none"
+    assert EngineArgs(device="cpu", quantization="none").create_config(gemma, "m").model.quantization is None

@@ -32,7 +32,7 @@ from llmserve.config.parallel import (
     check_expert_split,
     stage_layer_ranges,
 )
-from llmserve.config.quantization import QuantizationConfig
+from llmserve.config.quantization import GGUF_BLOCK_TYPES, PACKED_KERNEL_DEVICES, QuantizationConfig
 from llmserve.config.speculative import TREE_METHODS, SpeculativeConfig, SuffixDecodingConfig
 from llmserve.config.structured_outputs import StructuredOutputsConfig
 
@@ -87,6 +87,9 @@ class ModelArchConfig:
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a mixture-of-experts model (Qwen3-MoE)
     # a pre-quantized HF checkpoint's quant_method (gptq, awq, ...: model_loader/prequantized.py); None: float
     checkpoint_quantization: str | None = None
+    # a GGUF file's tensor types ("F32", "Q4_1", ...): those of GGUF_BLOCK_TYPES make --quantization gguf
+    # the CPU's default; () for an HF directory
+    gguf_tensor_types: tuple[str, ...] = ()
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -398,8 +401,9 @@ class EngineArgs:
     # -- weight quantization (llmserve/quantization, docs/quantization.md) --
     quantization: str | None = arg(
         None,
-        "int8 (GPTQ-calibrated, per channel) | int8-rtn | int4 | awq | gptq | gguf (the GGUF's Q4_0/Q4_1/"
-        "Q8_0 blocks) | DIR (`llmserve quantize`)",
+        "none | int8 (GPTQ-calibrated, per channel) | int8-rtn | int4 | awq | gptq | gguf (the GGUF's own "
+        "blocks: Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K) | DIR (`llmserve quantize`); default: a GGUF file's "
+        "blocks on the CPU (gguf), a pre-quantized checkpoint's own codes, else none",
     )
     quantization_group_size: int | None = arg(
         None, "int4 methods: input channels per scale, 32 | 64 | 128 (default: the largest that fits)"
@@ -549,16 +553,19 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         parallel = self._parallel(arch)
+        quantization = self._quantization(arch, device, parallel)
         check_family_features(
             arch,
-            self.quantization,
+            quantization,
             parallel.tensor_parallel_size,
             self.speculative_method,
             expert_parallel=parallel.enable_expert_parallel,
         )
         scheduler = self._scheduler_config(arch, device)
         return EngineConfig(
-            model=self._model_config(arch, model_path, dtype, device, scheduler.max_model_len, parallel),
+            model=self._model_config(
+                arch, model_path, dtype, device, scheduler.max_model_len, parallel, quantization
+            ),
             cache=self._cache_config(arch, dtype, device, parallel, scheduler, draft_arch, device_memory),
             scheduler=scheduler,
             speculative=SpeculativeConfig.create(
@@ -578,6 +585,29 @@ class EngineArgs:
             structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout),
             lora=self._lora(parallel),
         )
+
+    def _quantization(
+        self, arch: ModelArchConfig, device: torch.device, parallel: ParallelConfig
+    ) -> str | None:
+        """--quantization; by default a GGUF file's own blocks where the engine keeps them (as llama.cpp
+        serves a file at its own size), else None (float, or a pre-quantized checkpoint's codes)."""
+        if self.quantization is not None:
+            return self.quantization
+        kept = [kind for kind in arch.gguf_tensor_types if kind in GGUF_BLOCK_TYPES]
+        if not kept:
+            return None
+        why_not = None if device.type in PACKED_KERNEL_DEVICES else f"no int4/int8 kernel on {device.type}"
+        if why_not is None:
+            try:  # what gguf does not combine with (a family, experts split over ranks)
+                check_family_features(
+                    arch, "gguf", parallel.tensor_parallel_size, None, parallel.enable_expert_parallel
+                )
+            except ValueError as error:
+                why_not = str(error)
+        if why_not is not None:
+            logger.info("the GGUF's %s tensors are served dequantized to float: %s", "/".join(kept), why_not)
+            return None
+        return "gguf"
 
     def _suffix_decoding(self) -> SuffixDecodingConfig | None:
         """The suffix proposer's options (validated) where --speculative-method suffix is chosen."""
@@ -626,9 +656,10 @@ class EngineArgs:
         device: torch.device,
         max_model_len: int,
         parallel: ParallelConfig,
+        method: str | None,
     ) -> ModelConfig:
         quantization = QuantizationConfig.create(
-            self.quantization,
+            method,
             self.quantization_group_size,
             (
                 arch.hidden_size,

@@ -46,7 +46,7 @@ def check_family_features(
 ) -> None:
     """Raise ValueError naming the feature, the family and the families that have it."""
     wanted = []
-    if quantization is not None:
+    if quantization not in (None, "", "none"):
         wanted.append("quantization")
     if tensor_parallel_size > 1:
         wanted.append("tensor parallelism")

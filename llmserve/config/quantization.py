@@ -17,6 +17,8 @@ PREQUANTIZED = "prequantized"  # a checkpoint published quantized: its own codes
 # where int4/int8 codes have kernels of their own (quantization/kernels.py); elsewhere a quantized
 # layer rebuilds its float weight every forward, slower than the float model the loader decoded
 PACKED_KERNEL_DEVICES = ("cpu",)
+# GGUF tensor types whose blocks `--quantization gguf` keeps (quantization/gguf_native.py reads them)
+GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 
 
 @dataclass(frozen=True)

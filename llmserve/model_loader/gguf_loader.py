@@ -127,6 +127,7 @@ def read_arch_config(reader: GGUFReader, path: str) -> ModelArchConfig:
         partial_rotary_factor=_partial_rotary_factor(reader, arch, hidden, heads, path),
         **(_gemma_fields(reader, arch, hidden, heads, path) if arch in _GEMMA else {}),
         **(_moe_fields(reader, arch, experts, tensor_names, path) if experts else {}),
+        gguf_tensor_types=tuple(sorted({tensor.tensor_type.name for tensor in reader.tensors})),
     )
 
 

@@ -18,9 +18,10 @@ from llmserve.model_loader.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-_ARCH_FILE = "arch.json"
+_ARCH_FILE = "arch-v2.json"  # v2: gguf_tensor_types
 _MAX_NAMES_IN_MESSAGE = 3
-_TUPLE_FIELDS = ("layer_types", "dense_layers")  # besides eos_token_ids: JSON gives lists back
+# besides eos_token_ids: JSON gives lists back
+_TUPLE_FIELDS = ("layer_types", "dense_layers", "gguf_tensor_types")
 
 
 def load_arch_config(path: str) -> ModelArchConfig:

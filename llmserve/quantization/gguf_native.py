@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from llmserve.config import ModelArchConfig
+from llmserve.config.quantization import GGUF_BLOCK_TYPES
 from llmserve.model_loader import gguf_loader
 from llmserve.quantization.formats import Int4Weight, Int8Weight, QuantizedWeight
 
@@ -140,7 +141,7 @@ _READERS = {
     "Q6_K": _read_q6_k,
 }
 _SUPER_BLOCK_TYPES = frozenset({"Q4_K", "Q6_K"})
-SUPPORTED_TYPES = tuple(_READERS)
+SUPPORTED_TYPES = GGUF_BLOCK_TYPES  # the config's list, which makes gguf the default: a test checks it
 
 
 def _hf_rows(weight: QuantizedWeight, name: str, arch: ModelArchConfig, path: str) -> QuantizedWeight:

@@ -388,7 +388,7 @@ def test_second_load_is_served_from_the_cache(tmp_path, cache_dir, monkeypatch):
     first = load_weights(path, torch.float32)
     entry = weights_cache.entry_dir(path)
     assert entry.parent == cache_dir and entry.name.endswith(weights_cache.LOADER_FORMAT)
-    assert (entry / weights_cache.WEIGHTS_FILE).is_file() and (entry / "arch.json").is_file()
+    assert (entry / weights_cache.WEIGHTS_FILE).is_file() and (entry / "arch-v2.json").is_file()
     assert not [p for p in entry.iterdir() if p.name.startswith(".")]  # no staging files left
 
     def no_conversion(*args):
@@ -422,7 +422,7 @@ def test_a_damaged_or_unwritable_cache_only_costs_time(tmp_path, cache_dir, monk
     state = write_tiny_gguf(Path(path))
     load_weights(path, torch.float32)
     weights_cache.weights_file(path).write_bytes(b"not safetensors")
-    (weights_cache.entry_dir(path) / "arch.json").write_text("{")
+    (weights_cache.entry_dir(path) / "arch-v2.json").write_text("{")
     assert torch.equal(load_weights(path, torch.float32)["model.norm.weight"], state["model.norm.weight"])
     assert weights_cache.load_weights(path) is not None  # rewritten by the conversion
     blocker = tmp_path / "a-file"

@@ -69,7 +69,10 @@ def test_quantized_moe_gguf_keeps_its_blocks_and_their_float_run(tmp_path, arch,
     those blocks), inputs rounded where the kernels round theirs."""
     path = tmp_path / f"tiny-{arch}-{qtype.name}.gguf"
     write_moe_gguf(path, arch, qtype)
-    quantized, reference = LLM(str(path), quantization="gguf", **ENGINE), LLM(str(path), **ENGINE)
+    quantized, reference = (
+        LLM(str(path), quantization="gguf", **ENGINE),
+        LLM(str(path), quantization="none", **ENGINE),
+    )
     try:
         modules = dict(quantized.engine.model_runner.model.named_modules())
         experts = [m for m in modules.values() if isinstance(m, QuantizedMoEExperts)]
