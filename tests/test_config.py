@@ -17,8 +17,9 @@ from llmserve.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from llmserve.config.cpu_isa import selected_level
 from llmserve.config.kv_cache_dtype import KV_CACHE_DTYPES, kv_row_bytes
-from llmserve.config.quantization import GGUF_BLOCK_TYPES
+from llmserve.config.quantization import GGUF_BLOCK_TYPES, int_kernels_take
 from llmserve.config.speculative import DEFAULT_MAX_VERIFY_ROWS
 
 CONFIG_DIR = Path(config_package.__file__).parent
@@ -157,6 +158,9 @@ def test_a_gguf_files_blocks_are_the_cpus_default_and_none_opts_out(smollm2_arch
         assert (chosen and chosen.method) == (None if value == "none" else value)
     floats = dataclasses.replace(smollm2_arch, gguf_tensor_types=("F16", "F32"))  # nothing kept in blocks
     assert EngineArgs(device="cpu").create_config(floats, "m").model.quantization is None
+    float32 = EngineArgs(device="cpu", dtype="float32").create_config(smollm2_arch, "m").model.quantization
+    level = selected_level().name  # float32 inputs run the int kernels below AVX-512 BF16 only
+    assert (float32 and float32.method) == ("gguf" if int_kernels_take(torch.float32, level) else None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no int4/int8 kernel there: float
     assert EngineArgs(device="cuda").create_config(smollm2_arch, "m").model.quantization is None
 

@@ -32,7 +32,12 @@ from llmserve.config.parallel import (
     check_expert_split,
     stage_layer_ranges,
 )
-from llmserve.config.quantization import GGUF_BLOCK_TYPES, PACKED_KERNEL_DEVICES, QuantizationConfig
+from llmserve.config.quantization import (
+    GGUF_BLOCK_TYPES,
+    PACKED_KERNEL_DEVICES,
+    QuantizationConfig,
+    int_kernels_take,
+)
 from llmserve.config.speculative import TREE_METHODS, SpeculativeConfig, SuffixDecodingConfig
 from llmserve.config.structured_outputs import StructuredOutputsConfig
 
@@ -553,7 +558,7 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         parallel = self._parallel(arch)
-        quantization = self._quantization(arch, device, parallel)
+        quantization = self._quantization(arch, device, dtype, parallel)
         check_family_features(
             arch,
             quantization,
@@ -587,7 +592,7 @@ class EngineArgs:
         )
 
     def _quantization(
-        self, arch: ModelArchConfig, device: torch.device, parallel: ParallelConfig
+        self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, parallel: ParallelConfig
     ) -> str | None:
         """--quantization; by default a GGUF file's own blocks where the engine keeps them (as llama.cpp
         serves a file at its own size), else None (float, or a pre-quantized checkpoint's codes)."""
@@ -597,6 +602,12 @@ class EngineArgs:
         if not kept:
             return None
         why_not = None if device.type in PACKED_KERNEL_DEVICES else f"no int4/int8 kernel on {device.type}"
+        level = selected_level()
+        if why_not is None and level is None:
+            why_not = "no compiled int4/int8 kernels on this CPU"
+        elif why_not is None and not int_kernels_take(dtype, level.name):
+            name = str(dtype).removeprefix("torch.")
+            why_not = f"the int4/int8 kernels of the {level.name} level take bfloat16 inputs, not {name}"
         if why_not is None:
             try:  # what gguf does not combine with (a family, experts split over ranks)
                 check_family_features(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 METHODS = ("int8", "int8-rtn", "int4", "awq", "gptq", "gguf")
 GROUP_SIZES = (32, 64, 128)  # the sizes the packed int4 CPU kernel accepts that we offer
 # int4 groups run along the input: under tensor parallelism a rank's columns must hold whole ones
@@ -19,6 +21,17 @@ PREQUANTIZED = "prequantized"  # a checkpoint published quantized: its own codes
 PACKED_KERNEL_DEVICES = ("cpu",)
 # GGUF tensor types whose blocks `--quantization gguf` keeps (quantization/gguf_native.py reads them)
 GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+# levels whose int8/int4 kernels take bf16 inputs only (kernels/csrc/linear_quantized.cpp: the AVX-512
+# BF16/VNNI code); the other levels run the AVX2 code, which takes float32 too
+BF16_ONLY_INT_KERNEL_LEVELS = ("avx512_bf16", "amx")
+
+
+def int_kernels_take(dtype: torch.dtype, level: str | None) -> bool:
+    """Whether the compiled int8/int4 kernels of instruction-set `level` take inputs of `dtype` (else a
+    quantized layer multiplies by its float weight rebuilt at every call)."""
+    if level is None:
+        return False
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and level not in BF16_ONLY_INT_KERNEL_LEVELS)
 
 
 @dataclass(frozen=True)

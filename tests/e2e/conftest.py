@@ -54,7 +54,7 @@ def hf_model_fp32():
 def llm_fp32():
     from llmserve import LLM
 
-    return LLM(dtype="float32", kv_cache_memory="512MiB")
+    return LLM(dtype="float32", quantization="none", kv_cache_memory="512MiB")
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

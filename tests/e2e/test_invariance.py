@@ -20,7 +20,7 @@ def reference(llm_fp32, prompts_5_to_600):
 
 
 def test_chunked_prefill_with_a_tiny_token_budget(prompts_5_to_600, reference):
-    llm = LLM(dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=61)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory="256MiB", max_num_batched_tokens=61)
     outputs = llm.generate(prompts_5_to_600, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
 
@@ -29,6 +29,7 @@ def test_chunked_prefill_with_a_tiny_token_budget(prompts_5_to_600, reference):
 def test_chunked_prefill_off(prompts_5_to_600, reference):
     llm = LLM(
         dtype="float32",
+        quantization="none",
         kv_cache_memory="256MiB",
         max_num_batched_tokens=4096,
         enable_chunked_prefill=False,
@@ -45,6 +46,7 @@ def test_preemption_forced_by_a_tiny_kv_pool(llm_fp32, default_tokenizer):
     num_blocks = sum(-(-(len(p) + 1) // 16) for p in prompts) + 1  # of 16 tokens
     llm = LLM(
         dtype="float32",
+        quantization="none",
         block_size=16,
         num_kv_blocks=num_blocks,
         prefix_caching=False,
@@ -73,6 +75,7 @@ def test_the_shipped_draft_head_on_the_default_model(prompts_5_to_600, reference
     its drafts are often right on these prompts it never saw, and the tokens are plain greedy's."""
     llm = LLM(
         dtype="float32",
+        quantization="none",
         kv_cache_memory="256MiB",
         speculative_method="draft_head",
         prompt_lookup_max=lookup_max,
@@ -95,7 +98,13 @@ def test_latency_targets_change_when_prompt_tokens_are_computed_never_which_toke
 
     from llmserve.core.step_cost import StepCostModel
 
-    llm = LLM(dtype="float32", kv_cache_memory="256MiB", ttft_target_ms=60_000, tpot_target_ms=50)
+    llm = LLM(
+        dtype="float32",
+        quantization="none",
+        kv_cache_memory="256MiB",
+        ttft_target_ms=60_000,
+        tpot_target_ms=50,
+    )
     engine = llm.engine
     engine.scheduler.cost_model = StepCostModel.fixed((0.01, 0.001, 0.001, 0.0, 0.0))
     chunks, schedule = defaultdict(list), engine.scheduler.schedule

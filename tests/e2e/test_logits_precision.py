@@ -42,12 +42,12 @@ CLEAR_GAP = 0.2
 
 @pytest.fixture(scope="module")
 def llm_bf16():
-    return LLM(dtype="bfloat16", kv_cache_memory="256MiB", prefix_caching=False)
+    return LLM(dtype="bfloat16", quantization="none", kv_cache_memory="256MiB", prefix_caching=False)
 
 
 @pytest.fixture(scope="module")
 def llm_fp32_uncached():
-    return LLM(dtype="float32", kv_cache_memory="256MiB", prefix_caching=False)
+    return LLM(dtype="float32", quantization="none", kv_cache_memory="256MiB", prefix_caching=False)
 
 
 def _chat(question: str) -> list[dict]:

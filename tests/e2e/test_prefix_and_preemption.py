@@ -20,12 +20,12 @@ def shared_prefix_prompts(default_tokenizer) -> list[list[int]]:
 
 
 def test_prefix_cache_hit_and_miss_give_the_same_tokens(shared_prefix_prompts):
-    uncached = LLM(dtype="float32", kv_cache_memory="128MiB", prefix_caching=False)
+    uncached = LLM(dtype="float32", quantization="none", kv_cache_memory="128MiB", prefix_caching=False)
     expected = [
         o.outputs[0].token_ids for o in uncached.generate(shared_prefix_prompts, GREEDY, use_tqdm=False)
     ]
 
-    cached = LLM(dtype="float32", kv_cache_memory="128MiB")
+    cached = LLM(dtype="float32", quantization="none", kv_cache_memory="128MiB")
     first = cached.generate(shared_prefix_prompts[:1], GREEDY, use_tqdm=False)  # a miss: fills the cache
     rest = cached.generate(shared_prefix_prompts[1:], GREEDY, use_tqdm=False)  # hits on the prefix
     kv = cached.engine.kv_cache_manager
@@ -37,7 +37,7 @@ def test_prefix_cache_hit_and_miss_give_the_same_tokens(shared_prefix_prompts):
 
 @pytest.mark.full
 def test_multi_turn_chat_reuses_the_first_turn(default_tokenizer):
-    llm = LLM(dtype="float32", kv_cache_memory="128MiB")
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory="128MiB")
     turn1 = [{"role": "user", "content": long_text(80)}]
     reply = llm.chat(turn1, GREEDY, use_tqdm=False)[0].outputs[0].text
     turn2 = turn1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter."}]
@@ -53,11 +53,16 @@ def test_multi_turn_chat_reuses_the_first_turn(default_tokenizer):
 def test_forced_preemption_in_each_mode_gives_the_same_tokens(mode, default_tokenizer):
     prompts = [default_tokenizer.encode(long_text(40 + 30 * i)) for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    roomy = LLM(dtype="float32", kv_cache_memory="128MiB", prefix_caching=False)
+    roomy = LLM(dtype="float32", quantization="none", kv_cache_memory="128MiB", prefix_caching=False)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     num_blocks = sum(-(-(len(p) + 1) // 16) for p in prompts) + 1  # all admitted; growth won't fit
     tight = LLM(
-        dtype="float32", block_size=16, num_kv_blocks=num_blocks, prefix_caching=False, preemption_mode=mode
+        dtype="float32",
+        quantization="none",
+        block_size=16,
+        num_kv_blocks=num_blocks,
+        prefix_caching=False,
+        preemption_mode=mode,
     )
     outputs = tight.generate(prompts, params, use_tqdm=False)
     scheduler = tight.engine.scheduler

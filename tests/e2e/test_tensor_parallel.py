@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=
 @pytest.mark.parametrize("tp", [2, 3])
 def test_default_model_greedy_matches_one_process(tp, llm_fp32):
     reference = llm_fp32.generate(PROMPTS, GREEDY, use_tqdm=False)
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB", tensor_parallel_size=tp)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory="64MiB", tensor_parallel_size=tp)
     try:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:

@@ -49,3 +49,18 @@ def test_this_process_level_follows_the_variable(monkeypatch):
         assert cpu_isa.selected_level().name == "avx2" and cpu_isa.is_forced()
     finally:
         cpu_isa.selected_level.cache_clear()
+
+
+@pytest.mark.cpu_kernels
+def test_the_configs_int_kernel_dtypes_are_the_builds():
+    """EngineArgs' GGUF default reads which activation dtypes the int8/int4 kernels take from the level
+    (config/quantization.py); the build at this process's level (forced or not) must agree."""
+    import torch
+
+    from llmserve.config.quantization import int_kernels_take
+    from llmserve.kernels.cpu_ops import load_cpu_ops
+
+    ops, level = load_cpu_ops(), cpu_isa.selected_level()
+    for dtype in (torch.bfloat16, torch.float32):
+        assert int_kernels_take(dtype, level.name) == ops.small_batch_linear_int8_supported(dtype), dtype
+    assert not int_kernels_take(torch.float32, "amx") and int_kernels_take(torch.float32, "avx512")
