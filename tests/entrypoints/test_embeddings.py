@@ -109,7 +109,16 @@ def test_default_model_embeddings_match_transformers(tmp_path):
     from llmserve.model_loader import load_tokenizer
 
     path = default_model_path()
-    args = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--dtype", "float32"]
+    args = [
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory",
+        "64MiB",
+        "--dtype",
+        "float32",
+        "--quantization",
+        "none",
+    ]
     server = start_server(args, tmp_path / "server.log")
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
