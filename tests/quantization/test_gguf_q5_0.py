@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmserve import LLM
+from llmserve.quantization import checkpoint
 from llmserve.quantization.formats import Int4Weight, Int8Weight, concat_rows
 from llmserve.quantization.kernels import QuantizedLinear, RoundedInputKernel
 from llmserve.worker.memory_report import weights_memory_bytes
@@ -108,3 +109,15 @@ def test_5_bit_shards_fuse_beside_int8_ones_as_int8_and_not_beside_int4_ones():
     four = Int4Weight(five.qweight & 15, scales, -8 * scales, 32)
     assert concat_rows([five, four]) is None
     assert Int4Weight(five.qweight, scales, -15 * scales, 32, 5).as_int8() is None  # not Q5_0's offsets
+
+
+def test_the_weights_cache_keeps_5_bit_codes(tmp_path):
+    """A GGUF's layers are cached in the checkpoint format: a 5-bit weight comes back 5-bit."""
+    scales = torch.rand(4, 2, generator=torch.Generator().manual_seed(1)).half().float()
+    five = Int4Weight(torch.arange(256, dtype=torch.uint8).view(4, 64) % 32, scales, -16 * scales, 32, 5)
+    four = Int4Weight(five.qweight & 15, scales.clone(), -8 * scales, 32)  # safetensors: no shared storage
+    checkpoint.save_quantized(str(tmp_path), {"five": five, "four": four}, {"method": "test"})
+    weights, _, _ = checkpoint.load_quantized(str(tmp_path))
+    assert (weights["five"].bits, weights["four"].bits) == (5, 4)
+    assert torch.equal(weights["five"].dequantize(), five.dequantize())
+    assert torch.equal(weights["four"].dequantize(), four.dequantize())
