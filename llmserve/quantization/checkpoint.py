@@ -5,11 +5,11 @@ Only quantized layers are stored (their float weights are not); everything else 
 comes from the source model, whose SHA-256 (GGUF) or path (HF directory) the json records.
 
     quantized.safetensors: for each quantized layer NAME (e.g. model.layers.0.mlp.down_proj)
-        NAME.qweight  int8 (int8 codes) or uint8 (int4 codes, one per byte)  [out, in]
+        NAME.qweight  int8 (int8 codes) or uint8 (int4 or 5-bit codes, one per byte)  [out, in]
         NAME.scales   float32 [out, in // group_size]
         NAME.offsets  float32 [out, in // group_size]  (int4 only)
     quantization.json: {"format": 1, "method": ..., "group_size": ..., "source": ..., "source_sha256": ...,
-                        "layers": {NAME: {"kind": "int8" | "int4", "group_size": G}}}
+                        "layers": {NAME: {"kind": "int8" | "int4", "group_size": G (, "bits": 5)}}}
 (Folded AWQ scales change the source's norm weights too; those are stored as NAME.float tensors.)
 """
 
@@ -44,6 +44,8 @@ def save_quantized(
         if isinstance(weight, Int4Weight):
             tensors[f"{name}.offsets"] = weight.offsets.float().contiguous()
         layers[name] = {"kind": weight.kind, "group_size": weight.group_size}
+        if getattr(weight, "bits", 4) != 4:  # 5-bit codes (GGUF Q5_0); older files hold 4-bit ones
+            layers[name]["bits"] = weight.bits
     for name, tensor in (float_tensors or {}).items():
         tensors[f"{name}.float"] = tensor.detach().float().contiguous()
     save_file(tensors, os.path.join(directory, TENSORS_FILE))
@@ -79,6 +81,7 @@ def load_quantized(directory: str) -> tuple[dict[str, QuantizedWeight], dict[str
                 tensors[f"{name}.scales"],
                 tensors[f"{name}.offsets"],
                 layer["group_size"],
+                layer.get("bits", 4),
             )
     floats = {key.removesuffix(".float"): value for key, value in tensors.items() if key.endswith(".float")}
     return weights, floats, info

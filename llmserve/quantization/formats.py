@@ -6,6 +6,7 @@ along the input dimension, so fusing layers (q/k/v, gate/up) is a concatenation 
 
     Int8Weight:  w[n, k] = q[n, k] * scale[n, k // group]               q in -128..127 (symmetric)
     Int4Weight:  w[n, k] = q[n, k] * scale[n, k // group] + offset[...]  q in 0..15 (asymmetric)
+                 bits 5: q in 0..31 (GGUF Q5_0: scale d, offset -16 d), packed as 4 + 1 bits
 
 The int4 offset is a float (llama.cpp's Q4_1 `m`, tinygemm's zero point) rather than an integer zero
 point: it represents Q4_0, Q4_1 and RTN's exact group minimum without a second rounding.
@@ -51,6 +52,7 @@ class Int4Weight:
     scales: torch.Tensor  # float32 [out, in // group_size]
     offsets: torch.Tensor  # float32 [out, in // group_size]
     group_size: int
+    bits: int = 4  # 5: codes 0..31 (GGUF Q5_0), which the int4 kernels take with a plane of fifth bits
 
     kind = "int4"
 
@@ -64,16 +66,29 @@ class Int4Weight:
         return (codes * self.scales.to(dtype)[..., None] + self.offsets.to(dtype)[..., None]).view(rows, cols)
 
     def rows(self, index: torch.Tensor) -> Int4Weight:
-        return Int4Weight(self.qweight[index], self.scales[index], self.offsets[index], self.group_size)
+        parts = (self.qweight[index], self.scales[index], self.offsets[index])
+        return Int4Weight(*parts, self.group_size, self.bits)
+
+    def as_int8(self) -> Int8Weight | None:
+        """The same weights as int8 codes q - c with the same scales, where every offset is -c times its
+        scale for one integer c (GGUF Q5_0's -16 d): exact, since q * s - c * s = (q - c) * s; else None."""
+        center = 1 << (self.bits - 1)
+        if not torch.equal(self.offsets, -center * self.scales):
+            return None
+        codes = (self.qweight.to(torch.int16) - center).to(torch.int8)
+        return Int8Weight(codes, self.scales, self.group_size)
 
 
 QuantizedWeight = Int8Weight | Int4Weight
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
-    """Fuse shards (q/k/v, gate/up) into one weight; None if their formats differ."""
+    """Fuse shards (q/k/v, gate/up) into one weight; None if their formats differ. 5-bit shards beside
+    int8 ones (a GGUF's Q5_0 q/k beside a Q8_0 v) join as the int8 codes they equal."""
+    if any(isinstance(w, Int8Weight) for w in weights):
+        weights = [w.as_int8() or w if isinstance(w, Int4Weight) and w.bits == 5 else w for w in weights]
     first = weights[0]
-    if any(type(w) is not type(first) or w.group_size != first.group_size for w in weights):
+    if any(_layout(w) != _layout(first) for w in weights):
         return None
     if isinstance(first, Int8Weight):
         return Int8Weight(
@@ -84,7 +99,13 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
         torch.cat([w.scales for w in weights]),
         torch.cat([w.offsets for w in weights]),
         first.group_size,
+        first.bits,
     )
+
+
+def _layout(weight: QuantizedWeight) -> tuple:
+    """What shards must share to be fused: format, group size and code width."""
+    return type(weight), weight.group_size, getattr(weight, "bits", 8)
 
 
 def shard_rows(weight: QuantizedWeight, index: torch.Tensor, rows: int) -> QuantizedWeight:

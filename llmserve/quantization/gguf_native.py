@@ -7,7 +7,7 @@ scales (and offsets) exactly, its codes become our codes. llama.cpp's blocks hol
     Q4_0: d, 16 bytes of nibbles    w = d * (q - 8)    -> Int4Weight(scale d, offset -8d)
     Q4_1: d, m, 16 bytes of nibbles w = d * q + m      -> Int4Weight(scale d, offset m)
     Q5_0: d, 32 high bits, 16 bytes of nibbles
-                                    w = d * (q - 16)   -> Int8Weight(group 32, scale d), codes q - 16
+                                    w = d * (q - 16)   -> Int4Weight(bits 5, scale d, offset -16d), codes q
     Q8_0: d, 32 int8                w = d * q          -> Int8Weight(group 32, scale d)
 
 The nibbles of a block are elements 0..15 in the low halves of its 16 bytes and 16..31 in the high
@@ -84,14 +84,15 @@ def _read_q4_1(blocks: np.ndarray) -> Int4Weight:
     return Int4Weight(_nibbles(blocks[..., 2 * _HALF :]), _halves(blocks, 0), _halves(blocks, _HALF), BLOCK)
 
 
-def _read_q5_0(blocks: np.ndarray) -> Int8Weight:
-    """Element i's fifth bit is bit i of the block's little-endian 32-bit word after d."""
+def _read_q5_0(blocks: np.ndarray) -> Int4Weight:
+    """Element i's fifth bit is bit i of the block's little-endian 32-bit word after d. d * q is exact
+    in float32 (11 by 5 significant bits) and -16 d too, so d * q + (-16 d) rounds once, as d * (q - 16)."""
     high = np.ascontiguousarray(blocks[..., _HALF : _HALF + 4]).view("<u4")
     fifth = (high >> np.arange(BLOCK, dtype=np.uint32)) & 1  # [rows, blocks, 32]
-    codes = _nibbles(blocks[..., _HALF + 4 :]).numpy().astype(np.int16) | (
-        fifth.reshape(len(blocks), -1) << 4
-    )
-    return Int8Weight(torch.from_numpy((codes - 16).astype(np.int8)), _halves(blocks, 0), BLOCK)
+    fifths = (fifth.reshape(len(blocks), -1) << 4).astype(np.uint8)
+    codes = _nibbles(blocks[..., _HALF + 4 :]).numpy() | fifths
+    scales = _halves(blocks, 0)
+    return Int4Weight(torch.from_numpy(codes), scales, -16.0 * scales, BLOCK, bits=5)
 
 
 def _read_q8_0(blocks: np.ndarray) -> Int8Weight:

@@ -14,6 +14,7 @@ the W it multiplies by (what the tests compare a float run against).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -58,6 +59,7 @@ class DequantizeKernel(LinearKernel):
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.kind, self.group_size = weight.kind, weight.group_size
+        self.bits = getattr(weight, "bits", 8)
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales.to(dtype))
         offsets = weight.offsets.to(dtype) if isinstance(weight, Int4Weight) else None
@@ -78,7 +80,7 @@ class DequantizeKernel(LinearKernel):
     def _weight(self) -> QuantizedWeight:
         if self.kind == "int8":
             return Int8Weight(self.qweight, self.scales, self.group_size)
-        return Int4Weight(self.qweight, self.scales, self.offsets, self.group_size)
+        return Int4Weight(self.qweight, self.scales, self.offsets, self.group_size, self.bits)
 
 
 class RoundedInputKernel(LinearKernel):
@@ -92,13 +94,16 @@ class RoundedInputKernel(LinearKernel):
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.kind, self.group_size = weight.kind, weight.group_size
+        self.bits = getattr(weight, "bits", 8)  # int4's 4 or 5 (a plane of fifth bits after the nibbles)
         ops = load_cpu_ops()
         codes = weight.qweight.contiguous()
         self._float_out = None
         if isinstance(weight, Int4Weight):
             self._kernel = ops.small_batch_linear_int4
-            self._unpack = ops.small_batch_dequantize_int4
-            packed, scales = ops.small_batch_pack_int4(codes, weight.scales.float(), weight.offsets.float())
+            self._unpack = functools.partial(ops.small_batch_dequantize_int4, bits=weight.bits)
+            packed, scales = ops.small_batch_pack_int4(
+                codes, weight.scales.float(), weight.offsets.float(), bits=weight.bits
+            )
         else:
             self._kernel = ops.small_batch_linear_int8
             self._float_out = ops.small_batch_linear_int8_float_out
@@ -132,16 +137,22 @@ class RoundedInputKernel(LinearKernel):
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Read from the packed layouts (small_batch_pack_int8/int4 in linear_quantized.cpp): codes
         in blocks of 32 rows, [N'/32, K/4, 32, 4] bytes q + 128 (int8) or [N'/32, K/8, 32, 4] bytes
-        holding columns k..k+3 low and k+4..k+7 high (int4); scales [N] per row, [N'/32, K/G, 32] per
-        group, int4's (scale, offset) [N'/32, K/G, 2, 32]. Each product q * scale is exact in float32
-        for GGUF's scales, so (q * scale) + offset rounds once, as the reference does."""
+        holding columns k..k+3 low and k+4..k+7 high (int4; 5-bit codes: each block's nibbles followed
+        by its fifth bits, `_fifth_bits`); scales [N] per row, [N'/32, K/G, 32] per group, int4's
+        (scale, offset) [N'/32, K/G, 2, 32]. Each product q * scale is exact in float32 for GGUF's
+        scales, so (q * scale) + offset rounds once, as the reference does."""
         flat = index.reshape(-1)
         block, lane = flat // _PACKED_ROWS, flat % _PACKED_ROWS
         rows, packed = flat.numel(), self.small_batch_qweight
         if self.kind == "int4":
-            cols = packed.shape[1] * 2
-            data = packed.view(-1, cols // 8, _PACKED_ROWS, 4)[block, :, lane]  # [T, K/8, 4]
-            codes = torch.stack([data & 0x0F, data >> 4], dim=2).view(rows, cols)
+            cols = packed.shape[1] * 8 // self.bits
+            blocks = packed.view(packed.shape[0] // _PACKED_ROWS, -1)  # views, not copies, of the blocks
+            nibbles = blocks[:, : _PACKED_ROWS * cols // 2].unflatten(1, (cols // 8, _PACKED_ROWS, 4))
+            data = nibbles[block, :, lane]  # [T, K/8, 4]
+            codes = torch.stack([data & 0x0F, data >> 4], dim=2)  # [T, K/8, 2, 4]
+            if self.bits == 5:
+                codes = codes | _fifth_bits(blocks[:, _PACKED_ROWS * cols // 2 :], block, lane) << 4
+            codes = codes.view(rows, cols)
             params = self.small_batch_scales[block, :, :, lane].float()  # [T, groups, 2]
             scales, offsets = params[..., 0], params[..., 1]
         else:
@@ -253,6 +264,15 @@ class Int4PackedKernel(LinearKernel):
         return self.forward(eye).t().to(dtype)
 
 
+def _fifth_bits(planes: torch.Tensor, block: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """[T, K/8, 2, 4] fifth bits of rows (block, lane) from the blocks' planes [N'/32, K/8 * 32]: per
+    chunk of 8 columns 32 bytes, byte 16 h + row / 2 holding (columns 4 h.. 4 h + 3) of rows 2p, 2p + 1
+    in bits 0-3, 4-7 (small_batch_pack_int4's layout)."""
+    chunks = planes.unflatten(1, (-1, 2, _PACKED_ROWS // 2))[block, :, :, lane // 2]  # [T, K/8, 2]
+    shifts = (lane % 2 * 4)[:, None, None, None] + torch.arange(4, device=planes.device)
+    return (chunks[..., None].to(torch.int32) >> shifts & 1).to(torch.uint8)
+
+
 def _small_batch_int8_ops(codes: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
     """The compiled kernels, where this build has the int8/int4 kernels for `dtype` inputs and the
     codes suit them: a width that is a multiple of 32, and int8 codes within [-127, 127] (the
@@ -274,7 +294,7 @@ def _packed_cpu(weight: QuantizedWeight, dtype: torch.dtype, device: torch.devic
 # In order of preference: (applies to weight/dtype/device, kernel class).
 _KERNELS: list[tuple[Callable[[QuantizedWeight, torch.dtype, torch.device], bool], type[LinearKernel]]] = [
     (RoundedInputKernel.serves, RoundedInputKernel),
-    (lambda w, d, dev: _packed_cpu(w, d, dev) and w.kind == "int4", Int4PackedKernel),
+    (lambda w, d, dev: _packed_cpu(w, d, dev) and w.kind == "int4" and w.bits == 4, Int4PackedKernel),
     (
         lambda w, d, dev: _packed_cpu(w, d, dev) and w.kind == "int8" and w.group_size == w.shape[1],
         Int8PackedKernel,
@@ -295,7 +315,11 @@ def _to_device(weight: QuantizedWeight, device: torch.device) -> QuantizedWeight
     if isinstance(weight, Int8Weight):
         return Int8Weight(weight.qweight.to(device), weight.scales.to(device), weight.group_size)
     return Int4Weight(
-        weight.qweight.to(device), weight.scales.to(device), weight.offsets.to(device), weight.group_size
+        weight.qweight.to(device),
+        weight.scales.to(device),
+        weight.offsets.to(device),
+        weight.group_size,
+        weight.bits,
     )
 
 

@@ -286,7 +286,7 @@ def _gguf_tensors(config: ModelConfig) -> dict[str, QuantizedWeight]:
     )
 
 
-_GGUF_CACHE_ENTRY = "gguf-native-v2"  # v2: Q4_K and Q5_0 tensors too
+_GGUF_CACHE_ENTRY = "gguf-native-v3"  # v2: Q4_K and Q5_0 tensors too; v3: Q5_0 as 5-bit codes
 
 
 def _cached(

@@ -16,7 +16,7 @@ from llmserve.quantization.formats import Int4Weight, Int8Weight
 
 @pytest.mark.parametrize(
     ("type_name", "kind"),
-    [("Q4_0", Int4Weight), ("Q4_1", Int4Weight), ("Q5_0", Int8Weight), ("Q8_0", Int8Weight)],
+    [("Q4_0", Int4Weight), ("Q4_1", Int4Weight), ("Q5_0", Int4Weight), ("Q8_0", Int8Weight)],
 )
 def test_block_readers_equal_gguf_dequantize(type_name, kind):
     qtype = GGMLQuantizationType[type_name]
@@ -25,6 +25,22 @@ def test_block_readers_equal_gguf_dequantize(type_name, kind):
     weight = gguf_native._READERS[type_name](raw.reshape(6, 3, -1))
     assert isinstance(weight, kind) and weight.group_size == 32
     assert torch.equal(weight.dequantize(), torch.from_numpy(dequantize(raw, qtype)))
+
+
+def test_q5_0_blocks_are_5_bit_codes_equal_to_gguf_dequantize():
+    """Q5_0 blocks of random bytes (every pattern of fifth bits) under float16 d: codes 0..31 (bits 5),
+    scale d and offset -16 d, equal to the gguf package's dequantization bit for bit; and as int8
+    codes q - 16 (how they fuse beside Q8_0 shards) the same weights."""
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, 256, (9, 4, 22), dtype=np.uint8)
+    blocks[..., 0:2] = rng.uniform(1e-4, 3e-3, (9, 4, 1)).astype(np.float16).view(np.uint8)
+    weight = gguf_native._READERS["Q5_0"](blocks)
+    assert isinstance(weight, Int4Weight) and (weight.bits, weight.group_size) == (5, 32)
+    assert weight.qweight.dtype == torch.uint8 and int(weight.qweight.max()) == 31
+    assert torch.equal(weight.offsets, -16 * weight.scales)
+    reference = torch.from_numpy(dequantize(blocks.reshape(9, -1), GGMLQuantizationType.Q5_0))
+    assert torch.equal(weight.dequantize(), reference)
+    assert torch.equal(weight.as_int8().dequantize(), reference)
 
 
 def _random_q4_k_blocks(rng: np.random.Generator, rows: int, supers: int) -> np.ndarray:

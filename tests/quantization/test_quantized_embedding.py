@@ -149,10 +149,11 @@ _NAMES = {
 }
 
 
-def write_tied_gguf(path, embedding_type) -> None:
+def write_tied_gguf(path, embedding_type, projection_type=Q.Q4_0, types: dict | None = None) -> None:
     """A tied tiny random Llama (no `output` tensor): token_embd in `embedding_type`, projections in
-    Q4_0, norms in float32. The q/k rows are written as they are: the test compares two runs of this
-    one file, not the file against transformers."""
+    `projection_type` (`types`: another for some tensors, by GGUF name), norms in float32. The q/k
+    rows are written as they are: the test compares two runs of this one file, not the file against
+    transformers."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -178,7 +179,8 @@ def write_tied_gguf(path, embedding_type) -> None:
             gguf_name, qtype = "output_norm.weight", None
         else:
             layer, module = name.split(".")[2], name.split(".", 3)[3].rpartition(".")[0]
-            gguf_name, qtype = f"blk.{layer}.{_NAMES[module]}.weight", None if array.ndim == 1 else Q.Q4_0
+            gguf_name = f"blk.{layer}.{_NAMES[module]}.weight"
+            qtype = None if array.ndim == 1 else (types or {}).get(gguf_name, projection_type)
         if qtype is None:
             writer.add_tensor(gguf_name, array)
         else:

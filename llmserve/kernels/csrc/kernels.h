@@ -43,13 +43,16 @@ torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, tor
 torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                                                 int64_t out_features);
 bool small_batch_linear_int8_supported(at::ScalarType input = at::kBFloat16);  // for inputs of this dtype
-std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets);
+std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                                                 int64_t bits = 4);  // 5: codes 0..31, a plane of fifth bits
 torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features);
-torch::Tensor small_batch_dequantize_int4(torch::Tensor packed, torch::Tensor params, int64_t out_features);
+torch::Tensor small_batch_dequantize_int4(torch::Tensor packed, torch::Tensor params, int64_t out_features,
+                                          int64_t bits = 4);
 torch::Tensor small_batch_dequantize_int8(torch::Tensor packed, torch::Tensor scales, int64_t out_features);
 
 // decode_stack.cpp: x W^T through the small-batch kernel for W's packed format and x's dtype: uint8 W ->
-// small_batch_linear_int8 (scales [N] or [blocks, groups, 32]) or small_batch_linear_int4 (4-D params), for
+// small_batch_linear_int8 (scales [N] or [blocks, groups, 32]) or small_batch_linear_int4 (4-D params; 4- or
+// 5-bit codes, told apart by the packed width), for
 // bf16 x or, at the AVX2 level, float32 x; otherwise float32 x -> small_batch_linear_f32 (W packed float32,
 // or bf16 for a draft head), bf16 x -> small_batch_linear (bf16 W). What SmallBatchLinear, PackedLinear and
 // the quantized kernels run from Python, for the compiled compositions of them (DecodeStack, DraftHeadChain).

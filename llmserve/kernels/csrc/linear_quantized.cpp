@@ -23,6 +23,13 @@
 // sum x is taken from the rounded input too, so the result is exactly the product of the rounded
 // input with W (up to float32 sums).
 //
+// 5-bit codes 0..31 (GGUF Q5_0: w = d * (q - 16), scale d and offset -16 d) run the same kernels: the
+// low nibbles packed as int4's, followed in each 32-row block by a plane of the fifth bits, 32 bytes per
+// chunk of 8 columns: eight 32-bit words (the low nibbles' rows 0-7, 8-15, 16-23, 24-31, then the high
+// nibbles' likewise), bit i of a word for byte i of the 32-byte load of those 8 rows (row i / 4,
+// column i % 4). Two words side by side are the byte mask of a 64-byte load's 16 rows. The bits are
+// expanded to 0x10 bytes and ORed into the nibbles before the byte products.
+//
 // The input rounding is the only difference from an exact product: a relative error of at most
 // 1/254 of each block's largest input per element, which `llmserve eval ppl` measures on real text
 // (docs/quantization.md).
@@ -205,14 +212,15 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
 
 // int4: rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block. `params` holds the block's
 // [groups][2][32] float32 scales and offsets; `group_sums` [M, groups] is sum x over each group;
-// `prefetch` as for int8_block. bf16 outputs only (float32 inputs are the AVX2 level's).
-template <int MC, typename Param>
-inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const Param* params,
-                       const float* group_sums, uint16_t* out, int64_t k_size, int64_t n_size, int64_t row,
-                       int64_t group_size, bool prefetch) {
+// `prefetch` as for int8_block. bf16 outputs only (float32 inputs are the AVX2 level's). FiveBit: `plane`
+// is the block's fifth bits (the header says how they lie), ORed into the codes.
+template <int MC, bool FiveBit, typename Param>
+inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const uint8_t* plane,
+                       const Param* params, const float* group_sums, uint16_t* out, int64_t k_size, int64_t n_size,
+                       int64_t row, int64_t group_size, bool prefetch) {
   const int64_t blocks = k_size / kInputBlock, groups = k_size / group_size;
   const int64_t blocks_per_group = group_size / kInputBlock;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
   __m512 acc[2][MC];
   for (int m = 0; m < MC; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -238,6 +246,18 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
           const __m512i packed = _mm512_loadu_si512(lines + 64 * t);
           low[t] = _mm512_and_si512(packed, nibble);
           high[t] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+        }
+        if constexpr (FiveBit) {
+          const uint8_t* bits = plane + (b * (kInputBlock / 8) + chunk) * kRows;  // this chunk's 32 bytes
+          if (prefetch && chunk % 2 == 0)  // one line per two chunks, as far ahead in weights as the nibbles'
+            _mm_prefetch(reinterpret_cast<const char*>(bits) + kPrefetchBytes / 4, _MM_HINT_T0);
+          for (int t = 0; t < 2; ++t) {
+            uint64_t low_bits, high_bits;
+            std::memcpy(&low_bits, bits + 8 * t, sizeof(low_bits));
+            std::memcpy(&high_bits, bits + 16 + 8 * t, sizeof(high_bits));
+            low[t] = _mm512_or_si512(low[t], _mm512_maskz_mov_epi8(_cvtu64_mask64(low_bits), fifth));
+            high[t] = _mm512_or_si512(high[t], _mm512_maskz_mov_epi8(_cvtu64_mask64(high_bits), fifth));
+          }
         }
         for (int m = 0; m < MC; ++m) {
           const int8_t* codes = in.codes.data() + (m0 + m) * k_size + b * kInputBlock + 8 * chunk;
@@ -403,12 +423,25 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
   store_block_rows<MC>(acc, out + m0 * n_size, n_size, row);
 }
 
+// 32 bits -> 32 bytes, byte i 0x10 where bit i is set: each byte of the word spread over 8 bytes
+// (in-lane shuffle of the word broadcast), each of those tested for its own bit.
+inline __m256i fifth_bits(const uint8_t* word) {
+  int32_t bits;
+  std::memcpy(&bits, word, sizeof(bits));
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(bits), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
 // int4: rows [row, row + 32) of inputs [m0, m0 + MC) from one packed block (the AVX-512 int4_block's
-// contract), bf16 or float32 outputs.
-template <int MC, typename Out, typename Param>
-inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const Param* params,
-                       const float* group_sums, Out* out, int64_t k_size, int64_t n_size, int64_t row,
-                       int64_t group_size, bool prefetch) {
+// contract), bf16 or float32 outputs. FiveBit: codes reach 31, so a chunk's int16 pairs (at most
+// 4 x 31 x 128) are widened to int32 per chunk, the sums as exact as int4's.
+template <int MC, bool FiveBit, typename Out, typename Param>
+inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* block, const uint8_t* plane,
+                       const Param* params, const float* group_sums, Out* out, int64_t k_size, int64_t n_size,
+                       int64_t row, int64_t group_size, bool prefetch) {
   const int64_t blocks = k_size / kInputBlock, groups = k_size / group_size;
   const int64_t blocks_per_group = group_size / kInputBlock;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -423,7 +456,7 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
         acc[v][m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(group_sums[(m0 + m) * groups + g]), acc[v][m]);
     }
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-      __m256i sums[4][MC];  // int16 pairs
+      __m256i sums[4][MC];  // int16 pairs (FiveBit: int32)
       LLMSERVE_UNROLL for (int v = 0; v < 4; ++v)
         LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) sums[v][m] = _mm256_setzero_si256();
       const uint8_t* weights = block + b * kInputBlock * kRows / 2;  // 4 chunks of 8 columns x 32 rows
@@ -439,20 +472,30 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
           first[m] = _mm256_set1_epi32(four_codes(codes + m * k_size + 8 * chunk));
           second[m] = _mm256_set1_epi32(four_codes(codes + m * k_size + 8 * chunk + 4));
         }
+        const uint8_t* bits = plane + (b * (kInputBlock / 8) + chunk) * kRows;  // FiveBit: 32 bytes
+        if (FiveBit && prefetch && chunk % 2 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(bits) + kPrefetchBytes / 4, _MM_HINT_T0);
         LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + 32 * v));
-          const __m256i low = _mm256_and_si256(packed, nibble);
-          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-          LLMSERVE_UNROLL for (int m = 0; m < MC; ++m)
-            sums[v][m] = _mm256_add_epi16(sums[v][m], _mm256_add_epi16(_mm256_maddubs_epi16(low, first[m]),
-                                                                       _mm256_maddubs_epi16(high, second[m])));
+          __m256i low = _mm256_and_si256(packed, nibble);
+          __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+          if constexpr (FiveBit) {
+            low = _mm256_or_si256(low, fifth_bits(bits + 4 * v));
+            high = _mm256_or_si256(high, fifth_bits(bits + 16 + 4 * v));
+          }
+          LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) {
+            const __m256i pairs =
+                _mm256_add_epi16(_mm256_maddubs_epi16(low, first[m]), _mm256_maddubs_epi16(high, second[m]));
+            sums[v][m] = FiveBit ? _mm256_add_epi32(sums[v][m], _mm256_madd_epi16(pairs, ones))
+                                 : _mm256_add_epi16(sums[v][m], pairs);
+          }
         }
       }
       LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) {
         const __m256 input_scale = _mm256_set1_ps(in.scales[(m0 + m) * blocks + b]);
         LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
           const __m256 scale = load_params8(group_params + 8 * v);
-          const __m256 block_sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[v][m], ones));
+          const __m256 block_sums = _mm256_cvtepi32_ps(FiveBit ? sums[v][m] : _mm256_madd_epi16(sums[v][m], ones));
           acc[v][m] = _mm256_fmadd_ps(block_sums, _mm256_mul_ps(scale, input_scale), acc[v][m]);
         }
       }
@@ -498,7 +541,8 @@ void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed
 }
 
 // The int4 blocks likewise; `group_sums` (sum x per group, from the rounded input) feed the offsets.
-template <typename Out, typename Param>
+// FiveBit: each block's nibbles are followed by its plane of fifth bits.
+template <bool FiveBit, typename Out, typename Param>
 void int4_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const Param* params, Out* out,
                  int64_t k_size, int64_t n_size, int64_t group_size) {
   const int64_t blocks = (n_size + kRows - 1) / kRows, groups = k_size / group_size;
@@ -507,21 +551,22 @@ void int4_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed
   for (int64_t m = 0; m < m_size; ++m)
     for (int64_t b = 0; b < input_blocks; ++b)
       group_sums[m * groups + b / blocks_per_group] += in.scales[m * input_blocks + b] * in.sums[m * input_blocks + b];
-  const int64_t block_bytes = kRows * k_size / 2;
+  const int64_t nibble_bytes = kRows * k_size / 2, block_bytes = nibble_bytes + (FiveBit ? kRows * k_size / 8 : 0);
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint8_t* block = packed + b * block_bytes;
+      const uint8_t* plane = block + nibble_bytes;  // FiveBit only
       const Param* block_params = params + b * groups * 2 * kRows;
       const int64_t row = b * kRows;
       for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
         const bool first = m0 == 0;
         const float* sums = group_sums.data();
         switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
-          case 1: int4_block<1>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
-          case 2: int4_block<2>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
-          case 3: int4_block<3>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
-          default: int4_block<4>(in, m0, block, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+          case 1: int4_block<1, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+          case 2: int4_block<2, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+          case 3: int4_block<3, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+          default: int4_block<4, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
         }
       }
     }
@@ -660,13 +705,17 @@ torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor p
   return out;
 }
 
-// codes [N, K] uint8 (0..15), scales and offsets [N, K / group_size] float32, group_size a multiple of 32
-// dividing K -> (packed [N', K / 2] uint8, params [N' / 32, groups, 2, 32]) with N' = N rounded up
-// to a multiple of 32 (zero rows pad); params in float16 where every scale and offset is exact in it
-// (GGUF Q4_0/Q4_1's, or float16 checkpoints'), else float32.
-std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets) {
+// codes [N, K] uint8 (0..15; bits 5: 0..31), scales and offsets [N, K / group_size] float32, group_size a
+// multiple of 32 dividing K -> (packed [N', K / 2] uint8, params [N' / 32, groups, 2, 32]) with N' = N
+// rounded up to a multiple of 32 (zero rows pad); params in float16 where every scale and offset is exact
+// in it (GGUF Q4_0/Q4_1/Q5_0's, or float16 checkpoints'), else float32. bits 5: packed [N', 5 K / 8],
+// each 32-row block's nibbles followed by its plane of fifth bits (the header says how they lie).
+std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+                                                 int64_t bits) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kByte, "small_batch_pack_int4 takes 2-D uint8 codes");
-  TORCH_CHECK(codes.numel() == 0 || codes.max().item<int>() <= 15, "int4 codes must lie in [0, 15]");
+  TORCH_CHECK(bits == 4 || bits == 5, "small_batch_pack_int4 packs 4- or 5-bit codes");
+  TORCH_CHECK(codes.numel() == 0 || codes.max().item<int>() < (1 << bits),
+              bits == 4 ? "int4 codes must lie in [0, 15]" : "5-bit codes must lie in [0, 31]");
   const int64_t n_size = codes.size(0), k_size = codes.size(1);
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n_size && scales.sizes() == offsets.sizes(),
               "scales and offsets must be [N, groups]");
@@ -677,9 +726,18 @@ std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Ten
   auto rows = torch::zeros({padded, k_size}, codes.options());
   rows.narrow(0, 0, n_size).copy_(codes);
   // [blocks, 32 rows, K/8, 2 halves, 4] -> [blocks, K/8, 32 rows, 4] bytes of (low | high << 4)
-  auto split = rows.view({padded / kRows, kRows, k_size / 8, 2, 4});
+  auto split = rows.bitwise_and(0x0F).view({padded / kRows, kRows, k_size / 8, 2, 4});
   auto bytes = split.select(3, 0).bitwise_or(split.select(3, 1).bitwise_left_shift(4));
   auto packed = bytes.permute({0, 2, 1, 3}).contiguous().view({padded, k_size / 2});
+  if (bits == 5) {
+    // [blocks, 32 rows, K/8, 2 halves, 4] fifth bits -> [blocks, K/8, 2 halves, 16 row pairs, 2, 4]: bit
+    // 4 (row % 2) + column of byte 16 half + row / 2 of the chunk's 32
+    auto fifth = rows.bitwise_right_shift(4).view({padded / kRows, kRows / 2, 2, k_size / 8, 2, 4});
+    auto weights = torch::tensor({1, 2, 4, 8, 16, 32, 64, 128}, codes.options()).view({2, 4});
+    auto plane = fifth.permute({0, 3, 4, 1, 2, 5}).mul(weights).sum({-2, -1}, false, torch::kByte);
+    packed = torch::cat({packed.view({padded / kRows, -1}), plane.reshape({padded / kRows, -1})}, 1)
+                 .view({padded, k_size / 8 * 5});
+  }
   auto params = torch::zeros({padded, groups, 2}, scales.options().dtype(torch::kFloat));
   params.narrow(0, 0, n_size).select(2, 0).copy_(scales);
   params.narrow(0, 0, n_size).select(2, 1).copy_(offsets);
@@ -697,8 +755,9 @@ torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, tor
   TORCH_CHECK(x.size(0) >= 1, "small_batch_linear_int4 takes at least one row");
   TORCH_CHECK(x.size(1) % kInputBlock == 0, "small_batch_linear_int4 needs an input width that is a multiple of 32");
   const int64_t padded = (out_features + kRows - 1) / kRows * kRows;
+  const bool five_bit = packed.dim() == 2 && packed.size(1) * 8 == x.size(1) * 5;  // its fifth bits' plane too
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.is_contiguous() &&
-                  packed.size(0) == padded && packed.size(1) * 2 == x.size(1) && params.dim() == 4 &&
+                  packed.size(0) == padded && (packed.size(1) * 2 == x.size(1) || five_bit) && params.dim() == 4 &&
                   (params.scalar_type() == torch::kFloat || params.scalar_type() == torch::kHalf) &&
                   params.is_contiguous() && params.size(0) * kRows == padded &&
                   params.size(2) == 2 && params.size(3) == kRows && x.size(1) % params.size(1) == 0 &&
@@ -708,21 +767,28 @@ torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, tor
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
   const auto input = quantized_rows(x);
   const int64_t group_size = x.size(1) / params.size(1);
-  const auto run = [&](auto* params_data) {
+  const auto run = [&](auto five, auto* params_data) {
+    constexpr bool FiveBit = decltype(five)::value;
 #ifdef LLMSERVE_INT8_LINEAR_AVX2
     if (x.scalar_type() == torch::kFloat) {
-      int4_linear(input, x.size(0), packed.data_ptr<uint8_t>(), params_data, out.data_ptr<float>(), x.size(1),
-                  out_features, group_size);
+      int4_linear<FiveBit>(input, x.size(0), packed.data_ptr<uint8_t>(), params_data, out.data_ptr<float>(),
+                           x.size(1), out_features, group_size);
       return;
     }
 #endif
-    int4_linear(input, x.size(0), packed.data_ptr<uint8_t>(), params_data,
-                reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(1), out_features, group_size);
+    int4_linear<FiveBit>(input, x.size(0), packed.data_ptr<uint8_t>(), params_data,
+                         reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(1), out_features,
+                         group_size);
   };
-  if (params.scalar_type() == torch::kHalf)
-    run(params.data_ptr<c10::Half>());
+  const bool half = params.scalar_type() == torch::kHalf;
+  if (five_bit && half)
+    run(std::true_type{}, params.data_ptr<c10::Half>());
+  else if (five_bit)
+    run(std::true_type{}, params.data_ptr<float>());
+  else if (half)
+    run(std::false_type{}, params.data_ptr<c10::Half>());
   else
-    run(params.data_ptr<float>());
+    run(std::false_type{}, params.data_ptr<float>());
 #endif
   return out;
 }
@@ -735,8 +801,9 @@ torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, tor
 namespace {
 
 // One 32-row block's rows (its own function: the attribute does not reach into a lambda).
+// `plane`: the block's fifth bits (5-bit codes), or null.
 template <typename Param>
-__attribute__((optimize("fp-contract=off"))) void dequantize_int4_block(const uint8_t* block,
+__attribute__((optimize("fp-contract=off"))) void dequantize_int4_block(const uint8_t* block, const uint8_t* plane,
                                                                        const Param* block_params, float* out,
                                                                        int64_t rows, int64_t k_size,
                                                                        int64_t group_size) {
@@ -747,9 +814,12 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_int4_block(const ui
       const int64_t g = chunk * 8 / group_size;
       const float scale = static_cast<float>(block_params[g * 2 * kRows + r]);
       const float offset = static_cast<float>(block_params[g * 2 * kRows + kRows + r]);
+      // the chunk's low-nibble bits of row r, then its high-nibble ones: 4 bits each
+      const int low_bits = plane ? (plane[chunk * kRows + r / 2] >> (4 * (r % 2))) & 0x0F : 0;
+      const int high_bits = plane ? (plane[chunk * kRows + 16 + r / 2] >> (4 * (r % 2))) & 0x0F : 0;
       for (int j = 0; j < 4; ++j) {
-        const float low = static_cast<float>(bytes[j] & 0x0F) * scale;
-        const float high = static_cast<float>(bytes[j] >> 4) * scale;
+        const float low = static_cast<float>((bytes[j] & 0x0F) | (((low_bits >> j) & 1) << 4)) * scale;
+        const float high = static_cast<float>((bytes[j] >> 4) | (((high_bits >> j) & 1) << 4)) * scale;
         dst[chunk * 8 + j] = low + offset;
         dst[chunk * 8 + 4 + j] = high + offset;
       }
@@ -759,13 +829,16 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_int4_block(const ui
 
 template <typename Param>
 void dequantize_int4_blocks(const uint8_t* packed, const Param* params, float* out, int64_t n_size, int64_t k_size,
-                            int64_t groups) {
+                            int64_t groups, bool five_bit) {
   const int64_t blocks = (n_size + kRows - 1) / kRows;
+  const int64_t nibble_bytes = kRows * k_size / 2, block_bytes = nibble_bytes + (five_bit ? kRows * k_size / 8 : 0);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      dequantize_int4_block(packed + b * kRows * k_size / 2, params + b * groups * 2 * kRows,
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* block = packed + b * block_bytes;
+      dequantize_int4_block(block, five_bit ? block + nibble_bytes : nullptr, params + b * groups * 2 * kRows,
                             out + b * kRows * k_size, std::min<int64_t>(kRows, n_size - b * kRows), k_size,
                             k_size / groups);
+    }
   });
 }
 
@@ -794,22 +867,24 @@ void dequantize_int8_blocks(const uint8_t* packed, const Param* scales, float* o
 
 }  // namespace
 
-// (packed, params) from small_batch_pack_int4 for out_features rows -> the float32 W [N, K] that
-// small_batch_linear_int4 multiplies by: q * scale + offset per group.
-torch::Tensor small_batch_dequantize_int4(torch::Tensor packed, torch::Tensor params, int64_t out_features) {
+// (packed, params) from small_batch_pack_int4 for out_features rows (bits 4 or 5) -> the float32 W [N, K]
+// that small_batch_linear_int4 multiplies by: q * scale + offset per group.
+torch::Tensor small_batch_dequantize_int4(torch::Tensor packed, torch::Tensor params, int64_t out_features,
+                                          int64_t bits) {
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(0) == (out_features + kRows - 1) / kRows * kRows && params.dim() == 4 &&
                   params.is_contiguous() && params.size(0) * kRows == packed.size(0) && params.size(2) == 2 &&
-                  (params.scalar_type() == torch::kFloat || params.scalar_type() == torch::kHalf),
+                  (params.scalar_type() == torch::kFloat || params.scalar_type() == torch::kHalf) &&
+                  (bits == 4 || (bits == 5 && packed.size(1) % 5 == 0)),
               "small_batch_dequantize_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
-  const int64_t k_size = packed.size(1) * 2, groups = params.size(1);
+  const int64_t k_size = bits == 4 ? packed.size(1) * 2 : packed.size(1) / 5 * 8, groups = params.size(1);
   auto out = torch::empty({out_features, k_size}, packed.options().dtype(torch::kFloat));
   if (params.scalar_type() == torch::kHalf)
     dequantize_int4_blocks(packed.data_ptr<uint8_t>(), params.data_ptr<c10::Half>(), out.data_ptr<float>(),
-                           out_features, k_size, groups);
+                           out_features, k_size, groups, bits == 5);
   else
     dequantize_int4_blocks(packed.data_ptr<uint8_t>(), params.data_ptr<float>(), out.data_ptr<float>(), out_features,
-                           k_size, groups);
+                           k_size, groups, bits == 5);
   return out;
 }
 

@@ -39,11 +39,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x qweight^T) * scales for 1-8 bfloat16 rows, float32 too on AVX2 (8-bit inputs per 32 columns)");
   m.def("small_batch_linear_int8_float_out", &small_batch_linear_int8_float_out,
         "small_batch_linear_int8 for any number of rows, float32 out (a quantized output projection)");
-  m.def("small_batch_pack_int4", &small_batch_pack_int4, "int4 codes, scales, offsets in the layout small_batch_linear_int4 reads");
+  m.def("small_batch_pack_int4", &small_batch_pack_int4,
+        "int4 codes (bits 5: 5-bit codes), scales, offsets in the layout small_batch_linear_int4 reads",
+        py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bits") = 4);
   m.def("small_batch_linear_int4", &small_batch_linear_int4,
         "x W^T for 1-8 bfloat16 rows, float32 too on AVX2, W int4 in groups (8-bit inputs per 32 columns)");
   m.def("small_batch_dequantize_int4", &small_batch_dequantize_int4,
-        "The float32 W [N, K] of an int4 weight packed by small_batch_pack_int4 (its one copy)");
+        "The float32 W [N, K] of an int4 (bits 5: 5-bit) weight packed by small_batch_pack_int4 (its one copy)",
+        py::arg("packed"), py::arg("params"), py::arg("out_features"), py::arg("bits") = 4);
   m.def("small_batch_dequantize_int8", &small_batch_dequantize_int8,
         "The float32 W [N, K] of an int8 weight packed by small_batch_pack_int8 with its scales");
   m.def("small_batch_linear_int8_supported", &small_batch_linear_int8_supported,
