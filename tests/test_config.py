@@ -172,5 +172,13 @@ def test_the_gguf_default_falls_back_to_float_where_gguf_does_not_combine(smollm
     assert "served dequantized to float: quantization gguf does not apply to phi3" in caplog.text
     with pytest.raises(ValueError, match="quantization gguf does not apply to phi3"):  # asked for: refused
         EngineArgs(device="cpu", quantization="gguf").create_config(phi3, "m")
+    # 2 ranks of SmolLM2's 9 query heads: o_proj inputs of 384 + 192 columns, whole blocks of 32
+    assert (
+        EngineArgs(device="cpu", tensor_parallel_size=2).create_config(smollm2_arch, "m").model.quantization
+    )
+    uneven = dataclasses.replace(smollm2_arch, intermediate_size=1552)  # 776 + 776 MLP units a rank
+    with caplog.at_level("INFO", logger="llmserve"):
+        config = EngineArgs(device="cpu", tensor_parallel_size=2).create_config(uneven, "m")
+    assert config.model.quantization is None and "input widths (384, 192, 776, 776) cut" in caplog.text
     gemma = dataclasses.replace(smollm2_arch, architecture="gemma2")  # no quantization there: not even "none"
     assert EngineArgs(device="cpu", quantization="none").create_config(gemma, "m").model.quantization is None

@@ -33,6 +33,7 @@ from llmserve.config.parallel import (
     stage_layer_ranges,
 )
 from llmserve.config.quantization import (
+    GGUF_BLOCK_COLUMNS,
     GGUF_BLOCK_TYPES,
     PACKED_KERNEL_DEVICES,
     QuantizationConfig,
@@ -608,6 +609,9 @@ class EngineArgs:
         elif why_not is None and not int_kernels_take(dtype, level.name):
             name = str(dtype).removeprefix("torch.")
             why_not = f"the int4/int8 kernels of the {level.name} level take bfloat16 inputs, not {name}"
+        shares = parallel.row_parallel_in_features(arch)
+        if why_not is None and any(width % GGUF_BLOCK_COLUMNS for width in shares):
+            why_not = f"the tensor-parallel ranks' input widths {shares} cut the file's blocks"
         if why_not is None:
             try:  # what gguf does not combine with (a family, experts split over ranks)
                 check_family_features(

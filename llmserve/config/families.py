@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from llmserve.config.parallel import expert_unit_range
+from llmserve.config.quantization import GGUF_BLOCK_COLUMNS
 
 if TYPE_CHECKING:
     from llmserve.config import ModelArchConfig
@@ -26,7 +27,7 @@ ROPE_SCALING_TYPES = ("default", "linear", "llama3", "longrope")  # models/layer
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # every block type --quantization gguf reads has groups dividing 32 (Q6_K's 16): a unit cut on a
 # multiple of it keeps down_proj's groups whole, whatever types the file mixes
-GGUF_EXPERT_CUT = 32
+GGUF_EXPERT_CUT = GGUF_BLOCK_COLUMNS
 MOE_QUANTIZATION = ("int8-rtn", "int4", "gguf")  # methods that quantize expert layers (besides checkpoints)
 # feature -> the families that have it (the others get the error)
 _FEATURES = {

@@ -21,7 +21,13 @@ from llmserve.config import ModelConfig
 from llmserve.config.quantization import CHECKPOINT, PREQUANTIZED
 from llmserve.quantization import awq, calibration, checkpoint, gguf_native, moe, prequantized
 from llmserve.quantization.embedding import embed_from_head
-from llmserve.quantization.formats import QuantizedWeight, concat_rows, quantize_int4, quantize_int8
+from llmserve.quantization.formats import (
+    Int4Weight,
+    QuantizedWeight,
+    concat_rows,
+    quantize_int4,
+    quantize_int8,
+)
 from llmserve.quantization.gptq import HessianAccumulator, gptq_quantize
 from llmserve.quantization.kernels import LinearKernel, QuantizedLinear
 
@@ -266,8 +272,8 @@ def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
         if fused is not None:
             weights[name] = fused
     head = "model.embed_tokens.weight" if config.arch.tie_word_embeddings else "lm_head.weight"
-    if head in tensors:
-        weights[LM_HEAD] = tensors[head]
+    if head in tensors:  # 5-bit codes as the int8 codes they equal: int8 has a float32-logits kernel
+        weights[LM_HEAD] = _as_int8_if_five_bit(tensors[head])
     kept = len(decoder_linears(model)) + 1 - len(weights)
     experts = moe.gguf_expert_weights(model, tensors)
     weights.update(experts)
@@ -277,6 +283,11 @@ def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
         logger.info("quantization gguf: %d layers have no %s tensor and stay in float", kept, types)
     tied = config.arch.tie_word_embeddings and LM_HEAD in weights  # the head is token_embd's blocks
     return QuantizationResult(weights, embedding_in_head=tied)
+
+
+def _as_int8_if_five_bit(weight: QuantizedWeight) -> QuantizedWeight:
+    five_bit = isinstance(weight, Int4Weight) and weight.bits == 5
+    return (weight.as_int8() or weight) if five_bit else weight
 
 
 def _gguf_tensors(config: ModelConfig) -> dict[str, QuantizedWeight]:

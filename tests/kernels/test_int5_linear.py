@@ -129,3 +129,20 @@ def test_packing_checks_the_codes_width():
     packed, params = ops.small_batch_pack_int4(codes, ones, zeros, bits=5)
     with pytest.raises(RuntimeError, match="packed by small_batch_pack_int4"):  # a width neither layout has
         ops.small_batch_linear_int4(torch.ones(1, 96).bfloat16(), packed, params, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_codes_and_inputs_do_not_overflow_the_sums(dtype, sign):
+    """Every code 31 against inputs that round to +-127 everywhere: the AVX2 level's int16 pair sums
+    at their largest (widened to int32 every chunk), exact against the reference."""
+    if not ops.small_batch_linear_int8_supported(dtype):
+        pytest.skip(f"this level's kernels do not take {dtype} inputs")
+    scales = torch.full((64, 1536 // 32), 2.0**-6)
+    weight = Int4Weight(torch.full((64, 1536), 31, dtype=torch.uint8), scales, -16 * scales, 32, bits=5)
+    packed, params = _pack(weight)
+    x = torch.full((3, 1536), sign).to(dtype)
+    expected, magnitude = _reference(x, weight)
+    actual = ops.small_batch_linear_int4(x, packed, params, 64)
+    relative = 2**-8 if dtype == torch.bfloat16 else 0.0
+    assert ((actual.double() - expected).abs() <= relative * expected.abs() + 1e-5 * magnitude).all()

@@ -121,3 +121,21 @@ def test_the_weights_cache_keeps_5_bit_codes(tmp_path):
     assert (weights["five"].bits, weights["four"].bits) == (5, 4)
     assert torch.equal(weights["five"].dequantize(), five.dequantize())
     assert torch.equal(weights["four"].dequantize(), four.dequantize())
+
+
+def test_a_q5_0_output_projection_runs_as_the_int8_codes_it_equals(tmp_path, monkeypatch):
+    """int8 has the float32-logits kernel (4/5-bit heads would rebuild their weight each step in bf16):
+    a Q5_0 token_embd (tied) becomes int8 codes q - 16, exactly the file's rows."""
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "q5_0-head.gguf")
+    write_tied_gguf(path, Q.Q5_0, Q.Q8_0)
+    quantized = LLM(path, quantization="gguf", dtype="bfloat16", **ENGINE)
+    reference = LLM(path, quantization="none", dtype="float32", **ENGINE)
+    try:
+        head = quantized.engine.model_runner.model.lm_head
+        assert head.kernel.kind == "int8" and head.kernel.group_size == 32
+        table = reference.engine.model_runner.model.model.embed_tokens.weight
+        assert torch.equal(head.kernel.dequantize(torch.float32), table)
+    finally:
+        quantized.shutdown()
+        reference.shutdown()

@@ -310,3 +310,24 @@ def test_prompt_lookup_proposes_where_it_finds_a_match_and_the_head_elsewhere(
     monkeypatch.setattr(head_only, "min_confidence", 0.0)
     proposals = head_only.propose(SampledBatch([repeating], [[2]], torch.randn(1, 64)))
     assert len(proposals["r"].token_ids) == 3
+
+
+@pytest.mark.cpu_kernels("int8_linear")
+def test_an_untied_quantized_lm_head_gives_its_rows_exactly():
+    """A GGUF's own output blocks (untied, served by default in them): the draft head's subset rows are
+    the kernel's exact rows; a kernel that cannot rebuild rows is refused in one line."""
+    from llmserve.quantization.formats import Int8Weight
+    from llmserve.quantization.kernels import LinearKernel, QuantizedLinear
+    from llmserve.spec_decode.proposers.draft_head import subset_lm_head_weight
+
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(-127, 128, (70, 64), generator=gen, dtype=torch.int8)
+    weight = Int8Weight(codes, (torch.rand(70, 2, generator=gen) * 0.01).half().float(), 32)
+    head = QuantizedLinear(weight, None, torch.bfloat16, "cpu", float_logits=True)
+    target = SimpleNamespace(arch=SimpleNamespace(tie_word_embeddings=False), lm_head=head)
+    ids = torch.tensor([0, 5, 69, 33])
+    assert torch.equal(subset_lm_head_weight(target, ids), weight.dequantize(torch.float32)[ids])
+    head.kernel = LinearKernel()
+    head.kernel.register_buffer("codes", codes)
+    with pytest.raises(ValueError, match="cannot rebuild exactly"):
+        subset_lm_head_weight(target, ids)

@@ -101,13 +101,22 @@ def is_head_target(sample: torch.Tensor, target: nn.Module) -> bool:
 
 def subset_lm_head_weight(target: nn.Module, vocab_ids: torch.Tensor) -> torch.Tensor:
     """The target's output embedding rows of `vocab_ids`: from the input embedding when they are tied
-    (a quantized lm_head then needs no dequantizing); a quantized untied lm_head is refused."""
-    weight = getattr(target.lm_head, "weight", None)
-    if target.arch.tie_word_embeddings or weight is None:
-        if not target.arch.tie_word_embeddings:
-            raise ValueError("speculative_method draft_head needs an unquantized lm_head for this model")
+    (a quantized lm_head then needs no dequantizing), else from the lm_head's weight, or the rows its
+    quantized kernel rebuilds exactly (float32; a kernel that cannot is refused)."""
+    if target.arch.tie_word_embeddings:
         return embedding_rows(target.model.embed_tokens, vocab_ids).detach().contiguous()
-    return weight.detach()[vocab_ids.to(weight.device)].contiguous()
+    weight = getattr(target.lm_head, "weight", None)
+    if weight is not None:
+        return weight.detach()[vocab_ids.to(weight.device)].contiguous()
+    kernel = getattr(target.lm_head, "kernel", None)
+    device = next(kernel.buffers()).device if kernel is not None else None
+    rows = None if kernel is None else kernel.weight_rows(vocab_ids.to(device))
+    if rows is None:
+        raise ValueError(
+            "the draft-head methods need the lm_head's rows, which its quantized kernel cannot rebuild "
+            "exactly (--quantization none serves it in float)"
+        )
+    return rows.contiguous()
 
 
 def save_draft_head(path: str | Path, head: DraftHead, target: nn.Module, info: dict) -> None:
