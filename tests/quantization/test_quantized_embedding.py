@@ -19,6 +19,7 @@ from llmserve.quantization.kernels import DequantizeKernel, QuantizedLinear, Rou
 from llmserve.worker.memory_report import weights_memory_bytes
 from tests.e2e.conftest import teacher_forced_logits
 from tests.models.moe_gguf import _tokenizer
+from tests.models.test_loader import _GGUF_LAYER_NAMES as _NAMES
 from tests.quantization.test_gguf_native import _random_q4_k_blocks
 
 gguf = pytest.importorskip("gguf")
@@ -136,17 +137,6 @@ TINY = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
 
 
 def write_tied_gguf(path, embedding_type, projection_type=Q.Q4_0, types: dict | None = None) -> None:
