@@ -159,8 +159,10 @@ def test_default_model_smoke(tmp_path):
         assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
         reply = client.chat.completions.create(
             model="SmolLM2-135M-Instruct",
-            # float32 logits keep "The" 0.08 nats above "L" here (tests/e2e/test_logits_precision.py)
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            # not "What is the capital of France?": its first token is a near-tie ("The" 0.08 nats above
+            # "L" in float32, tests/e2e/test_logits_precision.py) that the default's 8-bit-rounded inputs
+            # flip, as llama.cpp's do on the same file
+            messages=[{"role": "user", "content": "Tell me the capital of France."}],
             max_tokens=16,
             temperature=0.0,
         )
