@@ -44,7 +44,7 @@ def save_quantized(
         if isinstance(weight, Int4Weight):
             tensors[f"{name}.offsets"] = weight.offsets.float().contiguous()
         layers[name] = {"kind": weight.kind, "group_size": weight.group_size}
-        if getattr(weight, "bits", 4) != 4:  # 5-bit codes (GGUF Q5_0); older files hold 4-bit ones
+        if isinstance(weight, Int4Weight) and weight.bits != 4:  # 5-bit codes (GGUF Q5_0); older: 4-bit
             layers[name]["bits"] = weight.bits
     for name, tensor in (float_tensors or {}).items():
         tensors[f"{name}.float"] = tensor.detach().float().contiguous()

@@ -32,6 +32,7 @@ class Int8Weight:
     group_size: int  # == in_features: one scale per output channel
 
     kind = "int8"
+    bits = 8
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -105,7 +106,7 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
 
 def _layout(weight: QuantizedWeight) -> tuple:
     """What shards must share to be fused: format, group size and code width."""
-    return type(weight), weight.group_size, getattr(weight, "bits", 8)
+    return type(weight), weight.group_size, weight.bits
 
 
 def shard_rows(weight: QuantizedWeight, index: torch.Tensor, rows: int) -> QuantizedWeight:

@@ -59,7 +59,7 @@ class DequantizeKernel(LinearKernel):
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.kind, self.group_size = weight.kind, weight.group_size
-        self.bits = getattr(weight, "bits", 8)
+        self.bits = weight.bits
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales.to(dtype))
         offsets = weight.offsets.to(dtype) if isinstance(weight, Int4Weight) else None
@@ -94,7 +94,7 @@ class RoundedInputKernel(LinearKernel):
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.kind, self.group_size = weight.kind, weight.group_size
-        self.bits = getattr(weight, "bits", 8)  # int4's 4 or 5 (a plane of fifth bits after the nibbles)
+        self.bits = weight.bits  # int4's 4 or 5 (a plane of fifth bits after the nibbles)
         ops = load_cpu_ops()
         codes = weight.qweight.contiguous()
         self._float_out = None
