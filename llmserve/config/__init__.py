@@ -93,8 +93,8 @@ class ModelArchConfig:
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a mixture-of-experts model (Qwen3-MoE)
     # a pre-quantized HF checkpoint's quant_method (gptq, awq, ...: model_loader/prequantized.py); None: float
     checkpoint_quantization: str | None = None
-    # a GGUF file's tensor types ("F32", "Q4_1", ...): those of GGUF_BLOCK_TYPES make --quantization gguf
-    # the CPU's default; () for an HF directory
+    # the types ("F32", "Q4_1", ...) of a GGUF's tensors a forward multiplies by (an untied token_embd is
+    # only looked up): those of GGUF_BLOCK_TYPES make --quantization gguf the CPU's default; () for HF
     gguf_tensor_types: tuple[str, ...] = ()
 
     @property

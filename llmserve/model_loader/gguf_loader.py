@@ -127,8 +127,16 @@ def read_arch_config(reader: GGUFReader, path: str) -> ModelArchConfig:
         partial_rotary_factor=_partial_rotary_factor(reader, arch, hidden, heads, path),
         **(_gemma_fields(reader, arch, hidden, heads, path) if arch in _GEMMA else {}),
         **(_moe_fields(reader, arch, experts, tensor_names, path) if experts else {}),
-        gguf_tensor_types=tuple(sorted({tensor.tensor_type.name for tensor in reader.tensors})),
+        gguf_tensor_types=_served_tensor_types(reader, tensor_names),
     )
+
+
+def _served_tensor_types(reader: GGUFReader, tensor_names: set[str]) -> tuple[str, ...]:
+    """The types of the tensors a forward multiplies by: an untied `token_embd` is only looked up (its
+    type decides no kernel), a tied one is the output projection too."""
+    untied = "output.weight" in tensor_names
+    kept = [t for t in reader.tensors if not (untied and t.name == "token_embd.weight")]
+    return tuple(sorted({tensor.tensor_type.name for tensor in kept}))
 
 
 def _moe_fields(reader: GGUFReader, arch: str, experts: int, tensor_names: set[str], path: str) -> dict:

@@ -18,7 +18,7 @@ from llmserve.model_loader.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-_ARCH_FILE = "arch-v2.json"  # v2: gguf_tensor_types
+_ARCH_FILE = "arch-v3.json"  # v3: gguf_tensor_types (the types a forward multiplies by)
 _MAX_NAMES_IN_MESSAGE = 3
 # besides eos_token_ids: JSON gives lists back
 _TUPLE_FIELDS = ("layer_types", "dense_layers", "gguf_tensor_types")

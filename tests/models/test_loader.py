@@ -388,7 +388,7 @@ def test_second_load_is_served_from_the_cache(tmp_path, cache_dir, monkeypatch):
     first = load_weights(path, torch.float32)
     entry = weights_cache.entry_dir(path)
     assert entry.parent == cache_dir and entry.name.endswith(weights_cache.LOADER_FORMAT)
-    assert (entry / weights_cache.WEIGHTS_FILE).is_file() and (entry / "arch-v2.json").is_file()
+    assert (entry / weights_cache.WEIGHTS_FILE).is_file() and (entry / "arch-v3.json").is_file()
     assert not [p for p in entry.iterdir() if p.name.startswith(".")]  # no staging files left
 
     def no_conversion(*args):
@@ -422,7 +422,7 @@ def test_a_damaged_or_unwritable_cache_only_costs_time(tmp_path, cache_dir, monk
     state = write_tiny_gguf(Path(path))
     load_weights(path, torch.float32)
     weights_cache.weights_file(path).write_bytes(b"not safetensors")
-    (weights_cache.entry_dir(path) / "arch-v2.json").write_text("{")
+    (weights_cache.entry_dir(path) / "arch-v3.json").write_text("{")
     assert torch.equal(load_weights(path, torch.float32)["model.norm.weight"], state["model.norm.weight"])
     assert weights_cache.load_weights(path) is not None  # rewritten by the conversion
     blocker = tmp_path / "a-file"
@@ -514,3 +514,20 @@ def test_unsupported_or_incomplete_hf_directories(tmp_path, tiny_llama_dir):
     os.symlink(os.path.join(tiny_llama_dir, "config.json"), no_weights / "config.json")
     assert "no *.safetensors weights" in _load_error(load_weights, str(no_weights), torch.float32)
     assert "cannot load the tokenizer" in _load_error(load_tokenizer, str(no_weights))
+
+
+def test_the_gguf_types_that_decide_the_default_leave_out_an_untied_embedding():
+    """Only tensors a forward multiplies by decide whether a GGUF is served in its blocks by default: an
+    untied token_embd is looked up, a tied one is also the output projection."""
+    from types import SimpleNamespace
+
+    from llmserve.model_loader.gguf_loader import _served_tensor_types
+
+    def tensor(name, kind):
+        return SimpleNamespace(name=name, tensor_type=SimpleNamespace(name=kind))
+
+    tensors = [tensor("token_embd.weight", "Q8_0"), tensor("blk.0.attn_q.weight", "F16")]
+    reader = SimpleNamespace(tensors=tensors)
+    assert _served_tensor_types(reader, {t.name for t in tensors}) == ("F16", "Q8_0")  # tied
+    untied = SimpleNamespace(tensors=[*tensors, tensor("output.weight", "F16")])
+    assert _served_tensor_types(untied, {t.name for t in untied.tensors}) == ("F16",)
