@@ -205,6 +205,29 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # LoRA adapters over the base model (llmserve/lora); None: off
 
 
+def _why_no_gguf_default(
+    arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, parallel: ParallelConfig
+) -> str | None:
+    """Why a GGUF's own blocks cannot be this configuration's default; None where they can."""
+    if device.type not in PACKED_KERNEL_DEVICES:
+        return f"no int4/int8 kernel on {device.type}"
+    level = selected_level()
+    if level is None:
+        return "no compiled int4/int8 kernels on this CPU"
+    if not int_kernels_take(dtype, level.name):
+        name = str(dtype).removeprefix("torch.")
+        return f"the int4/int8 kernels of the {level.name} level take bfloat16 inputs, not {name}"
+    shares = parallel.row_parallel_in_features(arch)
+    if any(width % GGUF_BLOCK_COLUMNS for width in shares):
+        return f"the tensor-parallel ranks' input widths {shares} cut the file's blocks"
+    try:  # what gguf does not combine with (a family, experts split over ranks)
+        tp, expert_parallel = parallel.tensor_parallel_size, parallel.enable_expert_parallel
+        check_family_features(arch, "gguf", tp, None, expert_parallel)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def default_kv_cache_memory(dtype: torch.dtype, kv_cache_dtype: KVCacheDtype = "auto") -> int:
     """The pool's default size: 1 GiB for 16-bit (or 8-bit) K/V entries, 2 GiB for float32 ones, so
     that the default holds as many tokens whatever the dtype (about 46,000 for SmolLM2): a smaller
@@ -408,7 +431,7 @@ class EngineArgs:
     quantization: str | None = arg(
         None,
         "none | int8 (GPTQ-calibrated, per channel) | int8-rtn | int4 | awq | gptq | gguf (the GGUF's own "
-        "blocks: Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K) | DIR (`llmserve quantize`); default: a GGUF file's "
+        f"blocks: {'/'.join(GGUF_BLOCK_TYPES)}) | DIR (`llmserve quantize`); default: a GGUF file's "
         "blocks on the CPU (gguf), a pre-quantized checkpoint's own codes, else none",
     )
     quantization_group_size: int | None = arg(
@@ -602,23 +625,7 @@ class EngineArgs:
         kept = [kind for kind in arch.gguf_tensor_types if kind in GGUF_BLOCK_TYPES]
         if not kept:
             return None
-        why_not = None if device.type in PACKED_KERNEL_DEVICES else f"no int4/int8 kernel on {device.type}"
-        level = selected_level()
-        if why_not is None and level is None:
-            why_not = "no compiled int4/int8 kernels on this CPU"
-        elif why_not is None and not int_kernels_take(dtype, level.name):
-            name = str(dtype).removeprefix("torch.")
-            why_not = f"the int4/int8 kernels of the {level.name} level take bfloat16 inputs, not {name}"
-        shares = parallel.row_parallel_in_features(arch)
-        if why_not is None and any(width % GGUF_BLOCK_COLUMNS for width in shares):
-            why_not = f"the tensor-parallel ranks' input widths {shares} cut the file's blocks"
-        if why_not is None:
-            try:  # what gguf does not combine with (a family, experts split over ranks)
-                check_family_features(
-                    arch, "gguf", parallel.tensor_parallel_size, None, parallel.enable_expert_parallel
-                )
-            except ValueError as error:
-                why_not = str(error)
+        why_not = _why_no_gguf_default(arch, device, dtype, parallel)
         if why_not is not None:
             logger.info("the GGUF's %s tensors are served dequantized to float: %s", "/".join(kept), why_not)
             return None
