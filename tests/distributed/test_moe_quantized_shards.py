@@ -43,6 +43,20 @@ def _random_q6_k_blocks(rng: np.random.Generator, rows: int, supers: int) -> np.
     return blocks
 
 
+def _model_config(path: str, tp: int, expert_parallel: bool, **options):
+    """A small float32 engine's model config for `path` at `tp` ranks."""
+    args = EngineArgs(
+        model=path,
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory="4MiB",
+        tensor_parallel_size=tp,
+        enable_expert_parallel=expert_parallel,
+        **options,
+    )
+    return args.create_config(load_arch_config(path), path).model
+
+
 def _layer(num_experts: int, units: int, world_size: int, rank: int, expert_parallel: bool) -> nn.Module:
     """A model whose one experts module `mlp.experts` has this rank's layout (what rank_experts reads)."""
     model = nn.Module()
@@ -112,19 +126,9 @@ def test_each_rank_holds_its_share_of_the_files_expert_blocks(tmp_path, arch, qt
 
     path = str(tmp_path / f"tiny-{arch}.gguf")
     write_moe_gguf(path, arch, getattr(gguf.GGMLQuantizationType, qtype))
-    arch_config = load_arch_config(path)
 
     def config(tp: int):
-        args = EngineArgs(
-            model=path,
-            dtype="float32",
-            max_model_len=128,
-            kv_cache_memory="4MiB",
-            tensor_parallel_size=tp,
-            enable_expert_parallel=expert_parallel and tp > 1,
-            quantization="gguf",
-        )
-        return args.create_config(arch_config, path).model
+        return _model_config(path, tp, expert_parallel and tp > 1, quantization="gguf")
 
     one = build_model(config(1), load_weights(path, torch.float32))
     quantize_model(one, config(1))
@@ -218,24 +222,15 @@ def test_a_prequantized_checkpoints_expert_codes_are_cut_per_rank(tmp_path):
     cut of a GGUF's experts, test_each_rank_holds_its_share_of_the_files_expert_blocks, and the
     one-line error, test_a_share_that_cuts_a_group_is_one_line_naming_the_widths.)"""
     path = _gptq_mixtral_dir(tmp_path)
-    arch = load_arch_config(path)
 
     def config(tp: int, expert_parallel: bool = False):
-        args = EngineArgs(
-            model=path,
-            dtype="float32",
-            max_model_len=128,
-            kv_cache_memory="4MiB",
-            tensor_parallel_size=tp,
-            enable_expert_parallel=expert_parallel,
-        )
-        return args.create_config(arch, path).model
+        return _model_config(path, tp, expert_parallel)
 
     assert config(2).quantization.method == "prequantized"
     one = build_model(config(1), load_weights(path, torch.float32))
     quantize_model(one, config(1))
     whole = {name: m.dequantize() for name, m in one.named_modules() if isinstance(m, QuantizedMoEExperts)}
-    assert len(whole) == arch.num_hidden_layers
+    assert len(whole) == load_arch_config(path).num_hidden_layers
     for rank in range(2):
         group = TensorParallelGroup(rank, 2, expert_parallel=True)
         shard = build_model(config(2, True), load_weights(path, torch.float32), group)
