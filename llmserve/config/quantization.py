@@ -63,7 +63,7 @@ class QuantizationConfig:
             return None
         if value not in METHODS and not os.path.isdir(value):
             raise ValueError(
-                f"quantization must be one of {', '.join(METHODS)} or a directory written by "
+                f"quantization must be one of {', '.join(METHODS)}, none or a directory written by "
                 f"`llmserve quantize`; got {value!r}"
             )
         shares = shard_in_features if value in GROUPED_METHODS else ()
