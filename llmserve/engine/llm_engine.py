@@ -30,11 +30,9 @@ from llmserve.engine.grammar_gate import GrammarGate
 from llmserve.engine.invariants import InvariantChecker
 from llmserve.engine.output_processor import OutputProcessor
 from llmserve.engine.step_stats import StepStatsRecorder
-from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.lora.manager import LoRAManager
 from llmserve.metrics.stats import StepStats
 from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
-from llmserve.models.registry import build_model
 from llmserve.outputs import RequestOutput, SpecDecodeStats
 from llmserve.request import Request, RequestStatus
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
@@ -46,6 +44,7 @@ from llmserve.structured.compiler import GrammarCompiler
 from llmserve.worker.executor import TensorParallelExecutor
 from llmserve.worker.gpu_memory import profile_device_memory
 from llmserve.worker.memory_report import log_memory_report, measure_memory
+from llmserve.worker.model_loading import load_model
 from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput, allocate_kv_pool_early
 from llmserve.worker.pipeline_stage import PipelineDriver
 
@@ -150,28 +149,15 @@ class LLMEngine:
         group = None if self.executor is None else self.executor.group
         config = self.config.model
         early_kv_pool = allocate_kv_pool_early(self.config)  # its prefault runs while the weights load
-        weights = load_weights(path, config.dtype)
         target_vocabulary = None
         spec = self.config.speculative
         if group is not None and spec is not None and spec.method == "draft_head":
-            target_vocabulary = TargetVocabulary(config.arch, weights, config.device)
+            target_vocabulary = TargetVocabulary(config.arch, load_weights(path, config.dtype), config.device)
         parallel = self.config.parallel
         stage = PipelineStage.of(
             config.arch.num_hidden_layers, parallel.pipeline_parallel_size, 0
         )  # rank 0's
-        model = build_model(config, weights, group, stage)
-        del weights  # copied into the model; freed before a calibrated method loads the whole model again
-        if config.quantization is not None:  # a transform of the loaded model (module swap)
-            from llmserve.quantization.sharding import quantize_shard
-
-            quantize_shard(
-                model, config, self.tokenizer, lambda: build_model(config, load_weights(path, config.dtype))
-            )
-        elif config.arch.checkpoint_quantization is not None:  # a pre-quantized checkpoint served in float
-            from llmserve.quantization.prequantized import log_served_float
-
-            log_served_float(config.arch.checkpoint_quantization, config.dtype, config.device)
-        use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
+        model = load_model(config, self.tokenizer, group, stage)
         config = self.config
         if config.cache.size_from_gpu_memory is not None:  # the pool: what the weights and a step leave
             config = resolve_config(profile_device_memory(config, model))

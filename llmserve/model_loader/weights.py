@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Collection
 
 import torch
 
@@ -48,9 +49,12 @@ def _cached_arch_config(path: str) -> ModelArchConfig | None:
         return None
 
 
-def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_weights(
+    path: str, dtype: torch.dtype, left_out: Collection[str] = frozenset()
+) -> dict[str, torch.Tensor]:
     """Every weight under its HF Llama name (`model.layers.0.self_attn.q_proj.weight` ...; other
-    families' layouts are brought to those, model_loader/family_weights.py) in `dtype`.
+    families' layouts are brought to those, model_loader/family_weights.py) in `dtype`, less those
+    named in `left_out` (a quantization serves them from the file's own blocks).
 
     A tied model has no `lm_head.weight` unless its checkpoint stores one anyway.
     """
@@ -61,7 +65,7 @@ def load_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         arch = hf_loader.read_arch_config(path)
         weights = family_weights.to_llama_names(arch, hf_loader.read_float_weights(path, dtype))
     check_weights(weights, arch, path)
-    return {name: tensor.to(dtype) for name, tensor in weights.items()}
+    return {name: tensor.to(dtype) for name, tensor in weights.items() if name not in left_out}
 
 
 def _gguf_weights(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:

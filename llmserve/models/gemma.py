@@ -116,13 +116,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
             return global_rope, global_rope
         return global_rope, RotaryEmbedding(arch.head_dim, max_positions, arch.rope_local_theta, None, device)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor], left_out: frozenset[str] = frozenset()) -> None:
         """HF's Gemma RMSNorm multiplies by (1 + w) in float32: w + 1 is stored instead."""
         weights = {
             name: tensor.float() + 1 if name.endswith("norm.weight") else tensor
             for name, tensor in weights.items()
         }
-        super().load_weights(weights)
+        super().load_weights(weights, left_out)
         dtype = next(self.parameters()).dtype
         self.model.embed_scale = float(torch.tensor(self.arch.hidden_size**0.5, dtype=dtype))
 

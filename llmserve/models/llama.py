@@ -201,8 +201,9 @@ class LlamaForCausalLM(nn.Module):
         """This stage's attention layers (every layer's without pipeline parallelism), in order."""
         return [self.model.layers[index].self_attn.attn for index in self.stage.layers]
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy checkpoint tensors (HF names) into the parameters, filling fused ones by shard."""
+    def load_weights(self, weights: dict[str, torch.Tensor], left_out: frozenset[str] = frozenset()) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters, filling fused ones by shard.
+        `left_out`: checkpoint tensors a quantization fills instead (`parameters_left_out`)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         if self.stage.is_last and not self.stage.is_first and self.arch.tie_word_embeddings:
@@ -223,7 +224,22 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings and self.stage.is_first and self.stage.is_last:
             self.lm_head.weight = self.model.embed_tokens.weight
             loaded.add("lm_head.weight")
-        self._check_complete(loaded)
+        self._check_complete(loaded | left_out)
+
+    def parameters_left_out(self, left_out: frozenset[str]) -> set[str]:
+        """The parameters no checkpoint tensor is copied into, which stay unallocated: those whose
+        every tensor is in `left_out` (a quantization replaces their module), and a tied head, which
+        becomes the embedding's. A fused parameter with only some of its tensors left out is an error."""
+        names = set()
+        for name, _ in self.named_parameters():
+            sources = set(self.checkpoint_names(name))
+            if sources <= left_out:
+                names.add(name)
+            elif sources & left_out:
+                raise ValueError(f"{name}: only {sorted(sources & left_out)} of its tensors are left out")
+        if self.arch.tie_word_embeddings and self.stage.is_first and self.stage.is_last:
+            names.add("lm_head.weight")
+        return names
 
     def _on_this_stage(self, name: str) -> bool:
         """Whether the checkpoint tensor belongs to a module this pipeline stage builds."""
@@ -265,14 +281,15 @@ class LlamaForCausalLM(nn.Module):
         scale = self.arch.head_dim if unit == "head" else 1
         return tensor.narrow(dim, units.start * scale, len(units) * scale)
 
+    def checkpoint_names(self, parameter: str) -> list[str]:
+        """The checkpoint tensors (HF names) a parameter is filled from: a fused one's shards, in order."""
+        fused = next((f for f in self.packed_modules if f".{f}." in parameter), None)
+        if fused is None:
+            return [parameter]
+        return [parameter.replace(fused, shard) for shard in self.packed_modules[fused]]
+
     def _check_complete(self, loaded: set[str]) -> None:
-        expected = set()
-        for name, _ in self.named_parameters():
-            fused = next((f for f in self.packed_modules if f".{f}." in name), None)
-            if fused is None:
-                expected.add(name)
-            else:
-                expected.update(name.replace(fused, shard) for shard in self.packed_modules[fused])
+        expected = {source for name, _ in self.named_parameters() for source in self.checkpoint_names(name)}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

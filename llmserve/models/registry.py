@@ -38,24 +38,45 @@ def build_model(
     weights: dict[str, torch.Tensor],
     tp: TensorParallelGroup | None = None,
     stage: PipelineStage | None = None,
+    left_out: frozenset[str] = frozenset(),
 ) -> nn.Module:
     """Construct on the meta device (no wasted init), materialize, then copy the weights in; with a
     tensor-parallel group, this rank's shard of the model and of the weights, and with a pipeline
-    stage only that stage's part."""
+    stage only that stage's part. `left_out`: checkpoint tensors not in `weights` because a
+    quantization replaces their modules; their parameters stay on the meta device (never allocated)
+    until it does (`check_materialized`)."""
+    model = meta_model(config, tp, stage).to(config.dtype)
+    unallocated = model.parameters_left_out(left_out)
+    model = _materialize(model, config.device, unallocated)  # allocated once, in the serving dtype
+    model.load_weights(weights, left_out)
+    bind_kernels(model, config.device)
+    return model.eval().requires_grad_(False)
+
+
+def meta_model(
+    config: ModelConfig, tp: TensorParallelGroup | None = None, stage: PipelineStage | None = None
+) -> nn.Module:
+    """The model's modules with every parameter on the meta device: its structure, no memory."""
     model_cls = _MODELS.get(config.arch.architecture)
     if model_cls is None:
         raise ValueError(
             f"unsupported architecture {config.arch.architecture!r}; supported: {supported_architectures()}"
         )
     with torch.device("meta"):
-        model = model_cls(config.arch, config.max_model_len, config.device, tp, stage)
-    model = _materialize(model.to(config.dtype), config.device)  # allocated once, in the serving dtype
-    model.load_weights(weights)
-    bind_kernels(model, config.device)
-    return model.eval().requires_grad_(False)
+        return model_cls(config.arch, config.max_model_len, config.device, tp, stage)
 
 
-def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
-    """`model.to_empty(device)` without its cost: `empty_like` of a meta tensor runs a Python
-    reference implementation that imports sympy, on the start-up's critical path."""
-    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+def check_materialized(model: nn.Module) -> None:
+    """Raise if a parameter left out of the loading was not replaced (a quantization that did not
+    cover what it promised)."""
+    left = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.is_meta]
+    if left:
+        raise RuntimeError(f"{len(left)} parameters were never loaded, e.g. {left[:3]}")
+
+
+def _materialize(model: nn.Module, device: torch.device, unallocated: set[str]) -> nn.Module:
+    """`model.to_empty(device)` without its cost (`empty_like` of a meta tensor runs a Python
+    reference implementation that imports sympy, on the start-up's critical path), leaving the
+    parameters named in `unallocated` on the meta device."""
+    keep = {id(param) for name, param in model.named_parameters() if name in unallocated}
+    return model._apply(lambda t: t if id(t) in keep else torch.empty(t.shape, dtype=t.dtype, device=device))

@@ -30,26 +30,61 @@ import torch
 from torch import nn
 
 from llmserve.config import ModelConfig
+from llmserve.config.quantization import CHECKPOINT, PREQUANTIZED
 from llmserve.distributed.shard import ShardLayout
 from llmserve.quantization import moe
 from llmserve.quantization.formats import QuantizedWeight, column_groups, shard_columns, shard_rows
-from llmserve.quantization.methods import QuantizationResult, compute_quantization, quantize_model
+from llmserve.quantization.methods import LM_HEAD, QuantizationResult, compute_quantization, quantize_model
 
 PER_SHARD = ("int8-rtn", "int4")  # methods that are a function of each weight alone
 CALIBRATED = ("int8", "gptq", "awq")  # methods that run the whole model on calibration text
+# methods whose weights come from files, chosen by the model's structure alone (never its values)
+FROM_FILES = ("gguf", CHECKPOINT, PREQUANTIZED)
 
 
 def quantize_shard(
-    model: nn.Module, config: ModelConfig, tokenizer, whole_model: Callable[[], nn.Module]
+    model: nn.Module,
+    config: ModelConfig,
+    tokenizer,
+    whole_model: Callable[[], nn.Module],
+    planned: QuantizationResult | None = None,
 ) -> QuantizationResult:
     """Quantize this rank's `model` in place as `config.quantization` says (all of it with one rank).
     `whole_model()` builds one process's float model, which calibrated methods need under tensor or
     pipeline parallelism (the caller builds it: `models/` imports this package); `tokenizer` None:
-    loaded where calibration needs one."""
+    loaded where calibration needs one. `planned`: what `plan_shard` computed on the model's
+    structure, applied as it is."""
+    compute = _shard_method(model, config, whole_model) if planned is None else (lambda *_: planned)
+    return quantize_model(model, config, tokenizer, compute=compute)
+
+
+def plan_shard(
+    model: nn.Module, config: ModelConfig, tokenizer, whole_model: Callable[[], nn.Module]
+) -> QuantizationResult:
+    """What `quantize_shard` would apply to `model`, computed without changing it. For the methods
+    of `FROM_FILES` the model's structure is enough: `model` may be on the meta device."""
+    return _shard_method(model, config, whole_model)(model, config, tokenizer)
+
+
+def float_weights_replaced(model: nn.Module, result: QuantizationResult) -> frozenset[str]:
+    """The checkpoint tensors (HF names) whose float values applying `result` to `model` never reads:
+    the weights of the linear layers it replaces. Not a tied head's (the embedding, which gives its
+    rows up only where the head's kernel reproduces them), the experts' (their stacked float
+    parameters are cut per expert), nor any parameter it updates."""
+    tied = model.arch.tie_word_embeddings
+    names = set()
+    for module in result.weights:
+        if moe.parse_expert_key(module) is None and not (module == LM_HEAD and tied):
+            names.update(model.checkpoint_names(f"{module}.weight"))
+    return frozenset(names - result.float_updates.keys())
+
+
+def _shard_method(model: nn.Module, config: ModelConfig, whole_model: Callable[[], nn.Module]):
+    """The QuantizeMethod that gives this rank's part of the quantization."""
     if model.tp.world_size == 1 and model.stage.num_stages == 1:
-        return quantize_model(model, config, tokenizer)
+        return compute_quantization
     if config.quantization.method in PER_SHARD:
-        return quantize_model(model, config, tokenizer, compute=_per_shard)
+        return _per_shard
 
     def compute(shard: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
         whole = on_this_stage(_whole_model_result(shard, config, tokenizer, whole_model), shard)
@@ -58,7 +93,7 @@ def quantize_shard(
         moe.check_expert_cuts(_expert_weights(whole.weights), shard)
         return shard_result(whole, shard)
 
-    return quantize_model(model, config, tokenizer, compute=compute)
+    return compute
 
 
 def _per_shard(shard: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:

@@ -30,11 +30,9 @@ from llmserve.core.step_plan import StepPlan
 from llmserve.distributed.group import TensorParallelGroup
 from llmserve.distributed.pipeline import PipelineGroup, PipelineLayout, PipelineStage
 from llmserve.distributed.rendezvous import Rendezvous, RendezvousError, join, rank_info
-from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.log import configure_logging
 from llmserve.metrics.ranks import RankMeter, ReportSink
-from llmserve.model_loader import load_weights
-from llmserve.models.registry import build_model
+from llmserve.worker.model_loading import load_model
 from llmserve.worker.model_runner import ModelRunner
 from llmserve.worker.parent_watch import exit_with_parent
 from llmserve.worker.pipeline_stage import serve_stage
@@ -61,18 +59,7 @@ def load_shard(
     config: EngineConfig, group: TensorParallelGroup, stage: PipelineStage | None = None
 ) -> ModelRunner:
     """This rank's shard of the checkpoint in a model, and the runner over it with its KV pool."""
-    model_config = config.model
-    model = build_model(model_config, load_weights(model_config.path, model_config.dtype), group, stage)
-    if model_config.quantization is not None:  # as rank 0 does (llm_engine.py)
-        from llmserve.quantization.sharding import quantize_shard
-
-        quantize_shard(
-            model,
-            model_config,
-            None,
-            lambda: build_model(model_config, load_weights(model_config.path, model_config.dtype)),
-        )
-    use_small_batch_linear(model)  # CPU: packed weight layouts, as the engine's rank does
+    model = load_model(config.model, None, group, stage)  # as rank 0 does (llm_engine.py)
     runner = ModelRunner(config, model)
     # while rank 0 still loads: a prefault left running would share this rank's core with its first steps
     runner.wait_for_kv_prefault()

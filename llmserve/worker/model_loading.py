@@ -1,0 +1,55 @@
+"""A rank's model from its checkpoint, in the form it serves: read once, quantized as configured.
+
+Where the quantization comes from files (a GGUF's own blocks, a saved or a published checkpoint:
+`FROM_FILES`), it is planned on the model's structure first (a meta-device model), so the float
+weights of the layers it replaces are never converted, allocated or copied: the model holds only the
+quantized copy from the start. Other quantizations read the float weights, which load as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from llmserve.config import ModelConfig
+from llmserve.distributed.group import TensorParallelGroup
+from llmserve.distributed.pipeline import PipelineStage
+from llmserve.kernels.small_batch_linear import use_small_batch_linear
+from llmserve.model_loader import load_weights
+from llmserve.models.registry import build_model, check_materialized, meta_model
+
+logger = logging.getLogger("llmserve")
+
+
+def load_model(
+    config: ModelConfig,
+    tokenizer=None,
+    group: TensorParallelGroup | None = None,
+    stage: PipelineStage | None = None,
+) -> nn.Module:
+    """This rank's shard (all of it with one rank) of the model at `config.path`, quantized as
+    `config.quantization` says, its linear layers in the CPU kernels' packed layouts. `tokenizer`:
+    for calibrated quantization (None: loaded where needed)."""
+    from llmserve.quantization.sharding import FROM_FILES, float_weights_replaced, plan_shard, quantize_shard
+
+    method = None if config.quantization is None else config.quantization.method
+
+    def whole_model() -> nn.Module:  # one process's float model, for calibration under parallelism
+        return build_model(config, load_weights(config.path, config.dtype))
+
+    planned, left_out = None, frozenset()
+    if method in FROM_FILES:
+        skeleton = meta_model(config, group, stage)
+        planned = plan_shard(skeleton, config, tokenizer, whole_model)
+        left_out = float_weights_replaced(skeleton, planned)
+    model = build_model(config, load_weights(config.path, config.dtype, left_out), group, stage, left_out)
+    if method is not None:  # a transform of the loaded model (module swap)
+        quantize_shard(model, config, tokenizer, whole_model, planned)
+    elif config.arch.checkpoint_quantization is not None:  # a pre-quantized checkpoint served in float
+        from llmserve.quantization.prequantized import log_served_float
+
+        log_served_float(config.arch.checkpoint_quantization, config.dtype, config.device)
+    check_materialized(model)
+    use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
+    return model
