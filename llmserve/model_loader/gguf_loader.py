@@ -264,13 +264,18 @@ def _eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
-def read_weights(reader: GGUFReader, arch: ModelArchConfig, path: str) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32, under its HF name and in HF's layout."""
+def read_weights(
+    reader: GGUFReader, arch: ModelArchConfig, path: str, skipped: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized to float32, under its HF name and in HF's layout; those whose HF
+    name is in `skipped` are left out."""
     weights = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name, arch.architecture)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} (an unsupported model variant)")
+        if name in skipped:
+            continue
         array = _to_hf_layout(name, _dequantize(tensor, path), arch, path)
         for part_name, part in expert_parts(name, array):
             weights[part_name] = torch.from_numpy(part if part.flags.writeable else part.copy())

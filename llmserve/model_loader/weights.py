@@ -59,24 +59,31 @@ def load_weights(
     A tied model has no `lm_head.weight` unless its checkpoint stores one anyway.
     """
     path = resolve_model_path(path)
+    left_out = frozenset(left_out)
     if is_gguf(path):
-        arch, weights = _gguf_weights(path)
+        arch, weights = _gguf_weights(path, left_out)
     else:
         arch = hf_loader.read_arch_config(path)
         weights = family_weights.to_llama_names(arch, hf_loader.read_float_weights(path, dtype))
-    check_weights(weights, arch, path)
+    check_weights(weights, arch, path, left_out)
     return {name: tensor.to(dtype) for name, tensor in weights.items() if name not in left_out}
 
 
-def _gguf_weights(path: str) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
-    """float32 weights from the cache, or dequantized now and cached for the next start."""
+def _gguf_weights(path: str, left_out: frozenset[str]) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    """float32 weights from the cache, or dequantized now and cached for the next start. Tensors in
+    `left_out` (served from the file's blocks) are not dequantized unless the cache holds them
+    already: an entry grows to what later starts ask for, so a model larger than memory in float32
+    loads in its blocks without ever existing in float."""
     cached = weights_cache.load_weights(path)
     if cached is not None:
-        return load_arch_config(path), cached
+        arch = load_arch_config(path)
+        if expected_shapes(arch).keys() - cached.keys() <= left_out:
+            return arch, cached
     reader = gguf_loader.open_gguf(path)
     arch = gguf_loader.read_arch_config(reader, path)
-    weights = family_weights.to_llama_names(arch, gguf_loader.read_weights(reader, arch, path))
-    check_weights(weights, arch, path)  # never cache a file that cannot be served
+    skipped = left_out - (cached or {}).keys()
+    weights = family_weights.to_llama_names(arch, gguf_loader.read_weights(reader, arch, path, skipped))
+    check_weights(weights, arch, path, skipped)  # never cache a file that cannot be served
     weights_cache.save_json(path, _ARCH_FILE, dataclasses.asdict(arch))
     weights_cache.save_weights(path, weights)
     return arch, weights
@@ -118,9 +125,12 @@ def expected_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: dict[str, torch.Tensor], arch: ModelArchConfig, path: str) -> None:
-    """Fail with the path and the first problem instead of a shape error deep in model building."""
-    shapes = expected_shapes(arch)
+def check_weights(
+    weights: dict[str, torch.Tensor], arch: ModelArchConfig, path: str, left_out: frozenset[str] = frozenset()
+) -> None:
+    """Fail with the path and the first problem instead of a shape error deep in model building
+    (tensors in `left_out` may be missing)."""
+    shapes = {name: shape for name, shape in expected_shapes(arch).items() if name not in left_out}
     missing = [name for name in shapes if name not in weights]
     if missing:
         shown = ", ".join(missing[:_MAX_NAMES_IN_MESSAGE])

@@ -72,3 +72,27 @@ def test_a_left_out_weight_nothing_replaces_is_an_error(tmp_path, monkeypatch):
     half = frozenset({"model.layers.1.self_attn.q_proj.weight"})  # of the fused q/k/v
     with pytest.raises(ValueError, match="qkv_proj.weight: only"):
         build_model(config, load_weights(path, config.dtype, half), left_out=half)
+
+
+def test_the_float_cache_holds_only_what_starts_asked_for_and_grows(tmp_path, monkeypatch):
+    """A start that serves the blocks never dequantizes their tensors, not even into the weights
+    cache; a later start that needs them (`--quantization none`) adds them to the entry."""
+    from llmserve.model_loader import gguf_loader, weights_cache
+
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "tied.gguf")
+    write_tied_gguf(path, Q.Q8_0)
+    left_out = frozenset({"model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight"})
+    blocks = load_weights(path, torch.float32, left_out)
+    assert not left_out & weights_cache.load_weights(path).keys()
+    full = load_weights(path, torch.float32)
+    assert left_out <= weights_cache.load_weights(path).keys()
+
+    def no_parsing(_path):
+        raise AssertionError("the cache entry holds every tensor: no GGUF parsing")
+
+    monkeypatch.setattr(gguf_loader, "open_gguf", no_parsing)
+    again = load_weights(path, torch.float32, left_out)
+    assert again.keys() == blocks.keys() == full.keys() - left_out
+    for name, tensor in again.items():
+        assert torch.equal(tensor, blocks[name]) and torch.equal(tensor, full[name]), name
