@@ -272,3 +272,19 @@ def test_a_spawned_engine_process_logs_at_the_servers_level(engine_args, capfd):
     finally:
         llmserve_logger.setLevel(level)
     assert "ready in" in capfd.readouterr().err  # the engine's start-up line, from the child
+
+
+def test_the_engine_process_exempts_its_start_up_objects_from_the_cyclic_collector():
+    """What a serving engine process holds for its lifetime is frozen once it is ready, so a full
+    collection during serving walks only the requests' objects."""
+    import gc
+
+    from llmserve.engine.engine_core import freeze_startup_objects
+
+    model = [[] for _ in range(100)]  # stands in for what start-up leaves
+    try:
+        freeze_startup_objects()
+        assert gc.get_freeze_count() > 0
+        assert all(o is not model for o in gc.get_objects())  # the collector no longer walks it
+    finally:
+        gc.unfreeze()
