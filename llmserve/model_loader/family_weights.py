@@ -20,6 +20,7 @@ from llmserve.config import ModelArchConfig
 _EXPERT = re.compile(
     r"(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123]|gate_proj|up_proj|down_proj)\.weight$"
 )
+_MERGED_EXPERT = re.compile(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.weight$")
 _PART = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
@@ -43,6 +44,17 @@ def _split_fused(arch: ModelArchConfig, weights: dict[str, torch.Tensor]):
             yield from zip(names, tensor.chunk(2), strict=True)
         else:
             yield name, tensor
+
+
+def stacked_expert_name(name: str) -> str | None:
+    """The stacked experts tensor (`model.layers.N.mlp.experts.gate_up_proj` or `.down_proj`) that a
+    checkpoint's expert tensor goes into: one expert's (`...experts.3.w1.weight`) or all experts'
+    merged (`...experts.gate_proj.weight`, a GGUF's); None for any other tensor."""
+    match = _EXPERT.match(name) or _MERGED_EXPERT.match(name)
+    if match is None:
+        return None
+    stacked = "down_proj" if _PART[match[match.lastindex]] == "down" else "gate_up_proj"
+    return f"{match[1]}.mlp.experts.{stacked}"
 
 
 def _stack_experts(arch: ModelArchConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

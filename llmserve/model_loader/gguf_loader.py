@@ -17,6 +17,7 @@ of "llama" models.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -265,16 +266,16 @@ def _eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
 
 
 def read_weights(
-    reader: GGUFReader, arch: ModelArchConfig, path: str, skipped: frozenset[str] = frozenset()
+    reader: GGUFReader, arch: ModelArchConfig, path: str, skipped: Callable[[str], bool] = lambda name: False
 ) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to float32, under its HF name and in HF's layout; those whose HF
-    name is in `skipped` are left out."""
+    name `skipped` is true of are left out."""
     weights = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name, arch.architecture)
         if name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} (an unsupported model variant)")
-        if name in skipped:
+        if skipped(name):
             continue
         array = _to_hf_layout(name, _dequantize(tensor, path), arch, path)
         for part_name, part in expert_parts(name, array):

@@ -82,7 +82,11 @@ def _gguf_weights(path: str, left_out: frozenset[str]) -> tuple[ModelArchConfig,
     reader = gguf_loader.open_gguf(path)
     arch = gguf_loader.read_arch_config(reader, path)
     skipped = left_out - (cached or {}).keys()
-    weights = family_weights.to_llama_names(arch, gguf_loader.read_weights(reader, arch, path, skipped))
+
+    def skip(name: str) -> bool:  # a tensor, or an expert's part of a stacked experts tensor
+        return name in skipped or family_weights.stacked_expert_name(name) in skipped
+
+    weights = family_weights.to_llama_names(arch, gguf_loader.read_weights(reader, arch, path, skip))
     check_weights(weights, arch, path, skipped)  # never cache a file that cannot be served
     weights_cache.save_json(path, _ARCH_FILE, dataclasses.asdict(arch))
     weights_cache.save_weights(path, weights)

@@ -68,14 +68,18 @@ def plan_shard(
 
 def float_weights_replaced(model: nn.Module, result: QuantizationResult) -> frozenset[str]:
     """The checkpoint tensors (HF names) whose float values applying `result` to `model` never reads:
-    the weights of the linear layers it replaces. Not a tied head's (the embedding, which gives its
-    rows up only where the head's kernel reproduces them), the experts' (their stacked float
-    parameters are cut per expert), nor any parameter it updates."""
+    the weights of the linear layers it replaces, and the stacked expert tensors of the experts
+    modules it replaces (`moe.apply_experts` reads their shapes only). Not a tied head's (the
+    embedding, which gives its rows up only where the head's kernel reproduces them), nor any
+    parameter it updates."""
     tied = model.arch.tie_word_embeddings
     names = set()
-    for module in result.weights:
-        if moe.parse_expert_key(module) is None and not (module == LM_HEAD and tied):
-            names.update(model.checkpoint_names(f"{module}.weight"))
+    for key in result.weights:
+        expert = moe.parse_expert_key(key)
+        if expert is not None:
+            names.add(f"{expert[0]}.{expert[1]}")  # model.layers.N.mlp.experts.gate_up_proj
+        elif not (key == LM_HEAD and tied):
+            names.update(model.checkpoint_names(f"{key}.weight"))
     return frozenset(names - result.float_updates.keys())
 
 

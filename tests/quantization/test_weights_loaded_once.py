@@ -96,3 +96,35 @@ def test_the_float_cache_holds_only_what_starts_asked_for_and_grows(tmp_path, mo
     assert again.keys() == blocks.keys() == full.keys() - left_out
     for name, tensor in again.items():
         assert torch.equal(tensor, blocks[name]) and torch.equal(tensor, full[name]), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_moe_gguf_experts_load_in_their_blocks_only(tmp_path, monkeypatch, arch):
+    """A MoE GGUF's experts are never dequantized, stacked or allocated in float: their stacked
+    tensors are left out, and the model equals the one built the old way."""
+    from tests.models.moe_gguf import write_moe_gguf
+
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / f"{arch}.gguf")
+    write_moe_gguf(path, arch, Q.Q8_0)
+    config = _config(path, "float32")
+    loaded: list[set[str]] = []
+
+    def recording_load(*args, **kwargs):
+        weights = load_weights(*args, **kwargs)
+        loaded.append(set(weights))
+        return weights
+
+    monkeypatch.setattr(model_loading, "load_weights", recording_load)
+    model = model_loading.load_model(config)
+    (names,) = loaded
+    assert not any(".experts." in name for name in names)
+    assert "model.layers.0.mlp.gate.weight" in names  # the router stays in float
+
+    reference = build_model(config, load_weights(path, config.dtype))
+    quantize_shard(reference, config, None, lambda: None)
+    use_small_batch_linear(reference)
+    ours, theirs = _state(model), _state(reference)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
