@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -191,12 +192,15 @@ def _sliding_window(config: dict[str, Any]) -> int | None:
     return None if window is None else int(window)
 
 
-def read_float_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_float_weights(
+    path: str, dtype: torch.dtype, skipped: Callable[[str], bool] = lambda name: False
+) -> dict[str, torch.Tensor]:
     """`read_weights`, the layers of a pre-quantized checkpoint dequantized to `dtype`
-    (model_loader/prequantized.py; the `prequantized` quantization method keeps what kernels take)."""
+    (model_loader/prequantized.py; the `prequantized` quantization method keeps what kernels take),
+    except those whose weight's name `skipped` is true of (their codes stay as they are)."""
     weights = read_weights(path)
     spec = read_quantization(read_config(path), path)
-    return weights if spec is None else dequantized_weights(weights, spec, dtype)
+    return weights if spec is None else dequantized_weights(weights, spec, dtype, skipped)
 
 
 def read_config(path: str) -> dict[str, Any]:

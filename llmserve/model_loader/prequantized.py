@@ -218,13 +218,18 @@ def decode_layer(parts: dict[str, torch.Tensor], spec: CheckpointQuantization) -
 
 
 def dequantized_weights(
-    tensors: dict[str, torch.Tensor], spec: CheckpointQuantization, dtype: torch.dtype
+    tensors: dict[str, torch.Tensor],
+    spec: CheckpointQuantization,
+    dtype: torch.dtype,
+    skipped: Callable[[str], bool] = lambda name: False,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint under its HF name, quantized layers' weights in float `dtype`."""
+    """Every tensor of the checkpoint under its HF name, quantized layers' weights in float `dtype`
+    (those whose weight's name `skipped` is true of left out: a quantization serves their codes)."""
     floats, layers = split_checkpoint(tensors)
-    for module, layer in decode_layers(layers, spec):
-        with _decoding(module, spec):
-            floats[f"{module}.weight"] = layer.dequantize(dtype)
+    for module, parts in layers.items():
+        if not skipped(f"{module}.weight"):
+            with _decoding(module, spec):
+                floats[f"{module}.weight"] = decode_layer(parts, spec).dequantize(dtype)
     return floats
 
 

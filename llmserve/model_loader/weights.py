@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -64,7 +64,8 @@ def load_weights(
         arch, weights = _gguf_weights(path, left_out)
     else:
         arch = hf_loader.read_arch_config(path)
-        weights = family_weights.to_llama_names(arch, hf_loader.read_float_weights(path, dtype))
+        floats = hf_loader.read_float_weights(path, dtype, _leaves_out(left_out))
+        weights = family_weights.to_llama_names(arch, floats)
     check_weights(weights, arch, path, left_out)
     return {name: tensor.to(dtype) for name, tensor in weights.items() if name not in left_out}
 
@@ -82,15 +83,19 @@ def _gguf_weights(path: str, left_out: frozenset[str]) -> tuple[ModelArchConfig,
     reader = gguf_loader.open_gguf(path)
     arch = gguf_loader.read_arch_config(reader, path)
     skipped = left_out - (cached or {}).keys()
-
-    def skip(name: str) -> bool:  # a tensor, or an expert's part of a stacked experts tensor
-        return name in skipped or family_weights.stacked_expert_name(name) in skipped
-
-    weights = family_weights.to_llama_names(arch, gguf_loader.read_weights(reader, arch, path, skip))
+    weights = family_weights.to_llama_names(
+        arch, gguf_loader.read_weights(reader, arch, path, _leaves_out(skipped))
+    )
     check_weights(weights, arch, path, skipped)  # never cache a file that cannot be served
     weights_cache.save_json(path, _ARCH_FILE, dataclasses.asdict(arch))
     weights_cache.save_weights(path, weights)
     return arch, weights
+
+
+def _leaves_out(left_out: frozenset[str]) -> Callable[[str], bool]:
+    """Whether a checkpoint tensor need not be read: it is left out, or it is an expert's part of a
+    stacked experts tensor that is."""
+    return lambda name: name in left_out or family_weights.stacked_expert_name(name) in left_out
 
 
 def expected_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:

@@ -484,3 +484,46 @@ def test_unsupported_quantization_is_a_one_line_error(float_dir, tmp_path, quant
     with pytest.raises(ModelLoadError, match=message) as error:
         LLMEngine(EngineArgs(model=path, dtype="float32", kv_cache_memory="4MiB"))
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("fmt", ["gptq-4bit-sym", "awq-gemm", "ct-w8a8-channel"])
+def test_kept_codes_are_never_decoded_to_float(float_dir, tmp_path, monkeypatch, fmt):
+    """Layers whose codes a kernel keeps are left out of the float loading (no decoding, no float
+    parameter); the model equals the one built from every layer decoded, then replaced."""
+    from llmserve.kernels.small_batch_linear import use_small_batch_linear
+    from llmserve.model_loader import load_arch_config, load_weights
+    from llmserve.models.registry import build_model
+    from llmserve.quantization.sharding import quantize_shard
+    from llmserve.worker import model_loading
+
+    quantized_dir, _, _ = _pack(float_dir, str(tmp_path), fmt)
+    args = EngineArgs(model=quantized_dir, kv_cache_memory="4MiB")
+    config = args.create_config(load_arch_config(quantized_dir), quantized_dir).model
+    assert config.quantization is not None and config.quantization.method == "prequantized"
+    loaded: list[set[str]] = []
+
+    def recording_load(*call, **kwargs):
+        weights = load_weights(*call, **kwargs)
+        loaded.append(set(weights))
+        return weights
+
+    monkeypatch.setattr(model_loading, "load_weights", recording_load)
+    model = model_loading.load_model(config)
+    kept = {
+        source
+        for name, module in model.named_modules()
+        if isinstance(module, QuantizedLinear)
+        for source in model.checkpoint_names(f"{name}.weight")
+    }
+    assert kept, "the checkpoint's codes are kept in the kernels"
+    (names,) = loaded
+    assert not kept & names
+
+    reference = build_model(config, load_weights(quantized_dir, config.dtype))
+    quantize_shard(reference, config, None, lambda: None)
+    use_small_batch_linear(reference)
+    ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    theirs = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
