@@ -16,24 +16,22 @@ kernel's own copy, whose blocks are already the tile product's B operand (no pad
 and the small-batch kernel, the output projection of a decode step included (`python -m
 benchmarks.tools.linear_micro --amx`; docs/benchmarks.md, "Kernel micro-benchmarks").
 
-Where the CPU has no AMX (or `use_small_batch_linear(..., amx=False)`), the small-batch kernel keeps
-the rows up to `KERNEL_MAX_ROWS` (256: a decode batch), in tiles of 8 that each pass over a block of
-32 output rows while it is in cache, and a row's bits do not depend on the batch. On a Zen 5
-(AVX-512 BF16, no AMX) it beat oneDNN's GEMM at every decode size, whose every call pays a set-up
-(`python -m benchmarks.tools.linear_micro --tiled`; docs/benchmarks.md, "Kernel micro-benchmarks").
-On AVX2 CPUs (no AVX-512 BF16) the kernel runs float32 FMAs over the same packed copy (linear.cpp)
-and keeps the same rows: at the forced AVX2 level of that machine, with oneDNN capped at AVX2
-(`ONEDNN_MAX_CPU_ISA=AVX2`, where it packs no bf16 weight and `F.linear` takes the rows), it took a
-fraction of F.linear's time at 9 to 256 rows; at 1 row it reads half of float32's bytes. Above that, and above
-`AMX_MAX_ROWS` with AMX, rows run oneDNN's GEMM on a copy of its weight packed once into oneDNN's
-blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does):
-`F.linear` on a plain weight repacks it on every call. Same kernel, same sums, bit-identical outputs,
-faster at every row count, for a second copy of the weights in memory. oneDNN builds (and caches, up
-to 1,024) a primitive for each (row count, layer shape) it sees, ~100 KB each at the tiny test
-model's shapes: left alone, the varied token counts of a server's steps grew its memory until that
-cache was full, so the rows it gets are rounded up to one of 8 sizes per octave (`onednn_rows`: at
-most 1/8 more rows, left unset: a row's result depends only on that row, so the others' bits do not
-change).
+Where the CPU has no AMX (or `use_small_batch_linear(..., amx=False)`), the small-batch kernel takes
+every row count, in tiles of 8 that each pass over a block of 32 output rows while it is in cache, and
+a row's bits do not depend on the batch. On a Zen 5 (AVX-512 BF16, no AMX) it beat oneDNN's GEMM at
+every decode size, whose every call pays a set-up, and matched it at prompt chunks of 512 to 2,048
+rows (`python -m benchmarks.tools.linear_micro --tiled`; docs/benchmarks.md, "Kernel
+micro-benchmarks"); on AVX2 CPUs (no AVX-512 BF16) the kernel runs float32 FMAs over the same packed
+copy (linear.cpp), where oneDNN capped at AVX2 packs no bf16 weight and `F.linear` took several times
+longer. So the packed copy is the layer's only one: the checkpoint's weight is freed once packed
+(`_release_unread_weights`; kept where another module shares it, a tied embedding's lookups).
+With AMX, rows above `AMX_MAX_ROWS` run oneDNN's GEMM on a copy of the weight packed once into
+oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend
+does): `F.linear` on a plain weight repacks it on every call. oneDNN builds (and caches, up to 1,024)
+a primitive for each (row count, layer shape) it sees, ~100 KB each at the tiny test model's shapes:
+left alone, the varied token counts of a server's steps grew its memory until that cache was full,
+so the rows it gets are rounded up to one of 8 sizes per octave (`onednn_rows`: at most 1/8 more
+rows, left unset: a row's result depends only on that row, so the others' bits do not change).
 
 float32 weights on the CPU (the default dtype where the CPU has no native bf16) become
 `PackedLinear`s: the compiled float32 kernel (linear_f32.cpp, AVX2 and FMA) on its own packed copy
@@ -50,6 +48,8 @@ read at half the bandwidth.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,20 +60,23 @@ from llmserve.kernels.cpu_ops import load_cpu_ops
 MAX_ROWS = 8
 # Above this oneDNN's GEMM beats the AMX kernel on this project's machine (module docstring).
 AMX_MAX_ROWS = 1280
-# Without AMX, bf16 layers run the small-batch kernel up to this many rows, oneDNN's GEMM above
-# (module docstring): decode batches, not prompt chunks.
-KERNEL_MAX_ROWS = 256
+# Without AMX, bf16 layers run the small-batch kernel up to this many rows, oneDNN's GEMM on a blocked
+# copy above: every row count, so the packed copy is the only one (module docstring).
+KERNEL_MAX_ROWS = sys.maxsize
 
 
 class SmallBatchLinear(nn.Linear):
     small_batch_weight: torch.Tensor  # `weight` in the small-batch kernel's layout (32-row blocks)
     amx: bool = False  # 9 to AMX_MAX_ROWS rows by the AMX kernel on that same copy (linear_amx.cpp)
     kernel_max_rows: int = MAX_ROWS  # the small-batch kernel up to this many rows (KERNEL_MAX_ROWS: no AMX)
-    packed_weight: torch.Tensor | None = None  # oneDNN-blocked copy of `weight` (see the module docstring)
+    packed_weight: torch.Tensor | None = None  # oneDNN-blocked copy of `weight`, with AMX (module docstring)
+    # `weight`: None once released (`_release_unread_weights`), the packed copies being the layer's own
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rows = input.numel() // self.in_features
-        if 0 < rows <= self.kernel_max_rows:
+        if rows == 0:
+            return input.new_empty(*input.shape[:-1], self.out_features)
+        if rows <= self.kernel_max_rows:
             flat = input.reshape(rows, self.in_features).contiguous()
             out = load_cpu_ops().small_batch_linear(flat, self.small_batch_weight, self.out_features)
             out = out.view(*input.shape[:-1], self.out_features)
@@ -242,10 +245,11 @@ def use_small_batch_linear(
             if head:  # the kernels take every row count: no oneDNN copy
                 module.__class__ = LogitsLinear
             else:
-                if id(weight) not in onednn_copies:
+                onednn_rows_above = has_amx or module.kernel_max_rows < sys.maxsize
+                if onednn_rows_above and id(weight) not in onednn_copies:
                     onednn_copies[id(weight)] = pack_for_onednn(weight)
                 module.__class__ = SmallBatchLinear
-                module.packed_weight = onednn_copies[id(weight)]
+                module.packed_weight = onednn_copies.get(id(weight))
             swapped += 1
         elif weight.dtype == torch.float32:
             if id(weight) not in packed:
@@ -258,4 +262,19 @@ def use_small_batch_linear(
                 module.packed_weight, module.small_batch_weight = onednn, small_batch
                 module.packed_from = _identity(weight)
                 swapped += 1
+    _release_unread_weights(model)
     return swapped
+
+
+def _release_unread_weights(model: nn.Module) -> None:
+    """Free the checkpoint's weight of every `SmallBatchLinear` that no row count reads it for (its
+    packed copies take them all) and no other module shares (a tied embedding looks rows up in it):
+    the layer's packed copy is then its only one."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    for module in model.modules():
+        if type(module) is not SmallBatchLinear or module.weight is None or uses[id(module.weight)] > 1:
+            continue
+        if module.kernel_max_rows == sys.maxsize or module.packed_weight is not None:
+            module.weight = None

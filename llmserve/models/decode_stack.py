@@ -11,11 +11,10 @@ codes too: the int4 kernel tells them by their packed width) with their small-ba
 float32 (the dtype of CPUs without native bf16) with every linear layer
 on the float32 kernel or, quantized, on the int8 and int4 kernels where they take float32 inputs.
 Above the small-batch kernel's 8 rows it takes what the modules take: int8 and int4 layers their
-compiled kernels at any row count; bf16 `SmallBatchLinear` layers (with their oneDNN copy) the AMX
-kernel on the packed copy up to `AMX_MAX_ROWS` where the CPU has AMX, else the small-batch kernel in
-tiles of 8 rows up to `KERNEL_MAX_ROWS`, and oneDNN's GEMM on the blocked copy beyond; with float32
-layers it serves up to 8 rows. Anything else (prefill chunks, other quantized formats, 8-bit
-KV caches, CUDA) takes the module path.
+compiled kernels at any row count; bf16 `SmallBatchLinear` layers the AMX kernel on the packed copy
+up to `AMX_MAX_ROWS` and oneDNN's GEMM on their blocked copy beyond where the CPU has AMX, else the
+small-batch kernel in tiles of 8 rows at any row count; with float32 layers it serves up to 8 rows.
+Anything else (prefill chunks, other quantized formats, 8-bit KV caches, CUDA) takes the module path.
 
 Under tensor parallelism the stack holds the rank's shards and sums the o and down projections'
 outputs over the ranks inside the call, through the group's shared-memory collectives (one host) or
@@ -24,6 +23,8 @@ same order, so the two paths stay bit-identical per rank.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -116,6 +117,11 @@ def _small_batch_weights(module, dtype: torch.dtype) -> StackWeights | None:
     return None
 
 
+def _every_row_count(module) -> bool:
+    """Whether a bf16 layer's small-batch kernel takes every row count (no AMX: no oneDNN copy)."""
+    return type(module) is SmallBatchLinear and module.kernel_max_rows == sys.maxsize
+
+
 def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
     """The fused stack for `model` (a LlamaForCausalLM whose attention layers are bound to their KV
     cache views), or None where it does not apply."""
@@ -151,9 +157,11 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         if any(norm.eps != inner.norm.eps or norm.weight.dtype != dtype for norm in norms):
             return None
         (qkv, qkv_scales, _), (o, o_scales, _), (gate_up, gate_up_scales, _), (down, down_scales, _) = linears
-        # a layer runs any row count on its oneDNN copy, or on its int8/int4 kernel (uint8 codes)
+        # a layer runs any row count on its oneDNN copy, its bf16 kernel or its int8/int4 kernel
+        modules = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         any_rows = any_rows and all(
-            linear[2] is not None or linear[0].dtype == torch.uint8 for linear in linears
+            linear[2] is not None or linear[0].dtype == torch.uint8 or _every_row_count(module)
+            for linear, module in zip(linears, modules, strict=True)
         )
         qkv_bias = attention.qkv_proj.bias
         tensors += [

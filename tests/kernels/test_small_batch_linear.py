@@ -1,5 +1,7 @@
 """The small-batch bf16 linear kernel against F.linear, and the module swap that uses it."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,11 +10,9 @@ from torch import nn
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.small_batch_linear import (
     AMX_MAX_ROWS,
-    KERNEL_MAX_ROWS,
     MAX_ROWS,
     LogitsLinear,
     SmallBatchLinear,
-    pack_for_onednn,
     use_small_batch_linear,
 )
 from llmserve.models.layers.lm_head import LMHead
@@ -63,7 +63,9 @@ def test_rejects_what_it_does_not_serve():
         ops.small_batch_linear(torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16(), 8)
 
 
-def test_module_swap_keeps_parameters_and_tied_weights_and_falls_back():
+def test_module_swap_keeps_tied_weights_and_frees_the_others():
+    """A swapped layer's packed copies take every row count, so the checkpoint's weight is freed
+    unless another module shares it (the tied head's, which the embedding looks rows up in)."""
     torch.manual_seed(0)
     model = nn.ModuleDict(
         {"embed": nn.Embedding(100, 64), "proj": nn.Linear(64, 96, bias=True), "odd": nn.Linear(40, 8)}
@@ -78,29 +80,31 @@ def test_module_swap_keeps_parameters_and_tied_weights_and_falls_back():
     assert type(model["proj"]) is SmallBatchLinear and type(model["odd"]) is nn.Linear
     assert model["head"].weight is model["embed"].weight
     assert all(model[name] is module for name, module in reference.items())
+    assert model["proj"].weight is None  # its packed copies take every row count
+    assert "proj.weight" not in dict(model.named_parameters())
     torch.testing.assert_close(model["proj"](x).float(), before.float(), atol=3e-2, rtol=2e-2)
-    proj = model["proj"]
-    proj.packed_weight, proj.amx = None, False  # beyond the kernel's rows: F.linear, bit for bit
-    many = torch.randn(proj.kernel_max_rows + 1, 64).bfloat16()
-    assert torch.equal(proj(many), F.linear(many, proj.weight, proj.bias))
+    assert model["proj"](x[:0]).shape == (0, 96)
 
 
-@pytest.mark.parametrize("rows", [9, 40, KERNEL_MAX_ROWS])
-def test_without_amx_decode_batches_run_the_kernel_a_row_as_it_runs_alone(rows):
-    """Without AMX the kernel takes up to KERNEL_MAX_ROWS rows (a decode batch): each row gets the
-    bits it gets decoded alone, within bf16 rounding of F.linear; a batch dimension passes through."""
+@pytest.mark.parametrize("rows", [9, 40, 256, 700])
+def test_without_amx_every_row_count_runs_the_kernel_a_row_as_it_runs_alone(rows):
+    """Without AMX the kernel takes every row count (decode batches and prompt chunks) on the layer's
+    only copy (no oneDNN copy, the weight freed): each row gets the bits it gets decoded alone, within
+    bf16 rounding of F.linear; a batch dimension passes through."""
     torch.manual_seed(rows)
     model = _model_with_a_tied_linear()
+    weight = model["proj"].weight.detach().clone()
     assert use_small_batch_linear(model, amx=False) == 2
     layer = model["proj"]
-    assert layer.kernel_max_rows == KERNEL_MAX_ROWS
+    assert layer.kernel_max_rows == sys.maxsize and layer.packed_weight is None and layer.weight is None
+    assert model["head"].packed_weight is None and model["head"].weight is model["embed"].weight
     x = torch.randn(rows, 64).bfloat16()
     out = layer(x)
     assert torch.equal(out[rows // 2], layer(x[rows // 2 : rows // 2 + 1])[0])
     assert torch.equal(
         out, ops.small_batch_linear(x, layer.small_batch_weight, layer.out_features) + layer.bias
     )
-    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(out, F.linear(x, weight, layer.bias), atol=3e-2, rtol=2e-2)
     assert torch.equal(layer(x[None]), out[None])
 
 
@@ -177,27 +181,6 @@ def _model_with_a_tied_linear() -> nn.ModuleDict:
     return model
 
 
-@pytest.mark.parametrize("rows", [KERNEL_MAX_ROWS + 1, 300, 700])
-def test_packed_weight_gemm_is_bit_identical_to_f_linear(rows):
-    """Without AMX, above KERNEL_MAX_ROWS the swapped layer multiplies by its oneDNN-packed weight copy:
-    one copy per shared weight, and exactly F.linear's result (with and without bias); the output
-    projection keeps the kernel at every row count (float32 logits, checked above)."""
-    torch.manual_seed(rows)
-    model = _model_with_a_tied_linear()
-    assert use_small_batch_linear(model, amx=False) == 2
-    # oneDNN packs bf16 weights where its build runs bf16 here (not with its ISA capped at AVX2): then
-    # one copy per shared weight; without one the layer runs F.linear itself
-    packs = pack_for_onednn(model["proj"].weight) is not None
-    assert (model["proj"].packed_weight is not None) == packs
-    assert (model["head"].packed_weight is not None) == packs
-    x = torch.randn(rows, 64).bfloat16()
-    for name in ("proj", "head"):
-        layer = model[name]
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), name
-    model["proj"].packed_weight = None  # the unpacked fallback gives the same
-    assert torch.equal(model["proj"](x), F.linear(x, model["proj"].weight, model["proj"].bias))
-
-
 @pytest.mark.cpu_kernels("amx_bf16")
 @pytest.mark.parametrize("rows", [9, 64, 300, AMX_MAX_ROWS, AMX_MAX_ROWS + 1])
 def test_with_amx_rows_above_8_run_on_the_kernels_own_copy_up_to_amx_max_rows(rows):
@@ -205,6 +188,7 @@ def test_with_amx_rows_above_8_run_on_the_kernels_own_copy_up_to_amx_max_rows(ro
     of F.linear; more rows run oneDNN on its copy (exactly F.linear)."""
     torch.manual_seed(rows)
     model = _model_with_a_tied_linear()
+    weights = {name: model[name].weight.detach().clone() for name in ("proj", "head")}
     assert use_small_batch_linear(model) == 2
     x = torch.randn(rows, 64).bfloat16()
     for name in ("proj", "head"):
@@ -214,9 +198,9 @@ def test_with_amx_rows_above_8_run_on_the_kernels_own_copy_up_to_amx_max_rows(ro
         if rows <= AMX_MAX_ROWS:
             amx = ops.amx_linear(x, layer.small_batch_weight, layer.bias, layer.out_features)
             assert torch.equal(out, amx), name
-            torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(out, F.linear(x, weights[name], layer.bias), atol=2e-2, rtol=2e-2)
         else:
-            assert torch.equal(out, F.linear(x, layer.weight, layer.bias)), name
+            assert torch.equal(out, F.linear(x, weights[name], layer.bias)), name
     assert torch.equal(model["proj"](x[None]), model["proj"](x)[None])  # a batch dimension passes through
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import transformers
 
 from llmserve import LLM, SamplingParams
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.kernels.small_batch_linear import pack_for_onednn
 from llmserve.model_loader import default_model_path, load_tokenizer
 from tests.helpers import TINY_LLAMA_CONFIG, make_tiny_llama_dir
 
@@ -148,9 +149,11 @@ def test_batches_above_the_small_batch_kernel_bit_identical(
     path = model_dir if architecture == "llama" else qwen2_dir
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
     runner, inner = llm.engine.model_runner, llm.engine.model_runner.model.model
-    # the stack takes more than 8 rows where every layer has its oneDNN copy for the rows above the
-    # kernel's (oneDNN packs no bf16 weight with its ISA capped at AVX2): else the modules take them
-    packs = pack_for_onednn(inner.layers[0].self_attn.qkv_proj.weight) is not None
+    # the stack takes more than 8 rows where the kernel takes every row count, or every layer has its
+    # oneDNN copy for the rows above the kernel's (oneDNN packs no bf16 weight with its ISA capped at
+    # AVX2): else the modules take them
+    qkv = inner.layers[0].self_attn.qkv_proj
+    packs = qkv.kernel_max_rows == sys.maxsize or qkv.packed_weight is not None
     assert (runner.decode_stack.max_rows > 8) == packs
     assert (inner.layers[0].self_attn.qkv_proj.bias is not None) == (architecture == "qwen2")
     assert amx or not inner.layers[0].self_attn.qkv_proj.amx
