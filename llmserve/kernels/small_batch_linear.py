@@ -58,6 +58,7 @@ from llmserve.kernels.cpu_ops import load_cpu_ops
 
 # Above this the GEMM in F.linear is compute-bound and faster (kSmallBatchRows in decode_stack.cpp).
 MAX_ROWS = 8
+_BLOCK_ROWS = 32  # output rows per block of the packed layout (small_batch_pack)
 # Above this oneDNN's GEMM beats the AMX kernel on this project's machine (module docstring).
 AMX_MAX_ROWS = 1280
 # Without AMX, bf16 layers run the small-batch kernel up to this many rows, oneDNN's GEMM on a blocked
@@ -108,6 +109,19 @@ class LogitsLinear(nn.Linear):
         out = load_cpu_ops().small_batch_linear_float_out(rows, self.small_batch_weight, self.out_features)
         out = out.view(*input.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.float()
+
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of the weight, read from the packed copy (small_batch_pack in linear.cpp: blocks
+        of 32 rows, column pair by column pair: [N'/32, K/2, 32, 2]): the very bf16 values."""
+        packed = self.small_batch_weight
+        blocks = packed.view(packed.shape[0] // _BLOCK_ROWS, packed.shape[1] // 2, _BLOCK_ROWS, 2)
+        flat = index.reshape(-1).to(packed.device)
+        rows = blocks[flat // _BLOCK_ROWS, :, flat % _BLOCK_ROWS]  # [T, K/2, 2]
+        return rows.reshape(*index.shape, self.in_features)
+
+    def table(self) -> torch.Tensor:
+        """The whole weight [out_features, in_features], rebuilt from the packed copy (a new tensor)."""
+        return self.weight_rows(torch.arange(self.out_features, device=self.small_batch_weight.device))
 
 
 class PackedLinear(nn.Linear):
@@ -267,14 +281,18 @@ def use_small_batch_linear(
 
 
 def _release_unread_weights(model: nn.Module) -> None:
-    """Free the checkpoint's weight of every `SmallBatchLinear` that no row count reads it for (its
-    packed copies take them all) and no other module shares (a tied embedding looks rows up in it):
-    the layer's packed copy is then its only one."""
+    """Free the checkpoint's weight of every bf16 layer that no row count reads it for (its packed
+    copies take them all: a `LogitsLinear`'s always) and no other module shares (a tied embedding
+    looks rows up in it, until `quantization/embedding.embed_from_packed_head` reads them from the
+    packed copy): the layer's packed copy is then its only one."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
     for module in model.modules():
-        if type(module) is not SmallBatchLinear or module.weight is None or uses[id(module.weight)] > 1:
+        if type(module) not in (SmallBatchLinear, LogitsLinear) or module.weight is None:
             continue
-        if module.kernel_max_rows == sys.maxsize or module.packed_weight is not None:
+        if uses[id(module.weight)] > 1:
+            continue
+        every_row_count = type(module) is LogitsLinear or module.kernel_max_rows == sys.maxsize
+        if every_row_count or module.packed_weight is not None:
             module.weight = None

@@ -181,6 +181,8 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
             *(_EMPTY if linear[2] is None else linear[2] for linear in linears),
         ]
     first = layers[0].self_attn
+    # the bf16 layers' choices (they share them); a stack of quantized layers has none
+    bf16 = [m for m in model.modules() if type(m) is SmallBatchLinear]
     stack = ops.DecodeStack(
         tensors,
         inner.norm.weight.detach(),
@@ -192,8 +194,8 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         len(model.shard.intermediate),
         inner.norm.eps,
         first.attn.scale,
-        AMX_MAX_ROWS if getattr(first.qkv_proj, "amx", False) else 0,  # as the modules choose
-        getattr(first.qkv_proj, "kernel_max_rows", MAX_ROWS),
+        AMX_MAX_ROWS if any(m.amx for m in bf16) else 0,  # as the modules choose
+        max((m.kernel_max_rows for m in bf16), default=MAX_ROWS),
     )
     max_rows = float("inf") if any_rows else MAX_ROWS
     attention_layers = [layer.self_attn.attn for layer in layers]

@@ -1,4 +1,4 @@
-"""A tied token embedding read from its output projection's quantized copy.
+"""A tied token embedding read from its output projection's packed copy (quantized, or bf16).
 
 A model whose embedding is tied to its output projection holds one matrix; once quantization has
 replaced that projection by a packed layer, the float embedding table would be a second copy of the
@@ -7,7 +7,9 @@ very values the float table was loaded from (a GGUF's `token_embd` kept in its b
 `quantization gguf`), the lookup rebuilds the rows it needs from the packed copy instead
 (`LinearKernel.weight_rows`: the same float32 values, then the model's dtype, as the float load did)
 and the float table is freed. Elsewhere (int8/int4 methods quantize the head from the float table, so
-its rows differ from the table's) the float table stays.
+its rows differ from the table's) the float table stays. A bf16 head on the CPU's small-batch kernel
+(`LogitsLinear`) holds the table's own bf16 values in its packed layout: the lookup reads them there
+and the table goes too (`embed_from_packed_head`).
 
 Readers that need the whole matrix (a draft head's compiled chain, head training) call
 `models/layers/vocab_embedding.embedding_table`, which rebuilds it for them.
@@ -16,28 +18,43 @@ Readers that need the whole matrix (a draft head's compiled chain, head training
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from llmserve.distributed.group import TensorParallelGroup
+from llmserve.kernels.small_batch_linear import LogitsLinear
 
 logger = logging.getLogger("llmserve")
 
 
-class QuantizedEmbedding(nn.Module):
-    """The rank's vocabulary block of the embedding (as `VocabParallelEmbedding`), its rows rebuilt
-    from the tied output projection's kernel, which stays that projection's module (only its row
+class HeadRowsEmbedding(nn.Module):
+    """The rank's vocabulary block of the embedding (as `VocabParallelEmbedding`), its rows read from
+    the tied output projection's packed copy, which stays that projection's module (only its row
     readers, bound methods, are held here: no second owner of its buffers)."""
 
-    def __init__(self, head: nn.Module, vocab: range, dtype: torch.dtype, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self,
+        head: nn.Module,
+        weight_rows: Callable[[torch.Tensor], torch.Tensor],
+        table: Callable[[], torch.Tensor],
+        vocab: range,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+    ) -> None:
         super().__init__()
-        self._weight_rows = head.kernel.weight_rows
-        self._dequantize = head.kernel.dequantize
+        self._weight_rows, self._table = weight_rows, table
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features  # padding included
         self.vocab = vocab
         self.dtype = dtype
         self.tp = tp
+
+    @classmethod
+    def of_quantized(cls, head: nn.Module, vocab: range, dtype: torch.dtype, tp: TensorParallelGroup):
+        """Over a quantized head's kernel (`LinearKernel.weight_rows`, float32, then `dtype`)."""
+        kernel = head.kernel
+        return cls(head, kernel.weight_rows, lambda: kernel.dequantize(torch.float32), vocab, dtype, tp)
 
     def rows(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Rows `local_ids` of this rank's block, in the model's dtype."""
@@ -45,7 +62,7 @@ class QuantizedEmbedding(nn.Module):
 
     def table(self) -> torch.Tensor:
         """The whole block as a float table (a new tensor each call: for readers of the whole matrix)."""
-        return self._dequantize(torch.float32).to(self.dtype)
+        return self._table().to(self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -60,7 +77,7 @@ class QuantizedEmbedding(nn.Module):
 
 
 def embed_from_head(model: nn.Module, dtype: torch.dtype) -> bool:
-    """Swap `model`'s tied float embedding for a `QuantizedEmbedding` over its quantized output
+    """Swap `model`'s tied float embedding for a `HeadRowsEmbedding` over its quantized output
     projection, where this pipeline stage holds both and the kernel gives exact rows; returns
     whether it did (the float table is then freed). The caller vouches that the head was quantized
     from the embedding's own values (a GGUF's shared `token_embd`)."""
@@ -76,10 +93,32 @@ def embed_from_head(model: nn.Module, dtype: torch.dtype) -> bool:
         )
         return False
     table = inner.embed_tokens.weight
-    inner.embed_tokens = QuantizedEmbedding(head, inner.embed_tokens.vocab, dtype, model.tp)
+    inner.embed_tokens = HeadRowsEmbedding.of_quantized(head, inner.embed_tokens.vocab, dtype, model.tp)
     logger.info(
         "quantization: the tied embedding reads its rows from the output projection's quantized copy "
         "(%.1f MiB float table freed)",
+        table.numel() * table.element_size() / 2**20,
+    )
+    return True
+
+
+def embed_from_packed_head(model: nn.Module) -> bool:
+    """Swap `model`'s tied bf16 embedding for a `HeadRowsEmbedding` over its output projection's packed
+    copy (a `LogitsLinear`: the same bf16 values, kernels/small_batch_linear.py), and free the table
+    the two shared; returns whether it did."""
+    inner, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    embedding = getattr(inner, "embed_tokens", None)
+    if type(head) is not LogitsLinear or not isinstance(embedding, nn.Embedding):
+        return False
+    if head.weight is None or embedding.weight is not head.weight:
+        return False  # not tied here (an untied head's weight is freed by the swap itself)
+    table = embedding.weight
+    inner.embed_tokens = HeadRowsEmbedding(
+        head, head.weight_rows, head.table, embedding.vocab, table.dtype, model.tp
+    )
+    head.weight = None
+    logger.info(
+        "the tied embedding reads its rows from the output projection's packed copy (%.1f MiB table freed)",
         table.numel() * table.element_size() / 2**20,
     )
     return True

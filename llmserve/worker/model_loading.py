@@ -18,6 +18,7 @@ from llmserve.distributed.pipeline import PipelineStage
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.model_loader import load_weights
 from llmserve.models.registry import build_model, check_materialized, meta_model
+from llmserve.quantization.embedding import embed_from_packed_head
 
 logger = logging.getLogger("llmserve")
 
@@ -52,4 +53,5 @@ def load_model(
         log_served_float(config.arch.checkpoint_quantization, config.dtype, config.device)
     check_materialized(model)
     use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
+    embed_from_packed_head(model)  # a tied bf16 embedding: its rows from the head's packed copy
     return model

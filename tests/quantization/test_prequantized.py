@@ -493,6 +493,7 @@ def test_kept_codes_are_never_decoded_to_float(float_dir, tmp_path, monkeypatch,
     from llmserve.kernels.small_batch_linear import use_small_batch_linear
     from llmserve.model_loader import load_arch_config, load_weights
     from llmserve.models.registry import build_model
+    from llmserve.quantization.embedding import embed_from_packed_head
     from llmserve.quantization.sharding import quantize_shard
     from llmserve.worker import model_loading
 
@@ -522,6 +523,7 @@ def test_kept_codes_are_never_decoded_to_float(float_dir, tmp_path, monkeypatch,
     reference = build_model(config, load_weights(quantized_dir, config.dtype))
     quantize_shard(reference, config, None, lambda: None)
     use_small_batch_linear(reference)
+    embed_from_packed_head(reference)
     ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     theirs = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
     assert ours.keys() == theirs.keys()

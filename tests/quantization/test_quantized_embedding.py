@@ -13,7 +13,7 @@ import transformers
 from llmserve import LLM, SamplingParams
 from llmserve.distributed.group import single_rank
 from llmserve.quantization import gguf_native, methods, sharding
-from llmserve.quantization.embedding import QuantizedEmbedding
+from llmserve.quantization.embedding import HeadRowsEmbedding
 from llmserve.quantization.formats import shard_rows
 from llmserve.quantization.kernels import DequantizeKernel, QuantizedLinear, RoundedInputKernel
 from llmserve.worker.memory_report import weights_memory_bytes
@@ -74,7 +74,7 @@ def test_the_embedding_gives_the_float_tables_lookup(kind, dtype):
     table = torch.from_numpy(gguf.quants.dequantize(blocks.reshape(ROWS, -1), Q.Q4_1)).to(dtype)
     head = QuantizedLinear(weight, None, torch.float32, "cpu", float_logits=True)
     head.kernel = _kernel(kind, weight, torch.float32)
-    embedding = QuantizedEmbedding(head, range(ROWS), dtype, single_rank())
+    embedding = HeadRowsEmbedding.of_quantized(head, range(ROWS), dtype, single_rank())
     assert torch.equal(embedding(IDS), torch.nn.functional.embedding(IDS, table))
     assert torch.equal(embedding.table(), table)
 
@@ -102,7 +102,7 @@ def test_two_ranks_blocks_sum_to_the_whole_lookup():
         part = shard_rows(weight, torch.arange(vocab.start, vocab.stop), per_rank)
         head = QuantizedLinear(part, None, torch.float32, "cpu", float_logits=True)
         head.kernel = DequantizeKernel(part, torch.float32)
-        total += QuantizedEmbedding(head, vocab, torch.float32, _OneOfTwoRanks())(IDS)
+        total += HeadRowsEmbedding.of_quantized(head, vocab, torch.float32, _OneOfTwoRanks())(IDS)
     assert torch.equal(total, reference[IDS])
 
 
@@ -212,7 +212,7 @@ def test_a_tied_gguf_model_gives_the_float_lookups_logits_and_tokens(
     path = str(tmp_path / "tied.gguf")
     write_tied_gguf(path, embedding_type)
     logits, tokens, memory, embedding = _run(path, dtype)
-    assert isinstance(embedding, QuantizedEmbedding)
+    assert isinstance(embedding, HeadRowsEmbedding)
     monkeypatch.setattr(methods, "embed_from_head", lambda model, dtype: False)
     float_logits, float_tokens, float_memory, float_embedding = _run(path, dtype)
     assert isinstance(float_embedding, torch.nn.Embedding)
@@ -220,3 +220,43 @@ def test_a_tied_gguf_model_gives_the_float_lookups_logits_and_tokens(
     assert tokens == float_tokens
     element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     assert float_memory - memory == VOCAB * HIDDEN * element
+
+
+@pytest.mark.cpu_kernels("bf16_linear")
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_bf16_head_on_its_packed_copy_is_the_only_copy_of_the_table(tmp_path, monkeypatch, tied):
+    """A bf16 model on the CPU's small-batch kernel: a tied embedding reads its rows from the head's
+    packed copy (the same bf16 values) and the table is freed; an untied head's weight is freed, its
+    rows read from the packed copy too. Logits and greedy tokens equal the run that keeps the table."""
+    from llmserve.kernels.small_batch_linear import LogitsLinear
+    from llmserve.spec_decode.proposers.draft_head import subset_lm_head_weight
+    from llmserve.worker import model_loading
+    from tests.helpers import make_tiny_llama_dir
+
+    path = make_tiny_llama_dir(str(tmp_path / "model"), tie_word_embeddings=tied)
+
+    def run():
+        llm = LLM(path, dtype="bfloat16", max_model_len=128, kv_cache_memory="8MiB")
+        try:
+            prompt = torch.randint(3, 5000, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+            logits = teacher_forced_logits(llm, prompt)
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            (output,) = llm.generate([prompt[:7]], params, use_tqdm=False)
+            runner = llm.engine.model_runner
+            model = runner.model
+            ids = torch.tensor([0, 5, 4096, 49151])
+            rows = subset_lm_head_weight(model, ids)
+            memory = weights_memory_bytes(model, (runner.kv_cache,))
+            return logits, output.outputs[0].token_ids, memory, model, rows
+        finally:
+            llm.shutdown()
+
+    logits, tokens, memory, model, rows = run()
+    assert type(model.lm_head) is LogitsLinear and model.lm_head.weight is None
+    assert isinstance(model.model.embed_tokens, HeadRowsEmbedding) == tied
+    monkeypatch.setattr(model_loading, "embed_from_packed_head", lambda model: False)
+    kept_logits, kept_tokens, kept_memory, kept_model, kept_rows = run()
+    assert torch.equal(logits, kept_logits) and tokens == kept_tokens
+    assert torch.equal(rows, kept_rows)
+    table = kept_model.model.embed_tokens.weight
+    assert kept_memory - memory == (table.numel() * table.element_size() if tied else 0)

@@ -10,6 +10,7 @@ from llmserve.config import EngineArgs
 from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.model_loader import load_arch_config, load_weights
 from llmserve.models.registry import build_model, check_materialized
+from llmserve.quantization.embedding import embed_from_packed_head
 from llmserve.quantization.sharding import quantize_shard
 from llmserve.worker import model_loading
 from tests.quantization.test_quantized_embedding import write_tied_gguf
@@ -53,6 +54,7 @@ def test_gguf_blocks_load_without_the_float_weights_they_replace(tmp_path, monke
     reference = build_model(config, load_weights(path, config.dtype))
     quantize_shard(reference, config, None, lambda: None)
     use_small_batch_linear(reference)
+    embed_from_packed_head(reference)
     ours, theirs = _state(model), _state(reference)
     assert ours.keys() == theirs.keys()
     for name, tensor in ours.items():
@@ -124,6 +126,7 @@ def test_moe_gguf_experts_load_in_their_blocks_only(tmp_path, monkeypatch, arch)
     reference = build_model(config, load_weights(path, config.dtype))
     quantize_shard(reference, config, None, lambda: None)
     use_small_batch_linear(reference)
+    embed_from_packed_head(reference)
     ours, theirs = _state(model), _state(reference)
     assert ours.keys() == theirs.keys()
     for name, tensor in ours.items():

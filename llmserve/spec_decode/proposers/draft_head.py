@@ -108,6 +108,8 @@ def subset_lm_head_weight(target: nn.Module, vocab_ids: torch.Tensor) -> torch.T
     weight = getattr(target.lm_head, "weight", None)
     if weight is not None:
         return weight.detach()[vocab_ids.to(weight.device)].contiguous()
+    if hasattr(target.lm_head, "weight_rows"):  # a bf16 head on its packed copy alone (LogitsLinear)
+        return target.lm_head.weight_rows(vocab_ids).contiguous()
     kernel = getattr(target.lm_head, "kernel", None)
     device = next(kernel.buffers()).device if kernel is not None else None
     rows = None if kernel is None else kernel.weight_rows(vocab_ids.to(device))
