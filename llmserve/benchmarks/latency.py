@@ -126,19 +126,34 @@ def model_size(model: nn.Module) -> tuple[int, int]:
     """Weight count and the bytes one batch-1 decode step reads: the float weights of every layer
     but an untied embedding table (a step reads one row of it; a tied one is the output projection,
     read whole, and counted once), and each quantized layer's codes and scales (its small-batch copy
-    where it keeps one, the layout the 1-8 row kernels stream), so the floor holds for any mode."""
+    where it keeps one, the layout the 1-8 row kernels stream), and a float layer's packed copy in
+    place of its weight (which it may have freed), so the floor holds for any mode."""
+    packed = {id(m.small_batch_weight): m for m in model.modules() if _packed_copy(m) is not None}
+    read_packed = {id(m.weight) for m in packed.values() if m.weight is not None}
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     products = {
         id(p) for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
     }
-    parameters = [p for p in model.parameters() if id(p) not in lookups or id(p) in products]
-    count = sum(p.numel() for p in parameters)
+    parameters = [
+        p
+        for p in model.parameters()
+        if (id(p) not in lookups or id(p) in products) and id(p) not in read_packed
+    ]
+    count = sum(p.numel() for p in parameters) + sum(m.in_features * m.out_features for m in packed.values())
     num_bytes = sum(p.numel() * p.element_size() for p in parameters)
+    num_bytes += sum(_packed_copy(m).numel() * _packed_copy(m).element_size() for m in packed.values())
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             count += module.in_features * module.out_features
             num_bytes += sum(b.numel() * b.element_size() for b in _decode_buffers(module.kernel))
     return count, num_bytes
+
+
+def _packed_copy(module: nn.Module) -> torch.Tensor | None:
+    """A float layer's small-batch copy, the one its batch-1 kernel streams (None: it has none)."""
+    if isinstance(module, nn.Linear):
+        return getattr(module, "small_batch_weight", None)
+    return None
 
 
 def _decode_buffers(kernel: nn.Module) -> list[torch.Tensor]:

@@ -162,3 +162,17 @@ def test_bounds_count_what_a_decode_step_reads_for_quantized_and_untied_weights(
     tied = Untied()
     tied.head.weight = tied.embed.weight  # tied: the table is the output projection, read whole, once
     assert model_size(tied) == (num_parameters + 64 * 100 - 64 * 100, weight_bytes)
+
+
+@pytest.mark.cpu_kernels("bf16_linear")
+def test_bounds_count_a_bf16_layers_packed_copy_when_its_weight_is_freed():
+    """A bf16 layer whose packed copy is its only one (kernels/small_batch_linear.py) still counts:
+    its weights and the copy's bytes, once per copy (a tied head's shared with the embedding)."""
+    from torch import nn
+
+    from llmserve.kernels.small_batch_linear import use_small_batch_linear
+
+    model = nn.ModuleDict({"norm": nn.LayerNorm(64), "proj": nn.Linear(64, 96, bias=False)}).bfloat16()
+    counted = model_size(model)
+    assert use_small_batch_linear(model, amx=False) == 1 and model["proj"].weight is None
+    assert model_size(model) == counted == (96 * 64 + 2 * 64, 2 * (96 * 64 + 2 * 64))
