@@ -1,5 +1,5 @@
-"""`--quantization gguf`: a GGUF's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K blocks read straight into the
-engine's formats.
+"""`--quantization gguf`: a GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks read
+straight into the engine's formats.
 
 No detour through float and no second rounding: a block's float16 `d` (and `m`) become float32
 scales (and offsets) exactly, its codes become our codes. llama.cpp's blocks hold 32 weights:
@@ -8,6 +8,8 @@ scales (and offsets) exactly, its codes become our codes. llama.cpp's blocks hol
     Q4_1: d, m, 16 bytes of nibbles w = d * q + m      -> Int4Weight(scale d, offset m)
     Q5_0: d, 32 high bits, 16 bytes of nibbles
                                     w = d * (q - 16)   -> Int4Weight(bits 5, scale d, offset -16d), codes q
+    Q5_1: d, m, 32 high bits, 16 bytes of nibbles
+                                    w = d * q + m      -> Int4Weight(bits 5, scale d, offset m)
     Q8_0: d, 32 int8                w = d * q          -> Int8Weight(group 32, scale d)
 
 The nibbles of a block are elements 0..15 in the low halves of its 16 bytes and 16..31 in the high
@@ -16,6 +18,7 @@ each, 6-bit codes under two float16 factors):
 
     Q4_K: d, dmin, 12 bytes of 6-bit (sc, m) x 8, 128 bytes of nibbles
           w = (d * sc) * q - dmin * m  -> Int4Weight(scale d * sc, offset -dmin * m), groups of 32
+    Q5_K: as Q4_K, with 32 bytes of fifth bits before the nibbles: q in 0..31 -> Int4Weight(bits 5)
 
 d * sc and dmin * m are exact in float32 (11 by 6 significant bits), so the weights equal the
 reference dequantization bit for bit. Q6_K's hold 256 weights as sixteen sub-blocks of 16 under one
@@ -24,7 +27,7 @@ float16 factor:
     Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales sc, d
           w = (d * sc) * (q - 32)      -> Int8Weight(scale d * sc, codes q - 32), groups of 16
 
-Tensors of other types (float, Q5_1, Q5_K and the other K-quants) are not read here: their layers
+Tensors of other types (float, Q2_K, Q3_K, the IQ types) are not read here: their layers
 stay in float. A mixture-of-experts file's merged experts tensors [E, rows, cols] are read as each
 expert's rows (`gguf_loader.expert_parts`), which quantization/moe.py fuses per expert.
 """
@@ -87,12 +90,22 @@ def _read_q4_1(blocks: np.ndarray) -> Int4Weight:
 def _read_q5_0(blocks: np.ndarray) -> Int4Weight:
     """Element i's fifth bit is bit i of the block's little-endian 32-bit word after d. d * q is exact
     in float32 (11 by 5 significant bits) and -16 d too, so d * q + (-16 d) rounds once, as d * (q - 16)."""
-    high = np.ascontiguousarray(blocks[..., _HALF : _HALF + 4]).view("<u4")
-    fifth = (high >> np.arange(BLOCK, dtype=np.uint32)) & 1  # [rows, blocks, 32]
-    fifths = (fifth.reshape(len(blocks), -1) << 4).astype(np.uint8)
-    codes = _nibbles(blocks[..., _HALF + 4 :]).numpy() | fifths
     scales = _halves(blocks, 0)
-    return Int4Weight(torch.from_numpy(codes), scales, -16.0 * scales, BLOCK, bits=5)
+    return Int4Weight(_five_bit_codes(blocks[..., _HALF:]), scales, -16.0 * scales, BLOCK, bits=5)
+
+
+def _read_q5_1(blocks: np.ndarray) -> Int4Weight:
+    """Q5_0's codes after d and m: w = d * q + m (the reference's rounding: d * q exact, plus m)."""
+    codes = _five_bit_codes(blocks[..., 2 * _HALF :])
+    return Int4Weight(codes, _halves(blocks, 0), _halves(blocks, _HALF), BLOCK, bits=5)
+
+
+def _five_bit_codes(high_and_nibbles: np.ndarray) -> torch.Tensor:
+    """[rows, blocks, 4 + 16]: a little-endian word of fifth bits (bit i: element i's), then nibbles."""
+    high = np.ascontiguousarray(high_and_nibbles[..., :4]).view("<u4")
+    fifth = (high >> np.arange(BLOCK, dtype=np.uint32)) & 1  # [rows, blocks, 32]
+    fifths = (fifth.reshape(len(high_and_nibbles), -1) << 4).astype(np.uint8)
+    return torch.from_numpy(_nibbles(high_and_nibbles[..., 4:]).numpy() | fifths)
 
 
 def _read_q8_0(blocks: np.ndarray) -> Int8Weight:
@@ -102,6 +115,20 @@ def _read_q8_0(blocks: np.ndarray) -> Int8Weight:
 
 def _read_q4_k(blocks: np.ndarray) -> Int4Weight:
     """[rows, super-blocks, 144] -> groups of 32: scale d * sc and offset -dmin * m per sub-block."""
+    return _k_quant_groups(blocks, blocks[..., 2 * _HALF + 12 :], None)
+
+
+def _read_q5_k(blocks: np.ndarray) -> Int4Weight:
+    """[rows, super-blocks, 176] -> 5-bit codes in groups of 32, scale d * sc and offset -dmin * m as
+    Q4_K's. The 32 bytes after the scales hold the fifth bits: bit s of byte l is that of element l of
+    sub-block s; the 128 bytes of nibbles follow, laid out as Q4_K's."""
+    fifths = blocks[..., 2 * _HALF + 12 : 2 * _HALF + 44]
+    return _k_quant_groups(blocks, blocks[..., 2 * _HALF + 44 :], fifths)
+
+
+def _k_quant_groups(blocks: np.ndarray, nibbles: np.ndarray, fifths: np.ndarray | None) -> Int4Weight:
+    """Q4_K's and Q5_K's shared part: d, dmin and the 6-bit (sc, m) of eight sub-blocks of 32, their
+    nibbles in four runs of 32 bytes; `fifths` [rows, supers, 32] (Q5_K) adds each code's fifth bit."""
     rows, supers = blocks.shape[:2]
     d, dmin = _halves(blocks, 0), _halves(blocks, _HALF)
     fields = blocks[..., 2 * _HALF : 2 * _HALF + 12].astype(np.int32)
@@ -113,9 +140,12 @@ def _read_q4_k(blocks: np.ndarray) -> Int4Weight:
     scales = d[..., None] * torch.from_numpy(sc.astype(np.float32))
     offsets = -(dmin[..., None] * torch.from_numpy(m.astype(np.float32)))
     # four runs of 32 bytes, each two sub-blocks: its low nibbles, then its high ones
-    runs = blocks[..., 2 * _HALF + 12 :].reshape(rows, supers, 4, 1, 32)
-    codes = np.concatenate([runs & 0x0F, runs >> 4], axis=3).reshape(rows, -1)
-    return Int4Weight(torch.from_numpy(codes), scales.reshape(rows, -1), offsets.reshape(rows, -1), BLOCK)
+    runs = nibbles.reshape(rows, supers, 4, 1, 32)
+    codes = np.concatenate([runs & 0x0F, runs >> 4], axis=3).reshape(rows, supers, 8, 32)
+    if fifths is not None:
+        codes = codes | ((fifths[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4
+    weight = (torch.from_numpy(codes.reshape(rows, -1)), scales.reshape(rows, -1), offsets.reshape(rows, -1))
+    return Int4Weight(*weight, BLOCK, bits=4 if fifths is None else 5)
 
 
 def _read_q6_k(blocks: np.ndarray) -> Int8Weight:
@@ -137,11 +167,13 @@ _READERS = {
     "Q4_0": _read_q4_0,
     "Q4_1": _read_q4_1,
     "Q5_0": _read_q5_0,
+    "Q5_1": _read_q5_1,
     "Q8_0": _read_q8_0,
     "Q4_K": _read_q4_k,
+    "Q5_K": _read_q5_k,
     "Q6_K": _read_q6_k,
 }
-_SUPER_BLOCK_TYPES = frozenset({"Q4_K", "Q6_K"})
+_SUPER_BLOCK_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 SUPPORTED_TYPES = GGUF_BLOCK_TYPES  # the config's list, which makes gguf the default: a test checks it
 
 

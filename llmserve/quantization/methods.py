@@ -297,7 +297,7 @@ def _gguf_tensors(config: ModelConfig) -> dict[str, QuantizedWeight]:
     )
 
 
-_GGUF_CACHE_ENTRY = "gguf-native-v3"  # v2: Q4_K and Q5_0 tensors too; v3: Q5_0 as 5-bit codes
+_GGUF_CACHE_ENTRY = "gguf-native-v4"  # v2: Q4_K, Q5_0; v3: Q5_0 as 5-bit codes; v4: Q5_K too
 
 
 def _cached(

@@ -146,3 +146,31 @@ def test_the_largest_codes_and_inputs_do_not_overflow_the_sums(dtype, sign):
     actual = ops.small_batch_linear_int4(x, packed, params, 64)
     relative = 2**-8 if dtype == torch.bfloat16 else 0.0
     assert ((actual.double() - expected).abs() <= relative * expected.abs() + 1e-5 * magnitude).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_q5_k_blocks_run_the_five_bit_kernel_at_every_row_count(dtype):
+    """GGUF Q5_K read natively (5-bit codes, float32 scale d * sc and offset -dmin * m per 32 columns,
+    quantization/gguf_native.py) through RoundedInputKernel: its rounded-input reference at 1-9 rows
+    and a batch, a row's output independent of the rows beside it."""
+    import numpy as np
+
+    from llmserve.quantization import gguf_native
+
+    if not ops.small_batch_linear_int8_supported(dtype):
+        pytest.skip(f"this level's kernels do not take {dtype} inputs")
+    rng = np.random.default_rng(11)
+    blocks = rng.integers(0, 256, (45, 2, 176), dtype=np.uint8)
+    blocks[..., :4] = rng.uniform(1e-4, 3e-3, (45, 2, 2)).astype(np.float16).view(np.uint8)
+    weight = gguf_native._READERS["Q5_K"](blocks)
+    kernel = RoundedInputKernel(weight, dtype)
+    assert kernel.bits == 5 and kernel.takes(dtype)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(12)).to(dtype)
+    expected, magnitude = _reference(x, weight)
+    relative = 2**-8 if dtype == torch.bfloat16 else 0.0
+    together = kernel(x)
+    for rows in [*range(1, 10), 40]:
+        actual = kernel(x[:rows])
+        bound = relative * expected[:rows].abs() + 1e-5 * magnitude[:rows]
+        assert ((actual.double() - expected[:rows]).abs() <= bound).all(), rows
+        assert torch.equal(actual, together[:rows])

@@ -16,7 +16,13 @@ from llmserve.quantization.formats import Int4Weight, Int8Weight
 
 @pytest.mark.parametrize(
     ("type_name", "kind"),
-    [("Q4_0", Int4Weight), ("Q4_1", Int4Weight), ("Q5_0", Int4Weight), ("Q8_0", Int8Weight)],
+    [
+        ("Q4_0", Int4Weight),
+        ("Q4_1", Int4Weight),
+        ("Q5_0", Int4Weight),
+        ("Q5_1", Int4Weight),
+        ("Q8_0", Int8Weight),
+    ],
 )
 def test_block_readers_equal_gguf_dequantize(type_name, kind):
     qtype = GGMLQuantizationType[type_name]
@@ -63,6 +69,20 @@ def test_q4_k_super_blocks_equal_gguf_dequantize():
     assert torch.equal(weight.dequantize(), torch.from_numpy(reference))
 
 
+def test_q5_k_super_blocks_are_5_bit_codes_equal_to_gguf_dequantize():
+    """Q5_K: Q4_K's sub-blocks with a fifth bit per weight (every pattern: random bytes) become 5-bit
+    int4 groups of 32 (scale d * sc, offset -dmin * m), equal to the gguf package's dequantization
+    bit for bit."""
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, (7, 3, 176), dtype=np.uint8)
+    blocks[..., :4] = _random_q4_k_blocks(rng, 7, 3)[..., :4]  # d, dmin
+    weight = gguf_native._READERS["Q5_K"](blocks)
+    assert isinstance(weight, Int4Weight) and (weight.bits, weight.group_size) == (5, 32)
+    assert weight.shape == (7, 768) and int(weight.qweight.max()) == 31
+    reference = dequantize(blocks.reshape(7, -1), GGMLQuantizationType.Q5_K)
+    assert torch.equal(weight.dequantize(), torch.from_numpy(reference))
+
+
 def test_q6_k_super_blocks_equal_gguf_dequantize():
     """Q6_K: sixteen sub-blocks of 16 per super-block become int8 codes q - 32 in groups of 16 (scale
     d * sc), equal to the gguf package's dequantization bit for bit."""
@@ -75,10 +95,11 @@ def test_q6_k_super_blocks_equal_gguf_dequantize():
     assert torch.equal(weight.dequantize(), torch.from_numpy(reference))
 
 
-def test_a_q4_k_m_style_file_reads_in_hf_layout(tmp_path):
-    """A GGUF mixing types as a Q4_K_M file does (Q4_K, with Q6_K for the v and down projections; q/k
-    rows permuted as llama.cpp writes them): each tensor is read natively, equal to the gguf package's
-    dequantization of the file's tensor, rows put back in HF order."""
+@pytest.mark.parametrize("main_type", ["Q4_K", "Q5_K"])
+def test_a_k_m_style_file_reads_in_hf_layout(tmp_path, main_type):
+    """A GGUF mixing types as a Q4_K_M (Q5_K_M) file does (Q4_K (Q5_K), with Q6_K for the v and down
+    projections; q/k rows permuted as llama.cpp writes them): each tensor is read natively, equal to the
+    gguf package's dequantization of the file's tensor, rows put back in HF order."""
     hidden, intermediate, heads, kv_heads = 256, 512, 4, 2
     path = tmp_path / "q4_k_m.gguf"
     writer = GGUFWriter(str(path), "llama")
@@ -111,8 +132,14 @@ def test_a_q4_k_m_style_file_reads_in_hf_layout(tmp_path):
             blocks[..., 208:210] = (
                 rng.uniform(1e-4, 2e-3, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
             )
-        else:
+        elif main_type == "Q4_K":
             qtype, blocks = GGMLQuantizationType.Q4_K, _random_q4_k_blocks(rng, rows, cols // 256)
+        else:  # Q5_K: random bytes (every pattern of fifth bits) under Q4_K-sized factors
+            qtype, blocks = (
+                GGMLQuantizationType.Q5_K,
+                rng.integers(0, 256, (rows, cols // 256, 176), dtype=np.uint8),
+            )
+            blocks[..., :4] = _random_q4_k_blocks(rng, rows, cols // 256)[..., :4]
         written[f"blk.0.{short}.weight"] = (qtype, blocks)
         writer.add_tensor(f"blk.0.{short}.weight", blocks.reshape(rows, -1), raw_dtype=qtype)
     writer.add_tensor("token_embd.weight", rng.standard_normal((97, hidden)).astype(np.float32))
@@ -138,7 +165,9 @@ def test_a_q4_k_m_style_file_reads_in_hf_layout(tmp_path):
     assert not torch.equal(  # the q rows really moved (so the layout check above can fail)
         weights[q_name].dequantize(),
         torch.from_numpy(
-            dequantize(written["blk.0.attn_q.weight"][1].reshape(hidden, -1), GGMLQuantizationType.Q4_K)
+            dequantize(
+                written["blk.0.attn_q.weight"][1].reshape(hidden, -1), written["blk.0.attn_q.weight"][0]
+            )
         ),
     )
 
