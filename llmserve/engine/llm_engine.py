@@ -33,6 +33,7 @@ from llmserve.engine.step_stats import StepStatsRecorder
 from llmserve.lora.manager import LoRAManager
 from llmserve.metrics.stats import StepStats
 from llmserve.model_loader import load_arch_config, load_tokenizer, load_weights, resolve_model_path
+from llmserve.model_loader.weights import expected_shapes
 from llmserve.outputs import RequestOutput, SpecDecodeStats
 from llmserve.request import Request, RequestStatus
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
@@ -43,7 +44,7 @@ from llmserve.spec_decode.target_vocabulary import TargetVocabulary
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.worker.executor import TensorParallelExecutor
 from llmserve.worker.gpu_memory import profile_device_memory
-from llmserve.worker.memory_report import log_memory_report, measure_memory
+from llmserve.worker.memory_report import log_memory_report, measure_memory, weight_count
 from llmserve.worker.model_loading import load_model
 from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput, allocate_kv_pool_early
 from llmserve.worker.pipeline_stage import PipelineDriver
@@ -152,7 +153,11 @@ class LLMEngine:
         target_vocabulary = None
         spec = self.config.speculative
         if group is not None and spec is not None and spec.method == "draft_head":
-            target_vocabulary = TargetVocabulary(config.arch, load_weights(path, config.dtype), config.device)
+            vocabulary = {"model.embed_tokens.weight", "lm_head.weight"}  # only these: no other float load
+            others = frozenset(expected_shapes(config.arch)) - vocabulary
+            target_vocabulary = TargetVocabulary(
+                config.arch, load_weights(path, config.dtype, others), config.device
+            )
         parallel = self.config.parallel
         stage = PipelineStage.of(
             config.arch.num_hidden_layers, parallel.pipeline_parallel_size, 0
@@ -483,7 +488,7 @@ def preemption_costs(config: EngineConfig, model) -> PreemptionCosts:
     model_config, parallel = config.model, config.parallel
     arch = model_config.arch
     return PreemptionCosts(
-        flops_per_token=2.0 * sum(p.numel() for p in model.parameters()),
+        flops_per_token=2.0 * weight_count(model),
         kv_bytes_per_token=arch.kv_bytes_per_token(
             model_config.dtype,
             config.cache.kv_cache_dtype,

@@ -88,6 +88,8 @@ class SmallBatchLinear(nn.Linear):
             return out.view(*input.shape[:-1], self.out_features)
         if self.packed_weight is not None and input.dtype == torch.bfloat16:
             return onednn_linear(input, self.packed_weight, self.bias)
+        if self.weight is None:  # freed: the packed copies are the layer's only ones, and they take bf16
+            raise TypeError(f"a bf16 linear layer on its packed copy takes bf16 inputs, not {input.dtype}")
         return F.linear(input, self.weight, self.bias)
 
 
@@ -103,6 +105,8 @@ class LogitsLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rows = input.reshape(-1, self.in_features).contiguous()
+        if rows.shape[0] == 0:
+            return input.new_empty(*input.shape[:-1], self.out_features, dtype=torch.float32)
         if self.amx and rows.shape[0] > MAX_ROWS:
             out = load_cpu_ops().amx_linear(rows, self.small_batch_weight, self.bias, self.out_features, True)
             return out.view(*input.shape[:-1], self.out_features)

@@ -56,6 +56,17 @@ def weights_memory_bytes(model: nn.Module, exclude: Iterable[torch.Tensor] = ())
     return unique_storage_bytes(_module_tensors(model), exclude)
 
 
+def weight_count(model: nn.Module) -> int:
+    """The weights `model`'s forward multiplies by: its parameters, and the linear layers held only in a
+    packed or quantized copy (no `weight` parameter), counted as in_features x out_features."""
+    count = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        linear = hasattr(module, "in_features") and hasattr(module, "out_features")
+        if linear and getattr(module, "weight", None) is None:
+            count += module.in_features * module.out_features
+    return count
+
+
 def weights_file_bytes(path: str) -> int | None:
     """The size of a single-file model (GGUF), or of a directory's *.safetensors; None without any."""
     if os.path.isfile(path):

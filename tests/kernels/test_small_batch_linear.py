@@ -476,3 +476,17 @@ def test_packed_weights_read_back_as_the_weights_they_hold(kind, group, out_feat
     expected = Int8Weight(codes, scales, group).dequantize()
     assert torch.equal(ops.small_batch_dequantize_int8(packed, packed_scales, out_features), expected)
     assert torch.equal(ops.small_batch_dequantize_int8(packed, packed_scales.float(), out_features), expected)
+
+
+def test_freed_weights_still_count_as_the_models_weights():
+    """A layer holding only its packed copy still multiplies by its weights: the preemption cost
+    model's FLOPs per token (worker/memory_report.weight_count) count them, before and after the swap."""
+    from llmserve.worker.memory_report import weight_count
+
+    model = _model_with_a_tied_linear()
+    before = weight_count(model)
+    assert before == sum(p.numel() for p in model.parameters())
+    assert use_small_batch_linear(model, amx=False) == 2 and model["proj"].weight is None
+    assert weight_count(model) == before
+    empty = model["head"](torch.randn(0, 64).bfloat16())
+    assert empty.shape == (0, 200)

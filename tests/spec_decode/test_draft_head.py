@@ -292,6 +292,31 @@ def test_the_compiled_chain_drafts_exactly_what_the_head_does_op_by_op(head_llm,
         assert stopped_early and mixed
 
 
+@pytest.mark.cpu_kernels("bf16_linear")
+def test_a_bf16_head_on_packed_copies_alone_builds_its_chain_and_drafts(
+    target_dir, other_draft_dir, draft_head
+):
+    """In bf16 the head's linears keep only their packed copies (their weights freed): the compiled
+    chain still builds and greedy speculation runs, equal to the same engine without speculation."""
+    from llmserve import LLM
+
+    kwargs = dict(dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256)
+    spec = spec_kwargs("draft_head_only", target_dir, other_draft_dir, draft_head)
+    llm = LLM(target_dir, speculative_disable_batch_size=0, **spec, **kwargs)
+    plain = LLM(target_dir, **kwargs)
+    try:
+        proposer = llm.engine.proposer
+        assert proposer.subset_head.weight is None and proposer.compiled_chain is not None
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        prompts = [[5, 6, 7, 8, 9, 10], [100, 200, 300]]
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        theirs = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+        assert ours == theirs
+    finally:
+        llm.shutdown()
+        plain.shutdown()
+
+
 def test_prompt_lookup_proposes_where_it_finds_a_match_and_the_head_elsewhere(
     target_dir, other_draft_dir, draft_head, head_llm, monkeypatch
 ):

@@ -289,7 +289,7 @@ class DraftHeadProposer:
         swaps the head's linears to their kernels after creating this proposer."""
         linears = (self.head.fc_in, self.head.fc_out, self.subset_head)
         packed = [getattr(module, "small_batch_weight", None) for module in linears]
-        ops = cpu_ops_for(self.subset_head.weight)
+        ops = cpu_ops_for(self.head.token_norm.weight)  # the linears' own weights may be freed
         if ops is None or any(weight is None for weight in packed):
             return None
         return ops.DraftHeadChain(
@@ -310,7 +310,9 @@ class DraftHeadProposer:
         """The chain looks up any token in the whole table: a quantized embedding's float copy is
         rebuilt for it (kept as long as the chain)."""
         if not isinstance(self.embed_tokens, nn.Embedding):
-            logger.info("draft head: its compiled chain keeps a float copy of the quantized embedding")
+            logger.info(
+                "draft head: its compiled chain keeps a copy of the embedding rebuilt from the head's"
+            )
         return embedding_table(self.embed_tokens).detach()
 
     def _lookup_or_head(
