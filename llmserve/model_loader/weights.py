@@ -75,14 +75,16 @@ def _gguf_weights(path: str, left_out: frozenset[str]) -> tuple[ModelArchConfig,
     `left_out` (served from the file's blocks) are not dequantized unless the cache holds them
     already: an entry grows to what later starts ask for, so a model larger than memory in float32
     loads in its blocks without ever existing in float."""
-    cached = weights_cache.load_weights(path)
-    if cached is not None:
+    held = weights_cache.cached_weight_names(path)
+    if held:
         arch = load_arch_config(path)
-        if expected_shapes(arch).keys() - cached.keys() <= left_out:
-            return arch, cached
+        if expected_shapes(arch).keys() - held <= left_out:
+            cached = weights_cache.load_weights(path, left_out)
+            if cached is not None:
+                return arch, cached
     reader = gguf_loader.open_gguf(path)
     arch = gguf_loader.read_arch_config(reader, path)
-    skipped = left_out - (cached or {}).keys()
+    skipped = left_out - held
     weights = family_weights.to_llama_names(
         arch, gguf_loader.read_weights(reader, arch, path, _leaves_out(skipped))
     )

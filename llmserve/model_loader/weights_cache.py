@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -75,18 +75,32 @@ def weights_file(source: str) -> Path:
     return entry_dir(source) / WEIGHTS_FILE
 
 
-def load_weights(source: str) -> dict[str, torch.Tensor] | None:
-    """The cached float32 state dict of `source`, or None on a miss (or a damaged entry)."""
-    from safetensors.torch import load_file
+def load_weights(source: str, left_out: Collection[str] = ()) -> dict[str, torch.Tensor] | None:
+    """The cached float32 state dict of `source`, less the tensors named in `left_out` (never read),
+    or None on a miss (or a damaged entry)."""
+    from safetensors import safe_open
 
     path = weights_file(source)
     if not path.is_file():
         return None
     try:
-        return load_file(path)
+        with safe_open(str(path), framework="pt") as entry:
+            return {name: entry.get_tensor(name) for name in entry.keys() if name not in left_out}  # noqa: SIM118
     except Exception as error:  # a damaged entry is a miss: it is rewritten after the conversion
         logger.warning("ignoring the unreadable cache entry %s (%s)", path, error)
         return None
+
+
+def cached_weight_names(source: str) -> frozenset[str]:
+    """The names the cached float32 entry of `source` holds (its header only); empty on a miss."""
+    from safetensors import safe_open
+
+    path = weights_file(source)
+    try:
+        with safe_open(str(path), framework="pt") as entry:
+            return frozenset(entry.keys())
+    except Exception:  # noqa: BLE001 - a miss or a damaged entry: nothing cached
+        return frozenset()
 
 
 def save_weights(source: str, weights: dict[str, torch.Tensor]) -> None:
