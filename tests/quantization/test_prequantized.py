@@ -490,26 +490,14 @@ def test_unsupported_quantization_is_a_one_line_error(float_dir, tmp_path, quant
 def test_kept_codes_are_never_decoded_to_float(float_dir, tmp_path, monkeypatch, fmt):
     """Layers whose codes a kernel keeps are left out of the float loading (no decoding, no float
     parameter); the model equals the one built from every layer decoded, then replaced."""
-    from llmserve.kernels.small_batch_linear import use_small_batch_linear
-    from llmserve.model_loader import load_arch_config, load_weights
-    from llmserve.models.registry import build_model
-    from llmserve.quantization.embedding import embed_from_packed_head
-    from llmserve.quantization.sharding import quantize_shard
-    from llmserve.worker import model_loading
+    from llmserve.model_loader import load_arch_config
+    from tests.quantization.test_weights_loaded_once import assert_equals_the_old_path, load_recording_names
 
     quantized_dir, _, _ = _pack(float_dir, str(tmp_path), fmt)
     args = EngineArgs(model=quantized_dir, kv_cache_memory="4MiB")
     config = args.create_config(load_arch_config(quantized_dir), quantized_dir).model
     assert config.quantization is not None and config.quantization.method == "prequantized"
-    loaded: list[set[str]] = []
-
-    def recording_load(*call, **kwargs):
-        weights = load_weights(*call, **kwargs)
-        loaded.append(set(weights))
-        return weights
-
-    monkeypatch.setattr(model_loading, "load_weights", recording_load)
-    model = model_loading.load_model(config)
+    model, names = load_recording_names(monkeypatch, config)
     kept = {
         source
         for name, module in model.named_modules()
@@ -517,15 +505,5 @@ def test_kept_codes_are_never_decoded_to_float(float_dir, tmp_path, monkeypatch,
         for source in model.checkpoint_names(f"{name}.weight")
     }
     assert kept, "the checkpoint's codes are kept in the kernels"
-    (names,) = loaded
     assert not kept & names
-
-    reference = build_model(config, load_weights(quantized_dir, config.dtype))
-    quantize_shard(reference, config, None, lambda: None)
-    use_small_batch_linear(reference)
-    embed_from_packed_head(reference)
-    ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    theirs = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
-    assert ours.keys() == theirs.keys()
-    for name, tensor in ours.items():
-        assert torch.equal(tensor, theirs[name]), name
+    assert_equals_the_old_path(model, config, quantized_dir)

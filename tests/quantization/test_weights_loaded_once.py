@@ -24,16 +24,8 @@ def _config(path: str, dtype: str):
     return args.create_config(load_arch_config(path), path).model
 
 
-def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gguf_blocks_load_without_the_float_weights_they_replace(tmp_path, monkeypatch, dtype):
-    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    path = str(tmp_path / "tied.gguf")
-    write_tied_gguf(path, Q.Q8_0, Q.Q4_0, types={FLOAT_V: None})
-    config = _config(path, dtype)
+def load_recording_names(monkeypatch, config) -> tuple[torch.nn.Module, set[str]]:
+    """`load_model(config)`, and the names of the float weights it loaded (one load)."""
     loaded: list[set[str]] = []
 
     def recording_load(*args, **kwargs):
@@ -43,22 +35,37 @@ def test_gguf_blocks_load_without_the_float_weights_they_replace(tmp_path, monke
 
     monkeypatch.setattr(model_loading, "load_weights", recording_load)
     model = model_loading.load_model(config)
-
     (names,) = loaded
+    return model, names
+
+
+def assert_equals_the_old_path(model: torch.nn.Module, config, path: str) -> None:
+    """`model` holds the very tensors of the model built the old way: every float weight loaded,
+    then the quantization applied over them."""
+    reference = build_model(config, load_weights(path, config.dtype))
+    quantize_shard(reference, config, None, lambda: None)
+    use_small_batch_linear(reference)
+    embed_from_packed_head(reference)
+    ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    theirs = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_blocks_load_without_the_float_weights_they_replace(tmp_path, monkeypatch, dtype):
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "tied.gguf")
+    write_tied_gguf(path, Q.Q8_0, Q.Q4_0, types={FLOAT_V: None})
+    config = _config(path, dtype)
+    model, names = load_recording_names(monkeypatch, config)
     assert "model.layers.1.self_attn.q_proj.weight" not in names  # layer 1: all blocks
     assert "model.layers.1.mlp.down_proj.weight" not in names
     assert {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"} <= names  # fused with the float v
     assert "model.embed_tokens.weight" in names  # tied: the head's blocks give its rows only if exact
     assert not hasattr(model.model.layers[0].self_attn.qkv_proj, "kernel")
-
-    reference = build_model(config, load_weights(path, config.dtype))
-    quantize_shard(reference, config, None, lambda: None)
-    use_small_batch_linear(reference)
-    embed_from_packed_head(reference)
-    ours, theirs = _state(model), _state(reference)
-    assert ours.keys() == theirs.keys()
-    for name, tensor in ours.items():
-        assert torch.equal(tensor, theirs[name]), name
+    assert_equals_the_old_path(model, config, path)
 
 
 def test_a_left_out_weight_nothing_replaces_is_an_error(tmp_path, monkeypatch):
@@ -110,24 +117,7 @@ def test_moe_gguf_experts_load_in_their_blocks_only(tmp_path, monkeypatch, arch)
     path = str(tmp_path / f"{arch}.gguf")
     write_moe_gguf(path, arch, Q.Q8_0)
     config = _config(path, "float32")
-    loaded: list[set[str]] = []
-
-    def recording_load(*args, **kwargs):
-        weights = load_weights(*args, **kwargs)
-        loaded.append(set(weights))
-        return weights
-
-    monkeypatch.setattr(model_loading, "load_weights", recording_load)
-    model = model_loading.load_model(config)
-    (names,) = loaded
+    model, names = load_recording_names(monkeypatch, config)
     assert not any(".experts." in name for name in names)
     assert "model.layers.0.mlp.gate.weight" in names  # the router stays in float
-
-    reference = build_model(config, load_weights(path, config.dtype))
-    quantize_shard(reference, config, None, lambda: None)
-    use_small_batch_linear(reference)
-    embed_from_packed_head(reference)
-    ours, theirs = _state(model), _state(reference)
-    assert ours.keys() == theirs.keys()
-    for name, tensor in ours.items():
-        assert torch.equal(tensor, theirs[name]), name
+    assert_equals_the_old_path(model, config, path)
