@@ -116,10 +116,20 @@ def measure_read_bandwidth(device: torch.device, num_bytes: int = 512 * 2**20, r
 def measure_matmul_flops(
     dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5
 ) -> float:
-    """FLOP/s of a size x size @ size x size matmul (2 size^3 FLOPs)."""
+    """FLOP/s of a size x size @ size x size matmul (2 size^3 FLOPs), the size cut to what one product
+    does in about a tenth of a second at the rate a small one measures (torch's bf16 GEMM at the AVX2
+    level takes a minute at 2,048: a ceiling measurement, not a benchmark of its own)."""
+    probe = min(size, _PROBE_SIZE)
+    a = torch.randn(probe, probe, device=device).to(dtype)
+    rate = 2 * probe**3 / best_seconds(lambda: torch.mm(a, a), device, 1)
+    size = min(size, max(probe, int((rate * _MATMUL_SECONDS / 2) ** (1 / 3))))
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     return 2 * size**3 / best_seconds(lambda: torch.mm(a, b), device, repeats)
+
+
+_PROBE_SIZE = 256
+_MATMUL_SECONDS = 0.1  # the ceiling's product takes about this long (or is the size asked for)
 
 
 def model_size(model: nn.Module) -> tuple[int, int]:
