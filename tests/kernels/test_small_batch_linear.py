@@ -162,6 +162,8 @@ def test_output_projection_becomes_logits_linear_and_writes_float32():
     assert use_small_batch_linear(model) == 2
     assert type(model["head"]) is LogitsLinear and model["head"].weight is model["embed"].weight
     assert getattr(model["head"], "packed_weight", None) is None  # no oneDNN copy for the head
+    empty = model["head"](torch.randn(0, 64).bfloat16())  # a step with no row to score
+    assert empty.shape == (0, 100) and empty.dtype == torch.float32
     assert type(model["odd"]) is LMHead
     for rows in (1, 8, 9, 50):
         x = torch.randn(rows, 64).bfloat16()
