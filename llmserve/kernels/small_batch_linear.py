@@ -22,9 +22,10 @@ a row's bits do not depend on the batch. On a Zen 5 (AVX-512 BF16, no AMX) it be
 every decode size, whose every call pays a set-up, and matched it at prompt chunks of 512 to 2,048
 rows (`python -m benchmarks.tools.linear_micro --tiled`; docs/benchmarks.md, "Kernel
 micro-benchmarks"); on AVX2 CPUs (no AVX-512 BF16) the kernel runs float32 FMAs over the same packed
-copy (linear.cpp), where oneDNN capped at AVX2 packs no bf16 weight and `F.linear` took several times
-longer. So the packed copy is the layer's only one: the checkpoint's weight is freed once packed
-(`_release_unread_weights`; kept where another module shares it, a tied embedding's lookups).
+copy (linear.cpp), where oneDNN capped at AVX2 packs no bf16 weight and `F.linear` was slower at every
+row count (commit c1a5ba1 gives the figures). So the packed copy is the layer's only one: the
+checkpoint's weight is freed once packed (`_release_unread_weights`; kept where another module shares
+it, a tied embedding's lookups).
 With AMX, rows above `AMX_MAX_ROWS` run oneDNN's GEMM on a copy of the weight packed once into
 oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend
 does): `F.linear` on a plain weight repacks it on every call. oneDNN builds (and caches, up to 1,024)
@@ -72,6 +73,11 @@ class SmallBatchLinear(nn.Linear):
     kernel_max_rows: int = MAX_ROWS  # the small-batch kernel up to this many rows (KERNEL_MAX_ROWS: no AMX)
     packed_weight: torch.Tensor | None = None  # oneDNN-blocked copy of `weight`, with AMX (module docstring)
     # `weight`: None once released (`_release_unread_weights`), the packed copies being the layer's own
+
+    @property
+    def kernel_takes_every_row_count(self) -> bool:
+        """Without AMX: the packed copy serves every row count, no oneDNN copy is kept."""
+        return self.kernel_max_rows == sys.maxsize
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         rows = input.numel() // self.in_features
@@ -263,10 +269,10 @@ def use_small_batch_linear(
             if head:  # the kernels take every row count: no oneDNN copy
                 module.__class__ = LogitsLinear
             else:
-                onednn_rows_above = has_amx or module.kernel_max_rows < sys.maxsize
+                module.__class__ = SmallBatchLinear
+                onednn_rows_above = has_amx or not module.kernel_takes_every_row_count
                 if onednn_rows_above and id(weight) not in onednn_copies:
                     onednn_copies[id(weight)] = pack_for_onednn(weight)
-                module.__class__ = SmallBatchLinear
                 module.packed_weight = onednn_copies.get(id(weight))
             swapped += 1
         elif weight.dtype == torch.float32:
@@ -297,6 +303,6 @@ def _release_unread_weights(model: nn.Module) -> None:
             continue
         if uses[id(module.weight)] > 1:
             continue
-        every_row_count = type(module) is LogitsLinear or module.kernel_max_rows == sys.maxsize
+        every_row_count = type(module) is LogitsLinear or module.kernel_takes_every_row_count
         if every_row_count or module.packed_weight is not None:
             module.weight = None

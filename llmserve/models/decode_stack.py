@@ -24,8 +24,6 @@ same order, so the two paths stay bit-identical per rank.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from llmserve.distributed.group import TensorParallelGroup
@@ -117,11 +115,6 @@ def _small_batch_weights(module, dtype: torch.dtype) -> StackWeights | None:
     return None
 
 
-def _every_row_count(module) -> bool:
-    """Whether a bf16 layer's small-batch kernel takes every row count (no AMX: no oneDNN copy)."""
-    return type(module) is SmallBatchLinear and module.kernel_max_rows == sys.maxsize
-
-
 def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
     """The fused stack for `model` (a LlamaForCausalLM whose attention layers are bound to their KV
     cache views), or None where it does not apply."""
@@ -160,7 +153,9 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         # a layer runs any row count on its oneDNN copy, its bf16 kernel or its int8/int4 kernel
         modules = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         any_rows = any_rows and all(
-            linear[2] is not None or linear[0].dtype == torch.uint8 or _every_row_count(module)
+            linear[2] is not None
+            or linear[0].dtype == torch.uint8
+            or (type(module) is SmallBatchLinear and module.kernel_takes_every_row_count)
             for linear, module in zip(linears, modules, strict=True)
         )
         qkv_bias = attention.qkv_proj.bias

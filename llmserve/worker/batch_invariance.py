@@ -92,7 +92,7 @@ def _module_reason(module: nn.Module) -> str | None:
     elif type(module) in (SmallBatchLinear, LogitsLinear):
         if module.amx:
             return "bf16 linear layers: the small-batch kernel up to 8 rows, AMX tiles above"
-        if type(module) is SmallBatchLinear and module.kernel_max_rows < sys.maxsize:
+        if type(module) is SmallBatchLinear and not module.kernel_takes_every_row_count:
             rows = module.kernel_max_rows
             return f"bf16 linear layers: the small-batch kernel up to {rows} rows, oneDNN above"
     elif isinstance(module, QuantizedLinear):

@@ -8,8 +8,6 @@ quantized copy from the start. Other quantizations read the float weights, which
 
 from __future__ import annotations
 
-import logging
-
 from torch import nn
 
 from llmserve.config import ModelConfig
@@ -19,8 +17,6 @@ from llmserve.kernels.small_batch_linear import use_small_batch_linear
 from llmserve.model_loader import load_weights
 from llmserve.models.registry import build_model, check_materialized, meta_model
 from llmserve.quantization.embedding import embed_from_packed_head
-
-logger = logging.getLogger("llmserve")
 
 
 def load_model(
@@ -32,21 +28,21 @@ def load_model(
     """This rank's shard (all of it with one rank) of the model at `config.path`, quantized as
     `config.quantization` says, its linear layers in the CPU kernels' packed layouts. `tokenizer`:
     for calibrated quantization (None: loaded where needed)."""
-    from llmserve.quantization.sharding import FROM_FILES, float_weights_replaced, plan_shard, quantize_shard
-
     method = None if config.quantization is None else config.quantization.method
+    if method is not None:  # quantization's modules load only where a model is quantized
+        from llmserve.quantization import sharding
 
     def whole_model() -> nn.Module:  # one process's float model, for calibration under parallelism
         return build_model(config, load_weights(config.path, config.dtype))
 
     planned, left_out = None, frozenset()
-    if method in FROM_FILES:
+    if method is not None and method in sharding.FROM_FILES:
         skeleton = meta_model(config, group, stage)
-        planned = plan_shard(skeleton, config, tokenizer, whole_model)
-        left_out = float_weights_replaced(skeleton, planned)
+        planned = sharding.plan_shard(skeleton, config, tokenizer, whole_model)
+        left_out = sharding.float_weights_replaced(skeleton, planned)
     model = build_model(config, load_weights(config.path, config.dtype, left_out), group, stage, left_out)
     if method is not None:  # a transform of the loaded model (module swap)
-        quantize_shard(model, config, tokenizer, whole_model, planned)
+        sharding.quantize_shard(model, config, tokenizer, whole_model, planned)
     elif config.arch.checkpoint_quantization is not None:  # a pre-quantized checkpoint served in float
         from llmserve.quantization.prequantized import log_served_float
 
