@@ -44,9 +44,10 @@ PROCESS_MARKS = ("process", "server", "ray", "browser")
 
 
 def _bf16_prefill(ops: ModuleType) -> bool:
+    """The bf16 prefill attention kernel's bf16 products (without AVX-512 BF16 it runs in float32)."""
     import torch
 
-    return ops.prefill_attention_supported(torch.bfloat16)
+    return ops.prefill_attention_path(torch.bfloat16) in ("avx512_bf16", "amx")
 
 
 # mark argument -> (what the CPU must have, whether this build's kernels have it here). A mark names

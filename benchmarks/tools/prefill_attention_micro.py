@@ -2,9 +2,10 @@
 
     python -m benchmarks.tools.prefill_attention_micro [--lengths 128,256,650,1300] [--repeats 20]
 
-For each prompt length (the whole prompt, no cached prefix): the compiled bf16 kernel on AMX's tile
-products and on AVX-512 BF16 (each where this CPU has it), and PyTorch's bf16 SDPA on the same inputs
-for reference. Median of --repeats, with the largest difference between the kernels' outputs.
+For each prompt length (the whole prompt, no cached prefix): the compiled kernel on bf16 inputs by the
+path this CPU takes (`prefill_attention_path`: AVX-512 BF16, or float32 arithmetic on AVX2), on AMX's
+tile products too where the CPU has them, and PyTorch's bf16 SDPA on the same inputs for reference.
+Median of --repeats, with the largest difference between the kernels' outputs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def run(
 ) -> list[dict]:
     ops = load_cpu_ops()
     if ops is None or not ops.prefill_attention_supported(torch.bfloat16):
-        raise SystemExit("the bf16 prefill attention kernel needs the compiled kernels on AVX-512 BF16")
+        raise SystemExit("the prefill attention kernel needs the compiled kernels (AVX2 and FMA)")
+    path = ops.prefill_attention_path(torch.bfloat16)
+    kernels = {"amx": True, "avx512_bf16": False} if path == "amx" else {path: False}
     generator = torch.Generator().manual_seed(0)
     scale = head_dim**-0.5
     results = []
@@ -34,7 +37,6 @@ def run(
         key_cache = torch.randn(length, kv_heads, head_dim, generator=generator).bfloat16()
         value_cache = torch.randn(length, kv_heads, head_dim, generator=generator).bfloat16()
         slots = torch.arange(length)
-        kernels = {"avx512_bf16": False} | ({"amx": True} if ops.prefill_attention_amx_supported() else {})
         outputs, row = {}, {"tokens": length}
         for name, use_amx in kernels.items():
             call = functools.partial(

@@ -29,7 +29,7 @@ _SOURCE_NAMES = (
     "module.cpp",
     "paged_attention.cpp",
     "prefill_attention.cpp",
-    "prefill_attention_f32.cpp",
+    "prefill_attention_fma.cpp",
     "linear.cpp",
     "linear_amx.cpp",
     "linear_f32.cpp",

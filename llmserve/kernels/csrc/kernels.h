@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-// paged_attention.cpp, prefill_attention.cpp, prefill_attention_f32.cpp
+// paged_attention.cpp, prefill_attention.cpp, prefill_attention_fma.cpp
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                               int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
@@ -16,10 +16,12 @@ std::string paged_attention_path(at::ScalarType dtype, int64_t kv_format, int64_
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                 torch::Tensor context_slots, double scale, bool use_amx);
 bool prefill_attention_supported(at::ScalarType dtype);
+std::string prefill_attention_path(at::ScalarType dtype);
 bool prefill_attention_amx_supported();
-bool prefill_attention_f32_supported();
-// the float32 body of prefill_attention, after its checks: out [Q, H, D] is filled
-void prefill_attention_f32(const torch::Tensor& query, const torch::Tensor& key_cache,
+bool prefill_attention_fma_supported();
+// the body of prefill_attention in float32 arithmetic (float32 or bf16 tensors), after its checks:
+// out [Q, H, D] is filled
+void prefill_attention_fma(const torch::Tensor& query, const torch::Tensor& key_cache,
                            const torch::Tensor& value_cache, const int64_t* slots, int64_t context, double scale,
                            torch::Tensor& out);
 

@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_amx_supported", &prefill_attention_amx_supported,
         "Whether bf16 prefill_attention runs on AMX here");
   m.def("prefill_attention_supported", &prefill_attention_supported, "Whether prefill_attention takes this dtype here");
+  m.def("prefill_attention_path", &prefill_attention_path,
+        "Which prefill_attention kernel runs for this dtype here: amx, avx512_bf16, fma or ''");
   m.def("small_batch_pack", &small_batch_pack, "A bf16 weight [N, K] in the layout small_batch_linear reads");
   m.def("small_batch_linear", &small_batch_linear,
         "x W^T for 1-8 bfloat16 rows, W packed (AVX-512 BF16, or float32 FMAs on AVX2)");

@@ -14,7 +14,8 @@
 // AMX's tile products instead: blocks of 16 query rows, scores and the output accumulators in tile
 // registers' shape (16 x 16 floats) kept in L1, the online softmax between the two products in AVX-512
 // as before. Same packed layouts, same bf16 products with float32 sums (in another order).
-// The entry point at the end checks a call for both dtypes and hands float32 to prefill_attention_f32.cpp.
+// The entry point at the end checks a call for both dtypes and hands float32, and bf16 on CPUs without
+// AVX-512 BF16, to prefill_attention_fma.cpp.
 #include <torch/extension.h>
 #include <omp.h>
 
@@ -369,19 +370,6 @@ void run(const Problem& pb, bool use_amx) {
 }  // namespace
 #endif  // LLMSERVE_PREFILL_FAST_PATH
 
-bool prefill_attention_supported(at::ScalarType dtype) {
-  if (dtype == torch::kFloat) return prefill_attention_f32_supported();
-#ifdef LLMSERVE_PREFILL_FAST_PATH
-  return dtype == torch::kBFloat16;
-#else
-  return false;
-#endif
-}
-
-// query [Q, H, D] bf16 or float32 (rows of a token contiguous; any token stride); key_cache, value_cache
-// [slots, KVH, D] of the query's dtype, contiguous; context_slots [C] int64 with C >= Q: the slots of
-// positions 0..C-1, the queries being positions C-Q..C-1. Returns the causal attention output [Q, H, D].
-// float32 goes to prefill_attention_f32.cpp.
 bool prefill_attention_amx_supported() {
 #ifdef LLMSERVE_PREFILL_AMX
   return amx_permitted();
@@ -390,13 +378,29 @@ bool prefill_attention_amx_supported() {
 #endif
 }
 
+// Which kernel prefill_attention runs for this dtype here: "amx" or "avx512_bf16" (bf16 products), "fma"
+// (float32 arithmetic), or "" where it takes no such input.
+std::string prefill_attention_path(at::ScalarType dtype) {
+  if (dtype != torch::kFloat && dtype != torch::kBFloat16) return "";
+#ifdef LLMSERVE_PREFILL_FAST_PATH
+  if (dtype == torch::kBFloat16) return prefill_attention_amx_supported() ? "amx" : "avx512_bf16";
+#endif
+  return prefill_attention_fma_supported() ? "fma" : "";
+}
+
+bool prefill_attention_supported(at::ScalarType dtype) { return !prefill_attention_path(dtype).empty(); }
+
+// query [Q, H, D] bf16 or float32 (rows of a token contiguous; any token stride); key_cache, value_cache
+// [slots, KVH, D] of the query's dtype, contiguous; context_slots [C] int64 with C >= Q: the slots of
+// positions 0..C-1, the queries being positions C-Q..C-1. Returns the causal attention output [Q, H, D].
+// float32, and bf16 without AVX-512 BF16, go to prefill_attention_fma.cpp.
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                 torch::Tensor context_slots, double scale, bool use_amx) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "prefill_attention takes queries and caches of one dtype");
   TORCH_CHECK(prefill_attention_supported(dtype),
-              "prefill_attention takes bfloat16 (on a CPU with AVX-512 BF16) or float32 (AVX2 and FMA)");
+              "prefill_attention takes bfloat16 or float32 (on a CPU with AVX2 and FMA)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [tokens, heads, head_dim] with each token's heads contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes(),
@@ -416,14 +420,16 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, to
     TORCH_CHECK(slot_data[j] >= 0 && slot_data[j] < num_slots, "context slot out of range");
   auto out = torch::empty({num_queries, num_heads, head_dim}, query.options());
   if (num_queries == 0) return out;
+#ifdef LLMSERVE_PREFILL_FAST_PATH
   if (dtype == torch::kFloat) {
-    prefill_attention_f32(query, key_cache, value_cache, slot_data, context, scale, out);
+    prefill_attention_fma(query, key_cache, value_cache, slot_data, context, scale, out);
     return out;
   }
-#ifdef LLMSERVE_PREFILL_FAST_PATH
   const Problem pb = prefill_problem<uint16_t>(query, key_cache, value_cache, slot_data, context, out, kTile, scale);
   if (head_dim == 64) run<64>(pb, use_amx);
   else run<128>(pb, use_amx);
+#else
+  prefill_attention_fma(query, key_cache, value_cache, slot_data, context, scale, out);
 #endif
   return out;
 }

@@ -1,5 +1,5 @@
 // The causal span a prefill attention kernel computes (prefill_attention.cpp in bf16, stored as raw
-// uint16_t bits; prefill_attention_f32.cpp in float32).
+// uint16_t bits; prefill_attention_fma.cpp in float32 arithmetic over float or c10::BFloat16).
 #pragma once
 
 #include <torch/extension.h>

@@ -1,6 +1,9 @@
-// Causal attention of one long prompt span over its paged context in float32 (AVX2 and FMA): the
-// counterpart of prefill_attention.cpp's bf16 kernel for CPUs without native bf16, where PyTorch's CPU
-// flash attention (after a gather of the context) runs prompt spans far below the matmul rate.
+// Causal attention of one long prompt span over its paged context with float32 arithmetic (AVX2 and
+// FMA): the counterpart of prefill_attention.cpp's bf16 kernel for CPUs without native bf16, where
+// PyTorch's CPU flash attention (after a gather of the context) runs prompt spans far below the matmul
+// rate, in float32 and even more so in bf16. Queries, caches and output are float32, or bf16 widened
+// exactly as they are read (each block's query rows into a float32 buffer, the cache into the packed
+// tiles) and the output rounded to bf16 (nearest even) as it is stored.
 //
 // The span's queries are the last `num_queries` of `context` positions; position j's K/V row is at slot
 // context_slots[j] of the pool. Each KV head's context is first copied once per call into tiles of 16
@@ -20,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -30,12 +34,11 @@ namespace {
 constexpr int kTile = 16;  // keys per packed tile: two vectors of scores per query row
 constexpr int R = 6;       // query rows per block: 12 score (or output) accumulators in registers
 
-using Problem = PrefillProblem<float>;
 
 // Tile `tile` of KV head `kv_head`: keys as [D][16], values as [16][D]; keys past the context are zero
 // (never visible, so their probability is 0, and zero values keep 0 * garbage out of the sums).
-template <int D>
-void pack_tile(const Problem& pb, int64_t kv_head, int64_t tile, float* keys, float* values) {
+template <int D, typename T>
+void pack_tile(const PrefillProblem<T>& pb, int64_t kv_head, int64_t tile, float* keys, float* values) {
   const int64_t first = tile * kTile, count = std::min<int64_t>(kTile, pb.context - first);
   for (int64_t j = 0; j < kTile; ++j) {
     float* value_row = values + j * D;
@@ -45,23 +48,34 @@ void pack_tile(const Problem& pb, int64_t kv_head, int64_t tile, float* keys, fl
       continue;
     }
     const int64_t offset = pb.slots[first + j] * pb.slot_stride + kv_head * D;
-    const float* key_row = pb.key_cache + offset;
-    for (int d = 0; d < D; ++d) keys[d * kTile + j] = key_row[d];
-    std::memcpy(value_row, pb.value_cache + offset, D * sizeof(float));
+    const T* key_row = pb.key_cache + offset;
+    for (int d = 0; d < D; ++d) keys[d * kTile + j] = static_cast<float>(key_row[d]);
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(value_row, pb.value_cache + offset, D * sizeof(float));
+    } else {
+      for (int d = 0; d < D; d += 8) _mm256_storeu_ps(value_row + d, load8(pb.value_cache + offset + d));
+    }
   }
 }
 
 // Query rows [first_row, first_row + R) of KV head `kv_head` (rows past the span repeat its last row
 // and are not stored) over the packed context; `scores` holds R rows of `pitch` floats.
-template <int D>
-void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, const float* packed_keys,
+template <int D, typename T>
+void attend_rows(const PrefillProblem<T>& pb, int64_t kv_head, int64_t first_row, const float* packed_keys,
                  const float* packed_values, float* scores, int64_t pitch) {
   const int64_t group = pb.group(), num_rows = pb.num_queries * group;
   const float* q[R];
+  alignas(32) float widened[std::is_same_v<T, float> ? 1 : R * D];  // bf16 query rows as float32
   int64_t visible[R];  // keys [0, visible) for each row
   for (int r = 0; r < R; ++r) {
     const int64_t row = std::min(first_row + r, num_rows - 1), token = row / group;
-    q[r] = pb.query + token * pb.query_stride + (kv_head * group + row % group) * D;
+    const T* query_row = pb.query + token * pb.query_stride + (kv_head * group + row % group) * D;
+    if constexpr (std::is_same_v<T, float>) {
+      q[r] = query_row;
+    } else {
+      for (int d = 0; d < D; d += 8) _mm256_store_ps(widened + r * D + d, load8(query_row + d));
+      q[r] = widened + r * D;
+    }
     visible[r] = pb.first_position() + token + 1;
   }
   const int64_t num_keys = visible[R - 1], num_tiles = (num_keys + kTile - 1) / kTile;
@@ -86,7 +100,7 @@ void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, const fl
   }
   for (int r = 0; r < R; ++r) softmax_prefix_f32(scores + r * pitch, visible[r], num_tiles * kTile);
   // P V, 16 columns at a time over every key the block sees (a row's hidden keys add 0 * V)
-  float* out[R];
+  T* out[R];
   for (int r = 0; r < R; ++r) {
     const int64_t row = first_row + r, token = row / group;
     out[r] = row < num_rows ? pb.out + (token * pb.num_heads + kv_head * group + row % group) * D : nullptr;
@@ -105,14 +119,14 @@ void attend_rows(const Problem& pb, int64_t kv_head, int64_t first_row, const fl
     }
     for (int r = 0; r < R; ++r) {
       if (out[r] == nullptr) break;
-      _mm256_storeu_ps(out[r] + column, acc[r][0]);
-      _mm256_storeu_ps(out[r] + column + 8, acc[r][1]);
+      store8(out[r] + column, acc[r][0]);
+      store8(out[r] + column + 8, acc[r][1]);
     }
   }
 }
 
-template <int D>
-void run(const Problem& pb) {
+template <int D, typename T>
+void run(const PrefillProblem<T>& pb) {
   const int64_t tile_floats = static_cast<int64_t>(kTile) * D;
   const int64_t head_floats = pb.num_tiles * tile_floats;
   static thread_local std::vector<float> keys_buffer, values_buffer;  // grown once, reused per layer
@@ -147,22 +161,33 @@ void run(const Problem& pb) {
 
 }  // namespace
 
-bool prefill_attention_f32_supported() { return true; }
+bool prefill_attention_fma_supported() { return true; }
 
-void prefill_attention_f32(const torch::Tensor& query, const torch::Tensor& key_cache,
+namespace {
+template <typename T>
+void run_problem(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                 const int64_t* slots, int64_t context, double scale, torch::Tensor& out) {
+  const auto pb = prefill_problem<T>(query, key_cache, value_cache, slots, context, out, kTile, scale);
+  if (query.size(2) == 64) run<64>(pb);
+  else run<128>(pb);
+}
+}  // namespace
+
+void prefill_attention_fma(const torch::Tensor& query, const torch::Tensor& key_cache,
                            const torch::Tensor& value_cache, const int64_t* slots, int64_t context, double scale,
                            torch::Tensor& out) {
-  const Problem pb = prefill_problem<float>(query, key_cache, value_cache, slots, context, out, kTile, scale);
-  const int64_t head_dim = query.size(2);
-  if (head_dim == 64) run<64>(pb);
-  else run<128>(pb);
+  if (query.scalar_type() == torch::kBFloat16) {
+    run_problem<c10::BFloat16>(query, key_cache, value_cache, slots, context, scale, out);
+  } else {
+    run_problem<float>(query, key_cache, value_cache, slots, context, scale, out);
+  }
 }
 
 #else
 
-bool prefill_attention_f32_supported() { return false; }
+bool prefill_attention_fma_supported() { return false; }
 
-void prefill_attention_f32(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const int64_t*, int64_t,
+void prefill_attention_fma(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const int64_t*, int64_t,
                            double, torch::Tensor&) {
   TORCH_CHECK(false, "prefill_attention in float32 needs a CPU with AVX2 and FMA");
 }
