@@ -10,6 +10,7 @@ batches in the pipeline and hands back the oldest once its logits are sampled.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -220,7 +221,7 @@ class LLMEngine:
         """Queue a request; raises ValueError (with the limits named) if it can never run."""
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else _token_ids(prompt)
         self.validate_prompt(prompt_ids)
         check_params(params, self.config)
         if params.structured_outputs is not None:  # offline: compile now, so a bad grammar raises here
@@ -582,6 +583,14 @@ def check_params(params: SamplingParams, config: EngineConfig) -> None:
         raise ValueError(f"stop_token_ids has token id {past[0]}, but the vocabulary has {vocab_size} tokens")
     if params.prompt_logprobs is not None and config.parallel.pipeline_parallel_size > 1:
         raise ValueError("prompt_logprobs is not supported with pipeline parallelism")
+
+
+def _token_ids(prompt: Sequence[int]) -> list[int]:
+    """Token ids as Python ints (numpy's or torch's integers too); anything else is a ValueError."""
+    try:
+        return [operator.index(token) for token in prompt]
+    except TypeError:
+        raise ValueError("a prompt is text or a sequence of integer token ids") from None
 
 
 def check_prompt(prompt_ids: list[int], config: EngineConfig) -> None:

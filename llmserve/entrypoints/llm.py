@@ -16,6 +16,8 @@ from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | Sequence[int]
+# vLLM's TextPrompt and TokensPrompt dicts: the one key each may hold
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -63,12 +65,18 @@ class LLM:
         if lora_request is not None:
             params = self._with_adapters(params, lora_request)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
-        request_ids = []
-        for prompt, param, prio in zip(prompts, params, priorities, strict=True):
-            request_ids.append(str(next(self._ids)))
-            # only finished outputs are returned: one per request, built once
-            final = param.with_output_kind(RequestOutputKind.FINAL_ONLY)
-            self.engine.add_request(request_ids[-1], prompt, final, priority=prio)
+        request_ids: list[str] = []
+        try:
+            for prompt, param, prio in zip(prompts, params, priorities, strict=True):
+                request_id = str(next(self._ids))
+                # only finished outputs are returned: one per request, built once
+                final = param.with_output_kind(RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(request_id, prompt, final, priority=prio)
+                request_ids.append(request_id)
+        except Exception:  # a bad prompt or parameter: none of this call's requests stays queued
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
         return self._run(request_ids, use_tqdm)
 
     def _with_adapters(self, params: list[SamplingParams], requests) -> list[SamplingParams]:
@@ -109,12 +117,23 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, str | dict):
+        return [_as_prompt(prompts)]
     prompts = list(prompts)
     if prompts and isinstance(prompts[0], int):
         return [prompts]  # a single prompt given as token ids
-    return prompts
+    return [_as_prompt(prompt) for prompt in prompts]
+
+
+def _as_prompt(prompt) -> Prompt:
+    """A prompt as text or token ids; vLLM's {"prompt": text} and {"prompt_token_ids": ids} too."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if len(prompt) != 1 or next(iter(prompt)) not in _PROMPT_KEYS:
+        raise ValueError(
+            f"a prompt dict holds one of the keys {', '.join(_PROMPT_KEYS)}; got {sorted(prompt)}"
+        )
+    return next(iter(prompt.values()))
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:
