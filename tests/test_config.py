@@ -182,3 +182,38 @@ def test_the_gguf_default_falls_back_to_float_where_gguf_does_not_combine(smollm
     assert config.model.quantization is None and "input widths (384, 192, 776, 776) cut" in caplog.text
     gemma = dataclasses.replace(smollm2_arch, architecture="gemma2")  # no quantization there: not even "none"
     assert EngineArgs(device="cpu", quantization="none").create_config(gemma, "m").model.quantization is None
+
+
+def test_auto_dtype_is_bf16_unless_a_path_runs_torchs_bf16_on_this_cpu(smollm2_arch, monkeypatch, caplog):
+    """On a CPU without native bf16 `auto` is bf16 where the compiled kernels take every hot path, float32
+    (saying why) where a model or option would run PyTorch's bf16 arithmetic; with native bf16 always bf16."""
+    import llmserve.config as config
+
+    def auto(arch=smollm2_arch, **flags) -> torch.dtype:
+        return EngineArgs(device="cpu", **flags).create_config(arch, "m").model.dtype
+
+    for native in (True, False):
+        monkeypatch.setattr(config, "cpu_has_native_bf16", lambda native=native: native)
+        assert auto() == torch.bfloat16  # the default model: dense, head_dim 64, plain cache
+        assert (
+            EngineArgs(device="cpu", dtype="float32").create_config(smollm2_arch, "m").model.dtype
+            == torch.float32
+        )
+    moe = dataclasses.replace(smollm2_arch, num_experts=4, num_experts_per_tok=2)
+    cases = [
+        (moe, {}, "the mixture-of-experts layers multiply in PyTorch"),
+        (smollm2_arch, {"enable_lora": True}, "LoRA adapters multiply in PyTorch"),
+        (smollm2_arch, {"kv_cache_dtype": "int8"}, "SDPA over an int8 KV cache"),
+        (smollm2_arch, {"sliding_window": 64}, "with a sliding window or score softcapping"),
+        (dataclasses.replace(smollm2_arch, head_dim=80), {}, "at head_dim 80"),
+    ]
+    for arch, flags, why in cases:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="llmserve"):
+            assert auto(arch, **flags) == torch.float32
+        assert "dtype auto is float32 on this CPU" in caplog.text and why in caplog.text
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    assert auto(moe, enable_lora=True) == torch.bfloat16  # native bf16 matmuls: nothing to avoid
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(config, "selected_level", lambda: None)  # no compiled kernels here
+    assert auto() == torch.float32

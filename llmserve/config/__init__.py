@@ -333,7 +333,9 @@ class EngineArgs:
         "default: the embedded SmolLM2-135M-Instruct",
     )
     dtype: DTypeName = arg(
-        "auto", "float32 | bfloat16 | float16 | auto (bfloat16 where native: CUDA, AVX512-BF16/AMX)"
+        "auto",
+        "float32 | bfloat16 | float16 | auto (bfloat16; on a CPU without native bf16, float32 where a "
+        "model or option would run PyTorch's bf16 arithmetic)",
     )
     device: str = arg("auto", "cpu | cuda | auto")
     max_model_len: int | None = arg(
@@ -580,7 +582,7 @@ class EngineArgs:
         `device_memory`: a GPU's, measured after loading (worker/gpu_memory.py), which sizes the pool
         where no size is given; without it such a pool holds only the profiling step's blocks."""
         device = resolve_device(self.device)
-        dtype = resolve_dtype(self.dtype, device)
+        dtype = self._dtype(arch, device)
         parallel = self._parallel(arch)
         quantization = self._quantization(arch, device, dtype, parallel)
         check_family_features(
@@ -614,6 +616,39 @@ class EngineArgs:
             structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout),
             lora=self._lora(parallel),
         )
+
+    def _dtype(self, arch: ModelArchConfig, device: torch.device) -> torch.dtype:
+        """--dtype. `auto` is bf16 on a CPU without native bf16 too (AVX2, AVX-512 without BF16): the
+        compiled kernels read bf16 weights and K/V, half float32's bytes, and compute in float32; but
+        where this model or an option takes a path that runs PyTorch's bf16 arithmetic there, many
+        times slower than its float32, it is float32 (one log line says why)."""
+        dtype = resolve_dtype(self.dtype, device)
+        if self.dtype != "auto" or device.type != "cpu" or dtype == torch.bfloat16:
+            return dtype
+        why_float32 = self._torch_bf16_paths(arch)
+        if why_float32:
+            logger.info("dtype auto is float32 on this CPU: %s", "; ".join(why_float32))
+            return torch.float32
+        return torch.bfloat16
+
+    def _torch_bf16_paths(self, arch: ModelArchConfig) -> list[str]:
+        """What would run PyTorch's bf16 arithmetic on a CPU without native bf16 (no compiled kernel
+        takes it there)."""
+        if selected_level() is None:
+            return ["no compiled kernels for this CPU"]
+        paths = []
+        if arch.num_experts:
+            paths.append("the mixture-of-experts layers multiply in PyTorch")
+        if self.enable_lora:
+            paths.append("LoRA adapters multiply in PyTorch")
+        prompt_attention = "prompt attention runs PyTorch's SDPA"
+        if self.kv_cache_dtype != "auto":
+            paths.append(f"{prompt_attention} over an {self.kv_cache_dtype} KV cache")
+        if arch.sliding_window or self.sliding_window or arch.attn_logit_softcapping:
+            paths.append(f"{prompt_attention} with a sliding window or score softcapping")
+        if arch.head_dim not in (64, 128):
+            paths.append(f"{prompt_attention} at head_dim {arch.head_dim}")
+        return paths
 
     def _quantization(
         self, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype, parallel: ParallelConfig
@@ -951,7 +986,8 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto`: bfloat16 where the hardware computes it natively (CUDA, or a CPU with AVX-512 BF16 or
-    AMX, where bf16 matmuls run several times faster than float32), float32 otherwise."""
+    AMX, where bf16 matmuls run several times faster than float32), float32 otherwise (the model's
+    own choice on other CPUs: `EngineArgs._dtype`)."""
     if dtype == "auto":
         native = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
         return torch.bfloat16 if native else torch.float32
