@@ -16,6 +16,7 @@ from llmserve.config import (
     EngineArgs,
     ModelConfig,
     SchedulerConfig,
+    cpu_isa,
 )
 from llmserve.config.cpu_isa import selected_level
 from llmserve.config.kv_cache_dtype import KV_CACHE_DTYPES, kv_row_bytes
@@ -192,6 +193,8 @@ def test_auto_dtype_is_bf16_unless_a_path_runs_torchs_bf16_on_this_cpu(smollm2_a
     def auto(arch=smollm2_arch, **flags) -> torch.dtype:
         return EngineArgs(device="cpu", **flags).create_config(arch, "m").model.dtype
 
+    avx2 = cpu_isa.LEVELS[0]  # a level with compiled kernels, whatever this CPU is
+    monkeypatch.setattr(config, "selected_level", lambda: avx2)
     for native in (True, False):
         monkeypatch.setattr(config, "cpu_has_native_bf16", lambda native=native: native)
         assert auto() == torch.bfloat16  # the default model: dense, head_dim 64, plain cache
@@ -205,7 +208,20 @@ def test_auto_dtype_is_bf16_unless_a_path_runs_torchs_bf16_on_this_cpu(smollm2_a
         (smollm2_arch, {"enable_lora": True}, "LoRA adapters multiply in PyTorch"),
         (smollm2_arch, {"kv_cache_dtype": "int8"}, "SDPA over an int8 KV cache"),
         (smollm2_arch, {"sliding_window": 64}, "with a sliding window or score softcapping"),
-        (dataclasses.replace(smollm2_arch, head_dim=80), {}, "at head_dim 80"),
+        # widths the int kernels cannot group: served float (the GGUF's blocks refuse them)
+        (dataclasses.replace(smollm2_arch, head_dim=80), {"quantization": "none"}, "at head_dim 80"),
+        (smollm2_arch, {"quantization": "gptq"}, "quantization gptq calibrates the float model"),
+        (
+            smollm2_arch,
+            {"speculative_method": "draft", "speculative_draft_model": "d"},
+            "speculative method draft",
+        ),
+        (smollm2_arch, {"attention_backend": "torch"}, "the torch attention backend"),
+        (
+            dataclasses.replace(smollm2_arch, intermediate_size=1552),
+            {"quantization": "none"},
+            "[576, 1552] not all multiples of 32",
+        ),
     ]
     for arch, flags, why in cases:
         caplog.clear()
@@ -217,3 +233,11 @@ def test_auto_dtype_is_bf16_unless_a_path_runs_torchs_bf16_on_this_cpu(smollm2_a
     monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setattr(config, "selected_level", lambda: None)  # no compiled kernels here
     assert auto() == torch.float32
+
+    def forced_level_this_cpu_lacks():
+        raise ValueError("LLMSERVE_CPU_ISA=amx names a level this CPU lacks")
+
+    monkeypatch.setattr(config, "selected_level", forced_level_this_cpu_lacks)
+    with caplog.at_level("INFO", logger="llmserve"):  # float; the kernels' loader then refuses the level
+        assert auto(quantization="none") == torch.float32
+    assert "names a level this CPU lacks" in caplog.text

@@ -33,6 +33,7 @@ from llmserve.config.parallel import (
     stage_layer_ranges,
 )
 from llmserve.config.quantization import (
+    CALIBRATED_METHODS,
     GGUF_BLOCK_COLUMNS,
     GGUF_BLOCK_TYPES,
     PACKED_KERNEL_DEVICES,
@@ -582,8 +583,8 @@ class EngineArgs:
         `device_memory`: a GPU's, measured after loading (worker/gpu_memory.py), which sizes the pool
         where no size is given; without it such a pool holds only the profiling step's blocks."""
         device = resolve_device(self.device)
-        dtype = self._dtype(arch, device)
         parallel = self._parallel(arch)
+        dtype = self._dtype(arch, device, parallel)
         quantization = self._quantization(arch, device, dtype, parallel)
         check_family_features(
             arch,
@@ -617,7 +618,7 @@ class EngineArgs:
             lora=self._lora(parallel),
         )
 
-    def _dtype(self, arch: ModelArchConfig, device: torch.device) -> torch.dtype:
+    def _dtype(self, arch: ModelArchConfig, device: torch.device, parallel: ParallelConfig) -> torch.dtype:
         """--dtype. `auto` is bf16 on a CPU without native bf16 too (AVX2, AVX-512 without BF16): the
         compiled kernels read bf16 weights and K/V, half float32's bytes, and compute in float32; but
         where this model or an option takes a path that runs PyTorch's bf16 arithmetic there, many
@@ -625,22 +626,39 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, device)
         if self.dtype != "auto" or device.type != "cpu" or dtype == torch.bfloat16:
             return dtype
-        why_float32 = self._torch_bf16_paths(arch)
+        why_float32 = self._torch_bf16_paths(arch, parallel)
         if why_float32:
             logger.info("dtype auto is float32 on this CPU: %s", "; ".join(why_float32))
             return torch.float32
         return torch.bfloat16
 
-    def _torch_bf16_paths(self, arch: ModelArchConfig) -> list[str]:
+    def _torch_bf16_paths(self, arch: ModelArchConfig, parallel: ParallelConfig) -> list[str]:
         """What would run PyTorch's bf16 arithmetic on a CPU without native bf16 (no compiled kernel
         takes it there)."""
-        if selected_level() is None:
-            return ["no compiled kernels for this CPU"]
+        try:
+            if selected_level() is None:
+                return ["no compiled kernels for this CPU"]
+        except ValueError as error:  # a forced level this CPU lacks: the kernels' loader refuses it
+            return [str(error)]
         paths = []
         if arch.num_experts:
             paths.append("the mixture-of-experts layers multiply in PyTorch")
         if self.enable_lora:
             paths.append("LoRA adapters multiply in PyTorch")
+        if self.quantization in CALIBRATED_METHODS:
+            paths.append(f"quantization {self.quantization} calibrates the float model in PyTorch")
+        if self.speculative_method in (*TREE_METHODS, "draft"):
+            paths.append(f"speculative method {self.speculative_method} runs PyTorch layers or attention")
+        if self.attention_backend == "torch":
+            paths.append("the torch attention backend")
+        widths = {
+            arch.hidden_size,
+            arch.num_attention_heads * arch.head_dim,
+            arch.intermediate_size,
+            *parallel.row_parallel_in_features(arch),
+        }
+        if any(width % 32 for width in widths):  # the small-batch kernels' column blocks
+            paths.append(f"linear layers of input widths {sorted(widths)} not all multiples of 32")
         prompt_attention = "prompt attention runs PyTorch's SDPA"
         if self.kv_cache_dtype != "auto":
             paths.append(f"{prompt_attention} over an {self.kv_cache_dtype} KV cache")

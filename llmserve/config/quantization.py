@@ -14,6 +14,7 @@ METHODS = ("int8", "int8-rtn", "int4", "awq", "gptq", "gguf")
 GROUP_SIZES = (32, 64, 128)  # the sizes the packed int4 CPU kernel accepts that we offer
 # int4 groups run along the input: under tensor parallelism a rank's columns must hold whole ones
 GROUPED_METHODS = ("int4", "gptq", "awq")
+CALIBRATED_METHODS = ("int8", "gptq", "awq")  # run the float model over calibration text at load
 CHECKPOINT = "checkpoint"  # method of a directory written by `llmserve quantize`
 PREQUANTIZED = "prequantized"  # a checkpoint published quantized: its own codes (model_loader)
 # where int4/int8 codes have kernels of their own (quantization/kernels.py); elsewhere a quantized
