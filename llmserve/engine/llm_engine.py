@@ -588,6 +588,8 @@ def check_params(params: SamplingParams, config: EngineConfig) -> None:
 def _token_ids(prompt: Sequence[int]) -> list[int]:
     """Token ids as Python ints (numpy's or torch's integers too); anything else is a ValueError."""
     try:
+        if any(isinstance(token, bool) for token in prompt):
+            raise TypeError
         return [operator.index(token) for token in prompt]
     except TypeError:
         raise ValueError("a prompt is text or a sequence of integer token ids") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import weakref
 from collections.abc import Sequence
 from dataclasses import replace
@@ -117,10 +118,10 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str | dict):
+    if isinstance(prompts, str | dict) or getattr(prompts, "ndim", None) == 1:  # one prompt (ids: an array)
         return [_as_prompt(prompts)]
     prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
+    if prompts and isinstance(prompts[0], numbers.Integral):
         return [prompts]  # a single prompt given as token ids
     return [_as_prompt(prompt) for prompt in prompts]
 
@@ -133,7 +134,10 @@ def _as_prompt(prompt) -> Prompt:
         raise ValueError(
             f"a prompt dict holds one of the keys {', '.join(_PROMPT_KEYS)}; got {sorted(prompt)}"
         )
-    return next(iter(prompt.values()))
+    key, value = next(iter(prompt.items()))
+    if (key == "prompt") != isinstance(value, str):
+        raise ValueError(f"a prompt dict's {key!r} is {'text' if key == 'prompt' else 'a list of token ids'}")
+    return value
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:

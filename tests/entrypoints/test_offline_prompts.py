@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from llmserve import LLM, SamplingParams
 
@@ -29,8 +30,10 @@ def test_prompt_dicts_give_what_text_and_token_ids_give(llm):
     dicts = [{"prompt": text}, {"prompt_token_ids": ids}]
     assert _tokens(llm.generate(dicts, GREEDY, use_tqdm=False)) == plain
     assert _tokens(llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)) == plain[:1]
-    # numpy's integers are token ids too
-    assert _tokens(llm.generate([np.array(ids)], GREEDY, use_tqdm=False)) == plain[:1]
+    # numpy's and torch's integers are token ids too: one array is one prompt, as one list is
+    for one in (np.array(ids), torch.tensor(ids), list(np.array(ids))):
+        assert _tokens(llm.generate(one, GREEDY, use_tqdm=False)) == plain[:1]
+    assert _tokens(llm.generate([np.array(ids), torch.tensor(ids)], GREEDY, use_tqdm=False)) == plain[:1] * 2
 
 
 @pytest.mark.parametrize(
@@ -38,6 +41,9 @@ def test_prompt_dicts_give_what_text_and_token_ids_give(llm):
     [
         ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, "one of the keys prompt, prompt_token_ids"),
         ({"text": "hi"}, "one of the keys prompt, prompt_token_ids"),
+        ({"prompt": [1, 2]}, "'prompt' is text"),
+        ({"prompt_token_ids": "hi"}, "'prompt_token_ids' is a list of token ids"),
+        ([[True, 5]], "integer token ids"),
         ([[1, "a", 3]], "integer token ids"),
         ([[1.5, 2.0]], "integer token ids"),
         (["a good prompt", [1, 2], [[3]]], "integer token ids"),  # the good ones before it are not kept
