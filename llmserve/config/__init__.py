@@ -584,7 +584,7 @@ class EngineArgs:
         where no size is given; without it such a pool holds only the profiling step's blocks."""
         device = resolve_device(self.device)
         parallel = self._parallel(arch)
-        dtype = self._dtype(arch, device, parallel)
+        dtype, why_float32 = self._dtype(arch, device, parallel)
         quantization = self._quantization(arch, device, dtype, parallel)
         check_family_features(
             arch,
@@ -594,7 +594,7 @@ class EngineArgs:
             expert_parallel=parallel.enable_expert_parallel,
         )
         scheduler = self._scheduler_config(arch, device)
-        return EngineConfig(
+        config = EngineConfig(
             model=self._model_config(
                 arch, model_path, dtype, device, scheduler.max_model_len, parallel, quantization
             ),
@@ -617,20 +617,22 @@ class EngineArgs:
             structured_outputs=StructuredOutputsConfig(self.structured_outputs_compile_timeout),
             lora=self._lora(parallel),
         )
+        if why_float32:  # said once the whole configuration is valid (a refused flag is the only line)
+            logger.info("dtype auto is float32 on this CPU: %s", "; ".join(why_float32))
+        return config
 
-    def _dtype(self, arch: ModelArchConfig, device: torch.device, parallel: ParallelConfig) -> torch.dtype:
-        """--dtype. `auto` is bf16 on a CPU without native bf16 too (AVX2, AVX-512 without BF16): the
-        compiled kernels read bf16 weights and K/V, half float32's bytes, and compute in float32; but
-        where this model or an option takes a path that runs PyTorch's bf16 arithmetic there, many
-        times slower than its float32, it is float32 (one log line says why)."""
+    def _dtype(
+        self, arch: ModelArchConfig, device: torch.device, parallel: ParallelConfig
+    ) -> tuple[torch.dtype, list[str]]:
+        """--dtype, and why `auto` chose float32. `auto` is bf16 on a CPU without native bf16 too (AVX2,
+        AVX-512 without BF16): the compiled kernels read bf16 weights and K/V, half float32's bytes,
+        and compute in float32; but where this model or an option takes a path that runs PyTorch's
+        bf16 arithmetic there, many times slower than its float32, it is float32."""
         dtype = resolve_dtype(self.dtype, device)
         if self.dtype != "auto" or device.type != "cpu" or dtype == torch.bfloat16:
-            return dtype
+            return dtype, []
         why_float32 = self._torch_bf16_paths(arch, parallel)
-        if why_float32:
-            logger.info("dtype auto is float32 on this CPU: %s", "; ".join(why_float32))
-            return torch.float32
-        return torch.bfloat16
+        return (torch.float32 if why_float32 else torch.bfloat16), why_float32
 
     def _torch_bf16_paths(self, arch: ModelArchConfig, parallel: ParallelConfig) -> list[str]:
         """What would run PyTorch's bf16 arithmetic on a CPU without native bf16 (no compiled kernel

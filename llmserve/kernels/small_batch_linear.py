@@ -34,7 +34,8 @@ left alone, the varied token counts of a server's steps grew its memory until th
 so the rows it gets are rounded up to one of 8 sizes per octave (`onednn_rows`: at most 1/8 more
 rows, left unset: a row's result depends only on that row, so the others' bits do not change).
 
-float32 weights on the CPU (the default dtype where the CPU has no native bf16) become
+float32 weights on the CPU (the default where the CPU has no native bf16 and a path would run PyTorch's
+bf16 arithmetic: config's `EngineArgs._dtype`) become
 `PackedLinear`s: the compiled float32 kernel (linear_f32.cpp, AVX2 and FMA) on its own packed copy
 at every row count where AVX2 is the CPU's best (above 8 rows on AVX-512 CPUs, oneDNN on a
 oneDNN-blocked copy), oneDNN alone where the build has no kernel. `F.linear` in float32 goes to

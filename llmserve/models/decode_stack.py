@@ -8,7 +8,7 @@ applies: every sequence this step is a decode or a short span (speculative verif
 model runs on the CPU with the in-place paged attention backend and a plain KV cache, either in bf16
 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise int4 (GGUF Q5_0's 5-bit
 codes too: the int4 kernel tells them by their packed width) with their small-batch kernels, or in
-float32 (the dtype of CPUs without native bf16) with every linear layer
+float32 (on CPUs without native bf16) with every linear layer
 on the float32 kernel or, quantized, on the int8 and int4 kernels where they take float32 inputs.
 Above the small-batch kernel's 8 rows it takes what the modules take: int8 and int4 layers their
 compiled kernels at any row count; bf16 `SmallBatchLinear` layers the AMX kernel on the packed copy

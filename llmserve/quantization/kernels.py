@@ -1,7 +1,7 @@
 """Matmul kernels for quantized weights, chosen per (format, device, activation dtype).
 
 On a CPU the compiled int8/int4 kernels (`RoundedInputKernel`) take every row count: bfloat16
-activations, and float32 ones at the AVX2 level (the dtype of CPUs without native bf16). They round
+activations, and float32 ones at the AVX2 level (which CPUs without native bf16 may run). They round
 the input to 8 bits per 32 columns and multiply with integer dot products, streaming the packed
 codes at batch 1 and running several times faster than the dequantized GEMM or PyTorch's packed
 ops at batch sizes above (docs/quantization.md: how the kernels work). Where they do not serve (a

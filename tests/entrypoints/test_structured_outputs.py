@@ -235,13 +235,15 @@ SCHEMA_FORMAT = {
     "json_schema": {"name": "person", "schema": Person.model_json_schema(), "strict": True},
 }
 SPEC_PROMPT = ask("Invent a person named Ada Lovelace as JSON.")
+DETERMINISTIC_FLOAT32 = ["--dtype", "float32", "--deterministic"]
 
 
 @pytest.fixture(scope="module")
 def float32_server(tmp_path_factory) -> Iterator[ServerProcess]:
-    """float32: greedy tokens compared across speculation on and off must not hinge on bf16 rounding."""
+    """float32 and batch invariant: greedy tokens compared across speculation on and off must hinge
+    neither on bf16 rounding nor on this server's prefix-cache hit on the prompt (a later test's)."""
     process = start_server(
-        [*DEFAULT_ARGS, "--dtype", "float32"], tmp_path_factory.mktemp("so32") / "server.log"
+        [*DEFAULT_ARGS, *DETERMINISTIC_FLOAT32], tmp_path_factory.mktemp("so32") / "server.log"
     )
     yield process
     process.stop()
@@ -256,7 +258,7 @@ def test_greedy_json_schema_is_unchanged_by_speculative_decoding(float32_server,
         )
 
     plain = create(float32_server)
-    args = [*DEFAULT_ARGS, "--dtype", "float32", "--speculative-method", method]
+    args = [*DEFAULT_ARGS, *DETERMINISTIC_FLOAT32, "--speculative-method", method]
     server = start_server([*args, "--speculative-disable-batch-size", "0"], tmp_path / "server.log")
     try:
         spec = create(server)

@@ -6,10 +6,11 @@ sequence's block table directly; no padded copy of any context is gathered, and 
 It dequantizes 8-bit caches as it reads them (8 lanes at a time where AVX2 is, float32 and bf16
 models alike) and visits only the sinks and the window when a sliding window is on.
 
-Longer prefill spans are compute-bound: with a bfloat16 cache on an AVX-512 BF16 CPU, or a float32
-cache on an AVX2 CPU, they go to `prefill_attention`, a blocked causal kernel that reads the context
-through its slots (no gathered copy); anything else (8-bit caches, a sliding window, other dtypes)
-keeps the reference SDPA path.
+Longer prefill spans are compute-bound: with a bfloat16 or float32 cache they go to
+`prefill_attention`, a blocked causal kernel that reads the context through its slots (no gathered
+copy): bf16 products on AVX-512 BF16 or AMX, else float32 arithmetic on AVX2 and FMA
+(`prefill_attention_path`); anything else (8-bit caches, a sliding window, other dtypes) keeps the
+reference SDPA path.
 
 Batch invariance (`serve_every_span`, worker/batch_invariance.py): the two kernels sum in different
 orders, so a prompt token's attention would depend on the length of the chunk it came in. There every
