@@ -89,6 +89,12 @@ class LoRALayerWeights:
                 out2d.index_add_(0, rows, delta)
 
 
+def rows_computed_alone(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model of this dtype and device adds its deltas by the compiled kernel, each row alone
+    (batch invariant); the grouped matmuls elsewhere are blocked by the step's row count."""
+    return _compiled_kernel(8, 8, dtype, device) is not None
+
+
 def _compiled_kernel(in_features: int, out_features: int, dtype: torch.dtype, device: torch.device):
     """kernels/csrc/lora.cpp's `lora_delta` where it takes this layer: a CPU with AVX2 and FMA, float32
     or bf16, feature counts in whole vectors of 8; else None."""
