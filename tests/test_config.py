@@ -198,6 +198,7 @@ def test_auto_dtype_is_bf16_unless_a_path_runs_torchs_bf16_on_this_cpu(smollm2_a
     for native in (True, False):
         monkeypatch.setattr(config, "cpu_has_native_bf16", lambda native=native: native)
         assert auto() == torch.bfloat16  # the default model: dense, head_dim 64, plain cache
+        assert auto(enable_lora=True) == torch.bfloat16  # the compiled LoRA delta takes bf16
         assert (
             EngineArgs(device="cpu", dtype="float32").create_config(smollm2_arch, "m").model.dtype
             == torch.float32
@@ -205,7 +206,6 @@ def test_auto_dtype_is_bf16_unless_a_path_runs_torchs_bf16_on_this_cpu(smollm2_a
     moe = dataclasses.replace(smollm2_arch, num_experts=4, num_experts_per_tok=2)
     cases = [
         (moe, {}, "the mixture-of-experts layers multiply in PyTorch"),
-        (smollm2_arch, {"enable_lora": True}, "LoRA adapters multiply in PyTorch"),
         (smollm2_arch, {"kv_cache_dtype": "int8"}, "SDPA over an int8 KV cache"),
         (smollm2_arch, {"sliding_window": 64}, "with a sliding window or score softcapping"),
         # widths the int kernels cannot group: served float (the GGUF's blocks refuse them)

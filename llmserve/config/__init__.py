@@ -645,8 +645,6 @@ class EngineArgs:
         paths = []
         if arch.num_experts:
             paths.append("the mixture-of-experts layers multiply in PyTorch")
-        if self.enable_lora:
-            paths.append("LoRA adapters multiply in PyTorch")
         if self.quantization in CALIBRATED_METHODS:
             paths.append(f"quantization {self.quantization} calibrates the float model in PyTorch")
         if self.speculative_method in (*TREE_METHODS, "draft"):

@@ -39,6 +39,7 @@ _SOURCE_NAMES = (
     "decode_stack.cpp",
     "draft_head.cpp",
     "greedy.cpp",
+    "lora.cpp",
     "threads.cpp",
     "shm_collectives.cpp",
 )

@@ -3,9 +3,10 @@ stacked weights (weights.py), swapped in least-recently-used order; and the hook
 row's adapter delta after the targeted linear layers of the base model.
 
 The delta is added by forward hooks on the model's own linear modules (the model file knows
-nothing of adapters, and the modules keep their names and kernels). The fused C++ decode stack and
-CUDA graphs do not run these hooks: the model runner gives the stack only steps without an adapter
-and captures no graphs when LoRA is enabled.
+nothing of adapters, and the modules keep their names and kernels). The fused C++ decode stack runs
+no hooks: the model runner binds the stacked adapters to it (`stack_layers`), which adds the same
+deltas with the same kernel, or gives it only steps without an adapter where it cannot. CUDA graphs
+are not captured when LoRA is enabled.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class LoRAManager:
         self.slots = SlotTable(config.max_loras, self._write_slot)
         self.layers: dict[tuple[int, str], LoRALayerWeights] = {}  # (layer, fused module) -> stacks
         self._groups: SlotGroups | None = None  # the step being run's rows by slot; None: no adapter
+        self._token_slots: torch.Tensor | None = None  # and each of its rows' slot (host memory)
         self._device = torch.device(device)
         for index, layer in _decoder_layers(model):
             for fused, modules in _FUSED.items():
@@ -118,7 +120,7 @@ class LoRAManager:
         def add_delta(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
             if self._groups is None:  # no row of this step has an adapter
                 return None
-            weights.add_delta(inputs[0], output, self._groups)
+            weights.add_delta(inputs[0], output, self._groups, self._token_slots)
             return output
 
         linear.register_forward_hook(add_delta)
@@ -187,6 +189,16 @@ class LoRAManager:
             raise ValueError(f"LoRA B of {module} has {b.shape[0]} rows; the layer has {sum(sizes)}")
         return dict(enumerate((a, rows) for rows in b.split(sizes)))
 
+    @property
+    def token_slots(self) -> torch.Tensor | None:
+        """The step being run's slot of each row (-1: none), where it has an adapter on the CPU."""
+        return self._token_slots
+
+    def stack_layers(self) -> list[tuple[LoRALayerWeights, ...]]:
+        """Per decoder layer in order, the stacks of qkv, o, gate_up and down (the fused decode stack's)."""
+        indices = sorted({index for index, _ in self.layers})
+        return [tuple(self.layers[(index, fused)] for fused in _FUSED) for index in indices]
+
     def row_slots(self, names: list[str | None]) -> np.ndarray:
         """Each row's slot (-1: the base model), swapping in the adapters the rows name."""
         slots = self.slots.slots_for(name for name in names if name is not None)
@@ -197,10 +209,12 @@ class LoRAManager:
         """Within the block, the hooks add each token's adapter delta (`token_slots`: per flat token,
         -1 for the base model; None: no token has an adapter)."""
         self._groups = None if token_slots is None else self._group(token_slots)
+        if self._groups is not None and self._device.type == "cpu":
+            self._token_slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
         try:
             yield
         finally:
-            self._groups = None
+            self._groups = self._token_slots = None
 
     def _group(self, token_slots: np.ndarray) -> SlotGroups | None:
         slots = np.unique(token_slots)

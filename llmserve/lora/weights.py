@@ -2,20 +2,24 @@
 
 A fused layer (qkv_proj, gate_up_proj) holds its shards' adapters side by side: slot s's A is
 [shards * R, in], R the largest rank, of which an adapter of rank r fills the first shards * r
-rows (shard i's A in rows i*r..), its B [out, shards * R] block-diagonal (shard i's B, times the
-adapter's scale, in shard i's output rows and columns i*r..). So one slot costs two matmuls of
-width shards * r whatever it targets, and an empty shard adds zeros.
+rows (shard i's A in rows i*r..), its B block-diagonal (shard i's B, times the adapter's scale, in
+shard i's output rows and columns i*r..), kept transposed as Bt [shards * R, out]. So one slot costs
+two products of width shards * r whatever it targets, and an empty shard adds zeros.
 
-    out[rows of slot s] += (x[rows] @ A[s]^T) @ B[s]^T
+    out[rows of slot s] += (x[rows] @ A[s]^T) @ Bt[s]
 
-The rows of a step are grouped by slot (manager.py): one pair of matmuls per adapter in the step,
-none for rows without one, and none at all in a step where no row has an adapter.
+On a CPU with AVX2 and FMA one compiled call (kernels/csrc/lora.cpp) adds every row's delta from the
+step's per-token slots, each row alone (the same whatever else the step holds). Elsewhere the rows
+are grouped by slot (manager.py): one pair of matmuls per adapter in the step. A step where no row
+has an adapter adds nothing.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from llmserve.kernels.cpu_ops import load_cpu_ops
 
 # a step's rows by slot: (slot, flat row indices; None: every row of the step)
 SlotGroups = list[tuple[int, torch.Tensor | None]]
@@ -36,16 +40,18 @@ class LoRALayerWeights:
         checkpoint module fused into `base` (q, k, v ...)."""
         width = len(shard_sizes) * max_rank
         self.a = torch.zeros(max_loras, width, base.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, base.out_features, width, dtype=dtype, device=device)
+        self.bt = torch.zeros(max_loras, width, base.out_features, dtype=dtype, device=device)
         self.max_rank = max_rank
         self.row_starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
         self.shard_sizes = shard_sizes
-        self.widths = [0] * max_loras  # columns slot s's adapter uses (shards * rank); 0: not this layer
+        # columns slot s's adapter uses (shards * rank; 0: not this layer), in host memory for the kernel
+        self.widths = torch.zeros(max_loras, dtype=torch.int64)
+        self.kernel = _compiled_kernel(base.in_features, base.out_features, dtype, device)
 
     def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """Write an adapter's (A, B) of each shard index it targets into `slot` (zeros elsewhere)."""
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.bt[slot].zero_()
         rank = next(iter(shards.values()))[0].shape[0] if shards else 0  # one rank per adapter
         for shard, (a, b) in shards.items():
             column = shard * rank
@@ -58,20 +64,43 @@ class LoRALayerWeights:
                 )
             rows = slice(self.row_starts[shard], self.row_starts[shard] + b.shape[0])
             self.a[slot, column : column + rank] = a
-            self.b[slot, rows, column : column + rank] = b * scale
+            self.bt[slot, column : column + rank, rows] = (b * scale).T
         self.widths[slot] = len(self.shard_sizes) * rank
 
-    def add_delta(self, x: torch.Tensor, out: torch.Tensor, groups: SlotGroups) -> None:
-        """Add each group's adapter delta to `out` ([rows, out_features]) in place."""
+    def add_delta(
+        self, x: torch.Tensor, out: torch.Tensor, groups: SlotGroups, token_slots: torch.Tensor | None = None
+    ) -> None:
+        """Add each row's adapter delta to `out` ([rows, out_features]) in place: by the compiled
+        kernel from `token_slots` (per row, -1: none) where it serves, else group by group."""
         x = x.reshape(-1, x.shape[-1])
         out2d = out.view(-1, out.shape[-1])
+        if self.kernel is not None and token_slots is not None and x.dtype == self.a.dtype:
+            self.kernel(x.contiguous(), out2d, self.a, self.bt, token_slots, self.widths)
+            return
         for slot, rows in groups:
-            width = self.widths[slot]
+            width = int(self.widths[slot])
             if not width:
                 continue
             inputs = x if rows is None else x.index_select(0, rows)
-            delta = (inputs @ self.a[slot, :width].T) @ self.b[slot, :, :width].T
+            delta = (inputs @ self.a[slot, :width].T) @ self.bt[slot, :width]
             if rows is None:
                 out2d += delta
             else:
                 out2d.index_add_(0, rows, delta)
+
+
+def rows_computed_alone(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model of this dtype and device adds its deltas by the compiled kernel, each row alone
+    (batch invariant); the grouped matmuls elsewhere are blocked by the step's row count."""
+    return _compiled_kernel(8, 8, dtype, device) is not None
+
+
+def _compiled_kernel(in_features: int, out_features: int, dtype: torch.dtype, device: torch.device):
+    """kernels/csrc/lora.cpp's `lora_delta` where it takes this layer: a CPU with AVX2 and FMA, float32
+    or bf16, feature counts in whole vectors of 8; else None."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if in_features % 8 or out_features % 8:
+        return None
+    ops = load_cpu_ops()
+    return ops.lora_delta if ops is not None and ops.lora_delta_supported() else None

@@ -15,6 +15,8 @@ compiled kernels at any row count; bf16 `SmallBatchLinear` layers the AMX kernel
 up to `AMX_MAX_ROWS` and oneDNN's GEMM on their blocked copy beyond where the CPU has AMX, else the
 small-batch kernel in tiles of 8 rows at any row count; with float32 layers it serves up to 8 rows.
 Anything else (prefill chunks, other quantized formats, 8-bit KV caches, CUDA) takes the module path.
+With LoRA adapters bound (`bind_lora`) it adds each row's adapter delta after the projections, as
+the modules' hooks do, by the same compiled kernel.
 
 Under tensor parallelism the stack holds the rank's shards and sums the o and down projections'
 outputs over the ranks inside the call, through the group's shared-memory collectives (one host) or
@@ -49,6 +51,17 @@ class FusedDecodeStack:
         # The caches the stack was built with; a caller that rebinds a layer's cache (the naive
         # batching baseline does) gets the module path, which reads the layers' current caches.
         self.bound = [(layer, layer.key_cache, layer.value_cache) for layer in attention_layers]
+        self.lora_bound = False  # steps with LoRA adapters run here too (bind_lora)
+
+    def bind_lora(self, lora_layers: list[tuple]) -> bool:
+        """Steps whose rows have adapters run here too, each layer's stacked adapters (lora/weights.py:
+        `LoRALayerWeights` of qkv, o, gate_up and down per decoder layer) added by the compiled delta
+        after its projection; False, the modules then serving those steps, where a layer lacks it."""
+        if any(weights.kernel is None for layer in lora_layers for weights in layer):
+            return False
+        self.stack.set_lora([t for layer in lora_layers for w in layer for t in (w.a, w.bt, w.widths)])
+        self.lora_bound = True
+        return True
 
     def serves(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         return (
@@ -64,9 +77,14 @@ class FusedDecodeStack:
         return starts is None or int((starts[1:] - starts[:-1]).max()) <= self.max_span
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The model's final hidden states for a decode step (what the model's forward returns)."""
+        """The model's final hidden states for a decode step (what the model's forward returns);
+        `lora_slots`: each row's adapter slot (-1: none) where the step has adapters (bind_lora)."""
         if not self._all_reduce_bound:  # the group connects after the model is built
             self._bind_all_reduce()
         self.calls += 1
@@ -81,6 +99,7 @@ class FusedDecodeStack:
             metadata.block_size,
             metadata.attention_sinks,
             metadata.sliding_window,
+            lora_slots,
         )
 
     def _bind_all_reduce(self) -> None:

@@ -17,9 +17,10 @@ Where the CPU path's reductions stand (tests/kernels/test_batch_invariance.py ch
   where its window starts, which moves with the span's length.
 - The output projection is a linear layer (above); the sampler's argmax (greedy.cpp) and torch's
   softmax and log-softmax reduce each row alone (checked at both instruction-set levels).
-What stays outside: quantized layers whose kernel does not declare `batch_invariant`, LoRA deltas and
-mixture-of-experts matmuls (torch's GEMMs, blocked by row count), the reference attention backend, and
-collectives between ranks; `reasons` names each, for /server_info.
+- LoRA deltas on the CPU: one compiled call, each row alone (lora/weights.py).
+What stays outside: quantized layers whose kernel does not declare `batch_invariant`, LoRA deltas off
+the CPU and mixture-of-experts matmuls (torch's GEMMs, blocked by row count), the reference attention
+backend, and collectives between ranks; `reasons` names each, for /server_info.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 from llmserve.attention.backends.cpu_paged import CPUPagedBackend
 from llmserve.config import EngineConfig
 from llmserve.kernels.small_batch_linear import LogitsLinear, PackedLinear, SmallBatchLinear
+from llmserve.lora.weights import rows_computed_alone
 from llmserve.models.layers.moe import MoEExperts
 from llmserve.quantization.kernels import QuantizedLinear
 
@@ -56,7 +58,7 @@ def reasons(config: EngineConfig, model: nn.Module, attention_backend) -> tuple[
     found = [] if config.model.deterministic else ["--deterministic is off"]
     found += _attention_reasons(config, attention_backend)
     found += sorted({reason for module in model.modules() if (reason := _module_reason(module))})
-    if config.lora is not None:
+    if config.lora is not None and not rows_computed_alone(config.model.dtype, config.model.device):
         found.append("LoRA adapters: their deltas are torch matmuls, blocked by the step's row count")
     if config.parallel.world_size > 1:
         found.append("tensor or pipeline parallelism: the ranks' collectives are not checked for it")

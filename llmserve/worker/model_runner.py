@@ -143,6 +143,8 @@ class ModelRunner:
         # runs the whole model (embedding to norm), so a pipeline stage runs the modules
         pipeline = config.parallel.pipeline_parallel_size > 1
         self.decode_stack = None if pipeline else build_decode_stack(model, self.attention_backend)
+        if self.decode_stack is not None and self.lora is not None:
+            self.decode_stack.bind_lora(self.lora.stack_layers())
         if self.decode_stack is not None and config.model.deterministic:
             self.decode_stack.max_span = self.attention_backend.piece_len  # longer: the modules' pieces
         # Called with each step's final hidden states, whichever path made them (evaluation and
@@ -410,11 +412,14 @@ class ModelRunner:
         fused stack where it applies (the same kernels in one call: bit-identical)."""
         lora = contextlib.nullcontext() if self.lora is None else self.lora.activate(inputs.lora_slots)
         with set_forward_context(inputs.attention), lora:
-            stack = self.decode_stack if inputs.lora_slots is None else None  # adapters: the modules
+            stack = self.decode_stack
+            lora_slots = None if self.lora is None else self.lora.token_slots
+            if lora_slots is not None and stack is not None and not stack.lora_bound:
+                stack = None  # adapters the stack cannot add: the modules
             if inputs.attention.backend is not None:  # a token tree's step: the modules, on the reference
                 stack = None
             if stack is not None and stack.serves(len(inputs.input_ids), inputs.attention):
-                hidden = stack(inputs.input_ids, inputs.positions, inputs.attention)
+                hidden = stack(inputs.input_ids, inputs.positions, inputs.attention, lora_slots)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions)
         for hook in self.hidden_hooks:

@@ -22,7 +22,8 @@ from tests.helpers import make_tiny_llama_dir
 
 pytestmark = pytest.mark.cpu_kernels
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+GREEDY_ARGS = dict(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+GREEDY = SamplingParams(**GREEDY_ARGS)
 DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.full)]  # full: the same in float32
 
 
@@ -100,6 +101,31 @@ def test_a_batch_of_64(tiny_dir, alone):
     dtype, prompts, expected = alone
     llm = engine(tiny_dir, dtype, prefix_caching=False, max_num_batched_tokens=4096, kv_cache_memory="128MiB")
     assert results(llm.generate(prompts * 8, GREEDY, use_tqdm=False)) == expected * 8
+
+
+def test_rows_with_lora_adapters(tiny_dir, alone, tmp_path):
+    """Two adapters and the base model mixed in one batch, chunked: each row what it gets alone (the
+    compiled delta computes each row alone; /server_info names nothing)."""
+    from tests.lora.adapters import ADAPTERS, make_adapter
+
+    dtype, prompts, _ = alone
+    modules = []
+    for seed, name in enumerate(("qv", "all")):
+        make_adapter(tiny_dir, str(tmp_path / name), seed + 1, **ADAPTERS[name])
+        modules.append(f"{name}={tmp_path / name}")
+    options = dict(enable_lora=True, lora_modules=modules, max_loras=2, prefix_caching=False)
+    params = [
+        SamplingParams(**{**GREEDY_ARGS, "lora_name": (None, "qv", "all")[i % 3]})
+        for i in range(len(prompts))
+    ]
+    llm = engine(tiny_dir, dtype, max_num_batched_tokens=512, **options)
+    expected = [
+        results(llm.generate([p], q, use_tqdm=False))[0] for p, q in zip(prompts, params, strict=True)
+    ]
+    chunked = engine(tiny_dir, dtype, max_num_batched_tokens=37, **options)
+    assert results(chunked.generate(prompts, params, use_tqdm=False)) == expected
+    info = server_info("tiny", llm.engine.config, llm.engine.tokenizer, None, llm.engine.batch_invariance)
+    assert info.batch_invariant and info.batch_invariance_reasons == []
 
 
 def test_the_flag_on_the_command_line():

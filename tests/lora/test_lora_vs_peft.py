@@ -304,6 +304,29 @@ def test_mixed_batch_gives_each_row_what_it_gets_alone(llm):
         assert output.outputs[0].token_ids == alone[key].outputs[0].token_ids, key
 
 
+@pytest.mark.cpu_kernels("avx2")
+def test_the_compiled_delta_serves_every_layer_and_equals_the_grouped_matmuls(llm, monkeypatch):
+    """On the CPU each targeted layer adds its rows' deltas in one compiled call (kernels/csrc/lora.cpp);
+    the per-adapter matmuls it replaced give the same greedy tokens and log-probs to float32 rounding."""
+    layers = llm.engine.model_runner.lora.layers.values()
+    assert all(weights.kernel is not None for weights in layers)
+    names = [None, *ADAPTERS]
+    params = [_params(name) for name in names for _ in PROMPTS]
+    prompts = [prompt for _ in names for prompt in PROMPTS]
+    compiled = llm.generate(prompts, params, use_tqdm=False)
+    for weights in layers:
+        monkeypatch.setattr(weights, "kernel", None)
+    monkeypatch.setattr(llm.engine.model_runner.decode_stack, "lora_bound", False)  # it calls the kernel
+    grouped = llm.generate(prompts, params, use_tqdm=False)
+    for ours, theirs in zip(compiled, grouped, strict=True):
+        (ours_ids, ours_lp), (theirs_ids, theirs_lp) = (
+            _tokens_and_logprobs(ours),
+            _tokens_and_logprobs(theirs),
+        )
+        assert ours_ids == theirs_ids
+        torch.testing.assert_close(torch.tensor(ours_lp), torch.tensor(theirs_lp), atol=1e-4, rtol=0)
+
+
 def test_lru_swap_with_one_slot_keeps_every_answer(model_dirs, llm):
     """With one resident slot the scheduler runs one adapter at a time and swaps the others in."""
     names = [None, *ADAPTERS, *reversed(ADAPTERS)]
@@ -446,16 +469,27 @@ def test_an_adapter_loaded_again_shares_no_cached_blocks_with_its_old_load(model
         assert hit == 64
 
 
-def test_fused_decode_stack_serves_the_steps_without_an_adapter(llm):
-    """Rows without an adapter pay nothing: a step with none takes the compiled stack as without
-    --enable-lora; a step with one takes the modules, whose hooks add the deltas."""
+@pytest.mark.cpu_kernels("avx2")
+def test_fused_decode_stack_serves_steps_with_and_without_adapters(llm, monkeypatch):
+    """Decode steps take the compiled stack as without --enable-lora, those with adapters too (it adds
+    the deltas after its projections with the hooks' kernel): the same tokens and log-probs as the
+    modules, which serve those steps where the stack has no adapters bound."""
     stack = llm.engine.model_runner.decode_stack
-    assert stack is not None  # float32 on the CPU: every layer on the float32 kernel
+    assert stack is not None and stack.lora_bound  # float32 on the CPU: every layer on the float32 kernel
+    names = [None, *ADAPTERS]
+    for name in names:
+        before = stack.calls
+        llm.generate(PROMPTS[:1], _params(name), use_tqdm=False)
+        assert stack.calls == before + MAX_TOKENS - 1  # every decode step after the prompt's
+    params = [_params(name) for name in names for _ in PROMPTS]
+    prompts = [prompt for _ in names for prompt in PROMPTS]
+    stacked = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(stack, "lora_bound", False)
     before = stack.calls
-    llm.generate(PROMPTS[:1], _params("qv"), use_tqdm=False)
-    assert stack.calls == before
-    llm.generate(PROMPTS[:1], _params(None), use_tqdm=False)
-    assert stack.calls == before + MAX_TOKENS - 1  # every decode step after the prompt's
+    modules = llm.generate(prompts, params, use_tqdm=False)
+    assert stack.calls == before  # every step of this batch has a row with an adapter
+    for ours, theirs in zip(stacked, modules, strict=True):
+        assert _tokens_and_logprobs(ours) == _tokens_and_logprobs(theirs)  # the same kernels: bit for bit
 
 
 def test_gguf_lora_files_match_peft_merged_model(model_dirs, tmp_path):

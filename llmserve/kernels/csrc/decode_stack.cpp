@@ -105,23 +105,39 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor
               "DecodeStack takes 17 tensors per layer");
 }
 
+void DecodeStack::set_lora(std::vector<torch::Tensor> lora_tensors) {
+  TORCH_CHECK(lora_tensors.size() == tensors_.size() / kTensorsPerLayer * kLoraTensorsPerLayer,
+              "DecodeStack::set_lora takes 12 tensors per layer");
+  lora_ = std::move(lora_tensors);
+}
+
 torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
                                    torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
-                                   int64_t block_size, int64_t sinks, int64_t window) const {
+                                   int64_t block_size, int64_t sinks, int64_t window,
+                                   const std::optional<torch::Tensor>& token_slots) const {
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size_, "hidden must be [tokens, hidden_size]");
+  TORCH_CHECK(!token_slots || !lora_.empty(), "DecodeStack: token slots given but no LoRA adapters bound");
   const int64_t tokens = hidden.size(0);
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t qkv_size = q_size + 2 * kv_size;
   const torch::Tensor kNone;  // o, gate_up and down have no bias (models/decode_stack.py checks)
-  for (size_t base = 0; base < tensors_.size(); base += kTensorsPerLayer) {
+  for (size_t base = 0, layer = 0; base < tensors_.size(); base += kTensorsPerLayer, ++layer) {
     const torch::Tensor* t = tensors_.data() + base;
+    // the layer's adapters after projection p (0 qkv, 1 o, 2 gate_up, 3 down), where the step has any
+    const auto add_lora = [&](int p, const torch::Tensor& input, torch::Tensor& output) {
+      if (!token_slots) return;
+      const torch::Tensor* l = lora_.data() + layer * kLoraTensorsPerLayer + 3 * p;
+      lora_delta(input, output, l[0], l[1], *token_slots, l[2]);
+    };
     const auto& [input_norm, qkv_weight, qkv_scales, qkv_bias, o_weight, o_scales, post_norm, gate_up_weight,
                  gate_up_scales, down_weight, down_scales, key_cache, value_cache] =
         std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12]);
     const auto& [qkv_onednn, o_onednn, gate_up_onednn, down_onednn] = std::tie(t[13], t[14], t[15], t[16]);
     // attention block
-    auto qkv = stack_linear(rms_norm(hidden, input_norm, eps_), qkv_weight, qkv_scales, qkv_onednn, qkv_bias, qkv_size,
-                            amx_max_rows_, kernel_max_rows_);
+    const auto qkv_input = rms_norm(hidden, input_norm, eps_);
+    auto qkv = stack_linear(qkv_input, qkv_weight, qkv_scales, qkv_onednn, qkv_bias, qkv_size, amx_max_rows_,
+                            kernel_max_rows_);
+    add_lora(0, qkv_input, qkv);
     auto query = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
     auto value = qkv.narrow(1, q_size + kv_size, kv_size);
     rotary_embedding(positions, query, key, cos_, sin_, head_dim_);
@@ -130,15 +146,20 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
     auto attention = paged_attention(query.view({tokens, num_heads_, head_dim_}).contiguous(), key_cache,
                                      value_cache, block_tables, seq_lens, query_starts, block_size, scale_,
                                      /*kv_format=*/0, sinks, window);
-    auto attention_out = stack_linear(attention.view({tokens, q_size}), o_weight, o_scales, o_onednn, kNone,
-                                      hidden_size_, amx_max_rows_, kernel_max_rows_);
+    const auto o_input = attention.view({tokens, q_size});
+    auto attention_out =
+        stack_linear(o_input, o_weight, o_scales, o_onednn, kNone, hidden_size_, amx_max_rows_, kernel_max_rows_);
+    add_lora(1, o_input, attention_out);
     if (all_reduce_) all_reduce_(attention_out);
     // attention_out becomes the residual stream; its norm feeds the MLP
     auto normed = add_rms_norm(attention_out, hidden, post_norm, eps_);
     auto gate_up = stack_linear(normed, gate_up_weight, gate_up_scales, gate_up_onednn, kNone, 2 * intermediate_size_,
                                 amx_max_rows_, kernel_max_rows_);
-    auto mlp_out = stack_linear(silu_and_mul(gate_up), down_weight, down_scales, down_onednn, kNone, hidden_size_,
-                                amx_max_rows_, kernel_max_rows_);
+    add_lora(2, normed, gate_up);
+    const auto down_input = silu_and_mul(gate_up);
+    auto mlp_out = stack_linear(down_input, down_weight, down_scales, down_onednn, kNone, hidden_size_, amx_max_rows_,
+                                kernel_max_rows_);
+    add_lora(3, down_input, mlp_out);
     if (all_reduce_) all_reduce_(mlp_out);
     hidden = attention_out + mlp_out;
   }

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <functional>
+#include <optional>
 #include <vector>
 
 class DecodeStack {
@@ -31,13 +32,21 @@ class DecodeStack {
   // outputs (the layers are the rank's shards); without one the stack is the whole model's.
   void set_all_reduce(std::function<void(torch::Tensor)> all_reduce) { all_reduce_ = std::move(all_reduce); }
 
+  // LoRA adapters (lora/weights.py): per layer (a, bt, widths) of qkv, o, gate_up and down, in that order;
+  // a forward given token_slots adds each row's delta after each of those projections (lora_delta),
+  // before the all-reduce of o and down, as the modules' hooks do.
+  void set_lora(std::vector<torch::Tensor> lora_tensors);
+
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
-                        int64_t block_size, int64_t sinks, int64_t window) const;
+                        int64_t block_size, int64_t sinks, int64_t window,
+                        const std::optional<torch::Tensor>& token_slots) const;
 
  private:
   static constexpr int kTensorsPerLayer = 17;
+  static constexpr int kLoraTensorsPerLayer = 12;
   std::vector<torch::Tensor> tensors_;
+  std::vector<torch::Tensor> lora_;  // empty: no adapters bound
   torch::Tensor final_norm_, cos_, sin_;
   int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_, hidden_size_;
   int64_t amx_max_rows_, kernel_max_rows_;

@@ -73,3 +73,8 @@ void write_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows)
 torch::Tensor greedy_sample(torch::Tensor logits);
 // threads.cpp
 bool set_omp_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_per_thread);
+
+// lora.cpp
+bool lora_delta_supported();
+void lora_delta(const torch::Tensor& x, torch::Tensor out, const torch::Tensor& a, const torch::Tensor& bt,
+                const torch::Tensor& token_slots, const torch::Tensor& widths);

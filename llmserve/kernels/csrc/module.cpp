@@ -19,6 +19,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("use_amx") = true);
   m.def("prefill_attention_amx_supported", &prefill_attention_amx_supported,
         "Whether bf16 prefill_attention runs on AMX here");
+  m.def("lora_delta", &lora_delta,
+        "Each row's LoRA delta added in place: out[t] += (A[s] x[t]) Bt[s], s = token_slots[t] (-1: none)");
+  m.def("lora_delta_supported", &lora_delta_supported, "Whether lora_delta was compiled in (AVX2 and FMA)");
   m.def("prefill_attention_supported", &prefill_attention_supported, "Whether prefill_attention takes this dtype here");
   m.def("prefill_attention_path", &prefill_attention_path,
         "Which prefill_attention kernel runs for this dtype here: amx, avx512_bf16, fma or ''");
@@ -64,7 +67,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack", "A model's decoder layers for a decode-only step, one call")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
                           int64_t, int64_t, double, double, int64_t, int64_t>())
-      .def("forward", &DecodeStack::forward)
+      .def("forward", &DecodeStack::forward, pybind11::arg("hidden"), pybind11::arg("positions"),
+           pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
+           pybind11::arg("query_starts"), pybind11::arg("block_size"), pybind11::arg("sinks"), pybind11::arg("window"),
+           pybind11::arg("token_slots") = std::nullopt)
+      .def("set_lora", &DecodeStack::set_lora)
       .def("set_shm_all_reduce",
            [](DecodeStack& stack, std::shared_ptr<ShmCollectives> shm) {
              stack.set_all_reduce([shm](torch::Tensor t) { shm->all_reduce(t); });
