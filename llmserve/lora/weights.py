@@ -46,7 +46,9 @@ class LoRALayerWeights:
         self.shard_sizes = shard_sizes
         # columns slot s's adapter uses (shards * rank; 0: not this layer), in host memory for the kernel
         self.widths = torch.zeros(max_loras, dtype=torch.int64)
-        self.kernel = _compiled_kernel(base.in_features, base.out_features, dtype, device)
+        starts = [0, *torch.tensor(shard_sizes).cumsum(0).tolist()]
+        self.shard_starts = torch.tensor(starts, dtype=torch.int64)  # each shard's first output row
+        self.kernel = _compiled_kernel(base.in_features, starts, width, dtype, device)
 
     def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """Write an adapter's (A, B) of each shard index it targets into `slot` (zeros elsewhere)."""
@@ -75,7 +77,7 @@ class LoRALayerWeights:
         x = x.reshape(-1, x.shape[-1])
         out2d = out.view(-1, out.shape[-1])
         if self.kernel is not None and token_slots is not None and x.dtype == self.a.dtype:
-            self.kernel(x.contiguous(), out2d, self.a, self.bt, token_slots, self.widths)
+            self.kernel(x.contiguous(), out2d, self.a, self.bt, token_slots, self.widths, self.shard_starts)
             return
         for slot, rows in groups:
             width = int(self.widths[slot])
@@ -92,15 +94,20 @@ class LoRALayerWeights:
 def rows_computed_alone(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a model of this dtype and device adds its deltas by the compiled kernel, each row alone
     (batch invariant); the grouped matmuls elsewhere are blocked by the step's row count."""
-    return _compiled_kernel(8, 8, dtype, device) is not None
+    return _compiled_kernel(8, [0, 8], 1, dtype, device) is not None
 
 
-def _compiled_kernel(in_features: int, out_features: int, dtype: torch.dtype, device: torch.device):
+_KERNEL_MAX_WIDTH = 512  # kMaxWidth in lora.cpp: rank times the fused layer's shards
+
+
+def _compiled_kernel(
+    in_features: int, shard_starts: list[int], width: int, dtype: torch.dtype, device: torch.device
+):
     """kernels/csrc/lora.cpp's `lora_delta` where it takes this layer: a CPU with AVX2 and FMA, float32
-    or bf16, feature counts in whole vectors of 8; else None."""
+    or bf16, the input and every shard's output rows in whole vectors of 8, a width it holds; else None."""
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    if in_features % 8 or out_features % 8:
+    if in_features % 8 or any(start % 8 for start in shard_starts) or width > _KERNEL_MAX_WIDTH:
         return None
     ops = load_cpu_ops()
     return ops.lora_delta if ops is not None and ops.lora_delta_supported() else None

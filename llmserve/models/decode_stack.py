@@ -59,7 +59,8 @@ class FusedDecodeStack:
         after its projection; False, the modules then serving those steps, where a layer lacks it."""
         if any(weights.kernel is None for layer in lora_layers for weights in layer):
             return False
-        self.stack.set_lora([t for layer in lora_layers for w in layer for t in (w.a, w.bt, w.widths)])
+        tensors = [t for layer in lora_layers for w in layer for t in (w.a, w.bt, w.widths, w.shard_starts)]
+        self.stack.set_lora(tensors)
         self.lora_bound = True
         return True
 

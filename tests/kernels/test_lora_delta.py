@@ -11,68 +11,82 @@ pytestmark = pytest.mark.cpu_kernels("avx2")
 TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2}}
 
 
-def random_stacks(slots=3, width=12, in_features=40, out_features=24, dtype=torch.float32, seed=0):
+def random_stacks(shard_sizes=(24,), ranks=(4, 2, 0), in_features=40, dtype=torch.float32, seed=0):
+    """A [slots, W, in], Bt [slots, W, out] and the widths, W = shards * the largest rank, laid out as
+    lora/weights.py writes an adapter of rank r: shard p's A rows and Bt columns at p * r, its Bt block
+    feeding only the shard's output rows; NaN everywhere else in Bt, which must never be read."""
     gen = torch.Generator().manual_seed(seed)
-    a = torch.randn(slots, width, in_features, generator=gen).to(dtype)
-    bt = torch.randn(slots, width, out_features, generator=gen).to(dtype)
-    return a, bt
+    shards, out_features = len(shard_sizes), sum(shard_sizes)
+    width = shards * max(ranks)
+    a = torch.randn(len(ranks), width, in_features, generator=gen).to(dtype)
+    bt = torch.full((len(ranks), width, out_features), float("nan"), dtype=dtype)
+    starts = [0, *torch.tensor(shard_sizes).cumsum(0).tolist()]
+    for slot, rank in enumerate(ranks):
+        for p in range(shards):
+            block = torch.randn(rank, shard_sizes[p], generator=gen).to(dtype)
+            bt[slot, p * rank : (p + 1) * rank, starts[p] : starts[p + 1]] = block
+    return a, bt, torch.tensor([shards * rank for rank in ranks]), torch.tensor(starts)
 
 
-def reference(x, out, a, bt, token_slots, widths):
-    """out[t] + (A[s] x[t]) Bt[s] in float64, columns past the slot's width left out."""
+def reference(x, out, a, bt, token_slots, widths, starts):
+    """out[t] + (A[s] x[t]) Bt[s] in float64, block by block, columns past the slot's width left out."""
     expected = out.double().clone()
+    shards = len(starts) - 1
     for t, slot in enumerate(token_slots.tolist()):
         if slot < 0:
             continue
-        used = int(widths[slot])
-        hidden = a[slot, :used].double() @ x[t].double()
-        expected[t] += hidden @ bt[slot, :used].double()
+        rank = int(widths[slot]) // shards
+        for p in range(shards):
+            columns, rows = slice(p * rank, (p + 1) * rank), slice(int(starts[p]), int(starts[p + 1]))
+            hidden = a[slot, columns].double() @ x[t].double()
+            expected[t, rows] += hidden @ bt[slot, columns, rows].double()
     return expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_each_row_gets_its_slots_delta(dtype, rows):
-    """Rows of three slots and none, a slot of width 0 (an adapter without this layer), widths short
-    of W (a smaller rank), feature counts of 8 and of 16 lanes."""
-    a, bt = random_stacks(dtype=dtype)
-    widths = torch.tensor([12, 5, 0])
+@pytest.mark.parametrize("shard_sizes", [(24,), (16, 8, 8)], ids=["one-shard", "qkv-like"])
+def test_each_row_gets_its_slots_delta(dtype, rows, shard_sizes):
+    """Rows of three slots and none, a slot of width 0 (an adapter without this layer), a rank short
+    of the stack's (a smaller adapter), one layer and three fused shards (only B's blocks read)."""
+    a, bt, widths, starts = random_stacks(shard_sizes, dtype=dtype)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(rows, 40, generator=gen).to(dtype)
-    out = torch.randn(rows, 24, generator=gen).to(dtype)
+    out = torch.randn(rows, sum(shard_sizes), generator=gen).to(dtype)
     token_slots = torch.randint(-1, 3, (rows,), generator=gen)
-    expected = reference(x, out, a, bt, token_slots, widths)
-    ops.lora_delta(x, out, a, bt, token_slots, widths)
+    expected = reference(x, out, a, bt, token_slots, widths, starts)
+    ops.lora_delta(x, out, a, bt, token_slots, widths, starts)
     torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype])
     untouched = (token_slots < 0) | (token_slots == 2)
     assert torch.equal(out[untouched].double(), expected[untouched])  # no delta, not even a rounding
 
 
 def test_a_rows_result_does_not_depend_on_the_rest_of_the_call():
-    a, bt = random_stacks(dtype=torch.bfloat16)
+    """Rows tiled 4 at a time with their slot's other rows, or alone: the same bits."""
+    a, bt, widths, starts = random_stacks((16, 8, 8), ranks=(4, 4, 3), dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(300, 40, generator=gen).bfloat16()
-    base = torch.randn(300, 24, generator=gen).bfloat16()
+    base = torch.randn(300, 32, generator=gen).bfloat16()
     token_slots = torch.randint(0, 3, (300,), generator=gen)
     together = base.clone()
-    ops.lora_delta(x, together, a, bt, token_slots, torch.tensor([12, 12, 12]))
+    ops.lora_delta(x, together, a, bt, token_slots, widths, starts)
     for t in (0, 137, 299):
         alone = base[t : t + 1].clone()
-        ops.lora_delta(x[t : t + 1], alone, a, bt, token_slots[t : t + 1], torch.tensor([12, 12, 12]))
+        ops.lora_delta(x[t : t + 1], alone, a, bt, token_slots[t : t + 1], widths, starts)
         assert torch.equal(alone, together[t : t + 1])
 
 
 def test_rejects_bad_input():
-    a, bt = random_stacks()
+    a, bt, widths, starts = random_stacks()
     x, out = torch.randn(2, 40), torch.randn(2, 24)
     slots = torch.tensor([0, 1])
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.lora_delta(x, out, a, bt, torch.tensor([0, 3]), torch.tensor([12, 12, 12]))
+        ops.lora_delta(x, out, a, bt, torch.tensor([0, 3]), widths, starts)
     with pytest.raises(RuntimeError, match="one width per slot"):
-        ops.lora_delta(x, out, a, bt, slots, torch.tensor([12, 12]))
+        ops.lora_delta(x, out, a, bt, slots, widths[:2], starts)
     with pytest.raises(RuntimeError, match="one dtype"):
-        ops.lora_delta(x.bfloat16(), out, a, bt, slots, torch.tensor([12, 12, 12]))
+        ops.lora_delta(x.bfloat16(), out, a, bt, slots, widths, starts)
     with pytest.raises(RuntimeError, match="multiples of 8"):
-        ops.lora_delta(
-            torch.randn(2, 36), out, a[..., :36].contiguous(), bt, slots, torch.tensor([12, 12, 12])
-        )
+        ops.lora_delta(torch.randn(2, 36), out, a[..., :36].contiguous(), bt, slots, widths, starts)
+    with pytest.raises(RuntimeError, match="from 0 to out_features"):
+        ops.lora_delta(x, out, a, bt, slots, widths, torch.tensor([0, 16]))

@@ -107,7 +107,7 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor
 
 void DecodeStack::set_lora(std::vector<torch::Tensor> lora_tensors) {
   TORCH_CHECK(lora_tensors.size() == tensors_.size() / kTensorsPerLayer * kLoraTensorsPerLayer,
-              "DecodeStack::set_lora takes 12 tensors per layer");
+              "DecodeStack::set_lora takes 16 tensors per layer");
   lora_ = std::move(lora_tensors);
 }
 
@@ -126,8 +126,8 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
     // the layer's adapters after projection p (0 qkv, 1 o, 2 gate_up, 3 down), where the step has any
     const auto add_lora = [&](int p, const torch::Tensor& input, torch::Tensor& output) {
       if (!token_slots) return;
-      const torch::Tensor* l = lora_.data() + layer * kLoraTensorsPerLayer + 3 * p;
-      lora_delta(input, output, l[0], l[1], *token_slots, l[2]);
+      const torch::Tensor* l = lora_.data() + layer * kLoraTensorsPerLayer + 4 * p;
+      lora_delta(input, output, l[0], l[1], *token_slots, l[2], l[3]);
     };
     const auto& [input_norm, qkv_weight, qkv_scales, qkv_bias, o_weight, o_scales, post_norm, gate_up_weight,
                  gate_up_scales, down_weight, down_scales, key_cache, value_cache] =

@@ -32,7 +32,7 @@ class DecodeStack {
   // outputs (the layers are the rank's shards); without one the stack is the whole model's.
   void set_all_reduce(std::function<void(torch::Tensor)> all_reduce) { all_reduce_ = std::move(all_reduce); }
 
-  // LoRA adapters (lora/weights.py): per layer (a, bt, widths) of qkv, o, gate_up and down, in that order;
+  // LoRA adapters (lora/weights.py): per layer (a, bt, widths, shard_starts) of qkv, o, gate_up and down;
   // a forward given token_slots adds each row's delta after each of those projections (lora_delta),
   // before the all-reduce of o and down, as the modules' hooks do.
   void set_lora(std::vector<torch::Tensor> lora_tensors);
@@ -44,7 +44,7 @@ class DecodeStack {
 
  private:
   static constexpr int kTensorsPerLayer = 17;
-  static constexpr int kLoraTensorsPerLayer = 12;
+  static constexpr int kLoraTensorsPerLayer = 16;
   std::vector<torch::Tensor> tensors_;
   std::vector<torch::Tensor> lora_;  // empty: no adapters bound
   torch::Tensor final_norm_, cos_, sin_;

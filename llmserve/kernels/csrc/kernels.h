@@ -77,4 +77,4 @@ bool set_omp_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_per_threa
 // lora.cpp
 bool lora_delta_supported();
 void lora_delta(const torch::Tensor& x, torch::Tensor out, const torch::Tensor& a, const torch::Tensor& bt,
-                const torch::Tensor& token_slots, const torch::Tensor& widths);
+                const torch::Tensor& token_slots, const torch::Tensor& widths, const torch::Tensor& shard_starts);

@@ -2,11 +2,13 @@
 // whose slot s = token_slots[t] is not negative, out[t] += (A[s] x[t]) Bt[s], shrink then expand.
 //
 // A stacks each slot's down-projection [W, in] and Bt each slot's up-projection transposed [W, out]
-// (lora/weights.py), so both steps stream contiguous rows: W dot products of x with A's rows, then W
-// multiply-adds of Bt's rows into a float32 accumulator of the output row. Columns past the slot's width
-// (its rank times the fused layer's shards) are zeros and skipped. float32 arithmetic (bf16 widened
-// exactly), the delta rounded once as it joins the output row. Each row is computed alone, the same
-// whatever else the step holds; rows are shared among torch's threads when there are enough of them.
+// (lora/weights.py), so both steps stream contiguous rows: dot products of x with A's rows, then
+// multiply-adds of Bt's rows into float32 accumulators of the output rows. Rows are grouped by slot and
+// taken up to 4 at a time, each load of A's and Bt's rows serving them all; of a fused layer's B (block-
+// diagonal: shard p's rank columns feed only shard p's output rows) only the blocks are read, and columns
+// past the slot's width are skipped. float32 arithmetic (bf16 widened exactly), the delta rounded once as
+// it joins the output row; each row sums in one order whatever else the step holds (batch invariant).
+// Tiles are shared among torch's threads when there are enough of them.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,56 +20,129 @@
 
 #include "vector_math.h"
 
+constexpr int64_t kMaxWidth = 512;  // rank times shards: lora/weights.py keeps wider stacks off the kernel
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 namespace {
 
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds a thread hand-off pays for
+constexpr int kTileRows = 4;                // rows of one slot sharing each load of A's and Bt's rows
 
-// sum of a[k] x[k] over k < n (n a multiple of 8)
-template <typename T>
-float dot(const T* a, const T* x, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-    s0 = _mm256_fmadd_ps(load8(a + k), load8(x + k), s0);
-    s1 = _mm256_fmadd_ps(load8(a + k + 8), load8(x + k + 8), s1);
-  }
-  if (k < n) s0 = _mm256_fmadd_ps(load8(a + k), load8(x + k), s0);
-  return horizontal_sum8(_mm256_add_ps(s0, s1));
+struct Tile {
+  int64_t slot, first, count;  // rows order[first, first + count), all of `slot`
+};
+
+// The rows with an adapter grouped by slot (a stable counting sort: each row keeps its place among its
+// slot's), cut into tiles of at most kTileRows.
+void tiles_by_slot(const int64_t* slots, const int64_t* widths, int64_t rows, int64_t num_slots,
+                   std::vector<int64_t>& order, std::vector<Tile>& tiles) {
+  std::vector<int64_t> starts(num_slots + 1, 0);
+  for (int64_t t = 0; t < rows; ++t)
+    if (slots[t] >= 0 && widths[slots[t]] > 0) ++starts[slots[t] + 1];
+  for (int64_t s = 0; s < num_slots; ++s) starts[s + 1] += starts[s];
+  order.resize(starts[num_slots]);
+  std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+  for (int64_t t = 0; t < rows; ++t)
+    if (slots[t] >= 0 && widths[slots[t]] > 0) order[next[slots[t]]++] = t;
+  for (int64_t s = 0; s < num_slots; ++s)
+    for (int64_t first = starts[s]; first < starts[s + 1]; first += kTileRows)
+      tiles.push_back({s, first, std::min<int64_t>(kTileRows, starts[s + 1] - first)});
 }
 
 template <typename T>
-void lora_rows(const torch::Tensor& x, torch::Tensor& out, const torch::Tensor& a, const torch::Tensor& bt,
-               const int64_t* slots, const int64_t* widths) {
-  const int64_t rows = x.size(0), in = x.size(1), out_features = out.size(1), width = a.size(1);
-  const T* x_data = static_cast<const T*>(x.data_ptr());
-  T* out_data = static_cast<T*>(out.data_ptr());
-  const T* a_data = static_cast<const T*>(a.data_ptr());
-  const T* bt_data = static_cast<const T*>(bt.data_ptr());
-  const int64_t x_stride = x.stride(0), out_stride = out.stride(0);
-  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, width * (in + out_features)));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> hidden(width), acc(out_features);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = slots[t];
-      if (slot < 0 || widths[slot] == 0) continue;
-      const int64_t used = widths[slot];
-      const T* x_row = x_data + t * x_stride;
-      const T* a_slot = a_data + slot * width * in;
-      for (int64_t w = 0; w < used; ++w) hidden[w] = dot(a_slot + w * in, x_row, in);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      const T* bt_slot = bt_data + slot * width * out_features;
-      for (int64_t w = 0; w < used; ++w) {
-        const __m256 h = _mm256_set1_ps(hidden[w]);
-        const T* b_row = bt_slot + w * out_features;
-        for (int64_t j = 0; j < out_features; j += 8)
-          _mm256_storeu_ps(acc.data() + j, _mm256_fmadd_ps(h, load8(b_row + j), _mm256_loadu_ps(acc.data() + j)));
+struct Problem {
+  const T *x, *a, *bt;
+  T* out;
+  int64_t in, out_features, width, x_stride, out_stride;
+  const int64_t* shard_starts;  // output rows of shard p: [shard_starts[p], shard_starts[p + 1])
+  int64_t shards;
+};
+
+// hidden[r][c..c + C) = A[s][c..c + C) . x[row r]: N x C dot products side by side (independent chains
+// that fill the FMA pipes), each summed 8 lanes at a time over k in order, whatever N and C are.
+template <typename T, int N, int C>
+void shrink_columns(const Problem<T>& pb, const T* const* x_rows, const T* a_slot, int64_t c,
+                    float (*hidden)[kMaxWidth]) {
+  __m256 acc[N][C];
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < pb.in; k += 8) {
+    __m256 xv[N];
+    LLMSERVE_UNROLL for (int r = 0; r < N; ++r) xv[r] = load8(x_rows[r] + k);
+    LLMSERVE_UNROLL for (int i = 0; i < C; ++i) {
+      const __m256 av = load8(a_slot + (c + i) * pb.in + k);
+      LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] = _mm256_fmadd_ps(av, xv[r], acc[r][i]);
+    }
+  }
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) hidden[r][c + i] =
+      horizontal_sum8(acc[r][i]);
+}
+
+// out[row r][j..j + 8 J) += sum over columns c in [first, last) of hidden[r][c] Bt[s][c][j..j + 8 J), in c
+// order: N x J chains side by side, each output's sum the same whatever N and J are.
+template <typename T, int N, int J>
+void expand_block(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, int64_t first, int64_t last,
+                  int64_t j, const float (*hidden)[kMaxWidth]) {
+  __m256 acc[N][J];
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t c = first; c < last; ++c) {
+    const T* b_row = bt_slot + c * pb.out_features + j;
+    LLMSERVE_UNROLL for (int i = 0; i < J; ++i) {
+      const __m256 bv = load8(b_row + 8 * i);
+      LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] =
+          _mm256_fmadd_ps(_mm256_set1_ps(hidden[r][c]), bv, acc[r][i]);
+    }
+  }
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) {
+    T* o = out_rows[r] + j + 8 * i;
+    store8(o, _mm256_add_ps(load8(o), acc[r][i]));
+  }
+}
+
+// One tile of N rows of one slot: the shrink for the slot's columns, then for each shard p its rank
+// columns into its own output rows (B is block-diagonal: the other columns are zeros there, never read).
+template <typename T, int N>
+void run_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t used) {
+  constexpr int kChains = N == 1 ? 8 : N == 2 ? 4 : 2;  // columns (or 8-output blocks) side by side
+  const int64_t rank = used / pb.shards;
+  const T* x_rows[N];
+  T* out_rows[N];
+  for (int r = 0; r < N; ++r) {
+    x_rows[r] = pb.x + rows[r] * pb.x_stride;
+    out_rows[r] = pb.out + rows[r] * pb.out_stride;
+  }
+  float hidden[N][kMaxWidth];
+  const T* a_slot = pb.a + slot * pb.width * pb.in;
+  int64_t c = 0;
+  for (; c + kChains <= used; c += kChains) shrink_columns<T, N, kChains>(pb, x_rows, a_slot, c, hidden);
+  for (; c < used; ++c) shrink_columns<T, N, 1>(pb, x_rows, a_slot, c, hidden);
+  const T* bt_slot = pb.bt + slot * pb.width * pb.out_features;
+  for (int64_t p = 0; p < pb.shards; ++p) {
+    const int64_t first = p * rank, last = first + rank, end = pb.shard_starts[p + 1];
+    int64_t j = pb.shard_starts[p];
+    for (; j + 8 * kChains <= end; j += 8 * kChains)
+      expand_block<T, N, kChains>(pb, out_rows, bt_slot, first, last, j, hidden);
+    for (; j < end; j += 8) expand_block<T, N, 1>(pb, out_rows, bt_slot, first, last, j, hidden);
+  }
+}
+
+template <typename T>
+void lora_tiles(const Problem<T>& pb, const int64_t* widths, const std::vector<int64_t>& order,
+                const std::vector<Tile>& tiles) {
+  const int64_t work = kTileRows * pb.width * (pb.in + pb.out_features / std::max<int64_t>(1, pb.shards));
+  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work));
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Tile& tile = tiles[i];
+      const int64_t* rows = order.data() + tile.first;
+      const int64_t used = widths[tile.slot];
+      switch (tile.count) {
+        case 4: run_tile<T, 4>(pb, rows, tile.slot, used); break;
+        case 3: run_tile<T, 3>(pb, rows, tile.slot, used); break;
+        case 2: run_tile<T, 2>(pb, rows, tile.slot, used); break;
+        default: run_tile<T, 1>(pb, rows, tile.slot, used); break;
       }
-      T* out_row = out_data + t * out_stride;
-      for (int64_t j = 0; j < out_features; j += 8)
-        store8(out_row + j, _mm256_add_ps(load8(out_row + j), _mm256_loadu_ps(acc.data() + j)));
     }
   });
 }
@@ -78,10 +153,11 @@ bool lora_delta_supported() { return true; }
 
 // x [T, in] and out [T, out_features] (rows contiguous, any row stride), a [S, W, in] and bt [S, W,
 // out_features] contiguous, all of one dtype (float32 or bf16); token_slots [T] int64 (-1: no adapter);
-// widths [S] int64: the columns of W each slot uses. in and out_features multiples of 8. out is updated in
-// place.
+// widths [S] int64: the columns of W each slot uses, its rank times the layer's shards; shard_starts
+// [shards + 1] int64: each shard's first output row (its B block's rows), the last out_features. in and
+// every shard start multiples of 8, W at most kMaxWidth. out is updated in place.
 void lora_delta(const torch::Tensor& x, torch::Tensor out, const torch::Tensor& a, const torch::Tensor& bt,
-                const torch::Tensor& token_slots, const torch::Tensor& widths) {
+                const torch::Tensor& token_slots, const torch::Tensor& widths, const torch::Tensor& shard_starts) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "lora_delta takes float32 or bfloat16");
   TORCH_CHECK(out.scalar_type() == dtype && a.scalar_type() == dtype && bt.scalar_type() == dtype,
@@ -93,21 +169,44 @@ void lora_delta(const torch::Tensor& x, torch::Tensor out, const torch::Tensor& 
   TORCH_CHECK(a.size(0) == bt.size(0) && a.size(1) == bt.size(1) && a.size(2) == x.size(1) &&
                   bt.size(2) == out.size(1),
               "a must be [slots, width, in] and bt [slots, width, out] of x's and out's features");
-  TORCH_CHECK(x.size(1) % 8 == 0 && out.size(1) % 8 == 0, "lora_delta needs feature counts that are multiples of 8");
+  TORCH_CHECK(a.size(1) <= kMaxWidth, "lora_delta takes widths (rank times shards) up to ", kMaxWidth);
   TORCH_CHECK(token_slots.scalar_type() == torch::kInt64 && token_slots.dim() == 1 &&
                   token_slots.size(0) == x.size(0) && token_slots.is_contiguous(),
               "token_slots must be a contiguous int64 tensor with one slot per row");
   TORCH_CHECK(widths.scalar_type() == torch::kInt64 && widths.dim() == 1 && widths.is_contiguous() &&
                   widths.size(0) == a.size(0),
               "widths must be a contiguous int64 tensor with one width per slot");
+  TORCH_CHECK(shard_starts.scalar_type() == torch::kInt64 && shard_starts.dim() == 1 &&
+                  shard_starts.is_contiguous() && shard_starts.size(0) >= 2,
+              "shard_starts must be a contiguous int64 tensor of the shards' first rows and out_features");
+  const int64_t shards = shard_starts.size(0) - 1;
+  const int64_t* starts = shard_starts.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[shards] == out.size(1), "shard_starts must run from 0 to out_features");
+  for (int64_t p = 0; p <= shards; ++p)
+    TORCH_CHECK(starts[p] % 8 == 0 && (p == 0 || starts[p] >= starts[p - 1]),
+                "lora_delta needs shard starts that are rising multiples of 8");
+  TORCH_CHECK(x.size(1) % 8 == 0, "lora_delta needs feature counts that are multiples of 8");
   const int64_t* width_data = widths.data_ptr<int64_t>();
   for (int64_t s = 0; s < widths.size(0); ++s)
-    TORCH_CHECK(width_data[s] >= 0 && width_data[s] <= a.size(1), "a slot's width must be within [0, W]");
+    TORCH_CHECK(width_data[s] >= 0 && width_data[s] <= a.size(1) && width_data[s] % shards == 0,
+                "a slot's width must be within [0, W], its rank times the shards");
   const int64_t* slots = token_slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < x.size(0); ++t)
     TORCH_CHECK(slots[t] < a.size(0), "token slot ", slots[t], " out of range");
-  if (dtype == torch::kFloat) lora_rows<float>(x, out, a, bt, slots, width_data);
-  else lora_rows<c10::BFloat16>(x, out, a, bt, slots, width_data);
+  std::vector<int64_t> order;
+  std::vector<Tile> tiles;
+  tiles_by_slot(slots, width_data, x.size(0), a.size(0), order, tiles);
+  if (tiles.empty()) return;
+  if (dtype == torch::kFloat) {
+    const Problem<float> pb{x.data_ptr<float>(), a.data_ptr<float>(), bt.data_ptr<float>(), out.data_ptr<float>(),
+                            x.size(1), out.size(1), a.size(1), x.stride(0), out.stride(0), starts, shards};
+    lora_tiles(pb, width_data, order, tiles);
+  } else {
+    using B = c10::BFloat16;
+    const Problem<B> pb{x.data_ptr<B>(), a.data_ptr<B>(), bt.data_ptr<B>(), out.data_ptr<B>(), x.size(1),
+                        out.size(1), a.size(1), x.stride(0), out.stride(0), starts, shards};
+    lora_tiles(pb, width_data, order, tiles);
+  }
 }
 
 #else
@@ -115,7 +214,7 @@ void lora_delta(const torch::Tensor& x, torch::Tensor out, const torch::Tensor& 
 bool lora_delta_supported() { return false; }
 
 void lora_delta(const torch::Tensor&, torch::Tensor, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                const torch::Tensor&) {
+                const torch::Tensor&, const torch::Tensor&) {
   TORCH_CHECK(false, "lora_delta needs a CPU with AVX2 and FMA");
 }
 
