@@ -211,6 +211,7 @@ def test_auto_dtype_is_bf16_unless_a_path_runs_torchs_bf16_on_this_cpu(smollm2_a
         # widths the int kernels cannot group: served float (the GGUF's blocks refuse them)
         (dataclasses.replace(smollm2_arch, head_dim=80), {"quantization": "none"}, "at head_dim 80"),
         (smollm2_arch, {"quantization": "gptq"}, "quantization gptq calibrates the float model"),
+        (smollm2_arch, {"enable_lora": True, "max_lora_rank": 171}, "wider than the compiled delta takes"),
         (
             smollm2_arch,
             {"speculative_method": "draft", "speculative_draft_model": "d"},

@@ -11,7 +11,8 @@ process, alternating base and LoRA runs --rounds times:
 - batch 1: one 128-token prompt decoding 64 tokens, ms per generated token after the first, base
   against the same request under one adapter;
 - load: `engine.add_lora` of a fresh rank-R adapter between steps (read, checked, kept in host
-  memory) and the first step that uses it (written into its slot), medians of 5.
+  memory and written into a slot, the least recently used adapter's), medians of 5; beside it a
+  16-token prompt's step under the new adapter and under none.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from llmserve.config.kv_events import KVEventsConfig
 from llmserve.config.kv_groups import KVCacheGroup, group_size, kv_cache_groups
 from llmserve.config.kv_offloading import KVOffloadingBackend, KVOffloadingConfig
 from llmserve.config.kv_transfer import KVTransferConfig
-from llmserve.config.lora import LoRAConfig
+from llmserve.config.lora import LORA_KERNEL_MAX_WIDTH, LoRAConfig
 from llmserve.config.parallel import (
     ExecutorBackend,
     NodeArgs,
@@ -645,6 +645,10 @@ class EngineArgs:
         paths = []
         if arch.num_experts:
             paths.append("the mixture-of-experts layers multiply in PyTorch")
+        if self.enable_lora and 3 * self.max_lora_rank > LORA_KERNEL_MAX_WIDTH:  # q, k and v side by side
+            paths.append(
+                f"LoRA adapters of rank {self.max_lora_rank} are wider than the compiled delta takes"
+            )
         if self.quantization in CALIBRATED_METHODS:
             paths.append(f"quantization {self.quantization} calibrates the float model in PyTorch")
         if self.speculative_method in (*TREE_METHODS, "draft"):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# rank times a fused layer's shards the CPU's compiled delta takes (kMaxWidth in kernels/csrc/lora.cpp)
+LORA_KERNEL_MAX_WIDTH = 512
+
 
 @dataclass(frozen=True)
 class LoRAConfig:

@@ -189,6 +189,11 @@ class LoRAManager:
             raise ValueError(f"LoRA B of {module} has {b.shape[0]} rows; the layer has {sum(sizes)}")
         return dict(enumerate((a, rows) for rows in b.split(sizes)))
 
+    def rows_computed_alone(self) -> bool:
+        """Whether every layer adds its deltas by the compiled kernel, each row alone (batch invariant);
+        the grouped matmuls of a layer it does not take are blocked by the step's row count."""
+        return all(weights.kernel is not None for weights in self.layers.values())
+
     @property
     def token_slots(self) -> torch.Tensor | None:
         """The step being run's slot of each row (-1: none), where it has an adapter on the CPU."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmserve.config.lora import LORA_KERNEL_MAX_WIDTH
 from llmserve.kernels.cpu_ops import load_cpu_ops
 
 # a step's rows by slot: (slot, flat row indices; None: every row of the step)
@@ -91,15 +92,6 @@ class LoRALayerWeights:
                 out2d.index_add_(0, rows, delta)
 
 
-def rows_computed_alone(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a model of this dtype and device adds its deltas by the compiled kernel, each row alone
-    (batch invariant); the grouped matmuls elsewhere are blocked by the step's row count."""
-    return _compiled_kernel(8, [0, 8], 1, dtype, device) is not None
-
-
-_KERNEL_MAX_WIDTH = 512  # kMaxWidth in lora.cpp: rank times the fused layer's shards
-
-
 def _compiled_kernel(
     in_features: int, shard_starts: list[int], width: int, dtype: torch.dtype, device: torch.device
 ):
@@ -107,7 +99,7 @@ def _compiled_kernel(
     or bf16, the input and every shard's output rows in whole vectors of 8, a width it holds; else None."""
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    if in_features % 8 or any(start % 8 for start in shard_starts) or width > _KERNEL_MAX_WIDTH:
+    if in_features % 8 or any(start % 8 for start in shard_starts) or width > LORA_KERNEL_MAX_WIDTH:
         return None
     ops = load_cpu_ops()
     return ops.lora_delta if ops is not None and ops.lora_delta_supported() else None

@@ -32,7 +32,6 @@ from torch import nn
 from llmserve.attention.backends.cpu_paged import CPUPagedBackend
 from llmserve.config import EngineConfig
 from llmserve.kernels.small_batch_linear import LogitsLinear, PackedLinear, SmallBatchLinear
-from llmserve.lora.weights import rows_computed_alone
 from llmserve.models.layers.moe import MoEExperts
 from llmserve.quantization.kernels import QuantizedLinear
 
@@ -53,13 +52,14 @@ def make_batch_invariant(model: nn.Module, attention_backend) -> None:
         attention_backend.serve_every_span()
 
 
-def reasons(config: EngineConfig, model: nn.Module, attention_backend) -> tuple[str, ...]:
-    """Why the running configuration is not batch invariant; () where it is."""
+def reasons(config: EngineConfig, model: nn.Module, attention_backend, lora=None) -> tuple[str, ...]:
+    """Why the running configuration is not batch invariant; () where it is. `lora`: the engine's
+    LoRAManager, whose layers say whether the compiled delta adds every one of them."""
     found = [] if config.model.deterministic else ["--deterministic is off"]
     found += _attention_reasons(config, attention_backend)
     found += sorted({reason for module in model.modules() if (reason := _module_reason(module))})
-    if config.lora is not None and not rows_computed_alone(config.model.dtype, config.model.device):
-        found.append("LoRA adapters: their deltas are torch matmuls, blocked by the step's row count")
+    if config.lora is not None and (lora is None or not lora.rows_computed_alone()):
+        found.append("LoRA adapters: some deltas are torch matmuls, blocked by the step's row count")
     if config.parallel.world_size > 1:
         found.append("tensor or pipeline parallelism: the ranks' collectives are not checked for it")
     if config.speculative is not None:

@@ -119,8 +119,6 @@ class ModelRunner:
         )
         if config.model.deterministic:  # before the fused stack, which takes the layers' kernels
             make_batch_invariant(model, self.attention_backend)
-        # why a row's results may depend on the rest of its step (/server_info); (): they do not
-        self.batch_invariance = batch_invariance_reasons(config, model, self.attention_backend)
         self.input_builder = InputBuilder(config.cache, self.attention_backend, self.device)
         # token trees: verified on the torch reference (the compiled and Triton kernels take no tree mask)
         self.tree_verifier = TreeVerifier(self.vocab_size, self.device)
@@ -128,11 +126,13 @@ class ModelRunner:
         if self.attention_backend.name != "torch":
             reference = get_attention_backend("torch", config.cache.kv_cache_dtype)
             self.tree_input_builder = InputBuilder(config.cache, reference, self.device)
-        # LoRA adapters: deltas added by hooks on the linear layers, which the fused stack and CUDA
-        # graphs do not run: the stack serves only steps without an adapter, graphs none (docs/lora.md)
+        # LoRA adapters: deltas added by hooks on the linear layers; the fused stack adds them itself
+        # where it can (bind_lora below), CUDA graphs are not captured (docs/lora.md)
         self.lora = (
             None if config.lora is None else LoRAManager(config.lora, model, config.model.dtype, self.device)
         )
+        # why a row's results may depend on the rest of its step (/server_info); (): they do not
+        self.batch_invariance = batch_invariance_reasons(config, model, self.attention_backend, self.lora)
         self._early_kv_pool = early_kv_pool
         self._static_decode = self._uses_static_decode()  # decided first: its padding needs a scratch block
         self.kv_cache = self._allocate_kv_cache()

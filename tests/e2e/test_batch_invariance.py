@@ -128,6 +128,17 @@ def test_rows_with_lora_adapters(tiny_dir, alone, tmp_path):
     assert info.batch_invariant and info.batch_invariance_reasons == []
 
 
+def test_a_lora_layer_off_the_compiled_delta_is_named(tiny_dir):
+    """A rank whose q/k/v stack is wider than the kernel takes: that layer's grouped matmuls are
+    blocked by row count, and /server_info says so."""
+    llm = engine(tiny_dir, "float32", enable_lora=True, max_lora_rank=171)
+    info = server_info("tiny", llm.engine.config, llm.engine.tokenizer, None, llm.engine.batch_invariance)
+    assert not info.batch_invariant
+    assert info.batch_invariance_reasons == [
+        "LoRA adapters: some deltas are torch matmuls, blocked by the step's row count"
+    ]
+
+
 def test_the_flag_on_the_command_line():
     import argparse
 

@@ -18,10 +18,11 @@ def random_stacks(shard_sizes=(24,), ranks=(4, 2, 0), in_features=40, dtype=torc
     gen = torch.Generator().manual_seed(seed)
     shards, out_features = len(shard_sizes), sum(shard_sizes)
     width = shards * max(ranks)
-    a = torch.randn(len(ranks), width, in_features, generator=gen).to(dtype)
+    a = torch.full((len(ranks), width, in_features), float("nan"), dtype=dtype)  # rows past a rank: NaN
     bt = torch.full((len(ranks), width, out_features), float("nan"), dtype=dtype)
     starts = [0, *torch.tensor(shard_sizes).cumsum(0).tolist()]
     for slot, rank in enumerate(ranks):
+        a[slot, : shards * rank] = torch.randn(shards * rank, in_features, generator=gen).to(dtype)
         for p in range(shards):
             block = torch.randn(rank, shard_sizes[p], generator=gen).to(dtype)
             bt[slot, p * rank : (p + 1) * rank, starts[p] : starts[p + 1]] = block
@@ -59,6 +60,21 @@ def test_each_row_gets_its_slots_delta(dtype, rows, shard_sizes):
     torch.testing.assert_close(out.double(), expected, **TOLERANCE[dtype])
     untouched = (token_slots < 0) | (token_slots == 2)
     assert torch.equal(out[untouched].double(), expected[untouched])  # no delta, not even a rounding
+
+
+def test_rows_of_wider_tensors():
+    """x and out as column slices of wider rows (a fused projection's part, an output the stack
+    narrowed): rows read and written through their strides, the rest of each row untouched."""
+    a, bt, widths, starts = random_stacks((16, 8, 8))
+    gen = torch.Generator().manual_seed(3)
+    wide_x, wide_out = torch.randn(6, 56, generator=gen), torch.randn(6, 48, generator=gen)
+    x, out = wide_x[:, 8:48], wide_out[:, 16:48]
+    token_slots = torch.tensor([0, 1, -1, 0, 2, 1])
+    expected = reference(x, out, a, bt, token_slots, widths, starts)
+    before = wide_out.clone()
+    ops.lora_delta(x, out, a, bt, token_slots, widths, starts)
+    torch.testing.assert_close(out.double(), expected, **TOLERANCE[torch.float32])
+    assert torch.equal(wide_out[:, :16], before[:, :16])
 
 
 def test_a_rows_result_does_not_depend_on_the_rest_of_the_call():
