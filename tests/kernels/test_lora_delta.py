@@ -46,13 +46,16 @@ def reference(x, out, a, bt, token_slots, widths, starts):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
-@pytest.mark.parametrize("shard_sizes", [(24,), (16, 8, 8)], ids=["one-shard", "qkv-like"])
-def test_each_row_gets_its_slots_delta(dtype, rows, shard_sizes):
+@pytest.mark.parametrize(
+    "shard_sizes", [(24,), (16, 8, 8), (48, 16, 16)], ids=["one-shard", "qkv-like", "wide"]
+)
+@pytest.mark.parametrize("in_features", [40, 64])  # 8 lanes; 16 where the level has AVX-512
+def test_each_row_gets_its_slots_delta(dtype, rows, shard_sizes, in_features):
     """Rows of three slots and none, a slot of width 0 (an adapter without this layer), a rank short
     of the stack's (a smaller adapter), one layer and three fused shards (only B's blocks read)."""
-    a, bt, widths, starts = random_stacks(shard_sizes, dtype=dtype)
+    a, bt, widths, starts = random_stacks(shard_sizes, in_features=in_features, dtype=dtype)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(rows, 40, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
     out = torch.randn(rows, sum(shard_sizes), generator=gen).to(dtype)
     token_slots = torch.randint(-1, 3, (rows,), generator=gen)
     expected = reference(x, out, a, bt, token_slots, widths, starts)

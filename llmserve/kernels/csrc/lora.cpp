@@ -8,7 +8,8 @@
 // diagonal: shard p's rank columns feed only shard p's output rows) only the blocks are read, and columns
 // past the slot's width are skipped. float32 arithmetic (bf16 widened exactly), the delta rounded once as
 // it joins the output row; each row sums in one order whatever else the step holds (batch invariant).
-// Tiles are shared among torch's threads when there are enough of them.
+// Where the level has AVX-512 the same loops run 16 lanes wide (the shrink only for inputs in whole
+// vectors of 16, a fixed choice per layer). Tiles are shared among torch's threads when there are enough.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -100,6 +101,58 @@ void expand_block(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, in
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define LLMSERVE_LORA_16_LANES 1
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+template <typename T>
+inline void store16(T* p, __m512 v) {
+  store8(p, _mm512_castps512_ps256(v));
+  store8(p + 8, _mm512_extractf32x8_ps(v, 1));
+}
+
+// shrink_columns in 16 lanes (inputs whose width is a multiple of 16: each layer always takes one form)
+template <typename T, int N, int C>
+void shrink_columns16(const Problem<T>& pb, const T* const* x_rows, const T* a_slot, int64_t c,
+                      float (*hidden)[kMaxWidth]) {
+  __m512 acc[N][C];
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pb.in; k += 16) {
+    __m512 xv[N];
+    LLMSERVE_UNROLL for (int r = 0; r < N; ++r) xv[r] = load16(x_rows[r] + k);
+    LLMSERVE_UNROLL for (int i = 0; i < C; ++i) {
+      const __m512 av = load16(a_slot + (c + i) * pb.in + k);
+      LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] = _mm512_fmadd_ps(av, xv[r], acc[r][i]);
+    }
+  }
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) hidden[r][c + i] =
+      _mm512_reduce_add_ps(acc[r][i]);
+}
+
+// expand_block in 16 lanes: each output's sum is the same chain of FMAs over c as in 8 lanes (bit for bit)
+template <typename T, int N, int J>
+void expand_block16(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, int64_t first, int64_t last,
+                    int64_t j, const float (*hidden)[kMaxWidth]) {
+  __m512 acc[N][J];
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t c = first; c < last; ++c) {
+    const T* b_row = bt_slot + c * pb.out_features + j;
+    LLMSERVE_UNROLL for (int i = 0; i < J; ++i) {
+      const __m512 bv = load16(b_row + 16 * i);
+      LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] =
+          _mm512_fmadd_ps(_mm512_set1_ps(hidden[r][c]), bv, acc[r][i]);
+    }
+  }
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) {
+    T* o = out_rows[r] + j + 16 * i;
+    store16(o, _mm512_add_ps(load16(o), acc[r][i]));
+  }
+}
+#endif
+
 // One tile of N rows of one slot: the shrink for the slot's columns, then for each shard p its rank
 // columns into its own output rows (B is block-diagonal: the other columns are zeros there, never read).
 template <typename T, int N>
@@ -115,12 +168,23 @@ void run_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t u
   float hidden[N][kMaxWidth];
   const T* a_slot = pb.a + slot * pb.width * pb.in;
   int64_t c = 0;
+#ifdef LLMSERVE_LORA_16_LANES
+  if (pb.in % 16 == 0) {
+    for (; c + kChains <= used; c += kChains) shrink_columns16<T, N, kChains>(pb, x_rows, a_slot, c, hidden);
+    for (; c < used; ++c) shrink_columns16<T, N, 1>(pb, x_rows, a_slot, c, hidden);
+  }
+#endif
   for (; c + kChains <= used; c += kChains) shrink_columns<T, N, kChains>(pb, x_rows, a_slot, c, hidden);
   for (; c < used; ++c) shrink_columns<T, N, 1>(pb, x_rows, a_slot, c, hidden);
   const T* bt_slot = pb.bt + slot * pb.width * pb.out_features;
   for (int64_t p = 0; p < pb.shards; ++p) {
     const int64_t first = p * rank, last = first + rank, end = pb.shard_starts[p + 1];
     int64_t j = pb.shard_starts[p];
+#ifdef LLMSERVE_LORA_16_LANES
+    for (; j + 16 * kChains <= end; j += 16 * kChains)
+      expand_block16<T, N, kChains>(pb, out_rows, bt_slot, first, last, j, hidden);
+    for (; j + 16 <= end; j += 16) expand_block16<T, N, 1>(pb, out_rows, bt_slot, first, last, j, hidden);
+#endif
     for (; j + 8 * kChains <= end; j += 8 * kChains)
       expand_block<T, N, kChains>(pb, out_rows, bt_slot, first, last, j, hidden);
     for (; j < end; j += 8) expand_block<T, N, 1>(pb, out_rows, bt_slot, first, last, j, hidden);
