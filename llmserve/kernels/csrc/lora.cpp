@@ -61,103 +61,110 @@ struct Problem {
   int64_t shards;
 };
 
-// hidden[r][c..c + C) = A[s][c..c + C) . x[row r]: N x C dot products side by side (independent chains
-// that fill the FMA pipes), each summed 8 lanes at a time over k in order, whatever N and C are.
-template <typename T, int N, int C>
-void shrink_columns(const Problem<T>& pb, const T* const* x_rows, const T* a_slot, int64_t c,
-                    float (*hidden)[kMaxWidth]) {
-  __m256 acc[N][C];
-  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) acc[r][i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < pb.in; k += 8) {
-    __m256 xv[N];
-    LLMSERVE_UNROLL for (int r = 0; r < N; ++r) xv[r] = load8(x_rows[r] + k);
-    LLMSERVE_UNROLL for (int i = 0; i < C; ++i) {
-      const __m256 av = load8(a_slot + (c + i) * pb.in + k);
-      LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] = _mm256_fmadd_ps(av, xv[r], acc[r][i]);
-    }
-  }
-  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) hidden[r][c + i] =
-      horizontal_sum8(acc[r][i]);
-}
-
-// out[row r][j..j + 8 J) += sum over columns c in [first, last) of hidden[r][c] Bt[s][c][j..j + 8 J), in c
-// order: N x J chains side by side, each output's sum the same whatever N and J are.
-template <typename T, int N, int J>
-void expand_block(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, int64_t first, int64_t last,
-                  int64_t j, const float (*hidden)[kMaxWidth]) {
-  __m256 acc[N][J];
-  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) acc[r][i] = _mm256_setzero_ps();
-  for (int64_t c = first; c < last; ++c) {
-    const T* b_row = bt_slot + c * pb.out_features + j;
-    LLMSERVE_UNROLL for (int i = 0; i < J; ++i) {
-      const __m256 bv = load8(b_row + 8 * i);
-      LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] =
-          _mm256_fmadd_ps(_mm256_set1_ps(hidden[r][c]), bv, acc[r][i]);
-    }
-  }
-  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) {
-    T* o = out_rows[r] + j + 8 * i;
-    store8(o, _mm256_add_ps(load8(o), acc[r][i]));
-  }
-}
+// float32 vectors of 8 lanes (AVX2) or 16 (AVX-512), loaded from and stored to float32 or bf16.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static float sum(V v) { return horizontal_sum8(v); }
+  template <typename T>
+  static V load(const T* p) { return load8(p); }
+  template <typename T>
+  static void store(T* p, V v) { store8(p, v); }
+};
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #define LLMSERVE_LORA_16_LANES 1
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-template <typename T>
-inline void store16(T* p, __m512 v) {
-  store8(p, _mm512_castps512_ps256(v));
-  store8(p + 8, _mm512_extractf32x8_ps(v, 1));
-}
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const c10::BFloat16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  template <typename T>
+  static void store(T* p, V v) {
+    store8(p, _mm512_castps512_ps256(v));
+    store8(p + 8, _mm512_extractf32x8_ps(v, 1));
+  }
+};
+#endif
 
-// shrink_columns in 16 lanes (inputs whose width is a multiple of 16: each layer always takes one form)
-template <typename T, int N, int C>
-void shrink_columns16(const Problem<T>& pb, const T* const* x_rows, const T* a_slot, int64_t c,
-                      float (*hidden)[kMaxWidth]) {
-  __m512 acc[N][C];
-  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < pb.in; k += 16) {
-    __m512 xv[N];
-    LLMSERVE_UNROLL for (int r = 0; r < N; ++r) xv[r] = load16(x_rows[r] + k);
+// hidden[r][c..c + C) = A[s][c..c + C) . x[row r]: N x C dot products side by side (independent chains
+// that fill the FMA pipes), each summed L::kWidth lanes at a time over k in order, whatever N and C are
+// (a layer always takes one lane count: 16 where the level has AVX-512 and its inputs fill them).
+template <typename L, typename T, int N, int C>
+void shrink_columns(const Problem<T>& pb, const T* const* x_rows, const T* a_slot, int64_t c,
+                    float (*hidden)[kMaxWidth]) {
+  typename L::V acc[N][C];
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) acc[r][i] = L::zero();
+  for (int64_t k = 0; k < pb.in; k += L::kWidth) {
+    typename L::V xv[N];
+    LLMSERVE_UNROLL for (int r = 0; r < N; ++r) xv[r] = L::load(x_rows[r] + k);
     LLMSERVE_UNROLL for (int i = 0; i < C; ++i) {
-      const __m512 av = load16(a_slot + (c + i) * pb.in + k);
-      LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] = _mm512_fmadd_ps(av, xv[r], acc[r][i]);
+      const typename L::V av = L::load(a_slot + (c + i) * pb.in + k);
+      LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] = L::fma(av, xv[r], acc[r][i]);
     }
   }
   LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) hidden[r][c + i] =
-      _mm512_reduce_add_ps(acc[r][i]);
+      L::sum(acc[r][i]);
 }
 
-// expand_block in 16 lanes: each output's sum is the same chain of FMAs over c as in 8 lanes (bit for bit)
-template <typename T, int N, int J>
-void expand_block16(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, int64_t first, int64_t last,
-                    int64_t j, const float (*hidden)[kMaxWidth]) {
-  __m512 acc[N][J];
-  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) acc[r][i] = _mm512_setzero_ps();
+// out[row r][j..j + W J) += sum over columns c in [first, last) of hidden[r][c] Bt[s][c][j..j + W J), W
+// = L::kWidth, in c order: N x J chains side by side, each output's sum the same chain of FMAs whatever
+// N, J and the lane count are (bit for bit).
+template <typename L, typename T, int N, int J>
+void expand_block(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, int64_t first, int64_t last,
+                  int64_t j, const float (*hidden)[kMaxWidth]) {
+  typename L::V acc[N][J];
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) acc[r][i] = L::zero();
   for (int64_t c = first; c < last; ++c) {
     const T* b_row = bt_slot + c * pb.out_features + j;
     LLMSERVE_UNROLL for (int i = 0; i < J; ++i) {
-      const __m512 bv = load16(b_row + 16 * i);
-      LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] =
-          _mm512_fmadd_ps(_mm512_set1_ps(hidden[r][c]), bv, acc[r][i]);
+      const typename L::V bv = L::load(b_row + L::kWidth * i);
+      LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] = L::fma(L::set1(hidden[r][c]), bv, acc[r][i]);
     }
   }
   LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) {
-    T* o = out_rows[r] + j + 16 * i;
-    store16(o, _mm512_add_ps(load16(o), acc[r][i]));
+    T* o = out_rows[r] + j + L::kWidth * i;
+    L::store(o, L::add(L::load(o), acc[r][i]));
   }
 }
-#endif
+
+// The slot's columns [c, used) of N rows' shrink, kChains side by side, then one at a time.
+template <typename L, typename T, int N, int kChains>
+void shrink_all(const Problem<T>& pb, const T* const* x_rows, const T* a_slot, int64_t used,
+                float (*hidden)[kMaxWidth]) {
+  int64_t c = 0;
+  for (; c + kChains <= used; c += kChains) shrink_columns<L, T, N, kChains>(pb, x_rows, a_slot, c, hidden);
+  for (; c < used; ++c) shrink_columns<L, T, N, 1>(pb, x_rows, a_slot, c, hidden);
+}
+
+// Output rows [j, end) of N rows' expand in blocks of L::kWidth (kChains side by side); returns where it
+// stopped (the rest is less than one vector of L).
+template <typename L, typename T, int N, int kChains>
+int64_t expand_rows(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, int64_t first, int64_t last,
+                    int64_t j, int64_t end, const float (*hidden)[kMaxWidth]) {
+  for (; j + L::kWidth * kChains <= end; j += L::kWidth * kChains)
+    expand_block<L, T, N, kChains>(pb, out_rows, bt_slot, first, last, j, hidden);
+  for (; j + L::kWidth <= end; j += L::kWidth) expand_block<L, T, N, 1>(pb, out_rows, bt_slot, first, last, j, hidden);
+  return j;
+}
 
 // One tile of N rows of one slot: the shrink for the slot's columns, then for each shard p its rank
 // columns into its own output rows (B is block-diagonal: the other columns are zeros there, never read).
 template <typename T, int N>
 void run_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t used) {
-  constexpr int kChains = N == 1 ? 8 : N == 2 ? 4 : 2;  // columns (or 8-output blocks) side by side
+  constexpr int kChains = N == 1 ? 8 : N == 2 ? 4 : 2;  // columns (or output vectors) side by side
   const int64_t rank = used / pb.shards;
   const T* x_rows[N];
   T* out_rows[N];
@@ -167,27 +174,20 @@ void run_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t u
   }
   float hidden[N][kMaxWidth];
   const T* a_slot = pb.a + slot * pb.width * pb.in;
-  int64_t c = 0;
 #ifdef LLMSERVE_LORA_16_LANES
-  if (pb.in % 16 == 0) {
-    for (; c + kChains <= used; c += kChains) shrink_columns16<T, N, kChains>(pb, x_rows, a_slot, c, hidden);
-    for (; c < used; ++c) shrink_columns16<T, N, 1>(pb, x_rows, a_slot, c, hidden);
-  }
+  if (pb.in % 16 == 0)
+    shrink_all<Lanes16, T, N, kChains>(pb, x_rows, a_slot, used, hidden);
+  else
 #endif
-  for (; c + kChains <= used; c += kChains) shrink_columns<T, N, kChains>(pb, x_rows, a_slot, c, hidden);
-  for (; c < used; ++c) shrink_columns<T, N, 1>(pb, x_rows, a_slot, c, hidden);
+    shrink_all<Lanes8, T, N, kChains>(pb, x_rows, a_slot, used, hidden);
   const T* bt_slot = pb.bt + slot * pb.width * pb.out_features;
   for (int64_t p = 0; p < pb.shards; ++p) {
     const int64_t first = p * rank, last = first + rank, end = pb.shard_starts[p + 1];
     int64_t j = pb.shard_starts[p];
 #ifdef LLMSERVE_LORA_16_LANES
-    for (; j + 16 * kChains <= end; j += 16 * kChains)
-      expand_block16<T, N, kChains>(pb, out_rows, bt_slot, first, last, j, hidden);
-    for (; j + 16 <= end; j += 16) expand_block16<T, N, 1>(pb, out_rows, bt_slot, first, last, j, hidden);
+    j = expand_rows<Lanes16, T, N, kChains>(pb, out_rows, bt_slot, first, last, j, end, hidden);
 #endif
-    for (; j + 8 * kChains <= end; j += 8 * kChains)
-      expand_block<T, N, kChains>(pb, out_rows, bt_slot, first, last, j, hidden);
-    for (; j < end; j += 8) expand_block<T, N, 1>(pb, out_rows, bt_slot, first, last, j, hidden);
+    expand_rows<Lanes8, T, N, kChains>(pb, out_rows, bt_slot, first, last, j, end, hidden);
   }
 }
 
