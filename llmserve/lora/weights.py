@@ -43,13 +43,12 @@ class LoRALayerWeights:
         self.a = torch.zeros(max_loras, width, base.in_features, dtype=dtype, device=device)
         self.bt = torch.zeros(max_loras, width, base.out_features, dtype=dtype, device=device)
         self.max_rank = max_rank
-        self.row_starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
+        self.row_starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes) + 1)]  # and the end
         self.shard_sizes = shard_sizes
         # columns slot s's adapter uses (shards * rank; 0: not this layer), in host memory for the kernel
         self.widths = torch.zeros(max_loras, dtype=torch.int64)
-        starts = [0, *torch.tensor(shard_sizes).cumsum(0).tolist()]
-        self.shard_starts = torch.tensor(starts, dtype=torch.int64)  # each shard's first output row
-        self.kernel = _compiled_kernel(base.in_features, starts, width, dtype, device)
+        self.shard_starts = torch.tensor(self.row_starts, dtype=torch.int64)  # the kernel's copy
+        self.kernel = _compiled_kernel(base.in_features, self.row_starts, width, dtype, device)
 
     def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """Write an adapter's (A, B) of each shard index it targets into `slot` (zeros elsewhere)."""

@@ -53,16 +53,16 @@ class FusedDecodeStack:
         self.bound = [(layer, layer.key_cache, layer.value_cache) for layer in attention_layers]
         self.lora_bound = False  # steps with LoRA adapters run here too (bind_lora)
 
-    def bind_lora(self, lora_layers: list[tuple]) -> bool:
+    def bind_lora(self, lora_layers: list[tuple]) -> None:
         """Steps whose rows have adapters run here too, each layer's stacked adapters (lora/weights.py:
         `LoRALayerWeights` of qkv, o, gate_up and down per decoder layer) added by the compiled delta
-        after its projection; False, the modules then serving those steps, where a layer lacks it."""
+        after its projection; where a layer lacks it, `lora_bound` stays False and the modules serve
+        those steps."""
         if any(weights.kernel is None for layer in lora_layers for weights in layer):
-            return False
+            return
         tensors = [t for layer in lora_layers for w in layer for t in (w.a, w.bt, w.widths, w.shard_starts)]
         self.stack.set_lora(tensors)
         self.lora_bound = True
-        return True
 
     def serves(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         return (
