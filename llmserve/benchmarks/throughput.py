@@ -156,7 +156,7 @@ def format_report(continuous: ThroughputResult, naive: Sequence[ThroughputResult
         format_table([r.to_json() for r in (*naive, continuous)], COLUMNS),
         "computed_tokens: positions the naive batches ran, padding and finished rows included; "
         "matching_outputs (matching_share): requests (their share) whose greedy tokens equal the continuous "
-        "engine's; all of them with --deterministic (batch-invariant kernels)",
+        "engine's; all of them where the kernels are batch invariant (--deterministic)",
         f"continuous / best naive ({best.system}) output throughput: {ratio:.2f}x",
     ])  # fmt: skip
 

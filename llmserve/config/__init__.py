@@ -131,8 +131,9 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None  # weight quantization (llmserve/quantization); None: float
     enforce_eager: bool = False  # CUDA: every step eagerly, no decode graphs (worker/cuda_graphs.py)
     # batch-invariant kernels: a row's result never depends on the rest of its step
-    # (worker/batch_invariance.py, docs/reliability.md)
-    deterministic: bool = False
+    # (worker/batch_invariance.py, docs/reliability.md); None: the runner decides (on where it changes
+    # attention alone: batch_invariance.on_by_default)
+    deterministic: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -404,11 +405,13 @@ class EngineArgs:
     enforce_eager: bool = arg(
         False, "CUDA: run every step eagerly, capturing no CUDA graphs of decode steps (vLLM's flag)"
     )
-    deterministic: bool = arg(
-        False,
+    deterministic: bool | None = arg(
+        None,
         "batch-invariant kernels (CPU): a request's greedy tokens and logprobs are bitwise the same whatever "
         "else runs, however its prompt is chunked or cached (vLLM's VLLM_BATCH_INVARIANT, SGLang's "
-        "--enable-deterministic-inference); /server_info says whether the configuration is",
+        "--enable-deterministic-inference); default: on where it changes attention alone (a bf16 model whose "
+        "linear kernels are invariant already, one rank, no speculation); /server_info says whether the "
+        "configuration is",
     )
     kv_events_config: str | None = arg(
         None,
@@ -763,9 +766,13 @@ class EngineArgs:
             deterministic=self._deterministic(device),
         )
 
-    def _deterministic(self, device: torch.device) -> bool:
+    def _deterministic(self, device: torch.device) -> bool | None:
         """--deterministic, where it can hold: the CPU's compiled paged attention (the reference's
-        prefill and decode take different SDPA calls; the GPU's kernels are another issue's)."""
+        prefill and decode take different SDPA calls; the GPU's kernels are another issue's). Unset:
+        None (the model runner decides) where it could hold, else False."""
+        if self.deterministic is None:
+            possible = device.type == "cpu" and self.attention_backend in ("auto", "cpu_paged")
+            return None if possible and self.speculative_method not in TREE_METHODS else False
         if self.deterministic and device.type != "cpu":
             raise ValueError(f"--deterministic runs on the CPU only, not on {device.type}")
         if self.deterministic and self.attention_backend not in ("auto", "cpu_paged"):

@@ -21,12 +21,19 @@ Where the CPU path's reductions stand (tests/kernels/test_batch_invariance.py ch
 What stays outside: quantized layers whose kernel does not declare `batch_invariant`, LoRA deltas off
 the CPU and mixture-of-experts matmuls (torch's GEMMs, blocked by row count), the reference attention
 backend, and collectives between ranks; `reasons` names each, for /server_info.
+
+Unset, the flag is on where it changes attention alone (`on_by_default`): a bf16 model whose linear
+layers' kernels take every row count already, over a bf16 cache, on one rank, without speculation. There
+its cost is the prompt spans' pieces in the paged kernel (docs/reliability.md: within the noise all at
+once, decodes unchanged); where it would move linear layers off AMX or oneDNN, or float32 prompt spans
+off the prefill kernel, it stays off unless asked for.
 """
 
 from __future__ import annotations
 
 import sys
 
+import torch
 from torch import nn
 
 from llmserve.attention.backends.cpu_paged import CPUPagedBackend
@@ -52,11 +59,24 @@ def make_batch_invariant(model: nn.Module, attention_backend) -> None:
         attention_backend.serve_every_span()
 
 
-def reasons(config: EngineConfig, model: nn.Module, attention_backend, lora=None) -> tuple[str, ...]:
+def on_by_default(config: EngineConfig, model: nn.Module, attention_backend, lora=None) -> bool:
+    """Whether an unset --deterministic is on: where the flag would make the configuration batch
+    invariant by changing attention alone, in bf16 (module docstring). Before make_batch_invariant."""
+    if config.model.dtype != torch.bfloat16 or config.cache.kv_cache_dtype != "auto":
+        return False
+    return not reasons(config, model, attention_backend, lora, deterministic=True)
+
+
+def reasons(
+    config: EngineConfig, model: nn.Module, attention_backend, lora=None, deterministic: bool | None = None
+) -> tuple[str, ...]:
     """Why the running configuration is not batch invariant; () where it is. `lora`: the engine's
-    LoRAManager, whose layers say whether the compiled delta adds every one of them."""
-    found = [] if config.model.deterministic else ["--deterministic is off"]
-    found += _attention_reasons(config, attention_backend)
+    LoRAManager, whose layers say whether the compiled delta adds every one of them. `deterministic`:
+    whether the flag is on (by default config.model.deterministic)."""
+    if deterministic is None:
+        deterministic = bool(config.model.deterministic)
+    found = [] if deterministic else ["--deterministic is off"]
+    found += _attention_reasons(config, attention_backend, deterministic)
     found += sorted({reason for module in model.modules() if (reason := _module_reason(module))})
     if config.lora is not None and (lora is None or not lora.rows_computed_alone()):
         found.append("LoRA adapters: some deltas are torch matmuls, blocked by the step's row count")
@@ -70,11 +90,11 @@ def reasons(config: EngineConfig, model: nn.Module, attention_backend, lora=None
     return tuple(found)
 
 
-def _attention_reasons(config: EngineConfig, backend) -> list[str]:
+def _attention_reasons(config: EngineConfig, backend, deterministic: bool) -> list[str]:
     if not isinstance(backend, CPUPagedBackend):
         return [f"the {backend.name} attention backend: prefills and decodes take different kernels"]
     found = []
-    if not backend.piece_len:
+    if not deterministic:  # the flag cuts every span into the paged kernel's pieces (serve_every_span)
         found.append(
             "attention: prompt spans longer than 16 tokens take the prefill kernel (or SDPA), shorter "
             "ones and decodes the paged kernel, which sums in another order"

@@ -36,6 +36,7 @@ from llmserve.sample.verifier import DraftVerifier
 from llmserve.structured.compiler import GrammarCompiler
 from llmserve.structured.matcher import GrammarState
 from llmserve.worker.batch_invariance import make_batch_invariant
+from llmserve.worker.batch_invariance import on_by_default as batch_invariance_by_default
 from llmserve.worker.batch_invariance import reasons as batch_invariance_reasons
 from llmserve.worker.cuda_graphs import DecodeGraphs
 from llmserve.worker.kv_tier_store import KVTierStore
@@ -117,7 +118,16 @@ class ModelRunner:
             config.cache.kv_cache_dtype,
             reference_only=getattr(model, "reference_attention_only", False),
         )
-        if config.model.deterministic:  # before the fused stack, which takes the layers' kernels
+        # LoRA adapters: deltas added by hooks on the linear layers; the fused stack adds them itself
+        # where it can (bind_lora below), CUDA graphs are not captured (docs/lora.md)
+        self.lora = (
+            None if config.lora is None else LoRAManager(config.lora, model, config.model.dtype, self.device)
+        )
+        # --deterministic, unset: on where it changes attention alone (worker/batch_invariance.py)
+        self.deterministic = config.model.deterministic
+        if self.deterministic is None:
+            self.deterministic = batch_invariance_by_default(config, model, self.attention_backend, self.lora)
+        if self.deterministic:  # before the fused stack, which takes the layers' kernels
             make_batch_invariant(model, self.attention_backend)
         self.input_builder = InputBuilder(config.cache, self.attention_backend, self.device)
         # token trees: verified on the torch reference (the compiled and Triton kernels take no tree mask)
@@ -126,13 +136,10 @@ class ModelRunner:
         if self.attention_backend.name != "torch":
             reference = get_attention_backend("torch", config.cache.kv_cache_dtype)
             self.tree_input_builder = InputBuilder(config.cache, reference, self.device)
-        # LoRA adapters: deltas added by hooks on the linear layers; the fused stack adds them itself
-        # where it can (bind_lora below), CUDA graphs are not captured (docs/lora.md)
-        self.lora = (
-            None if config.lora is None else LoRAManager(config.lora, model, config.model.dtype, self.device)
-        )
         # why a row's results may depend on the rest of its step (/server_info); (): they do not
-        self.batch_invariance = batch_invariance_reasons(config, model, self.attention_backend, self.lora)
+        self.batch_invariance = batch_invariance_reasons(
+            config, model, self.attention_backend, self.lora, self.deterministic
+        )
         self._early_kv_pool = early_kv_pool
         self._static_decode = self._uses_static_decode()  # decided first: its padding needs a scratch block
         self.kv_cache = self._allocate_kv_cache()
@@ -145,7 +152,7 @@ class ModelRunner:
         self.decode_stack = None if pipeline else build_decode_stack(model, self.attention_backend)
         if self.decode_stack is not None and self.lora is not None:
             self.decode_stack.bind_lora(self.lora.stack_layers())
-        if self.decode_stack is not None and config.model.deterministic:
+        if self.decode_stack is not None and self.deterministic:
             self.decode_stack.max_span = self.attention_backend.piece_len  # longer: the modules' pieces
         # Called with each step's final hidden states, whichever path made them (evaluation and
         # draft-head training read them here: the fused stack runs no module hooks).

@@ -146,8 +146,29 @@ def test_the_flag_on_the_command_line():
 
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    assert EngineArgs.from_cli_args(parser.parse_args(["--deterministic"])).deterministic
-    assert not EngineArgs.from_cli_args(parser.parse_args([])).deterministic
+    assert EngineArgs.from_cli_args(parser.parse_args(["--deterministic"])).deterministic is True
+    assert EngineArgs.from_cli_args(parser.parse_args(["--no-deterministic"])).deterministic is False
+    assert EngineArgs.from_cli_args(parser.parse_args([])).deterministic is None  # the runner decides
+
+
+def test_on_by_default_where_it_changes_attention_alone(tiny_dir, alone):
+    """Unset, the flag is on for a bf16 model whose linear layers' kernels take every row count (no
+    AMX tiles above 8 rows), and then the batched and chunked rows equal the reference's; a float32
+    model keeps the prefill kernel (its long spans cost more in pieces) and says so."""
+    dtype, prompts, expected = alone
+    llm = engine(tiny_dir, dtype, deterministic=None, max_num_batched_tokens=37)
+    info = server_info("tiny", llm.engine.config, llm.engine.tokenizer, None, llm.engine.batch_invariance)
+    amx = any(getattr(module, "amx", False) for module in llm.engine.model_runner.model.modules())
+    if dtype == "float32" or amx:
+        assert not llm.engine.model_runner.deterministic
+        assert info.batch_invariance_reasons[0] == "--deterministic is off"
+        assert any("prefill kernel" in reason for reason in info.batch_invariance_reasons)
+        assert amx == any("AMX tiles" in reason for reason in info.batch_invariance_reasons)
+        return
+    assert llm.engine.model_runner.deterministic is True
+    assert info.batch_invariant and info.batch_invariance_reasons == []
+    assert results(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert results(llm.generate(prompts[::-1], GREEDY, use_tqdm=False)) == expected[::-1]  # prefix hits
 
 
 def test_server_info_names_what_is_not_invariant_and_the_flag_is_checked(tiny_dir):
@@ -198,12 +219,13 @@ def test_speculative_decoding(tiny_dir, alone):
 @pytest.mark.slow
 @pytest.mark.full  # the tiny model's tests check the same property in the fast tier
 def test_the_default_model_in_its_default_dtype(prompts_5_to_600):
-    """The embedded model in the machine's default dtype (bf16 where the CPU has native bf16): alone,
-    batched, and chunked by a budget of 61 tokens, bitwise alike (without the flag, batching changed
-    the tokens of some of these prompts on an AVX-512 BF16 machine)."""
+    """The embedded model in its default configuration (its GGUF's blocks, bf16 activations), where the
+    flag is on by default: alone, batched, and chunked by a budget of 61 tokens, bitwise alike (without
+    the flag, batching changed the tokens of some of these prompts on an AVX-512 BF16 machine)."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
-    llm = LLM(kv_cache_memory="256MiB", prefix_caching=False, deterministic=True)
+    llm = LLM(kv_cache_memory="256MiB", prefix_caching=False)
+    assert llm.engine.model_runner.deterministic and llm.engine.batch_invariance == ()
     expected = [results(llm.generate([prompt], params, use_tqdm=False))[0] for prompt in prompts_5_to_600]
     assert results(llm.generate(prompts_5_to_600, params, use_tqdm=False)) == expected
-    chunked = LLM(kv_cache_memory="256MiB", max_num_batched_tokens=61, deterministic=True)
+    chunked = LLM(kv_cache_memory="256MiB", max_num_batched_tokens=61)
     assert results(chunked.generate(prompts_5_to_600, params, use_tqdm=False)) == expected
