@@ -77,6 +77,7 @@ def _settings(config: EngineConfig) -> dict[str, str]:
         "num_blocks": str(cache.num_blocks),
         "kv_cache_dtype": cache.kv_cache_dtype,
         "sliding_window": f"{cache.sliding_window}+{cache.attention_sinks}",
+        "deterministic": str(model.deterministic),  # every rank's kernels alike (unset: decided alike)
     }
 
 

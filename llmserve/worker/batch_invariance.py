@@ -8,7 +8,7 @@ Where the CPU path's reductions stand (tests/kernels/test_batch_invariance.py ch
 - Linear layers: each compiled kernel (float32: linear_f32.cpp; bf16: linear.cpp) is one FMA chain per
   output over the inputs in order, whatever the rows; but by default a layer switches kernels with the
   row count (float32: the kernel up to 8 rows, oneDNN's GEMM above on CPUs with AVX-512; bf16: AMX above
-  8 rows where the CPU has it, oneDNN's GEMM above 256 elsewhere), and two kernels round differently.
+  8 rows where the CPU has it; the kernel at every row count elsewhere), and two kernels round differently.
   Invariant: each layer keeps its dtype's kernel at every row count.
 - Attention: `paged_attention.cpp` gives each query row of a span what a decode of it gives, but spans
   longer than 16 queries (prompt chunks) went to the prefill kernel, which sums in tiles with an online
@@ -72,9 +72,11 @@ def reasons(
 ) -> tuple[str, ...]:
     """Why the running configuration is not batch invariant; () where it is. `lora`: the engine's
     LoRAManager, whose layers say whether the compiled delta adds every one of them. `deterministic`:
-    whether the flag is on (by default config.model.deterministic)."""
+    whether the flag is on (by default config.model.deterministic, as the model runner resolved it)."""
     if deterministic is None:
-        deterministic = bool(config.model.deterministic)
+        deterministic = config.model.deterministic
+    if deterministic is None:
+        raise ValueError("reasons() needs --deterministic resolved (ModelRunner decides an unset flag)")
     found = [] if deterministic else ["--deterministic is off"]
     found += _attention_reasons(config, attention_backend, deterministic)
     found += sorted({reason for module in model.modules() if (reason := _module_reason(module))})

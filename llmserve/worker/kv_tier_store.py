@@ -34,13 +34,15 @@ logger = logging.getLogger("llmserve")
 
 def model_fingerprint(config: EngineConfig, block_shape: tuple[int, ...], dtype: torch.dtype) -> bytes:
     """Everything that changes a block's K/V bytes: the model (its path, its files' sizes and times,
-    its architecture, quantization and dtype), the KV format and the block's shape."""
+    its architecture, quantization and dtype), the KV format, the block's shape, and whether prompt
+    spans took the batch-invariant attention (--deterministic, as the model runner resolved it), whose
+    K/V bits differ from the prefill kernel's from the second layer on."""
     model, cache = config.model, config.cache
     path = os.path.realpath(model.path)
     files = [path] if os.path.isfile(path) else sorted(str(p) for p in Path(path).iterdir() if p.is_file())
     stats = [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     return kv_block_file.fingerprint(
-        format=1,
+        format=2,
         path=path,
         files=stats,
         arch=dataclasses.asdict(model.arch),
@@ -50,6 +52,7 @@ def model_fingerprint(config: EngineConfig, block_shape: tuple[int, ...], dtype:
         block_size=cache.block_size,
         block_shape=list(block_shape),
         storage=str(dtype),
+        deterministic=bool(config.model.deterministic),
     )
 
 

@@ -12,6 +12,7 @@ instead run on static buffers, replayed as CUDA graphs (worker/cuda_graphs.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -123,10 +124,13 @@ class ModelRunner:
         self.lora = (
             None if config.lora is None else LoRAManager(config.lora, model, config.model.dtype, self.device)
         )
-        # --deterministic, unset: on where it changes attention alone (worker/batch_invariance.py)
+        # --deterministic, unset: on where it changes attention alone (worker/batch_invariance.py); the
+        # config read from here on (the engine's, the KV tiers' fingerprint) holds the decision
         self.deterministic = config.model.deterministic
         if self.deterministic is None:
             self.deterministic = batch_invariance_by_default(config, model, self.attention_backend, self.lora)
+            model_config = dataclasses.replace(config.model, deterministic=self.deterministic)
+            config = self.config = dataclasses.replace(config, model=model_config)
         if self.deterministic:  # before the fused stack, which takes the layers' kernels
             make_batch_invariant(model, self.attention_backend)
         self.input_builder = InputBuilder(config.cache, self.attention_backend, self.device)
@@ -137,9 +141,7 @@ class ModelRunner:
             reference = get_attention_backend("torch", config.cache.kv_cache_dtype)
             self.tree_input_builder = InputBuilder(config.cache, reference, self.device)
         # why a row's results may depend on the rest of its step (/server_info); (): they do not
-        self.batch_invariance = batch_invariance_reasons(
-            config, model, self.attention_backend, self.lora, self.deterministic
-        )
+        self.batch_invariance = batch_invariance_reasons(config, model, self.attention_backend, self.lora)
         self._early_kv_pool = early_kv_pool
         self._static_decode = self._uses_static_decode()  # decided first: its padding needs a scratch block
         self.kv_cache = self._allocate_kv_cache()

@@ -38,7 +38,7 @@ def expected(tiny, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def tiered(model: str, ram_blocks: int, disk_dir=None, disk_blocks: int = 64) -> LLM:
+def tiered(model: str, ram_blocks: int, disk_dir=None, disk_blocks: int = 64, **options) -> LLM:
     disk = {}
     if disk_dir is not None:
         disk = dict(kv_offloading_disk_dir=str(disk_dir), kv_offloading_disk_size=disk_blocks * 8500 / GIB)
@@ -51,6 +51,7 @@ def tiered(model: str, ram_blocks: int, disk_dir=None, disk_blocks: int = 64) ->
         kv_offloading_backend="native",
         check_invariants=True,  # the pool's integrity after every step (a load never lands in a used block)
         **disk,
+        **options,
     )
 
 
@@ -87,6 +88,20 @@ def test_evicted_prefix_hits_from_ram_with_the_same_tokens_and_step_stats(
     assert sum(tier.hits for tier in ram) == 4 * len(prompts)
     assert sum(tier.bytes_loaded for tier in ram) == 4 * len(prompts) * BLOCK_BYTES
     assert sum(len(tier.load_seconds) for tier in ram) == len(prompts)  # one step of loads per prompt
+
+
+def test_the_files_record_the_attention_mode(tiny, tmp_path):
+    """KV made by the batch-invariant attention (--deterministic) and by the prefill kernel differ in
+    their bits from the second layer on: a restart under the other setting reads other files."""
+    folders = {}
+    for deterministic in (False, True):
+        llm = tiered(tiny, ram_blocks=1, disk_dir=tmp_path, deterministic=deterministic)
+        assert llm.engine.config.model.deterministic is deterministic
+        folders[deterministic] = llm.engine.model_runner.kv_tier_store.spec.disk_dir
+    assert folders[False] != folders[True]
+    unset = tiered(tiny, ram_blocks=1, disk_dir=tmp_path)  # float32: the runner decides off
+    assert unset.engine.config.model.deterministic is False
+    assert unset.engine.model_runner.kv_tier_store.spec.disk_dir == folders[False]
 
 
 @pytest.mark.full  # tests/core/test_kv_tiers.py checks the same at the scheduler's level

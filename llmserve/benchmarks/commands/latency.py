@@ -63,6 +63,8 @@ def cmd_latency(args: argparse.Namespace) -> int:
         "decode_tokens": args.decode_tokens,
         "points": [p.to_json() for p in points],
         "bounds": bounds.to_json(),
+        # why outputs may depend on the batch (worker/batch_invariance.py); []: --deterministic holds
+        "batch_invariance_reasons": list(engine.batch_invariance),
     }
     save(args, "latency", payload, device)
     if args.plot:
