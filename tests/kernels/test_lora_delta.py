@@ -47,7 +47,9 @@ def reference(x, out, a, bt, token_slots, widths, starts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
 @pytest.mark.parametrize(
-    "shard_sizes", [(24,), (16, 8, 8), (48, 16, 16)], ids=["one-shard", "qkv-like", "wide"]
+    "shard_sizes",
+    [(24,), (16, 8, 8), (48, 16, 16), (136, 16, 24)],
+    ids=["one-shard", "qkv-like", "wide", "wider"],
 )
 @pytest.mark.parametrize("in_features", [40, 64])  # 8 lanes; 16 where the level has AVX-512
 def test_each_row_gets_its_slots_delta(dtype, rows, shard_sizes, in_features):
@@ -80,19 +82,35 @@ def test_rows_of_wider_tensors():
     assert torch.equal(wide_out[:, :16], before[:, :16])
 
 
-def test_a_rows_result_does_not_depend_on_the_rest_of_the_call():
-    """Rows tiled 4 at a time with their slot's other rows, or alone: the same bits."""
-    a, bt, widths, starts = random_stacks((16, 8, 8), ranks=(4, 4, 3), dtype=torch.bfloat16)
+@pytest.mark.parametrize("in_features", [40, 64])
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_call(in_features):
+    """Rows tiled with their slot's other rows (tiles dealt to the threads), alone or in a pair, on one
+    thread or all, with 8 lanes or 16 (in_features 64 where the level has AVX-512): the same bits."""
+    a, bt, widths, starts = random_stacks((136, 16, 24), ranks=(12, 4, 3), in_features=in_features)
+    a, bt = a.bfloat16(), bt.bfloat16()
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(300, 40, generator=gen).bfloat16()
-    base = torch.randn(300, 32, generator=gen).bfloat16()
+    x = torch.randn(300, in_features, generator=gen).bfloat16()
+    base = torch.randn(300, 176, generator=gen).bfloat16()
     token_slots = torch.randint(0, 3, (300,), generator=gen)
     together = base.clone()
     ops.lora_delta(x, together, a, bt, token_slots, widths, starts)
-    for t in (0, 137, 299):
-        alone = base[t : t + 1].clone()
-        ops.lora_delta(x[t : t + 1], alone, a, bt, token_slots[t : t + 1], widths, starts)
-        assert torch.equal(alone, together[t : t + 1])
+    all_slot_0 = base.clone()  # every row under slot 0 (the widest): tiles of the most rows
+    ops.lora_delta(x, all_slot_0, a, bt, torch.zeros_like(token_slots), widths, starts)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in {1, threads}:
+            torch.set_num_threads(num_threads)
+            for rows in ([0], [137], [299], [5, 9]):
+                alone = base[rows].clone()
+                ops.lora_delta(
+                    x[rows], alone, a, bt, torch.zeros(len(rows), dtype=torch.int64), widths, starts
+                )
+                assert torch.equal(alone, all_slot_0[rows])
+            alone = base[[137]].clone()
+            ops.lora_delta(x[[137]], alone, a, bt, token_slots[[137]], widths, starts)
+            assert torch.equal(alone, together[[137]])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_rejects_bad_input():

@@ -99,6 +99,15 @@ struct Lanes16 {
 };
 #endif
 
+// Chains side by side for N rows (columns in the shrink, output vectors in the expand): as many as the
+// registers hold (16 with AVX2, 32 with AVX-512), N x chains accumulators beside N row operands and one
+// weight vector. More independent chains than the FMA latency needs keep more loads in flight.
+template <typename L, int N>
+constexpr int chains() {
+  if constexpr (L::kWidth == 16) return N == 1 ? 8 : N == 2 ? 6 : 4;
+  return N == 1 ? 8 : N == 2 ? 4 : 2;
+}
+
 // hidden[r][c..c + C) = A[s][c..c + C) . x[row r]: N x C dot products side by side (independent chains
 // that fill the FMA pipes), each summed L::kWidth lanes at a time over k in order, whatever N and C are
 // (a layer always takes one lane count: 16 where the level has AVX-512 and its inputs fill them).
@@ -140,20 +149,22 @@ void expand_block(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, in
   }
 }
 
-// The slot's columns [c, used) of N rows' shrink, kChains side by side, then one at a time.
-template <typename L, typename T, int N, int kChains>
+// The slot's columns [c, used) of N rows' shrink, chains<L, N>() side by side, then one at a time.
+template <typename L, typename T, int N>
 void shrink_all(const Problem<T>& pb, const T* const* x_rows, const T* a_slot, int64_t used,
                 float (*hidden)[kMaxWidth]) {
+  constexpr int kChains = chains<L, N>();
   int64_t c = 0;
   for (; c + kChains <= used; c += kChains) shrink_columns<L, T, N, kChains>(pb, x_rows, a_slot, c, hidden);
   for (; c < used; ++c) shrink_columns<L, T, N, 1>(pb, x_rows, a_slot, c, hidden);
 }
 
-// Output rows [j, end) of N rows' expand in blocks of L::kWidth (kChains side by side); returns where it
-// stopped (the rest is less than one vector of L).
-template <typename L, typename T, int N, int kChains>
+// Output rows [j, end) of N rows' expand in blocks of L::kWidth (chains<L, N>() side by side); returns
+// where it stopped (the rest is less than one vector of L).
+template <typename L, typename T, int N>
 int64_t expand_rows(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, int64_t first, int64_t last,
                     int64_t j, int64_t end, const float (*hidden)[kMaxWidth]) {
+  constexpr int kChains = chains<L, N>();
   for (; j + L::kWidth * kChains <= end; j += L::kWidth * kChains)
     expand_block<L, T, N, kChains>(pb, out_rows, bt_slot, first, last, j, hidden);
   for (; j + L::kWidth <= end; j += L::kWidth) expand_block<L, T, N, 1>(pb, out_rows, bt_slot, first, last, j, hidden);
@@ -164,7 +175,6 @@ int64_t expand_rows(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, 
 // columns into its own output rows (B is block-diagonal: the other columns are zeros there, never read).
 template <typename T, int N>
 void run_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t used) {
-  constexpr int kChains = N == 1 ? 8 : N == 2 ? 4 : 2;  // columns (or output vectors) side by side
   const int64_t rank = used / pb.shards;
   const T* x_rows[N];
   T* out_rows[N];
@@ -176,18 +186,18 @@ void run_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t u
   const T* a_slot = pb.a + slot * pb.width * pb.in;
 #ifdef LLMSERVE_LORA_16_LANES
   if (pb.in % 16 == 0)
-    shrink_all<Lanes16, T, N, kChains>(pb, x_rows, a_slot, used, hidden);
+    shrink_all<Lanes16, T, N>(pb, x_rows, a_slot, used, hidden);
   else
 #endif
-    shrink_all<Lanes8, T, N, kChains>(pb, x_rows, a_slot, used, hidden);
+    shrink_all<Lanes8, T, N>(pb, x_rows, a_slot, used, hidden);
   const T* bt_slot = pb.bt + slot * pb.width * pb.out_features;
   for (int64_t p = 0; p < pb.shards; ++p) {
     const int64_t first = p * rank, last = first + rank, end = pb.shard_starts[p + 1];
     int64_t j = pb.shard_starts[p];
 #ifdef LLMSERVE_LORA_16_LANES
-    j = expand_rows<Lanes16, T, N, kChains>(pb, out_rows, bt_slot, first, last, j, end, hidden);
+    j = expand_rows<Lanes16, T, N>(pb, out_rows, bt_slot, first, last, j, end, hidden);
 #endif
-    expand_rows<Lanes8, T, N, kChains>(pb, out_rows, bt_slot, first, last, j, end, hidden);
+    expand_rows<Lanes8, T, N>(pb, out_rows, bt_slot, first, last, j, end, hidden);
   }
 }
 
