@@ -241,6 +241,7 @@ class EngineCore:
             failure=self.engine.failure,
             invariant_violations=0 if self.engine.invariants is None else self.engine.invariants.violations,
             lora_requests=self._lora_requests(),
+            max_loras=0 if self.engine.config.lora is None else self.engine.config.lora.max_loras,
         )
 
     def _lora_requests(self) -> tuple[tuple[str, int, int], ...]:

@@ -314,7 +314,7 @@ class PrometheusMetrics:
         llm.step_listeners.append(self.on_step)
         llm.request_listeners.append(self.on_request)
         self.registry.register(RankCollector(lambda: llm.gauges.ranks))
-        self.registry.register(LoRACollector(lambda: llm.gauges.lora_requests))
+        self.registry.register(LoRACollector(lambda: llm.gauges.lora_requests, lambda: llm.gauges.max_loras))
 
     def on_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Request listener: the parameters operators size the server by."""
@@ -474,10 +474,15 @@ class RankCollector(Collector):
 
 class LoRACollector(Collector):
     """Requests running and waiting under each loaded LoRA adapter, as `llmserve:lora_requests_*
-    {lora_name}` series read at scrape time (none without --enable-lora)."""
+    {lora_name}` series read at scrape time, and vLLM's `lora_requests_info` (the adapters with running
+    and with waiting requests, comma-joined, and `max_lora` as labels; the scrape's time as value);
+    none without --enable-lora."""
 
-    def __init__(self, adapters: Callable[[], Sequence[tuple[str, int, int]]]) -> None:
+    def __init__(
+        self, adapters: Callable[[], Sequence[tuple[str, int, int]]], max_loras: Callable[[], int]
+    ) -> None:
         self.adapters = adapters
+        self.max_loras = max_loras
 
     def describe(self) -> list[Metric]:
         return []  # the series depend on the adapters loaded, known only at scrape time
@@ -495,7 +500,15 @@ class LoRACollector(Collector):
         for name, num_running, num_waiting in adapters:
             running.add_metric([name], num_running)
             waiting.add_metric([name], num_waiting)
-        return [running, waiting]
+        info = GaugeMetricFamily(
+            PREFIX + "lora_requests_info",
+            "Running stats on LoRA requests (vLLM's series): its labels name the adapters.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        waiting_names = ",".join(name for name, _, num_waiting in adapters if num_waiting)
+        running_names = ",".join(name for name, num_running, _ in adapters if num_running)
+        info.add_metric([str(self.max_loras()), waiting_names, running_names], time.time())
+        return [running, waiting, info]
 
 
 def _gauge(name: str, documentation: str, values: list[tuple[RankStats, float | None]]) -> Metric:

@@ -62,3 +62,4 @@ class EngineGauges:
     invariant_violations: int = 0  # --check-invariants: failed integrity checks since start-up
     # --enable-lora: (adapter name, requests running under it, requests waiting) per loaded adapter
     lora_requests: tuple[tuple[str, int, int], ...] = ()
+    max_loras: int = 0  # --enable-lora: adapters resident at once (0: LoRA off)

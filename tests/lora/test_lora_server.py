@@ -103,6 +103,8 @@ def test_metrics_count_requests_by_adapter(server):
         for kind in ("running", "waiting"):
             series = [line for line in lines if line.startswith(f"llmserve:lora_requests_{kind}{{")]
             assert any(f'lora_name="{name}"' in line and line.endswith(" 0.0") for line in series), series
+    (info,) = [line for line in lines if line.startswith("vllm:lora_requests_info{")]  # nothing queued
+    assert 'running_lora_adapters=""' in info and 'waiting_lora_adapters=""' in info and "max_lora=" in info
 
 
 def test_loading_while_requests_run_fails_none_and_mixes_no_adapters(server):

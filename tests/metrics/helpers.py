@@ -79,5 +79,7 @@ def fed_metrics(model_name: str = "tiny", metric_names: str = "both") -> Prometh
         num_swapped=1,
         swap_space_usage=0.5,
         spec_decode=SpecDecodeStats(2, 5, 2),
+        lora_requests=(("sql", 1, 0), ("chat", 0, 2), ("idle", 0, 0)),  # as under --enable-lora
+        max_loras=4,
     )
     return metrics

@@ -19,7 +19,19 @@ LLMSERVE_ONLY = {  # exported under vllm: as well, for one scrape config, but vL
     "vllm:kv_offload_hits",  # llmserve's RAM / disk tiers (vLLM counts its connector's under external_*)
     "vllm:kv_offload_bytes",
     "vllm:kv_offload_load_seconds",
+    "vllm:lora_requests_running",  # per adapter (vLLM has only lora_requests_info's joined names)
+    "vllm:lora_requests_waiting",
 }
+
+
+def test_lora_requests_info_names_the_adapters_as_vllm_does():
+    (sample,) = scraped_families(fed_metrics())["vllm:lora_requests_info"].samples
+    assert {k: v for k, v in sample.labels.items() if k != "model_name"} == {
+        "max_lora": "4",
+        "waiting_lora_adapters": "chat",
+        "running_lora_adapters": "sql",
+    }
+    assert sample.value > 1e9  # the time of the scrape, as vLLM's gauge holds
 
 
 def vllm_names() -> tuple[set[str], dict[str, str]]:
