@@ -126,12 +126,11 @@ class ModelRunner:
         )
         # --deterministic, unset: on where it changes attention alone (worker/batch_invariance.py); the
         # config read from here on (the engine's, the KV tiers' fingerprint) holds the decision
-        self.deterministic = config.model.deterministic
-        if self.deterministic is None:
-            self.deterministic = batch_invariance_by_default(config, model, self.attention_backend, self.lora)
-            model_config = dataclasses.replace(config.model, deterministic=self.deterministic)
+        if config.model.deterministic is None:
+            decided = batch_invariance_by_default(config, model, self.attention_backend, self.lora)
+            model_config = dataclasses.replace(config.model, deterministic=decided)
             config = self.config = dataclasses.replace(config, model=model_config)
-        if self.deterministic:  # before the fused stack, which takes the layers' kernels
+        if config.model.deterministic:  # before the fused stack, which takes the layers' kernels
             make_batch_invariant(model, self.attention_backend)
         self.input_builder = InputBuilder(config.cache, self.attention_backend, self.device)
         # token trees: verified on the torch reference (the compiled and Triton kernels take no tree mask)
@@ -154,7 +153,7 @@ class ModelRunner:
         self.decode_stack = None if pipeline else build_decode_stack(model, self.attention_backend)
         if self.decode_stack is not None and self.lora is not None:
             self.decode_stack.bind_lora(self.lora.stack_layers())
-        if self.decode_stack is not None and self.deterministic:
+        if self.decode_stack is not None and config.model.deterministic:
             self.decode_stack.max_span = self.attention_backend.piece_len  # longer: the modules' pieces
         # Called with each step's final hidden states, whichever path made them (evaluation and
         # draft-head training read them here: the fused stack runs no module hooks).

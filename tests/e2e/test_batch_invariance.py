@@ -160,12 +160,12 @@ def test_on_by_default_where_it_changes_attention_alone(tiny_dir, alone):
     info = server_info("tiny", llm.engine.config, llm.engine.tokenizer, None, llm.engine.batch_invariance)
     amx = any(getattr(module, "amx", False) for module in llm.engine.model_runner.model.modules())
     if dtype == "float32" or amx:
-        assert not llm.engine.model_runner.deterministic
+        assert not llm.engine.config.model.deterministic
         assert info.batch_invariance_reasons[0] == "--deterministic is off"
         assert any("prefill kernel" in reason for reason in info.batch_invariance_reasons)
         assert amx == any("AMX tiles" in reason for reason in info.batch_invariance_reasons)
         return
-    assert llm.engine.model_runner.deterministic is True
+    assert llm.engine.config.model.deterministic is True
     assert info.batch_invariant and info.batch_invariance_reasons == []
     assert results(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert results(llm.generate(prompts[::-1], GREEDY, use_tqdm=False)) == expected[::-1]  # prefix hits
@@ -224,7 +224,7 @@ def test_the_default_model_in_its_default_dtype(prompts_5_to_600):
     the flag, batching changed the tokens of some of these prompts on an AVX-512 BF16 machine)."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     llm = LLM(kv_cache_memory="256MiB", prefix_caching=False)
-    assert llm.engine.model_runner.deterministic and llm.engine.batch_invariance == ()
+    assert llm.engine.config.model.deterministic and llm.engine.batch_invariance == ()
     expected = [results(llm.generate([prompt], params, use_tqdm=False))[0] for prompt in prompts_5_to_600]
     assert results(llm.generate(prompts_5_to_600, params, use_tqdm=False)) == expected
     chunked = LLM(kv_cache_memory="256MiB", max_num_batched_tokens=61)
