@@ -28,6 +28,31 @@ class PrefillSpan:
 
 
 @dataclass
+class RecentKVPlan:
+    """A step's moves for an int4/int2 cache (attention/low_bit.py, worker/recent_kv.py): the blocks
+    completed this step, gathered from the window and the new rows and quantized into the pool, then
+    the new rows that stay in the window and the sinks first computed now. Rows of the completed blocks
+    are numbered block * block_size + offset in `sealed_blocks` order; window rows as low_bit.window_rows."""
+
+    sealed_blocks: torch.Tensor  # [n] pool block ids completed this step
+    sealed_firsts: torch.Tensor  # [f] which of them are a sequence's first block (indices into sealed_blocks)
+    sealed_from_window: torch.Tensor  # [a] rows of the completed blocks that come from the window
+    window_rows: torch.Tensor  # [a] their flat window rows
+    sealed_from_new: torch.Tensor  # [b] rows of the completed blocks that come from the new rows
+    new_rows: torch.Tensor  # [b] their flat token indices
+    window_writes: torch.Tensor  # [m] flat window rows written this step
+    window_sources: torch.Tensor  # [m] their flat token indices
+    sink_writes: torch.Tensor  # [s] sink entries first computed this step
+    sink_sources: torch.Tensor  # [s] their flat token indices (a position 0)
+    tables: torch.Tensor  # [sequences, columns] int64 block tables, in batch order
+    window_slot_tensor: torch.Tensor  # [sequences] each one's window slot, in batch order
+    sink_entry_tensor: torch.Tensor  # [sequences] each one's sink entry
+    window_slots: list[int]  # the same, for the per-sequence reference (decodes, then prefills)
+    sink_entries: list[int]
+    computed: list[int]  # each sequence's tokens cached before this step, in batch order
+
+
+@dataclass
 class AttentionMetadata:
     """The batch as attention needs it.
 
@@ -53,6 +78,7 @@ class AttentionMetadata:
     # the backend every layer calls this step in place of its own (None: its own): a step verifying a
     # token tree runs the torch reference, the one backend that takes tree masks
     backend: object | None = None
+    recent_kv: RecentKVPlan | None = None  # int4/int2 caches: the step's window and block moves
 
     def query_starts(self, num_rows: int, device: torch.device) -> torch.Tensor:
         """decode_query_starts, or where it is None one query row for each of the `num_rows` decodes."""

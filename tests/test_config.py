@@ -68,9 +68,13 @@ def test_the_pools_row_bytes_are_the_formats_layout(kv_dtype, dtype):
 
     assert tuple(KV_CACHE_FORMATS) == KV_CACHE_DTYPES
     fmt = KV_CACHE_FORMATS[kv_dtype]
-    rows = torch.randn(3, 2, 64, dtype=dtype)
-    stored = fmt.quantize(rows) if fmt.is_quantized else rows
-    assert stored.shape[-1] * stored.element_size() == kv_row_bytes(kv_dtype, 64, dtype)
+    rows = torch.randn(32, 2, 64, dtype=dtype)  # a block of 32 tokens' rows
+    if fmt.is_low_bit:  # keys per block, values per row: rows of one size
+        stored = [fmt.quantize_key_blocks(rows), fmt.quantize_values(rows)]
+    else:
+        stored = [fmt.quantize(rows) if fmt.is_quantized else rows]
+    for part in stored:
+        assert part.shape[-1] * part.element_size() == kv_row_bytes(kv_dtype, 64, dtype)
 
 
 def test_the_attention_backend_names_are_the_registrys():
@@ -86,7 +90,7 @@ def test_the_attention_backend_names_are_the_registrys():
         ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization must be in \(0, 1\]"),
         ({"max_model_len": 0}, "max_model_len must be >= 1"),
         ({"dtype": "float64"}, "dtype must be one of auto, float32, bfloat16, float16; got 'float64'"),
-        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype must be one of auto, int8, fp8"),
+        ({"kv_cache_dtype": "int3"}, "kv_cache_dtype must be one of auto, int8, fp8, int4, int2"),
         ({"sliding_window": 0}, "sliding_window must be >= 1"),
         ({"attention_sinks": -1}, "attention_sinks must be >= 0"),
         ({"ttft_target_ms": -1.0}, "ttft_target_ms and tpot_target_ms must be >= 0"),
@@ -118,7 +122,7 @@ def test_cache_and_model_configs_validate_their_fields(smollm2_arch):
     with pytest.raises(ValueError, match="at least one block"):
         CacheConfig(block_size=16, num_blocks=0, kv_cache_memory=0)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        CacheConfig(block_size=16, num_blocks=4, kv_cache_memory=1, kv_cache_dtype="int2")
+        CacheConfig(block_size=16, num_blocks=4, kv_cache_memory=1, kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch"):
         ModelConfig("m", smollm2_arch, torch.float32, 128, attention_backend="flash")
     with pytest.raises(ValueError, match="max_model_len must be >= 1"):

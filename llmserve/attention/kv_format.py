@@ -1,4 +1,4 @@
-"""How K and V rows are stored in the paged pool (`--kv-cache-dtype`): the model dtype, or 8 bits.
+"""How K and V rows are stored in the paged pool (`--kv-cache-dtype`): the model dtype, 8, 4 or 2 bits.
 
 Quantized layout (int8, fp8): the pool is a byte tensor whose last dimension holds, for each
 (slot, kv head), the head_dim 8-bit codes followed by that row's float16 scale:
@@ -22,6 +22,20 @@ instead of losing precision to subnormals.
 int8 rounds to the nearest of 255 levels (max error s / 2 per element); fp8 stores
 float8_e4m3fn codes (3 mantissa bits: relative error up to 1/16 per element, but finer near
 zero). Both dequantize in attention, to the query's dtype.
+
+4-bit and 2-bit caches (int4, int2) follow KIVI (Liu et al., 2024): keys have a few channels of large
+magnitude, so they are quantized per channel over a group of tokens, values per token over groups of
+channels, both asymmetric (x ~= minimum + code * scale, codes 0..2^bits - 1, the scale and minimum in
+float16), and the most recent tokens stay in full precision. Here a key group is a block of
+LOW_BIT_GROUP tokens and the full-precision window is each sequence's last, incomplete block, kept
+outside the pool (`RecentKV` in worker/recent_kv.py): a block is quantized, keys and values at once,
+when its last row is written, and the window then starts over. A query sees the positions of the
+blocks complete at its own position quantized and the rest of its context in full precision, whether
+it comes in a prompt chunk or one decode at a time, so chunking does not change the result. Row
+layout (bytes): [packed codes, head_dim * bits / 8 | head_dim / 8 bytes of float16 (scale, minimum)
+pairs]; a key row's pairs are its block's per-channel pairs for channels [t * head_dim / 32,
+(t + 1) * head_dim / 32) (row t of the block), a value row's those of its own groups of 32 channels.
+Codes are packed from the low bits up: element d at bit (d * bits) % 8 of byte d * bits / 8.
 """
 
 from __future__ import annotations
@@ -30,7 +44,14 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.config.kv_cache_dtype import SCALE_BYTES, check_kv_cache_dtype, kv_row_size, kv_storage_dtype
+from llmserve.config.kv_cache_dtype import (
+    LOW_BIT_GROUP,
+    LOW_BIT_KV_BITS,
+    SCALE_BYTES,
+    check_kv_cache_dtype,
+    kv_row_size,
+    kv_storage_dtype,
+)
 from llmserve.kernels.cpu_ops import cpu_ops_for
 
 _SCALE_DTYPE = torch.float16  # SCALE_BYTES wide
@@ -46,6 +67,11 @@ class KVCacheFormat:
 
     @property
     def is_quantized(self) -> bool:
+        return False
+
+    @property
+    def is_low_bit(self) -> bool:
+        """int4 / int2: written and read a block at a time, with a full-precision window."""
         return False
 
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -115,12 +141,125 @@ class QuantizedKVCacheFormat(KVCacheFormat):
         return (codes * scale).to(dtype)
 
 
+@dataclass(frozen=True)
+class LowBitKVCacheFormat(KVCacheFormat):
+    """int4 / int2 (KIVI, module docstring): whole blocks are written at once, from the full-precision
+    window and the step's new rows (`RecentKVPlan`); rows are read back a block at a time."""
+
+    bits: int = 4
+
+    @property
+    def is_quantized(self) -> bool:
+        return True
+
+    @property
+    def is_low_bit(self) -> bool:
+        return True
+
+    def write(self, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        raise TypeError(f"a {self.name} KV cache is written a block at a time (write_blocks)")
+
+    def read(self, cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise TypeError(f"a {self.name} KV cache is read a block at a time (read_blocks)")
+
+    def write_blocks(
+        self, key_cache, value_cache, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Quantize whole blocks keys/values [n, block, kv_heads, head_dim] into pool blocks `blocks`."""
+        if blocks.numel() == 0:
+            return
+        block = keys.shape[1]
+        _blocks_view(key_cache, block)[blocks] = self.quantize_key_blocks(keys)
+        _blocks_view(value_cache, block)[blocks] = self.quantize_values(values)
+
+    def read_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, block: int, keys: bool) -> torch.Tensor:
+        """Pool blocks `blocks` (any shape) as [*blocks.shape, block, kv_heads, head_dim] float32."""
+        packed = _blocks_view(cache, block)[blocks]
+        return self.dequantize_key_blocks(packed) if keys else self.dequantize_values(packed)
+
+    def quantize_key_blocks(self, keys: torch.Tensor) -> torch.Tensor:
+        """[..., block, heads, d] floats -> [..., block, heads, row] bytes: per channel over the block."""
+        x = keys.float()
+        scale, minimum = self._pairs(x.amin(dim=-3), x.amax(dim=-3))  # [..., heads, d]
+        codes = self._codes(x, scale.unsqueeze(-3), minimum.unsqueeze(-3))
+        *lead, block, heads, dim = x.shape
+        pairs = torch.stack((scale, minimum), dim=-1).view(torch.uint8)  # [..., heads, d, 4]
+        # row t of the block carries channels [t * d / block, (t + 1) * d / block)'s pairs
+        pairs = pairs.reshape(*lead, heads, block, -1).transpose(-3, -2)
+        return torch.cat((self._pack(codes), pairs), dim=-1)
+
+    def dequantize_key_blocks(self, packed: torch.Tensor) -> torch.Tensor:
+        *lead, block, heads, _ = packed.shape
+        dim = self._head_dim(packed.shape[-1])
+        pairs = packed[..., dim * self.bits // 8 :].transpose(-3, -2).contiguous()  # [..., heads, block, d/8]
+        pairs = pairs.view(torch.float16).reshape(*lead, heads, dim, 2).float()
+        codes = self._unpack(packed[..., : dim * self.bits // 8], dim).float()
+        return codes * pairs[..., 0].unsqueeze(-3) + pairs[..., 1].unsqueeze(-3)
+
+    def quantize_values(self, values: torch.Tensor) -> torch.Tensor:
+        """[..., d] floats -> [..., row] bytes: per row, in groups of LOW_BIT_GROUP channels."""
+        x = values.float()
+        grouped = x.reshape(*x.shape[:-1], -1, LOW_BIT_GROUP)
+        scale, minimum = self._pairs(grouped.amin(dim=-1), grouped.amax(dim=-1))
+        codes = self._codes(grouped, scale.unsqueeze(-1), minimum.unsqueeze(-1)).reshape(x.shape)
+        pairs = torch.stack((scale, minimum), dim=-1).view(torch.uint8).reshape(*x.shape[:-1], -1)
+        return torch.cat((self._pack(codes), pairs), dim=-1)
+
+    def dequantize_values(self, packed: torch.Tensor) -> torch.Tensor:
+        dim = self._head_dim(packed.shape[-1])
+        pairs = packed[..., dim * self.bits // 8 :].contiguous().view(torch.float16).float()
+        pairs = pairs.reshape(*packed.shape[:-1], dim // LOW_BIT_GROUP, 1, 2)
+        codes = self._unpack(packed[..., : dim * self.bits // 8], dim).float()
+        grouped = (
+            codes.reshape(*codes.shape[:-1], dim // LOW_BIT_GROUP, LOW_BIT_GROUP) * pairs[..., 0]
+            + pairs[..., 1]
+        )
+        return grouped.reshape(codes.shape)
+
+    def _pairs(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, minimum) in float16: the minimum rounded first, the scale then spanning up to the
+        maximum from it (at least float16's smallest normal, so a constant group stays exact)."""
+        limit = torch.finfo(torch.float16).max
+        minimum = low.clamp(-limit, limit).to(torch.float16)
+        levels = (1 << self.bits) - 1
+        scale = ((high - minimum.float()) / levels).clamp(_MIN_SCALE, limit).to(torch.float16)
+        return scale, minimum
+
+    def _codes(self, x: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+        levels = (1 << self.bits) - 1
+        return ((x - minimum.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
+
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+        per_byte = 8 // self.bits
+        shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=codes.device)
+        grouped = codes.reshape(*codes.shape[:-1], -1, per_byte) << shifts
+        return grouped.sum(dim=-1, dtype=torch.uint8)
+
+    def _unpack(self, packed: torch.Tensor, dim: int) -> torch.Tensor:
+        shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed.unsqueeze(-1) >> shifts) & ((1 << self.bits) - 1)
+        return codes.reshape(*packed.shape[:-1], dim)
+
+    def _head_dim(self, row: int) -> int:
+        """head_dim from a row's bytes: d * bits / 8 + d / 8."""
+        return row * 8 // (self.bits + 1)
+
+
+def _blocks_view(cache: torch.Tensor, block: int) -> torch.Tensor:
+    """[slots, heads, row] as [blocks, block, heads, row]."""
+    return cache.view(-1, block, *cache.shape[1:])
+
+
 KV_CACHE_FORMATS: dict[str, KVCacheFormat] = {
     fmt.name: fmt
     for fmt in (
         KVCacheFormat(),
         QuantizedKVCacheFormat(name="int8", kernel_code=1, code_dtype=torch.int8, code_max=127.0),
         QuantizedKVCacheFormat(name="fp8", kernel_code=2, code_dtype=torch.float8_e4m3fn, code_max=448.0),
+        *(
+            LowBitKVCacheFormat(name=name, kernel_code=3 + i, bits=bits)
+            for i, (name, bits) in enumerate(LOW_BIT_KV_BITS.items())
+        ),
     )
 }
 

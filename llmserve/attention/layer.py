@@ -21,6 +21,9 @@ class Attention(nn.Module):
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
         self.kv_group = 0  # its KV-cache group (config/kv_groups.py), whose block table it reads
+        # int4/int2 caches: views of the full-precision windows and sinks (worker/recent_kv.py): K and V
+        # rows [slots * window, kv_heads, head_dim], then K and V rows [sink entries, kv_heads, head_dim]
+        self.recent_kv: tuple[torch.Tensor, ...] | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return self._attend(query, key, value)
@@ -30,6 +33,8 @@ class Attention(nn.Module):
         num_tokens = query.shape[0]
         metadata = get_attention_metadata(self.kv_group)
         backend = self.backend if metadata.backend is None else metadata.backend  # token trees: the reference
+        if self.recent_kv is not None:
+            options["recent"] = self.recent_kv
         out = backend.forward(
             query.view(num_tokens, self.num_heads, self.head_dim),
             key.view(num_tokens, self.num_kv_heads, self.head_dim),

@@ -9,6 +9,7 @@ import torch
 from llmserve.attention.backends.cpu_paged import CPUPagedBackend
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
 from llmserve.attention.backends.triton_paged import TritonPagedBackend
+from llmserve.config.kv_cache_dtype import is_low_bit
 
 logger = logging.getLogger("llmserve")
 
@@ -36,6 +37,12 @@ def select_attention_backend(
             f"attention backend {name!r} cannot soft-cap attention scores (this model's); "
             f"use auto, {' or '.join(_SOFT_CAPPING)}"
         )
+    if is_low_bit(kv_cache_dtype):  # read by the reference alone so far
+        if name not in ("auto", TorchSDPABackend.name):
+            raise ValueError(
+                f"attention backend {name!r} does not read {kv_cache_dtype} KV caches; use auto or torch"
+            )
+        return get_attention_backend(TorchSDPABackend.name, kv_cache_dtype)
     if name == TritonPagedBackend.name and not TritonPagedBackend.runs_on(device):
         raise ValueError(f"attention backend {name!r} runs on CUDA devices, not {device.type}")
     if name != "auto":

@@ -19,7 +19,15 @@ import torch
 from llmserve.config.cpu_isa import selected_level
 from llmserve.config.families import check_family_features
 from llmserve.config.flags import add_flags, arg, check_choice, from_namespace
-from llmserve.config.kv_cache_dtype import KVCacheDtype, check_kv_cache_dtype, kv_row_bytes, kv_storage_dtype
+from llmserve.config.kv_cache_dtype import (
+    LOW_BIT_GROUP,
+    KVCacheDtype,
+    check_kv_cache_dtype,
+    check_low_bit_kv,
+    is_low_bit,
+    kv_row_bytes,
+    kv_storage_dtype,
+)
 from llmserve.config.kv_events import KVEventsConfig
 from llmserve.config.kv_groups import KVCacheGroup, group_size, kv_cache_groups
 from llmserve.config.kv_offloading import KVOffloadingBackend, KVOffloadingConfig
@@ -148,7 +156,9 @@ class CacheConfig:
     kv_cache_memory: int  # bytes the pool takes (K and V, all layers)
     enable_prefix_caching: bool = True  # reuse computed KV blocks of identical token prefixes
     num_swap_blocks: int = 0  # blocks of CPU swap space for preempted requests
-    kv_cache_dtype: KVCacheDtype = "auto"  # storage of K/V rows: "auto" (the model dtype), "int8" or "fp8"
+    kv_cache_dtype: KVCacheDtype = (
+        "auto"  # storage of K/V rows: "auto" (the model dtype), int8, fp8, int4, int2
+    )
     sliding_window: int = 0  # keep only the last this many tokens' KV (0: keep all)
     attention_sinks: int = 0  # with a window: also keep the first this many tokens (StreamingLLM)
     kv_events: KVEventsConfig | None = None  # publish the prefix cache's changes; None: off
@@ -383,7 +393,10 @@ class EngineArgs:
     swap_space: int | str = arg("1GiB", "CPU memory for the KV of requests preempted by swapping")
     prefix_caching: bool = arg(True, "reuse the KV of identical prompt prefixes (automatic prefix caching)")
     kv_cache_dtype: KVCacheDtype = arg(
-        "auto", "auto (the model dtype) | int8 | fp8: K/V stored in 8 bits with a scale per token and head"
+        "auto",
+        "auto (the model dtype) | int8 | fp8: K/V stored in 8 bits with a scale per token and head | "
+        "int4 | int2: KIVI (keys per channel over a block of 32, values per token), each sequence's "
+        "last block in full precision",
     )
     sliding_window: int | None = arg(
         None, "attend to and keep only the last W tokens' KV (default: the model's own window, if any)"
@@ -797,8 +810,11 @@ class EngineArgs:
         device_memory: DeviceMemory | None,
     ) -> CacheConfig:
         block_size = self.block_size if self.block_size is not None else default_block_size(device)
+        if self.block_size is None and is_low_bit(self.kv_cache_dtype):
+            block_size = LOW_BIT_GROUP  # a key group is a block
         window, sinks = self._window(arch, scheduler.max_model_len)
         kv_groups = self._kv_groups(arch, scheduler.max_model_len, parallel, draft_arch)
+        self._check_low_bit_kv(arch, block_size, window, kv_groups)
         bytes_per_token = self._kv_bytes_per_token(arch, dtype, parallel, kv_groups)
         pool_bytes_per_token = bytes_per_token  # + the draft model's KV, which uses the same block ids
         if draft_arch is not None:
@@ -939,6 +955,23 @@ class EngineArgs:
         if refused is not None:
             raise ValueError(f"{flag} does not combine with {refused} yet")
         return config
+
+    def _check_low_bit_kv(self, arch: ModelArchConfig, block_size: int, window: int, kv_groups) -> None:
+        """What a 4-bit or 2-bit cache does not combine with yet: its windows and sinks live beside the pool,
+        where drafts, transfers, tier files and per-layer tables do not reach."""
+        name = self.kv_cache_dtype
+        if not is_low_bit(name):
+            return
+        check_low_bit_kv(name, arch.head_dim, block_size)
+        refused = {
+            "speculative decoding": self.speculative_method is not None,
+            "a sliding window": bool(window or kv_groups),
+            "--kv-transfer-config": self.kv_transfer_config is not None,
+            "--kv-offloading-size or --kv-offloading-disk-dir": self._kv_offloading_flags() is not None,
+        }
+        for what, given in refused.items():
+            if given:
+                raise ValueError(f"kv_cache_dtype {name} does not combine with {what} yet")
 
     def _window(self, arch: ModelArchConfig, max_model_len: int) -> tuple[int, int]:
         """(window, sinks); (0, 0) when no sequence can outgrow sinks + window anyway."""

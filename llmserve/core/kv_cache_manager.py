@@ -82,8 +82,13 @@ class KVCacheManager:
         enable_kv_events: bool = False,
         group_windows: tuple[int, ...] | None = None,
         tiers: TierSpec | None = None,
+        window_blocks: int = 0,
     ) -> None:
-        """`tiers`: RAM and disk under the prefix cache (core/kv_tiers.py); one global group only."""
+        """`tiers`: RAM and disk under the prefix cache (core/kv_tiers.py); one global group only.
+        `window_blocks` > 0 (int4/int2 caches): a sequence's blocks are read in full precision from its
+        own window beside the pool (worker/recent_kv.py) until their span of this many blocks is
+        complete, so prefix hits and forks share whole spans only (the window does not travel)."""
+        self.hit_multiple = max(window_blocks, 1)
         # KV-cache groups' windows (0: global); None: one group of every layer with `sliding_window`
         windows = group_windows if group_windows is not None else (sliding_window,)
         if len(windows) > 1 and attention_sinks:
@@ -104,7 +109,9 @@ class KVCacheManager:
             tiers=tiers if enable_prefix_caching else None,
         )
         self.block_tables = BlockTables(self.pool, block_size, self.groups)
-        self.prefix_cache = PrefixCache(self.pool, block_size, self.groups, enable_prefix_caching)
+        self.prefix_cache = PrefixCache(
+            self.pool, block_size, self.groups, enable_prefix_caching, self.hit_multiple
+        )
         self.swap_space = SwapSpace(num_swap_blocks, self.pool)
         self.tier_hits = TierHits(self.pool, self.prefix_cache, block_size)
         # blocks a decoding sequence holds at most: all of them while a group keeps every block

@@ -39,8 +39,15 @@ def hash_block(parent_hash: bytes, tokens: tuple[int, ...], extra_key: bytes = b
 
 class PrefixCache:
     def __init__(
-        self, pool: BlockPool, block_size: int, groups: tuple[GroupManager, ...], enabled: bool = True
+        self,
+        pool: BlockPool,
+        block_size: int,
+        groups: tuple[GroupManager, ...],
+        enabled: bool = True,
+        hit_multiple: int = 1,
     ) -> None:
+        """`hit_multiple`: hits are whole multiples of this many blocks (KVCacheManager's window_blocks)."""
+        self.hit_multiple = hit_multiple
         self.pool = pool
         self.block_size = block_size
         self.groups = groups
@@ -85,7 +92,7 @@ class PrefixCache:
             if block is None:
                 break
             hits.append(block)
-        return hits
+        return hits[: len(hits) - len(hits) % self.hit_multiple]
 
     def _hit_by_group(self, request: Request, hashes: list[bytes], max_blocks: int) -> list[int]:
         """The longest hit of `max_blocks` blocks at most that every group has (each group's hit

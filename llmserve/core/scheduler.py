@@ -355,6 +355,11 @@ class Scheduler:
         """Admit a parallel sample on its sibling's prompt blocks; only the last prompt token (for
         its own logits) and any output of its own are computed."""
         shared = request.num_prompt_tokens - 1
+        span = self.kv_cache.hit_multiple * self.kv_cache.block_size
+        if (
+            self.kv_cache.hit_multiple > 1
+        ):  # int4/int2: whole spans only (their window stays with the sibling)
+            shared -= shared % span
         self.kv_cache.fork(request.fork_source, request, shared)
         request.num_computed_tokens = shared
         num_new = min(request.num_tokens - shared, budget)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from llmserve.config import CacheConfig, DeviceMemory, EngineArgs, EngineConfig
+from llmserve.config.kv_cache_dtype import LOW_BIT_WINDOW_BLOCKS, is_low_bit
 from llmserve.config.parallel import split_sizes, stage_layer_ranges
 from llmserve.core.draft_planner import DraftPlanner
 from llmserve.core.kv_cache_manager import KVCacheManager
@@ -103,6 +104,7 @@ class LLMEngine:
             enable_kv_events=cache.kv_events is not None,
             group_windows=tuple(group.window for group in cache.kv_groups) or None,
             tiers=self.model_runner.kv_tier_store.spec if self.model_runner.kv_tier_store else None,
+            window_blocks=LOW_BIT_WINDOW_BLOCKS if is_low_bit(cache.kv_cache_dtype) else 0,
         )
         self.kv_event_publisher = None  # the prefix cache's changes, for a router (--kv-events-config)
         if cache.kv_events is not None:

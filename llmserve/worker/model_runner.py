@@ -44,6 +44,7 @@ from llmserve.worker.kv_tier_store import KVTierStore
 from llmserve.worker.kv_transfer import create_connector, create_receiver
 from llmserve.worker.prefault import PrefaultThread, populate_in_background
 from llmserve.worker.prompt_logprobs import compute as compute_prompt_logprobs
+from llmserve.worker.recent_kv import RecentKV
 from llmserve.worker.request_state import CachedRequestState, apply_plan
 from llmserve.worker.step_inputs import InputBuilder, StepInputs
 from llmserve.worker.token_tree_kv import move_accepted_kv, tree_hidden_rows
@@ -145,6 +146,16 @@ class ModelRunner:
         self._static_decode = self._uses_static_decode()  # decided first: its padding needs a scratch block
         self.kv_cache = self._allocate_kv_cache()
         self._early_kv_pool = None
+        self.recent_kv = None  # int4/int2 caches: each request's incomplete last block, in full precision
+        if self.attention_backend.kv_format.is_low_bit:
+            self.recent_kv = RecentKV(
+                self.model.attention_layers(),
+                config.cache.block_size,
+                config.model.arch.head_dim,
+                config.model.dtype,
+                self.device,
+            )
+            self.input_builder.recent_kv = self.recent_kv
         # CPU: map its pages ahead of use (an early pool's prefault is already running)
         self.kv_prefault = _take_prefault(early_kv_pool, self.kv_cache) or _prefault(self.kv_cache)
         # decode-only steps run every decoder layer in one compiled call where it applies (CPU); it
@@ -325,6 +336,8 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> StepInputs | None:
         """Apply the plan (request states, block moves); the step's flat inputs, None without tokens."""
         apply_plan(self.requests, plan, self.device)
+        if self.recent_kv is not None:
+            self.recent_kv.release(plan.finished_request_ids)
         self.move_blocks(plan)
         if not plan.num_scheduled_tokens:
             return None

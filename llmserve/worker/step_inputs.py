@@ -16,7 +16,7 @@ import torch
 
 from llmserve.attention.window import decode_context_positions, prefill_context_positions
 from llmserve.config import CacheConfig
-from llmserve.forward_context import AttentionMetadata, PrefillSpan
+from llmserve.forward_context import AttentionMetadata, PrefillSpan, RecentKVPlan
 from llmserve.sample.token_tree import tree_shape
 from llmserve.worker.prompt_logprobs import PromptLogprobRows
 from llmserve.worker.prompt_logprobs import select_rows as select_prompt_logprob_rows
@@ -61,6 +61,9 @@ class InputBuilder:
         self.device = device
         self.block_size = cache.block_size
         self.kv_groups = cache.kv_groups  # (): one group of every layer
+        self.recent_kv = (
+            None  # int4/int2 caches: the runner's window (worker/recent_kv.py), whose slots it reads
+        )
 
     def build(
         self,
@@ -94,6 +97,10 @@ class InputBuilder:
             attention = self.attention_metadata(block_tables, num_new, seq_lens, starts, slot_mapping)
         if trees:
             self._add_tree_masks(attention, trees, seq_lens)
+        if self.recent_kv is not None:
+            attention.recent_kv = self._recent_kv_plan(
+                requests, block_tables, computed, seq_lens, token_rows, positions
+            )
 
         num_drafts = np.array([len(r.spec_token_ids) for r in requests], dtype=np.int64)
         caught_up = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens + num_drafts[i]]
@@ -113,6 +120,63 @@ class InputBuilder:
             pool_rows=pool_rows,
             pool_indices=to_device(ends[pool_rows] - 1) if pool_rows else None,
         )
+
+    def _recent_kv_plan(
+        self, requests, block_tables, computed, seq_lens, token_rows, positions
+    ) -> RecentKVPlan:
+        """The step's moves for an int4/int2 cache (forward_context.RecentKVPlan): every block whose last
+        row this step writes, from the window (rows cached before the step) and the new rows; the new
+        rows of the blocks a later query reads in full precision; the sinks no request wrote before."""
+        block, recent = self.block_size, self.recent_kv
+        slots = recent.slots(request.request_id for request in requests)
+        sinks, made = recent.sink_entries(
+            (request.all_token_ids[0], request.sampling_params.lora_name) for request in requests
+        )
+        first, end = computed // block, seq_lens // block  # blocks [first, end) are completed this step
+        counts = np.maximum(end - first, 0)
+        firsts = np.cumsum(counts) - counts  # each sequence's first completed block, in plan order
+        owner = np.repeat(np.arange(len(requests)), counts)
+        sealed_index = first[owner] + np.arange(int(counts.sum())) - firsts[owner]  # in its table
+        token_block = positions // block
+        from_new = np.flatnonzero(token_block < end[token_rows])
+        rows = token_rows[from_new]
+        sealed_from_new = (firsts[rows] + token_block[from_new] - first[rows]) * block + positions[
+            from_new
+        ] % block
+        kept = np.where(counts > 0, computed % block, 0)  # window rows of a block completed now
+        keeper = np.repeat(np.arange(len(requests)), kept)
+        offset = np.arange(int(kept.sum())) - np.repeat(np.cumsum(kept) - kept, kept)
+        kept_positions = first[keeper] * block + offset
+        # rows a later query reads in full precision: those of the sequence's incomplete span of blocks
+        span_start = end // recent.window_blocks * recent.window_blocks
+        stays = np.flatnonzero(token_block >= span_start[token_rows])
+        sink_sources = np.flatnonzero((positions == 0) & made[token_rows])
+        device = self._to_device
+        return RecentKVPlan(
+            sealed_blocks=device(block_tables[owner, sealed_index]),
+            sealed_firsts=device(np.flatnonzero(sealed_index == 0)),
+            sealed_from_window=device(firsts[keeper] * block + offset),
+            window_rows=device(self._window_rows(slots[keeper], kept_positions)),
+            sealed_from_new=device(sealed_from_new),
+            new_rows=device(from_new),
+            window_writes=device(self._window_rows(slots[token_rows[stays]], positions[stays])),
+            window_sources=device(stays),
+            sink_writes=device(sinks[token_rows[sink_sources]]),
+            sink_sources=device(sink_sources),
+            tables=device(block_tables),
+            window_slot_tensor=device(slots),
+            sink_entry_tensor=device(sinks),
+            window_slots=slots.tolist(),
+            sink_entries=sinks.tolist(),
+            computed=computed.tolist(),
+        )
+
+    def _window_rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """attention/low_bit.window_rows, on the host."""
+        blocks = self.recent_kv.window_blocks
+        return (
+            slots * blocks + (positions // self.block_size) % blocks
+        ) * self.block_size + positions % self.block_size
 
     def _add_tree_masks(self, attention: AttentionMetadata, trees: dict[int, list[int]], seq_lens) -> None:
         """Token trees (sample/token_tree.py): each tree's verify span (a prefill span here, the reference

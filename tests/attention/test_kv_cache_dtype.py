@@ -59,8 +59,8 @@ def test_default_pool_holds_the_same_tokens_in_float32_and_bf16(dtype, kv_dtype,
 
 
 def test_unknown_kv_cache_dtype_is_a_one_line_error(smollm2_arch):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
-        EngineArgs(device="cpu", kv_cache_dtype="int4").create_config(smollm2_arch, "unused")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8, int4, int2"):
+        EngineArgs(device="cpu", kv_cache_dtype="int3").create_config(smollm2_arch, "unused")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from llmserve.attention import low_bit
 from llmserve.attention.kv_format import KVCacheFormat, get_kv_cache_format
 from llmserve.forward_context import AttentionMetadata, PrefillSpan
 
@@ -40,7 +41,10 @@ class TorchSDPABackend:
         scale: float,
         window: int = 0,  # this layer's own sliding window (LocalAttention); 0: the engine's, if any
         softcap: float = 0.0,  # soft-cap of the scores (0: none)
+        recent: tuple[torch.Tensor, ...] | None = None,  # int4/int2: windows and sinks (low_bit.py)
     ) -> torch.Tensor:
+        if self.kv_format.is_low_bit:
+            return self._low_bit(query, key, value, key_cache, value_cache, recent, metadata, scale, softcap)
         self.kv_format.write(key_cache, metadata.slot_mapping, key)
         self.kv_format.write(value_cache, metadata.slot_mapping, value)
         num_decodes = metadata.num_decode_tokens
@@ -61,6 +65,43 @@ class TorchSDPABackend:
                 metadata,
                 scale,
                 *options,
+            )
+        return output
+
+    def _low_bit(
+        self, query, key, value, key_cache, value_cache, recent, metadata: AttentionMetadata, scale, softcap
+    ):
+        """A 4-bit or 2-bit cache (attention/low_bit.py): the reference on every span."""
+        plan, block, fmt = metadata.recent_kv, metadata.block_size, self.kv_format
+        first_prefill = len(plan.window_slots) - len(metadata.prefills)
+        prefills = range(first_prefill, len(plan.window_slots))
+        earlier = [
+            low_bit.earlier_rows(recent, plan.window_slots[i], plan.computed[i], block) for i in prefills
+        ]
+        low_bit.write_step(fmt, key_cache, value_cache, key, value, recent, plan, block)
+        output = torch.empty_like(query)
+        if first_prefill:
+            rows = metadata.num_decode_tokens
+            output[:rows] = low_bit.decode(
+                fmt, query[:rows], key_cache, value_cache, recent, metadata, scale, softcap
+            )
+        for span, i, rows in zip(metadata.prefills, prefills, earlier, strict=True):
+            span_rows = slice(span.query_start, span.query_end)
+            output[span_rows] = low_bit.prefill(
+                fmt,
+                query[span_rows],
+                key[span_rows],
+                value[span_rows],
+                key_cache,
+                value_cache,
+                recent,
+                rows,
+                plan.tables[i],
+                plan.sink_entries[i],
+                plan.computed[i],
+                block,
+                scale,
+                softcap,
             )
         return output
 

@@ -1,0 +1,169 @@
+"""Writes and reference reads of a 4-bit or 2-bit KV cache (KIVI, attention/kv_format.py).
+
+A step first quantizes the blocks its new rows complete into the pool (gathered from the window and the
+new rows, `RecentKVPlan`; a sequence's first block without its position 0, whose outlier channels would
+widen every channel's range), then writes the new rows that stay in the window (worker/recent_kv.py)
+and the sinks it is the first to compute. Positions are read quantized only once the span of
+R = LOW_BIT_WINDOW_BLOCKS blocks they belong to is complete (KIVI's residual: up to R blocks' worth of
+recent tokens in full precision, quantized together when the span fills). A query at position p sees
+- position 0 from its sink entry, in full precision;
+- positions from (p + 1) // (R * block) * (R * block) on (the window), in full precision;
+- the rest of its context dequantized from the pool;
+so a prompt scored in chunks sees exactly what it would see one token at a time, and a prefix hit of
+whole spans (core/prefix_cache.py) what it would have computed. Computed in float32 (the oracle of the
+compiled kernels), one call for all decodes and one per prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.attention.kv_format import LowBitKVCacheFormat
+from llmserve.config.kv_cache_dtype import LOW_BIT_WINDOW_BLOCKS
+from llmserve.forward_context import AttentionMetadata, RecentKVPlan
+
+Recent = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # windows K, V; sinks K, V
+
+
+def window_rows(slots: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
+    """Flat window rows of `positions` for sequences in window `slots` (broadcast)."""
+    places = slots * LOW_BIT_WINDOW_BLOCKS + (positions // block) % LOW_BIT_WINDOW_BLOCKS
+    return places * block + positions % block
+
+
+def write_step(
+    fmt: LowBitKVCacheFormat,
+    key_cache,
+    value_cache,
+    key,
+    value,
+    recent: Recent,
+    plan: RecentKVPlan,
+    block: int,
+) -> None:
+    """The step's completed blocks into the pool, then its rows that stay in the window, and new sinks."""
+    count = plan.sealed_blocks.numel()
+    if count:
+        heads, dim = key.shape[1:]
+        gathered = []
+        for new, window in ((key, recent[0]), (value, recent[1])):
+            rows = new.new_empty(count * block, heads, dim)
+            rows[plan.sealed_from_window] = window[plan.window_rows]
+            rows[plan.sealed_from_new] = new[plan.new_rows]
+            rows = rows.view(count, block, heads, dim)
+            rows[plan.sealed_firsts, 0] = rows[plan.sealed_firsts, 1]  # position 0 is read from its sink
+            gathered.append(rows)
+        fmt.write_blocks(key_cache, value_cache, plan.sealed_blocks, *gathered)
+    for index, new in enumerate((key, value)):
+        recent[index][plan.window_writes] = new[plan.window_sources]
+        recent[2 + index][plan.sink_writes] = new[plan.sink_sources]
+
+
+def earlier_rows(recent: Recent, slot: int, computed: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill's window rows cached before this step that its queries read (positions
+    first_window(computed) .. computed - 1), taken before the step's writes reuse their places."""
+    device = recent[0].device
+    positions = torch.arange(first_window(computed, block), computed, device=device)
+    rows = window_rows(torch.tensor(slot, device=device), positions, block)
+    return recent[0][rows], recent[1][rows]
+
+
+def first_window(computed: int, block: int) -> int:
+    """The first position a query at `computed` or later may read from the window (at most computed)."""
+    span = LOW_BIT_WINDOW_BLOCKS * block
+    return min((computed + 1) // span * span, computed)
+
+
+def decode(
+    fmt: LowBitKVCacheFormat,
+    query,
+    key_cache,
+    value_cache,
+    recent: Recent,
+    metadata: AttentionMetadata,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """One query per sequence, at position length - 1."""
+    block, tables, lens = metadata.block_size, metadata.decode_block_tables, metadata.decode_seq_lens
+    plan = metadata.recent_kv
+    num = tables.shape[0]
+    slots, sinks = plan.window_slot_tensor[:num], plan.sink_entry_tensor[:num]
+    columns = -(-int(lens.max()) // block)
+    positions = torch.arange(columns * block, device=query.device)
+    span = LOW_BIT_WINDOW_BLOCKS * block
+    in_window = (positions[None, :] >= (lens // span * span)[:, None]) | (positions == 0)
+    valid = positions[None, :] < lens[:, None]
+    rows = window_rows(slots[:, None], positions[None, :], block)
+    context = []
+    for index, cache in enumerate((key_cache, value_cache)):
+        quantized = fmt.read_blocks(cache, tables[:, :columns], block, keys=index == 0).flatten(1, 2)
+        full = recent[index][rows].float()
+        full[:, 0] = recent[2 + index][sinks].float()
+        mixed = torch.where(in_window[..., None, None], full, quantized)
+        context.append(mixed.masked_fill_(~valid[..., None, None], 0).transpose(1, 2))  # [num, h, ctx, d]
+    out = _attend(query.float().unsqueeze(2), context[0], context[1], valid[:, None, None, :], scale, softcap)
+    return out.squeeze(2).to(query.dtype)
+
+
+def prefill(
+    fmt: LowBitKVCacheFormat,
+    query,
+    key,
+    value,
+    key_cache,
+    value_cache,
+    recent: Recent,
+    earlier,
+    table: torch.Tensor,
+    sink: int,
+    computed: int,
+    block: int,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """One sequence's span: query [q, heads, d] at positions computed..computed+q-1; key, value its new
+    rows; `earlier` its window rows from before the step (earlier_rows); `sink` its sink entry."""
+    num_queries = query.shape[0]
+    length = computed + num_queries
+    sealed = length // block * block  # positions of complete blocks
+    start = first_window(computed, block)
+    device = query.device
+    context = []
+    for index, cache in enumerate((key_cache, value_cache)):
+        quantized = torch.zeros(length, *key.shape[1:], device=device)
+        quantized[:sealed] = fmt.read_blocks(cache, table[: sealed // block], block, keys=index == 0).flatten(
+            0, 1
+        )
+        full = torch.zeros_like(quantized)
+        full[start:] = torch.cat((earlier[index].float(), (key, value)[index].float()))
+        full[0] = recent[2 + index][sink].float()
+        context.append((quantized, full))
+    query_pos = computed + torch.arange(num_queries, device=device)
+    keys_pos = torch.arange(length, device=device)
+    seen = keys_pos[None, :] <= query_pos[:, None]
+    span = LOW_BIT_WINDOW_BLOCKS * block
+    window_from = (query_pos + 1) // span * span
+    use_full = seen & ((keys_pos[None, :] >= window_from[:, None]) | (keys_pos[None, :] == 0))
+    use_quantized = seen & ~use_full
+    q = query.float().transpose(0, 1)  # [heads, q, d]
+    group = query.shape[1] // key.shape[1]
+    (kq, kf), (vq, vf) = [
+        [part.transpose(0, 1).repeat_interleave(group, 0) for part in pair] for pair in context
+    ]
+    scores = torch.where(use_full, _capped(q @ kf.transpose(1, 2) * scale, softcap), float("-inf"))
+    scores = torch.where(use_quantized, _capped(q @ kq.transpose(1, 2) * scale, softcap), scores)
+    probs = scores.softmax(dim=-1)
+    out = (probs * use_quantized) @ vq + (probs * use_full) @ vf
+    return out.transpose(0, 1).to(query.dtype)
+
+
+def _attend(query, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
+    group = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = _capped(query @ keys.transpose(-1, -2) * scale, softcap).masked_fill_(~mask, float("-inf"))
+    return scores.softmax(dim=-1) @ values
+
+
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return scores if not softcap else scores.div(softcap).tanh_().mul_(softcap)

@@ -1,0 +1,117 @@
+"""The full-precision parts of a 4-bit or 2-bit KV cache (attention/kv_format.py: KIVI).
+
+Keys of such a cache are quantized per channel over a whole block, so a block is quantized only once
+its last row is written, and a query reads its sequence's most recent blocks in full precision (the
+window) and its first token (the attention sink) too. Both are kept here, in the model's dtype, in every
+layer:
+- the window: LOW_BIT_WINDOW_BLOCKS blocks of rows per request, a ring (block j of a sequence at place
+  j % LOW_BIT_WINDOW_BLOCKS). A request keeps its window slot from its first step to its end, so one
+  preempted by swapping finds it as it left it, and one preempted by recomputing rewrites it.
+- the sinks: the K/V of position 0, one entry per (first token, LoRA adapter): position 0 sees nothing
+  but itself, so its K/V depend on that token and adapter alone, and a request whose first blocks come
+  from the prefix cache finds its sink here, written by the request that computed it. Entries are kept
+  for the engine's life (one per distinct first token, a few in practice).
+Slots and entries are handed out as they are needed; when all are taken the tensors grow (double, rows
+copied over) and every attention layer is given views of the new ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from llmserve.config.kv_cache_dtype import LOW_BIT_WINDOW_BLOCKS
+
+
+class RecentKV:
+    def __init__(
+        self,
+        layers: Sequence,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int = 8,
+    ) -> None:
+        self.layers = list(layers)
+        self.block_size = block_size
+        self.window_blocks = LOW_BIT_WINDOW_BLOCKS
+        self.slot_rows = self.window_blocks * block_size  # window rows per request
+        self._row_shape = (self.layers[0].num_kv_heads, head_dim) if self.layers else (0, head_dim)
+        self.dtype, self.device = dtype, device
+        self._slot_of: dict[str, int] = {}
+        self._free: list[int] = []
+        self._sink_of: dict[tuple[int, str | None], int] = {}
+        # [layers, K/V, rows, kv_heads, head_dim]: the windows' rows, and the sinks' (one row each)
+        self.windows = self._empty(0)
+        self.sinks = self._empty(0)
+        self._grow_windows(slots)
+        self._grow_sinks(4)
+
+    @property
+    def num_slots(self) -> int:
+        return self.windows.shape[2] // self.slot_rows
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.windows, self.sinks))
+
+    def slots(self, request_ids: Iterable[str]) -> np.ndarray:
+        """Each request's window slot (given one on its first step)."""
+        out = []
+        for request_id in request_ids:
+            slot = self._slot_of.get(request_id)
+            if slot is None:
+                if not self._free:
+                    self._grow_windows(2 * self.num_slots)
+                slot = self._slot_of[request_id] = self._free.pop()
+            out.append(slot)
+        return np.asarray(out, dtype=np.int64)
+
+    def sink_entries(self, keys: Iterable[tuple[int, str | None]]) -> tuple[np.ndarray, np.ndarray]:
+        """Each (first token, adapter)'s sink entry, and whether it was made now (nothing written yet)."""
+        entries, made = [], []
+        for key in keys:
+            entry = self._sink_of.get(key)
+            made.append(entry is None)
+            if entry is None:
+                if len(self._sink_of) == self.sinks.shape[2]:
+                    self._grow_sinks(2 * self.sinks.shape[2])
+                entry = self._sink_of[key] = len(self._sink_of)
+            entries.append(entry)
+        return np.asarray(entries, dtype=np.int64), np.asarray(made, dtype=bool)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            slot = self._slot_of.pop(request_id, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def _empty(self, rows: int) -> torch.Tensor:
+        return torch.zeros(len(self.layers), 2, rows, *self._row_shape, dtype=self.dtype, device=self.device)
+
+    def _grow_windows(self, slots: int) -> None:
+        first_new = self.num_slots
+        self.windows = self._copied(self.windows, slots * self.slot_rows)
+        self._free.extend(reversed(range(first_new, slots)))  # low slots first
+        self._bind()
+
+    def _grow_sinks(self, entries: int) -> None:
+        self.sinks = self._copied(self.sinks, entries)
+        self._bind()
+
+    def _copied(self, old: torch.Tensor, rows: int) -> torch.Tensor:
+        new = self._empty(rows)
+        new[:, :, : old.shape[2]] = old
+        return new
+
+    def _bind(self) -> None:
+        for index, layer in enumerate(self.layers):
+            layer.recent_kv = (
+                self.windows[index, 0],
+                self.windows[index, 1],
+                self.sinks[index, 0],
+                self.sinks[index, 1],
+            )
