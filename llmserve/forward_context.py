@@ -42,8 +42,11 @@ class RecentKVPlan:
     new_rows: torch.Tensor  # [b] their flat token indices
     window_writes: torch.Tensor  # [m] flat window rows written this step
     window_sources: torch.Tensor  # [m] their flat token indices
-    sink_writes: torch.Tensor  # [s] sink entries first computed this step
-    sink_sources: torch.Tensor  # [s] their flat token indices (a position 0)
+    # sink rows (entry * sink_tokens + position) first written this step, from the window or new rows
+    sinks_from_window: torch.Tensor
+    sink_window_rows: torch.Tensor
+    sinks_from_new: torch.Tensor
+    sink_new_rows: torch.Tensor
     tables: torch.Tensor  # [sequences, columns] int64 block tables, in batch order
     window_slot_tensor: torch.Tensor  # [sequences] each one's window slot, in batch order
     sink_entry_tensor: torch.Tensor  # [sequences] each one's sink entry

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.attention.kv_format import LowBitKVCacheFormat
-from llmserve.config.kv_cache_dtype import LOW_BIT_WINDOW_BLOCKS
+from llmserve.config.kv_cache_dtype import LOW_BIT_SINK_TOKENS, LOW_BIT_WINDOW_BLOCKS
 from llmserve.forward_context import AttentionMetadata, RecentKVPlan
 
 Recent = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # windows K, V; sinks K, V
@@ -51,12 +51,16 @@ def write_step(
             rows[plan.sealed_from_window] = window[plan.window_rows]
             rows[plan.sealed_from_new] = new[plan.new_rows]
             rows = rows.view(count, block, heads, dim)
-            rows[plan.sealed_firsts, 0] = rows[plan.sealed_firsts, 1]  # position 0 is read from its sink
+            # the sinks are read from their entries: out of their block's ranges
+            rows[plan.sealed_firsts, :LOW_BIT_SINK_TOKENS] = rows[
+                plan.sealed_firsts, LOW_BIT_SINK_TOKENS, None
+            ]
             gathered.append(rows)
         fmt.write_blocks(key_cache, value_cache, plan.sealed_blocks, *gathered)
-    for index, new in enumerate((key, value)):
+    for index, new in enumerate((key, value)):  # sinks first: the window writes may reuse their rows
+        recent[2 + index][plan.sinks_from_window] = recent[index][plan.sink_window_rows]
+        recent[2 + index][plan.sinks_from_new] = new[plan.sink_new_rows]
         recent[index][plan.window_writes] = new[plan.window_sources]
-        recent[2 + index][plan.sink_writes] = new[plan.sink_sources]
 
 
 def earlier_rows(recent: Recent, slot: int, computed: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,15 +95,20 @@ def decode(
     slots, sinks = plan.window_slot_tensor[:num], plan.sink_entry_tensor[:num]
     columns = -(-int(lens.max()) // block)
     positions = torch.arange(columns * block, device=query.device)
-    span = LOW_BIT_WINDOW_BLOCKS * block
-    in_window = (positions[None, :] >= (lens // span * span)[:, None]) | (positions == 0)
+    span, num_sinks = LOW_BIT_WINDOW_BLOCKS * block, LOW_BIT_SINK_TOKENS
+    window_from = lens // span * span
+    in_window = (positions[None, :] >= window_from[:, None]) | (positions < num_sinks)
     valid = positions[None, :] < lens[:, None]
     rows = window_rows(slots[:, None], positions[None, :], block)
+    sink_rows = sinks[:, None] * num_sinks + torch.arange(num_sinks, device=query.device)
+    from_sinks = (window_from > 0)[:, None, None, None]  # past the first span: the sinks' entry
     context = []
     for index, cache in enumerate((key_cache, value_cache)):
         quantized = fmt.read_blocks(cache, tables[:, :columns], block, keys=index == 0).flatten(1, 2)
         full = recent[index][rows].float()
-        full[:, 0] = recent[2 + index][sinks].float()
+        full[:, :num_sinks] = torch.where(
+            from_sinks, recent[2 + index][sink_rows].float(), full[:, :num_sinks]
+        )
         mixed = torch.where(in_window[..., None, None], full, quantized)
         context.append(mixed.masked_fill_(~valid[..., None, None], 0).transpose(1, 2))  # [num, h, ctx, d]
     out = _attend(query.float().unsqueeze(2), context[0], context[1], valid[:, None, None, :], scale, softcap)
@@ -123,7 +132,8 @@ def prefill(
     softcap: float,
 ) -> torch.Tensor:
     """One sequence's span: query [q, heads, d] at positions computed..computed+q-1; key, value its new
-    rows; `earlier` its window rows from before the step (earlier_rows); `sink` its sink entry."""
+    rows; `earlier` its window rows from before the step (earlier_rows); `sink` its sink entry (read by the
+    queries past the first span)."""
     num_queries = query.shape[0]
     length = computed + num_queries
     sealed = length // block * block  # positions of complete blocks
@@ -137,24 +147,29 @@ def prefill(
         )
         full = torch.zeros_like(quantized)
         full[start:] = torch.cat((earlier[index].float(), (key, value)[index].float()))
-        full[0] = recent[2 + index][sink].float()
-        context.append((quantized, full))
+        sinks = recent[2 + index][sink * LOW_BIT_SINK_TOKENS : (sink + 1) * LOW_BIT_SINK_TOKENS][:length]
+        context.append((quantized, full, sinks.float()))
     query_pos = computed + torch.arange(num_queries, device=device)
     keys_pos = torch.arange(length, device=device)
     seen = keys_pos[None, :] <= query_pos[:, None]
     span = LOW_BIT_WINDOW_BLOCKS * block
     window_from = (query_pos + 1) // span * span
-    use_full = seen & ((keys_pos[None, :] >= window_from[:, None]) | (keys_pos[None, :] == 0))
+    use_full = seen & (keys_pos[None, :] >= window_from[:, None])
+    num_sinks = min(LOW_BIT_SINK_TOKENS, length)
+    use_sinks = seen[:, :num_sinks] & (window_from[:, None] > 0)  # past the first span
     use_quantized = seen & ~use_full
+    use_quantized[:, :num_sinks] &= ~use_sinks
     q = query.float().transpose(0, 1)  # [heads, q, d]
     group = query.shape[1] // key.shape[1]
-    (kq, kf), (vq, vf) = [
-        [part.transpose(0, 1).repeat_interleave(group, 0) for part in pair] for pair in context
+    (kq, kf, ks), (vq, vf, vs) = [
+        [part.transpose(0, 1).repeat_interleave(group, 0) for part in parts] for parts in context
     ]
     scores = torch.where(use_full, _capped(q @ kf.transpose(1, 2) * scale, softcap), float("-inf"))
     scores = torch.where(use_quantized, _capped(q @ kq.transpose(1, 2) * scale, softcap), scores)
+    sink_scores = _capped(q @ ks.transpose(1, 2) * scale, softcap)
+    scores[..., :num_sinks] = torch.where(use_sinks, sink_scores, scores[..., :num_sinks])
     probs = scores.softmax(dim=-1)
-    out = (probs * use_quantized) @ vq + (probs * use_full) @ vf
+    out = (probs * use_quantized) @ vq + (probs * use_full) @ vf + (probs[..., :num_sinks] * use_sinks) @ vs
     return out.transpose(0, 1).to(query.dtype)
 
 

@@ -23,6 +23,9 @@ LOW_BIT_GROUP = 32  # tokens per key group (the block), channels per value group
 # KIVI's residual: a sequence's tokens are read in full precision until the span of this many blocks
 # (128 tokens) they belong to is complete, then quantized (attention/low_bit.py)
 LOW_BIT_WINDOW_BLOCKS = 4
+# attention sinks: a sequence's first tokens, whose keys carry outlier channels and draw much of the
+# attention, stay in full precision (and out of their block's ranges)
+LOW_BIT_SINK_TOKENS = 4
 _PAIR_BYTES = 4  # a float16 scale and a float16 minimum
 
 

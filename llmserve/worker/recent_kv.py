@@ -7,10 +7,12 @@ layer:
 - the window: LOW_BIT_WINDOW_BLOCKS blocks of rows per request, a ring (block j of a sequence at place
   j % LOW_BIT_WINDOW_BLOCKS). A request keeps its window slot from its first step to its end, so one
   preempted by swapping finds it as it left it, and one preempted by recomputing rewrites it.
-- the sinks: the K/V of position 0, one entry per (first token, LoRA adapter): position 0 sees nothing
-  but itself, so its K/V depend on that token and adapter alone, and a request whose first blocks come
-  from the prefix cache finds its sink here, written by the request that computed it. Entries are kept
-  for the engine's life (one per distinct first token, a few in practice).
+- the sinks: the K/V of positions 0 .. LOW_BIT_SINK_TOKENS - 1, one entry per (first tokens, LoRA
+  adapter): those positions see nothing but each other, so their K/V depend on those tokens and the
+  adapter alone. An entry is written by the first request whose first span of window blocks completes
+  (until then the positions are in its window), so a request whose first spans come from the prefix
+  cache finds its sinks here. Entries are kept for the engine's life (one per distinct start, a few in
+  practice: a chat template's first tokens).
 Slots and entries are handed out as they are needed; when all are taken the tensors grow (double, rows
 copied over) and every attention layer is given views of the new ones.
 """
@@ -22,7 +24,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from llmserve.config.kv_cache_dtype import LOW_BIT_WINDOW_BLOCKS
+from llmserve.config.kv_cache_dtype import LOW_BIT_SINK_TOKENS, LOW_BIT_WINDOW_BLOCKS
 
 
 class RecentKV:
@@ -38,13 +40,14 @@ class RecentKV:
         self.layers = list(layers)
         self.block_size = block_size
         self.window_blocks = LOW_BIT_WINDOW_BLOCKS
+        self.sink_tokens = LOW_BIT_SINK_TOKENS
         self.slot_rows = self.window_blocks * block_size  # window rows per request
         self._row_shape = (self.layers[0].num_kv_heads, head_dim) if self.layers else (0, head_dim)
         self.dtype, self.device = dtype, device
         self._slot_of: dict[str, int] = {}
         self._free: list[int] = []
-        self._sink_of: dict[tuple[int, str | None], int] = {}
-        # [layers, K/V, rows, kv_heads, head_dim]: the windows' rows, and the sinks' (one row each)
+        self._sink_of: dict[tuple[tuple[int, ...], str | None], int] = {}
+        # [layers, K/V, rows, kv_heads, head_dim]: the windows' rows, and the sinks' (sink_tokens each)
         self.windows = self._empty(0)
         self.sinks = self._empty(0)
         self._grow_windows(slots)
@@ -70,15 +73,17 @@ class RecentKV:
             out.append(slot)
         return np.asarray(out, dtype=np.int64)
 
-    def sink_entries(self, keys: Iterable[tuple[int, str | None]]) -> tuple[np.ndarray, np.ndarray]:
-        """Each (first token, adapter)'s sink entry, and whether it was made now (nothing written yet)."""
+    def sink_entries(
+        self, keys: Iterable[tuple[tuple[int, ...], str | None]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each (first tokens, adapter)'s sink entry, and whether it was made now (nothing written yet)."""
         entries, made = [], []
         for key in keys:
             entry = self._sink_of.get(key)
             made.append(entry is None)
             if entry is None:
-                if len(self._sink_of) == self.sinks.shape[2]:
-                    self._grow_sinks(2 * self.sinks.shape[2])
+                if len(self._sink_of) == self.sinks.shape[2] // self.sink_tokens:
+                    self._grow_sinks(2 * len(self._sink_of))
                 entry = self._sink_of[key] = len(self._sink_of)
             entries.append(entry)
         return np.asarray(entries, dtype=np.int64), np.asarray(made, dtype=bool)
@@ -99,7 +104,7 @@ class RecentKV:
         self._bind()
 
     def _grow_sinks(self, entries: int) -> None:
-        self.sinks = self._copied(self.sinks, entries)
+        self.sinks = self._copied(self.sinks, entries * self.sink_tokens)
         self._bind()
 
     def _copied(self, old: torch.Tensor, rows: int) -> torch.Tensor:

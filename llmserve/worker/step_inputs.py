@@ -129,8 +129,13 @@ class InputBuilder:
         rows of the blocks a later query reads in full precision; the sinks no request wrote before."""
         block, recent = self.block_size, self.recent_kv
         slots = recent.slots(request.request_id for request in requests)
-        sinks, made = recent.sink_entries(
-            (request.all_token_ids[0], request.sampling_params.lora_name) for request in requests
+        span, num_sinks = recent.window_blocks * block, recent.sink_tokens
+        # sinks: read (and first written) once a sequence's first span is complete; entry 0 elsewhere
+        after_span = np.flatnonzero(seq_lens >= span)
+        sinks, made = np.zeros(len(requests), dtype=np.int64), np.zeros(len(requests), dtype=bool)
+        sinks[after_span], made[after_span] = recent.sink_entries(
+            (tuple(requests[i].all_token_ids[:num_sinks]), requests[i].sampling_params.lora_name)
+            for i in after_span
         )
         first, end = computed // block, seq_lens // block  # blocks [first, end) are completed this step
         counts = np.maximum(end - first, 0)
@@ -150,7 +155,14 @@ class InputBuilder:
         # rows a later query reads in full precision: those of the sequence's incomplete span of blocks
         span_start = end // recent.window_blocks * recent.window_blocks
         stays = np.flatnonzero(token_block >= span_start[token_rows])
-        sink_sources = np.flatnonzero((positions == 0) & made[token_rows])
+        sink_sources = np.flatnonzero((positions < num_sinks) & made[token_rows])
+        writer = np.repeat(
+            np.flatnonzero(made), np.minimum(computed[made], num_sinks)
+        )  # sinks already in windows
+        sink_positions = np.arange(len(writer)) - np.repeat(
+            np.cumsum(np.minimum(computed[made], num_sinks)) - np.minimum(computed[made], num_sinks),
+            np.minimum(computed[made], num_sinks),
+        )
         device = self._to_device
         return RecentKVPlan(
             sealed_blocks=device(block_tables[owner, sealed_index]),
@@ -161,8 +173,10 @@ class InputBuilder:
             new_rows=device(from_new),
             window_writes=device(self._window_rows(slots[token_rows[stays]], positions[stays])),
             window_sources=device(stays),
-            sink_writes=device(sinks[token_rows[sink_sources]]),
-            sink_sources=device(sink_sources),
+            sinks_from_window=device(sinks[writer] * num_sinks + sink_positions),
+            sink_window_rows=device(self._window_rows(slots[writer], sink_positions)),
+            sinks_from_new=device(sinks[token_rows[sink_sources]] * num_sinks + positions[sink_sources]),
+            sink_new_rows=device(sink_sources),
             tables=device(block_tables),
             window_slot_tensor=device(slots),
             sink_entry_tensor=device(sinks),

@@ -12,7 +12,7 @@ import torch
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
 from llmserve.attention.kv_format import get_kv_cache_format
 from llmserve.config import CacheConfig, EngineArgs
-from llmserve.config.kv_cache_dtype import LOW_BIT_WINDOW_BLOCKS
+from llmserve.config.kv_cache_dtype import LOW_BIT_SINK_TOKENS, LOW_BIT_WINDOW_BLOCKS
 from llmserve.entrypoints.llm import LLM
 from llmserve.model_loader import default_model_path, load_arch_config
 from llmserve.sampling_params import SamplingParams
@@ -90,8 +90,9 @@ def test_quantizer_and_packing_match_an_independent_float64_one(name):
 def test_reference_attention_reads_window_sink_and_quantized_blocks_as_specified(name):
     """Two sequences fed in uneven steps (prompt chunks crossing blocks, decodes) through the engine's
     input builder, window and reference backend, against a float64 model of what each query must see:
-    its position 0 and the positions of its incomplete span of LOW_BIT_WINDOW_BLOCKS blocks exact, every
-    other position as its block was quantized (a first block without its position 0 in the ranges)."""
+    its first LOW_BIT_SINK_TOKENS positions and those of its incomplete span of LOW_BIT_WINDOW_BLOCKS
+    blocks exact, every other position as its block was quantized (a first block without its sinks in
+    the ranges)."""
     bits, heads, group, dim = BITS[name], 2, 3, 64
     steps = {"a": [45, 1, 20, 1, 1, 70, 1, 3, 40, 1], "b": [1, 100, 1, 1, 0, 33, 30, 1, 0, 2]}
     total = {rid: sum(counts) for rid, counts in steps.items()}
@@ -162,11 +163,12 @@ def expected_attention(history, queries, start, count, bits, scale) -> torch.Ten
         for b in range(window_from // BLOCK if window_from > 0 else 0):
             rows = slice(b * BLOCK, (b + 1) * BLOCK)
             block_k, block_v = keys[rows].copy(), values[rows].copy()
-            if b == 0:  # position 0 comes from the sink: out of its block's ranges
-                block_k[0], block_v[0] = block_k[1], block_v[1]
+            sinks = LOW_BIT_SINK_TOKENS
+            if b == 0:  # the sinks are read from their entry: out of their block's ranges
+                block_k[:sinks], block_v[:sinks] = block_k[sinks], block_v[sinks]
             seen_k[rows], seen_v[rows] = key_block64(block_k, bits), values64(block_v, bits)
             if b == 0:
-                seen_k[0], seen_v[0] = keys[0], values[0]
+                seen_k[:sinks], seen_v[:sinks] = keys[:sinks], values[:sinks]
         group = queries.shape[1] // keys.shape[1]
         k = np.repeat(seen_k, group, axis=1)  # [p + 1, heads, d]
         v = np.repeat(seen_v, group, axis=1)
