@@ -37,17 +37,17 @@ def select_attention_backend(
             f"attention backend {name!r} cannot soft-cap attention scores (this model's); "
             f"use auto, {' or '.join(_SOFT_CAPPING)}"
         )
-    if is_low_bit(kv_cache_dtype):  # read by the reference alone so far
-        if name not in ("auto", TorchSDPABackend.name):
-            raise ValueError(
-                f"attention backend {name!r} does not read {kv_cache_dtype} KV caches; use auto or torch"
-            )
-        return get_attention_backend(TorchSDPABackend.name, kv_cache_dtype)
+    if is_low_bit(kv_cache_dtype) and name == TritonPagedBackend.name:
+        raise ValueError(
+            f"attention backend {name!r} does not read {kv_cache_dtype} KV caches; use auto or torch"
+        )
     if name == TritonPagedBackend.name and not TritonPagedBackend.runs_on(device):
         raise ValueError(f"attention backend {name!r} runs on CUDA devices, not {device.type}")
     if name != "auto":
         return get_attention_backend(name, kv_cache_dtype)
     fast = _in_place_backend(device, reference_only)
+    if is_low_bit(kv_cache_dtype) and fast == TritonPagedBackend.name:  # no Triton kernel for them yet
+        fast = None
     if fast is not None:
         try:
             return get_attention_backend(fast, kv_cache_dtype)

@@ -28,6 +28,7 @@ logger = logging.getLogger("llmserve")
 _SOURCE_NAMES = (
     "module.cpp",
     "paged_attention.cpp",
+    "paged_attention_low_bit.cpp",
     "prefill_attention.cpp",
     "prefill_attention_fma.cpp",
     "linear.cpp",

@@ -38,6 +38,7 @@ from torch import nn
 
 from llmserve.attention.backends.cpu_paged import CPUPagedBackend
 from llmserve.config import EngineConfig
+from llmserve.config.kv_cache_dtype import is_low_bit
 from llmserve.kernels.small_batch_linear import LogitsLinear, PackedLinear, SmallBatchLinear
 from llmserve.models.layers.moe import MoEExperts
 from llmserve.quantization.kernels import QuantizedLinear
@@ -101,6 +102,8 @@ def _attention_reasons(config: EngineConfig, backend, deterministic: bool) -> li
             "attention: prompt spans longer than 16 tokens take the prefill kernel (or SDPA), shorter "
             "ones and decodes the paged kernel, which sums in another order"
         )
+    if is_low_bit(config.cache.kv_cache_dtype):
+        found.append(f"an {config.cache.kv_cache_dtype} KV cache: prompt spans take the torch reference")
     if config.cache.sliding_window or config.cache.kv_groups:
         found.append("a sliding window: the paged kernel places a span's scores by where its window starts")
     return found

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
 from llmserve.attention.kv_format import get_kv_cache_format
+from llmserve.attention.registry import get_attention_backend
 from llmserve.config import CacheConfig, EngineArgs
 from llmserve.config.kv_cache_dtype import LOW_BIT_SINK_TOKENS, LOW_BIT_WINDOW_BLOCKS
 from llmserve.entrypoints.llm import LLM
@@ -86,10 +86,12 @@ def test_quantizer_and_packing_match_an_independent_float64_one(name):
     assert ((fmt.dequantize_key_blocks(packed_keys) - keys).abs() <= step / 2 + 1e-2).all()
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "cpu_paged"])
 @pytest.mark.parametrize("name", ["int4", "int2"])
-def test_reference_attention_reads_window_sink_and_quantized_blocks_as_specified(name):
+def test_attention_reads_window_sinks_and_quantized_blocks_as_specified(name, backend_name, monkeypatch):
     """Two sequences fed in uneven steps (prompt chunks crossing blocks, decodes) through the engine's
-    input builder, window and reference backend, against a float64 model of what each query must see:
+    input builder, window and backend (the reference, or the compiled kernel for the decodes), against a
+    float64 model of what each query must see:
     its first LOW_BIT_SINK_TOKENS positions and those of its incomplete span of LOW_BIT_WINDOW_BLOCKS
     blocks exact, every other position as its block was quantized (a first block without its sinks in
     the ranges)."""
@@ -109,7 +111,21 @@ def test_reference_attention_reads_window_sink_and_quantized_blocks_as_specified
     }
     num_blocks = 16
     cache = CacheConfig(block_size=BLOCK, num_blocks=num_blocks, kv_cache_memory=1, kv_cache_dtype=name)
-    backend = TorchSDPABackend(name)
+    backend = get_attention_backend(backend_name, name)
+    kernel_calls = []
+    if backend_name == "cpu_paged":
+        assert backend.ops.paged_attention_low_bit_supported(torch.float32, dim)  # AVX2, FMA and F16C
+        original = backend.ops.paged_attention_low_bit
+        monkeypatch.setattr(
+            backend,
+            "ops",
+            SimpleNamespace(
+                **{
+                    "paged_attention_low_bit_supported": backend.ops.paged_attention_low_bit_supported,
+                    "paged_attention_low_bit": lambda *a: kernel_calls.append(len(a)) or original(*a),
+                }
+            ),
+        )
     builder = InputBuilder(cache, backend, torch.device("cpu"))
     layer = SimpleNamespace(num_kv_heads=heads, recent_kv=None)
     builder.recent_kv = RecentKV([layer], BLOCK, dim, torch.float32, torch.device("cpu"), slots=1)  # grows
@@ -150,6 +166,7 @@ def test_reference_attention_reads_window_sink_and_quantized_blocks_as_specified
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
         for state, n in rows:
             state.num_computed_tokens += n
+    assert (backend_name == "cpu_paged") == bool(kernel_calls)
 
 
 def expected_attention(history, queries, start, count, bits, scale) -> torch.Tensor:
@@ -213,12 +230,12 @@ def test_combinations_not_supported_yet_are_one_line_errors(options, message, sm
         EngineArgs(device="cpu", kv_cache_dtype="int4", **options).create_config(smollm2_arch, "unused")
 
 
-def test_compiled_backends_refuse_low_bit_caches_and_auto_takes_the_reference():
+def test_auto_takes_the_compiled_kernel_on_a_cpu_and_triton_refuses_low_bit_caches():
     from llmserve.attention.registry import select_attention_backend
 
-    assert select_attention_backend("auto", torch.device("cpu"), "int2").name == "torch"
+    assert select_attention_backend("auto", torch.device("cpu"), "int2").name == "cpu_paged"
     with pytest.raises(ValueError, match="does not read int4 KV caches"):
-        select_attention_backend("cpu_paged", torch.device("cpu"), "int4")
+        select_attention_backend("triton", torch.device("cpu"), "int4")
 
 
 @pytest.fixture(scope="module")

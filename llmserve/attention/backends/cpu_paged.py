@@ -12,6 +12,11 @@ copy): bf16 products on AVX-512 BF16 or AMX, else float32 arithmetic on AVX2 and
 (`prefill_attention_path`); anything else (8-bit caches, a sliding window, other dtypes) keeps the
 reference SDPA path.
 
+int4 and int2 caches (attention/low_bit.py): decodes go to `paged_attention_low_bit`, which reads
+the packed codes, the sequences' full-precision windows and their sinks in place; every longer span
+takes the torch reference (`max_decode_query_len` 1), and so does everything at a combination the
+kernel does not take.
+
 Batch invariance (`serve_every_span`, worker/batch_invariance.py): the two kernels sum in different
 orders, so a prompt token's attention would depend on the length of the chunk it came in. There every
 span goes to `paged_attention`, whose query rows each give what a decode of them gives, cut into pieces
@@ -26,6 +31,7 @@ import sys
 import torch
 
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
+from llmserve.config.kv_cache_dtype import LOW_BIT_SINK_TOKENS, LOW_BIT_WINDOW_BLOCKS
 from llmserve.forward_context import AttentionMetadata, PrefillSpan
 from llmserve.kernels.cpu_ops import load_cpu_ops
 
@@ -43,6 +49,8 @@ class CPUPagedBackend(TorchSDPABackend):
         if self.ops is None:
             raise RuntimeError("the compiled CPU attention kernel could not be built")
         plain_cache = self.kv_format.kernel_code == 0
+        if self.kv_format.is_low_bit:
+            self.max_decode_query_len = 1  # spans: the reference (low_bit.prefill)
         self.fast_prefill_dtypes = {
             dtype
             for dtype in (torch.bfloat16, torch.float32)
@@ -50,7 +58,10 @@ class CPUPagedBackend(TorchSDPABackend):
         }
 
     def serve_every_span(self) -> None:
-        """Batch invariance: prompt chunks too in the paged kernel (module docstring)."""
+        """Batch invariance: prompt chunks too in the paged kernel (module docstring); not over an
+        int4/int2 cache, whose spans take the reference (worker/batch_invariance.py says so)."""
+        if self.kv_format.is_low_bit:
+            return
         self.piece_len = type(self).max_decode_query_len
         self.max_decode_query_len = sys.maxsize
         self._pieces: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
@@ -74,6 +85,29 @@ class CPUPagedBackend(TorchSDPABackend):
             self.kv_format.kernel_code,
             metadata.attention_sinks,
             window,  # the engine's window, or a layer's own over the whole context (sinks then 0)
+        )
+
+    def _low_bit_decode(
+        self, query, key_cache, value_cache, recent, metadata: AttentionMetadata, scale, softcap
+    ):
+        if softcap or not self.ops.paged_attention_low_bit_supported(query.dtype, query.shape[-1]):
+            return super()._low_bit_decode(query, key_cache, value_cache, recent, metadata, scale, softcap)
+        plan = metadata.recent_kv
+        num = metadata.decode_seq_lens.shape[0]
+        return self.ops.paged_attention_low_bit(
+            query.contiguous(),
+            key_cache,
+            value_cache,
+            *recent,
+            metadata.decode_block_tables,
+            metadata.decode_seq_lens,
+            plan.window_slot_tensor[:num],
+            plan.sink_entry_tensor[:num],
+            metadata.block_size,
+            LOW_BIT_WINDOW_BLOCKS,
+            LOW_BIT_SINK_TOKENS,
+            scale,
+            self.kv_format.bits,
         )
 
     def _span_pieces(

@@ -82,8 +82,8 @@ class TorchSDPABackend:
         output = torch.empty_like(query)
         if first_prefill:
             rows = metadata.num_decode_tokens
-            output[:rows] = low_bit.decode(
-                fmt, query[:rows], key_cache, value_cache, recent, metadata, scale, softcap
+            output[:rows] = self._low_bit_decode(
+                query[:rows], key_cache, value_cache, recent, metadata, scale, softcap
             )
         for span, i, rows in zip(metadata.prefills, prefills, earlier, strict=True):
             span_rows = slice(span.query_start, span.query_end)
@@ -104,6 +104,11 @@ class TorchSDPABackend:
                 softcap,
             )
         return output
+
+    def _low_bit_decode(
+        self, query, key_cache, value_cache, recent, metadata: AttentionMetadata, scale, softcap
+    ):
+        return low_bit.decode(self.kv_format, query, key_cache, value_cache, recent, metadata, scale, softcap)
 
     def _decode(
         self, query, key_cache, value_cache, metadata: AttentionMetadata, scale: float, window=0, softcap=0.0

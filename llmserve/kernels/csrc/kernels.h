@@ -13,6 +13,13 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
                               int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
 std::string paged_attention_path(at::ScalarType dtype, int64_t kv_format, int64_t head_dim);
+// paged_attention_low_bit.cpp: one query per sequence over an int4/int2 cache, its windows and sinks
+torch::Tensor paged_attention_low_bit(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                      torch::Tensor window_keys, torch::Tensor window_values, torch::Tensor sink_keys,
+                                      torch::Tensor sink_values, torch::Tensor block_tables, torch::Tensor seq_lens,
+                                      torch::Tensor window_slots, torch::Tensor sink_entries, int64_t block_size,
+                                      int64_t window_blocks, int64_t sink_tokens, double scale, int64_t bits);
+bool paged_attention_low_bit_supported(at::ScalarType dtype, int64_t head_dim);
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                 torch::Tensor context_slots, double scale, bool use_amx);
 bool prefill_attention_supported(at::ScalarType dtype);

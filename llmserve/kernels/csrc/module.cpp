@@ -8,6 +8,10 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)");
+  m.def("paged_attention_low_bit", &paged_attention_low_bit,
+        "Decode attention over an int4/int2 KV cache with its full-precision windows and sinks (CPU)");
+  m.def("paged_attention_low_bit_supported", &paged_attention_low_bit_supported,
+        "Whether paged_attention_low_bit takes this query dtype and head_dim here");
   m.def("paged_attention_path", &paged_attention_path,
         "Which paged_attention kernel runs for this query dtype, kv_format and head_dim here: bf16_pairs, fma "
         "or portable",

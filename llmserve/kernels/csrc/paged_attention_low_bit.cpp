@@ -1,0 +1,280 @@
+// Decode attention over a 4-bit or 2-bit KV cache (KIVI: attention/kv_format.py, attention/low_bit.py), read
+// in place: one query per sequence, at position length - 1, and what it reads is low_bit.py's rule. Before its
+// first span of window blocks is complete a sequence reads every position from its full-precision window;
+// after, its first `sink_tokens` positions from its sink entry, the positions of its complete spans from the
+// pool's packed codes, and its incomplete span from its window.
+//
+// Keys in the pool are quantized per channel over a block, k = m_d + s_d c: a block's q.k are the codes' dot
+// products with q * s plus q . m, so q * s and q . m are made once per block and query row and the codes are
+// widened once per position for all the rows of the group. Values are quantized per position in groups of 32
+// channels, v = m_g + s_g c: P V adds (p s_g) times the codes and p m_g once per position and group, and the
+// V pass takes one group (32 columns, four vectors) at a time. float32 arithmetic on AVX2, FMA and F16C (the
+// FMA path of paged_attention.cpp's level), for float32 and bf16 queries and full-precision rows.
+#include <torch/extension.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+
+#include "kernels.h"
+#include "vector_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LLMSERVE_LOW_BIT_PATH 1
+#endif
+
+namespace {
+
+#ifdef LLMSERVE_LOW_BIT_PATH
+
+// Codes 8 * piece .. 8 * piece + 7 of a row packed `Bits` bits each from the low bits up (they fill `Bits`
+// bytes from byte piece * Bits), as float32 lanes.
+template <int Bits>
+inline __m256 codes8(const uint8_t* row, int64_t piece) {
+  uint32_t word = 0;
+  std::memcpy(&word, row + piece * Bits, Bits);
+  const __m256i shifts = Bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                   : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts),
+                                         _mm256_set1_epi32((1 << Bits) - 1));
+  return _mm256_cvtepi32_ps(codes);
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+template <typename scalar_t>
+struct LowBitBatch {
+  const scalar_t* query;  // [seqs, heads, D]
+  const uint8_t* key_cache;  // [slots, kv_heads, row_bytes]
+  const uint8_t* value_cache;
+  const scalar_t* window_keys;  // [window slots * window_blocks * block, kv_heads, D]
+  const scalar_t* window_values;
+  const scalar_t* sink_keys;  // [entries * sink_tokens, kv_heads, D]
+  const scalar_t* sink_values;
+  const int64_t* block_tables;  // [seqs, max_blocks]
+  const int64_t* seq_lens;
+  const int64_t* window_slots;
+  const int64_t* sink_entries;
+  scalar_t* out;
+  int64_t num_heads, num_kv_heads, block, max_blocks, row_bytes, window_blocks, sink_tokens;
+  float scale;
+};
+
+struct LowBitScratch {
+  std::vector<float> scores, queries, scaled, acc, channel;
+  float* grow(std::vector<float>& buffer, int64_t size) {
+    if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+    return buffer.data();
+  }
+};
+
+template <int D>
+inline float dot_row(const float* q, const float* row) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(row));
+  LLMSERVE_UNROLL for (int p = 1; p < D / 8; ++p) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * p), _mm256_loadu_ps(row + 8 * p), acc);
+  return horizontal_sum8(acc);
+}
+
+template <int D, typename T>
+inline float dot_row(const float* q, const T* row) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), load8(row));
+  LLMSERVE_UNROLL for (int p = 1; p < D / 8; ++p) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * p), load8(row + 8 * p), acc);
+  return horizontal_sum8(acc);
+}
+
+template <int D, typename T>
+inline void add_row(float weight, const T* row, float* acc) {
+  const __m256 w = _mm256_set1_ps(weight);
+  LLMSERVE_UNROLL for (int p = 0; p < D / 8; ++p)
+    _mm256_storeu_ps(acc + 8 * p, _mm256_fmadd_ps(w, load8(row + 8 * p), _mm256_loadu_ps(acc + 8 * p)));
+}
+
+// One (sequence, KV head): its `group` query rows against its context.
+template <int D, int Bits, typename scalar_t>
+void attend_low_bit(const LowBitBatch<scalar_t>& b, int64_t seq, int64_t kv_head, LowBitScratch& scratch) {
+  const int64_t group = b.num_heads / b.num_kv_heads, length = b.seq_lens[seq];
+  const int64_t block = b.block, span = b.window_blocks * block;
+  const int64_t window_from = length / span * span;  // positions before it: sinks and quantized blocks
+  const int64_t quantized_blocks = window_from / block;
+  const int64_t pitch = (length + 7) / 8 * 8;
+  const int64_t kv_stride = b.num_kv_heads * D;  // full-precision rows of a head, one position apart
+  const int64_t code_stride = b.num_kv_heads * b.row_bytes;
+  const int64_t code_bytes = D * Bits / 8;
+  const int64_t* table = b.block_tables + seq * b.max_blocks;
+  float* q = scratch.grow(scratch.queries, group * D);
+  float* qs = scratch.grow(scratch.scaled, group * D);
+  float* scores = scratch.grow(scratch.scores, group * pitch);
+  float* acc = scratch.grow(scratch.acc, group * D);
+  float* channel = scratch.grow(scratch.channel, 2 * D);  // a block's key scales, then minimums
+  for (int64_t g = 0; g < group; ++g) {
+    const scalar_t* row = b.query + (seq * b.num_heads + kv_head * group + g) * D;
+    for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(row[d]) * b.scale;
+  }
+  auto window_row = [&](const scalar_t* rows, int64_t pos) {
+    const int64_t place = b.window_slots[seq] * b.window_blocks + (pos / block) % b.window_blocks;
+    return rows + (place * block + pos % block) * kv_stride + kv_head * D;
+  };
+  auto sink_row = [&](const scalar_t* rows, int64_t pos) {
+    return rows + (b.sink_entries[seq] * b.sink_tokens + pos) * kv_stride + kv_head * D;
+  };
+  const int64_t num_sinks = window_from > 0 ? std::min(b.sink_tokens, length) : 0;
+  // scores: complete spans from the codes, the sinks over their block's first rows, then the window
+  for (int64_t j = 0; j < quantized_blocks; ++j) {
+    const uint8_t* rows = b.key_cache + table[j] * block * code_stride + kv_head * b.row_bytes;
+    const int64_t per_row = D / block;  // channels whose (scale, minimum) pair each row carries
+    for (int64_t t = 0; t < block; ++t) {
+      const uint8_t* pairs = rows + t * code_stride + code_bytes;
+      for (int64_t i = 0; i < per_row; ++i) {
+        channel[t * per_row + i] = half_at(pairs + 4 * i);
+        channel[D + t * per_row + i] = half_at(pairs + 4 * i + 2);
+      }
+    }
+    float bias[16];
+    for (int64_t g = 0; g < group; ++g) {
+      __m256 dot = _mm256_setzero_ps();
+      for (int64_t p = 0; p < D / 8; ++p) {
+        const __m256 qv = _mm256_loadu_ps(q + g * D + 8 * p);
+        _mm256_storeu_ps(qs + g * D + 8 * p, _mm256_mul_ps(qv, _mm256_loadu_ps(channel + 8 * p)));
+        dot = _mm256_fmadd_ps(qv, _mm256_loadu_ps(channel + D + 8 * p), dot);
+      }
+      bias[g] = horizontal_sum8(dot);
+    }
+    for (int64_t t = 0; t < block; ++t) {
+      const uint8_t* codes = rows + t * code_stride;
+      for (int64_t g = 0; g < group; g += 4) {  // up to four rows share each widened vector
+        const int64_t n = std::min<int64_t>(4, group - g);
+        __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        LLMSERVE_UNROLL for (int64_t p = 0; p < D / 8; ++p) {
+          const __m256 c = codes8<Bits>(codes, p);
+          for (int64_t r = 0; r < n; ++r) sums[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + (g + r) * D + 8 * p), c, sums[r]);
+        }
+        for (int64_t r = 0; r < n; ++r) scores[(g + r) * pitch + j * block + t] = horizontal_sum8(sums[r]) + bias[g + r];
+      }
+    }
+  }
+  for (int64_t pos = 0; pos < num_sinks; ++pos)
+    for (int64_t g = 0; g < group; ++g) scores[g * pitch + pos] = dot_row<D>(q + g * D, sink_row(b.sink_keys, pos));
+  for (int64_t pos = window_from; pos < length; ++pos)
+    for (int64_t g = 0; g < group; ++g) scores[g * pitch + pos] = dot_row<D>(q + g * D, window_row(b.window_keys, pos));
+  for (int64_t g = 0; g < group; ++g) softmax_prefix_f32(scores + g * pitch, length, length);
+  // P V: the same three sources; a quantized value's group minimum adds p * m to its 32 columns
+  std::fill(acc, acc + group * D, 0.0f);
+  for (int64_t j = 0; j < quantized_blocks; ++j) {
+    const uint8_t* rows = b.value_cache + table[j] * block * code_stride + kv_head * b.row_bytes;
+    for (int64_t t = j == 0 ? num_sinks : 0; t < block; ++t) {
+      const uint8_t* codes = rows + t * code_stride;
+      const int64_t pos = j * block + t;
+      for (int64_t c = 0; c < D / 32; ++c) {
+        const float scale = half_at(codes + code_bytes + 4 * c), minimum = half_at(codes + code_bytes + 4 * c + 2);
+        __m256 v[4];
+        LLMSERVE_UNROLL for (int k = 0; k < 4; ++k) v[k] = codes8<Bits>(codes, 4 * c + k);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * pitch + pos];
+          const __m256 w = _mm256_set1_ps(p * scale), m = _mm256_set1_ps(p * minimum);
+          float* out = acc + g * D + 32 * c;
+          LLMSERVE_UNROLL for (int k = 0; k < 4; ++k)
+            _mm256_storeu_ps(out + 8 * k, _mm256_add_ps(_mm256_fmadd_ps(w, v[k], _mm256_loadu_ps(out + 8 * k)), m));
+        }
+      }
+    }
+  }
+  for (int64_t pos = 0; pos < num_sinks; ++pos)
+    for (int64_t g = 0; g < group; ++g) add_row<D>(scores[g * pitch + pos], sink_row(b.sink_values, pos), acc + g * D);
+  for (int64_t pos = window_from; pos < length; ++pos)
+    for (int64_t g = 0; g < group; ++g)
+      add_row<D>(scores[g * pitch + pos], window_row(b.window_values, pos), acc + g * D);
+  for (int64_t g = 0; g < group; ++g) {
+    scalar_t* o = b.out + (seq * b.num_heads + kv_head * group + g) * D;
+    for (int64_t d = 0; d < D; d += 8) store8(o + d, _mm256_loadu_ps(acc + g * D + d));
+  }
+}
+
+template <typename scalar_t>
+void launch(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+            const torch::Tensor& window_keys, const torch::Tensor& window_values, const torch::Tensor& sink_keys,
+            const torch::Tensor& sink_values, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+            const torch::Tensor& window_slots, const torch::Tensor& sink_entries, int64_t block_size,
+            int64_t window_blocks, int64_t sink_tokens, double scale, int64_t bits, torch::Tensor& out) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(1);
+  const LowBitBatch<scalar_t> batch{query.data_ptr<scalar_t>(), key_cache.data_ptr<uint8_t>(),
+                                    value_cache.data_ptr<uint8_t>(), window_keys.data_ptr<scalar_t>(),
+                                    window_values.data_ptr<scalar_t>(), sink_keys.data_ptr<scalar_t>(),
+                                    sink_values.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
+                                    seq_lens.data_ptr<int64_t>(), window_slots.data_ptr<int64_t>(),
+                                    sink_entries.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), num_heads,
+                                    num_kv_heads, block_size, block_tables.size(1), key_cache.size(2),
+                                    window_blocks, sink_tokens, static_cast<float>(scale)};
+  auto attend = [&](int64_t seq, int64_t head, LowBitScratch& scratch) {
+    if (head_dim == 64) {
+      bits == 4 ? attend_low_bit<64, 4>(batch, seq, head, scratch) : attend_low_bit<64, 2>(batch, seq, head, scratch);
+    } else {
+      bits == 4 ? attend_low_bit<128, 4>(batch, seq, head, scratch) : attend_low_bit<128, 2>(batch, seq, head, scratch);
+    }
+  };
+  const int64_t items = num_seqs * num_kv_heads;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+#pragma omp parallel num_threads(threads)
+  {
+    static thread_local LowBitScratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; ++i) attend(i / num_kv_heads, i % num_kv_heads, scratch);
+  }
+}
+
+#endif  // LLMSERVE_LOW_BIT_PATH
+
+}  // namespace
+
+bool paged_attention_low_bit_supported(at::ScalarType dtype, int64_t head_dim) {
+#ifdef LLMSERVE_LOW_BIT_PATH
+  return (dtype == at::kFloat || dtype == at::kBFloat16) && (head_dim == 64 || head_dim == 128);
+#else
+  return false;
+#endif
+}
+
+// query [seqs, heads, D] (one per sequence); key_cache, value_cache [slots, kv_heads, D * bits / 8 + D / 8]
+// bytes; window_keys, window_values [window slots * window_blocks * block, kv_heads, D] and sink_keys,
+// sink_values [entries * sink_tokens, kv_heads, D] in the query's dtype; block_tables [seqs, max_blocks],
+// seq_lens, window_slots, sink_entries [seqs] int64. Returns [seqs, heads, D].
+torch::Tensor paged_attention_low_bit(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                      torch::Tensor window_keys, torch::Tensor window_values, torch::Tensor sink_keys,
+                                      torch::Tensor sink_values, torch::Tensor block_tables, torch::Tensor seq_lens,
+                                      torch::Tensor window_slots, torch::Tensor sink_entries, int64_t block_size,
+                                      int64_t window_blocks, int64_t sink_tokens, double scale, int64_t bits) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  TORCH_CHECK(paged_attention_low_bit_supported(query.scalar_type(), head_dim),
+              "paged_attention_low_bit takes float32 or bf16 queries with head_dim 64 or 128 on AVX2, FMA and F16C");
+  TORCH_CHECK(bits == 4 || bits == 2, "bits must be 4 or 2");
+  TORCH_CHECK(block_size == 32, "low-bit caches quantize keys over blocks of 32 tokens");
+  for (const auto* t : {&query, &key_cache, &value_cache, &window_keys, &window_values, &sink_keys, &sink_values})
+    TORCH_CHECK(t->is_contiguous(), "paged_attention_low_bit needs contiguous tensors");
+  TORCH_CHECK(key_cache.scalar_type() == torch::kByte && key_cache.size(2) == head_dim * bits / 8 + head_dim / 8,
+              "a low-bit KV cache is uint8 rows of head_dim * bits / 8 + head_dim / 8 bytes");
+  for (const auto* t : {&window_keys, &window_values, &sink_keys, &sink_values})
+    TORCH_CHECK(t->scalar_type() == query.scalar_type() && t->size(2) == head_dim, "windows and sinks are rows of the query's dtype");
+  for (const auto* t : {&block_tables, &seq_lens, &window_slots, &sink_entries})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(), "tables, lengths, slots and entries are int64");
+  const int64_t num_kv_heads = key_cache.size(1);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 16, "1 to 16 query heads per KV head");
+  auto out = torch::empty_like(query);
+#ifdef LLMSERVE_LOW_BIT_PATH
+  auto run = [&](auto tag) {
+    launch<decltype(tag)>(query, key_cache, value_cache, window_keys, window_values, sink_keys, sink_values,
+                          block_tables, seq_lens, window_slots, sink_entries, block_size, window_blocks, sink_tokens,
+                          scale, bits, out);
+  };
+  if (query.scalar_type() == at::kFloat) run(float{});
+  else run(c10::BFloat16{});
+#endif
+  return out;
+}
