@@ -173,6 +173,51 @@ def prefill(
     return out.transpose(0, 1).to(query.dtype)
 
 
+def prefill_segments(
+    fmt: LowBitKVCacheFormat,
+    key,
+    value,
+    key_cache,
+    value_cache,
+    recent: Recent,
+    earlier,
+    table,
+    sink: int,
+    computed: int,
+    block: int,
+) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """A span's queries cut where their window starts over (every R blocks), each piece with the context
+    its queries see, as plain K/V rows in the new rows' dtype: (first query, end query, keys [end position,
+    kv_heads, d], values). Its queries are the last of their context: a causal kernel takes each piece."""
+    num_queries, dtype = key.shape[0], key.dtype
+    length = computed + num_queries
+    span = LOW_BIT_WINDOW_BLOCKS * block
+    sealed = length // block * block
+    start = first_window(computed, block)
+    parts = []
+    for index, (cache, new) in enumerate(((key_cache, key), (value_cache, value))):
+        quantized = fmt.read_blocks(cache, table[: sealed // block], block, keys=index == 0).flatten(0, 1)
+        full = torch.cat((earlier[index].to(dtype), new))  # positions start .. length - 1
+        sinks = recent[2 + index][sink * LOW_BIT_SINK_TOKENS : (sink + 1) * LOW_BIT_SINK_TOKENS]
+        parts.append((quantized.to(dtype), full, sinks.to(dtype)))
+    pieces = []
+    first = computed
+    while first < length:
+        window_from = (first + 1) // span * span  # the piece's queries: those whose window starts here
+        end = min((window_from + span) - 1, length)
+        context = []
+        for quantized, full, sinks in parts:
+            rows = torch.empty(end, *key.shape[1:], dtype=dtype, device=key.device)
+            rows[:window_from] = quantized[:window_from]
+            rows[window_from:] = full[window_from - start : end - start]
+            if window_from:
+                rows[:LOW_BIT_SINK_TOKENS] = sinks
+            context.append(rows)
+        pieces.append((first - computed, end - computed, *context))
+        first = end
+    return pieces
+
+
 def _attend(query, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
     group = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)

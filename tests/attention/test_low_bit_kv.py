@@ -112,20 +112,17 @@ def test_attention_reads_window_sinks_and_quantized_blocks_as_specified(name, ba
     num_blocks = 16
     cache = CacheConfig(block_size=BLOCK, num_blocks=num_blocks, kv_cache_memory=1, kv_cache_dtype=name)
     backend = get_attention_backend(backend_name, name)
-    kernel_calls = []
+    kernel_calls = set()
     if backend_name == "cpu_paged":
         assert backend.ops.paged_attention_low_bit_supported(torch.float32, dim)  # AVX2, FMA and F16C
-        original = backend.ops.paged_attention_low_bit
-        monkeypatch.setattr(
-            backend,
-            "ops",
-            SimpleNamespace(
-                **{
-                    "paged_attention_low_bit_supported": backend.ops.paged_attention_low_bit_supported,
-                    "paged_attention_low_bit": lambda *a: kernel_calls.append(len(a)) or original(*a),
-                }
-            ),
-        )
+        ops = backend.ops
+
+        def counted(name):
+            kernel = getattr(ops, name)
+            return lambda *args: kernel_calls.add(name) or kernel(*args)
+
+        kernels = {name: counted(name) for name in ("paged_attention_low_bit", "prefill_attention")}
+        monkeypatch.setattr(backend, "ops", SimpleNamespace(**{**vars(ops), **kernels}))
     builder = InputBuilder(cache, backend, torch.device("cpu"))
     layer = SimpleNamespace(num_kv_heads=heads, recent_kv=None)
     builder.recent_kv = RecentKV([layer], BLOCK, dim, torch.float32, torch.device("cpu"), slots=1)  # grows
@@ -166,7 +163,10 @@ def test_attention_reads_window_sinks_and_quantized_blocks_as_specified(name, ba
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
         for state, n in rows:
             state.num_computed_tokens += n
-    assert (backend_name == "cpu_paged") == bool(kernel_calls)
+    # decodes on paged_attention_low_bit, spans on prefill_attention over their dequantized context
+    assert kernel_calls == (
+        {"paged_attention_low_bit", "prefill_attention"} if backend_name == "cpu_paged" else set()
+    )
 
 
 def expected_attention(history, queries, start, count, bits, scale) -> torch.Tensor:

@@ -30,6 +30,7 @@ import sys
 
 import torch
 
+from llmserve.attention import low_bit
 from llmserve.attention.backends.torch_sdpa import TorchSDPABackend
 from llmserve.config.kv_cache_dtype import LOW_BIT_SINK_TOKENS, LOW_BIT_WINDOW_BLOCKS
 from llmserve.forward_context import AttentionMetadata, PrefillSpan
@@ -49,6 +50,10 @@ class CPUPagedBackend(TorchSDPABackend):
         if self.ops is None:
             raise RuntimeError("the compiled CPU attention kernel could not be built")
         plain_cache = self.kv_format.kernel_code == 0
+        # what prefill_attention takes (plain rows: a low-bit cache's spans are dequantized for it)
+        self.ops_prefill_dtypes = {
+            dtype for dtype in (torch.bfloat16, torch.float32) if self.ops.prefill_attention_supported(dtype)
+        }
         if self.kv_format.is_low_bit:
             self.max_decode_query_len = 1  # spans: the reference (low_bit.prefill)
         self.fast_prefill_dtypes = {
@@ -86,6 +91,33 @@ class CPUPagedBackend(TorchSDPABackend):
             metadata.attention_sinks,
             window,  # the engine's window, or a layer's own over the whole context (sinks then 0)
         )
+
+    def _low_bit_prefill(
+        self,
+        query,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        recent,
+        earlier,
+        table,
+        sink,
+        computed,
+        block,
+        scale,
+        softcap,
+    ) -> torch.Tensor:
+        """The span in pieces whose queries share a window start (low_bit.prefill_segments), each piece's
+        context dequantized into plain rows for the prefill kernel."""
+        args = (key, value, key_cache, value_cache, recent, earlier, table, sink, computed, block)
+        if softcap or query.dtype not in self.ops_prefill_dtypes or query.shape[-1] not in (64, 128):
+            return super()._low_bit_prefill(query, *args, scale, softcap)
+        out = torch.empty_like(query)
+        for first, end, keys, values in low_bit.prefill_segments(self.kv_format, *args):
+            slots = torch.arange(keys.shape[0], device=query.device)
+            out[first:end] = self.ops.prefill_attention(query[first:end], keys, values, slots, scale)
+        return out
 
     def _low_bit_decode(
         self, query, key_cache, value_cache, recent, metadata: AttentionMetadata, scale, softcap

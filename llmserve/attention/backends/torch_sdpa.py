@@ -87,8 +87,7 @@ class TorchSDPABackend:
             )
         for span, i, rows in zip(metadata.prefills, prefills, earlier, strict=True):
             span_rows = slice(span.query_start, span.query_end)
-            output[span_rows] = low_bit.prefill(
-                fmt,
+            output[span_rows] = self._low_bit_prefill(
                 query[span_rows],
                 key[span_rows],
                 value[span_rows],
@@ -104,6 +103,10 @@ class TorchSDPABackend:
                 softcap,
             )
         return output
+
+    def _low_bit_prefill(self, query, *args) -> torch.Tensor:
+        """One span over a low-bit cache: low_bit.prefill's arguments after the format."""
+        return low_bit.prefill(self.kv_format, query, *args)
 
     def _low_bit_decode(
         self, query, key_cache, value_cache, recent, metadata: AttentionMetadata, scale, softcap
