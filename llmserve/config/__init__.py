@@ -680,7 +680,7 @@ class EngineArgs:
         if any(width % 32 for width in widths):  # the small-batch kernels' column blocks
             paths.append(f"linear layers of input widths {sorted(widths)} not all multiples of 32")
         prompt_attention = "prompt attention runs PyTorch's SDPA"
-        if self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype in ("int8", "fp8"):  # int4/int2 spans: the prefill kernel on dequantized rows
             paths.append(f"{prompt_attention} over an {self.kv_cache_dtype} KV cache")
         if arch.sliding_window or self.sliding_window or arch.attn_logit_softcapping:
             paths.append(f"{prompt_attention} with a sliding window or score softcapping")
