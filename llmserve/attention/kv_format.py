@@ -27,11 +27,10 @@ zero). Both dequantize in attention, to the query's dtype.
 magnitude, so they are quantized per channel over a group of tokens, values per token over groups of
 channels, both asymmetric (x ~= minimum + code * scale, codes 0..2^bits - 1, the scale and minimum in
 float16), and the most recent tokens stay in full precision. Here a key group is a block of
-LOW_BIT_GROUP tokens and the full-precision window is each sequence's last, incomplete block, kept
-outside the pool (`RecentKV` in worker/recent_kv.py): a block is quantized, keys and values at once,
-when its last row is written, and the window then starts over. A query sees the positions of the
-blocks complete at its own position quantized and the rest of its context in full precision, whether
-it comes in a prompt chunk or one decode at a time, so chunking does not change the result. Row
+LOW_BIT_GROUP tokens, quantized (keys and values at once) when its last row is written; what a query
+reads in full precision instead (its sequence's incomplete span of blocks, and its first tokens, the
+attention sinks) is kept outside the pool (worker/recent_kv.py), and attention/low_bit.py says which
+positions a query reads from where. Row
 layout (bytes): [packed codes, head_dim * bits / 8 | head_dim / 8 bytes of float16 (scale, minimum)
 pairs]; a key row's pairs are its block's per-channel pairs for channels [t * head_dim / 32,
 (t + 1) * head_dim / 32) (row t of the block), a value row's those of its own groups of 32 channels.

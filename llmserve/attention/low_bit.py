@@ -1,12 +1,13 @@
 """Writes and reference reads of a 4-bit or 2-bit KV cache (KIVI, attention/kv_format.py).
 
 A step first quantizes the blocks its new rows complete into the pool (gathered from the window and the
-new rows, `RecentKVPlan`; a sequence's first block without its position 0, whose outlier channels would
+new rows, `RecentKVPlan`; a sequence's first block without its sinks, whose outlier channels would
 widen every channel's range), then writes the new rows that stay in the window (worker/recent_kv.py)
 and the sinks it is the first to compute. Positions are read quantized only once the span of
 R = LOW_BIT_WINDOW_BLOCKS blocks they belong to is complete (KIVI's residual: up to R blocks' worth of
 recent tokens in full precision, quantized together when the span fills). A query at position p sees
-- position 0 from its sink entry, in full precision;
+- positions 0 .. LOW_BIT_SINK_TOKENS - 1 from its sink entry once its first span is complete (from its
+  window before), in full precision;
 - positions from (p + 1) // (R * block) * (R * block) on (the window), in full precision;
 - the rest of its context dequantized from the pool;
 so a prompt scored in chunks sees exactly what it would see one token at a time, and a prefix hit of

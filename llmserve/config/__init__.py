@@ -396,7 +396,7 @@ class EngineArgs:
         "auto",
         "auto (the model dtype) | int8 | fp8: K/V stored in 8 bits with a scale per token and head | "
         "int4 | int2: KIVI (keys per channel over a block of 32, values per token), each sequence's "
-        "last block in full precision",
+        "incomplete 128-token span and first 4 tokens in full precision",
     )
     sliding_window: int | None = arg(
         None, "attend to and keep only the last W tokens' KV (default: the model's own window, if any)"
@@ -737,7 +737,8 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
             priority_aging_seconds=self.priority_aging_seconds,
-            preemption_mode=self.preemption_mode,
+            # int4/int2: a swapped request's blocks come back under other ids, without their sink entries
+            preemption_mode="recompute" if is_low_bit(self.kv_cache_dtype) else self.preemption_mode,
             ttft_target_ms=self.ttft_target_ms or None,
             tpot_target_ms=self.tpot_target_ms or None,
             max_loras=self.max_loras if self.enable_lora else None,
@@ -965,9 +966,12 @@ class EngineArgs:
         check_low_bit_kv(name, arch.head_dim, block_size)
         refused = {
             "speculative decoding": self.speculative_method is not None,
-            "a sliding window": bool(window or kv_groups),
+            "a sliding window (--sliding-window or the model's own sliding-window layers)": bool(
+                window or kv_groups
+            ),
             "--kv-transfer-config": self.kv_transfer_config is not None,
             "--kv-offloading-size or --kv-offloading-disk-dir": self._kv_offloading_flags() is not None,
+            "--preemption-mode swap": self.preemption_mode == "swap",
         }
         for what, given in refused.items():
             if given:

@@ -103,7 +103,10 @@ def _attention_reasons(config: EngineConfig, backend, deterministic: bool) -> li
             "ones and decodes the paged kernel, which sums in another order"
         )
     if is_low_bit(config.cache.kv_cache_dtype):
-        found.append(f"an {config.cache.kv_cache_dtype} KV cache: prompt spans take the torch reference")
+        found.append(
+            f"an {config.cache.kv_cache_dtype} KV cache: prompt spans take the prefill kernel over "
+            "dequantized rows, decodes the low-bit decode kernel"
+        )
     if config.cache.sliding_window or config.cache.kv_groups:
         found.append("a sliding window: the paged kernel places a span's scores by where its window starts")
     return found

@@ -146,7 +146,7 @@ class ModelRunner:
         self._static_decode = self._uses_static_decode()  # decided first: its padding needs a scratch block
         self.kv_cache = self._allocate_kv_cache()
         self._early_kv_pool = None
-        self.recent_kv = None  # int4/int2 caches: each request's incomplete last block, in full precision
+        self.recent_kv = None  # int4/int2 caches: the windows and sinks kept in full precision
         if self.attention_backend.kv_format.is_low_bit:
             self.recent_kv = RecentKV(
                 self.model.attention_layers(),
@@ -289,7 +289,12 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> ModelRunnerOutput:
         """Apply the plan, then run its requests' new tokens and sample those that caught up; a prefill
         instance then sends the prompt blocks the step finished (before its output leaves the engine)."""
-        output = self._execute(plan)
+        try:
+            output = self._execute(plan)
+        except Exception:
+            if self.recent_kv is not None:
+                self.recent_kv.forget_step()  # its new sink entries may be partly written
+            raise
         if plan.kv_exports:
             self.kv_connector.send(plan.kv_exports)
         return output

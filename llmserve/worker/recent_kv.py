@@ -2,17 +2,18 @@
 
 Keys of such a cache are quantized per channel over a whole block, so a block is quantized only once
 its last row is written, and a query reads its sequence's most recent blocks in full precision (the
-window) and its first token (the attention sink) too. Both are kept here, in the model's dtype, in every
+window) and its first tokens (the attention sinks) too. Both are kept here, in the model's dtype, in every
 layer:
 - the window: LOW_BIT_WINDOW_BLOCKS blocks of rows per request, a ring (block j of a sequence at place
-  j % LOW_BIT_WINDOW_BLOCKS). A request keeps its window slot from its first step to its end, so one
-  preempted by swapping finds it as it left it, and one preempted by recomputing rewrites it.
-- the sinks: the K/V of positions 0 .. LOW_BIT_SINK_TOKENS - 1, one entry per (first tokens, LoRA
-  adapter): those positions see nothing but each other, so their K/V depend on those tokens and the
-  adapter alone. An entry is written by the first request whose first span of window blocks completes
-  (until then the positions are in its window), so a request whose first spans come from the prefix
-  cache finds its sinks here. Entries are kept for the engine's life (one per distinct start, a few in
-  practice: a chat template's first tokens).
+  j % LOW_BIT_WINDOW_BLOCKS). A request keeps its window slot from its first step to its end, and one
+  preempted (by recomputing: swapping is refused) rewrites it.
+- the sinks: the K/V of positions 0 .. LOW_BIT_SINK_TOKENS - 1, one entry per first block of the pool
+  (the block holding them, whose rows there are out of its ranges). A sequence writes its entry when
+  its first span of window blocks completes (until then those positions are in its window); a request
+  whose first spans come from the prefix cache shares that block, and finds the entry under it (an
+  adapter's or another start's block is another block). An entry goes when its block is quantized
+  again, i.e. reused: entries are at most the first blocks alive in the pool, used or cached. Entries
+  made by a step that fails are dropped (`forget_step`); the next step keeps them.
 Slots and entries are handed out as they are needed; when all are taken the tensors grow (double, rows
 copied over) and every attention layer is given views of the new ones.
 """
@@ -46,7 +47,9 @@ class RecentKV:
         self.dtype, self.device = dtype, device
         self._slot_of: dict[str, int] = {}
         self._free: list[int] = []
-        self._sink_of: dict[tuple[tuple[int, ...], str | None], int] = {}
+        self._sink_of: dict[int, int] = {}  # a sequence's first pool block -> its sink entry
+        self._free_entries: list[int] = []
+        self._made: list[int] = []  # first blocks whose entries the last step made
         # [layers, K/V, rows, kv_heads, head_dim]: the windows' rows, and the sinks' (sink_tokens each)
         self.windows = self._empty(0)
         self.sinks = self._empty(0)
@@ -73,20 +76,32 @@ class RecentKV:
             out.append(slot)
         return np.asarray(out, dtype=np.int64)
 
-    def sink_entries(
-        self, keys: Iterable[tuple[tuple[int, ...], str | None]]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Each (first tokens, adapter)'s sink entry, and whether it was made now (nothing written yet)."""
+    def sink_entries(self, first_blocks: Iterable[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Each first block's sink entry, and whether it was made now (to be written this step)."""
+        self._made = []  # the last step's entries stand: it did not fail
         entries, made = [], []
-        for key in keys:
-            entry = self._sink_of.get(key)
+        for block in first_blocks:
+            entry = self._sink_of.get(block)
             made.append(entry is None)
             if entry is None:
-                if len(self._sink_of) == self.sinks.shape[2] // self.sink_tokens:
-                    self._grow_sinks(2 * len(self._sink_of))
-                entry = self._sink_of[key] = len(self._sink_of)
+                if not self._free_entries:
+                    self._grow_sinks(2 * (self.sinks.shape[2] // self.sink_tokens))
+                entry = self._sink_of[block] = self._free_entries.pop()
+                self._made.append(block)
             entries.append(entry)
         return np.asarray(entries, dtype=np.int64), np.asarray(made, dtype=bool)
+
+    def drop_sinks(self, blocks: Iterable[int]) -> None:
+        """Blocks quantized now: any entry under them belonged to their previous content."""
+        for block in blocks:
+            entry = self._sink_of.pop(block, None)
+            if entry is not None:
+                self._free_entries.append(entry)
+
+    def forget_step(self) -> None:
+        """The step failed: the entries it made may be partly written."""
+        self.drop_sinks(self._made)
+        self._made = []
 
     def release(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -104,7 +119,9 @@ class RecentKV:
         self._bind()
 
     def _grow_sinks(self, entries: int) -> None:
+        first_new = self.sinks.shape[2] // self.sink_tokens
         self.sinks = self._copied(self.sinks, entries * self.sink_tokens)
+        self._free_entries.extend(reversed(range(first_new, entries)))
         self._bind()
 
     def _copied(self, old: torch.Tensor, rows: int) -> torch.Tensor:

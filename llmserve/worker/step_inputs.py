@@ -130,18 +130,21 @@ class InputBuilder:
         block, recent = self.block_size, self.recent_kv
         slots = recent.slots(request.request_id for request in requests)
         span, num_sinks = recent.window_blocks * block, recent.sink_tokens
-        # sinks: read (and first written) once a sequence's first span is complete; entry 0 elsewhere
-        after_span = np.flatnonzero(seq_lens >= span)
-        sinks, made = np.zeros(len(requests), dtype=np.int64), np.zeros(len(requests), dtype=bool)
-        sinks[after_span], made[after_span] = recent.sink_entries(
-            (tuple(requests[i].all_token_ids[:num_sinks]), requests[i].sampling_params.lora_name)
-            for i in after_span
-        )
         first, end = computed // block, seq_lens // block  # blocks [first, end) are completed this step
         counts = np.maximum(end - first, 0)
         firsts = np.cumsum(counts) - counts  # each sequence's first completed block, in plan order
         owner = np.repeat(np.arange(len(requests)), counts)
         sealed_index = first[owner] + np.arange(int(counts.sum())) - firsts[owner]  # in its table
+        sealed_blocks = block_tables[owner, sealed_index]
+        recent.drop_sinks(sealed_blocks.tolist())  # reused blocks: their old sinks are gone
+        # sinks: read (and first written) once a sequence's first span is complete; entry 0 elsewhere
+        after_span = np.flatnonzero(seq_lens >= span)
+        sinks, made = np.zeros(len(requests), dtype=np.int64), np.zeros(len(requests), dtype=bool)
+        sinks[after_span], made[after_span] = recent.sink_entries(block_tables[after_span, 0].tolist())
+        if (made & (computed >= span)).any():  # a prefix hit of a first span whose sinks were dropped
+            raise RuntimeError(
+                "an int4/int2 prefix hit's sink entry is missing (the step that made it failed)"
+            )
         token_block = positions // block
         from_new = np.flatnonzero(token_block < end[token_rows])
         rows = token_rows[from_new]
@@ -165,7 +168,7 @@ class InputBuilder:
         )
         device = self._to_device
         return RecentKVPlan(
-            sealed_blocks=device(block_tables[owner, sealed_index]),
+            sealed_blocks=device(sealed_blocks),
             sealed_firsts=device(np.flatnonzero(sealed_index == 0)),
             sealed_from_window=device(firsts[keeper] * block + offset),
             window_rows=device(self._window_rows(slots[keeper], kept_positions)),

@@ -14,8 +14,8 @@ reference SDPA path.
 
 int4 and int2 caches (attention/low_bit.py): decodes go to `paged_attention_low_bit`, which reads
 the packed codes, the sequences' full-precision windows and their sinks in place; every longer span
-takes the torch reference (`max_decode_query_len` 1), and so does everything at a combination the
-kernel does not take.
+(`max_decode_query_len` 1) runs `prefill_attention` in pieces over a dequantized copy of their
+context; a combination the kernels do not take runs the torch reference.
 
 Batch invariance (`serve_every_span`, worker/batch_invariance.py): the two kernels sum in different
 orders, so a prompt token's attention would depend on the length of the chunk it came in. There every
@@ -122,7 +122,12 @@ class CPUPagedBackend(TorchSDPABackend):
     def _low_bit_decode(
         self, query, key_cache, value_cache, recent, metadata: AttentionMetadata, scale, softcap
     ):
-        if softcap or not self.ops.paged_attention_low_bit_supported(query.dtype, query.shape[-1]):
+        group = query.shape[1] // key_cache.shape[1]
+        if (
+            softcap
+            or group > 16
+            or not self.ops.paged_attention_low_bit_supported(query.dtype, query.shape[-1])
+        ):
             return super()._low_bit_decode(query, key_cache, value_cache, recent, metadata, scale, softcap)
         plan = metadata.recent_kv
         num = metadata.decode_seq_lens.shape[0]
