@@ -35,7 +35,9 @@ def quantize64(x: np.ndarray, bits: int, axis: int) -> tuple[np.ndarray, np.ndar
         .astype(np.float16)
         .astype(np.float64)
     )
-    codes = np.clip(np.round((x - minimum) / scale), 0, levels)
+    # codes rounded from float32 arithmetic, as stored: float64's quotient can fall on the other side of .5
+    quotient = (x.astype(np.float32) - minimum.astype(np.float32)) / scale.astype(np.float32)
+    codes = np.clip(np.round(quotient), 0, levels).astype(np.float64)
     return codes, scale, minimum
 
 
@@ -97,7 +99,7 @@ def test_attention_reads_window_sinks_and_quantized_blocks_as_specified(
     its first LOW_BIT_SINK_TOKENS positions and those of its incomplete span of LOW_BIT_WINDOW_BLOCKS
     blocks exact, every other position as its block was quantized (a first block without its sinks in
     the ranges)."""
-    bits, heads, dim = BITS[name], 2, 64
+    bits, heads, dim = BITS[name], 3, 64  # 3 KV heads: at one sequence the kernel splits one by query rows
     steps = {"a": [45, 1, 20, 1, 1, 70, 1, 3, 40, 1], "b": [1, 100, 1, 1, 0, 33, 30, 1, 0, 2]}
     total = {rid: sum(counts) for rid, counts in steps.items()}
     generator = torch.Generator().manual_seed(1)
@@ -162,7 +164,9 @@ def test_attention_reads_window_sinks_and_quantized_blocks_as_specified(
                 for rid, start, n in spans
             ]
         )
-        torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
+        torch.testing.assert_close(
+            out.double(), expected, rtol=0, atol=5e-5
+        )  # float32 sums; a code off by one: ~1e-2
         for state, n in rows:
             state.num_computed_tokens += n
     # decodes on paged_attention_low_bit, spans on prefill_attention over their dequantized context

@@ -97,10 +97,35 @@ inline void add_row(float weight, const T* row, float* acc) {
     _mm256_storeu_ps(acc + 8 * p, _mm256_fmadd_ps(w, load8(row + 8 * p), _mm256_loadu_ps(acc + 8 * p)));
 }
 
-// One (sequence, KV head): its `group` query rows against its context.
+// q.k of four consecutive positions' codes (rows `stride` bytes apart) for R query rows: per position one FMA
+// chain over the row on codes widened once for all R rows, then one transpose-and-add per row for the four.
+template <int D, int Bits, int R>
+inline void dots4(const float* const* rows, const uint8_t* codes, int64_t stride, const float* bias, float* const* out) {
+  __m256 acc[R][4];
+  LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
+    LLMSERVE_UNROLL for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_setzero_ps();
+  }
+  LLMSERVE_UNROLL for (int64_t p = 0; p < D / 8; ++p) {
+    __m256 c[4];
+    LLMSERVE_UNROLL for (int k = 0; k < 4; ++k) c[k] = codes8<Bits>(codes + k * stride, p);
+    LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 q = _mm256_loadu_ps(rows[r] + 8 * p);
+      LLMSERVE_UNROLL for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_fmadd_ps(q, c[k], acc[r][k]);
+    }
+  }
+  LLMSERVE_UNROLL for (int r = 0; r < R; ++r) {
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+    _mm_storeu_ps(out[r], _mm_add_ps(sums, _mm_set1_ps(bias[r])));
+  }
+}
+
+// Query rows [row_begin, row_end) of (sequence, KV head) (of its `group`) against its context.
 template <int D, int Bits, typename scalar_t>
-void attend_low_bit(const LowBitBatch<scalar_t>& b, int64_t seq, int64_t kv_head, LowBitScratch& scratch) {
-  const int64_t group = b.num_heads / b.num_kv_heads, length = b.seq_lens[seq];
+void attend_low_bit(const LowBitBatch<scalar_t>& b, int64_t seq, int64_t kv_head, int64_t row_begin,
+                    int64_t row_end, LowBitScratch& scratch) {
+  const int64_t group = row_end - row_begin, length = b.seq_lens[seq];
+  const int64_t first_head = kv_head * (b.num_heads / b.num_kv_heads) + row_begin;
   const int64_t block = b.block, span = b.window_blocks * block;
   const int64_t window_from = length / span * span;  // positions before it: sinks and quantized blocks
   const int64_t quantized_blocks = window_from / block;
@@ -115,7 +140,7 @@ void attend_low_bit(const LowBitBatch<scalar_t>& b, int64_t seq, int64_t kv_head
   float* acc = scratch.grow(scratch.acc, group * D);
   float* channel = scratch.grow(scratch.channel, 2 * D);  // a block's key scales, then minimums
   for (int64_t g = 0; g < group; ++g) {
-    const scalar_t* row = b.query + (seq * b.num_heads + kv_head * group + g) * D;
+    const scalar_t* row = b.query + (seq * b.num_heads + first_head + g) * D;
     for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(row[d]) * b.scale;
   }
   auto window_row = [&](const scalar_t* rows, int64_t pos) {
@@ -147,16 +172,17 @@ void attend_low_bit(const LowBitBatch<scalar_t>& b, int64_t seq, int64_t kv_head
       }
       bias[g] = horizontal_sum8(dot);
     }
-    for (int64_t t = 0; t < block; ++t) {
+    for (int64_t t = 0; t < block; t += 4) {  // four positions at a time, three rows at a time
       const uint8_t* codes = rows + t * code_stride;
-      for (int64_t g = 0; g < group; g += 4) {  // up to four rows share each widened vector
-        const int64_t n = std::min<int64_t>(4, group - g);
-        __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        LLMSERVE_UNROLL for (int64_t p = 0; p < D / 8; ++p) {
-          const __m256 c = codes8<Bits>(codes, p);
-          for (int64_t r = 0; r < n; ++r) sums[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + (g + r) * D + 8 * p), c, sums[r]);
+      for (int64_t g = 0; g < group; g += 3) {
+        const float* q_rows[3] = {qs + g * D, qs + (g + 1) * D, qs + (g + 2) * D};
+        float* out[3] = {scores + g * pitch + j * block + t, scores + (g + 1) * pitch + j * block + t,
+                         scores + (g + 2) * pitch + j * block + t};
+        switch (std::min<int64_t>(3, group - g)) {
+          case 3: dots4<D, Bits, 3>(q_rows, codes, code_stride, bias + g, out); break;
+          case 2: dots4<D, Bits, 2>(q_rows, codes, code_stride, bias + g, out); break;
+          default: dots4<D, Bits, 1>(q_rows, codes, code_stride, bias + g, out); break;
         }
-        for (int64_t r = 0; r < n; ++r) scores[(g + r) * pitch + j * block + t] = horizontal_sum8(sums[r]) + bias[g + r];
       }
     }
   }
@@ -192,7 +218,7 @@ void attend_low_bit(const LowBitBatch<scalar_t>& b, int64_t seq, int64_t kv_head
     for (int64_t g = 0; g < group; ++g)
       add_row<D>(scores[g * pitch + pos], window_row(b.window_values, pos), acc + g * D);
   for (int64_t g = 0; g < group; ++g) {
-    scalar_t* o = b.out + (seq * b.num_heads + kv_head * group + g) * D;
+    scalar_t* o = b.out + (seq * b.num_heads + first_head + g) * D;
     for (int64_t d = 0; d < D; d += 8) store8(o + d, _mm256_loadu_ps(acc + g * D + d));
   }
 }
@@ -213,20 +239,43 @@ void launch(const torch::Tensor& query, const torch::Tensor& key_cache, const to
                                     sink_entries.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), num_heads,
                                     num_kv_heads, block_size, block_tables.size(1), key_cache.size(2),
                                     window_blocks, sink_tokens, static_cast<float>(scale)};
-  auto attend = [&](int64_t seq, int64_t head, LowBitScratch& scratch) {
+  auto attend = [&](int64_t seq, int64_t head, int64_t first, int64_t end, LowBitScratch& scratch) {
     if (head_dim == 64) {
-      bits == 4 ? attend_low_bit<64, 4>(batch, seq, head, scratch) : attend_low_bit<64, 2>(batch, seq, head, scratch);
+      bits == 4 ? attend_low_bit<64, 4>(batch, seq, head, first, end, scratch)
+                : attend_low_bit<64, 2>(batch, seq, head, first, end, scratch);
     } else {
-      bits == 4 ? attend_low_bit<128, 4>(batch, seq, head, scratch) : attend_low_bit<128, 2>(batch, seq, head, scratch);
+      bits == 4 ? attend_low_bit<128, 4>(batch, seq, head, first, end, scratch)
+                : attend_low_bit<128, 2>(batch, seq, head, first, end, scratch);
     }
   };
-  const int64_t items = num_seqs * num_kv_heads;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+  // (sequence, KV head) items, longest first; with fewer than twice the threads (batch 1: 3 KV heads on 2
+  // threads), those beyond a multiple of the threads split by query rows (each part over the whole context)
+  struct Item {
+    int64_t seq, head, first, end;
+  };
+  const int64_t group = num_heads / num_kv_heads, max_threads = at::get_num_threads();
+  std::vector<int64_t> order(num_seqs);
+  for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  const int64_t pairs = num_seqs * num_kv_heads;
+  const int64_t split_from = pairs < 2 * max_threads ? pairs - pairs % max_threads : pairs;
+  std::vector<Item> items;
+  int64_t pair = 0;
+  for (const int64_t seq : order) {
+    for (int64_t head = 0; head < num_kv_heads; ++head, ++pair) {
+      const int64_t parts = pair >= split_from ? std::clamp<int64_t>(group, 1, max_threads) : 1;
+      for (int64_t part = 0; part < parts; ++part)
+        items.push_back({seq, head, group * part / parts, group * (part + 1) / parts});
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads, num_items)));
 #pragma omp parallel num_threads(threads)
   {
     static thread_local LowBitScratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; ++i) attend(i / num_kv_heads, i % num_kv_heads, scratch);
+    for (int64_t i = 0; i < num_items; ++i) attend(items[i].seq, items[i].head, items[i].first, items[i].end, scratch);
   }
 }
 
