@@ -97,15 +97,15 @@ def _attention_reasons(config: EngineConfig, backend, deterministic: bool) -> li
     if not isinstance(backend, CPUPagedBackend):
         return [f"the {backend.name} attention backend: prefills and decodes take different kernels"]
     found = []
-    if not deterministic:  # the flag cuts every span into the paged kernel's pieces (serve_every_span)
-        found.append(
-            "attention: prompt spans longer than 16 tokens take the prefill kernel (or SDPA), shorter "
-            "ones and decodes the paged kernel, which sums in another order"
-        )
     if is_low_bit(config.cache.kv_cache_dtype):
         found.append(
             f"an {config.cache.kv_cache_dtype} KV cache: prompt spans take the prefill kernel over "
             "dequantized rows, decodes the low-bit decode kernel"
+        )
+    elif not deterministic:  # the flag cuts every span into the paged kernel's pieces (serve_every_span)
+        found.append(
+            "attention: prompt spans longer than 16 tokens take the prefill kernel (or SDPA), shorter "
+            "ones and decodes the paged kernel, which sums in another order"
         )
     if config.cache.sliding_window or config.cache.kv_groups:
         found.append("a sliding window: the paged kernel places a span's scores by where its window starts")
