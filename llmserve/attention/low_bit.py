@@ -17,6 +17,8 @@ compiled kernels), one call for all decodes and one per prefill.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmserve.attention.kv_format import LowBitKVCacheFormat
@@ -116,25 +118,33 @@ def decode(
     return out.squeeze(2).to(query.dtype)
 
 
-def prefill(
-    fmt: LowBitKVCacheFormat,
-    query,
-    key,
-    value,
-    key_cache,
-    value_cache,
-    recent: Recent,
-    earlier,
-    table: torch.Tensor,
-    sink: int,
-    computed: int,
-    block: int,
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:
-    """One sequence's span: query [q, heads, d] at positions computed..computed+q-1; key, value its new
-    rows; `earlier` its window rows from before the step (earlier_rows); `sink` its sink entry (read by the
-    queries past the first span)."""
+@dataclass(frozen=True)
+class LowBitSpan:
+    """One sequence's prompt span over a low-bit cache, as prefill and prefill_segments read it."""
+
+    key: torch.Tensor  # [q, kv_heads, d]: its new rows
+    value: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    recent: Recent
+    earlier: tuple[torch.Tensor, torch.Tensor]  # its window rows from before the step (earlier_rows)
+    table: torch.Tensor  # its block table
+    sink: int  # its sink entry, read by the queries past the first span
+    computed: int  # its tokens cached before this step: the queries are at computed .. computed + q - 1
+    block: int
+
+
+def prefill(fmt: LowBitKVCacheFormat, query, span: LowBitSpan, scale: float, softcap: float) -> torch.Tensor:
+    """One sequence's span: query [q, heads, d]."""
+    key, value, key_cache, value_cache = span.key, span.value, span.key_cache, span.value_cache
+    recent, earlier, table, sink, computed, block = (
+        span.recent,
+        span.earlier,
+        span.table,
+        span.sink,
+        span.computed,
+        span.block,
+    )
     num_queries = query.shape[0]
     length = computed + num_queries
     sealed = length // block * block  # positions of complete blocks
@@ -153,8 +163,8 @@ def prefill(
     query_pos = computed + torch.arange(num_queries, device=device)
     keys_pos = torch.arange(length, device=device)
     seen = keys_pos[None, :] <= query_pos[:, None]
-    span = LOW_BIT_WINDOW_BLOCKS * block
-    window_from = (query_pos + 1) // span * span
+    stride = LOW_BIT_WINDOW_BLOCKS * block  # positions per span of window blocks
+    window_from = (query_pos + 1) // stride * stride
     use_full = seen & (keys_pos[None, :] >= window_from[:, None])
     num_sinks = min(LOW_BIT_SINK_TOKENS, length)
     use_sinks = seen[:, :num_sinks] & (window_from[:, None] > 0)  # past the first span
@@ -175,37 +185,37 @@ def prefill(
 
 
 def prefill_segments(
-    fmt: LowBitKVCacheFormat,
-    key,
-    value,
-    key_cache,
-    value_cache,
-    recent: Recent,
-    earlier,
-    table,
-    sink: int,
-    computed: int,
-    block: int,
+    fmt: LowBitKVCacheFormat, span: LowBitSpan
 ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
     """A span's queries cut where their window starts over (every R blocks), each piece with the context
     its queries see, as plain K/V rows in the new rows' dtype: (first query, end query, keys [end position,
     kv_heads, d], values). Its queries are the last of their context: a causal kernel takes each piece."""
+    key, value, recent, earlier, computed, block = (
+        span.key,
+        span.value,
+        span.recent,
+        span.earlier,
+        span.computed,
+        span.block,
+    )
     num_queries, dtype = key.shape[0], key.dtype
     length = computed + num_queries
-    span = LOW_BIT_WINDOW_BLOCKS * block
+    stride = LOW_BIT_WINDOW_BLOCKS * block  # positions per span of window blocks
     sealed = length // block * block
     start = first_window(computed, block)
     parts = []
-    for index, (cache, new) in enumerate(((key_cache, key), (value_cache, value))):
-        quantized = fmt.read_blocks(cache, table[: sealed // block], block, keys=index == 0).flatten(0, 1)
+    for index, (cache, new) in enumerate(((span.key_cache, key), (span.value_cache, value))):
+        quantized = fmt.read_blocks(cache, span.table[: sealed // block], block, keys=index == 0).flatten(
+            0, 1
+        )
         full = torch.cat((earlier[index].to(dtype), new))  # positions start .. length - 1
-        sinks = recent[2 + index][sink * LOW_BIT_SINK_TOKENS : (sink + 1) * LOW_BIT_SINK_TOKENS]
+        sinks = recent[2 + index][span.sink * LOW_BIT_SINK_TOKENS : (span.sink + 1) * LOW_BIT_SINK_TOKENS]
         parts.append((quantized.to(dtype), full, sinks.to(dtype)))
     pieces = []
     first = computed
     while first < length:
-        window_from = (first + 1) // span * span  # the piece's queries: those whose window starts here
-        end = min((window_from + span) - 1, length)
+        window_from = (first + 1) // stride * stride  # the piece's queries: those whose window starts here
+        end = min((window_from + stride) - 1, length)
         context = []
         for quantized, full, sinks in parts:
             rows = torch.empty(end, *key.shape[1:], dtype=dtype, device=key.device)

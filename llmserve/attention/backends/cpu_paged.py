@@ -92,29 +92,13 @@ class CPUPagedBackend(TorchSDPABackend):
             window,  # the engine's window, or a layer's own over the whole context (sinks then 0)
         )
 
-    def _low_bit_prefill(
-        self,
-        query,
-        key,
-        value,
-        key_cache,
-        value_cache,
-        recent,
-        earlier,
-        table,
-        sink,
-        computed,
-        block,
-        scale,
-        softcap,
-    ) -> torch.Tensor:
+    def _low_bit_prefill(self, query, span: low_bit.LowBitSpan, scale: float, softcap: float) -> torch.Tensor:
         """The span in pieces whose queries share a window start (low_bit.prefill_segments), each piece's
         context dequantized into plain rows for the prefill kernel."""
-        args = (key, value, key_cache, value_cache, recent, earlier, table, sink, computed, block)
         if softcap or query.dtype not in self.ops_prefill_dtypes or query.shape[-1] not in (64, 128):
-            return super()._low_bit_prefill(query, *args, scale, softcap)
+            return super()._low_bit_prefill(query, span, scale, softcap)
         out = torch.empty_like(query)
-        for first, end, keys, values in low_bit.prefill_segments(self.kv_format, *args):
+        for first, end, keys, values in low_bit.prefill_segments(self.kv_format, span):
             slots = torch.arange(keys.shape[0], device=query.device)
             out[first:end] = self.ops.prefill_attention(query[first:end], keys, values, slots, scale)
         return out

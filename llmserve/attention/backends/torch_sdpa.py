@@ -87,26 +87,15 @@ class TorchSDPABackend:
             )
         for span, i, rows in zip(metadata.prefills, prefills, earlier, strict=True):
             span_rows = slice(span.query_start, span.query_end)
-            output[span_rows] = self._low_bit_prefill(
-                query[span_rows],
-                key[span_rows],
-                value[span_rows],
-                key_cache,
-                value_cache,
-                recent,
-                rows,
-                plan.tables[i],
-                plan.sink_entries[i],
-                plan.computed[i],
-                block,
-                scale,
-                softcap,
-            )
+            parts = low_bit.LowBitSpan(
+                key[span_rows], value[span_rows], key_cache, value_cache, recent, rows, plan.tables[i],
+                plan.sink_entries[i], plan.computed[i], block,
+            )  # fmt: skip
+            output[span_rows] = self._low_bit_prefill(query[span_rows], parts, scale, softcap)
         return output
 
-    def _low_bit_prefill(self, query, *args) -> torch.Tensor:
-        """One span over a low-bit cache: low_bit.prefill's arguments after the format."""
-        return low_bit.prefill(self.kv_format, query, *args)
+    def _low_bit_prefill(self, query, span: low_bit.LowBitSpan, scale: float, softcap: float) -> torch.Tensor:
+        return low_bit.prefill(self.kv_format, query, span, scale, softcap)
 
     def _low_bit_decode(
         self, query, key_cache, value_cache, recent, metadata: AttentionMetadata, scale, softcap
