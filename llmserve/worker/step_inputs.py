@@ -159,13 +159,9 @@ class InputBuilder:
         span_start = end // recent.window_blocks * recent.window_blocks
         stays = np.flatnonzero(token_block >= span_start[token_rows])
         sink_sources = np.flatnonzero((positions < num_sinks) & made[token_rows])
-        writer = np.repeat(
-            np.flatnonzero(made), np.minimum(computed[made], num_sinks)
-        )  # sinks already in windows
-        sink_positions = np.arange(len(writer)) - np.repeat(
-            np.cumsum(np.minimum(computed[made], num_sinks)) - np.minimum(computed[made], num_sinks),
-            np.minimum(computed[made], num_sinks),
-        )
+        already = np.where(made, np.minimum(computed, num_sinks), 0)  # sink positions in the windows
+        writer = np.repeat(np.arange(len(requests)), already)
+        sink_positions = np.arange(len(writer)) - np.repeat(np.cumsum(already) - already, already)
         device = self._to_device
         return RecentKVPlan(
             sealed_blocks=device(sealed_blocks),
