@@ -96,13 +96,14 @@ class NaiveBatchRunner:
         and 0 * NaN from uninitialized memory would poison the row.
         """
         first = self.layers[0]
+        kv_format = first.backend.kv_format  # the engine's --kv-cache-dtype: 8-bit rows carry their scale
         buffer = torch.zeros(
             len(self.layers),
             2,
             num_slots,
             first.num_kv_heads,
-            first.head_dim,
-            dtype=self.dtype,
+            kv_format.row_size(first.head_dim),
+            dtype=kv_format.storage_dtype(self.dtype),
             device=self.device,
         )
         saved = [(layer.key_cache, layer.value_cache) for layer in self.layers]

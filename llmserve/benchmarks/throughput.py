@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from llmserve.benchmarks.naive_batching import NaiveBatchRunner, NaiveBatchStats
 from llmserve.benchmarks.results import format_table, pyplot, save_figure
 from llmserve.benchmarks.workload import BenchRequest, greedy_params
+from llmserve.config.kv_cache_dtype import is_low_bit
 
 COLUMNS = (
     "system", "requests", "prompt_tokens", "output_tokens", "computed_tokens", "seconds", "output_tok_s",
@@ -135,6 +136,10 @@ def run_throughput(
         # the naive runner drives one process's model: a shard's collectives would wait forever
         raise ValueError(
             "naive batching runs in one process: use --naive-batch-sizes none with tensor parallelism"
+        )
+    if batch_sizes and is_low_bit(llm.engine.config.cache.kv_cache_dtype):
+        raise ValueError(  # the naive runner's rows have no full-precision windows (worker/recent_kv.py)
+            "naive batching does not write int4/int2 KV caches: use --naive-batch-sizes none with them"
         )
     runner = None
     if batch_sizes:

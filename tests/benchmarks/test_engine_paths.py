@@ -76,6 +76,26 @@ def test_naive_batching_feeds_the_reference_backend_too(tiny_model_dir, workload
     assert naive[0].matching_outputs == 4
 
 
+def test_naive_batching_writes_the_engines_8_bit_rows_and_refuses_low_bit_caches(
+    tiny_model_dir, workload, tmp_path
+):
+    """Its buffer takes the engine's KV format: int8 rows carry their scale (the same tokens as the
+    engine, within the int8 cache's rounding); int4/int2 rows need windows it does not keep."""
+    from llmserve import LLM
+
+    llm = LLM(tiny_model_dir, dtype="float32", kv_cache_memory="16MiB", kv_cache_dtype="int8")
+    _, naive = run_throughput(llm, workload[:4], batch_sizes=[4])
+    assert naive[0].requests == 4 and naive[0].matching_outputs >= 3
+    from tests.helpers import make_tiny_llama_dir
+
+    model_32 = make_tiny_llama_dir(str(tmp_path / "head32"), head_dim=32, num_attention_heads=2)
+    low_bit = LLM(model_32, dtype="float32", kv_cache_memory="16MiB", kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="naive batching does not write int4/int2"):
+        run_throughput(low_bit, workload[:4], batch_sizes=[4])
+    continuous, naive = run_throughput(low_bit, workload[:4], batch_sizes=[])
+    assert continuous.output_tokens == sum(r.max_tokens for r in workload[:4]) and naive == []
+
+
 def test_naive_runner_returns_the_engine_cache_to_the_model(tiny_llm, workload):
     model = tiny_llm.engine.model_runner.model
     before = [(layer.key_cache, layer.value_cache) for layer in model.attention_layers()]
