@@ -64,10 +64,8 @@ def test_unknown_kv_cache_dtype_is_a_one_line_error(smollm2_arch):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tests.helpers import make_tiny_llama_dir
-
-    return make_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny_kv8")), head_dim=32, num_attention_heads=2)
+def tiny(tiny_head32):
+    return tiny_head32
 
 
 PROMPTS = [

@@ -263,10 +263,8 @@ def test_auto_takes_the_compiled_kernel_on_a_cpu_and_triton_refuses_low_bit_cach
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tests.helpers import make_tiny_llama_dir
-
-    return make_tiny_llama_dir(str(tmp_path_factory.mktemp("tiny_kv4")), head_dim=32, num_attention_heads=2)
+def tiny(tiny_head32):
+    return tiny_head32
 
 
 PROMPTS = [
