@@ -168,8 +168,13 @@ class LowBitKVCacheFormat(KVCacheFormat):
         if blocks.numel() == 0:
             return
         block = keys.shape[1]
-        _blocks_view(key_cache, block)[blocks] = self.quantize_key_blocks(keys)
-        _blocks_view(value_cache, block)[blocks] = self.quantize_values(values)
+        ops = cpu_ops_for(key_cache)
+        if ops is not None and keys.dtype in (torch.float32, torch.bfloat16):  # one call for both, byte-exact
+            key_rows, value_rows = ops.quantize_low_bit_blocks(keys, values, self.bits)
+        else:
+            key_rows, value_rows = self.quantize_key_blocks(keys), self.quantize_values(values)
+        _blocks_view(key_cache, block)[blocks] = key_rows
+        _blocks_view(value_cache, block)[blocks] = value_rows
 
     def read_blocks(self, cache: torch.Tensor, blocks: torch.Tensor, block: int, keys: bool) -> torch.Tensor:
         """Pool blocks `blocks` (any shape) as [*blocks.shape, block, kv_heads, head_dim] float32."""

@@ -88,6 +88,26 @@ def test_quantizer_and_packing_match_an_independent_float64_one(name):
     assert ((fmt.dequantize_key_blocks(packed_keys) - keys).abs() <= step / 2 + 1e-2).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["int4", "int2"])
+def test_compiled_block_quantizer_writes_the_formats_bytes(name, dtype):
+    """The pool's writes go through the compiled quantizer on a CPU: byte for byte the format's own
+    (torch) quantize_key_blocks and quantize_values, outlier channels, constant groups and all."""
+    from llmserve.kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    assert ops is not None  # every x86-64 level the kernels build for has it
+    fmt = get_kv_cache_format(name)
+    generator = torch.Generator().manual_seed(2)
+    for dim in (64, 128):
+        keys = (torch.randn(5, BLOCK, 3, dim, generator=generator) * torch.linspace(0.01, 30, dim)).to(dtype)
+        values = torch.randn(5, BLOCK, 3, dim, generator=generator).to(dtype)
+        keys[1], values[2] = 0.5, -2.0  # constant groups: the smallest scale
+        key_rows, value_rows = ops.quantize_low_bit_blocks(keys, values, BITS[name])
+        assert torch.equal(key_rows, fmt.quantize_key_blocks(keys))
+        assert torch.equal(value_rows, fmt.quantize_values(values))
+
+
 @pytest.mark.parametrize(("backend_name", "group"), [("torch", 3), ("cpu_paged", 3), ("cpu_paged", 20)])
 @pytest.mark.parametrize("name", ["int4", "int2"])
 def test_attention_reads_window_sinks_and_quantized_blocks_as_specified(

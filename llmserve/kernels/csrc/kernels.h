@@ -20,6 +20,7 @@ torch::Tensor paged_attention_low_bit(torch::Tensor query, torch::Tensor key_cac
                                       torch::Tensor window_slots, torch::Tensor sink_entries, int64_t block_size,
                                       int64_t window_blocks, int64_t sink_tokens, double scale, int64_t bits);
 bool paged_attention_low_bit_supported(at::ScalarType dtype, int64_t head_dim);
+std::vector<torch::Tensor> quantize_low_bit_blocks(torch::Tensor keys, torch::Tensor values, int64_t bits);
 torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                                 torch::Tensor context_slots, double scale, bool use_amx);
 bool prefill_attention_supported(at::ScalarType dtype);

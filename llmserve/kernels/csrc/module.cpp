@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention over an int4/int2 KV cache with its full-precision windows and sinks (CPU)");
   m.def("paged_attention_low_bit_supported", &paged_attention_low_bit_supported,
         "Whether paged_attention_low_bit takes this query dtype and head_dim here");
+  m.def("quantize_low_bit_blocks", &quantize_low_bit_blocks,
+        "Whole blocks of K and V into int4/int2 rows, as attention/kv_format.py lays them out (CPU)");
   m.def("paged_attention_path", &paged_attention_path,
         "Which paged_attention kernel runs for this query dtype, kv_format and head_dim here: bf16_pairs, fma "
         "or portable",

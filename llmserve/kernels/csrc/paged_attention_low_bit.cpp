@@ -18,6 +18,7 @@
 #include "vector_math.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -326,4 +327,97 @@ torch::Tensor paged_attention_low_bit(torch::Tensor query, torch::Tensor key_cac
   else run(c10::BFloat16{});
 #endif
   return out;
+}
+
+namespace {
+
+// A group's float16 (scale, minimum) as kv_format.py's _pairs makes them: the minimum rounded first,
+// the scale then spanning up to the maximum from it, both kept in float16's range (and the scale at
+// least its smallest normal).
+inline void low_bit_pair(float low, float high, int levels, c10::Half& scale, c10::Half& minimum) {
+  constexpr float kLimit = 65504.0f, kTiny = 6.103515625e-05f;
+  minimum = c10::Half(std::clamp(low, -kLimit, kLimit));
+  scale = c10::Half(std::clamp((high - static_cast<float>(minimum)) / static_cast<float>(levels), kTiny, kLimit));
+}
+
+inline uint8_t low_bit_code(float x, float scale, float minimum, int levels) {
+  return static_cast<uint8_t>(std::clamp(std::nearbyint((x - minimum) / scale), 0.0f, static_cast<float>(levels)));
+}
+
+template <typename T>
+void quantize_blocks(const T* keys, const T* values, uint8_t* key_rows, uint8_t* value_rows, int64_t blocks,
+                     int64_t block, int64_t heads, int64_t dim, int bits) {
+  const int levels = (1 << bits) - 1, per_byte = 8 / bits;
+  const int64_t code_bytes = dim * bits / 8, row = code_bytes + dim / 8;
+  at::parallel_for(0, blocks * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<c10::Half> scales(dim), minimums(dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / heads, h = item % heads;
+      auto at = [&](int64_t t, int64_t d) { return ((n * block + t) * heads + h) * dim + d; };
+      auto out = [&](uint8_t* rows, int64_t t) { return rows + ((n * block + t) * heads + h) * row; };
+      for (int64_t d = 0; d < dim; ++d) {  // keys: per channel over the block
+        float low = static_cast<float>(keys[at(0, d)]), high = low;
+        for (int64_t t = 1; t < block; ++t) {
+          const float x = static_cast<float>(keys[at(t, d)]);
+          low = std::min(low, x);
+          high = std::max(high, x);
+        }
+        low_bit_pair(low, high, levels, scales[d], minimums[d]);
+      }
+      for (int64_t t = 0; t < block; ++t) {
+        uint8_t* key_row = out(key_rows, t);
+        std::fill(key_row, key_row + code_bytes, 0);
+        for (int64_t d = 0; d < dim; ++d)
+          key_row[d / per_byte] |= low_bit_code(static_cast<float>(keys[at(t, d)]), scales[d], minimums[d], levels)
+                                   << ((d % per_byte) * bits);
+        const int64_t per_row = dim / block;  // row t carries channels [t * per_row, (t + 1) * per_row)'s pairs
+        for (int64_t i = 0; i < per_row; ++i) {
+          std::memcpy(key_row + code_bytes + 4 * i, &scales[t * per_row + i], 2);
+          std::memcpy(key_row + code_bytes + 4 * i + 2, &minimums[t * per_row + i], 2);
+        }
+        uint8_t* value_row = out(value_rows, t);  // values: per row, groups of 32 channels
+        std::fill(value_row, value_row + code_bytes, 0);
+        for (int64_t g = 0; g < dim / 32; ++g) {
+          float low = static_cast<float>(values[at(t, 32 * g)]), high = low;
+          for (int64_t d = 32 * g + 1; d < 32 * (g + 1); ++d) {
+            low = std::min(low, static_cast<float>(values[at(t, d)]));
+            high = std::max(high, static_cast<float>(values[at(t, d)]));
+          }
+          c10::Half scale, minimum;
+          low_bit_pair(low, high, levels, scale, minimum);
+          for (int64_t d = 32 * g; d < 32 * (g + 1); ++d)
+            value_row[d / per_byte] |= low_bit_code(static_cast<float>(values[at(t, d)]), scale, minimum, levels)
+                                       << ((d % per_byte) * bits);
+          std::memcpy(value_row + code_bytes + 4 * g, &scale, 2);
+          std::memcpy(value_row + code_bytes + 4 * g + 2, &minimum, 2);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// keys, values [blocks, block, kv_heads, D] float32 or bf16 (contiguous) -> (key rows, value rows)
+// [blocks, block, kv_heads, D * bits / 8 + D / 8] uint8, byte for byte as kv_format.py's
+// quantize_key_blocks and quantize_values make them.
+std::vector<torch::Tensor> quantize_low_bit_blocks(torch::Tensor keys, torch::Tensor values, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 2, "bits must be 4 or 2");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.scalar_type() == values.scalar_type(),
+              "keys and values must be [blocks, block, kv_heads, head_dim] alike");
+  TORCH_CHECK(keys.size(3) % 32 == 0 && keys.size(3) % keys.size(1) == 0, "head_dim must be a multiple of 32 and of the block");
+  auto k = keys.contiguous(), v = values.contiguous();
+  const int64_t dim = k.size(3);
+  auto options = k.options().dtype(torch::kByte);
+  auto key_rows = torch::empty({k.size(0), k.size(1), k.size(2), dim * bits / 8 + dim / 8}, options);
+  auto value_rows = torch::empty_like(key_rows);
+  if (k.scalar_type() == at::kFloat) {
+    quantize_blocks(k.data_ptr<float>(), v.data_ptr<float>(), key_rows.data_ptr<uint8_t>(), value_rows.data_ptr<uint8_t>(),
+                    k.size(0), k.size(1), k.size(2), dim, static_cast<int>(bits));
+  } else {
+    TORCH_CHECK(k.scalar_type() == at::kBFloat16, "keys and values must be float32 or bf16");
+    quantize_blocks(k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), key_rows.data_ptr<uint8_t>(),
+                    value_rows.data_ptr<uint8_t>(), k.size(0), k.size(1), k.size(2), dim, static_cast<int>(bits));
+  }
+  return {key_rows, value_rows};
 }
