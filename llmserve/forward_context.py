@@ -50,8 +50,10 @@ class RecentKVPlan:
     tables: torch.Tensor  # [sequences, columns] int64 block tables, in batch order
     window_slot_tensor: torch.Tensor  # [sequences] each one's window slot, in batch order
     sink_entry_tensor: torch.Tensor  # [sequences] each one's sink entry
-    window_slots: list[int]  # the same, for the per-sequence reference (decodes, then prefills)
-    sink_entries: list[int]
+    sink_entries: list[int]  # the same, for the per-sequence prefills
+    # each prefill's window rows its queries read from before the step (positions low_bit.first_window(
+    # computed) .. computed - 1), gathered before the step's writes reuse their places
+    earlier_rows: list[torch.Tensor]
     computed: list[int]  # each sequence's tokens cached before this step, in batch order
 
 

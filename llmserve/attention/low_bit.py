@@ -28,8 +28,9 @@ from llmserve.forward_context import AttentionMetadata, RecentKVPlan
 Recent = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # windows K, V; sinks K, V
 
 
-def window_rows(slots: torch.Tensor, positions: torch.Tensor, block: int) -> torch.Tensor:
-    """Flat window rows of `positions` for sequences in window `slots` (broadcast)."""
+def window_rows(slots, positions, block: int):
+    """Flat window rows of `positions` for sequences in window `slots` (broadcast; tensors or numpy
+    arrays alike: the input builder plans with it on the host)."""
     places = slots * LOW_BIT_WINDOW_BLOCKS + (positions // block) % LOW_BIT_WINDOW_BLOCKS
     return places * block + positions % block
 
@@ -64,15 +65,6 @@ def write_step(
         recent[2 + index][plan.sinks_from_window] = recent[index][plan.sink_window_rows]
         recent[2 + index][plan.sinks_from_new] = new[plan.sink_new_rows]
         recent[index][plan.window_writes] = new[plan.window_sources]
-
-
-def earlier_rows(recent: Recent, slot: int, computed: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefill's window rows cached before this step that its queries read (positions
-    first_window(computed) .. computed - 1), taken before the step's writes reuse their places."""
-    device = recent[0].device
-    positions = torch.arange(first_window(computed, block), computed, device=device)
-    rows = window_rows(torch.tensor(slot, device=device), positions, block)
-    return recent[0][rows], recent[1][rows]
 
 
 def first_window(computed: int, block: int) -> int:
@@ -127,7 +119,9 @@ class LowBitSpan:
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     recent: Recent
-    earlier: tuple[torch.Tensor, torch.Tensor]  # its window rows from before the step (earlier_rows)
+    earlier: tuple[
+        torch.Tensor, torch.Tensor
+    ]  # its window rows from before the step (RecentKVPlan.earlier_rows)
     table: torch.Tensor  # its block table
     sink: int  # its sink entry, read by the queries past the first span
     computed: int  # its tokens cached before this step: the queries are at computed .. computed + q - 1

@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from llmserve.attention.low_bit import first_window, window_rows
 from llmserve.attention.window import decode_context_positions, prefill_context_positions
 from llmserve.config import CacheConfig
 from llmserve.forward_context import AttentionMetadata, PrefillSpan, RecentKVPlan
@@ -99,7 +100,7 @@ class InputBuilder:
             self._add_tree_masks(attention, trees, seq_lens)
         if self.recent_kv is not None:
             attention.recent_kv = self._recent_kv_plan(
-                requests, block_tables, computed, seq_lens, token_rows, positions
+                requests, block_tables, computed, seq_lens, token_rows, positions, len(attention.prefills)
             )
 
         num_drafts = np.array([len(r.spec_token_ids) for r in requests], dtype=np.int64)
@@ -122,7 +123,7 @@ class InputBuilder:
         )
 
     def _recent_kv_plan(
-        self, requests, block_tables, computed, seq_lens, token_rows, positions
+        self, requests, block_tables, computed, seq_lens, token_rows, positions, num_prefills
     ) -> RecentKVPlan:
         """The step's moves for an int4/int2 cache (forward_context.RecentKVPlan): every block whose last
         row this step writes, from the window (rows cached before the step) and the new rows; the new
@@ -167,29 +168,29 @@ class InputBuilder:
             sealed_blocks=device(sealed_blocks),
             sealed_firsts=device(np.flatnonzero(sealed_index == 0)),
             sealed_from_window=device(firsts[keeper] * block + offset),
-            window_rows=device(self._window_rows(slots[keeper], kept_positions)),
+            window_rows=device(window_rows(slots[keeper], kept_positions, block)),
             sealed_from_new=device(sealed_from_new),
             new_rows=device(from_new),
-            window_writes=device(self._window_rows(slots[token_rows[stays]], positions[stays])),
+            window_writes=device(window_rows(slots[token_rows[stays]], positions[stays], block)),
             window_sources=device(stays),
             sinks_from_window=device(sinks[writer] * num_sinks + sink_positions),
-            sink_window_rows=device(self._window_rows(slots[writer], sink_positions)),
+            sink_window_rows=device(window_rows(slots[writer], sink_positions, block)),
             sinks_from_new=device(sinks[token_rows[sink_sources]] * num_sinks + positions[sink_sources]),
             sink_new_rows=device(sink_sources),
             tables=device(block_tables),
             window_slot_tensor=device(slots),
             sink_entry_tensor=device(sinks),
-            window_slots=slots.tolist(),
             sink_entries=sinks.tolist(),
+            earlier_rows=[
+                device(
+                    window_rows(
+                        slots[i], np.arange(first_window(int(computed[i]), block), computed[i]), block
+                    )
+                )
+                for i in range(len(requests) - num_prefills, len(requests))
+            ],
             computed=computed.tolist(),
         )
-
-    def _window_rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """attention/low_bit.window_rows, on the host."""
-        blocks = self.recent_kv.window_blocks
-        return (
-            slots * blocks + (positions // self.block_size) % blocks
-        ) * self.block_size + positions % self.block_size
 
     def _add_tree_masks(self, attention: AttentionMetadata, trees: dict[int, list[int]], seq_lens) -> None:
         """Token trees (sample/token_tree.py): each tree's verify span (a prefill span here, the reference

@@ -337,7 +337,7 @@ def test_parallel_samples_share_whole_blocks_and_keep_their_streams(tiny):
     assert all(len(o.outputs) == 2 for o in outputs)
 
 
-@pytest.mark.parametrize(("name", "bound"), [("int4", 0.9), ("int2", 0.5)])
+@pytest.mark.parametrize(("name", "bound"), [("int4", 0.9), ("int2", 0.7)])
 def test_greedy_tokens_mostly_equal_the_float_cache(tiny, name, bound):
     """Teacher-forced agreement with the float cache along its greedy continuations (see the int8 test)."""
     reference, _ = generate(tiny)

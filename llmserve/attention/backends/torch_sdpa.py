@@ -73,11 +73,9 @@ class TorchSDPABackend:
     ):
         """A 4-bit or 2-bit cache (attention/low_bit.py): the reference on every span."""
         plan, block, fmt = metadata.recent_kv, metadata.block_size, self.kv_format
-        first_prefill = len(plan.window_slots) - len(metadata.prefills)
-        prefills = range(first_prefill, len(plan.window_slots))
-        earlier = [
-            low_bit.earlier_rows(recent, plan.window_slots[i], plan.computed[i], block) for i in prefills
-        ]
+        first_prefill = len(plan.computed) - len(metadata.prefills)
+        prefills = range(first_prefill, len(plan.computed))
+        earlier = [(recent[0][rows], recent[1][rows]) for rows in plan.earlier_rows]  # before the writes
         low_bit.write_step(fmt, key_cache, value_cache, key, value, recent, plan, block)
         output = torch.empty_like(query)
         if first_prefill:
