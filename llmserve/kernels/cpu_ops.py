@@ -41,6 +41,7 @@ _SOURCE_NAMES = (
     "draft_head.cpp",
     "greedy.cpp",
     "lora.cpp",
+    "moe.cpp",
     "threads.cpp",
     "shm_collectives.cpp",
 )

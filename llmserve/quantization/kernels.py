@@ -186,6 +186,52 @@ class RoundedInputKernel(LinearKernel):
         return out.view(*x.shape[:-1], -1)
 
 
+class GroupedExpertsKernel(nn.Module):
+    """One projection of every expert of a mixture-of-experts layer in one compiled call
+    (`grouped_linear_int8/int4`: the kernels of RoundedInputKernel over a run of experts, each
+    expert's rows against its own weights, every (expert, block of 32 output rows) one work item
+    shared out to the threads). The experts' packed copies are stacked [E, ...] once; each expert's
+    RoundedInputKernel keeps a view of its slice, so the layer still holds one copy. A row's output is
+    the one its expert's kernel gives it alone, bit for bit."""
+
+    def __init__(self, kernels: list[RoundedInputKernel]) -> None:
+        super().__init__()
+        first = kernels[0]
+        self.out_features, self.kind = first.out_features, first.kind
+        self._takes = first._takes
+        self.register_buffer("qweight", torch.stack([kernel.small_batch_qweight for kernel in kernels]))
+        self.register_buffer("scales", torch.stack([kernel.small_batch_scales for kernel in kernels]))
+        for expert, kernel in enumerate(kernels):
+            kernel.small_batch_qweight, kernel.small_batch_scales = self.qweight[expert], self.scales[expert]
+        ops = load_cpu_ops()
+        self._kernel = ops.grouped_linear_int4 if self.kind == "int4" else ops.grouped_linear_int8
+
+    @staticmethod
+    def of(kernels: list[LinearKernel]) -> GroupedExpertsKernel | None:
+        """The grouped kernel over `kernels` where each is a RoundedInputKernel of one layout (kind,
+        bits, group size, packed and scale shapes and dtypes); None otherwise (a GGUF's experts may mix
+        block types: those run expert by expert)."""
+        if not kernels or not all(isinstance(kernel, RoundedInputKernel) for kernel in kernels):
+            return None
+        if not hasattr(load_cpu_ops(), "grouped_linear_int4"):
+            return None
+
+        def layout(kernel: RoundedInputKernel) -> tuple:
+            packed, scales = kernel.small_batch_qweight, kernel.small_batch_scales
+            return (kernel.kind, kernel.bits, kernel.group_size, kernel.out_features, packed.shape,
+                    packed.dtype, scales.shape, scales.dtype)  # fmt: skip
+
+        return GroupedExpertsKernel(kernels) if len({layout(k) for k in kernels}) == 1 else None
+
+    def takes(self, dtype: torch.dtype) -> bool:
+        return dtype in self._takes
+
+    def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x [T, in] with expert e's rows at [ends[e - 1], ends[e]) (ends[-1] = 0; int64 [E]) ->
+        [T, out] in x's dtype."""
+        return self._kernel(x.contiguous(), ends, self.qweight, self.scales, self.out_features)
+
+
 class Int8PackedKernel(LinearKernel):
     """Per-output-channel int8 where the compiled kernels do not serve: `aten._weight_int8pack_mm`
     (CPU, bf16).

@@ -14,8 +14,12 @@ Each expert's projection keeps one copy of its weight, in the compiled kernels' 
 (kernels/csrc/linear_quantized.cpp: int4 two codes a byte, int8 a byte, scales per group): its
 routed rows run the kernel at any count where it takes the activation dtype (bf16; float32 at the
 AVX2 level), else they multiply by the float weight rebuilt from that copy. The forward groups the tokens by
-expert and runs only the experts some token chose, one kernel call per projection each (a host sync
-for the group sizes, as the float layer's per-expert path).
+expert and runs only the experts some token chose: where every expert of a projection has one packed
+layout, the experts' copies are stacked and one grouped kernel call runs that projection for all of
+them, the whole layer (sort, gather, both projections, SiLU, the weighted sum) one compiled call
+(kernels/csrc/moe.cpp: no host sync, no loop over experts); otherwise one kernel call per projection
+and expert (a host sync for the group sizes, as the float layer's per-expert path), summed back by the
+same compiled step where the kernels exist.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.distributed.expert_parallel import ExpertLayout
+from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.quantization.formats import (
     QuantizedWeight,
     column_groups,
@@ -35,7 +40,13 @@ from llmserve.quantization.formats import (
     shard_columns,
     shard_rows,
 )
-from llmserve.quantization.kernels import DequantizeKernel, LinearKernel, RoundedInputKernel, select_kernel
+from llmserve.quantization.kernels import (
+    DequantizeKernel,
+    GroupedExpertsKernel,
+    LinearKernel,
+    RoundedInputKernel,
+    select_kernel,
+)
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 _EXPERT_KEY = re.compile(r"(.+)\.(gate_up_proj|down_proj)\.(\d+)")
@@ -264,6 +275,10 @@ class QuantizedMoEExperts(nn.Module):
         super().__init__()
         self.gate_up = nn.ModuleList(expert_kernel(weight, dtype, device) for weight in gate_up)
         self.down = nn.ModuleList(expert_kernel(weight, dtype, device) for weight in down)
+        # Both projections over all experts in one call each where the kernels allow (else None)
+        self.grouped_gate_up = GroupedExpertsKernel.of(list(self.gate_up))
+        self.grouped_down = GroupedExpertsKernel.of(list(self.down))
+        self._ops = load_cpu_ops() if device.type == "cpu" else None
 
     @property
     def num_experts(self) -> int:
@@ -271,22 +286,44 @@ class QuantizedMoEExperts(nn.Module):
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum over each token's k experts of weight * expert(token); weights, experts: [tokens, k]."""
+        if self._grouped(hidden.dtype):  # one compiled call: no host sync, no loop over experts
+            gate_up, down = self.grouped_gate_up, self.grouped_down
+            return self._ops.moe_experts(
+                hidden.contiguous(), weights.float().contiguous(), experts.contiguous(),
+                gate_up.qweight, gate_up.scales, down.qweight, down.scales, gate_up.out_features // 2,
+            )  # fmt: skip
         top_k = experts.shape[1]
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # pairs grouped by expert
-        tokens = order // top_k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        routed = hidden[tokens]
+        out = self.per_expert(hidden[order // top_k], counts)
+        if self._ops is not None:
+            return self._ops.moe_combine(out, weights.float().contiguous(), order)
+        out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(hidden).index_add_(0, order // top_k, out)
+
+    def _grouped(self, dtype: torch.dtype) -> bool:
+        kernels = (self.grouped_gate_up, self.grouped_down)
+        return all(kernel is not None and kernel.takes(dtype) for kernel in kernels)
+
+    def per_expert(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert's kernels over its rows (routed: sorted by expert), one expert at a time: where
+        the grouped kernels do not serve, and their test oracle."""
         out = torch.empty_like(routed)
         start = 0
         for expert, count in enumerate(counts):
             if count:  # an expert no token chose is never read
                 rows = slice(start, start + count)
-                gate, up = self.gate_up[expert](routed[rows]).chunk(2, dim=-1)
-                out[rows] = self.down[expert](F.silu(gate) * up)
+                out[rows] = self.down[expert](self._silu_and_mul(self.gate_up[expert](routed[rows])))
                 start += count
-        out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
-        return torch.zeros_like(hidden).index_add_(0, tokens, out)
+        return out
+
+    def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The compiled kernel where there is one (the grouped call's), else PyTorch's."""
+        if self._ops is not None:
+            return self._ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """The float (gate_up_proj, down_proj) the kernels multiply by, stacked as MoEExperts holds them."""

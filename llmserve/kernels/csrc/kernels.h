@@ -56,6 +56,17 @@ bool small_batch_linear_int8_supported(at::ScalarType input = at::kBFloat16);  /
 std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                                                  int64_t bits = 4);  // 5: codes 0..31, a plane of fifth bits
 torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features);
+// A mixture-of-experts projection: x's rows [ends[e - 1], ends[e]) against expert e's packed weights.
+torch::Tensor grouped_linear_int8(torch::Tensor x, torch::Tensor ends, torch::Tensor packed, torch::Tensor scales,
+                                  int64_t out_features);
+torch::Tensor grouped_linear_int4(torch::Tensor x, torch::Tensor ends, torch::Tensor packed, torch::Tensor params,
+                                  int64_t out_features);
+
+// moe.cpp: a mixture-of-experts layer's quantized experts in one call, and its combine step.
+torch::Tensor moe_combine(torch::Tensor rows, torch::Tensor weights, torch::Tensor order);
+torch::Tensor moe_experts(torch::Tensor hidden, torch::Tensor weights, torch::Tensor experts,
+                          torch::Tensor gate_up_packed, torch::Tensor gate_up_scales, torch::Tensor down_packed,
+                          torch::Tensor down_scales, int64_t intermediate_size);
 torch::Tensor small_batch_dequantize_int4(torch::Tensor packed, torch::Tensor params, int64_t out_features,
                                           int64_t bits = 4);
 torch::Tensor small_batch_dequantize_int8(torch::Tensor packed, torch::Tensor scales, int64_t out_features);

@@ -71,6 +71,15 @@ constexpr int64_t kQuantizeRowsGrain = 16;
 // at 1-8 rows, and 16 KiB no faster (linear_micro, Zen 5).
 constexpr int kPrefetchBytes = 128 * 64;
 
+// The experts of a grouped call (a mixture-of-experts layer's projection): expert e's input rows are
+// [ends[e - 1], ends[e]) (ends[-1] = 0), and its packed weights and scales lie `weight_stride` bytes and
+// `param_stride` scale elements after expert e - 1's. A dense layer is one expert holding every row.
+struct Experts {
+  const int64_t* ends;
+  int64_t count;
+  int64_t weight_stride = 0, param_stride = 0;
+};
+
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
 
 // Four input codes as one 32-bit lane value (memcpy: no aliasing or alignment assumptions).
@@ -509,32 +518,56 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
 // ---- the drivers, one for both levels: blocks of 32 output rows dealt out to the threads ----------
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
 
+// Each expert that has rows: (expert, its first row, its end row).
+struct BusyExpert {
+  int64_t expert, begin, end;
+};
+
+std::vector<BusyExpert> busy_experts(const Experts& experts) {
+  std::vector<BusyExpert> busy;
+  for (int64_t e = 0, begin = 0; e < experts.count; begin = experts.ends[e++])
+    if (experts.ends[e] > begin) busy.push_back({e, begin, experts.ends[e]});
+  return busy;
+}
+
+// Every (busy expert, block of 32 output rows) is one work item, dealt out to the threads in runs of
+// at least 64 KiB of weights; `run(expert, block, first row, end row)` computes one.
+template <typename Run>
+void for_each_block(const Experts& experts, int64_t n_size, int64_t block_bytes, const Run& run) {
+  const auto busy = busy_experts(experts);
+  const int64_t blocks = (n_size + kRows - 1) / kRows;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
+  at::parallel_for(0, static_cast<int64_t>(busy.size()) * blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const BusyExpert& e = busy[item / blocks];
+      run(e.expert, item % blocks, e.begin, e.end);
+    }
+  });
+}
+
 // Inputs in passes of at most 4 rows (accumulators stay in registers) over each block of the level's
 // int8_block; the first pass streams the block's weights in, later ones re-read them from the L2 cache.
-// A row's sums run in the same order whatever the pass and the row count: its output does not depend
-// on the other rows of the batch.
+// A row's sums run in the same order whatever the pass, the row count and the other experts: its
+// output does not depend on the other rows of the batch.
 // scales: float32 [N] per row (Group 0), or the packed scales per Group columns in float32 or float16.
 template <int Group, typename Out, typename Param = float>
-void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const Param* scales,
+void int8_linear(const QuantizedInput& in, const Experts& experts, const uint8_t* packed, const Param* scales,
                  Out* out, int64_t k_size, int64_t n_size) {
   static_assert(Group != 0 || std::is_same_v<Param, float>, "row scales are float32");
-  const float* row_scales = reinterpret_cast<const float*>(scales);  // !Grouped only
-  const int64_t blocks = (n_size + kRows - 1) / kRows;
   const int64_t block_bytes = kRows * k_size;
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* block = packed + b * block_bytes;
-      const Param* group_scales = scales + b * kRows * (k_size / std::max(Group, 1));  // Group > 0 only
-      const int64_t row = b * kRows;
-      for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
-        const bool first = m0 == 0;
-        switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
-          case 1: int8_block<1, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
-          case 2: int8_block<2, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
-          case 3: int8_block<3, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
-          default: int8_block<4, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
-        }
+  for_each_block(experts, n_size, block_bytes, [&](int64_t expert, int64_t b, int64_t m_begin, int64_t m_end) {
+    const uint8_t* block = packed + expert * experts.weight_stride + b * block_bytes;
+    const Param* expert_scales = scales + expert * experts.param_stride;
+    const float* row_scales = reinterpret_cast<const float*>(expert_scales);  // !Grouped only
+    const Param* group_scales = expert_scales + b * kRows * (k_size / std::max(Group, 1));  // Group > 0 only
+    const int64_t row = b * kRows;
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxRowsPerPass) {
+      const bool first = m0 == m_begin;
+      switch (std::min<int64_t>(kMaxRowsPerPass, m_end - m0)) {
+        case 1: int8_block<1, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
+        case 2: int8_block<2, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
+        case 3: int8_block<3, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
+        default: int8_block<4, Group>(in, m0, block, row_scales, group_scales, out, k_size, n_size, row, first); break;
       }
     }
   });
@@ -543,31 +576,28 @@ void int8_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed
 // The int4 blocks likewise; `group_sums` (sum x per group, from the rounded input) feed the offsets.
 // FiveBit: each block's nibbles are followed by its plane of fifth bits.
 template <bool FiveBit, typename Out, typename Param>
-void int4_linear(const QuantizedInput& in, int64_t m_size, const uint8_t* packed, const Param* params, Out* out,
-                 int64_t k_size, int64_t n_size, int64_t group_size) {
-  const int64_t blocks = (n_size + kRows - 1) / kRows, groups = k_size / group_size;
+void int4_linear(const QuantizedInput& in, const Experts& experts, const uint8_t* packed, const Param* params,
+                 Out* out, int64_t k_size, int64_t n_size, int64_t group_size) {
+  const int64_t m_size = experts.ends[experts.count - 1], groups = k_size / group_size;
   const int64_t input_blocks = k_size / kInputBlock, blocks_per_group = group_size / kInputBlock;
   std::vector<float> group_sums(m_size * groups, 0.0f);  // sum x over each group, from the rounded input
   for (int64_t m = 0; m < m_size; ++m)
     for (int64_t b = 0; b < input_blocks; ++b)
       group_sums[m * groups + b / blocks_per_group] += in.scales[m * input_blocks + b] * in.sums[m * input_blocks + b];
   const int64_t nibble_bytes = kRows * k_size / 2, block_bytes = nibble_bytes + (FiveBit ? kRows * k_size / 8 : 0);
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* block = packed + b * block_bytes;
-      const uint8_t* plane = block + nibble_bytes;  // FiveBit only
-      const Param* block_params = params + b * groups * 2 * kRows;
-      const int64_t row = b * kRows;
-      for (int64_t m0 = 0; m0 < m_size; m0 += kMaxRowsPerPass) {
-        const bool first = m0 == 0;
-        const float* sums = group_sums.data();
-        switch (std::min<int64_t>(kMaxRowsPerPass, m_size - m0)) {
-          case 1: int4_block<1, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
-          case 2: int4_block<2, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
-          case 3: int4_block<3, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
-          default: int4_block<4, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
-        }
+  const float* sums = group_sums.data();
+  for_each_block(experts, n_size, block_bytes, [&](int64_t expert, int64_t b, int64_t m_begin, int64_t m_end) {
+    const uint8_t* block = packed + expert * experts.weight_stride + b * block_bytes;
+    const uint8_t* plane = block + nibble_bytes;  // FiveBit only
+    const Param* block_params = params + expert * experts.param_stride + b * groups * 2 * kRows;
+    const int64_t row = b * kRows;
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxRowsPerPass) {
+      const bool first = m0 == m_begin;
+      switch (std::min<int64_t>(kMaxRowsPerPass, m_end - m0)) {
+        case 1: int4_block<1, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+        case 2: int4_block<2, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+        case 3: int4_block<3, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
+        default: int4_block<4, FiveBit>(in, m0, block, plane, block_params, sums, out, k_size, n_size, row, group_size, first); break;
       }
     }
   });
@@ -659,25 +689,91 @@ QuantizedInput quantized_rows(const torch::Tensor& x) {
 }
 #endif
 
+// x's rows against each expert's weights: `packed` and `scales` are expert 0's (one expert: the layer's),
+// the others follow at the experts' strides.
 template <typename Out>
 void run_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, Out* out,
-              int64_t n_size) {
+              int64_t n_size, const Experts& experts) {
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
   const auto input = quantized_rows(x);
   const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const int64_t rows = x.size(0), k_size = x.size(1);
+  const int64_t k_size = x.size(1);
   const bool half = scales.scalar_type() == torch::kHalf;
   if (scales.dim() != 3)
-    int8_linear<0>(input, rows, codes, scales.data_ptr<float>(), out, k_size, n_size);
+    int8_linear<0>(input, experts, codes, scales.data_ptr<float>(), out, k_size, n_size);
   else if (scales.size(1) * 16 == k_size && half)
-    int8_linear<16>(input, rows, codes, scales.data_ptr<c10::Half>(), out, k_size, n_size);
+    int8_linear<16>(input, experts, codes, scales.data_ptr<c10::Half>(), out, k_size, n_size);
   else if (scales.size(1) * 16 == k_size)
-    int8_linear<16>(input, rows, codes, scales.data_ptr<float>(), out, k_size, n_size);
+    int8_linear<16>(input, experts, codes, scales.data_ptr<float>(), out, k_size, n_size);
   else if (half)
-    int8_linear<32>(input, rows, codes, scales.data_ptr<c10::Half>(), out, k_size, n_size);
+    int8_linear<32>(input, experts, codes, scales.data_ptr<c10::Half>(), out, k_size, n_size);
   else
-    int8_linear<32>(input, rows, codes, scales.data_ptr<float>(), out, k_size, n_size);
+    int8_linear<32>(input, experts, codes, scales.data_ptr<float>(), out, k_size, n_size);
 #endif
+}
+
+// The int4 entry points' checks; whether the codes are 5-bit (a plane of fifth bits follows each block).
+bool check_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params, int64_t out_features) {
+  TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int4 needs a CPU with AVX2 and FMA");
+  TORCH_CHECK(small_batch_linear_int8_supported(x.scalar_type()) && x.dim() == 2 && x.is_contiguous(),
+              "small_batch_linear_int4 takes contiguous bfloat16 inputs [M, K] (float32 too at the AVX2 level)");
+  TORCH_CHECK(x.size(0) >= 1, "small_batch_linear_int4 takes at least one row");
+  TORCH_CHECK(x.size(1) % kInputBlock == 0, "small_batch_linear_int4 needs an input width that is a multiple of 32");
+  const int64_t padded = (out_features + kRows - 1) / kRows * kRows;
+  const bool five_bit = packed.dim() == 2 && packed.size(1) * 8 == x.size(1) * 5;  // its fifth bits' plane too
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(0) == padded && (packed.size(1) * 2 == x.size(1) || five_bit) && params.dim() == 4 &&
+                  (params.scalar_type() == torch::kFloat || params.scalar_type() == torch::kHalf) &&
+                  params.is_contiguous() && params.size(0) * kRows == padded &&
+                  params.size(2) == 2 && params.size(3) == kRows && x.size(1) % params.size(1) == 0 &&
+                  (x.size(1) / params.size(1)) % kInputBlock == 0,
+              "small_batch_linear_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
+  return five_bit;
+}
+
+void run_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params, torch::Tensor& out,
+              int64_t out_features, bool five_bit, const Experts& experts) {
+#if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
+  const auto input = quantized_rows(x);
+  const int64_t group_size = x.size(1) / params.size(1);
+  const auto run = [&](auto five, auto* params_data) {
+    constexpr bool FiveBit = decltype(five)::value;
+#ifdef LLMSERVE_INT8_LINEAR_AVX2
+    if (x.scalar_type() == torch::kFloat) {
+      int4_linear<FiveBit>(input, experts, packed.data_ptr<uint8_t>(), params_data, out.data_ptr<float>(),
+                           x.size(1), out_features, group_size);
+      return;
+    }
+#endif
+    int4_linear<FiveBit>(input, experts, packed.data_ptr<uint8_t>(), params_data,
+                         reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(1), out_features,
+                         group_size);
+  };
+  const bool half = params.scalar_type() == torch::kHalf;
+  if (five_bit && half)
+    run(std::true_type{}, params.data_ptr<c10::Half>());
+  else if (five_bit)
+    run(std::true_type{}, params.data_ptr<float>());
+  else if (half)
+    run(std::false_type{}, params.data_ptr<c10::Half>());
+  else
+    run(std::false_type{}, params.data_ptr<float>());
+#endif
+}
+
+// The grouped entry points' experts: ends [E] int64, non-decreasing, the last x's row count; E the
+// experts stacked in packed [E, ...] and scales [E, ...].
+Experts grouped_experts(const torch::Tensor& x, const torch::Tensor& ends, const torch::Tensor& packed,
+                        const torch::Tensor& scales) {
+  TORCH_CHECK(ends.scalar_type() == torch::kLong && ends.dim() == 1 && ends.is_contiguous() && ends.size(0) >= 1 &&
+                  packed.dim() >= 3 && scales.dim() >= 2 && ends.size(0) == packed.size(0) &&
+                  ends.size(0) == scales.size(0) && packed.is_contiguous() && scales.is_contiguous(),
+              "grouped_linear takes ends [E] int64 and each expert's packed weights and scales stacked [E, ...]");
+  const int64_t* bounds = ends.data_ptr<int64_t>();
+  for (int64_t e = 0, begin = 0; e < ends.size(0); begin = bounds[e++])
+    TORCH_CHECK(bounds[e] >= begin, "grouped_linear's ends must not decrease");
+  TORCH_CHECK(bounds[ends.size(0) - 1] == x.size(0), "grouped_linear's last end must be x's row count");
+  return {bounds, ends.size(0), packed[0].numel(), scales[0].numel()};
 }
 
 }  // namespace
@@ -689,10 +785,28 @@ void run_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::
 torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features) {
   check_int8(x, packed, scales, out_features);
   auto out = torch::empty({x.size(0), out_features}, x.options());
+  const int64_t rows = x.size(0);
   if (x.scalar_type() == torch::kFloat)
-    run_int8(x, packed, scales, out.data_ptr<float>(), out_features);
+    run_int8(x, packed, scales, out.data_ptr<float>(), out_features, {&rows, 1});
   else
-    run_int8(x, packed, scales, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out_features);
+    run_int8(x, packed, scales, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out_features, {&rows, 1});
+  return out;
+}
+
+// x [T, K] whose rows [ends[e - 1], ends[e]) go to expert e, against each expert's packed int8 weights
+// and scales stacked [E, ...] (each as small_batch_linear_int8 takes them). Returns [T, N] in x's dtype,
+// each row what small_batch_linear_int8 gives it against its expert's weights.
+torch::Tensor grouped_linear_int8(torch::Tensor x, torch::Tensor ends, torch::Tensor packed, torch::Tensor scales,
+                                  int64_t out_features) {
+  const auto experts = grouped_experts(x, ends, packed, scales);
+  auto out = torch::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;  // no rows routed here (a rank's experts under expert parallelism)
+  check_int8(x, packed[0], scales[0], out_features);
+  if (x.scalar_type() == torch::kFloat)
+    run_int8(x, packed[0], scales[0], out.data_ptr<float>(), out_features, experts);
+  else
+    run_int8(x, packed[0], scales[0], reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out_features,
+             experts);
   return out;
 }
 
@@ -701,7 +815,8 @@ torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor p
                                                 int64_t out_features) {
   check_int8(x, packed, scales, out_features);
   auto out = torch::empty({x.size(0), out_features}, x.options().dtype(torch::kFloat));
-  run_int8(x, packed, scales, out.data_ptr<float>(), out_features);
+  const int64_t rows = x.size(0);
+  run_int8(x, packed, scales, out.data_ptr<float>(), out_features, {&rows, 1});
   return out;
 }
 
@@ -749,47 +864,23 @@ std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Ten
 // small_batch_pack_int4, N output rows. Returns [M, N] in x's dtype: x' W^T with W = q * scale + offset
 // per group, x' being x rounded to 8 bits per 32 columns.
 torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features) {
-  TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int4 needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(small_batch_linear_int8_supported(x.scalar_type()) && x.dim() == 2 && x.is_contiguous(),
-              "small_batch_linear_int4 takes contiguous bfloat16 inputs [M, K] (float32 too at the AVX2 level)");
-  TORCH_CHECK(x.size(0) >= 1, "small_batch_linear_int4 takes at least one row");
-  TORCH_CHECK(x.size(1) % kInputBlock == 0, "small_batch_linear_int4 needs an input width that is a multiple of 32");
-  const int64_t padded = (out_features + kRows - 1) / kRows * kRows;
-  const bool five_bit = packed.dim() == 2 && packed.size(1) * 8 == x.size(1) * 5;  // its fifth bits' plane too
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.is_contiguous() &&
-                  packed.size(0) == padded && (packed.size(1) * 2 == x.size(1) || five_bit) && params.dim() == 4 &&
-                  (params.scalar_type() == torch::kFloat || params.scalar_type() == torch::kHalf) &&
-                  params.is_contiguous() && params.size(0) * kRows == padded &&
-                  params.size(2) == 2 && params.size(3) == kRows && x.size(1) % params.size(1) == 0 &&
-                  (x.size(1) / params.size(1)) % kInputBlock == 0,
-              "small_batch_linear_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
+  const bool five_bit = check_int4(x, packed, params, out_features);
   auto out = torch::empty({x.size(0), out_features}, x.options());
-#if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
-  const auto input = quantized_rows(x);
-  const int64_t group_size = x.size(1) / params.size(1);
-  const auto run = [&](auto five, auto* params_data) {
-    constexpr bool FiveBit = decltype(five)::value;
-#ifdef LLMSERVE_INT8_LINEAR_AVX2
-    if (x.scalar_type() == torch::kFloat) {
-      int4_linear<FiveBit>(input, x.size(0), packed.data_ptr<uint8_t>(), params_data, out.data_ptr<float>(),
-                           x.size(1), out_features, group_size);
-      return;
-    }
-#endif
-    int4_linear<FiveBit>(input, x.size(0), packed.data_ptr<uint8_t>(), params_data,
-                         reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(1), out_features,
-                         group_size);
-  };
-  const bool half = params.scalar_type() == torch::kHalf;
-  if (five_bit && half)
-    run(std::true_type{}, params.data_ptr<c10::Half>());
-  else if (five_bit)
-    run(std::true_type{}, params.data_ptr<float>());
-  else if (half)
-    run(std::false_type{}, params.data_ptr<c10::Half>());
-  else
-    run(std::false_type{}, params.data_ptr<float>());
-#endif
+  const int64_t rows = x.size(0);
+  run_int4(x, packed, params, out, out_features, five_bit, {&rows, 1});
+  return out;
+}
+
+// x [T, K] whose rows [ends[e - 1], ends[e]) go to expert e, against each expert's int4 weights packed
+// by small_batch_pack_int4 and stacked: packed [E, N', ...], params [E, N' / 32, groups, 2, 32]. Returns
+// [T, N] in x's dtype, each row what small_batch_linear_int4 gives it against its expert's weights.
+torch::Tensor grouped_linear_int4(torch::Tensor x, torch::Tensor ends, torch::Tensor packed, torch::Tensor params,
+                                  int64_t out_features) {
+  const auto experts = grouped_experts(x, ends, packed, params);
+  auto out = torch::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0) return out;  // no rows routed here (a rank's experts under expert parallelism)
+  const bool five_bit = check_int4(x, packed[0], params[0], out_features);
+  run_int4(x, packed[0], params[0], out, out_features, five_bit, experts);
   return out;
 }
 

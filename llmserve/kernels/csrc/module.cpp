@@ -55,6 +55,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bits") = 4);
   m.def("small_batch_linear_int4", &small_batch_linear_int4,
         "x W^T for 1-8 bfloat16 rows, float32 too on AVX2, W int4 in groups (8-bit inputs per 32 columns)");
+  m.def("grouped_linear_int8", &grouped_linear_int8,
+        "small_batch_linear_int8 over a mixture-of-experts layer: rows [ends[e-1], ends[e]) against expert e's weights");
+  m.def("grouped_linear_int4", &grouped_linear_int4,
+        "small_batch_linear_int4 over a mixture-of-experts layer: rows [ends[e-1], ends[e]) against expert e's weights");
+  m.def("moe_combine", &moe_combine,
+        "Per token, the float32 sum of its (token, expert) pairs' rows times their weights, rounded once");
+  m.def("moe_experts", &moe_experts,
+        "A mixture-of-experts layer's int8/int4 experts in one call: sort pairs, gather, grouped gate/up, "
+        "silu_and_mul, grouped down, combine");
   m.def("small_batch_dequantize_int4", &small_batch_dequantize_int4,
         "The float32 W [N, K] of an int4 (bits 5: 5-bit) weight packed by small_batch_pack_int4 (its one copy)",
         py::arg("packed"), py::arg("params"), py::arg("out_features"), py::arg("bits") = 4);
