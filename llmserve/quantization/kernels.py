@@ -186,21 +186,26 @@ class RoundedInputKernel(LinearKernel):
         return out.view(*x.shape[:-1], -1)
 
 
-class GroupedExpertsKernel(nn.Module):
+class GroupedExpertsKernel:
     """One projection of every expert of a mixture-of-experts layer in one compiled call
     (`grouped_linear_int8/int4`: the kernels of RoundedInputKernel over a run of experts, each
     expert's rows against its own weights, every (expert, block of 32 output rows) one work item
-    shared out to the threads). The experts' packed copies are stacked [E, ...] once; each expert's
-    RoundedInputKernel keeps a view of its slice, so the layer still holds one copy. A row's output is
-    the one its expert's kernel gives it alone, bit for bit."""
+    shared out to the threads). The experts' packed copies are stacked [E, ...] once and each
+    expert's RoundedInputKernel keeps a view of its slice as its buffer, so the layer holds one copy
+    and its buffers list each byte once (the stack is a plain attribute, not a buffer: these
+    kernels serve the CPU only, so the layer never moves). A row's output is the one its expert's
+    kernel gives it alone, bit for bit."""
 
     def __init__(self, kernels: list[RoundedInputKernel]) -> None:
-        super().__init__()
         first = kernels[0]
         self.out_features, self.kind = first.out_features, first.kind
         self._takes = first._takes
-        self.register_buffer("qweight", torch.stack([kernel.small_batch_qweight for kernel in kernels]))
-        self.register_buffer("scales", torch.stack([kernel.small_batch_scales for kernel in kernels]))
+        # float16 scales where exact for every value of an expert (half_if_exact): a layer whose
+        # experts differ stacks them all in float32, exactly
+        scale_dtypes = {kernel.small_batch_scales.dtype for kernel in kernels}
+        scale_dtype = scale_dtypes.pop() if len(scale_dtypes) == 1 else torch.float32
+        self.qweight = torch.stack([kernel.small_batch_qweight for kernel in kernels])
+        self.scales = torch.stack([kernel.small_batch_scales.to(scale_dtype) for kernel in kernels])
         for expert, kernel in enumerate(kernels):
             kernel.small_batch_qweight, kernel.small_batch_scales = self.qweight[expert], self.scales[expert]
         ops = load_cpu_ops()
@@ -209,8 +214,9 @@ class GroupedExpertsKernel(nn.Module):
     @staticmethod
     def of(kernels: list[LinearKernel]) -> GroupedExpertsKernel | None:
         """The grouped kernel over `kernels` where each is a RoundedInputKernel of one layout (kind,
-        bits, group size, packed and scale shapes and dtypes); None otherwise (a GGUF's experts may mix
-        block types: those run expert by expert)."""
+        bits, group size, packed and scale shapes); None otherwise (experts of different GGUF block
+        types, or one whose int8 codes reach -128 and so take another kernel): those layers run
+        expert by expert."""
         if not kernels or not all(isinstance(kernel, RoundedInputKernel) for kernel in kernels):
             return None
         if not hasattr(load_cpu_ops(), "grouped_linear_int4"):
@@ -219,14 +225,14 @@ class GroupedExpertsKernel(nn.Module):
         def layout(kernel: RoundedInputKernel) -> tuple:
             packed, scales = kernel.small_batch_qweight, kernel.small_batch_scales
             return (kernel.kind, kernel.bits, kernel.group_size, kernel.out_features, packed.shape,
-                    packed.dtype, scales.shape, scales.dtype)  # fmt: skip
+                    packed.dtype, scales.shape)  # fmt: skip
 
         return GroupedExpertsKernel(kernels) if len({layout(k) for k in kernels}) == 1 else None
 
     def takes(self, dtype: torch.dtype) -> bool:
         return dtype in self._takes
 
-    def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """x [T, in] with expert e's rows at [ends[e - 1], ends[e]) (ends[-1] = 0; int64 [E]) ->
         [T, out] in x's dtype."""
         return self._kernel(x.contiguous(), ends, self.qweight, self.scales, self.out_features)

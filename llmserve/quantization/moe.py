@@ -13,13 +13,13 @@ for the rank by `rank_experts`, as its layer's layout splits them (quantization/
 Each expert's projection keeps one copy of its weight, in the compiled kernels' layout
 (kernels/csrc/linear_quantized.cpp: int4 two codes a byte, int8 a byte, scales per group): its
 routed rows run the kernel at any count where it takes the activation dtype (bf16; float32 at the
-AVX2 level), else they multiply by the float weight rebuilt from that copy. The forward groups the tokens by
-expert and runs only the experts some token chose: where every expert of a projection has one packed
-layout, the experts' copies are stacked and one grouped kernel call runs that projection for all of
-them, the whole layer (sort, gather, both projections, SiLU, the weighted sum) one compiled call
-(kernels/csrc/moe.cpp: no host sync, no loop over experts); otherwise one kernel call per projection
-and expert (a host sync for the group sizes, as the float layer's per-expert path), summed back by the
-same compiled step where the kernels exist.
+AVX2 level), else they multiply by the float weight rebuilt from that copy. The forward groups the
+tokens by expert and runs only the experts some token chose. Where the experts of each projection
+share one packed layout, each projection's copies are stacked and the whole layer (sort, gather,
+both projections, SiLU, the weighted sum) is one compiled call (kernels/csrc/moe.cpp: no host sync,
+no loop over experts); otherwise one kernel call per projection and expert (a host sync for the
+group sizes, as the float layer's per-expert path), summed back by the same compiled step where the
+kernels exist.
 """
 
 from __future__ import annotations
@@ -291,6 +291,7 @@ class QuantizedMoEExperts(nn.Module):
             return self._ops.moe_experts(
                 hidden.contiguous(), weights.float().contiguous(), experts.contiguous(),
                 gate_up.qweight, gate_up.scales, down.qweight, down.scales, gate_up.out_features // 2,
+                down.out_features,
             )  # fmt: skip
         top_k = experts.shape[1]
         flat = experts.flatten()

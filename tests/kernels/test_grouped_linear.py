@@ -32,13 +32,36 @@ LAYOUTS = {
 }
 
 
-def _experts(layout: str, dtype: torch.dtype, count: int = 6) -> list[RoundedInputKernel]:
+def _weights(layout: str, count: int = 6) -> list:
     gen = torch.Generator().manual_seed(len(layout))
-    quantize = LAYOUTS[layout]
-    kernels = [RoundedInputKernel(quantize(torch.randn(OUT, IN, generator=gen)), dtype) for _ in range(count)]
+    return [LAYOUTS[layout](torch.randn(OUT, IN, generator=gen)) for _ in range(count)]
+
+
+def _kernels(weights: list, dtype: torch.dtype) -> list[RoundedInputKernel]:
+    kernels = [RoundedInputKernel(weight, dtype) for weight in weights]
     if not kernels[0].takes(dtype):
         pytest.skip(f"this level's kernels do not take {dtype} inputs")
     return kernels
+
+
+def _experts(layout: str, dtype: torch.dtype, count: int = 6) -> list[RoundedInputKernel]:
+    return _kernels(_weights(layout, count), dtype)
+
+
+def _assert_rows_equal_alone(grouped, alone: list[RoundedInputKernel], counts: list[int], dtype) -> None:
+    """grouped's output for random rows, counts[e] of them to expert e, equals each expert's own
+    kernel (built apart from the stack) over its rows, and over a row alone."""
+    x = torch.randn(sum(counts), IN, generator=torch.Generator().manual_seed(7)).to(dtype)
+    x[0, :32] = 0  # an all-zero input block: scale 0
+    out = grouped(x, torch.tensor(counts).cumsum(0))
+    assert out.dtype == dtype and out.shape == (len(x), OUT)
+    start = 0
+    for kernel, count in zip(alone, counts, strict=True):
+        rows = slice(start, start + count)
+        if count:
+            assert torch.equal(out[rows], kernel(x[rows])), start
+            assert torch.equal(out[start : start + 1], kernel(x[start : start + 1]))
+        start += count
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -47,26 +70,27 @@ def _experts(layout: str, dtype: torch.dtype, count: int = 6) -> list[RoundedInp
 def test_each_experts_rows_equal_its_own_kernel_alone(layout, dtype, counts):
     """Experts with no rows, one row, and more than the kernels' 4-row passes; every row equals the
     one-layer kernel over its expert's rows (which is batch invariant: so does one row alone)."""
-    kernels = _experts(layout, dtype)
-    alone = [kernel(torch.zeros(1, IN, dtype=dtype)) for kernel in kernels]  # before stacking
+    weights = _weights(layout)
+    kernels = _kernels(weights, dtype)
     grouped = GroupedExpertsKernel.of(kernels)
     assert grouped is not None
-    for kernel, before in zip(kernels, alone, strict=True):  # the views read the same weights
-        assert torch.equal(kernel(torch.zeros(1, IN, dtype=dtype)), before)
-        storage = kernel.small_batch_qweight.untyped_storage()
-        assert storage.data_ptr() == grouped.qweight.untyped_storage().data_ptr()
-    x = torch.randn(sum(counts), IN, generator=torch.Generator().manual_seed(7)).to(dtype)
-    x[0, :32] = 0  # an all-zero input block: scale 0
-    ends = torch.tensor(counts).cumsum(0)
-    out = grouped(x, ends)
-    assert out.dtype == dtype and out.shape == (len(x), OUT)
-    start = 0
-    for kernel, count in zip(kernels, counts, strict=True):
-        rows = slice(start, start + count)
-        if count:
-            assert torch.equal(out[rows], kernel(x[rows])), (layout, start)
-            assert torch.equal(out[start : start + 1], kernel(x[start : start + 1]))
-        start += count
+    for kernel in kernels:  # each expert's kernel now reads its slice of the stack
+        assert kernel.small_batch_qweight.untyped_storage().data_ptr() == grouped.qweight.data_ptr()
+    _assert_rows_equal_alone(grouped, _kernels(weights, dtype), counts, dtype)
+    _assert_rows_equal_alone(GroupedExpertsKernel.of(kernels), kernels, counts, dtype)  # the views too
+
+
+def test_experts_whose_scales_differ_in_dtype_stack_in_float32():
+    """Scales are float16 where exact for every value of an expert: experts of one layer may differ,
+    and then all stack in float32, exactly."""
+    weights = _weights("int4 g32", 4)
+    exact = weights[1]
+    weights[1] = Int4Weight(exact.qweight, exact.scales.half().float(), exact.offsets.half().float(), 32)
+    kernels = _kernels(weights, torch.bfloat16)
+    assert {k.small_batch_scales.dtype for k in kernels} == {torch.float16, torch.float32}
+    grouped = GroupedExpertsKernel.of(kernels)
+    assert grouped is not None and grouped.scales.dtype == torch.float32
+    _assert_rows_equal_alone(grouped, _kernels(weights, torch.bfloat16), [2, 5, 0, 1], torch.bfloat16)
 
 
 def test_experts_without_rows_are_never_read():

@@ -87,16 +87,19 @@ def test_quantized_experts_equal_their_dequantized_weights(kind, dtype, tokens):
 
 
 @pytest.mark.parametrize("kind", list(QUANTIZERS))
-@pytest.mark.parametrize("tokens", [1, 20])
-def test_grouped_kernels_equal_the_experts_one_by_one(kind, tokens):
-    """Where the kernels take the activations, each projection is one grouped call over all experts
-    (no host sync), bit for bit what each expert's own kernel gives its rows."""
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 2), (20, 2), (7, 1)])
+def test_grouped_kernels_equal_the_experts_one_by_one(kind, tokens, top_k):
+    """Where the kernels take the activations, the layer is one compiled call over all experts
+    (no host sync), bit for bit what each expert's own kernel gives its rows; top_k 1 with weights
+    of 1 is how expert parallelism calls a rank's experts (moe_parallel.py `_held`)."""
     layer, _ = _quantized_layer(kind, torch.bfloat16)
     if not layer.gate_up[0].takes(torch.bfloat16):
         pytest.skip("this level's int8/int4 kernels do not take bfloat16 inputs")
     assert layer.grouped_gate_up is not None and layer.grouped_down is not None
     hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(3)).bfloat16()
     weights, chosen = _unbalanced_routing(tokens)
+    if top_k == 1:
+        weights, chosen = torch.ones(tokens, 1), torch.arange(tokens).remainder(3).view(tokens, 1) * 2
     with torch.no_grad():
         grouped = layer(hidden, weights, chosen)
         layer.grouped_gate_up = None  # now expert by expert

@@ -800,8 +800,9 @@ torch::Tensor grouped_linear_int8(torch::Tensor x, torch::Tensor ends, torch::Te
                                   int64_t out_features) {
   const auto experts = grouped_experts(x, ends, packed, scales);
   auto out = torch::empty({x.size(0), out_features}, x.options());
-  if (x.size(0) == 0) return out;  // no rows routed here (a rank's experts under expert parallelism)
-  check_int8(x, packed[0], scales[0], out_features);
+  // no rows routed here (a rank's experts under expert parallelism): the layout still checked
+  check_int8(x.size(0) ? x : torch::empty({1, x.size(1)}, x.options()), packed[0], scales[0], out_features);
+  if (x.size(0) == 0) return out;
   if (x.scalar_type() == torch::kFloat)
     run_int8(x, packed[0], scales[0], out.data_ptr<float>(), out_features, experts);
   else
@@ -878,8 +879,10 @@ torch::Tensor grouped_linear_int4(torch::Tensor x, torch::Tensor ends, torch::Te
                                   int64_t out_features) {
   const auto experts = grouped_experts(x, ends, packed, params);
   auto out = torch::empty({x.size(0), out_features}, x.options());
-  if (x.size(0) == 0) return out;  // no rows routed here (a rank's experts under expert parallelism)
-  const bool five_bit = check_int4(x, packed[0], params[0], out_features);
+  // no rows routed here (a rank's experts under expert parallelism): the layout still checked
+  const bool five_bit =
+      check_int4(x.size(0) ? x : torch::empty({1, x.size(1)}, x.options()), packed[0], params[0], out_features);
+  if (x.size(0) == 0) return out;
   run_int4(x, packed[0], params[0], out, out_features, five_bit, experts);
   return out;
 }

@@ -96,14 +96,16 @@ torch::Tensor moe_combine(torch::Tensor rows, torch::Tensor weights, torch::Tens
 // hidden [T, D] (bf16, or float32 where the level's int8/int4 kernels take it), weights [T, k] float32
 // and experts [T, k] int64 (the router's choice), and every expert's gate/up ([gate; up] rows, 2 I
 // outputs) and down (D outputs) weights packed and stacked as grouped_linear_int8/int4 take them.
-// Returns [T, D]: sum over each token's k experts of weight x down(silu(gate) x up).
+// out_features: down's (D). Returns [T, D]: sum over each token's k experts of weight x down(silu(gate) x up).
 torch::Tensor moe_experts(torch::Tensor hidden, torch::Tensor weights, torch::Tensor experts,
                           torch::Tensor gate_up_packed, torch::Tensor gate_up_scales, torch::Tensor down_packed,
-                          torch::Tensor down_scales, int64_t intermediate_size) {
+                          torch::Tensor down_scales, int64_t intermediate_size, int64_t out_features) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "moe_experts takes contiguous hidden [T, D]");
   TORCH_CHECK(experts.dim() == 2 && experts.scalar_type() == torch::kLong && experts.is_contiguous() &&
-                  experts.size(0) == hidden.size(0) && weights.sizes() == experts.sizes(),
+                  experts.size(0) == hidden.size(0) && weights.sizes() == experts.sizes() &&
+                  weights.scalar_type() == torch::kFloat && weights.is_contiguous(),
               "moe_experts takes int64 experts and float32 weights [T, k]");
+  TORCH_CHECK(out_features == hidden.size(1), "moe_experts: the down projection's outputs must be hidden's width");
   const int64_t top_k = experts.size(1), width = hidden.size(1);
   if (hidden.size(0) == 0) return torch::empty_like(hidden);  // no tokens routed here (expert parallelism)
   auto [order, ends] = sort_pairs(experts, gate_up_packed.size(0));
@@ -112,7 +114,7 @@ torch::Tensor moe_experts(torch::Tensor hidden, torch::Tensor weights, torch::Te
   const char* src = static_cast<const char*>(hidden.data_ptr());
   char* dst = static_cast<char*>(routed.data_ptr());
   const int64_t* pairs = order.data_ptr<int64_t>();
-  at::parallel_for(0, order.numel(), std::max<int64_t>(1, 65536 / row_bytes), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, order.numel(), std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) std::memcpy(dst + i * row_bytes, src + pairs[i] / top_k * row_bytes, row_bytes);
   });
   const auto gate_up = grouped_linear(routed, ends, gate_up_packed, gate_up_scales, 2 * intermediate_size);
