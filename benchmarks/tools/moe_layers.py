@@ -1,14 +1,15 @@
 """A mixture-of-experts layer of Qwen3-30B-A3B's shapes next to a dense layer of the same active size.
 
     python -m benchmarks.tools.moe_layers [--depths 1 4] [--quantization int4 none] \
-        [--concurrent 32] [--decode-tokens 64] [--repeats 3]
+        [--concurrent 32] [--decode-tokens 64] [--repeats 3] [--rounds 1] [--expert-parallel 2]
 
 Qwen3-30B-A3B's decoder layer (hidden 2048, 32 query and 4 KV heads of 128, 128 experts of width
 768, top 8, renormalized) in a random checkpoint written with transformers' Qwen3MoeForCausalLM, and
 a dense Qwen3 layer with the same active parameters (MLP width 8 x 768 = 6144), both over the
 default tokenizer's 49,152-token vocabulary. Each is written at two depths and served by the
 default engine under each `--quantization`; a layer's batch-1 decode time is the difference of the
-two depths' ms/token (median and fastest of the repeats) over the difference of their layer counts
+two depths' ms/token (median and fastest of all repeats of all `--rounds`; each round serves every
+model once, so a drift of the machine reaches them alike) over the difference of their layer counts
 (embedding, logits and sampling cancel). The deeper models also serve `--concurrent` requests at
 once (128 prompt tokens, 128 generated), reported as total tok/s. One JSON line per (model, depth,
 quantization), then one with the per-layer times and the MoE/dense ratio per quantization. With
@@ -159,22 +160,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--expert-parallel", type=int, default=0, help="also serve the deeper int4 MoE on this many ranks"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="serve every model this many times, alternating them"
+    )
     args = parser.parse_args(argv)
     shallow, deep = args.depths
-    b1: dict = {}
-    for kind in args.kinds:
-        for layers in (shallow, deep):
-            with tempfile.TemporaryDirectory(dir=args.dir) as path:
-                write_model(path, kind, layers)
+    times: dict = {}  # (kind, layers, quantization) -> every batch-1 ms/token over the rounds
+    with tempfile.TemporaryDirectory(dir=args.dir) as root:
+        paths = {}
+        for kind in args.kinds:
+            for layers in (shallow, deep):
+                paths[kind, layers] = f"{root}/{kind}-{layers}"
+                write_model(paths[kind, layers], kind, layers)
+        for round_index in range(args.rounds):
+            for (kind, layers), path in paths.items():
                 for quantization in args.quantization:
                     result = measure(path, quantization, args, concurrent=layers == deep)
-                    b1[kind, layers, quantization] = result["b1_ms"], result["b1_min_ms"]
-                    line = {"model": kind, "layers": layers, "quantization": quantization, **result}
-                    print(json.dumps(line), flush=True)
+                    times.setdefault((kind, layers, quantization), []).extend(result["b1_all"])
+                    line = {
+                        "round": round_index,
+                        "model": kind,
+                        "layers": layers,
+                        "quantization": quantization,
+                    }
+                    print(json.dumps({**line, **result}), flush=True)
                 if kind == "moe" and layers == deep and args.expert_parallel > 1:
                     result = measure(path, "int4", args, concurrent=True, ranks=args.expert_parallel)
-                    line = {"model": kind, "layers": layers, "quantization": "int4", **result}
-                    print(json.dumps({**line, "expert_parallel": args.expert_parallel}), flush=True)
+                    line = {"round": round_index, "model": kind, "layers": layers, "quantization": "int4"}
+                    print(json.dumps({**line, **result, "expert_parallel": args.expert_parallel}), flush=True)
+    b1 = {key: (statistics.median(values), min(values)) for key, values in times.items()}
     summary = {}
     for stat, index in (("median", 0), ("min", 1)):  # the min: the runs least disturbed by the machine
         per_layer = {
