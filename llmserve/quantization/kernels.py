@@ -219,8 +219,6 @@ class GroupedExpertsKernel:
         expert by expert."""
         if not kernels or not all(isinstance(kernel, RoundedInputKernel) for kernel in kernels):
             return None
-        if not hasattr(load_cpu_ops(), "grouped_linear_int4"):
-            return None
 
         def layout(kernel: RoundedInputKernel) -> tuple:
             packed, scales = kernel.small_batch_qweight, kernel.small_batch_scales

@@ -296,12 +296,13 @@ class QuantizedMoEExperts(nn.Module):
         top_k = experts.shape[1]
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # pairs grouped by expert
+        tokens = order // top_k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = self.per_expert(hidden[order // top_k], counts)
+        out = self.per_expert(hidden[tokens], counts)
         if self._ops is not None:
             return self._ops.moe_combine(out, weights.float().contiguous(), order)
         out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
-        return torch.zeros_like(hidden).index_add_(0, order // top_k, out)
+        return torch.zeros_like(hidden).index_add_(0, tokens, out)
 
     def _grouped(self, dtype: torch.dtype) -> bool:
         kernels = (self.grouped_gate_up, self.grouped_down)
