@@ -95,6 +95,11 @@ class ServerConfig:
         "the shortest time without a finished engine step, while requests are in flight, that turns "
         "/health to 503 'stalled' (the limit grows with the predicted step time)",
     )
+    watchdog_factor: float = arg(
+        20.0,
+        "the stall limit is this many times the predicted time of the largest step the scheduler can plan "
+        "(never under --watchdog-min-seconds)",
+    )
     shutdown_drain_seconds: float = arg(
         0.0,
         "on SIGTERM, go on answering this long (/health 503 'stopping', requests 503) before the listener "
@@ -142,6 +147,8 @@ class ServerConfig:
             raise ValueError("--max-engine-restarts and --shutdown-drain-seconds must be >= 0")
         if self.watchdog_min_seconds <= 0:
             raise ValueError(f"--watchdog-min-seconds must be > 0, got {self.watchdog_min_seconds}")
+        if self.watchdog_factor <= 0:
+            raise ValueError(f"--watchdog-factor must be > 0, got {self.watchdog_factor}")
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> ServerConfig:

@@ -85,7 +85,17 @@ def test_every_health_state_is_observable_over_http(tiny_model_dir, tmp_path):
     port, gates = free_port(), tmp_path / "gates"
     gates.mkdir()
     base_url = f"http://127.0.0.1:{port}"
-    args = tiny_server_args(tiny_model_dir, "--watchdog-min-seconds", "1", "--shutdown-drain-seconds", "3")
+    # factor 1: the limit is the predicted largest step itself, which a loaded CI machine's warm-up
+    # can stretch past the hang's 120 s at the default factor
+    args = tiny_server_args(
+        tiny_model_dir,
+        "--watchdog-min-seconds",
+        "1",
+        "--watchdog-factor",
+        "1",
+        "--shutdown-drain-seconds",
+        "3",
+    )
     command = [sys.executable, "-c", LAUNCH, str(gates), "serve", "--port", str(port), *args]
     log = tmp_path / "server.log"
     with open(log, "wb") as out:

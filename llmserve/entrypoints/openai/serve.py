@@ -43,7 +43,9 @@ def run_server(config: ServerConfig, engine_args: EngineArgs) -> int:
                 bind_cpus=config.cpu_binding,
                 warmup=config.warmup,
                 restart=RestartPolicy(config.max_engine_restarts) if config.engine_restart else None,
-                watchdog=WatchdogConfig(min_seconds=config.watchdog_min_seconds),
+                watchdog=WatchdogConfig(
+                    min_seconds=config.watchdog_min_seconds, factor=config.watchdog_factor
+                ),
             )
         finally:
             responder.stop()
