@@ -1,7 +1,8 @@
 """A mixture-of-experts layer of Qwen3-30B-A3B's shapes next to a dense layer of the same active size.
 
     python -m benchmarks.tools.moe_layers [--depths 1 4] [--quantization int4 none] \
-        [--concurrent 32] [--decode-tokens 64] [--repeats 3] [--rounds 1] [--expert-parallel 2]
+        [--concurrent 32] [--decode-tokens 64] [--repeats 3] [--rounds 1] [--expert-parallel 2] \
+        [--all2all-backend naive all_to_all]
 
 Qwen3-30B-A3B's decoder layer (hidden 2048, 32 query and 4 KV heads of 128, 128 experts of width
 768, top 8, renormalized) in a random checkpoint written with transformers' Qwen3MoeForCausalLM, and
@@ -15,7 +16,8 @@ once (128 prompt tokens, 128 generated), reported as total tok/s. One JSON line 
 quantization), then one with the per-layer times and the MoE/dense ratio per quantization. With
 `--expert-parallel 2` the deeper int4 MoE is also served on two ranks with its experts split
 (`--enable-expert-parallel`), reporting beside the one-process run the decode step at
-`--concurrent` sequences and the all-to-all bytes per step (the ranks' own counts). The
+`--concurrent` sequences and the bytes the ranks' expert layers sent each other per step (their own
+counts), once per `--all2all-backend`. The
 checkpoints take 1.5 GB per layer in bf16 under a temporary directory (`--dir` to choose it); run
 on a quiet machine.
 """
@@ -103,11 +105,22 @@ def _decode_ms(output) -> float:
     return 1e3 * (metrics.finished_time - metrics.first_token_time) / (len(output.outputs[0].token_ids) - 1)
 
 
-def measure(path: str, quantization: str, args: argparse.Namespace, concurrent: bool, ranks: int = 1) -> dict:
+def measure(
+    path: str,
+    quantization: str,
+    args: argparse.Namespace,
+    concurrent: bool,
+    ranks: int = 1,
+    all2all_backend: str = "naive",
+) -> dict:
     from llmserve import LLM, SamplingParams
 
     start = time.perf_counter()
-    parallel = dict(tensor_parallel_size=ranks, enable_expert_parallel=True) if ranks > 1 else {}
+    parallel = (
+        dict(tensor_parallel_size=ranks, enable_expert_parallel=True, all2all_backend=all2all_backend)
+        if ranks > 1
+        else {}
+    )
     llm = LLM(path, quantization=quantization, max_model_len=1024, kv_cache_memory="1GiB", **parallel)
     result: dict = {"load_s": round(time.perf_counter() - start, 1)}
     try:
@@ -161,6 +174,13 @@ def main(argv: list[str] | None = None) -> None:
         "--expert-parallel", type=int, default=0, help="also serve the deeper int4 MoE on this many ranks"
     )
     parser.add_argument(
+        "--all2all-backend",
+        nargs="+",
+        default=["naive"],
+        choices=["naive", "all_to_all"],
+        help="the expert-parallel runs' dispatch, each in turn",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="serve every model this many times, alternating them"
     )
     args = parser.parse_args(argv)
@@ -184,10 +204,13 @@ def main(argv: list[str] | None = None) -> None:
                         "quantization": quantization,
                     }
                     print(json.dumps({**line, **result}), flush=True)
-                if kind == "moe" and layers == deep and args.expert_parallel > 1:
-                    result = measure(path, "int4", args, concurrent=True, ranks=args.expert_parallel)
+                for backend in args.all2all_backend if kind == "moe" and layers == deep else ():
+                    if args.expert_parallel < 2:
+                        break
+                    result = measure(path, "int4", args, True, args.expert_parallel, backend)
                     line = {"round": round_index, "model": kind, "layers": layers, "quantization": "int4"}
-                    print(json.dumps({**line, **result, "expert_parallel": args.expert_parallel}), flush=True)
+                    parallel = {"expert_parallel": args.expert_parallel, "all2all_backend": backend}
+                    print(json.dumps({**line, **result, **parallel}), flush=True)
     b1 = {key: (statistics.median(values), min(values)) for key, values in times.items()}
     summary = {}
     for stat, index in (("median", 0), ("min", 1)):  # the min: the runs least disturbed by the machine

@@ -34,6 +34,7 @@ from llmserve.config.kv_offloading import KVOffloadingBackend, KVOffloadingConfi
 from llmserve.config.kv_transfer import KVTransferConfig
 from llmserve.config.lora import LORA_KERNEL_MAX_WIDTH, LoRAConfig
 from llmserve.config.parallel import (
+    All2AllBackend,
     ExecutorBackend,
     NodeArgs,
     ParallelConfig,
@@ -529,7 +530,13 @@ class EngineArgs:
     enable_expert_parallel: bool = arg(
         False,
         "mixture-of-experts models: split the experts over the tensor-parallel ranks (each holds whole "
-        "experts; tokens reach them by all-to-all) instead of splitting every expert's units",
+        "experts) instead of splitting every expert's units",
+    )
+    all2all_backend: All2AllBackend = arg(
+        "naive",
+        "expert parallelism's dispatch: naive, every rank computes its experts' pairs of every token "
+        "(the tokens are on every rank already) and one all-reduce combines them | all_to_all, each rank "
+        "routes a slice of the tokens and sends each pair's row to its expert's rank and back",
     )
     distributed_executor_backend: ExecutorBackend = arg(
         "mp",
@@ -900,6 +907,7 @@ class EngineArgs:
             self.pipeline_parallel_size,
             arch.num_hidden_layers,
             self.enable_expert_parallel,
+            self.all2all_backend,
         )
         if self.enable_expert_parallel and not arch.num_experts:
             raise ValueError(

@@ -21,6 +21,11 @@ logger = logging.getLogger("llmserve")
 
 ExecutorBackend = Literal["mp", "ray"]  # mp: processes llmserve starts; ray: Ray actors
 BACKENDS: tuple[str, ...] = get_args(ExecutorBackend)
+# Expert parallelism's dispatch (vLLM's --all2all-backend): "naive", every rank has every token (here
+# the attention before is tensor-parallel) and computes its experts' pairs, one all-reduce combining
+# them; "all_to_all", each rank routes its slice and all-to-alls send the pairs' rows both ways
+All2AllBackend = Literal["naive", "all_to_all"]
+ALL2ALL_BACKENDS: tuple[str, ...] = get_args(All2AllBackend)
 DEFAULT_MASTER_PORT = 29501  # vLLM's --master-port default
 
 
@@ -95,6 +100,7 @@ class ParallelConfig:
     master_port: int = DEFAULT_MASTER_PORT  # mp across nodes: its port (ray and one node: a free port)
     pipeline_parallel_size: int = 1  # stages the decoder layers are split over, each of T ranks
     enable_expert_parallel: bool = False  # MoE layers: experts split over the T ranks, not their units
+    all2all_backend: All2AllBackend = "naive"  # how expert parallelism reaches the experts' ranks
 
     @property
     def world_size(self) -> int:
@@ -157,6 +163,7 @@ class ParallelConfig:
         pipeline_parallel_size: int = 1,
         num_layers: int | None = None,
         enable_expert_parallel: bool = False,
+        all2all_backend: All2AllBackend = "naive",
     ) -> ParallelConfig:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
@@ -168,6 +175,10 @@ class ParallelConfig:
             )
         if timeout <= 0:
             raise ValueError(f"distributed_timeout_seconds must be > 0, got {timeout}")
+        if all2all_backend not in ALL2ALL_BACKENDS:
+            raise ValueError(
+                f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {all2all_backend!r}"
+            )
         if tensor_parallel_size > num_kv_heads:
             raise ValueError(
                 f"tensor_parallel_size {tensor_parallel_size} leaves a rank with no KV head: the model has "
@@ -199,6 +210,7 @@ class ParallelConfig:
             master_port=nodes.master_port or DEFAULT_MASTER_PORT,
             pipeline_parallel_size=pipeline_parallel_size,
             enable_expert_parallel=enable_expert_parallel,
+            all2all_backend=all2all_backend,
         )
 
 

@@ -6,14 +6,18 @@ rank holds all experts' gate/up rows and down columns for its units, routes ever
 is replicated), and one all-reduce sums the partial outputs. Expert parallelism
 (`--enable-expert-parallel`) splits the experts instead: each rank holds whole experts, a
 contiguous run of them. The hidden states entering the layer are the same on every rank (attention
-stays tensor-parallel), so each rank routes only its slice of the tokens, sends each (token, expert)
-pair's row to the rank holding the expert (one all-to-all), runs its experts over the rows it
-received, sends the results back (a second all-to-all, the first's splits reversed), weights and sums
-them into its slice, and one all-reduce of the slices (zeros elsewhere) makes the output whole again.
+stays tensor-parallel), so the default dispatch (`--all2all-backend naive`) sends nothing: each rank
+routes every token, computes the pairs routed to the experts it holds (the experts module skips the
+others'), and the all-reduce that tensor parallelism has anyway sums the ranks' partial outputs.
 
-Before the all-to-all the ranks exchange how many pairs each routed to each expert (an all-reduce of
-an [N, E] table): that gives every rank its send and receive split sizes and, since a sender orders
-its pairs by expert, the expert of every row it will receive, so only hidden rows cross.
+The `all_to_all` dispatch, for ranks that do not share their tokens, routes only this rank's slice
+of them, sends each (token, expert) pair's row to the rank holding the expert (one all-to-all), runs
+its experts over the rows it received, sends the results back (a second all-to-all, the first's
+splits reversed), weights and sums them into its slice, and one all-reduce of the slices (zeros
+elsewhere) makes the output whole again. Before the all-to-all the ranks exchange how many pairs each
+routed to each expert (an all-reduce of an [N, E] table): that gives every rank its send and receive
+split sizes and, since a sender orders its pairs by expert, the expert of every row it will receive,
+so only hidden rows cross.
 """
 
 from __future__ import annotations

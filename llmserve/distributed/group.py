@@ -42,10 +42,13 @@ PLAN_HEAD_BYTES = 4096
 
 
 class TensorParallelGroup:
-    def __init__(self, rank: int, world_size: int, expert_parallel: bool = False) -> None:
+    def __init__(
+        self, rank: int, world_size: int, expert_parallel: bool = False, all2all_backend: str = "naive"
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.expert_parallel = expert_parallel  # MoE layers split experts, not units (expert_parallel.py)
+        self.all2all_backend = all2all_backend  # how expert parallelism dispatches (config/parallel.py)
         self._plan_group = None  # the gloo group the plan bytes cross on, on the CPU whatever the device
         self._device_group = None  # the forward's collectives (None: the default group, every rank)
         self._first_global_rank = 0  # rank 0 of this group in the world's numbering

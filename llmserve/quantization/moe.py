@@ -33,6 +33,7 @@ from torch import nn
 
 from llmserve.distributed.expert_parallel import ExpertLayout
 from llmserve.kernels.cpu_ops import load_cpu_ops
+from llmserve.models.layers.moe import held_pairs
 from llmserve.quantization.formats import (
     QuantizedWeight,
     column_groups,
@@ -231,9 +232,10 @@ def apply_experts(model: nn.Module, weights: dict[str, QuantizedWeight], dtype: 
         module = model.get_submodule(name)
         stacked = [_expert_list(name, param, module, params.get(param, {})) for param in EXPERT_PARAMETERS]
         parent, _, child = name.rpartition(".")
-        setattr(
-            model.get_submodule(parent), child, QuantizedMoEExperts(*stacked, dtype, torch.device(device))
+        experts = QuantizedMoEExperts(
+            *stacked, dtype, torch.device(device), module.held.start, module.router_experts
         )
+        setattr(model.get_submodule(parent), child, experts)
 
 
 def _expert_list(name: str, param: str, module: nn.Module, weights: dict[int, QuantizedWeight]):
@@ -263,7 +265,8 @@ def expert_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.dev
 
 
 class QuantizedMoEExperts(nn.Module):
-    """Drop-in for `MoEExperts` (same forward) with each expert's weights in a quantized kernel."""
+    """Drop-in for `MoEExperts` (same forward, the same held run of the router's experts) with each
+    expert's weights in a quantized kernel."""
 
     def __init__(
         self,
@@ -271,8 +274,12 @@ class QuantizedMoEExperts(nn.Module):
         down: list[QuantizedWeight],
         dtype: torch.dtype,
         device: torch.device,
+        first_expert: int = 0,
+        router_experts: int | None = None,
     ) -> None:
         super().__init__()
+        self.held = range(first_expert, first_expert + len(gate_up))
+        self.router_experts = router_experts or len(gate_up)
         self.gate_up = nn.ModuleList(expert_kernel(weight, dtype, device) for weight in gate_up)
         self.down = nn.ModuleList(expert_kernel(weight, dtype, device) for weight in down)
         # Both projections over all experts in one call each where the kernels allow (else None)
@@ -285,20 +292,18 @@ class QuantizedMoEExperts(nn.Module):
         return len(self.gate_up)
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """sum over each token's k experts of weight * expert(token); weights, experts: [tokens, k]."""
+        """sum over each token's k experts (those held) of weight * expert(token); weights, experts:
+        [tokens, k], experts numbered as the router numbers them."""
         if self._grouped(hidden.dtype):  # one compiled call: no host sync, no loop over experts
             gate_up, down = self.grouped_gate_up, self.grouped_down
             return self._ops.moe_experts(
                 hidden.contiguous(), weights.float().contiguous(), experts.contiguous(),
                 gate_up.qweight, gate_up.scales, down.qweight, down.scales, gate_up.out_features // 2,
-                down.out_features,
+                down.out_features, self.held.start, self.router_experts,
             )  # fmt: skip
-        top_k = experts.shape[1]
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # pairs grouped by expert
-        tokens = order // top_k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = self.per_expert(hidden[tokens], counts)
+        order, counts = held_pairs(experts, self.held, self.router_experts)
+        tokens = order // experts.shape[1]
+        out = self.per_expert(hidden[tokens], counts.tolist())
         if self._ops is not None:
             return self._ops.moe_combine(out, weights.float().contiguous(), order)
         out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)

@@ -67,7 +67,7 @@ class TensorParallelExecutor:
             )
         self.config = config
         self.group = TensorParallelGroup(  # stage 0's ranks
-            0, parallel.tensor_parallel_size, parallel.enable_expert_parallel
+            0, parallel.tensor_parallel_size, parallel.enable_expert_parallel, parallel.all2all_backend
         )
         layout = PipelineLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.pipeline = PipelineGroup(layout, 0, self.group) if layout.pipeline_parallel_size > 1 else None

@@ -47,7 +47,10 @@ def rank_groups(config: EngineConfig, rank: int) -> tuple[TensorParallelGroup, P
     parallel = config.parallel
     layout = PipelineLayout(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     group = TensorParallelGroup(
-        layout.tp_rank_of(rank), parallel.tensor_parallel_size, parallel.enable_expert_parallel
+        layout.tp_rank_of(rank),
+        parallel.tensor_parallel_size,
+        parallel.enable_expert_parallel,
+        parallel.all2all_backend,
     )
     stage = PipelineStage.of(
         config.model.arch.num_hidden_layers, layout.pipeline_parallel_size, layout.stage_of(rank)

@@ -29,10 +29,18 @@ class ThreadGroup:
     """One thread's rank of an in-process group: every collective waits for all ranks."""
 
     def __init__(
-        self, rank: int, world_size: int, barrier: threading.Barrier, slots: list, expert_parallel: bool
+        self,
+        rank: int,
+        world_size: int,
+        barrier: threading.Barrier,
+        slots: list,
+        expert_parallel: bool,
+        all2all_backend: str,
     ):
         self.rank, self.world_size, self.expert_parallel = rank, world_size, expert_parallel
+        self.all2all_backend = all2all_backend
         self.barrier, self.slots = barrier, slots
+        self.all_to_alls = 0
 
     def _exchange(self, value):
         self.slots[self.rank] = value
@@ -45,6 +53,7 @@ class ThreadGroup:
         return tensor.copy_(torch.stack(self._exchange(tensor.clone())).sum(0))
 
     def all_to_all(self, tensor: torch.Tensor, out_rows: list[int], in_rows: list[int]) -> torch.Tensor:
+        self.all_to_alls += 1
         parts = self._exchange(tensor.split(in_rows))
         received = torch.cat([parts[source][self.rank] for source in range(self.world_size)])
         assert received.shape[0] == sum(out_rows)
@@ -63,7 +72,13 @@ def _whole_layer(router_column: list[float] | None) -> SparseMoE:
     return layer
 
 
-def _run_ranks(whole: SparseMoE, hidden: torch.Tensor, world_size: int, expert_parallel: bool):
+def _run_ranks(
+    whole: SparseMoE,
+    hidden: torch.Tensor,
+    world_size: int,
+    expert_parallel: bool,
+    all2all_backend: str = "naive",
+):
     """Each rank's (layer, output), the layer loaded with its part of `whole`'s weights."""
     barrier, slots = threading.Barrier(world_size), [None] * world_size
     results: list = [None] * world_size
@@ -71,7 +86,7 @@ def _run_ranks(whole: SparseMoE, hidden: torch.Tensor, world_size: int, expert_p
 
     def rank_main(rank: int) -> None:
         try:
-            group = ThreadGroup(rank, world_size, barrier, slots, expert_parallel)
+            group = ThreadGroup(rank, world_size, barrier, slots, expert_parallel, all2all_backend)
             layer = ParallelSparseMoE(HIDDEN, UNITS, EXPERTS, TOP_K, group)
             with torch.no_grad():
                 layer.gate.weight.copy_(whole.gate.weight)
@@ -97,13 +112,17 @@ def _run_ranks(whole: SparseMoE, hidden: torch.Tensor, world_size: int, expert_p
 SKEWED = [5.0, 1.0, 0.5, 0.2, -5.0, -5.0, -5.0, -5.0]  # experts 0 and 1 take every token; 4-7 none
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+@pytest.mark.parametrize(
+    "expert_parallel, all2all_backend",
+    [(False, "naive"), (True, "naive"), (True, "all_to_all")],
+    ids=["tp", "ep-naive", "ep-all-to-all"],
+)
 @pytest.mark.parametrize(
     "world_size, tokens, router",
     [(2, 9, None), (3, 7, None), (2, 1, None), (2, 6, SKEWED), (3, 2, SKEWED)],
     ids=["2-ranks", "3-ranks-uneven", "fewer-tokens-than-ranks", "skewed-idle-rank", "skewed-3-ranks"],
 )
-def test_split_layer_equals_the_whole_layer(expert_parallel, world_size, tokens, router):
+def test_split_layer_equals_the_whole_layer(expert_parallel, all2all_backend, world_size, tokens, router):
     whole = _whole_layer(router)
     torch.manual_seed(1)
     hidden = torch.randn(tokens, HIDDEN)
@@ -112,15 +131,20 @@ def test_split_layer_equals_the_whole_layer(expert_parallel, world_size, tokens,
     with torch.no_grad():
         want = whole(hidden)
         chosen = whole.route(hidden)[1]
-    results = _run_ranks(whole, hidden, world_size, expert_parallel)
+    results = _run_ranks(whole, hidden, world_size, expert_parallel, all2all_backend)
     for _, got in results:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     routed = torch.bincount(chosen.flatten(), minlength=EXPERTS)
     loads = [total_expert_load(layer) for layer, _ in results]
+    # naive: nothing but the layer's one all-reduce crosses; all_to_all: two all-to-alls a layer
+    assert all(layer.tp.all_to_alls == (2 if all2all_backend == "all_to_all" else 0) for layer, _ in results)
     if expert_parallel:  # each rank computed exactly its experts' pairs, from every rank's slice
         held = torch.cat([torch.tensor(counts) for _, counts, _ in loads])
         assert held.tolist() == routed.tolist()
         assert [first for first, _, _ in loads] == [layer.layout.experts.start for layer, _ in results]
+        if all2all_backend == "naive":  # the partial outputs, to each other rank, in the all-reduce
+            row_bytes = tokens * HIDDEN * 4
+            assert all(sent == row_bytes * (world_size - 1) for _, _, sent in loads)
     else:  # every rank routed every token and computed its units of every chosen expert
         assert all(counts == tuple(routed.tolist()) and sent == 0 for _, counts, sent in loads)
     if router is SKEWED:

@@ -1,9 +1,10 @@
 """Mixture-of-experts models over two ranks, as real processes over gloo: tensor parallelism (every
-expert's units split) and expert parallelism (the experts split, tokens dispatched by all-to-all)
-give transformers' greedy tokens in float32, and rank 0 counts the expert load it computed.
+expert's units split) and expert parallelism (the experts split; each rank computing its experts'
+pairs of every token, or tokens dispatched by all-to-all) give transformers' greedy tokens in
+float32, and rank 0 counts the expert load it computed.
 
 Two requests of different lengths make the later decode steps a single token, fewer tokens than
-ranks: under expert parallelism rank 1 then routes none and only receives.
+ranks: under the all-to-all dispatch rank 1 then routes none and only receives.
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ def _rank1_report(llm):
     return wait_until(reported, 30, "rank 1's report of a step")
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+@pytest.mark.parametrize(
+    ("expert_parallel", "all2all_backend"),
+    [(False, "naive"), (True, "naive"), (True, "all_to_all")],
+    ids=["tp", "ep", "ep-all-to-all"],
+)
 @pytest.mark.parametrize("case", ["mixtral-top2-of-4", "qwen3-moe-dense-layer"])
-def test_two_ranks_give_transformers_greedy_tokens(tmp_path, case, expert_parallel):
+def test_two_ranks_give_transformers_greedy_tokens(tmp_path, case, expert_parallel, all2all_backend):
     hf = make_family_dir(str(tmp_path), case)
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
@@ -50,6 +55,7 @@ def test_two_ranks_give_transformers_greedy_tokens(tmp_path, case, expert_parall
         kv_cache_memory="8MiB",
         tensor_parallel_size=2,
         enable_expert_parallel=expert_parallel,
+        all2all_backend=all2all_backend,
     )
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -60,7 +66,7 @@ def test_two_ranks_give_transformers_greedy_tokens(tmp_path, case, expert_parall
     for prompt, output, max_tokens in zip(prompts, outputs, MAX_TOKENS, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(hf, prompt, max_tokens)
     num_experts = CASES[case][2]["num_local_experts" if case.startswith("mixtral") else "num_experts"]
-    if expert_parallel:  # rank 0 holds the first half of the experts and sent rows to rank 1
+    if expert_parallel:  # rank 0 holds the first half of the experts and sent rows (or sums) to rank 1
         assert first_expert == 0 and len(tokens) == num_experts // 2
         assert sum(tokens) > 0 and sent > 0
         # rank 1's report, up its start-up pipe: the other half

@@ -108,6 +108,49 @@ def test_grouped_kernels_equal_the_experts_one_by_one(kind, tokens, top_k):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("path", ["grouped", "one-by-one"])
+def test_a_run_of_the_experts_computes_only_their_pairs(kind, path):
+    """Expert parallelism's rank holds a run of the router's experts: the layers holding 0-2, 3-5
+    and 6-7 each give, bit for bit, the whole layer's output with the other pairs' weights at 0
+    (tokens with no pair there: zeros), and the three partial outputs add up to the whole layer's
+    (each rounded to bf16 once); an expert id past the router's is an error, not a skipped pair."""
+    torch.manual_seed(0)
+    gate_up = torch.randn(EXPERTS, 2 * UNITS, HIDDEN) * 0.2
+    down = torch.randn(EXPERTS, HIDDEN, UNITS) * 0.2
+    quantize = QUANTIZERS[kind]
+    codes = [quantize(w) for w in gate_up], [quantize(w) for w in down]
+    cpu = torch.device("cpu")
+    whole = QuantizedMoEExperts(*codes, torch.bfloat16, cpu)
+    runs = [range(0, 3), range(3, 6), range(6, 8)]
+    parts = [
+        QuantizedMoEExperts(codes[0][r.start : r.stop], codes[1][r.start : r.stop], torch.bfloat16, cpu,
+                            r.start, EXPERTS)
+        for r in runs
+    ]  # fmt: skip
+    if path == "one-by-one":
+        for layer in (whole, *parts):
+            layer.grouped_gate_up = None
+    elif not whole._grouped(torch.bfloat16):
+        pytest.skip("this level's int8/int4 kernels do not take bfloat16 inputs")
+    tokens = 12
+    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(4)).bfloat16()
+    weights, chosen = _unbalanced_routing(tokens)
+    chosen[3:6, 1] = 7  # the last run gets pairs, experts 1, 3, 4 and 6 none
+    with torch.no_grad():
+        got = [layer(hidden, weights, chosen) for layer in parts]
+        total = whole(hidden, weights, chosen)
+        for run, out in zip(runs, got, strict=True):
+            mine = (chosen >= run.start) & (chosen < run.stop)
+            expected = whole(hidden, weights * mine, chosen)  # the others' pairs at weight 0
+            assert torch.equal(out, expected)
+            assert torch.equal(out[~mine.any(1)], torch.zeros_like(out[~mine.any(1)]))
+    scale = total.abs().max().item()
+    torch.testing.assert_close(sum(g.float() for g in got), total.float(), atol=2e-2 * scale, rtol=0)
+    with pytest.raises((RuntimeError, ValueError), match="expert index out of range"):
+        parts[0](hidden, weights, torch.full_like(chosen, EXPERTS))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_experts_hold_only_their_packed_bytes(kind):
     """Resident bytes (every unique storage of the layer) within 1.15x the quantized weights' bytes
     (codes at their bits, float32 scales and offsets): no float copy and no second packed copy."""

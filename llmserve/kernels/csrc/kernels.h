@@ -66,7 +66,8 @@ torch::Tensor grouped_linear_int4(torch::Tensor x, torch::Tensor ends, torch::Te
 torch::Tensor moe_combine(torch::Tensor rows, torch::Tensor weights, torch::Tensor order);
 torch::Tensor moe_experts(torch::Tensor hidden, torch::Tensor weights, torch::Tensor experts,
                           torch::Tensor gate_up_packed, torch::Tensor gate_up_scales, torch::Tensor down_packed,
-                          torch::Tensor down_scales, int64_t intermediate_size, int64_t out_features);
+                          torch::Tensor down_scales, int64_t intermediate_size, int64_t out_features,
+                          int64_t first_expert, int64_t num_experts);
 torch::Tensor small_batch_dequantize_int4(torch::Tensor packed, torch::Tensor params, int64_t out_features,
                                           int64_t bits = 4);
 torch::Tensor small_batch_dequantize_int8(torch::Tensor packed, torch::Tensor scales, int64_t out_features);

@@ -63,7 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Per token, the float32 sum of its (token, expert) pairs' rows times their weights, rounded once");
   m.def("moe_experts", &moe_experts,
         "A mixture-of-experts layer's int8/int4 experts in one call: sort pairs, gather, grouped gate/up, "
-        "silu_and_mul, grouped down, combine");
+        "silu_and_mul, grouped down, combine; pairs routed outside the held experts [first_expert, +E) skipped");
   m.def("small_batch_dequantize_int4", &small_batch_dequantize_int4,
         "The float32 W [N, K] of an int4 (bits 5: 5-bit) weight packed by small_batch_pack_int4 (its one copy)",
         py::arg("packed"), py::arg("params"), py::arg("out_features"), py::arg("bits") = 4);

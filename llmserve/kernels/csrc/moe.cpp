@@ -6,7 +6,8 @@
 // within an expert), each pair's token row is gathered, the experts' gate/up and down projections run
 // as one grouped call each (grouped_linear_int8/int4, linear_quantized.cpp) with silu_and_mul between
 // them, and moe_combine sums each token's pairs back. moe_combine is also what the per-expert path
-// calls, so both give the same bits.
+// calls, so both give the same bits. Under expert parallelism a rank holds a run of the experts: pairs
+// routed to the others' are skipped here (they add nothing to this rank's partial sums).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,26 +19,32 @@
 
 namespace {
 
-// (order, ends): order [P] the pair indices (token * k + j) sorted by expert, stable; ends [E] each
-// expert's end in that order.
-std::pair<torch::Tensor, torch::Tensor> sort_pairs(const torch::Tensor& experts, int64_t num_experts) {
+// (order, ends): order [P'] the indices (token * k + j) of the pairs routed to the held experts
+// [first, first + held), sorted by expert, stable; ends [held] each held expert's end in that order.
+std::pair<torch::Tensor, torch::Tensor> sort_pairs(const torch::Tensor& experts, int64_t first, int64_t held,
+                                                   int64_t num_experts) {
   const int64_t pairs = experts.numel();
   const int64_t* chosen = experts.data_ptr<int64_t>();
-  auto ends = torch::zeros({num_experts}, experts.options());
-  auto order = torch::empty({pairs}, experts.options());
+  auto ends = torch::zeros({held}, experts.options());
   int64_t* end = ends.data_ptr<int64_t>();
+  int64_t kept = 0;
   for (int64_t p = 0; p < pairs; ++p) {
     TORCH_CHECK(chosen[p] >= 0 && chosen[p] < num_experts, "moe_experts: an expert index out of range");
-    ++end[chosen[p]];
+    const int64_t local = chosen[p] - first;
+    if (local >= 0 && local < held) ++end[local], ++kept;
   }
-  std::vector<int64_t> next(num_experts);
-  for (int64_t e = 0, start = 0; e < num_experts; ++e) {
+  std::vector<int64_t> next(held);
+  for (int64_t e = 0, start = 0; e < held; ++e) {
     next[e] = start;
     start += end[e];
     end[e] = start;
   }
+  auto order = torch::empty({kept}, experts.options());
   int64_t* sorted = order.data_ptr<int64_t>();
-  for (int64_t p = 0; p < pairs; ++p) sorted[next[chosen[p]]++] = p;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t local = chosen[p] - first;
+    if (local >= 0 && local < held) sorted[next[local]++] = p;
+  }
   return {order, ends};
 }
 
@@ -50,23 +57,24 @@ torch::Tensor grouped_linear(const torch::Tensor& x, const torch::Tensor& ends, 
 
 }  // namespace
 
-// rows [P, D]: pair order[i]'s expert output in row i; weights [T, k] float32, each pair's weight
-// (pair p = token * k + j). Returns [T, D] in rows' dtype: per token, the float32 sum over its pairs,
-// in row order, of weight x row, rounded once.
+// rows [P', D]: pair order[i]'s expert output in row i; weights [T, k] float32, each pair's weight
+// (pair p = token * k + j). Returns [T, D] in rows' dtype: per token, the float32 sum over its pairs
+// that have a row (all of them, except under expert parallelism), in row order, of weight x row,
+// rounded once; zeros for a token none of whose pairs has one.
 torch::Tensor moe_combine(torch::Tensor rows, torch::Tensor weights, torch::Tensor order) {
   TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous(), "moe_combine takes contiguous rows [P, D]");
   TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == torch::kFloat && weights.is_contiguous() &&
-                  weights.numel() == rows.size(0),
-              "moe_combine takes float32 weights [T, k], one per row");
+                  weights.numel() >= rows.size(0),
+              "moe_combine takes float32 weights [T, k], one per pair");
   TORCH_CHECK(order.dim() == 1 && order.scalar_type() == torch::kLong && order.is_contiguous() &&
                   order.numel() == rows.size(0),
               "moe_combine takes the rows' pair indices [P] int64");
   const int64_t tokens = weights.size(0), top_k = weights.size(1), width = rows.size(1);
   const int64_t* pairs = order.data_ptr<int64_t>();
-  std::vector<int64_t> row_of(rows.size(0), -1);  // pair -> its row
+  std::vector<int64_t> row_of(weights.numel(), -1);  // pair -> its row (-1: none)
   for (int64_t i = 0; i < rows.size(0); ++i) {
-    TORCH_CHECK(pairs[i] >= 0 && pairs[i] < rows.size(0) && row_of[pairs[i]] < 0,
-                "moe_combine's order must be a permutation of the pairs");
+    TORCH_CHECK(pairs[i] >= 0 && pairs[i] < weights.numel() && row_of[pairs[i]] < 0,
+                "moe_combine's order must name distinct pairs");
     row_of[pairs[i]] = i;
   }
   auto out = torch::empty({tokens, width}, rows.options());
@@ -82,6 +90,7 @@ torch::Tensor moe_combine(torch::Tensor rows, torch::Tensor weights, torch::Tens
         std::sort(mine.begin(), mine.end());  // row order: the same sum whatever the batch
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (const int64_t i : mine) {
+          if (i < 0) continue;  // a pair another rank computes
           const float weight = pair_weights[pairs[i]];
           const scalar_t* row = in + i * width;
           for (int64_t d = 0; d < width; ++d) acc[d] += weight * static_cast<float>(row[d]);
@@ -94,12 +103,14 @@ torch::Tensor moe_combine(torch::Tensor rows, torch::Tensor weights, torch::Tens
 }
 
 // hidden [T, D] (bf16, or float32 where the level's int8/int4 kernels take it), weights [T, k] float32
-// and experts [T, k] int64 (the router's choice), and every expert's gate/up ([gate; up] rows, 2 I
-// outputs) and down (D outputs) weights packed and stacked as grouped_linear_int8/int4 take them.
-// out_features: down's (D). Returns [T, D]: sum over each token's k experts of weight x down(silu(gate) x up).
+// and experts [T, k] int64 (the router's choice among num_experts), and the held experts' (first_expert
+// onwards, as many as are stacked) gate/up ([gate; up] rows, 2 I outputs) and down (D outputs) weights
+// packed and stacked as grouped_linear_int8/int4 take them. out_features: down's (D). Returns [T, D]:
+// sum over each token's chosen experts among the held ones of weight x down(silu(gate) x up).
 torch::Tensor moe_experts(torch::Tensor hidden, torch::Tensor weights, torch::Tensor experts,
                           torch::Tensor gate_up_packed, torch::Tensor gate_up_scales, torch::Tensor down_packed,
-                          torch::Tensor down_scales, int64_t intermediate_size, int64_t out_features) {
+                          torch::Tensor down_scales, int64_t intermediate_size, int64_t out_features,
+                          int64_t first_expert, int64_t num_experts) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "moe_experts takes contiguous hidden [T, D]");
   TORCH_CHECK(experts.dim() == 2 && experts.scalar_type() == torch::kLong && experts.is_contiguous() &&
                   experts.size(0) == hidden.size(0) && weights.sizes() == experts.sizes() &&
@@ -108,7 +119,10 @@ torch::Tensor moe_experts(torch::Tensor hidden, torch::Tensor weights, torch::Te
   TORCH_CHECK(out_features == hidden.size(1), "moe_experts: the down projection's outputs must be hidden's width");
   const int64_t top_k = experts.size(1), width = hidden.size(1);
   if (hidden.size(0) == 0) return torch::empty_like(hidden);  // no tokens routed here (expert parallelism)
-  auto [order, ends] = sort_pairs(experts, gate_up_packed.size(0));
+  const int64_t held = gate_up_packed.size(0);
+  TORCH_CHECK(first_expert >= 0 && first_expert + held <= num_experts,
+              "moe_experts: the held experts must lie within num_experts");
+  auto [order, ends] = sort_pairs(experts, first_expert, held, num_experts);
   auto routed = torch::empty({order.numel(), width}, hidden.options());
   const int64_t row_bytes = width * hidden.element_size();
   const char* src = static_cast<const char*>(hidden.data_ptr());

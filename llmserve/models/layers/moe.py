@@ -15,23 +15,48 @@ from torch import nn
 from llmserve.models.layers.activation import SiluAndMul
 
 
-class MoEExperts(nn.Module):
-    """Every expert's SwiGLU MLP, stacked: gate_up_proj [E, 2 * I, H] ([gate; up] rows, HF's layout),
-    down_proj [E, H, I]."""
+def held_pairs(experts: torch.Tensor, held: range, router_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, counts): the pairs (token * k + j) that `experts` [tokens, k] routes to the `held` run of
+    the router's experts, sorted by expert (stable), and each held expert's pair count. Where another
+    rank holds some experts (expert parallelism) their pairs are left out: one host sync for the cut."""
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)  # pairs grouped by expert
+    counts = torch.bincount(flat, minlength=router_experts)  # longer only past the router's experts
+    if counts.shape[0] != router_experts:
+        raise ValueError(f"an expert index out of range: the router has {router_experts} experts")
+    if len(held) == router_experts:
+        return order, counts
+    first = int(counts[: held.start].sum())  # the pairs of experts before the held run
+    counts = counts[held.start : held.stop]
+    return order[first : first + int(counts.sum())], counts
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+
+class MoEExperts(nn.Module):
+    """Every held expert's SwiGLU MLP, stacked: gate_up_proj [E, 2 * I, H] ([gate; up] rows, HF's
+    layout), down_proj [E, H, I]. It holds the router's experts first_expert .. first_expert + E - 1
+    of `router_experts` (all of them but under expert parallelism)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        first_expert: int = 0,
+        router_experts: int | None = None,
+    ) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act_fn = SiluAndMul()
+        self.held = range(first_expert, first_expert + num_experts)
+        self.router_experts = router_experts or num_experts
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """sum over each token's k experts of weight * expert(token); weights, experts: [tokens, k]."""
-        top_k = experts.shape[1]
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # pairs grouped by expert
-        tokens = order // top_k
-        ends = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
+        """sum over each token's k experts (those held) of weight * expert(token); weights, experts:
+        [tokens, k], experts numbered as the router numbers them."""
+        order, counts = held_pairs(experts, self.held, self.router_experts)
+        tokens = order // experts.shape[1]
+        ends = counts.cumsum(0).to(torch.int32)
         routed = hidden[tokens]
         if hidden.is_cuda and hidden.dtype != torch.bfloat16:  # CUDA's grouped GEMM is bf16 only
             out = self.per_expert(routed, ends)

@@ -28,22 +28,32 @@ class ParallelSparseMoE(SparseMoE):
         layout = ExpertLayout.of(num_experts, intermediate_size, tp.world_size, tp.rank, tp.expert_parallel)
         super().__init__(hidden_size, len(layout.units), num_experts, top_k, renormalize)
         if len(layout.experts) != num_experts:
-            self.experts = MoEExperts(len(layout.experts), hidden_size, len(layout.units))
+            self.experts = MoEExperts(
+                len(layout.experts), hidden_size, len(layout.units), layout.experts.start, num_experts
+            )
         self.layout, self.tp = layout, tp
         self.expert_load = ExpertLoad(layout)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return super().forward(hidden)
-        if self.layout.expert_parallel:
-            return self._expert_parallel(hidden)
+        if self.layout.expert_parallel and self.tp.all2all_backend == "all_to_all":
+            return self._all_to_all(hidden)
+        # every rank routes every token (the hidden states are whole on each) and computes its part of
+        # each chosen expert: its units (tensor parallelism) or the experts it holds (expert parallelism)
         weights, experts = self.route(hidden)
-        self.expert_load.add(torch.bincount(experts.flatten(), minlength=self.layout.num_experts))
+        held = self.layout.experts
+        counts = torch.bincount(experts.flatten(), minlength=self.layout.num_experts)
+        self.expert_load.add(counts[held.start : held.stop])
+        if self.layout.expert_parallel:  # the partial sums cross once, in the all-reduce
+            self.expert_load.all_to_all_bytes += (
+                hidden.numel() * hidden.element_size() * (self.tp.world_size - 1)
+            )
         return self.tp.all_reduce(self.experts(hidden, weights, experts))
 
-    def _expert_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Route this rank's slice of the tokens, compute each pair on its expert's rank, and make the
-        output whole with one all-reduce of the slices."""
+    def _all_to_all(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`--all2all-backend all_to_all`: route this rank's slice of the tokens, compute each pair on
+        its expert's rank, and make the output whole with one all-reduce of the slices."""
         mine = split_range(hidden.shape[0], self.tp.world_size, self.tp.rank)
         weights, experts = self._route_slice(hidden[mine.start : mine.stop])
         flat = experts.flatten()
@@ -78,7 +88,7 @@ class ParallelSparseMoE(SparseMoE):
         if rows.shape[0] == 0:  # no token chose this rank's experts
             return rows
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
-        return self.experts(rows, ones, local_experts.unsqueeze(1))
+        return self.experts(rows, ones, (local_experts + self.layout.experts.start).unsqueeze(1))
 
 
 class ExpertShardLoading:
