@@ -5,7 +5,8 @@ Python: ~12 module calls per layer, argument checks and views, a cost that does 
 batch. `DecodeStack` (kernels/csrc/decode_stack.cpp) runs the same kernels in the same order from
 C++, so its output is bit-identical to the module path (tested) and the model uses it whenever it
 applies: every sequence this step is a decode or a short span (speculative verification), and the
-model runs on the CPU with the in-place paged attention backend and a plain KV cache, either in bf16
+model runs on the CPU with the in-place paged attention backend and a plain KV cache (Qwen3's norms
+over each query and key head included), either in bf16
 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise int4 (GGUF Q5_0's 5-bit
 codes too: the int4 kernel tells them by their packed width) with their small-batch kernels, or in
 float32 (on CPUs without native bf16) with every linear layer
@@ -166,7 +167,8 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
             return None
         if any(m.bias is not None for m in (attention.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return None
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        head_norms = (attention.q_norm, attention.k_norm) if hasattr(attention, "q_norm") else ()
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, *head_norms)
         if any(norm.eps != inner.norm.eps or norm.weight.dtype != dtype for norm in norms):
             return None
         (qkv, qkv_scales, _), (o, o_scales, _), (gate_up, gate_up_scales, _), (down, down_scales, _) = linears
@@ -194,6 +196,7 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
             attention.attn.key_cache,
             attention.attn.value_cache,
             *(_EMPTY if linear[2] is None else linear[2] for linear in linears),
+            *((norm.weight.detach() for norm in head_norms) if head_norms else (_EMPTY, _EMPTY)),
         ]
     first = layers[0].self_attn
     # the bf16 layers' choices (they share them); a stack of quantized layers has none

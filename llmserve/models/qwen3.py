@@ -1,7 +1,7 @@
 """Qwen3: the Llama layer with an RMSNorm over each query and key head before rope (q_norm, k_norm).
 
 The norms share one weight across heads, so tensor parallelism replicates them. The fused decode
-stack (models/decode_stack.py) has no per-head norm: Qwen3 runs the module path.
+stack (models/decode_stack.py) runs them too, with the kernel the modules call.
 """
 
 from __future__ import annotations
@@ -42,4 +42,3 @@ class Qwen3Model(LlamaModel):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     model_cls = Qwen3Model
-    fused_decode_stack = False

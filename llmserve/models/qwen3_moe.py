@@ -45,3 +45,4 @@ class Qwen3MoeModel(Qwen3Model):
 
 class Qwen3MoeForCausalLM(ExpertShardLoading, Qwen3ForCausalLM):
     model_cls = Qwen3MoeModel
+    fused_decode_stack = False  # the stack's MLP is a dense one

@@ -108,6 +108,55 @@ def qwen2_dir(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> str:
+    """A tiny Qwen3: an RMSNorm over each query and key head before rope, its weights drawn away
+    from 1 so that a stack skipping or misplacing them would give other tokens."""
+    path = str(tmp_path_factory.mktemp("tiny-qwen3"))
+    torch.manual_seed(2)
+    config = transformers.Qwen3Config(
+        **{**TINY_LLAMA_CONFIG, "hidden_size": 128, "num_attention_heads": 2, "head_dim": 64}
+    )
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.2)
+            elif "q_norm" in name or "k_norm" in name:
+                param.uniform_(0.5, 2.0)
+    model.save_pretrained(path, safe_serialization=True)
+    load_tokenizer(default_model_path()).hf.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization"),
+    [
+        pytest.param("bfloat16", None, marks=needs_bf16),
+        pytest.param("bfloat16", "int4", marks=needs_bf16),
+        ("float32", None),
+    ],
+)
+def test_qwen3_head_norms_run_in_the_stack(qwen3_dir, dtype, quantization):
+    """Qwen3's per-head query and key norms run inside the stack, between the qkv projection and
+    rope, as QKNormAttention runs them: the same tokens and log-probabilities with and without it."""
+    llm = LLM(
+        qwen3_dir,
+        dtype=dtype,
+        kv_cache_memory="8MiB",
+        max_model_len=256,
+        prefix_caching=False,
+        quantization=quantization,
+    )
+    runner = llm.engine.model_runner
+    assert runner.decode_stack is not None
+    runner.decode_stack = counting = _Counting(runner.decode_stack)
+    fused = _run(llm, PROMPTS[:3])
+    assert counting.calls >= 19
+    runner.decode_stack = None
+    assert _run(llm, PROMPTS[:3]) == fused
+
+
 @pytest.fixture
 def without_amx(monkeypatch):
     """Models built as on an AVX-512 BF16 CPU without AMX: rows above 8 go to the small-batch kernel up
@@ -135,9 +184,9 @@ def onednn_above_8(without_amx, monkeypatch):
 
 @needs_bf16
 @pytest.mark.parametrize("path_above_8", ["amx-where-present", "without_amx", "onednn_above_8"])
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
 def test_batches_above_the_small_batch_kernel_bit_identical(
-    model_dir, qwen2_dir, architecture, path_above_8, request
+    model_dir, qwen2_dir, qwen3_dir, architecture, path_above_8, request
 ):
     """Above 8 rows the stack runs AMX, the small-batch kernel in tiles of 8 rows (no AMX) or oneDNN's
     GEMM (rows padded as the modules pad them) on the layers' copies, as the modules do: a batch of 19
@@ -146,7 +195,7 @@ def test_batches_above_the_small_batch_kernel_bit_identical(
     amx = path_above_8 == "amx-where-present"
     if not amx:
         request.getfixturevalue(path_above_8)
-    path = model_dir if architecture == "llama" else qwen2_dir
+    path = {"llama": model_dir, "qwen2": qwen2_dir, "qwen3": qwen3_dir}[architecture]
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False)
     runner, inner = llm.engine.model_runner, llm.engine.model_runner.model.model
     # the stack takes more than 8 rows where the kernel takes every row count, or every layer has its

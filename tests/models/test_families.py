@@ -53,13 +53,14 @@ def test_32_greedy_tokens_equal_transformers(family):
 
 @pytest.mark.cpu_kernels("avx2")
 def test_fused_decode_stack_serves_llama_layers_and_is_off_for_the_others(family):
-    """The stack runs Llama's layer exactly (Llama, Mistral, Phi-3 with whole-head rope); every other
-    family's runner has none, so its decode steps take the modules (never a stack that ignores a norm)."""
+    """The stack runs Llama's layer exactly (Llama, Mistral, Phi-3 with whole-head rope, Qwen3 with its
+    head norms); every other family's runner has none, so its decode steps take the modules (never a
+    stack that ignores a norm); float experts (Mixtral, Qwen3-MoE here) take the modules too."""
     case, _, llm = family
     runner = llm.engine.model_runner
     llm.generate([_prompt(4)[:5]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    if runner.model.fused_decode_stack:
-        assert case.startswith(("llama", "mistral", "phi3-longrope-long"))
+    if case.startswith(("llama", "mistral", "phi3-longrope-long", "qwen3-qk-norm", "qwen3-tied")):
+        assert runner.model.fused_decode_stack
         assert runner.decode_stack is not None and runner.decode_stack.calls > 0
     else:
         assert runner.decode_stack is None

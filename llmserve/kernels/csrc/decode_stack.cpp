@@ -102,7 +102,7 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor
       eps_(eps),
       scale_(scale) {
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kTensorsPerLayer == 0,
-              "DecodeStack takes 17 tensors per layer");
+              "DecodeStack takes 19 tensors per layer");
 }
 
 void DecodeStack::set_lora(std::vector<torch::Tensor> lora_tensors) {
@@ -133,6 +133,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
                  gate_up_scales, down_weight, down_scales, key_cache, value_cache] =
         std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12]);
     const auto& [qkv_onednn, o_onednn, gate_up_onednn, down_onednn] = std::tie(t[13], t[14], t[15], t[16]);
+    const auto& [q_norm, k_norm] = std::tie(t[17], t[18]);
     // attention block
     const auto qkv_input = rms_norm(hidden, input_norm, eps_);
     auto qkv = stack_linear(qkv_input, qkv_weight, qkv_scales, qkv_onednn, qkv_bias, qkv_size, amx_max_rows_,
@@ -140,6 +141,10 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
     add_lora(0, qkv_input, qkv);
     auto query = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
     auto value = qkv.narrow(1, q_size + kv_size, kv_size);
+    if (q_norm.numel()) {  // each head's RMSNorm: fresh contiguous rows, as QKNormAttention makes them
+      query = rms_norm(query.reshape({-1, head_dim_}), q_norm, eps_).view({tokens, q_size});
+      key = rms_norm(key.reshape({-1, head_dim_}), k_norm, eps_).view({tokens, kv_size});
+    }
     rotary_embedding(positions, query, key, cos_, sin_, head_dim_);
     write_kv_rows(key_cache, slot_mapping, key.view({tokens, num_kv_heads_, head_dim_}));
     write_kv_rows(value_cache, slot_mapping, value.view({tokens, num_kv_heads_, head_dim_}));

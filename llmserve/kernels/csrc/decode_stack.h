@@ -11,7 +11,9 @@ class DecodeStack {
  public:
   // Per layer, in this order: input_norm, qkv, qkv_scales, qkv_bias (or an empty tensor), o, o_scales,
   // post_norm, gate_up, gate_up_scales, down, down_scales, key_cache, value_cache, then the oneDNN-blocked
-  // copies of the qkv, o, gate_up and down weights (or empty tensors). A linear's weight is packed by
+  // copies of the qkv, o, gate_up and down weights (or empty tensors), then q_norm and k_norm (Qwen3's
+  // RMSNorm over each query and key head before rope, one weight of head_dim each; or empty tensors).
+  // A linear's weight is packed by
   // small_batch_pack (bf16; its scales an empty tensor), small_batch_pack_f32 (float32, in a float32
   // model; scales empty), small_batch_pack_int8 (uint8, with float32 scales per output row) or
   // small_batch_pack_int4 (uint8, with its 4-D parameters); the oneDNN copies are those of
@@ -43,7 +45,7 @@ class DecodeStack {
                         const std::optional<torch::Tensor>& token_slots) const;
 
  private:
-  static constexpr int kTensorsPerLayer = 17;
+  static constexpr int kTensorsPerLayer = 19;
   static constexpr int kLoraTensorsPerLayer = 16;
   std::vector<torch::Tensor> tensors_;
   std::vector<torch::Tensor> lora_;  // empty: no adapters bound
