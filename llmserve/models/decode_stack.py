@@ -17,7 +17,10 @@ up to `AMX_MAX_ROWS` and oneDNN's GEMM on their blocked copy beyond where the CP
 small-batch kernel in tiles of 8 rows at any row count; with float32 layers it serves up to 8 rows.
 Anything else (prefill chunks, other quantized formats, 8-bit KV caches, CUDA) takes the module path.
 With LoRA adapters bound (`bind_lora`) it adds each row's adapter delta after the projections, as
-the modules' hooks do, by the same compiled kernel.
+the modules' hooks do, by the same compiled kernel. Mixture-of-experts layers (Mixtral, Qwen3-MoE)
+join it where their experts are int8/int4 on the grouped kernels and the model is on one rank: the
+router as a linear layer, softmax, top k and renormalization as SparseMoE.route computes them, then
+the one `moe_experts` call QuantizedMoEExperts makes.
 
 Under tensor parallelism the stack holds the rank's shards and sums the o and down projections'
 outputs over the ranks inside the call, through the group's shared-memory collectives (one host) or
@@ -38,7 +41,13 @@ from llmserve.quantization.kernels import RoundedInputKernel
 
 class FusedDecodeStack:
     def __init__(
-        self, stack, embed_tokens, attention_layers, max_rows: float, tp: TensorParallelGroup
+        self,
+        stack,
+        embed_tokens,
+        attention_layers,
+        max_rows: float,
+        tp: TensorParallelGroup,
+        has_experts: bool = False,
     ) -> None:
         self.stack = stack
         self.embed_tokens = embed_tokens
@@ -53,13 +62,14 @@ class FusedDecodeStack:
         # batching baseline does) gets the module path, which reads the layers' current caches.
         self.bound = [(layer, layer.key_cache, layer.value_cache) for layer in attention_layers]
         self.lora_bound = False  # steps with LoRA adapters run here too (bind_lora)
+        self.has_experts = has_experts  # some layers are mixture-of-experts ones
 
     def bind_lora(self, lora_layers: list[tuple]) -> None:
         """Steps whose rows have adapters run here too, each layer's stacked adapters (lora/weights.py:
         `LoRALayerWeights` of qkv, o, gate_up and down per decoder layer) added by the compiled delta
         after its projection; where a layer lacks it, `lora_bound` stays False and the modules serve
-        those steps."""
-        if any(weights.kernel is None for layer in lora_layers for weights in layer):
+        those steps (an expert layer's MLP takes no adapters in the stack: those steps too)."""
+        if self.has_experts or any(weights.kernel is None for layer in lora_layers for weights in layer):
             return
         tensors = [t for layer in lora_layers for w in layer for t in (w.a, w.bt, w.widths, w.shard_starts)]
         self.stack.set_lora(tensors)
@@ -115,7 +125,41 @@ class FusedDecodeStack:
 _EMPTY = torch.empty(0)
 
 
+def _or_empty(tensor: torch.Tensor | None) -> torch.Tensor:
+    return _EMPTY if tensor is None else tensor
+
+
 StackWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _expert_tensors(mlp, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """A mixture-of-experts layer's (stacked gate_up codes, their scales, down's, its scales, the
+    int64 moe_params the stack reads) where its experts run as one `moe_experts` call in a `dtype`
+    model (int8/int4 experts on their grouped kernels) and the layer is whole (one rank: the ranks'
+    expert-load counts are the modules'); else None."""
+    from llmserve.quantization.moe import QuantizedMoEExperts
+
+    experts = mlp.experts
+    tp = getattr(mlp, "tp", None)
+    if not isinstance(experts, QuantizedMoEExperts) or not experts.runs_grouped(dtype):
+        return None
+    if tp is not None and tp.world_size > 1:
+        return None
+    gate_up, down = experts.grouped_gate_up, experts.grouped_down
+    params = [
+        experts.held.start,
+        experts.router_experts,
+        mlp.top_k,
+        int(mlp.renormalize),
+        gate_up.out_features // 2,
+    ]
+    return [
+        gate_up.qweight,
+        gate_up.scales,
+        down.qweight,
+        down.scales,
+        torch.tensor(params, dtype=torch.int64),
+    ]
 
 
 def _small_batch_weights(module, dtype: torch.dtype) -> StackWeights | None:
@@ -161,25 +205,36 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
     any_rows = True  # every layer can run more than MAX_ROWS rows
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
-        linears = [_small_batch_weights(m, dtype) for m in (attention.qkv_proj, attention.o_proj)]
-        linears += [_small_batch_weights(m, dtype) for m in (mlp.gate_up_proj, mlp.down_proj)]
+        experts = _expert_tensors(mlp, dtype) if hasattr(mlp, "experts") else None
+        if hasattr(mlp, "experts") and experts is None:
+            return None  # float experts, or experts over ranks: the modules
+        mlp_linears = (mlp.gate,) if experts else (mlp.gate_up_proj, mlp.down_proj)
+        modules = (attention.qkv_proj, attention.o_proj, *mlp_linears)
+        linears = [_small_batch_weights(m, dtype) for m in modules]
         if any(linear is None for linear in linears) or attention.attn.key_cache is None:
             return None
-        if any(m.bias is not None for m in (attention.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        if any(m.bias is not None for m in modules[1:]):
             return None
         head_norms = (attention.q_norm, attention.k_norm) if hasattr(attention, "q_norm") else ()
         norms = (layer.input_layernorm, layer.post_attention_layernorm, *head_norms)
         if any(norm.eps != inner.norm.eps or norm.weight.dtype != dtype for norm in norms):
             return None
-        (qkv, qkv_scales, _), (o, o_scales, _), (gate_up, gate_up_scales, _), (down, down_scales, _) = linears
-        # a layer runs any row count on its oneDNN copy, its bf16 kernel or its int8/int4 kernel
-        modules = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        # a layer runs any row count on its oneDNN copy, its bf16 kernel or its int8/int4 kernel (an
+        # expert layer's grouped kernels take any)
         any_rows = any_rows and all(
             linear[2] is not None
             or linear[0].dtype == torch.uint8
             or (type(module) is SmallBatchLinear and module.kernel_takes_every_row_count)
             for linear, module in zip(linears, modules, strict=True)
         )
+        (qkv, qkv_scales, qkv_onednn), (o, o_scales, o_onednn) = linears[:2]
+        if experts:  # the MLP's slots hold the stacked experts; the router is a linear layer of its own
+            gate_up, gate_up_scales, down, down_scales, moe_params = experts
+            gate_up_onednn = down_onednn = None
+            moe = (*linears[2], moe_params)
+        else:
+            (gate_up, gate_up_scales, gate_up_onednn), (down, down_scales, down_onednn) = linears[2:]
+            moe = (None, None, None, None)
         qkv_bias = attention.qkv_proj.bias
         tensors += [
             layer.input_layernorm.weight.detach(),
@@ -195,8 +250,9 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
             down_scales,
             attention.attn.key_cache,
             attention.attn.value_cache,
-            *(_EMPTY if linear[2] is None else linear[2] for linear in linears),
+            *map(_or_empty, (qkv_onednn, o_onednn, gate_up_onednn, down_onednn)),
             *((norm.weight.detach() for norm in head_norms) if head_norms else (_EMPTY, _EMPTY)),
+            *map(_or_empty, moe),
         ]
     first = layers[0].self_attn
     # the bf16 layers' choices (they share them); a stack of quantized layers has none
@@ -217,4 +273,5 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
     )
     max_rows = float("inf") if any_rows else MAX_ROWS
     attention_layers = [layer.self_attn.attn for layer in layers]
-    return FusedDecodeStack(stack, inner.embed_tokens, attention_layers, max_rows, model.tp)
+    has_experts = any(hasattr(layer.mlp, "experts") for layer in layers)
+    return FusedDecodeStack(stack, inner.embed_tokens, attention_layers, max_rows, model.tp, has_experts)

@@ -4,8 +4,9 @@ Checkpoints store each expert's w1 (gate), w3 (up) and w2 (down) under block_spa
 the loader stacks them into the experts' [E, ...] parameters (model_loader/family_weights.py).
 Over a tensor-parallel group the expert layers split by units or, with --enable-expert-parallel, by
 experts (models/layers/moe_parallel.py). int8-rtn, int4 and a GGUF's blocks (cut per rank) quantize
-the experts (quantization/moe.py swaps the experts module); the calibrated methods and the fused
-decode stack do not handle expert layers (config/families.py says so in one line; the stack is off).
+the experts (quantization/moe.py swaps the experts module), which on one rank run in the fused decode
+stack (models/decode_stack.py); the calibrated methods do not handle expert layers (config/families.py
+says so in one line).
 """
 
 from __future__ import annotations
@@ -30,4 +31,3 @@ class MixtralModel(LlamaModel):
 
 class MixtralForCausalLM(ExpertShardLoading, LlamaForCausalLM):
     model_cls = MixtralModel
-    fused_decode_stack = False

@@ -2,8 +2,8 @@
 except on the layers its config keeps dense (`mlp_only_layers`, `decoder_sparse_step`); the chosen
 experts' weights are renormalized only where `norm_topk_prob` says so. As for Mixtral, the expert
 layers split over tensor-parallel ranks by units or by experts (models/layers/moe_parallel.py), are
-quantized by int8-rtn, int4 and a GGUF's blocks, cut per rank (quantization/moe.py), and the fused
-decode stack does not handle them.
+quantized by int8-rtn, int4 and a GGUF's blocks, cut per rank (quantization/moe.py), and, quantized
+on one rank, run in the fused decode stack (models/decode_stack.py).
 """
 
 from __future__ import annotations
@@ -45,4 +45,3 @@ class Qwen3MoeModel(Qwen3Model):
 
 class Qwen3MoeForCausalLM(ExpertShardLoading, Qwen3ForCausalLM):
     model_cls = Qwen3MoeModel
-    fused_decode_stack = False  # the stack's MLP is a dense one

@@ -294,7 +294,7 @@ class QuantizedMoEExperts(nn.Module):
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """sum over each token's k experts (those held) of weight * expert(token); weights, experts:
         [tokens, k], experts numbered as the router numbers them."""
-        if self._grouped(hidden.dtype):  # one compiled call: no host sync, no loop over experts
+        if self.runs_grouped(hidden.dtype):  # one compiled call: no host sync, no loop over experts
             gate_up, down = self.grouped_gate_up, self.grouped_down
             return self._ops.moe_experts(
                 hidden.contiguous(), weights.float().contiguous(), experts.contiguous(),
@@ -309,7 +309,7 @@ class QuantizedMoEExperts(nn.Module):
         out = out * weights.flatten()[order].unsqueeze(1).to(out.dtype)
         return torch.zeros_like(hidden).index_add_(0, tokens, out)
 
-    def _grouped(self, dtype: torch.dtype) -> bool:
+    def runs_grouped(self, dtype: torch.dtype) -> bool:
         kernels = (self.grouped_gate_up, self.grouped_down)
         return all(kernel is not None and kernel.takes(dtype) for kernel in kernels)
 

@@ -325,3 +325,75 @@ def test_hidden_state_hooks_see_the_steps_the_stack_runs(model_dir):
     runner.decode_stack = None
     plain = evaluate_perplexity(llm.engine, token_ids, context=8, decode_tokens=0)
     assert fused.tokens == plain.tokens and fused.nll == pytest.approx(plain.nll, rel=1e-5)
+
+
+MOE_CASES = {  # widths whose experts take groups of 32; Qwen3-MoE's layer 1 dense, weights not renormalized
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, {"num_local_experts": 4}),
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {"num_experts": 8, "moe_intermediate_size": 64, "mlp_only_layers": [1], "norm_topk_prob": False},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(MOE_CASES))
+def moe_dir(request, tmp_path_factory) -> tuple[str, str]:
+    """A tiny random Mixtral or Qwen3-MoE (3 layers, top 2), weights drawn large: peaked routing."""
+    config_cls, model_cls, extra = MOE_CASES[request.param]
+    path = str(tmp_path_factory.mktemp(f"tiny-{request.param}"))
+    torch.manual_seed(3)
+    config = config_cls(
+        **{**TINY_LLAMA_CONFIG, "hidden_size": 128, "intermediate_size": 96, "num_hidden_layers": 3},
+        num_experts_per_tok=2,
+        **extra,
+    )
+    model = model_cls(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.2)
+            else:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    load_tokenizer(default_model_path()).hf.save_pretrained(path)
+    return request.param, path
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization"),
+    [
+        pytest.param("bfloat16", "int4", marks=needs_bf16),
+        pytest.param("bfloat16", "int8-rtn", marks=needs_bf16),
+        ("float32", "int4"),
+    ],
+)
+def test_quantized_expert_layers_run_in_the_stack(moe_dir, dtype, quantization):
+    """Mixtral's and Qwen3-MoE's int8/int4 expert layers (and Qwen3-MoE's dense one) run inside the
+    stack: the router as a linear layer, softmax, top k (renormalized or not) and one `moe_experts`
+    call, as the modules run them: the very same tokens and log-probabilities with and without it,
+    for decodes of three sequences. Float experts, or float32 activations where the level's int8/int4
+    kernels take none, leave the model on its modules."""
+    _, path = moe_dir
+    llm = LLM(
+        path,
+        dtype=dtype,
+        kv_cache_memory="8MiB",
+        max_model_len=256,
+        prefix_caching=False,
+        quantization=quantization,
+        quantization_group_size=32,
+    )
+    runner = llm.engine.model_runner
+    if dtype == "float32" and not ops.small_batch_linear_int8_supported(torch.float32):
+        assert runner.decode_stack is None
+        return
+    assert runner.decode_stack is not None and runner.decode_stack.has_experts
+    runner.decode_stack = counting = _Counting(runner.decode_stack)
+    fused = _run(llm, PROMPTS[:3])
+    assert counting.calls >= 19
+    runner.decode_stack = None
+    assert _run(llm, PROMPTS[:3]) == fused
+    llm.shutdown()
+    floats = LLM(path, dtype=dtype, kv_cache_memory="8MiB", max_model_len=256)
+    assert floats.engine.model_runner.decode_stack is None  # torch's grouped matmul: the modules

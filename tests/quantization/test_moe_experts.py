@@ -130,7 +130,7 @@ def test_a_run_of_the_experts_computes_only_their_pairs(kind, path):
     if path == "one-by-one":
         for layer in (whole, *parts):
             layer.grouped_gate_up = None
-    elif not whole._grouped(torch.bfloat16):
+    elif not whole.runs_grouped(torch.bfloat16):
         pytest.skip("this level's int8/int4 kernels do not take bfloat16 inputs")
     tokens = 12
     hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(4)).bfloat16()

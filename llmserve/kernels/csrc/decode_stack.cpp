@@ -102,7 +102,7 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor
       eps_(eps),
       scale_(scale) {
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kTensorsPerLayer == 0,
-              "DecodeStack takes 19 tensors per layer");
+              "DecodeStack takes 23 tensors per layer");
 }
 
 void DecodeStack::set_lora(std::vector<torch::Tensor> lora_tensors) {
@@ -134,6 +134,7 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
         std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12]);
     const auto& [qkv_onednn, o_onednn, gate_up_onednn, down_onednn] = std::tie(t[13], t[14], t[15], t[16]);
     const auto& [q_norm, k_norm] = std::tie(t[17], t[18]);
+    const auto& [router, router_scales, router_onednn, moe_params] = std::tie(t[19], t[20], t[21], t[22]);
     // attention block
     const auto qkv_input = rms_norm(hidden, input_norm, eps_);
     auto qkv = stack_linear(qkv_input, qkv_weight, qkv_scales, qkv_onednn, qkv_bias, qkv_size, amx_max_rows_,
@@ -158,13 +159,25 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
     if (all_reduce_) all_reduce_(attention_out);
     // attention_out becomes the residual stream; its norm feeds the MLP
     auto normed = add_rms_norm(attention_out, hidden, post_norm, eps_);
-    auto gate_up = stack_linear(normed, gate_up_weight, gate_up_scales, gate_up_onednn, kNone, 2 * intermediate_size_,
-                                amx_max_rows_, kernel_max_rows_);
-    add_lora(2, normed, gate_up);
-    const auto down_input = silu_and_mul(gate_up);
-    auto mlp_out = stack_linear(down_input, down_weight, down_scales, down_onednn, kNone, hidden_size_, amx_max_rows_,
-                                kernel_max_rows_);
-    add_lora(3, down_input, mlp_out);
+    torch::Tensor mlp_out;
+    if (moe_params.numel()) {  // experts: routed as SparseMoE.route, run as QuantizedMoEExperts runs them
+      const int64_t* moe = moe_params.data_ptr<int64_t>();
+      const int64_t first_expert = moe[0], router_experts = moe[1], top_k = moe[2], intermediate = moe[4];
+      const auto logits = stack_linear(normed, router, router_scales, router_onednn, kNone, router_experts,
+                                       amx_max_rows_, kernel_max_rows_);
+      auto [weights, experts] = logits.to(torch::kFloat).softmax(-1).topk(top_k, -1);
+      if (moe[3]) weights = weights / weights.sum(-1, /*keepdim=*/true);
+      mlp_out = moe_experts(normed, weights.contiguous(), experts.contiguous(), gate_up_weight, gate_up_scales,
+                            down_weight, down_scales, intermediate, hidden_size_, first_expert, router_experts);
+    } else {
+      auto gate_up = stack_linear(normed, gate_up_weight, gate_up_scales, gate_up_onednn, kNone,
+                                  2 * intermediate_size_, amx_max_rows_, kernel_max_rows_);
+      add_lora(2, normed, gate_up);
+      const auto down_input = silu_and_mul(gate_up);
+      mlp_out = stack_linear(down_input, down_weight, down_scales, down_onednn, kNone, hidden_size_, amx_max_rows_,
+                             kernel_max_rows_);
+      add_lora(3, down_input, mlp_out);
+    }
     if (all_reduce_) all_reduce_(mlp_out);
     hidden = attention_out + mlp_out;
   }

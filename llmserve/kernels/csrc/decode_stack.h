@@ -12,7 +12,12 @@ class DecodeStack {
   // Per layer, in this order: input_norm, qkv, qkv_scales, qkv_bias (or an empty tensor), o, o_scales,
   // post_norm, gate_up, gate_up_scales, down, down_scales, key_cache, value_cache, then the oneDNN-blocked
   // copies of the qkv, o, gate_up and down weights (or empty tensors), then q_norm and k_norm (Qwen3's
-  // RMSNorm over each query and key head before rope, one weight of head_dim each; or empty tensors).
+  // RMSNorm over each query and key head before rope, one weight of head_dim each; or empty tensors),
+  // then router, router_scales, router_onednn and moe_params: a mixture-of-experts layer's router (a
+  // linear layer as the others) and int64 [first_expert, router_experts, top_k, renormalize,
+  // intermediate_size], its gate_up and down slots holding the held experts' int8/int4 weights stacked
+  // as moe_experts takes them (softmax over the router's logits in float32, the top k, renormalized to
+  // sum 1 where asked, as SparseMoE.route); a dense layer has four empty tensors there.
   // A linear's weight is packed by
   // small_batch_pack (bf16; its scales an empty tensor), small_batch_pack_f32 (float32, in a float32
   // model; scales empty), small_batch_pack_int8 (uint8, with float32 scales per output row) or
@@ -45,7 +50,7 @@ class DecodeStack {
                         const std::optional<torch::Tensor>& token_slots) const;
 
  private:
-  static constexpr int kTensorsPerLayer = 19;
+  static constexpr int kTensorsPerLayer = 23;
   static constexpr int kLoraTensorsPerLayer = 16;
   std::vector<torch::Tensor> tensors_;
   std::vector<torch::Tensor> lora_;  // empty: no adapters bound
