@@ -179,6 +179,8 @@ class ParallelConfig:
             raise ValueError(
                 f"all2all_backend must be one of {', '.join(ALL2ALL_BACKENDS)}, got {all2all_backend!r}"
             )
+        if all2all_backend != "naive" and not enable_expert_parallel:
+            raise ValueError(f"--all2all-backend {all2all_backend} needs --enable-expert-parallel")
         if tensor_parallel_size > num_kv_heads:
             raise ValueError(
                 f"tensor_parallel_size {tensor_parallel_size} leaves a rank with no KV head: the model has "

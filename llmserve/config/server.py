@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -145,9 +146,9 @@ class ServerConfig:
             raise ValueError(f"--max-queue-delay must be >= 0, got {self.max_queue_delay}")
         if self.max_engine_restarts < 0 or self.shutdown_drain_seconds < 0:
             raise ValueError("--max-engine-restarts and --shutdown-drain-seconds must be >= 0")
-        if self.watchdog_min_seconds <= 0:
+        if not 0 < self.watchdog_min_seconds < math.inf:
             raise ValueError(f"--watchdog-min-seconds must be > 0, got {self.watchdog_min_seconds}")
-        if self.watchdog_factor <= 0:
+        if not 0 < self.watchdog_factor < math.inf:
             raise ValueError(f"--watchdog-factor must be > 0, got {self.watchdog_factor}")
 
     @classmethod

@@ -80,6 +80,7 @@ def test_a_mode_outside_its_choices_is_a_usage_error():
         (["--max-queue-delay", "-1"], "--max-queue-delay must be >= 0"),
         (["--watchdog-min-seconds", "0"], "--watchdog-min-seconds must be > 0"),
         (["--watchdog-factor", "0"], "--watchdog-factor must be > 0"),
+        (["--watchdog-factor", "nan"], "--watchdog-factor must be > 0"),
         (["--port", "70000"], "--port must be in"),
     ],
 )

@@ -372,8 +372,9 @@ def test_quantized_expert_layers_run_in_the_stack(moe_dir, dtype, quantization):
     """Mixtral's and Qwen3-MoE's int8/int4 expert layers (and Qwen3-MoE's dense one) run inside the
     stack: the router as a linear layer, softmax, top k (renormalized or not) and one `moe_experts`
     call, as the modules run them: the very same tokens and log-probabilities with and without it,
-    for decodes of three sequences. Float experts, or float32 activations where the level's int8/int4
-    kernels take none, leave the model on its modules."""
+    for decodes of three sequences and of 12 (above 8 rows the router takes what its module takes:
+    AMX, the kernel's tiles or oneDNN; the grouped experts any row count). Float experts, or float32
+    activations where the level's int8/int4 kernels take none, leave the model on its modules."""
     _, path = moe_dir
     llm = LLM(
         path,
@@ -388,12 +389,14 @@ def test_quantized_expert_layers_run_in_the_stack(moe_dir, dtype, quantization):
     if dtype == "float32" and not ops.small_batch_linear_int8_supported(torch.float32):
         assert runner.decode_stack is None
         return
-    assert runner.decode_stack is not None and runner.decode_stack.has_experts
-    runner.decode_stack = counting = _Counting(runner.decode_stack)
-    fused = _run(llm, PROMPTS[:3])
-    assert counting.calls >= 19
+    stack = runner.decode_stack
+    assert stack is not None and stack.has_experts
+    many = [[(7 * i + j) % 500 + 3 for j in range(5 + 2 * i)] for i in range(12)]
+    runner.decode_stack = counting = _Counting(stack)
+    fused = _run(llm, PROMPTS[:3]), _run(llm, many, max_tokens=6)
+    assert counting.calls >= 19 and counting.max_rows_seen == (12 if stack.max_rows > 8 else 8)
     runner.decode_stack = None
-    assert _run(llm, PROMPTS[:3]) == fused
+    assert (_run(llm, PROMPTS[:3]), _run(llm, many, max_tokens=6)) == fused
     llm.shutdown()
     floats = LLM(path, dtype=dtype, kv_cache_memory="8MiB", max_model_len=256)
     assert floats.engine.model_runner.decode_stack is None  # torch's grouped matmul: the modules

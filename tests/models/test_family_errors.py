@@ -77,6 +77,11 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
             "--enable-expert-parallel needs a mixture-of-experts model",
         ),
         (
+            "mixtral",
+            dict(tensor_parallel_size=2, all2all_backend="all_to_all"),
+            "--all2all-backend all_to_all needs --enable-expert-parallel",
+        ),
+        (
             "gemma2",
             dict(speculative_method="early_exit", num_speculative_tokens=2, speculative_draft_layers=1),
             "speculative method early_exit does not apply to gemma2 models",

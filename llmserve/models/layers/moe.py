@@ -4,7 +4,8 @@ The (token, expert) pairs are sorted by expert, so each expert's tokens form one
 and one grouped matmul (`torch._grouped_mm`: one matmul per group of rows, groups given by their end
 offsets) runs every expert's gate/up projection over its slice, another its down projection. An
 expert no token chose costs an empty group; nothing is computed densely over all experts, there is no
-Python loop over experts and no host sync, so at batch 1 the cost follows top-k, not the expert count.
+Python loop over experts and no host sync (but where a rank holds only some of the experts: expert
+parallelism), so at batch 1 the cost follows top-k, not the expert count.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from llmserve.models.layers.activation import SiluAndMul
 def held_pairs(experts: torch.Tensor, held: range, router_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, counts): the pairs (token * k + j) that `experts` [tokens, k] routes to the `held` run of
     the router's experts, sorted by expert (stable), and each held expert's pair count. Where another
-    rank holds some experts (expert parallelism) their pairs are left out: one host sync for the cut."""
+    rank holds some experts (expert parallelism) their pairs are left out: two host syncs for the cut."""
     flat = experts.flatten()
     order = flat.argsort(stable=True)  # pairs grouped by expert
     counts = torch.bincount(flat, minlength=router_experts)  # longer only past the router's experts

@@ -46,10 +46,13 @@ class ParallelSparseMoE(SparseMoE):
         counts = torch.bincount(experts.flatten(), minlength=self.layout.num_experts)
         self.expert_load.add(counts[held.start : held.stop])
         if self.layout.expert_parallel:  # the partial sums cross once, in the all-reduce
-            self.expert_load.all_to_all_bytes += (
-                hidden.numel() * hidden.element_size() * (self.tp.world_size - 1)
-            )
+            self._count_all_reduce(hidden)
         return self.tp.all_reduce(self.experts(hidden, weights, experts))
+
+    def _count_all_reduce(self, hidden: torch.Tensor) -> None:
+        """Expert parallelism's combine: this rank's [T, H] partial output, to every other rank (as
+        the shared-memory all-reduce reads it)."""
+        self.expert_load.all_to_all_bytes += hidden.numel() * hidden.element_size() * (self.tp.world_size - 1)
 
     def _all_to_all(self, hidden: torch.Tensor) -> torch.Tensor:
         """`--all2all-backend all_to_all`: route this rank's slice of the tokens, compute each pair on
@@ -72,6 +75,7 @@ class ParallelSparseMoE(SparseMoE):
         self.expert_load.all_to_all_bytes += plan.bytes_crossing(
             self.tp.rank, hidden.shape[1] * hidden.element_size()
         )
+        self._count_all_reduce(hidden)
         return self.tp.all_reduce(out)
 
     def _route_slice(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
