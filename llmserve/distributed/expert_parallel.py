@@ -116,6 +116,22 @@ class ExpertLoad:
         self.tokens = counts.clone() if self.tokens is None else self.tokens.add_(counts)
 
 
+def held_pairs(experts: torch.Tensor, held: range, router_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, counts): the pairs (token * k + j) that `experts` [tokens, k] routes to the `held` run of
+    the router's experts, sorted by expert (stable), and each held expert's pair count. Where another
+    rank holds some experts (expert parallelism) their pairs are left out: two host syncs for the cut."""
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)  # pairs grouped by expert
+    counts = torch.bincount(flat, minlength=router_experts)  # longer only past the router's experts
+    if counts.shape[0] != router_experts:
+        raise ValueError(f"an expert index out of range: the router has {router_experts} experts")
+    if len(held) == router_experts:
+        return order, counts
+    first = int(counts[: held.start].sum())  # the pairs of experts before the held run
+    counts = counts[held.start : held.stop]
+    return order[first : first + int(counts.sum())], counts
+
+
 def exchange_counts(tp: TensorParallelGroup, counts: torch.Tensor) -> torch.Tensor:
     """Every rank's per-expert pair counts [E] as one [N, E] int64 table on every rank; float32 in
     the all-reduce (exact far beyond a step's pairs) so it takes the shared-memory path."""

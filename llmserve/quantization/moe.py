@@ -31,9 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.distributed.expert_parallel import ExpertLayout
+from llmserve.distributed.expert_parallel import ExpertLayout, held_pairs
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.models.layers.moe import held_pairs
 from llmserve.quantization.formats import (
     QuantizedWeight,
     column_groups,

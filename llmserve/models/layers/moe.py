@@ -13,23 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmserve.distributed.expert_parallel import held_pairs
 from llmserve.models.layers.activation import SiluAndMul
-
-
-def held_pairs(experts: torch.Tensor, held: range, router_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, counts): the pairs (token * k + j) that `experts` [tokens, k] routes to the `held` run of
-    the router's experts, sorted by expert (stable), and each held expert's pair count. Where another
-    rank holds some experts (expert parallelism) their pairs are left out: two host syncs for the cut."""
-    flat = experts.flatten()
-    order = flat.argsort(stable=True)  # pairs grouped by expert
-    counts = torch.bincount(flat, minlength=router_experts)  # longer only past the router's experts
-    if counts.shape[0] != router_experts:
-        raise ValueError(f"an expert index out of range: the router has {router_experts} experts")
-    if len(held) == router_experts:
-        return order, counts
-    first = int(counts[: held.start].sum())  # the pairs of experts before the held run
-    counts = counts[held.start : held.stop]
-    return order[first : first + int(counts.sum())], counts
 
 
 class MoEExperts(nn.Module):
