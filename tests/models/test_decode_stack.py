@@ -394,7 +394,8 @@ def test_quantized_expert_layers_run_in_the_stack(moe_dir, dtype, quantization):
     many = [[(7 * i + j) % 500 + 3 for j in range(5 + 2 * i)] for i in range(12)]
     runner.decode_stack = counting = _Counting(stack)
     fused = _run(llm, PROMPTS[:3]), _run(llm, many, max_tokens=6)
-    assert counting.calls >= 19 and counting.max_rows_seen == (12 if stack.max_rows > 8 else 8)
+    # a stack held to 8 rows (a float32 router: its oneDNN copy is not kept) leaves the 12 to the modules
+    assert counting.calls >= 19 and counting.max_rows_seen == (12 if stack.max_rows > 8 else 3)
     runner.decode_stack = None
     assert (_run(llm, PROMPTS[:3]), _run(llm, many, max_tokens=6)) == fused
     llm.shutdown()
