@@ -5,8 +5,9 @@ Python: ~12 module calls per layer, argument checks and views, a cost that does 
 batch. `DecodeStack` (kernels/csrc/decode_stack.cpp) runs the same kernels in the same order from
 C++, so its output is bit-identical to the module path (tested) and the model uses it whenever it
 applies: every sequence this step is a decode or a short span (speculative verification), and the
-model runs on the CPU with the in-place paged attention backend and a plain KV cache (Qwen3's norms
-over each query and key head included), either in bf16
+model runs on the CPU with the in-place paged attention backend and a plain, int8 or fp8 KV cache
+(new rows quantized by the ops the cache format uses; Qwen3's norms over each query and key head
+included), either in bf16
 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise int4 (GGUF Q5_0's 5-bit
 codes too: the int4 kernel tells them by their packed width) with their small-batch kernels, or in
 float32 (on CPUs without native bf16) with every linear layer
@@ -15,7 +16,8 @@ Above the small-batch kernel's 8 rows it takes what the modules take: int8 and i
 compiled kernels at any row count; bf16 `SmallBatchLinear` layers the AMX kernel on the packed copy
 up to `AMX_MAX_ROWS` and oneDNN's GEMM on their blocked copy beyond where the CPU has AMX, else the
 small-batch kernel in tiles of 8 rows at any row count; with float32 layers it serves up to 8 rows.
-Anything else (prefill chunks, other quantized formats, 8-bit KV caches, CUDA) takes the module path.
+Anything else (prefill chunks, other quantized formats, 4-bit and 2-bit KV caches, CUDA) takes the
+module path.
 With LoRA adapters bound (`bind_lora`) it adds each row's adapter delta after the projections, as
 the modules' hooks do, by the same compiled kernel. Mixture-of-experts layers (Mixtral, Qwen3-MoE)
 join it where their experts are int8/int4 on the grouped kernels and the model is on one rank: the
@@ -192,7 +194,7 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
     layers = list(inner.layers)
     if (
         not isinstance(attention_backend, CPUPagedBackend)
-        or attention_backend.kv_format.kernel_code != 0
+        or attention_backend.kv_format.kernel_code not in (0, 1, 2)  # plain, int8, fp8: not int4/int2
         or inner.norm.weight.dtype not in (torch.bfloat16, torch.float32)
         or inner.norm.weight.device.type != "cpu"
     ):
@@ -270,6 +272,7 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         first.attn.scale,
         AMX_MAX_ROWS if any(m.amx for m in bf16) else 0,  # as the modules choose
         max((m.kernel_max_rows for m in bf16), default=MAX_ROWS),
+        attention_backend.kv_format.kernel_code,
     )
     max_rows = float("inf") if any_rows else MAX_ROWS
     attention_layers = [layer.self_attn.attn for layer in layers]

@@ -302,9 +302,32 @@ def test_quantized_layers_take_every_decode_batch_into_the_stack(model_dir, dtyp
     assert _run(llm, prompts, max_tokens=6) == fused
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "float32"])
+def test_8_bit_kv_caches_run_in_the_stack(model_dir, dtype, kv_cache_dtype):
+    """Over an int8 or fp8 cache the stack quantizes each new K/V row as the cache format does (the
+    same ops: codes against the float16-rounded scale) and attends over the codes: the very same
+    tokens and log-probabilities with and without it."""
+    llm = LLM(
+        model_dir,
+        dtype=dtype,
+        kv_cache_memory="8MiB",
+        max_model_len=256,
+        prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    runner = llm.engine.model_runner
+    assert runner.decode_stack is not None
+    runner.decode_stack = counting = _Counting(runner.decode_stack)
+    fused = _run(llm, PROMPTS[:3])
+    assert counting.calls >= 19
+    runner.decode_stack = None
+    assert _run(llm, PROMPTS[:3]) == fused
+
+
 def test_not_built_where_it_does_not_apply(model_dir):
-    int8_kv = LLM(model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, kv_cache_dtype="int8")
-    assert int8_kv.engine.model_runner.decode_stack is None
+    int4_kv = LLM(model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, kv_cache_dtype="int4")
+    assert int4_kv.engine.model_runner.decode_stack is None
     torch_attention = LLM(
         model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, attention_backend="torch"
     )

@@ -64,6 +64,21 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel up to
 // kSmallBatchRows, int8 and int4 weights at any row count, bf16 weights up to kernel_max_rows (the bias
 // added after); above that AMX on the same bf16 copy up to amx_max_rows, oneDNN on its blocked copy beyond.
+// An int8 (kv_format 1) or fp8 (2) cache's rows [n, kv_heads, head_dim] as QuantizedKVCacheFormat.quantize
+// makes them (attention/kv_format.py), op for op: codes against the float16-rounded scale, then the
+// scale's two bytes.
+torch::Tensor quantize_kv_rows(const torch::Tensor& rows, int64_t kv_format) {
+  constexpr double kMinScale = 6.103515625e-05;  // float16's smallest normal, kv_format.py's _MIN_SCALE
+  const bool int8 = kv_format == 1;
+  const double code_max = int8 ? 127.0 : 448.0;
+  const auto x = rows.to(torch::kFloat);
+  const auto scale = (x.abs().amax(-1, /*keepdim=*/true) / code_max).clamp_min(kMinScale).to(torch::kHalf);
+  auto scaled = (x / scale.to(torch::kFloat)).clamp(-code_max, code_max);
+  if (int8) scaled = scaled.round();  // float8 rounds to nearest in the cast itself
+  const auto codes = scaled.to(int8 ? torch::kChar : at::kFloat8_e4m3fn);
+  return torch::cat({codes.view(torch::kByte), scale.view(torch::kByte)}, -1);
+}
+
 torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                            const torch::Tensor& onednn_weight, const torch::Tensor& bias, int64_t out_features,
                            int64_t amx_max_rows, int64_t kernel_max_rows) {
@@ -87,7 +102,7 @@ torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, 
 DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
                          torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t intermediate_size, double eps, double scale, int64_t amx_max_rows,
-                         int64_t kernel_max_rows)
+                         int64_t kernel_max_rows, int64_t kv_format)
     : tensors_(std::move(layer_tensors)),
       final_norm_(std::move(final_norm)),
       cos_(std::move(cos)),
@@ -99,8 +114,10 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor
       hidden_size_(final_norm_.numel()),
       amx_max_rows_(amx_max_rows),
       kernel_max_rows_(kernel_max_rows),
+      kv_format_(kv_format),
       eps_(eps),
       scale_(scale) {
+  TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "DecodeStack takes plain, int8 and fp8 KV caches");
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kTensorsPerLayer == 0,
               "DecodeStack takes 23 tensors per layer");
 }
@@ -147,11 +164,18 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
       key = rms_norm(key.reshape({-1, head_dim_}), k_norm, eps_).view({tokens, kv_size});
     }
     rotary_embedding(positions, query, key, cos_, sin_, head_dim_);
-    write_kv_rows(key_cache, slot_mapping, key.view({tokens, num_kv_heads_, head_dim_}));
-    write_kv_rows(value_cache, slot_mapping, value.view({tokens, num_kv_heads_, head_dim_}));
+    const auto key_rows = key.view({tokens, num_kv_heads_, head_dim_});
+    const auto value_rows = value.view({tokens, num_kv_heads_, head_dim_});
+    if (kv_format_) {  // as KVCacheFormat.write: an indexed copy of the quantized rows
+      key_cache.index_copy_(0, slot_mapping, quantize_kv_rows(key_rows, kv_format_));
+      value_cache.index_copy_(0, slot_mapping, quantize_kv_rows(value_rows, kv_format_));
+    } else {
+      write_kv_rows(key_cache, slot_mapping, key_rows);
+      write_kv_rows(value_cache, slot_mapping, value_rows);
+    }
     auto attention = paged_attention(query.view({tokens, num_heads_, head_dim_}).contiguous(), key_cache,
                                      value_cache, block_tables, seq_lens, query_starts, block_size, scale_,
-                                     /*kv_format=*/0, sinks, window);
+                                     kv_format_, sinks, window);
     const auto o_input = attention.view({tokens, q_size});
     auto attention_out =
         stack_linear(o_input, o_weight, o_scales, o_onednn, kNone, hidden_size_, amx_max_rows_, kernel_max_rows_);

@@ -25,11 +25,13 @@ class DecodeStack {
   // SmallBatchLinear.packed_weight (torch.ops.mkldnn._reorder_linear_weight). amx_max_rows: bf16
   // weights take amx_linear from 9 rows to this many (SmallBatchLinear.amx, AMX_MAX_ROWS), 0: never.
   // kernel_max_rows: bf16 weights take the small-batch kernel up to this many rows (at least 8;
-  // SmallBatchLinear.kernel_max_rows), then AMX or oneDNN.
+  // SmallBatchLinear.kernel_max_rows), then AMX or oneDNN. kv_format: the caches' rows (kv_format.py's
+  // kernel codes): 0 the model's dtype, 1 int8 or 2 fp8 codes with a float16 scale per row, each new
+  // row quantized as QuantizedKVCacheFormat.quantize does, by the same ATen ops.
   DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
               torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t intermediate_size, double eps, double scale, int64_t amx_max_rows,
-              int64_t kernel_max_rows);
+              int64_t kernel_max_rows, int64_t kv_format);
 
   // hidden [T, D] in the model's dtype (the embedded tokens), every sequence a decode or a short span;
   // T <= 8, or more where every linear layer has its oneDNN copy (more than 8 rows take AMX, the
@@ -56,7 +58,7 @@ class DecodeStack {
   std::vector<torch::Tensor> lora_;  // empty: no adapters bound
   torch::Tensor final_norm_, cos_, sin_;
   int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_, hidden_size_;
-  int64_t amx_max_rows_, kernel_max_rows_;
+  int64_t amx_max_rows_, kernel_max_rows_, kv_format_;
   double eps_, scale_;
   std::function<void(torch::Tensor)> all_reduce_;
 };

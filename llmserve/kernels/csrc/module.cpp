@@ -81,7 +81,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_omp_thread_cpus", &set_omp_thread_cpus, "OpenMP thread t may run only on the CPUs of entry t");
   pybind11::class_<DecodeStack>(m, "DecodeStack", "A model's decoder layers for a decode-only step, one call")
       .def(pybind11::init<std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
-                          int64_t, int64_t, double, double, int64_t, int64_t>())
+                          int64_t, int64_t, double, double, int64_t, int64_t, int64_t>())
       .def("forward", &DecodeStack::forward, pybind11::arg("hidden"), pybind11::arg("positions"),
            pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
            pybind11::arg("query_starts"), pybind11::arg("block_size"), pybind11::arg("sinks"), pybind11::arg("window"),
