@@ -140,14 +140,13 @@ def qwen3_dir(tmp_path_factory) -> str:
 def test_qwen3_head_norms_run_in_the_stack(qwen3_dir, dtype, quantization):
     """Qwen3's per-head query and key norms run inside the stack, between the qkv projection and
     rope, as QKNormAttention runs them: the same tokens and log-probabilities with and without it."""
-    llm = LLM(
-        qwen3_dir,
-        dtype=dtype,
-        kv_cache_memory="8MiB",
-        max_model_len=256,
-        prefix_caching=False,
-        quantization=quantization,
-    )
+    _assert_three_decodes_bit_identical(qwen3_dir, dtype=dtype, quantization=quantization)
+
+
+def _assert_three_decodes_bit_identical(path: str, **engine_args) -> None:
+    """The model at `path` has a stack, and three decodes give the very same tokens and
+    log-probabilities through it as through the modules."""
+    llm = LLM(path, kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False, **engine_args)
     runner = llm.engine.model_runner
     assert runner.decode_stack is not None
     runner.decode_stack = counting = _Counting(runner.decode_stack)
@@ -308,21 +307,7 @@ def test_8_bit_kv_caches_run_in_the_stack(model_dir, dtype, kv_cache_dtype):
     """Over an int8 or fp8 cache the stack quantizes each new K/V row as the cache format does (the
     same ops: codes against the float16-rounded scale) and attends over the codes: the very same
     tokens and log-probabilities with and without it."""
-    llm = LLM(
-        model_dir,
-        dtype=dtype,
-        kv_cache_memory="8MiB",
-        max_model_len=256,
-        prefix_caching=False,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    runner = llm.engine.model_runner
-    assert runner.decode_stack is not None
-    runner.decode_stack = counting = _Counting(runner.decode_stack)
-    fused = _run(llm, PROMPTS[:3])
-    assert counting.calls >= 19
-    runner.decode_stack = None
-    assert _run(llm, PROMPTS[:3]) == fused
+    _assert_three_decodes_bit_identical(model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
 
 
 def test_not_built_where_it_does_not_apply(model_dir):
