@@ -84,8 +84,9 @@ def test_rows_of_wider_tensors():
 
 @pytest.mark.parametrize("in_features", [40, 64])
 def test_a_rows_result_does_not_depend_on_the_rest_of_the_call(in_features):
-    """Rows tiled with their slot's other rows (tiles dealt to the threads), alone or in a pair, on one
-    thread or all, with 8 lanes or 16 (in_features 64 where the level has AVX-512): the same bits."""
+    """Rows tiled with their slot's other rows (tiles dealt to the threads), or alone to up to four (a
+    call's only tile, split among the threads by columns and output rows), on one thread or all, with
+    8 lanes or 16 (in_features 64 where the level has AVX-512): the same bits."""
     a, bt, widths, starts = random_stacks((136, 16, 24), ranks=(12, 4, 3), in_features=in_features)
     a, bt = a.bfloat16(), bt.bfloat16()
     gen = torch.Generator().manual_seed(2)
@@ -100,7 +101,7 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_call(in_features):
     try:
         for num_threads in {1, threads}:
             torch.set_num_threads(num_threads)
-            for rows in ([0], [137], [299], [5, 9]):
+            for rows in ([0], [137], [299], [5, 9], [5, 9, 11], [1, 2, 3, 4]):
                 alone = base[rows].clone()
                 ops.lora_delta(
                     x[rows], alone, a, bt, torch.zeros(len(rows), dtype=torch.int64), widths, starts

@@ -9,7 +9,8 @@
 // past the slot's width are skipped. float32 arithmetic (bf16 widened exactly), the delta rounded once as
 // it joins the output row; each row sums in one order whatever else the step holds (batch invariant).
 // Where the level has AVX-512 the same loops run 16 lanes wide (the shrink only for inputs in whole
-// vectors of 16, a fixed choice per layer). Tiles are shared among torch's threads when there are enough.
+// vectors of 16, a fixed choice per layer). Tiles are shared among torch's threads when there are enough;
+// a step's only tile is split among them (its columns, then its output rows).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -18,6 +19,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+#include <omp.h>
 
 #include "vector_math.h"
 
@@ -201,11 +204,89 @@ void run_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t u
   }
 }
 
+// The L2 prefetch of bytes [p, p + bytes): a lone tile's reads are too short for the hardware's stream
+// prefetchers to reach full speed before they end.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
+}
+
+// A step's only tile (batch 1, or a few rows of one adapter) shared by `threads`: thread i shrinks its
+// share of the slot's columns, then, after a barrier, expands all of them into its share of each shard's
+// output rows. Every column's and output's sum is the one run_tile computes (same chains, same order).
+template <typename T, int N>
+void split_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t used, int threads) {
+  const int64_t rank = used / pb.shards;
+  const T* x_rows[N];
+  T* out_rows[N];
+  for (int r = 0; r < N; ++r) {
+    x_rows[r] = pb.x + rows[r] * pb.x_stride;
+    out_rows[r] = pb.out + rows[r] * pb.out_stride;
+  }
+  float hidden[N][kMaxWidth];
+  const T* a_slot = pb.a + slot * pb.width * pb.in;
+  const T* bt_slot = pb.bt + slot * pb.width * pb.out_features;
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t thread = omp_get_thread_num(), count = omp_get_num_threads();
+    const int64_t c_begin = used * thread / count, c_end = used * (thread + 1) / count;
+    prefetch_bytes(a_slot + c_begin * pb.in, (c_end - c_begin) * pb.in * static_cast<int64_t>(sizeof(T)));
+    // this thread's output rows of shard p: whole vectors of 16, the last thread the rest
+    const auto share = [&](int64_t p) {
+      const int64_t start = pb.shard_starts[p], vectors = (pb.shard_starts[p + 1] - start) / 16;
+      return std::pair<int64_t, int64_t>{start + 16 * (vectors * thread / count),
+                                         thread + 1 == count ? pb.shard_starts[p + 1]
+                                                             : start + 16 * (vectors * (thread + 1) / count)};
+    };
+#ifdef LLMSERVE_LORA_16_LANES
+    if (pb.in % 16 == 0) {
+      constexpr int kChains = chains<Lanes16, N>();
+      int64_t c = c_begin;
+      for (; c + kChains <= c_end; c += kChains) shrink_columns<Lanes16, T, N, kChains>(pb, x_rows, a_slot, c, hidden);
+      for (; c < c_end; ++c) shrink_columns<Lanes16, T, N, 1>(pb, x_rows, a_slot, c, hidden);
+    } else
+#endif
+    {
+      constexpr int kChains = chains<Lanes8, N>();
+      int64_t c = c_begin;
+      for (; c + kChains <= c_end; c += kChains) shrink_columns<Lanes8, T, N, kChains>(pb, x_rows, a_slot, c, hidden);
+      for (; c < c_end; ++c) shrink_columns<Lanes8, T, N, 1>(pb, x_rows, a_slot, c, hidden);
+    }
+    for (int64_t p = 0; p < pb.shards; ++p) {
+      const auto [begin, end] = share(p);
+      for (int64_t c = p * rank; c < (p + 1) * rank; ++c)
+        prefetch_bytes(bt_slot + c * pb.out_features + begin, (end - begin) * static_cast<int64_t>(sizeof(T)));
+    }
+#pragma omp barrier
+    for (int64_t p = 0; p < pb.shards; ++p) {
+      const auto [begin, end] = share(p);
+      int64_t j = begin;
+#ifdef LLMSERVE_LORA_16_LANES
+      j = expand_rows<Lanes16, T, N>(pb, out_rows, bt_slot, p * rank, (p + 1) * rank, j, end, hidden);
+#endif
+      expand_rows<Lanes8, T, N>(pb, out_rows, bt_slot, p * rank, (p + 1) * rank, j, end, hidden);
+    }
+  }
+}
+
 template <typename T>
 void lora_tiles(const Problem<T>& pb, const int64_t* widths, const std::vector<int64_t>& order,
                 const std::vector<Tile>& tiles) {
   const int64_t work = kTileRows * pb.width * (pb.in + pb.out_features / std::max<int64_t>(1, pb.shards));
   const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work));
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), widths[tiles[0].slot]));
+  if (tiles.size() == 1 && threads > 1 && !at::in_parallel_region()) {
+    const Tile& tile = tiles[0];
+    const int64_t* rows = order.data() + tile.first;
+    const int64_t used = widths[tile.slot];
+    switch (tile.count) {
+      case 4: split_tile<T, 4>(pb, rows, tile.slot, used, threads); break;
+      case 3: split_tile<T, 3>(pb, rows, tile.slot, used, threads); break;
+      case 2: split_tile<T, 2>(pb, rows, tile.slot, used, threads); break;
+      default: split_tile<T, 1>(pb, rows, tile.slot, used, threads); break;
+    }
+    return;
+  }
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Tile& tile = tiles[i];
