@@ -15,7 +15,11 @@ import sys
 import pytest
 
 TEST_DEVICE = os.environ.get("LLMSERVE_TEST_DEVICE", "cpu")
-KERNEL_MODULES = ("llmserve.kernels.triton.elementwise", "llmserve.kernels.triton.paged_attention")
+KERNEL_MODULES = (
+    "llmserve.kernels.triton.elementwise",
+    "llmserve.kernels.triton.lora",
+    "llmserve.kernels.triton.paged_attention",
+)
 
 
 def use_interpreter(always: bool = False) -> None:

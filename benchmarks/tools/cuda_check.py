@@ -56,7 +56,11 @@ from unittest import mock
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-TEST_FILES = ("tests/attention/test_triton_paged_attention.py", "tests/kernels/test_triton_elementwise.py")
+TEST_FILES = (
+    "tests/attention/test_triton_paged_attention.py",
+    "tests/kernels/test_triton_elementwise.py",
+    "tests/kernels/test_triton_lora.py",
+)
 TEST_DEVICE_VARIABLE = "LLMSERVE_TEST_DEVICE"  # the Triton tests' device: cpu (interpreted) or cuda
 TOKENIZER_VOCAB = 49152  # SmolLM2's tokens: ids past it decode to nothing (checked before use)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")

@@ -102,7 +102,7 @@ class LoRAManager:
         self.slots = SlotTable(config.max_loras, self._write_slot)
         self.layers: dict[tuple[int, str], LoRALayerWeights] = {}  # (layer, fused module) -> stacks
         self._groups: SlotGroups | None = None  # the step being run's rows by slot; None: no adapter
-        self._token_slots: torch.Tensor | None = None  # and each of its rows' slot (host memory)
+        self._token_slots: torch.Tensor | None = None  # and each of its rows' slot (on the device)
         self._device = torch.device(device)
         for index, layer in _decoder_layers(model):
             for fused, modules in _FUSED.items():
@@ -196,7 +196,7 @@ class LoRAManager:
 
     @property
     def token_slots(self) -> torch.Tensor | None:
-        """The step being run's slot of each row (-1: none), where it has an adapter on the CPU."""
+        """The step being run's slot of each row (-1: none), where a row has an adapter."""
         return self._token_slots
 
     def stack_layers(self) -> list[tuple[LoRALayerWeights, ...]]:
@@ -214,8 +214,9 @@ class LoRAManager:
         """Within the block, the hooks add each token's adapter delta (`token_slots`: per flat token,
         -1 for the base model; None: no token has an adapter)."""
         self._groups = None if token_slots is None else self._group(token_slots)
-        if self._groups is not None and self._device.type == "cpu":
-            self._token_slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
+        if self._groups is not None:  # the kernels' per-row slots, on the device they run on
+            slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
+            self._token_slots = slots.to(self._device)
         try:
             yield
         finally:

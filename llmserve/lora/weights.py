@@ -8,10 +8,10 @@ two products of width shards * r whatever it targets, and an empty shard adds ze
 
     out[rows of slot s] += (x[rows] @ A[s]^T) @ Bt[s]
 
-On a CPU with AVX2 and FMA one compiled call (kernels/csrc/lora.cpp) adds every row's delta from the
-step's per-token slots, each row alone (the same whatever else the step holds). Elsewhere the rows
-are grouped by slot (manager.py): one pair of matmuls per adapter in the step. A step where no row
-has an adapter adds nothing.
+On a CPU with AVX2 and FMA one compiled call (kernels/csrc/lora.cpp), on CUDA one pair of Triton
+launches (kernels/triton/lora.py), adds every row's delta from the step's per-token slots, each row
+alone (the same whatever else the step holds). Elsewhere the rows are grouped by slot (manager.py):
+one pair of matmuls per adapter in the step. A step where no row has an adapter adds nothing.
 """
 
 from __future__ import annotations
@@ -45,10 +45,13 @@ class LoRALayerWeights:
         self.max_rank = max_rank
         self.row_starts = [sum(shard_sizes[:i]) for i in range(len(shard_sizes) + 1)]  # and the end
         self.shard_sizes = shard_sizes
-        # columns slot s's adapter uses (shards * rank; 0: not this layer), in host memory for the kernel
+        # columns slot s's adapter uses (shards * rank; 0: not this layer), in host memory
         self.widths = torch.zeros(max_loras, dtype=torch.int64)
-        self.shard_starts = torch.tensor(self.row_starts, dtype=torch.int64)  # the kernel's copy
+        self.shard_starts = torch.tensor(self.row_starts, dtype=torch.int64)
         self.kernel = _compiled_kernel(base.in_features, self.row_starts, width, dtype, device)
+        # the kernel's copies, on the device it runs on (a Triton kernel reads them there: no sync)
+        self._kernel_widths = self.widths.to(device)
+        self._kernel_starts = self.shard_starts.to(device)
 
     def load(self, slot: int, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """Write an adapter's (A, B) of each shard index it targets into `slot` (zeros elsewhere)."""
@@ -68,6 +71,7 @@ class LoRALayerWeights:
             self.a[slot, column : column + rank] = a
             self.bt[slot, column : column + rank, rows] = (b * scale).T
         self.widths[slot] = len(self.shard_sizes) * rank
+        self._kernel_widths[slot] = self.widths[slot]
 
     def add_delta(
         self, x: torch.Tensor, out: torch.Tensor, groups: SlotGroups, token_slots: torch.Tensor | None = None
@@ -77,7 +81,9 @@ class LoRALayerWeights:
         x = x.reshape(-1, x.shape[-1])
         out2d = out.view(-1, out.shape[-1])
         if self.kernel is not None and token_slots is not None and x.dtype == self.a.dtype:
-            self.kernel(x.contiguous(), out2d, self.a, self.bt, token_slots, self.widths, self.shard_starts)
+            self.kernel(
+                x.contiguous(), out2d, self.a, self.bt, token_slots, self._kernel_widths, self._kernel_starts
+            )
             return
         for slot, rows in groups:
             width = int(self.widths[slot])
@@ -95,7 +101,14 @@ def _compiled_kernel(
     in_features: int, shard_starts: list[int], width: int, dtype: torch.dtype, device: torch.device
 ):
     """kernels/csrc/lora.cpp's `lora_delta` where it takes this layer: a CPU with AVX2 and FMA, float32
-    or bf16, the input and every shard's output rows in whole vectors of 8, a width it holds; else None."""
+    or bf16, the input and every shard's output rows in whole vectors of 8, a width it holds; on CUDA
+    kernels/triton/lora.py's where Triton imports; else None."""
+    if torch.device(device).type == "cuda":
+        try:
+            from llmserve.kernels.triton import lora
+        except ImportError:
+            return None
+        return lora.lora_delta if dtype in lora.FLOAT_DTYPES else None
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     if in_features % 8 or any(start % 8 for start in shard_starts) or width > LORA_KERNEL_MAX_WIDTH:
