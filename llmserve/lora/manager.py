@@ -190,9 +190,11 @@ class LoRAManager:
         return dict(enumerate((a, rows) for rows in b.split(sizes)))
 
     def rows_computed_alone(self) -> bool:
-        """Whether every layer adds its deltas by the compiled kernel, each row alone (batch invariant);
-        the grouped matmuls of a layer it does not take are blocked by the step's row count."""
-        return all(weights.kernel is not None for weights in self.layers.values())
+        """Whether every layer adds its deltas by the compiled CPU kernel at any row count, each row
+        alone (batch invariant); the grouped matmuls of a layer it does not take (and of CUDA's prompt
+        steps) are blocked by the step's row count."""
+        layers = self.layers.values()
+        return all(weights.kernel is not None and weights.kernel_max_rows is None for weights in layers)
 
     @property
     def token_slots(self) -> torch.Tensor | None:
@@ -215,8 +217,7 @@ class LoRAManager:
         -1 for the base model; None: no token has an adapter)."""
         self._groups = None if token_slots is None else self._group(token_slots)
         if self._groups is not None:  # the kernels' per-row slots, on the device they run on
-            slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
-            self._token_slots = slots.to(self._device)
+            self._token_slots = self._to_device(token_slots)
         try:
             yield
         finally:
@@ -228,8 +229,14 @@ class LoRAManager:
             return None
         if len(slots) == 1:
             return [(int(slots[0]), None)]
-        to_device = lambda rows: torch.from_numpy(rows).to(self._device)  # noqa: E731
-        return [(int(s), to_device(np.flatnonzero(token_slots == s))) for s in slots if s >= 0]
+        return [(int(s), self._to_device(np.flatnonzero(token_slots == s))) for s in slots if s >= 0]
+
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        """An int64 host array on the engine's device; on CUDA from pinned memory, queued (no sync)."""
+        tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        if self._device.type == "cuda":
+            return tensor.pin_memory().to(self._device, non_blocking=True)
+        return tensor.to(self._device)
 
 
 def _content_key(adapter: LoRAAdapter) -> bytes:

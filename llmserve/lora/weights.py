@@ -24,6 +24,7 @@ from llmserve.kernels.cpu_ops import load_cpu_ops
 
 # a step's rows by slot: (slot, flat row indices; None: every row of the step)
 SlotGroups = list[tuple[int, torch.Tensor | None]]
+_TRITON_MAX_ROWS = 256  # the most rows a step adds by the Triton kernel on CUDA
 
 
 class LoRALayerWeights:
@@ -49,6 +50,10 @@ class LoRALayerWeights:
         self.widths = torch.zeros(max_loras, dtype=torch.int64)
         self.shard_starts = torch.tensor(self.row_starts, dtype=torch.int64)
         self.kernel = _compiled_kernel(base.in_features, self.row_starts, width, dtype, device)
+        # The Triton kernel's programs each re-read their row's slot stacks: steps of more rows (prompt
+        # chunks) take the grouped matmuls, which share them. The CPU kernel tiles rows by slot.
+        on_cuda = torch.device(device).type == "cuda"
+        self.kernel_max_rows = _TRITON_MAX_ROWS if on_cuda and self.kernel is not None else None
         # the kernel's copies, on the device it runs on (a Triton kernel reads them there: no sync)
         self._kernel_widths = self.widths.to(device)
         self._kernel_starts = self.shard_starts.to(device)
@@ -80,7 +85,9 @@ class LoRALayerWeights:
         kernel from `token_slots` (per row, -1: none) where it serves, else group by group."""
         x = x.reshape(-1, x.shape[-1])
         out2d = out.view(-1, out.shape[-1])
-        if self.kernel is not None and token_slots is not None and x.dtype == self.a.dtype:
+        max_rows = self.kernel_max_rows
+        serves = self.kernel is not None and (max_rows is None or x.shape[0] <= max_rows)
+        if serves and token_slots is not None and x.dtype == self.a.dtype:
             self.kernel(
                 x.contiguous(), out2d, self.a, self.bt, token_slots, self._kernel_widths, self._kernel_starts
             )

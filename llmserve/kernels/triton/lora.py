@@ -48,12 +48,17 @@ def lora_delta(
     shard_starts: torch.Tensor,
 ) -> None:
     """out [T, out_features] += each row's delta in place; x [T, in]; token_slots [T] and widths [slots]
-    int64, shard_starts [shards + 1] int64, all on x's device."""
+    int64, shard_starts [shards + 1] int64, all on x's device. Shapes are checked; values (a slot in
+    range, a width a multiple of the shards) are not: that would read them on the host."""
     rows = x.shape[0]
-    if rows == 0:
-        return
     if not takes(x, out, a, bt) or a.shape[2] != x.shape[1] or bt.shape[2] != out.shape[1]:
         raise ValueError("lora_delta takes x [T, in], out [T, out] and contiguous stacks of one float dtype")
+    if out.shape[0] != rows or token_slots.shape != (rows,) or a.shape[:2] != bt.shape[:2]:
+        raise ValueError("lora_delta takes one slot per row and stacks A, Bt of one [slots, width]")
+    if widths.shape != (a.shape[0],) or shard_starts.dim() != 1 or shard_starts.numel() < 2:
+        raise ValueError("lora_delta takes a width per slot and the shards' starts and end")
+    if rows == 0:
+        return
     width, in_features, out_features = a.shape[1], a.shape[2], bt.shape[2]
     shards = shard_starts.numel() - 1
     hidden = torch.empty((rows, width), dtype=torch.float32, device=x.device)
