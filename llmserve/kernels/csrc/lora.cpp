@@ -33,6 +33,7 @@ namespace {
 
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds a thread hand-off pays for
 constexpr int kTileRows = 4;                // rows of one slot sharing each load of A's and Bt's rows
+constexpr int64_t kSplitWork = 1 << 12;      // a lone tile's multiply-adds below which it stays on one thread
 
 struct Tile {
   int64_t slot, first, count;  // rows order[first, first + count), all of `slot`
@@ -274,8 +275,11 @@ void lora_tiles(const Problem<T>& pb, const int64_t* widths, const std::vector<i
                 const std::vector<Tile>& tiles) {
   const int64_t work = kTileRows * pb.width * (pb.in + pb.out_features / std::max<int64_t>(1, pb.shards));
   const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work));
+  // at most one thread per column: the shrink's share of a thread is its columns
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), widths[tiles[0].slot]));
-  if (tiles.size() == 1 && threads > 1 && !at::in_parallel_region()) {
+  const int64_t tile_work = tiles[0].count * widths[tiles[0].slot] *
+                            (pb.in + pb.out_features / std::max<int64_t>(1, pb.shards));
+  if (tiles.size() == 1 && threads > 1 && tile_work >= kSplitWork && !at::in_parallel_region()) {
     const Tile& tile = tiles[0];
     const int64_t* rows = order.data() + tile.first;
     const int64_t used = widths[tile.slot];
