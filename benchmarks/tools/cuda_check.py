@@ -13,6 +13,8 @@ Sections (docs/gpu.md: the command, what to carry, the targets):
           TRITON_INTERPRET, bfloat16 included
   greedy  `LLM` on CUDA in float32 (TF32 off) against transformers' greedy generate on the same GPU,
           a random Llama-shape model with GQA, one batch of prompts of 5 to 500 tokens
+  lora    the same model with a random adapter over every linear layer: LLM's greedy tokens against
+          transformers' on the merged weights (and on the bare ones for prompts under no adapter)
   speed   a random model of Llama-3.2-1B's shape in bfloat16: decode time per step at batch 1, 32
           and 128 with 1k and 4k contexts against the memory floor (weights plus the KV read, over
           the copy bandwidth); 2k-token prefill against the FLOP ceiling; kernels, launches and host
@@ -545,6 +547,118 @@ def compare_greedy(ours, theirs: list[int], margins: list[float]) -> dict:
     return {"first_difference": first, "hf_top2_margin": margins[first] if first < len(margins) else None}
 
 
+# -- lora: adapters on the device against the merged weights -------------------------------------------
+
+LORA_RANK = 8
+LORA_TARGETS = {
+    "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+def section_lora(run: Run) -> dict:
+    """A random PEFT adapter over every linear layer of the greedy model: LLM's greedy tokens with it
+    (every prompt under it in one batch; prompts alternately under it and the base in small chunks,
+    so steps of a few rows take the LoRA kernel) against transformers' on the weights with the adapter
+    merged (W + scale B A) and on the bare weights, float32 (TF32 off)."""
+    if (skip := skipped_without_cuda(run)) is not None:
+        return skip
+    import transformers
+
+    from llmserve import LLM, SamplingParams
+    from llmserve.lora.request import LoRARequest
+    from llmserve.model_loader import load_tokenizer
+
+    plan = run.plan
+    weights = random_weights(plan.greedy_model, torch.float32, plan.device, scale=4.0)
+    base = model_dir(run.work / "lora-base", run.bundle, plan.greedy_model, weights)
+    adapter, deltas = write_random_adapter(run.work / "lora-adapter", weights, plan.greedy_model)
+    merged = {name: w + deltas[name] if name in deltas else w for name, w in weights.items()}
+    merged_dir = model_dir(run.work / "lora-merged", run.bundle, plan.greedy_model, merged)
+    prompts = corpus_prompts(load_tokenizer(str(base)), plan.greedy_lengths)
+    params = SamplingParams(temperature=0, max_tokens=plan.greedy_new_tokens)
+    request = LoRARequest("random", 1, str(adapter))
+    alternate = [request if i % 2 == 0 else None for i in range(len(prompts))]
+    runs = {}
+    with exact_float32():
+        expected = {}
+        for name, folder in (("adapter", merged_dir), ("base", base)):
+            hf = transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(
+                plan.device
+            )
+            expected[name] = [hf_greedy(hf.eval(), p, plan.greedy_new_tokens) for p in prompts]
+            del hf
+            free_memory()
+        chunked = dict(max_num_batched_tokens=plan.greedy_chunk, max_num_seqs=4)
+        for label, extra, requests in (
+            ("one batch", {}, [request] * len(prompts)),
+            ("alternate, chunked", chunked, alternate),
+        ):
+            kwargs = {**plan.engine_kwargs, **extra, "enable_lora": True, "max_lora_rank": LORA_RANK}
+            llm = LLM(str(base), device=plan.device, dtype="float32", **kwargs)
+            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
+            mismatches = []
+            for index, (output, under) in enumerate(zip(outputs, requests, strict=True)):
+                tokens, margins = expected["base" if under is None else "adapter"][index]
+                difference = compare_greedy(output.outputs[0], tokens, margins)
+                if difference:
+                    mismatches.append(dict(prompt=index, adapter=under is not None, **difference))
+            runs[label] = {
+                "compared": len(prompts),
+                "equal": len(prompts) - len(mismatches),
+                "mismatches": mismatches,
+            }
+            say(f"  {label}: {runs[label]['equal']}/{len(prompts)} equal")
+            for mismatch in mismatches:
+                say(f"  MISMATCH {mismatch}")
+            llm.shutdown()
+            free_memory()
+    changed = sum(a[0] != b[0] for a, b in zip(expected["adapter"], expected["base"], strict=True))
+    result = {
+        "prompts": sum(r["compared"] for r in runs.values()),
+        "equal": sum(r["equal"] for r in runs.values()),
+        "adapter_changes_tokens": f"{changed}/{len(prompts)} prompts",
+        "runs": runs,
+    }
+    say(
+        f"  LoRA greedy equal to the merged weights' for {result['equal']}/{result['prompts']}; "
+        f"the adapter changes transformers' tokens for {changed}/{len(prompts)} prompts"
+    )
+    return result
+
+
+def write_random_adapter(folder: Path, weights: dict[str, torch.Tensor], config: dict) -> tuple[Path, dict]:
+    """A PEFT adapter of rank LORA_RANK over every linear layer (A and B normal, B scaled so the delta
+    moves the greedy tokens), and each weight's delta scale * B A by its checkpoint name."""
+    import safetensors.torch
+
+    generator = torch.Generator().manual_seed(1)
+    alpha = 2 * LORA_RANK
+    tensors, deltas = {}, {}
+    for layer in range(config["num_hidden_layers"]):
+        for block, modules in LORA_TARGETS.items():
+            for module in modules:
+                name = f"model.layers.{layer}.{block}.{module}"
+                fan_out, fan_in = weights[f"{name}.weight"].shape
+                a = torch.randn(LORA_RANK, fan_in, generator=generator) / math.sqrt(fan_in)
+                b = torch.randn(fan_out, LORA_RANK, generator=generator) / math.sqrt(LORA_RANK)
+                tensors[f"base_model.model.{name}.lora_A.weight"] = a
+                tensors[f"base_model.model.{name}.lora_B.weight"] = b
+                deltas[f"{name}.weight"] = (alpha / LORA_RANK * (b @ a)).to(weights[f"{name}.weight"].device)
+    folder.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, folder / "adapter_model.safetensors")
+    config_json = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_RANK,
+        "lora_alpha": alpha,
+        "target_modules": [m for modules in LORA_TARGETS.values() for m in modules],
+        "bias": "none",
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config_json))
+    return folder, deltas
+
+
 # -- speed: a Llama-3.2-1B-shaped model in bfloat16 ---------------------------------------------------
 
 
@@ -837,6 +951,7 @@ def summary_rows(results: dict) -> list[dict]:
         _row("bf16 matmul TFLOP/s", flops),
         *_test_rows(results.get("tests", {})),
         *_greedy_rows(results.get("greedy", {})),
+        *_lora_rows(results.get("lora", {})),
     ]
     speed = results.get("speed", {})
     rows += _decode_rows(speed.get("decode", []), bandwidth)
@@ -868,6 +983,17 @@ def _greedy_rows(greedy: dict) -> list[dict]:
     measured = f"{greedy['equal']}/{greedy['prompts']} prompts"
     return [
         _row("greedy = transformers (fp32)", measured, target="all", ok=greedy["equal"] == greedy["prompts"])
+    ]
+
+
+def _lora_rows(lora: dict) -> list[dict]:
+    if "equal" not in lora:
+        return [_row("LoRA greedy = merged weights (fp32)", lora.get("status"))]
+    measured = f"{lora['equal']}/{lora['prompts']} prompts"
+    return [
+        _row(
+            "LoRA greedy = merged weights (fp32)", measured, target="all", ok=lora["equal"] == lora["prompts"]
+        )
     ]
 
 
@@ -964,6 +1090,7 @@ SECTIONS: dict[str, Callable[[Run], dict]] = {
     "env": section_env,
     "tests": section_tests,
     "greedy": section_greedy,
+    "lora": section_lora,
     "speed": section_speed,
 }
 

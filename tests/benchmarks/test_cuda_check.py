@@ -19,6 +19,9 @@ def test_smoke_runs_every_section_on_the_cpu(tmp_path):
     assert results["tests"]["status"] == "skipped: no CUDA device"
     greedy = results["greedy"]
     assert greedy["status"] == "ok" and greedy["equal"] == greedy["prompts"] == 2 + 2 * 2, greedy
+    lora = results["lora"]  # on the CPU: the compiled LoRA kernel, against the merged weights
+    assert lora["status"] == "ok" and lora["equal"] == lora["prompts"] == 2 * 2, lora
+    assert lora["adapter_changes_tokens"] != "0/2 prompts", lora  # the comparison can tell
     speed = results["speed"]
     assert speed["status"] == "ok", speed
     assert speed["vocab_size"] > cuda_check.TOKENIZER_VOCAB  # ids past the tokenizer's decode
@@ -28,6 +31,7 @@ def test_smoke_runs_every_section_on_the_cpu(tmp_path):
     assert speed["counts"]["aten_ops"] > 0
     checks = [row["check"] for row in results["summary"]]
     assert "greedy = transformers (fp32)" in checks and "host syncs per decode step" in checks
+    assert "LoRA greedy = merged weights (fp32)" in checks
 
 
 def test_pytest_lines_are_counted_with_and_without_xdist():
