@@ -153,14 +153,24 @@ void expand_block(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, in
   }
 }
 
-// The slot's columns [c, used) of N rows' shrink, chains<L, N>() side by side, then one at a time.
+// Columns [c, end) of N rows' shrink, chains<L, N>() side by side, then one at a time.
 template <typename L, typename T, int N>
-void shrink_all(const Problem<T>& pb, const T* const* x_rows, const T* a_slot, int64_t used,
-                float (*hidden)[kMaxWidth]) {
+void shrink_range(const Problem<T>& pb, const T* const* x_rows, const T* a_slot, int64_t c, int64_t end,
+                  float (*hidden)[kMaxWidth]) {
   constexpr int kChains = chains<L, N>();
-  int64_t c = 0;
-  for (; c + kChains <= used; c += kChains) shrink_columns<L, T, N, kChains>(pb, x_rows, a_slot, c, hidden);
-  for (; c < used; ++c) shrink_columns<L, T, N, 1>(pb, x_rows, a_slot, c, hidden);
+  for (; c + kChains <= end; c += kChains) shrink_columns<L, T, N, kChains>(pb, x_rows, a_slot, c, hidden);
+  for (; c < end; ++c) shrink_columns<L, T, N, 1>(pb, x_rows, a_slot, c, hidden);
+}
+
+// The slot's columns [begin, end) of N rows' shrink: 16 lanes where the level has them and the inputs
+// fill them (a fixed choice per layer), else 8.
+template <typename T, int N>
+void shrink(const Problem<T>& pb, const T* const* x_rows, const T* a_slot, int64_t begin, int64_t end,
+            float (*hidden)[kMaxWidth]) {
+#ifdef LLMSERVE_LORA_16_LANES
+  if (pb.in % 16 == 0) return shrink_range<Lanes16, T, N>(pb, x_rows, a_slot, begin, end, hidden);
+#endif
+  shrink_range<Lanes8, T, N>(pb, x_rows, a_slot, begin, end, hidden);
 }
 
 // Output rows [j, end) of N rows' expand in blocks of L::kWidth (chains<L, N>() side by side); returns
@@ -175,34 +185,40 @@ int64_t expand_rows(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, 
   return j;
 }
 
-// One tile of N rows of one slot: the shrink for the slot's columns, then for each shard p its rank
-// columns into its own output rows (B is block-diagonal: the other columns are zeros there, never read).
+// Output rows [begin, end) of shard p (B is block-diagonal: only its rank columns feed them, the other
+// columns are zeros there, never read), 16 lanes where the level has them, then 8.
+template <typename T, int N>
+void expand_shard(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, int64_t p, int64_t rank,
+                  int64_t begin, int64_t end, const float (*hidden)[kMaxWidth]) {
+#ifdef LLMSERVE_LORA_16_LANES
+  begin = expand_rows<Lanes16, T, N>(pb, out_rows, bt_slot, p * rank, (p + 1) * rank, begin, end, hidden);
+#endif
+  expand_rows<Lanes8, T, N>(pb, out_rows, bt_slot, p * rank, (p + 1) * rank, begin, end, hidden);
+}
+
+// A tile's N rows: where each reads x and adds to out.
+template <typename T, int N>
+struct TileRows {
+  const T* x[N];
+  T* out[N];
+  TileRows(const Problem<T>& pb, const int64_t* rows) {
+    for (int r = 0; r < N; ++r) {
+      x[r] = pb.x + rows[r] * pb.x_stride;
+      out[r] = pb.out + rows[r] * pb.out_stride;
+    }
+  }
+};
+
+// One tile of N rows of one slot: the shrink for the slot's columns, then each shard's output rows.
 template <typename T, int N>
 void run_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t used) {
-  const int64_t rank = used / pb.shards;
-  const T* x_rows[N];
-  T* out_rows[N];
-  for (int r = 0; r < N; ++r) {
-    x_rows[r] = pb.x + rows[r] * pb.x_stride;
-    out_rows[r] = pb.out + rows[r] * pb.out_stride;
-  }
+  const TileRows<T, N> tile(pb, rows);
   float hidden[N][kMaxWidth];
-  const T* a_slot = pb.a + slot * pb.width * pb.in;
-#ifdef LLMSERVE_LORA_16_LANES
-  if (pb.in % 16 == 0)
-    shrink_all<Lanes16, T, N>(pb, x_rows, a_slot, used, hidden);
-  else
-#endif
-    shrink_all<Lanes8, T, N>(pb, x_rows, a_slot, used, hidden);
+  shrink<T, N>(pb, tile.x, pb.a + slot * pb.width * pb.in, 0, used, hidden);
   const T* bt_slot = pb.bt + slot * pb.width * pb.out_features;
-  for (int64_t p = 0; p < pb.shards; ++p) {
-    const int64_t first = p * rank, last = first + rank, end = pb.shard_starts[p + 1];
-    int64_t j = pb.shard_starts[p];
-#ifdef LLMSERVE_LORA_16_LANES
-    j = expand_rows<Lanes16, T, N>(pb, out_rows, bt_slot, first, last, j, end, hidden);
-#endif
-    expand_rows<Lanes8, T, N>(pb, out_rows, bt_slot, first, last, j, end, hidden);
-  }
+  for (int64_t p = 0; p < pb.shards; ++p)
+    expand_shard<T, N>(pb, tile.out, bt_slot, p, used / pb.shards, pb.shard_starts[p], pb.shard_starts[p + 1],
+                       hidden);
 }
 
 // The L2 prefetch of bytes [p, p + bytes): a lone tile's reads are too short for the hardware's stream
@@ -218,12 +234,7 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 template <typename T, int N>
 void split_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t used, int threads) {
   const int64_t rank = used / pb.shards;
-  const T* x_rows[N];
-  T* out_rows[N];
-  for (int r = 0; r < N; ++r) {
-    x_rows[r] = pb.x + rows[r] * pb.x_stride;
-    out_rows[r] = pb.out + rows[r] * pb.out_stride;
-  }
+  const TileRows<T, N> tile(pb, rows);
   float hidden[N][kMaxWidth];
   const T* a_slot = pb.a + slot * pb.width * pb.in;
   const T* bt_slot = pb.bt + slot * pb.width * pb.out_features;
@@ -239,20 +250,7 @@ void split_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t
                                          thread + 1 == count ? pb.shard_starts[p + 1]
                                                              : start + 16 * (vectors * (thread + 1) / count)};
     };
-#ifdef LLMSERVE_LORA_16_LANES
-    if (pb.in % 16 == 0) {
-      constexpr int kChains = chains<Lanes16, N>();
-      int64_t c = c_begin;
-      for (; c + kChains <= c_end; c += kChains) shrink_columns<Lanes16, T, N, kChains>(pb, x_rows, a_slot, c, hidden);
-      for (; c < c_end; ++c) shrink_columns<Lanes16, T, N, 1>(pb, x_rows, a_slot, c, hidden);
-    } else
-#endif
-    {
-      constexpr int kChains = chains<Lanes8, N>();
-      int64_t c = c_begin;
-      for (; c + kChains <= c_end; c += kChains) shrink_columns<Lanes8, T, N, kChains>(pb, x_rows, a_slot, c, hidden);
-      for (; c < c_end; ++c) shrink_columns<Lanes8, T, N, 1>(pb, x_rows, a_slot, c, hidden);
-    }
+    shrink<T, N>(pb, tile.x, a_slot, c_begin, c_end, hidden);
     for (int64_t p = 0; p < pb.shards; ++p) {
       const auto [begin, end] = share(p);
       for (int64_t c = p * rank; c < (p + 1) * rank; ++c)
@@ -261,11 +259,7 @@ void split_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t
 #pragma omp barrier
     for (int64_t p = 0; p < pb.shards; ++p) {
       const auto [begin, end] = share(p);
-      int64_t j = begin;
-#ifdef LLMSERVE_LORA_16_LANES
-      j = expand_rows<Lanes16, T, N>(pb, out_rows, bt_slot, p * rank, (p + 1) * rank, j, end, hidden);
-#endif
-      expand_rows<Lanes8, T, N>(pb, out_rows, bt_slot, p * rank, (p + 1) * rank, j, end, hidden);
+      expand_shard<T, N>(pb, tile.out, bt_slot, p, rank, begin, end, hidden);
     }
   }
 }
