@@ -61,9 +61,6 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return padded == rows ? out : out.narrow(0, 0, rows);
 }
 
-// x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel up to
-// kSmallBatchRows, int8 and int4 weights at any row count, bf16 weights up to kernel_max_rows (the bias
-// added after); above that AMX on the same bf16 copy up to amx_max_rows, oneDNN on its blocked copy beyond.
 // An int8 (kv_format 1) or fp8 (2) cache's rows [n, kv_heads, head_dim] as QuantizedKVCacheFormat.quantize
 // makes them (attention/kv_format.py), op for op: codes against the float16-rounded scale, then the
 // scale's two bytes.
@@ -79,6 +76,9 @@ torch::Tensor quantize_kv_rows(const torch::Tensor& rows, int64_t kv_format) {
   return torch::cat({codes.view(torch::kByte), scale.view(torch::kByte)}, -1);
 }
 
+// x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel up to
+// kSmallBatchRows, int8 and int4 weights at any row count, bf16 weights up to kernel_max_rows (the bias
+// added after); above that AMX on the same bf16 copy up to amx_max_rows, oneDNN on its blocked copy beyond.
 torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                            const torch::Tensor& onednn_weight, const torch::Tensor& bias, int64_t out_features,
                            int64_t amx_max_rows, int64_t kernel_max_rows) {

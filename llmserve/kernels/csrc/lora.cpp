@@ -267,12 +267,13 @@ void split_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t
 template <typename T>
 void lora_tiles(const Problem<T>& pb, const int64_t* widths, const std::vector<int64_t>& order,
                 const std::vector<Tile>& tiles) {
-  const int64_t work = kTileRows * pb.width * (pb.in + pb.out_features / std::max<int64_t>(1, pb.shards));
-  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work));
+  // multiply-adds of one row and one of a slot's columns: its shrink's dot product, its expand's row of B
+  const int64_t per_column = pb.in + pb.out_features / std::max<int64_t>(1, pb.shards);
+  const int64_t tile_max = kTileRows * pb.width * per_column;  // a whole tile's, the widest slot's
+  const int64_t grain = std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, tile_max));
   // at most one thread per column: the shrink's share of a thread is its columns
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), widths[tiles[0].slot]));
-  const int64_t tile_work = tiles[0].count * widths[tiles[0].slot] *
-                            (pb.in + pb.out_features / std::max<int64_t>(1, pb.shards));
+  const int64_t tile_work = tiles[0].count * widths[tiles[0].slot] * per_column;
   if (tiles.size() == 1 && threads > 1 && tile_work >= kSplitWork && !at::in_parallel_region()) {
     const Tile& tile = tiles[0];
     const int64_t* rows = order.data() + tile.first;
