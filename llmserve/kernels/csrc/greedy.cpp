@@ -5,8 +5,7 @@
 // torch's CPU argmax reduces each row serially and does not share rows among threads, slowly in bf16,
 // and the Sampler first copied the logits to float32; this reads them in place. A row holding NaN has no
 // defined answer here (torch would return the NaN's index); finite and infinite logits match torch.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cmath>
@@ -151,17 +150,17 @@ void greedy_rows(const scalar_t* logits, int64_t* out, int64_t rows, int64_t voc
 
 }  // namespace
 
-torch::Tensor greedy_sample(torch::Tensor logits) {
+at::Tensor greedy_sample(at::Tensor logits) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous(),
               "greedy_sample takes contiguous 2-D CPU logits");
   TORCH_CHECK(logits.size(1) < (int64_t{1} << 31), "greedy_sample: vocabulary too large for 32-bit indices");
-  auto out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kInt64));
+  auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
   if (logits.size(0) == 0) return out;
-  if (logits.scalar_type() == torch::kBFloat16) {
+  if (logits.scalar_type() == at::kBFloat16) {
     greedy_rows(reinterpret_cast<const c10::BFloat16*>(logits.data_ptr()), out.data_ptr<int64_t>(),
                 logits.size(0), logits.size(1));
   } else {
-    TORCH_CHECK(logits.scalar_type() == torch::kFloat32, "greedy_sample takes bfloat16 or float32 logits");
+    TORCH_CHECK(logits.scalar_type() == at::kFloat, "greedy_sample takes bfloat16 or float32 logits");
     greedy_rows(logits.data_ptr<float>(), out.data_ptr<int64_t>(), logits.size(0), logits.size(1));
   }
   return out;

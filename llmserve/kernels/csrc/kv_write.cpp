@@ -7,8 +7,7 @@
 // Decode rows land in different blocks scattered over the pool, so each memcpy would wait for its
 // destination lines to come from memory, one row after another. Prefetching every destination line
 // for writing first lets those misses overlap; the copies then hit the cache.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include "kernels.h"
 
@@ -16,13 +15,13 @@
 
 // cache [num_slots, kv_heads, head_dim] (contiguous), slots [tokens] int64, rows [tokens, kv_heads,
 // head_dim] with each token's heads contiguous (rows may be a strided view of the qkv projection).
-void write_kv_rows(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows) {
+void write_kv_rows(at::Tensor cache, at::Tensor slots, at::Tensor rows) {
   TORCH_CHECK(cache.is_contiguous() && cache.dim() == 3, "cache must be contiguous [slots, kv_heads, row]");
   TORCH_CHECK(rows.dim() == 3 && rows.size(1) == cache.size(1) && rows.size(2) == cache.size(2),
               "rows must be [tokens, kv_heads, row] like the cache");
   TORCH_CHECK(rows.stride(2) == 1 && rows.stride(1) == rows.size(2), "each token's heads must be contiguous");
   TORCH_CHECK(rows.scalar_type() == cache.scalar_type(), "rows and cache must share a dtype");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == rows.size(0),
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows.size(0),
               "slots must be int64, one per row");
   const int64_t tokens = rows.size(0), num_slots = cache.size(0);
   const int64_t row_bytes = rows.size(1) * rows.size(2) * rows.element_size();

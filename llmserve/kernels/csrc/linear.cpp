@@ -14,8 +14,7 @@
 // rows because of those sums. A row's result does not depend
 // on M (same products, same order), so verifying drafts gives the bits that decoding gives.
 // On AVX2 CPUs (no AVX-512 BF16) the same packed blocks run on float32 FMAs (the AVX2 section).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include "kernels.h"
 
@@ -251,9 +250,9 @@ void linear_packed(const uint16_t* x_bf16, const uint16_t* packed, Out* out, int
 #endif  // LLMSERVE_BF16_LINEAR_AVX2
 
 // Checks shared by the entry points (any row count: above 8 the rows run in tiles of 8).
-void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n_size) {
+void check_inputs(const at::Tensor& x, const at::Tensor& packed, int64_t n_size) {
   TORCH_CHECK(small_batch_linear_supported(), "small_batch_linear needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "small_batch_linear takes bfloat16 inputs and weights");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1), "shapes must be [M, K] and [N, K]");
   TORCH_CHECK(x.is_contiguous() && packed.is_contiguous(), "small_batch_linear needs contiguous tensors");
@@ -267,21 +266,21 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n
 
 // weight [N, K] bf16 -> the packed layout small_batch_linear reads: [N', K] with N' = N rounded up to a
 // multiple of 32 (zero rows), holding blocks of 32 rows column pair by column pair.
-torch::Tensor small_batch_pack(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "small_batch_pack takes a 2-D bf16 weight");
+at::Tensor small_batch_pack(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "small_batch_pack takes a 2-D bf16 weight");
   TORCH_CHECK(weight.size(1) % 32 == 0, "small_batch_linear needs an input width that is a multiple of 32");
   const int64_t n_size = weight.size(0), k_size = weight.size(1);
   const int64_t padded = (n_size + 31) / 32 * 32;
-  auto rows = torch::zeros({padded, k_size}, weight.options());
+  auto rows = at::zeros({padded, k_size}, weight.options());
   rows.narrow(0, 0, n_size).copy_(weight);
   return rows.view({padded / 32, 32, k_size / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({padded, k_size});
 }
 
 // x [M, K] bf16, packed from small_batch_pack of an [N, K] weight. Returns [M, N] bf16. Above 8 rows
 // the tiles of 8 pass over each block while it is in cache (SmallBatchLinear says where that is used).
-torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+at::Tensor small_batch_linear(at::Tensor x, at::Tensor packed, int64_t out_features) {
   check_inputs(x, packed, out_features);
-  auto out = torch::empty({x.size(0), out_features}, x.options());
+  auto out = at::empty({x.size(0), out_features}, x.options());
 #if defined(LLMSERVE_BF16_LINEAR) || defined(LLMSERVE_BF16_LINEAR_AVX2)
   linear_packed(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
@@ -292,9 +291,9 @@ torch::Tensor small_batch_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 
 // x [M, K] bf16 with any M >= 1, the same packed weight. Returns [M, N] float32: the sums unrounded,
 // so logits keep the float32 gaps between near-tied tokens that a bf16 output would erase.
-torch::Tensor small_batch_linear_float_out(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+at::Tensor small_batch_linear_float_out(at::Tensor x, at::Tensor packed, int64_t out_features) {
   check_inputs(x, packed, out_features);
-  auto out = torch::empty({x.size(0), out_features}, x.options().dtype(torch::kFloat));
+  auto out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
 #if defined(LLMSERVE_BF16_LINEAR) || defined(LLMSERVE_BF16_LINEAR_AVX2)
   linear_packed(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), out.data_ptr<float>(),

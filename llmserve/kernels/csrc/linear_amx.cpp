@@ -13,8 +13,7 @@
 // L2 while every 32 rows in turn pass over the panel, so weights and rows are each read from memory
 // about once (a layer's weights are not in cache: the other layers' ran in between).
 // A row's result does not depend on M or on the other rows: the same products in the same order.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include "amx.h"
 #include "kernels.h"
@@ -148,22 +147,22 @@ bool amx_linear_supported() {
 
 // x [M, K] bf16 with any M >= 1, packed from small_batch_pack of an [N, K] weight, bias [N] (any float
 // dtype) or none. Returns [M, N]: bf16, or float32 with float_out (logits: the sums unrounded).
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, const std::optional<torch::Tensor>& bias,
+at::Tensor amx_linear(at::Tensor x, at::Tensor packed, const std::optional<at::Tensor>& bias,
                          int64_t out_features, bool float_out) {
   TORCH_CHECK(amx_linear_supported(), "amx_linear needs a CPU with AMX BF16 and the kernel's permission to use it");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "amx_linear takes bfloat16 inputs and weights");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1), "shapes must be [M, K] and [N, K]");
   TORCH_CHECK(x.is_contiguous() && packed.is_contiguous(), "amx_linear needs contiguous tensors");
   TORCH_CHECK(x.size(0) >= 1 && x.size(1) % 32 == 0, "amx_linear needs rows and an input width that is a multiple of 32");
   TORCH_CHECK(out_features >= 1 && packed.size(0) == (out_features + 31) / 32 * 32,
               "amx_linear takes a weight packed by small_batch_pack for out_features rows");
-  torch::Tensor bias_float;
+  at::Tensor bias_float;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "the bias must have out_features values");
-    bias_float = bias->to(torch::kFloat).contiguous();
+    bias_float = bias->to(at::kFloat).contiguous();
   }
-  auto y = torch::empty({x.size(0), out_features}, x.options().dtype(float_out ? torch::kFloat : torch::kBFloat16));
+  auto y = at::empty({x.size(0), out_features}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
 #ifdef LLMSERVE_AMX
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* ws = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());

@@ -13,8 +13,7 @@
 // drafts gives the bits that decoding gives. R neighbouring blocks are computed together (R x M
 // independent chains hide the FMA latency), which changes which outputs are interleaved, not any
 // output's arithmetic.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include "kernels.h"
 #include "vector_math.h"
@@ -172,14 +171,14 @@ void linear_packed(const float* x, const W* packed, float* out, int64_t m_size, 
 
 // weight [N, K] float32 or bf16 -> the layout small_batch_linear_f32 reads, in the weight's dtype: [N', K]
 // with N' = N rounded up to a multiple of 8 (zero rows), holding blocks of 8 rows column by column.
-torch::Tensor small_batch_pack_f32(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == torch::kFloat || weight.scalar_type() == torch::kBFloat16),
+at::Tensor small_batch_pack_f32(at::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16),
               "small_batch_pack_f32 takes a 2-D float32 or bf16 weight");
   const int64_t n_size = weight.size(0), k_size = weight.size(1);
   const int64_t padded = (n_size + kBlockRows - 1) / kBlockRows * kBlockRows;
   auto rows = weight.contiguous();
   if (padded != n_size) {  // the zero rows need a copy; without them the transpose is the only pass
-    rows = torch::zeros({padded, k_size}, weight.options());
+    rows = at::zeros({padded, k_size}, weight.options());
     rows.narrow(0, 0, n_size).copy_(weight);
   }
   return rows.view({padded / kBlockRows, kBlockRows, k_size})
@@ -191,19 +190,19 @@ torch::Tensor small_batch_pack_f32(torch::Tensor weight) {
 // x [M, K] float32 (M >= 1; more than 8 rows take linear_tiled), packed from small_batch_pack_f32 of an
 // [N, K] weight (float32, or bf16 where half the bytes matter more than the weights' low bits: a draft
 // head). Returns [M, N] float32.
-torch::Tensor small_batch_linear_f32(torch::Tensor x, torch::Tensor packed, int64_t out_features) {
+at::Tensor small_batch_linear_f32(at::Tensor x, at::Tensor packed, int64_t out_features) {
   TORCH_CHECK(small_batch_linear_f32_supported(), "small_batch_linear_f32 needs a CPU with AVX2 and FMA");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat &&
-                  (packed.scalar_type() == torch::kFloat || packed.scalar_type() == torch::kBFloat16),
+  TORCH_CHECK(x.scalar_type() == at::kFloat &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
               "small_batch_linear_f32 takes float32 inputs and float32 or bf16 weights");
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1), "shapes must be [M, K] and [N, K]");
   TORCH_CHECK(x.is_contiguous() && packed.is_contiguous(), "small_batch_linear_f32 needs contiguous tensors");
   TORCH_CHECK(x.size(0) >= 1, "small_batch_linear_f32 needs at least one row");
   TORCH_CHECK(out_features >= 1 && packed.size(0) == (out_features + kBlockRows - 1) / kBlockRows * kBlockRows,
               "small_batch_linear_f32 takes a weight packed by small_batch_pack_f32 for out_features rows");
-  auto out = torch::empty({x.size(0), out_features}, x.options());
+  auto out = at::empty({x.size(0), out_features}, x.options());
 #ifdef LLMSERVE_F32_LINEAR
-  if (packed.scalar_type() == torch::kFloat)
+  if (packed.scalar_type() == at::kFloat)
     linear_packed(x.data_ptr<float>(), packed.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1),
                   out_features);
   else

@@ -36,8 +36,7 @@
 //
 // On AVX2 CPUs (no VNNI) the same packed layouts and input rounding run on vpmaddubsw and vpmaddwd,
 // giving the same outputs (the AVX2 section says how), and take float32 inputs too.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <limits>
 #include <type_traits>
@@ -611,9 +610,9 @@ void int4_linear(const QuantizedInput& in, const Experts& experts, const uint8_t
 // float32 too at the AVX2 level (the dtype AVX2 CPUs serve models in).
 bool small_batch_linear_int8_supported(at::ScalarType input) {
 #if defined(LLMSERVE_INT8_LINEAR)
-  return input == torch::kBFloat16;
+  return input == at::kBFloat16;
 #elif defined(LLMSERVE_INT8_LINEAR_AVX2)
-  return input == torch::kBFloat16 || input == torch::kFloat;
+  return input == at::kBFloat16 || input == at::kFloat;
 #else
   return false;
 #endif
@@ -621,14 +620,14 @@ bool small_batch_linear_int8_supported(at::ScalarType input) {
 
 // qweight [N, K] int8 (|q| <= 127), K a multiple of 32 -> [N', K] uint8 with N' = N rounded up to a
 // multiple of 32: q + 128 in blocks of 32 rows, four columns per row at a time (zero rows pad).
-torch::Tensor small_batch_pack_int8(torch::Tensor qweight) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == torch::kChar, "small_batch_pack_int8 takes 2-D int8 codes");
+at::Tensor small_batch_pack_int8(at::Tensor qweight) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar, "small_batch_pack_int8 takes 2-D int8 codes");
   TORCH_CHECK(qweight.size(1) % kInputBlock == 0, "small_batch_linear_int8 needs an input width that is a multiple of 32");
   TORCH_CHECK(qweight.numel() == 0 || qweight.min().item<int>() >= -127, "int8 codes must lie in [-127, 127]");
   const int64_t n_size = qweight.size(0), k_size = qweight.size(1);
   const int64_t padded = (n_size + kRows - 1) / kRows * kRows;
-  auto rows = torch::full({padded, k_size}, 128, qweight.options().dtype(torch::kByte));
-  rows.narrow(0, 0, n_size).copy_((qweight.to(torch::kShort) + 128).to(torch::kByte));
+  auto rows = at::full({padded, k_size}, 128, qweight.options().dtype(at::kByte));
+  rows.narrow(0, 0, n_size).copy_((qweight.to(at::kShort) + 128).to(at::kByte));
   return rows.view({padded / kRows, kRows, k_size / 4, 4}).permute({0, 2, 1, 3}).contiguous().view({padded, k_size});
 }
 
@@ -636,9 +635,9 @@ namespace {
 
 // values as float16 where that is exact for every one of them (a GGUF file's scales are float16, so
 // the kernels then stream the file's scale bytes, not twice as many), else unchanged in float32.
-torch::Tensor half_if_exact(const torch::Tensor& values) {
-  const auto half = values.to(torch::kHalf);
-  return half.to(torch::kFloat).equal(values) ? half : values;
+at::Tensor half_if_exact(const at::Tensor& values) {
+  const auto half = values.to(at::kHalf);
+  return half.to(at::kFloat).equal(values) ? half : values;
 }
 
 }  // namespace
@@ -646,11 +645,11 @@ torch::Tensor half_if_exact(const torch::Tensor& values) {
 // scales [N, K / G] float32 of int8 codes in groups of G = 32 (GGUF Q8_0, Q5_0) or 16 (Q6_K) columns
 // -> the layout small_batch_linear_int8 reads them in: [N' / 32, K / G, 32], zero rows padding N to N';
 // float16 where every scale is exact in it, else float32.
-torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales) {
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kFloat, "group scales must be float32 [N, K / G]");
+at::Tensor small_batch_pack_int8_group_scales(at::Tensor scales) {
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat, "group scales must be float32 [N, K / G]");
   const int64_t n_size = scales.size(0), groups = scales.size(1);
   const int64_t padded = (n_size + kRows - 1) / kRows * kRows;
-  auto rows = torch::zeros({padded, groups}, scales.options());
+  auto rows = at::zeros({padded, groups}, scales.options());
   rows.narrow(0, 0, n_size).copy_(scales);
   return half_if_exact(rows.view({padded / kRows, kRows, groups}).permute({0, 2, 1}).contiguous());
 }
@@ -658,19 +657,19 @@ torch::Tensor small_batch_pack_int8_group_scales(torch::Tensor scales) {
 namespace {
 
 // The int8 entry points' checks.
-void check_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t n_size) {
+void check_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n_size) {
   TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int8 needs a CPU with AVX2 and FMA");
   TORCH_CHECK(small_batch_linear_int8_supported(x.scalar_type()) && x.dim() == 2 && x.is_contiguous(),
               "small_batch_linear_int8 takes contiguous bfloat16 inputs [M, K] (float32 too at the AVX2 level)");
   TORCH_CHECK(x.size(0) >= 1, "small_batch_linear_int8 takes at least one row");
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.size(1) == x.size(1) &&
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) == x.size(1) &&
                   packed.is_contiguous(),
               "small_batch_linear_int8 takes weights packed by small_batch_pack_int8");
   TORCH_CHECK(x.size(1) % kInputBlock == 0, "small_batch_linear_int8 needs an input width that is a multiple of 32");
   TORCH_CHECK(n_size >= 1 && (n_size + kRows - 1) / kRows * kRows == packed.size(0),
               "small_batch_linear_int8 takes weights packed by small_batch_pack_int8 for out_features rows");
   const bool grouped = scales.dim() == 3;
-  TORCH_CHECK((scales.scalar_type() == torch::kFloat || (grouped && scales.scalar_type() == torch::kHalf)) &&
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || (grouped && scales.scalar_type() == at::kHalf)) &&
                   scales.is_contiguous() &&
                   (grouped ? scales.size(0) * kRows == packed.size(0) &&
                                  (scales.size(1) * kInputBlock == x.size(1) || scales.size(1) * 16 == x.size(1)) &&
@@ -681,9 +680,9 @@ void check_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch
 
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
 // x's rows rounded to 8-bit codes per 32 columns (the entry points checked its dtype).
-QuantizedInput quantized_rows(const torch::Tensor& x) {
+QuantizedInput quantized_rows(const at::Tensor& x) {
 #ifdef LLMSERVE_INT8_LINEAR_AVX2
-  if (x.scalar_type() == torch::kFloat) return quantize_input(x.data_ptr<float>(), x.size(0), x.size(1));
+  if (x.scalar_type() == at::kFloat) return quantize_input(x.data_ptr<float>(), x.size(0), x.size(1));
 #endif
   return quantize_input(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), x.size(0), x.size(1));
 }
@@ -692,13 +691,13 @@ QuantizedInput quantized_rows(const torch::Tensor& x) {
 // x's rows against each expert's weights: `packed` and `scales` are expert 0's (one expert: the layer's),
 // the others follow at the experts' strides.
 template <typename Out>
-void run_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, Out* out,
+void run_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, Out* out,
               int64_t n_size, const Experts& experts) {
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
   const auto input = quantized_rows(x);
   const uint8_t* codes = packed.data_ptr<uint8_t>();
   const int64_t k_size = x.size(1);
-  const bool half = scales.scalar_type() == torch::kHalf;
+  const bool half = scales.scalar_type() == at::kHalf;
   if (scales.dim() != 3)
     int8_linear<0>(input, experts, codes, scales.data_ptr<float>(), out, k_size, n_size);
   else if (scales.size(1) * 16 == k_size && half)
@@ -713,7 +712,7 @@ void run_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::
 }
 
 // The int4 entry points' checks; whether the codes are 5-bit (a plane of fifth bits follows each block).
-bool check_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params, int64_t out_features) {
+bool check_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params, int64_t out_features) {
   TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int4 needs a CPU with AVX2 and FMA");
   TORCH_CHECK(small_batch_linear_int8_supported(x.scalar_type()) && x.dim() == 2 && x.is_contiguous(),
               "small_batch_linear_int4 takes contiguous bfloat16 inputs [M, K] (float32 too at the AVX2 level)");
@@ -721,9 +720,9 @@ bool check_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch
   TORCH_CHECK(x.size(1) % kInputBlock == 0, "small_batch_linear_int4 needs an input width that is a multiple of 32");
   const int64_t padded = (out_features + kRows - 1) / kRows * kRows;
   const bool five_bit = packed.dim() == 2 && packed.size(1) * 8 == x.size(1) * 5;  // its fifth bits' plane too
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(0) == padded && (packed.size(1) * 2 == x.size(1) || five_bit) && params.dim() == 4 &&
-                  (params.scalar_type() == torch::kFloat || params.scalar_type() == torch::kHalf) &&
+                  (params.scalar_type() == at::kFloat || params.scalar_type() == at::kHalf) &&
                   params.is_contiguous() && params.size(0) * kRows == padded &&
                   params.size(2) == 2 && params.size(3) == kRows && x.size(1) % params.size(1) == 0 &&
                   (x.size(1) / params.size(1)) % kInputBlock == 0,
@@ -731,7 +730,7 @@ bool check_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch
   return five_bit;
 }
 
-void run_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& params, torch::Tensor& out,
+void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params, at::Tensor& out,
               int64_t out_features, bool five_bit, const Experts& experts) {
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
   const auto input = quantized_rows(x);
@@ -739,7 +738,7 @@ void run_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::
   const auto run = [&](auto five, auto* params_data) {
     constexpr bool FiveBit = decltype(five)::value;
 #ifdef LLMSERVE_INT8_LINEAR_AVX2
-    if (x.scalar_type() == torch::kFloat) {
+    if (x.scalar_type() == at::kFloat) {
       int4_linear<FiveBit>(input, experts, packed.data_ptr<uint8_t>(), params_data, out.data_ptr<float>(),
                            x.size(1), out_features, group_size);
       return;
@@ -749,7 +748,7 @@ void run_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::
                          reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(1), out_features,
                          group_size);
   };
-  const bool half = params.scalar_type() == torch::kHalf;
+  const bool half = params.scalar_type() == at::kHalf;
   if (five_bit && half)
     run(std::true_type{}, params.data_ptr<c10::Half>());
   else if (five_bit)
@@ -763,9 +762,9 @@ void run_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::
 
 // The grouped entry points' experts: ends [E] int64, non-decreasing, the last x's row count; E the
 // experts stacked in packed [E, ...] and scales [E, ...].
-Experts grouped_experts(const torch::Tensor& x, const torch::Tensor& ends, const torch::Tensor& packed,
-                        const torch::Tensor& scales) {
-  TORCH_CHECK(ends.scalar_type() == torch::kLong && ends.dim() == 1 && ends.is_contiguous() && ends.size(0) >= 1 &&
+Experts grouped_experts(const at::Tensor& x, const at::Tensor& ends, const at::Tensor& packed,
+                        const at::Tensor& scales) {
+  TORCH_CHECK(ends.scalar_type() == at::kLong && ends.dim() == 1 && ends.is_contiguous() && ends.size(0) >= 1 &&
                   packed.dim() >= 3 && scales.dim() >= 2 && ends.size(0) == packed.size(0) &&
                   ends.size(0) == scales.size(0) && packed.is_contiguous() && scales.is_contiguous(),
               "grouped_linear takes ends [E] int64 and each expert's packed weights and scales stacked [E, ...]");
@@ -782,11 +781,11 @@ Experts grouped_experts(const torch::Tensor& x, const torch::Tensor& ends, const
 // scales: [N] float32 per row, or from small_batch_pack_int8_group_scales for groups of 32 or 16 columns.
 // Returns [M, N] in x's dtype: x' W^T with W the scaled codes, x' being x rounded to 8 bits per 32-column
 // block.
-torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t out_features) {
+at::Tensor small_batch_linear_int8(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t out_features) {
   check_int8(x, packed, scales, out_features);
-  auto out = torch::empty({x.size(0), out_features}, x.options());
+  auto out = at::empty({x.size(0), out_features}, x.options());
   const int64_t rows = x.size(0);
-  if (x.scalar_type() == torch::kFloat)
+  if (x.scalar_type() == at::kFloat)
     run_int8(x, packed, scales, out.data_ptr<float>(), out_features, {&rows, 1});
   else
     run_int8(x, packed, scales, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out_features, {&rows, 1});
@@ -796,14 +795,14 @@ torch::Tensor small_batch_linear_int8(torch::Tensor x, torch::Tensor packed, tor
 // x [T, K] whose rows [ends[e - 1], ends[e]) go to expert e, against each expert's packed int8 weights
 // and scales stacked [E, ...] (each as small_batch_linear_int8 takes them). Returns [T, N] in x's dtype,
 // each row what small_batch_linear_int8 gives it against its expert's weights.
-torch::Tensor grouped_linear_int8(torch::Tensor x, torch::Tensor ends, torch::Tensor packed, torch::Tensor scales,
+at::Tensor grouped_linear_int8(at::Tensor x, at::Tensor ends, at::Tensor packed, at::Tensor scales,
                                   int64_t out_features) {
   const auto experts = grouped_experts(x, ends, packed, scales);
-  auto out = torch::empty({x.size(0), out_features}, x.options());
+  auto out = at::empty({x.size(0), out_features}, x.options());
   // no rows routed here (a rank's experts under expert parallelism): the layout still checked
-  check_int8(x.size(0) ? x : torch::empty({1, x.size(1)}, x.options()), packed[0], scales[0], out_features);
+  check_int8(x.size(0) ? x : at::empty({1, x.size(1)}, x.options()), packed[0], scales[0], out_features);
   if (x.size(0) == 0) return out;
-  if (x.scalar_type() == torch::kFloat)
+  if (x.scalar_type() == at::kFloat)
     run_int8(x, packed[0], scales[0], out.data_ptr<float>(), out_features, experts);
   else
     run_int8(x, packed[0], scales[0], reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out_features,
@@ -812,10 +811,10 @@ torch::Tensor grouped_linear_int8(torch::Tensor x, torch::Tensor ends, torch::Te
 }
 
 // The same, returning [M, N] float32: the logits of a quantized output projection, unrounded.
-torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+at::Tensor small_batch_linear_int8_float_out(at::Tensor x, at::Tensor packed, at::Tensor scales,
                                                 int64_t out_features) {
   check_int8(x, packed, scales, out_features);
-  auto out = torch::empty({x.size(0), out_features}, x.options().dtype(torch::kFloat));
+  auto out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
   const int64_t rows = x.size(0);
   run_int8(x, packed, scales, out.data_ptr<float>(), out_features, {&rows, 1});
   return out;
@@ -826,9 +825,9 @@ torch::Tensor small_batch_linear_int8_float_out(torch::Tensor x, torch::Tensor p
 // rounded up to a multiple of 32 (zero rows pad); params in float16 where every scale and offset is exact
 // in it (GGUF Q4_0/Q4_1/Q5_0's, or float16 checkpoints'), else float32. bits 5: packed [N', 5 K / 8],
 // each 32-row block's nibbles followed by its plane of fifth bits (the header says how they lie).
-std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
+std::vector<at::Tensor> small_batch_pack_int4(at::Tensor codes, at::Tensor scales, at::Tensor offsets,
                                                  int64_t bits) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kByte, "small_batch_pack_int4 takes 2-D uint8 codes");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "small_batch_pack_int4 takes 2-D uint8 codes");
   TORCH_CHECK(bits == 4 || bits == 5, "small_batch_pack_int4 packs 4- or 5-bit codes");
   TORCH_CHECK(codes.numel() == 0 || codes.max().item<int>() < (1 << bits),
               bits == 4 ? "int4 codes must lie in [0, 15]" : "5-bit codes must lie in [0, 31]");
@@ -839,7 +838,7 @@ std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Ten
   TORCH_CHECK(groups >= 1 && k_size % groups == 0 && (k_size / groups) % kInputBlock == 0,
               "int4 groups must be a multiple of 32 columns");
   const int64_t padded = (n_size + kRows - 1) / kRows * kRows;
-  auto rows = torch::zeros({padded, k_size}, codes.options());
+  auto rows = at::zeros({padded, k_size}, codes.options());
   rows.narrow(0, 0, n_size).copy_(codes);
   // [blocks, 32 rows, K/8, 2 halves, 4] -> [blocks, K/8, 32 rows, 4] bytes of (low | high << 4)
   auto split = rows.bitwise_and(0x0F).view({padded / kRows, kRows, k_size / 8, 2, 4});
@@ -849,12 +848,12 @@ std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Ten
     // [blocks, 32 rows, K/8, 2 halves, 4] fifth bits -> [blocks, K/8, 2 halves, 16 row pairs, 2, 4]: bit
     // 4 (row % 2) + column of byte 16 half + row / 2 of the chunk's 32
     auto fifth = rows.bitwise_right_shift(4).view({padded / kRows, kRows / 2, 2, k_size / 8, 2, 4});
-    auto weights = torch::tensor({1, 2, 4, 8, 16, 32, 64, 128}, codes.options()).view({2, 4});
-    auto plane = fifth.permute({0, 3, 4, 1, 2, 5}).mul(weights).sum({-2, -1}, false, torch::kByte);
-    packed = torch::cat({packed.view({padded / kRows, -1}), plane.reshape({padded / kRows, -1})}, 1)
+    auto weights = at::tensor({1, 2, 4, 8, 16, 32, 64, 128}, codes.options()).view({2, 4});
+    auto plane = fifth.permute({0, 3, 4, 1, 2, 5}).mul(weights).sum({-2, -1}, false, at::kByte);
+    packed = at::cat({packed.view({padded / kRows, -1}), plane.reshape({padded / kRows, -1})}, 1)
                  .view({padded, k_size / 8 * 5});
   }
-  auto params = torch::zeros({padded, groups, 2}, scales.options().dtype(torch::kFloat));
+  auto params = at::zeros({padded, groups, 2}, scales.options().dtype(at::kFloat));
   params.narrow(0, 0, n_size).select(2, 0).copy_(scales);
   params.narrow(0, 0, n_size).select(2, 1).copy_(offsets);
   params = params.view({padded / kRows, kRows, groups, 2}).permute({0, 2, 3, 1}).contiguous();
@@ -864,9 +863,9 @@ std::vector<torch::Tensor> small_batch_pack_int4(torch::Tensor codes, torch::Ten
 // x [M, K] bf16 (or float32 at the AVX2 level), any M >= 1, (packed, params) from
 // small_batch_pack_int4, N output rows. Returns [M, N] in x's dtype: x' W^T with W = q * scale + offset
 // per group, x' being x rounded to 8 bits per 32 columns.
-torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor params, int64_t out_features) {
+at::Tensor small_batch_linear_int4(at::Tensor x, at::Tensor packed, at::Tensor params, int64_t out_features) {
   const bool five_bit = check_int4(x, packed, params, out_features);
-  auto out = torch::empty({x.size(0), out_features}, x.options());
+  auto out = at::empty({x.size(0), out_features}, x.options());
   const int64_t rows = x.size(0);
   run_int4(x, packed, params, out, out_features, five_bit, {&rows, 1});
   return out;
@@ -875,13 +874,13 @@ torch::Tensor small_batch_linear_int4(torch::Tensor x, torch::Tensor packed, tor
 // x [T, K] whose rows [ends[e - 1], ends[e]) go to expert e, against each expert's int4 weights packed
 // by small_batch_pack_int4 and stacked: packed [E, N', ...], params [E, N' / 32, groups, 2, 32]. Returns
 // [T, N] in x's dtype, each row what small_batch_linear_int4 gives it against its expert's weights.
-torch::Tensor grouped_linear_int4(torch::Tensor x, torch::Tensor ends, torch::Tensor packed, torch::Tensor params,
+at::Tensor grouped_linear_int4(at::Tensor x, at::Tensor ends, at::Tensor packed, at::Tensor params,
                                   int64_t out_features) {
   const auto experts = grouped_experts(x, ends, packed, params);
-  auto out = torch::empty({x.size(0), out_features}, x.options());
+  auto out = at::empty({x.size(0), out_features}, x.options());
   // no rows routed here (a rank's experts under expert parallelism): the layout still checked
   const bool five_bit =
-      check_int4(x.size(0) ? x : torch::empty({1, x.size(1)}, x.options()), packed[0], params[0], out_features);
+      check_int4(x.size(0) ? x : at::empty({1, x.size(1)}, x.options()), packed[0], params[0], out_features);
   if (x.size(0) == 0) return out;
   run_int4(x, packed[0], params[0], out, out_features, five_bit, experts);
   return out;
@@ -963,17 +962,17 @@ void dequantize_int8_blocks(const uint8_t* packed, const Param* scales, float* o
 
 // (packed, params) from small_batch_pack_int4 for out_features rows (bits 4 or 5) -> the float32 W [N, K]
 // that small_batch_linear_int4 multiplies by: q * scale + offset per group.
-torch::Tensor small_batch_dequantize_int4(torch::Tensor packed, torch::Tensor params, int64_t out_features,
+at::Tensor small_batch_dequantize_int4(at::Tensor packed, at::Tensor params, int64_t out_features,
                                           int64_t bits) {
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(0) == (out_features + kRows - 1) / kRows * kRows && params.dim() == 4 &&
                   params.is_contiguous() && params.size(0) * kRows == packed.size(0) && params.size(2) == 2 &&
-                  (params.scalar_type() == torch::kFloat || params.scalar_type() == torch::kHalf) &&
+                  (params.scalar_type() == at::kFloat || params.scalar_type() == at::kHalf) &&
                   (bits == 4 || (bits == 5 && packed.size(1) % 5 == 0)),
               "small_batch_dequantize_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
   const int64_t k_size = bits == 4 ? packed.size(1) * 2 : packed.size(1) / 5 * 8, groups = params.size(1);
-  auto out = torch::empty({out_features, k_size}, packed.options().dtype(torch::kFloat));
-  if (params.scalar_type() == torch::kHalf)
+  auto out = at::empty({out_features, k_size}, packed.options().dtype(at::kFloat));
+  if (params.scalar_type() == at::kHalf)
     dequantize_int4_blocks(packed.data_ptr<uint8_t>(), params.data_ptr<c10::Half>(), out.data_ptr<float>(),
                            out_features, k_size, groups, bits == 5);
   else
@@ -984,18 +983,18 @@ torch::Tensor small_batch_dequantize_int4(torch::Tensor packed, torch::Tensor pa
 
 // packed from small_batch_pack_int8 with its scales ([N] float32 per row, or packed per 32 or 16
 // columns) -> the float32 W [N, K] that small_batch_linear_int8 multiplies by: q * scale.
-torch::Tensor small_batch_dequantize_int8(torch::Tensor packed, torch::Tensor scales, int64_t out_features) {
+at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int64_t out_features) {
   const bool grouped = scales.dim() == 3;
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(0) == (out_features + kRows - 1) / kRows * kRows && scales.is_contiguous() &&
                   (grouped ? scales.size(0) * kRows == packed.size(0) && scales.size(2) == kRows &&
-                                 (scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf)
+                                 (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf)
                            : scales.dim() == 1 && scales.size(0) == out_features &&
-                                 scales.scalar_type() == torch::kFloat),
+                                 scales.scalar_type() == at::kFloat),
               "small_batch_dequantize_int8 takes weights packed by small_batch_pack_int8 and their scales");
   const int64_t k_size = packed.size(1), groups = grouped ? scales.size(1) : 0;
-  auto out = torch::empty({out_features, k_size}, packed.options().dtype(torch::kFloat));
-  if (grouped && scales.scalar_type() == torch::kHalf)
+  auto out = at::empty({out_features, k_size}, packed.options().dtype(at::kFloat));
+  if (grouped && scales.scalar_type() == at::kHalf)
     dequantize_int8_blocks(packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), out.data_ptr<float>(),
                            out_features, k_size, groups);
   else

@@ -11,8 +11,7 @@
 // Where the level has AVX-512 the same loops run 16 lanes wide (the shrink only for inputs in whole
 // vectors of 16, a fixed choice per layer). Tiles are shared among torch's threads when there are enough;
 // a step's only tile is split among them (its columns, then its output rows).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include "kernels.h"
 
@@ -310,10 +309,10 @@ bool lora_delta_supported() { return true; }
 // widths [S] int64: the columns of W each slot uses, its rank times the layer's shards; shard_starts
 // [shards + 1] int64: each shard's first output row (its B block's rows), the last out_features. in and
 // every shard start multiples of 8, W at most kMaxWidth. out is updated in place.
-void lora_delta(const torch::Tensor& x, torch::Tensor out, const torch::Tensor& a, const torch::Tensor& bt,
-                const torch::Tensor& token_slots, const torch::Tensor& widths, const torch::Tensor& shard_starts) {
+void lora_delta(const at::Tensor& x, at::Tensor out, const at::Tensor& a, const at::Tensor& bt,
+                const at::Tensor& token_slots, const at::Tensor& widths, const at::Tensor& shard_starts) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16, "lora_delta takes float32 or bfloat16");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "lora_delta takes float32 or bfloat16");
   TORCH_CHECK(out.scalar_type() == dtype && a.scalar_type() == dtype && bt.scalar_type() == dtype,
               "lora_delta takes x, out, a and bt of one dtype");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "x and out must be [rows, features]");
@@ -324,13 +323,13 @@ void lora_delta(const torch::Tensor& x, torch::Tensor out, const torch::Tensor& 
                   bt.size(2) == out.size(1),
               "a must be [slots, width, in] and bt [slots, width, out] of x's and out's features");
   TORCH_CHECK(a.size(1) <= kMaxWidth, "lora_delta takes widths (rank times shards) up to ", kMaxWidth);
-  TORCH_CHECK(token_slots.scalar_type() == torch::kInt64 && token_slots.dim() == 1 &&
+  TORCH_CHECK(token_slots.scalar_type() == at::kLong && token_slots.dim() == 1 &&
                   token_slots.size(0) == x.size(0) && token_slots.is_contiguous(),
               "token_slots must be a contiguous int64 tensor with one slot per row");
-  TORCH_CHECK(widths.scalar_type() == torch::kInt64 && widths.dim() == 1 && widths.is_contiguous() &&
+  TORCH_CHECK(widths.scalar_type() == at::kLong && widths.dim() == 1 && widths.is_contiguous() &&
                   widths.size(0) == a.size(0),
               "widths must be a contiguous int64 tensor with one width per slot");
-  TORCH_CHECK(shard_starts.scalar_type() == torch::kInt64 && shard_starts.dim() == 1 &&
+  TORCH_CHECK(shard_starts.scalar_type() == at::kLong && shard_starts.dim() == 1 &&
                   shard_starts.is_contiguous() && shard_starts.size(0) >= 2,
               "shard_starts must be a contiguous int64 tensor of the shards' first rows and out_features");
   const int64_t shards = shard_starts.size(0) - 1;
@@ -351,7 +350,7 @@ void lora_delta(const torch::Tensor& x, torch::Tensor out, const torch::Tensor& 
   std::vector<Tile> tiles;
   tiles_by_slot(slots, width_data, x.size(0), a.size(0), order, tiles);
   if (tiles.empty()) return;
-  if (dtype == torch::kFloat) {
+  if (dtype == at::kFloat) {
     const Problem<float> pb{x.data_ptr<float>(), a.data_ptr<float>(), bt.data_ptr<float>(), out.data_ptr<float>(),
                             x.size(1), out.size(1), a.size(1), x.stride(0), out.stride(0), starts, shards};
     lora_tiles(pb, width_data, order, tiles);
@@ -367,8 +366,8 @@ void lora_delta(const torch::Tensor& x, torch::Tensor out, const torch::Tensor& 
 
 bool lora_delta_supported() { return false; }
 
-void lora_delta(const torch::Tensor&, torch::Tensor, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                const torch::Tensor&, const torch::Tensor&) {
+void lora_delta(const at::Tensor&, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "lora_delta needs a CPU with AVX2 and FMA");
 }
 

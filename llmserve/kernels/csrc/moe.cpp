@@ -8,8 +8,7 @@
 // them, and moe_combine sums each token's pairs back. moe_combine is also what the per-expert path
 // calls, so both give the same bits. Under expert parallelism a rank holds a run of the experts: pairs
 // routed to the others' are skipped here (they add nothing to this rank's partial sums).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cstring>
@@ -21,11 +20,11 @@ namespace {
 
 // (order, ends): order [P'] the indices (token * k + j) of the pairs routed to the held experts
 // [first, first + held), sorted by expert, stable; ends [held] each held expert's end in that order.
-std::pair<torch::Tensor, torch::Tensor> sort_pairs(const torch::Tensor& experts, int64_t first, int64_t held,
+std::pair<at::Tensor, at::Tensor> sort_pairs(const at::Tensor& experts, int64_t first, int64_t held,
                                                    int64_t num_experts) {
   const int64_t pairs = experts.numel();
   const int64_t* chosen = experts.data_ptr<int64_t>();
-  auto ends = torch::zeros({held}, experts.options());
+  auto ends = at::zeros({held}, experts.options());
   int64_t* end = ends.data_ptr<int64_t>();
   int64_t kept = 0;
   for (int64_t p = 0; p < pairs; ++p) {
@@ -39,7 +38,7 @@ std::pair<torch::Tensor, torch::Tensor> sort_pairs(const torch::Tensor& experts,
     start += end[e];
     end[e] = start;
   }
-  auto order = torch::empty({kept}, experts.options());
+  auto order = at::empty({kept}, experts.options());
   int64_t* sorted = order.data_ptr<int64_t>();
   for (int64_t p = 0; p < pairs; ++p) {
     const int64_t local = chosen[p] - first;
@@ -48,8 +47,8 @@ std::pair<torch::Tensor, torch::Tensor> sort_pairs(const torch::Tensor& experts,
   return {order, ends};
 }
 
-torch::Tensor grouped_linear(const torch::Tensor& x, const torch::Tensor& ends, const torch::Tensor& packed,
-                             const torch::Tensor& scales, int64_t out_features) {
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& ends, const at::Tensor& packed,
+                             const at::Tensor& scales, int64_t out_features) {
   // int4's parameters are [E, N'/32, groups, 2, 32]; int8's scales [E, N] or [E, N'/32, groups, 32]
   if (scales.dim() == 5) return grouped_linear_int4(x, ends, packed, scales, out_features);
   return grouped_linear_int8(x, ends, packed, scales, out_features);
@@ -61,12 +60,12 @@ torch::Tensor grouped_linear(const torch::Tensor& x, const torch::Tensor& ends, 
 // (pair p = token * k + j). Returns [T, D] in rows' dtype: per token, the float32 sum over its pairs
 // that have a row (all of them, except under expert parallelism), in row order, of weight x row,
 // rounded once; zeros for a token none of whose pairs has one.
-torch::Tensor moe_combine(torch::Tensor rows, torch::Tensor weights, torch::Tensor order) {
+at::Tensor moe_combine(at::Tensor rows, at::Tensor weights, at::Tensor order) {
   TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous(), "moe_combine takes contiguous rows [P, D]");
-  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == torch::kFloat && weights.is_contiguous() &&
+  TORCH_CHECK(weights.dim() == 2 && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
                   weights.numel() >= rows.size(0),
               "moe_combine takes float32 weights [T, k], one per pair");
-  TORCH_CHECK(order.dim() == 1 && order.scalar_type() == torch::kLong && order.is_contiguous() &&
+  TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong && order.is_contiguous() &&
                   order.numel() == rows.size(0),
               "moe_combine takes the rows' pair indices [P] int64");
   const int64_t tokens = weights.size(0), top_k = weights.size(1), width = rows.size(1);
@@ -77,7 +76,7 @@ torch::Tensor moe_combine(torch::Tensor rows, torch::Tensor weights, torch::Tens
                 "moe_combine's order must name distinct pairs");
     row_of[pairs[i]] = i;
   }
-  auto out = torch::empty({tokens, width}, rows.options());
+  auto out = at::empty({tokens, width}, rows.options());
   const float* pair_weights = weights.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "moe_combine", [&] {
     const scalar_t* in = rows.data_ptr<scalar_t>();
@@ -107,23 +106,23 @@ torch::Tensor moe_combine(torch::Tensor rows, torch::Tensor weights, torch::Tens
 // onwards, as many as are stacked) gate/up ([gate; up] rows, 2 I outputs) and down (D outputs) weights
 // packed and stacked as grouped_linear_int8/int4 take them. out_features: down's (D). Returns [T, D]:
 // sum over each token's chosen experts among the held ones of weight x down(silu(gate) x up).
-torch::Tensor moe_experts(torch::Tensor hidden, torch::Tensor weights, torch::Tensor experts,
-                          torch::Tensor gate_up_packed, torch::Tensor gate_up_scales, torch::Tensor down_packed,
-                          torch::Tensor down_scales, int64_t intermediate_size, int64_t out_features,
+at::Tensor moe_experts(at::Tensor hidden, at::Tensor weights, at::Tensor experts,
+                          at::Tensor gate_up_packed, at::Tensor gate_up_scales, at::Tensor down_packed,
+                          at::Tensor down_scales, int64_t intermediate_size, int64_t out_features,
                           int64_t first_expert, int64_t num_experts) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "moe_experts takes contiguous hidden [T, D]");
-  TORCH_CHECK(experts.dim() == 2 && experts.scalar_type() == torch::kLong && experts.is_contiguous() &&
+  TORCH_CHECK(experts.dim() == 2 && experts.scalar_type() == at::kLong && experts.is_contiguous() &&
                   experts.size(0) == hidden.size(0) && weights.sizes() == experts.sizes() &&
-                  weights.scalar_type() == torch::kFloat && weights.is_contiguous(),
+                  weights.scalar_type() == at::kFloat && weights.is_contiguous(),
               "moe_experts takes int64 experts and float32 weights [T, k]");
   TORCH_CHECK(out_features == hidden.size(1), "moe_experts: the down projection's outputs must be hidden's width");
   const int64_t top_k = experts.size(1), width = hidden.size(1);
-  if (hidden.size(0) == 0) return torch::empty_like(hidden);  // no tokens routed here (expert parallelism)
+  if (hidden.size(0) == 0) return at::empty_like(hidden);  // no tokens routed here (expert parallelism)
   const int64_t held = gate_up_packed.size(0);
   TORCH_CHECK(first_expert >= 0 && first_expert + held <= num_experts,
               "moe_experts: the held experts must lie within num_experts");
   auto [order, ends] = sort_pairs(experts, first_expert, held, num_experts);
-  auto routed = torch::empty({order.numel(), width}, hidden.options());
+  auto routed = at::empty({order.numel(), width}, hidden.options());
   const int64_t row_bytes = width * hidden.element_size();
   const char* src = static_cast<const char*>(hidden.data_ptr());
   char* dst = static_cast<char*>(routed.data_ptr());

@@ -28,7 +28,7 @@
 // Everything else (float16, other head sizes) converts each K/V row to float32 and uses plain loops the
 // compiler vectorizes. paged_attention_path names the path a combination takes. With a sliding window
 // only the sink positions and the window are visited: freed blocks are never touched.
-#include <torch/extension.h>
+#include "aten.h"
 #include <c10/util/Float8_e4m3fn.h>
 #include <omp.h>
 
@@ -880,18 +880,18 @@ std::string paged_attention_path(at::ScalarType dtype, int64_t kv_format, int64_
 // dtype, or, for an 8-bit cache (kv_format 1 = int8, 2 = fp8), [slots, KVH, D + 2] bytes; block_tables
 // [B, max_blocks] int64; seq_lens [B] int64 (context lengths, this step's tokens included); window > 0
 // keeps only the first `sinks` and the last `window` positions. Returns [T, H, D].
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_starts,
+at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
                               int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "paged_attention needs contiguous tensors");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
-                  query_starts.scalar_type() == torch::kInt64,
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_starts.scalar_type() == at::kLong,
               "block_tables, seq_lens and query_starts must be int64");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto starts = query_starts.contiguous();
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   const int64_t num_seqs = lens.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(1);
   TORCH_CHECK(starts.size(0) == num_seqs + 1 && starts.data_ptr<int64_t>()[num_seqs] == query.size(0),
@@ -901,7 +901,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   if (kv_format == 0) {
     TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), "a plain KV cache must have the query's dtype");
   } else {
-    TORCH_CHECK(key_cache.scalar_type() == torch::kByte && key_cache.size(2) == head_dim + 2,
+    TORCH_CHECK(key_cache.scalar_type() == at::kByte && key_cache.size(2) == head_dim + 2,
                 "an 8-bit KV cache must be uint8 rows of head_dim + 2 bytes");
   }
   if (num_seqs == 0) return out;

@@ -10,7 +10,7 @@
 // channels, v = m_g + s_g c: P V adds (p s_g) times the codes and p m_g once per position and group, and the
 // V pass takes one group (32 columns, four vectors) at a time. float32 arithmetic on AVX2, FMA and F16C (the
 // FMA path of paged_attention.cpp's level), for float32 and bf16 queries and full-precision rows.
-#include <torch/extension.h>
+#include "aten.h"
 #include <c10/util/Half.h>
 #include <omp.h>
 
@@ -225,11 +225,11 @@ void attend_low_bit(const LowBitBatch<scalar_t>& b, int64_t seq, int64_t kv_head
 }
 
 template <typename scalar_t>
-void launch(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-            const torch::Tensor& window_keys, const torch::Tensor& window_values, const torch::Tensor& sink_keys,
-            const torch::Tensor& sink_values, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-            const torch::Tensor& window_slots, const torch::Tensor& sink_entries, int64_t block_size,
-            int64_t window_blocks, int64_t sink_tokens, double scale, int64_t bits, torch::Tensor& out) {
+void launch(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+            const at::Tensor& window_keys, const at::Tensor& window_values, const at::Tensor& sink_keys,
+            const at::Tensor& sink_values, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+            const at::Tensor& window_slots, const at::Tensor& sink_entries, int64_t block_size,
+            int64_t window_blocks, int64_t sink_tokens, double scale, int64_t bits, at::Tensor& out) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(1);
   const LowBitBatch<scalar_t> batch{query.data_ptr<scalar_t>(), key_cache.data_ptr<uint8_t>(),
@@ -296,10 +296,10 @@ bool paged_attention_low_bit_supported(at::ScalarType dtype, int64_t head_dim) {
 // bytes; window_keys, window_values [window slots * window_blocks * block, kv_heads, D] and sink_keys,
 // sink_values [entries * sink_tokens, kv_heads, D] in the query's dtype; block_tables [seqs, max_blocks],
 // seq_lens, window_slots, sink_entries [seqs] int64. Returns [seqs, heads, D].
-torch::Tensor paged_attention_low_bit(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                      torch::Tensor window_keys, torch::Tensor window_values, torch::Tensor sink_keys,
-                                      torch::Tensor sink_values, torch::Tensor block_tables, torch::Tensor seq_lens,
-                                      torch::Tensor window_slots, torch::Tensor sink_entries, int64_t block_size,
+at::Tensor paged_attention_low_bit(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                      at::Tensor window_keys, at::Tensor window_values, at::Tensor sink_keys,
+                                      at::Tensor sink_values, at::Tensor block_tables, at::Tensor seq_lens,
+                                      at::Tensor window_slots, at::Tensor sink_entries, int64_t block_size,
                                       int64_t window_blocks, int64_t sink_tokens, double scale, int64_t bits) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   TORCH_CHECK(paged_attention_low_bit_supported(query.scalar_type(), head_dim),
@@ -308,15 +308,15 @@ torch::Tensor paged_attention_low_bit(torch::Tensor query, torch::Tensor key_cac
   TORCH_CHECK(block_size == 32, "low-bit caches quantize keys over blocks of 32 tokens");
   for (const auto* t : {&query, &key_cache, &value_cache, &window_keys, &window_values, &sink_keys, &sink_values})
     TORCH_CHECK(t->is_contiguous(), "paged_attention_low_bit needs contiguous tensors");
-  TORCH_CHECK(key_cache.scalar_type() == torch::kByte && key_cache.size(2) == head_dim * bits / 8 + head_dim / 8,
+  TORCH_CHECK(key_cache.scalar_type() == at::kByte && key_cache.size(2) == head_dim * bits / 8 + head_dim / 8,
               "a low-bit KV cache is uint8 rows of head_dim * bits / 8 + head_dim / 8 bytes");
   for (const auto* t : {&window_keys, &window_values, &sink_keys, &sink_values})
     TORCH_CHECK(t->scalar_type() == query.scalar_type() && t->size(2) == head_dim, "windows and sinks are rows of the query's dtype");
   for (const auto* t : {&block_tables, &seq_lens, &window_slots, &sink_entries})
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(), "tables, lengths, slots and entries are int64");
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "tables, lengths, slots and entries are int64");
   const int64_t num_kv_heads = key_cache.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 16, "1 to 16 query heads per KV head");
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
 #ifdef LLMSERVE_LOW_BIT_PATH
   auto run = [&](auto tag) {
     launch<decltype(tag)>(query, key_cache, value_cache, window_keys, window_values, sink_keys, sink_values,
@@ -401,16 +401,16 @@ void quantize_blocks(const T* keys, const T* values, uint8_t* key_rows, uint8_t*
 // keys, values [blocks, block, kv_heads, D] float32 or bf16 (contiguous) -> (key rows, value rows)
 // [blocks, block, kv_heads, D * bits / 8 + D / 8] uint8, byte for byte as kv_format.py's
 // quantize_key_blocks and quantize_values make them.
-std::vector<torch::Tensor> quantize_low_bit_blocks(torch::Tensor keys, torch::Tensor values, int64_t bits) {
+std::vector<at::Tensor> quantize_low_bit_blocks(at::Tensor keys, at::Tensor values, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 2, "bits must be 4 or 2");
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.scalar_type() == values.scalar_type(),
               "keys and values must be [blocks, block, kv_heads, head_dim] alike");
   TORCH_CHECK(keys.size(3) % 32 == 0 && keys.size(3) % keys.size(1) == 0, "head_dim must be a multiple of 32 and of the block");
   auto k = keys.contiguous(), v = values.contiguous();
   const int64_t dim = k.size(3);
-  auto options = k.options().dtype(torch::kByte);
-  auto key_rows = torch::empty({k.size(0), k.size(1), k.size(2), dim * bits / 8 + dim / 8}, options);
-  auto value_rows = torch::empty_like(key_rows);
+  auto options = k.options().dtype(at::kByte);
+  auto key_rows = at::empty({k.size(0), k.size(1), k.size(2), dim * bits / 8 + dim / 8}, options);
+  auto value_rows = at::empty_like(key_rows);
   if (k.scalar_type() == at::kFloat) {
     quantize_blocks(k.data_ptr<float>(), v.data_ptr<float>(), key_rows.data_ptr<uint8_t>(), value_rows.data_ptr<uint8_t>(),
                     k.size(0), k.size(1), k.size(2), dim, static_cast<int>(bits));

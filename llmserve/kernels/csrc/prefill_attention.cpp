@@ -16,7 +16,7 @@
 // as before. Same packed layouts, same bf16 products with float32 sums (in another order).
 // The entry point at the end checks a call for both dtypes and hands float32, and bf16 on CPUs without
 // AVX-512 BF16, to prefill_attention_fma.cpp.
-#include <torch/extension.h>
+#include "aten.h"
 #include <omp.h>
 
 #include "kernels.h"
@@ -381,9 +381,9 @@ bool prefill_attention_amx_supported() {
 // Which kernel prefill_attention runs for this dtype here: "amx" or "avx512_bf16" (bf16 products), "fma"
 // (float32 arithmetic), or "" where it takes no such input.
 std::string prefill_attention_path(at::ScalarType dtype) {
-  if (dtype != torch::kFloat && dtype != torch::kBFloat16) return "";
+  if (dtype != at::kFloat && dtype != at::kBFloat16) return "";
 #ifdef LLMSERVE_PREFILL_FAST_PATH
-  if (dtype == torch::kBFloat16) return prefill_attention_amx_supported() ? "amx" : "avx512_bf16";
+  if (dtype == at::kBFloat16) return prefill_attention_amx_supported() ? "amx" : "avx512_bf16";
 #endif
   return prefill_attention_fma_supported() ? "fma" : "";
 }
@@ -394,8 +394,8 @@ bool prefill_attention_supported(at::ScalarType dtype) { return !prefill_attenti
 // [slots, KVH, D] of the query's dtype, contiguous; context_slots [C] int64 with C >= Q: the slots of
 // positions 0..C-1, the queries being positions C-Q..C-1. Returns the causal attention output [Q, H, D].
 // float32, and bf16 without AVX-512 BF16, go to prefill_attention_fma.cpp.
-torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                torch::Tensor context_slots, double scale, bool use_amx) {
+at::Tensor prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                                at::Tensor context_slots, double scale, bool use_amx) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "prefill_attention takes queries and caches of one dtype");
@@ -405,7 +405,7 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, to
               "query must be [tokens, heads, head_dim] with each token's heads contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes(),
               "key_cache and value_cache must be contiguous and of one shape");
-  TORCH_CHECK(context_slots.scalar_type() == torch::kInt64 && context_slots.dim() == 1,
+  TORCH_CHECK(context_slots.scalar_type() == at::kLong && context_slots.dim() == 1,
               "context_slots must be a 1-D int64 tensor");
   const int64_t num_queries = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(1), context = context_slots.size(0);
@@ -418,10 +418,10 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache, to
   const int64_t num_slots = key_cache.size(0);
   for (int64_t j = 0; j < context; ++j)
     TORCH_CHECK(slot_data[j] >= 0 && slot_data[j] < num_slots, "context slot out of range");
-  auto out = torch::empty({num_queries, num_heads, head_dim}, query.options());
+  auto out = at::empty({num_queries, num_heads, head_dim}, query.options());
   if (num_queries == 0) return out;
 #ifdef LLMSERVE_PREFILL_FAST_PATH
-  if (dtype == torch::kFloat) {
+  if (dtype == at::kFloat) {
     prefill_attention_fma(query, key_cache, value_cache, slot_data, context, scale, out);
     return out;
   }

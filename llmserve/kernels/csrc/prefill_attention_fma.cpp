@@ -13,7 +13,7 @@
 // of the block's rows against every key up to its last row's position, an exact softmax per row (keys
 // after a row's own position get probability 0), then P V with R rows x 16 columns of output in
 // registers. Blocks are dealt out to the threads costliest (latest) first.
-#include <torch/extension.h>
+#include "aten.h"
 #include <omp.h>
 
 #include "kernels.h"
@@ -165,18 +165,18 @@ bool prefill_attention_fma_supported() { return true; }
 
 namespace {
 template <typename T>
-void run_problem(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                 const int64_t* slots, int64_t context, double scale, torch::Tensor& out) {
+void run_problem(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                 const int64_t* slots, int64_t context, double scale, at::Tensor& out) {
   const auto pb = prefill_problem<T>(query, key_cache, value_cache, slots, context, out, kTile, scale);
   if (query.size(2) == 64) run<64>(pb);
   else run<128>(pb);
 }
 }  // namespace
 
-void prefill_attention_fma(const torch::Tensor& query, const torch::Tensor& key_cache,
-                           const torch::Tensor& value_cache, const int64_t* slots, int64_t context, double scale,
-                           torch::Tensor& out) {
-  if (query.scalar_type() == torch::kBFloat16) {
+void prefill_attention_fma(const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const int64_t* slots, int64_t context, double scale,
+                           at::Tensor& out) {
+  if (query.scalar_type() == at::kBFloat16) {
     run_problem<c10::BFloat16>(query, key_cache, value_cache, slots, context, scale, out);
   } else {
     run_problem<float>(query, key_cache, value_cache, slots, context, scale, out);
@@ -187,8 +187,8 @@ void prefill_attention_fma(const torch::Tensor& query, const torch::Tensor& key_
 
 bool prefill_attention_fma_supported() { return false; }
 
-void prefill_attention_fma(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const int64_t*, int64_t,
-                           double, torch::Tensor&) {
+void prefill_attention_fma(const at::Tensor&, const at::Tensor&, const at::Tensor&, const int64_t*, int64_t,
+                           double, at::Tensor&) {
   TORCH_CHECK(false, "prefill_attention in float32 needs a CPU with AVX2 and FMA");
 }
 

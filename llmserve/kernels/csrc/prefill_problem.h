@@ -2,7 +2,7 @@
 // uint16_t bits; prefill_attention_fma.cpp in float32 arithmetic over float or c10::BFloat16).
 #pragma once
 
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <cstdint>
 
@@ -23,9 +23,9 @@ struct PrefillProblem {
 // The problem over tensors prefill_attention has checked: query [Q, H, D] (any token stride), caches
 // [slots, KVH, D] contiguous, out [Q, H, D]; T is the element type as the kernel reads it.
 template <typename T>
-PrefillProblem<T> prefill_problem(const torch::Tensor& query, const torch::Tensor& key_cache,
-                                  const torch::Tensor& value_cache, const int64_t* slots, int64_t context,
-                                  torch::Tensor& out, int64_t tile, double scale) {
+PrefillProblem<T> prefill_problem(const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const int64_t* slots, int64_t context,
+                                  at::Tensor& out, int64_t tile, double scale) {
   const int64_t num_kv_heads = key_cache.size(1), head_dim = query.size(2);
   return {static_cast<const T*>(query.data_ptr()),
           static_cast<const T*>(key_cache.data_ptr()),

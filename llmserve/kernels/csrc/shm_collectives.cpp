@@ -12,7 +12,6 @@
 // call c - 2, whose data that slot still holds.
 #include "shm_collectives.h"
 
-#include <ATen/Parallel.h>
 #include <fcntl.h>
 #include <immintrin.h>
 #include <sched.h>
@@ -151,9 +150,9 @@ void ShmCollectives::wait_all(uint64_t target, bool done_counters) const {
   }
 }
 
-void ShmCollectives::all_reduce(torch::Tensor tensor) {
+void ShmCollectives::all_reduce(at::Tensor tensor) {
   TORCH_CHECK(tensor.is_contiguous() && tensor.device().is_cpu(), "all_reduce: a contiguous CPU tensor");
-  TORCH_CHECK(tensor.scalar_type() == torch::kFloat || tensor.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kBFloat16,
               "all_reduce: float32 or bfloat16");
   const int64_t bytes = tensor.numel() * tensor.element_size();
   TORCH_CHECK(bytes <= slot_bytes_, "all_reduce: ", bytes, " bytes exceed the slot's ", slot_bytes_);
@@ -164,7 +163,7 @@ void ShmCollectives::all_reduce(torch::Tensor tensor) {
   wait_all(call + 1, /*done_counters=*/false);
   const int64_t numel = tensor.numel();
   const int64_t grain = numel >= (1 << 16) ? (1 << 14) : numel + 1;  // a decode step's tensors: one thread
-  if (tensor.scalar_type() == torch::kFloat) {
+  if (tensor.scalar_type() == at::kFloat) {
     std::vector<const float*> slots;
     for (int64_t r = 0; r < world_size_; ++r) slots.push_back(reinterpret_cast<const float*>(slot(call, r)));
     float* out = tensor.data_ptr<float>();
@@ -178,7 +177,7 @@ void ShmCollectives::all_reduce(torch::Tensor tensor) {
   counter(base_, rank_, true)->store(call + 1, std::memory_order_release);
 }
 
-torch::Tensor ShmCollectives::gather_to_first(torch::Tensor tensor) {
+at::Tensor ShmCollectives::gather_to_first(at::Tensor tensor) {
   tensor = tensor.contiguous();
   TORCH_CHECK(tensor.device().is_cpu() && tensor.dim() >= 1, "gather_to_first: a CPU tensor");
   const int64_t bytes = tensor.numel() * tensor.element_size();
@@ -187,13 +186,13 @@ torch::Tensor ShmCollectives::gather_to_first(torch::Tensor tensor) {
   if (call >= 2) wait_all(call - 1, /*done_counters=*/true);
   std::memcpy(slot(call, rank_), tensor.data_ptr(), bytes);
   counter(base_, rank_, false)->store(call + 1, std::memory_order_release);
-  torch::Tensor gathered;
+  at::Tensor gathered;
   if (rank_ == 0) {
     wait_all(call + 1, /*done_counters=*/false);
     const int64_t cols = tensor.size(-1), rows = tensor.numel() / std::max<int64_t>(cols, 1);
     auto sizes = tensor.sizes().vec();
     sizes.back() = cols * world_size_;
-    gathered = torch::empty(sizes, tensor.options());
+    gathered = at::empty(sizes, tensor.options());
     const int64_t row_bytes = cols * tensor.element_size();
     auto* out = static_cast<char*>(gathered.data_ptr());
     at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
@@ -202,7 +201,7 @@ torch::Tensor ShmCollectives::gather_to_first(torch::Tensor tensor) {
           std::memcpy(out + (row * world_size_ + r) * row_bytes, slot(call, r) + row * row_bytes, row_bytes);
     });
   } else {
-    gathered = torch::empty({0}, tensor.options());
+    gathered = at::empty({0}, tensor.options());
   }
   counter(base_, rank_, true)->store(call + 1, std::memory_order_release);
   return gathered;

@@ -1,7 +1,7 @@
 // The tensor-parallel collectives of ranks on one host, through a shared-memory segment (shm_collectives.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <cstdint>
 #include <string>
@@ -19,10 +19,10 @@ class ShmCollectives {
 
   // The sum over the ranks of a contiguous float32 or bf16 tensor, in place; accumulated in float32 in
   // rank order, so every rank holds the same bits.
-  void all_reduce(torch::Tensor tensor);
+  void all_reduce(at::Tensor tensor);
   // Every rank's tensor (one shape and dtype on all) concatenated along the last dimension on rank 0;
   // an empty tensor on the others.
-  torch::Tensor gather_to_first(torch::Tensor tensor);
+  at::Tensor gather_to_first(at::Tensor tensor);
   int64_t slot_bytes() const { return slot_bytes_; }
 
  private:
