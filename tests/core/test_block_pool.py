@@ -38,6 +38,24 @@ def test_incref_of_a_free_block_revives_it_from_the_middle_of_the_queue():
     pool.check_integrity()
 
 
+@pytest.mark.parametrize(
+    "corrupt, named",
+    [
+        (lambda pool: pool.ref_counts.__setitem__(1, -1), "block 1: ref -1"),  # a negative count
+        (lambda pool: pool.ref_counts.__setitem__(3, 1), "block 3: ref 1, free=True"),  # queued, yet held
+        (lambda pool: pool.ref_counts.__setitem__(0, 0), "block 0: ref 0, free=False"),  # unheld, not queued
+        (lambda pool: pool._free.pop(2), "block 2: ref 0, free=False"),  # lost from the queue
+    ],
+)
+def test_integrity_check_names_the_first_block_whose_count_and_queue_disagree(corrupt, named):
+    pool = BlockPool(5)
+    pool.allocate(2)  # 0 and 1 held; 2, 3, 4 queued
+    pool.check_integrity()
+    corrupt(pool)
+    with pytest.raises(AssertionError, match=named):
+        pool.check_integrity()
+
+
 def test_double_free_is_an_error():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
