@@ -157,9 +157,13 @@ class BlockPool:
         """Raise AssertionError if the free queue and the ref counts disagree. Passes at C speed (a
         swap pool may hold a million blocks, and a checked engine runs this every step): no count is
         negative, every queued block's is zero, and as many are zero as are queued (the queue's keys
-        are distinct), so the zero-count blocks are exactly the queue."""
+        are distinct block ids), so the zero-count blocks are exactly the queue."""
         counts, free = self.ref_counts, self._free
-        if min(counts, default=0) < 0 or any(map(counts.__getitem__, free)) or counts.count(0) != len(free):
+        if len(free) == len(counts):  # all queued (an idle swap pool): then every count is zero
+            broken = counts.count(0) != len(counts)
+        else:
+            broken = min(counts) < 0 or any(map(counts.__getitem__, free)) or counts.count(0) != len(free)
+        if broken:
             block = next(b for b, count in enumerate(counts) if count < 0 or (count == 0) != (b in free))
             raise AssertionError(f"block {block}: ref {counts[block]}, free={block in free}")
         assert all(self._block_keys[b][0] == h for h, b in self._cached.items()), "cache index is stale"

@@ -56,6 +56,14 @@ def test_integrity_check_names_the_first_block_whose_count_and_queue_disagree(co
         pool.check_integrity()
 
 
+def test_integrity_check_of_a_pool_with_nothing_held_catches_a_count():
+    pool = BlockPool(4)
+    pool.check_integrity()
+    pool.ref_counts[2] = 1  # still queued
+    with pytest.raises(AssertionError, match="block 2: ref 1, free=True"):
+        pool.check_integrity()
+
+
 def test_double_free_is_an_error():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
