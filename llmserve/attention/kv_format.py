@@ -35,6 +35,12 @@ layout (bytes): [packed codes, head_dim * bits / 8 | head_dim / 8 bytes of float
 pairs]; a key row's pairs are its block's per-channel pairs for channels [t * head_dim / 32,
 (t + 1) * head_dim / 32) (row t of the block), a value row's those of its own groups of 32 channels.
 Codes are packed from the low bits up: element d at bit (d * bits) % 8 of byte d * bits / 8.
+
+A key channel's pair is not always its block's full range: a few outlying tokens would coarsen every
+code of the channel (at 2 bits, four levels). Each end may move in by 0-3 parts of 2^(bits + 2) of
+the range (sixteenths at int2, sixty-fourths at int4), and the pair whose dequantized block has the
+least squared error is kept (as llama.cpp's K-quants search their scales). Value groups keep their
+full ranges: clipping the outliers of a token's values cost perplexity where it helped keys.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from llmserve.kernels.cpu_ops import cpu_ops_for
 
 _SCALE_DTYPE = torch.float16  # SCALE_BYTES wide
 _MIN_SCALE = torch.finfo(_SCALE_DTYPE).tiny  # the smallest normal float16
+_KEY_CLIP_STEPS = 4  # each end of a key channel's range moves in by 0 .. 3 parts (module docstring)
 
 
 @dataclass(frozen=True)
@@ -184,7 +191,7 @@ class LowBitKVCacheFormat(KVCacheFormat):
     def quantize_key_blocks(self, keys: torch.Tensor) -> torch.Tensor:
         """[..., block, heads, d] floats -> [..., block, heads, row] bytes: per channel over the block."""
         x = keys.float()
-        scale, minimum = self._pairs(x.amin(dim=-3), x.amax(dim=-3))  # [..., heads, d]
+        scale, minimum = self._key_pairs(x)  # [..., heads, d]
         codes = self._codes(x, scale.unsqueeze(-3), minimum.unsqueeze(-3))
         *lead, block, heads, dim = x.shape
         pairs = torch.stack((scale, minimum), dim=-1).view(torch.uint8)  # [..., heads, d, 4]
@@ -219,6 +226,26 @@ class LowBitKVCacheFormat(KVCacheFormat):
             + pairs[..., 1]
         )
         return grouped.reshape(codes.shape)
+
+    def _key_pairs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each channel's (scale, minimum) over the block (dim -3): of its range with the low end moved
+        in by a and the high end by b parts (module docstring), candidate a * steps + b, the first
+        with the least squared error. The errors are summed token by token in float32, every product
+        rounded, as quantize_low_bit_blocks sums them, so both keep the same pair."""
+        low, high = x.amin(dim=-3), x.amax(dim=-3)
+        parts = torch.arange(_KEY_CLIP_STEPS, dtype=torch.float32, device=x.device) / (1 << (self.bits + 2))
+        moves = parts.view(-1, *[1] * low.dim()) * (high - low)  # [steps, ..., heads, d]
+        lows = (low + moves).repeat_interleave(_KEY_CLIP_STEPS, dim=0)
+        highs = (high - moves).repeat(_KEY_CLIP_STEPS, *[1] * low.dim())
+        scale, minimum = self._pairs(lows, highs)  # [candidates, ..., heads, d]
+        step, start = scale.float().unsqueeze(-3), minimum.float().unsqueeze(-3)
+        error = self._codes(x, step, start).float() * step + start - x
+        error = error * error
+        total = error.select(-3, 0)
+        for t in range(1, x.shape[-3]):
+            total = total + error.select(-3, t)
+        best = total.argmin(dim=0, keepdim=True)
+        return scale.gather(0, best).squeeze(0), minimum.gather(0, best).squeeze(0)
 
     def _pairs(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale, minimum) in float16: the minimum rounded first, the scale then spanning up to the

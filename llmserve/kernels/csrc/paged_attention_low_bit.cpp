@@ -340,36 +340,100 @@ inline void low_bit_pair(float low, float high, int levels, c10::Half& scale, c1
   scale = c10::Half(std::clamp((high - static_cast<float>(minimum)) / static_cast<float>(levels), kTiny, kLimit));
 }
 
-inline uint8_t low_bit_code(float x, float scale, float minimum, int levels) {
-  return static_cast<uint8_t>(std::clamp(std::nearbyint((x - minimum) / scale), 0.0f, static_cast<float>(levels)));
+constexpr int kKeyClipSteps = 4;  // kv_format.py's _KEY_CLIP_STEPS
+
+// Each channel's pair over a block of keys x [block][dim] (float32) as kv_format.py's _key_pairs chooses
+// it: of its range with the low end moved in by a and the high end by b parts of 2^(bits + 2) of it,
+// candidate a * kKeyClipSteps + b, the first with the least squared error. 8 channels at a time; every
+// product rounded before its sum (GCC would otherwise fuse multiply-adds, even across statements), the
+// float16 roundings by F16C (to nearest even, as c10::Half and torch round), the sums token by token,
+// so both keep the same pair.
+__attribute__((optimize("fp-contract=off"))) void key_pairs(const float* x, int64_t block, int64_t dim,
+                                                             int bits, c10::Half* scales, c10::Half* minimums) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const float part = 1.0f / static_cast<float>(1 << (bits + 2));
+  const __m256 top = _mm256_set1_ps(static_cast<float>((1 << bits) - 1)), zero = _mm256_setzero_ps();
+  const __m256 limit = _mm256_set1_ps(65504.0f), lowest = _mm256_set1_ps(-65504.0f);
+  const __m256 tiny = _mm256_set1_ps(6.103515625e-05f);  // float16's smallest normal
+  for (int64_t d = 0; d < dim; d += 8) {
+    __m256 low = _mm256_loadu_ps(x + d), high = low;
+    for (int64_t t = 1; t < block; ++t) {
+      const __m256 value = _mm256_loadu_ps(x + t * dim + d);
+      low = _mm256_min_ps(value, low);
+      high = _mm256_max_ps(value, high);
+    }
+    const __m256 span = _mm256_sub_ps(high, low);
+    __m256 best = zero;
+    __m128i best_scale = _mm_setzero_si128(), best_minimum = _mm_setzero_si128();
+    for (int a = 0; a < kKeyClipSteps; ++a)
+      for (int b = 0; b < kKeyClipSteps; ++b) {
+        const __m256 moved_low = _mm256_add_ps(low, _mm256_mul_ps(_mm256_set1_ps(a * part), span));
+        const __m256 moved_high = _mm256_sub_ps(high, _mm256_mul_ps(_mm256_set1_ps(b * part), span));
+        // low_bit_pair: the minimum rounded first, the scale spanning up to the moved maximum from it
+        const __m128i minimum = _mm256_cvtps_ph(_mm256_min_ps(_mm256_max_ps(moved_low, lowest), limit), kNearest);
+        const __m256 start = _mm256_cvtph_ps(minimum);
+        const __m256 quotient = _mm256_div_ps(_mm256_sub_ps(moved_high, start), top);
+        const __m128i scale = _mm256_cvtps_ph(_mm256_min_ps(_mm256_max_ps(quotient, tiny), limit), kNearest);
+        const __m256 step = _mm256_cvtph_ps(scale);
+        __m256 total = zero;
+        for (int64_t t = 0; t < block; ++t) {
+          const __m256 value = _mm256_loadu_ps(x + t * dim + d);
+          const __m256 code = _mm256_min_ps(
+              _mm256_max_ps(_mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(value, start), step), kNearest), zero), top);
+          const __m256 error = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(code, step), start), value);
+          total = _mm256_add_ps(total, _mm256_mul_ps(error, error));
+        }
+        const __m256 better = (a == 0 && b == 0) ? _mm256_castsi256_ps(_mm256_set1_epi32(-1))
+                                                 : _mm256_cmp_ps(total, best, _CMP_LT_OQ);
+        const __m256i lanes = _mm256_castps_si256(better);
+        const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+        best = _mm256_blendv_ps(best, total, better);
+        best_scale = _mm_blendv_epi8(best_scale, scale, halves);
+        best_minimum = _mm_blendv_epi8(best_minimum, minimum, halves);
+      }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(scales + d), best_scale);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(minimums + d), best_minimum);
+  }
+}
+
+// Codes of 8 elements against per-lane (start, step) into row bytes (zeroed before), from bit d * bits on:
+// round((x - start) / step) kept in 0..levels, as kv_format.py's _codes computes them.
+inline void pack_codes8(__m256 x, __m256 start, __m256 step, __m256 top, uint8_t* row, int64_t d, int bits) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 code = _mm256_min_ps(
+      _mm256_max_ps(_mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(x, start), step), kNearest), _mm256_setzero_ps()),
+      top);
+  alignas(32) int32_t codes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(codes), _mm256_cvtps_epi32(code));
+  for (int i = 0; i < 8; ++i) row[(d + i) * bits / 8] |= static_cast<uint8_t>(codes[i] << (((d + i) * bits) % 8));
 }
 
 template <typename T>
 void quantize_blocks(const T* keys, const T* values, uint8_t* key_rows, uint8_t* value_rows, int64_t blocks,
                      int64_t block, int64_t heads, int64_t dim, int bits) {
-  const int levels = (1 << bits) - 1, per_byte = 8 / bits;
+  const int levels = (1 << bits) - 1;
   const int64_t code_bytes = dim * bits / 8, row = code_bytes + dim / 8;
+  const __m256 top = _mm256_set1_ps(static_cast<float>(levels));
   at::parallel_for(0, blocks * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<c10::Half> scales(dim), minimums(dim);
+    std::vector<float> block_keys(block * dim), value_row_floats(dim), steps(dim), starts(dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / heads, h = item % heads;
       auto at = [&](int64_t t, int64_t d) { return ((n * block + t) * heads + h) * dim + d; };
       auto out = [&](uint8_t* rows, int64_t t) { return rows + ((n * block + t) * heads + h) * row; };
-      for (int64_t d = 0; d < dim; ++d) {  // keys: per channel over the block
-        float low = static_cast<float>(keys[at(0, d)]), high = low;
-        for (int64_t t = 1; t < block; ++t) {
-          const float x = static_cast<float>(keys[at(t, d)]);
-          low = std::min(low, x);
-          high = std::max(high, x);
-        }
-        low_bit_pair(low, high, levels, scales[d], minimums[d]);
+      for (int64_t t = 0; t < block; ++t)  // keys: per channel over the block
+        for (int64_t d = 0; d < dim; ++d) block_keys[t * dim + d] = static_cast<float>(keys[at(t, d)]);
+      key_pairs(block_keys.data(), block, dim, bits, scales.data(), minimums.data());
+      for (int64_t d = 0; d < dim; ++d) {
+        steps[d] = static_cast<float>(scales[d]);
+        starts[d] = static_cast<float>(minimums[d]);
       }
       for (int64_t t = 0; t < block; ++t) {
         uint8_t* key_row = out(key_rows, t);
         std::fill(key_row, key_row + code_bytes, 0);
-        for (int64_t d = 0; d < dim; ++d)
-          key_row[d / per_byte] |= low_bit_code(static_cast<float>(keys[at(t, d)]), scales[d], minimums[d], levels)
-                                   << ((d % per_byte) * bits);
+        for (int64_t d = 0; d < dim; d += 8)
+          pack_codes8(_mm256_loadu_ps(&block_keys[t * dim + d]), _mm256_loadu_ps(&starts[d]),
+                      _mm256_loadu_ps(&steps[d]), top, key_row, d, bits);
         const int64_t per_row = dim / block;  // row t carries channels [t * per_row, (t + 1) * per_row)'s pairs
         for (int64_t i = 0; i < per_row; ++i) {
           std::memcpy(key_row + code_bytes + 4 * i, &scales[t * per_row + i], 2);
@@ -377,17 +441,22 @@ void quantize_blocks(const T* keys, const T* values, uint8_t* key_rows, uint8_t*
         }
         uint8_t* value_row = out(value_rows, t);  // values: per row, groups of 32 channels
         std::fill(value_row, value_row + code_bytes, 0);
+        float* x = value_row_floats.data();
+        for (int64_t d = 0; d < dim; ++d) x[d] = static_cast<float>(values[at(t, d)]);
         for (int64_t g = 0; g < dim / 32; ++g) {
-          float low = static_cast<float>(values[at(t, 32 * g)]), high = low;
-          for (int64_t d = 32 * g + 1; d < 32 * (g + 1); ++d) {
-            low = std::min(low, static_cast<float>(values[at(t, d)]));
-            high = std::max(high, static_cast<float>(values[at(t, d)]));
+          float* group = x + 32 * g;
+          __m256 low = _mm256_loadu_ps(group), high = low;
+          for (int64_t i = 8; i < 32; i += 8) {
+            low = _mm256_min_ps(_mm256_loadu_ps(group + i), low);
+            high = _mm256_max_ps(_mm256_loadu_ps(group + i), high);
           }
+          alignas(32) float lows[8], highs[8];
+          _mm256_store_ps(lows, low);
+          _mm256_store_ps(highs, high);
           c10::Half scale, minimum;
-          low_bit_pair(low, high, levels, scale, minimum);
-          for (int64_t d = 32 * g; d < 32 * (g + 1); ++d)
-            value_row[d / per_byte] |= low_bit_code(static_cast<float>(values[at(t, d)]), scale, minimum, levels)
-                                       << ((d % per_byte) * bits);
+          low_bit_pair(*std::min_element(lows, lows + 8), *std::max_element(highs, highs + 8), levels, scale, minimum);
+          const __m256 step = _mm256_set1_ps(static_cast<float>(scale)), start = _mm256_set1_ps(static_cast<float>(minimum));
+          for (int64_t i = 0; i < 32; i += 8) pack_codes8(_mm256_loadu_ps(group + i), start, step, top, value_row, 32 * g + i, bits);
           std::memcpy(value_row + code_bytes + 4 * g, &scale, 2);
           std::memcpy(value_row + code_bytes + 4 * g + 2, &minimum, 2);
         }
