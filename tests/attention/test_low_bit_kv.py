@@ -125,7 +125,9 @@ def test_quantizer_and_packing_match_an_independent_float64_one(name):
     assert (stored_error < 0.9 * full_error).mean() > 0.3
 
 
-@pytest.mark.parametrize(("name", "outlier", "bound"), [("int4", 3.0, 0.95), ("int2", 4.0, 0.8), ("int2", 12.0, 0.8)])
+@pytest.mark.parametrize(
+    ("name", "outlier", "bound"), [("int4", 3.0, 0.95), ("int2", 4.0, 0.8), ("int2", 12.0, 0.8)]
+)
 def test_a_lone_outlying_key_moves_its_channels_range_in(name, outlier, bound):
     """One token far out in every channel: the block comes back spanning less than its full range, and
     its other 31 keys closer than the full range's pair would bring them."""
