@@ -234,7 +234,8 @@ class LowBitKVCacheFormat(KVCacheFormat):
         rounded, as quantize_low_bit_blocks sums them, so both keep the same pair."""
         low, high = x.amin(dim=-3), x.amax(dim=-3)
         parts = torch.arange(_KEY_CLIP_STEPS, dtype=torch.float32, device=x.device) / (1 << (self.bits + 2))
-        moves = parts.view(-1, *[1] * low.dim()) * (high - low)  # [steps, ..., heads, d]
+        span = (high - low).clamp(max=torch.finfo(torch.float32).max)  # an infinite key: no 0 * inf
+        moves = parts.view(-1, *[1] * low.dim()) * span  # [steps, ..., heads, d]
         lows = (low + moves).repeat_interleave(_KEY_CLIP_STEPS, dim=0)
         highs = (high - moves).repeat(_KEY_CLIP_STEPS, *[1] * low.dim())
         scale, minimum = self._pairs(lows, highs)  # [candidates, ..., heads, d]

@@ -146,6 +146,8 @@ class BlockPool:
         shared prefix) are evicted before its head blocks.
         """
         for block in blocks:
+            if block < 0:  # a list index would take it for a block from the end (check_integrity)
+                raise RuntimeError(f"block {block} is not a block of this pool")
             count = self.ref_counts[block]
             if count <= 0:
                 raise RuntimeError(f"block {block} freed more often than allocated")
@@ -157,7 +159,8 @@ class BlockPool:
         """Raise AssertionError if the free queue and the ref counts disagree. Passes at C speed (a
         swap pool may hold a million blocks, and a checked engine runs this every step): no count is
         negative, every queued block's is zero, and as many are zero as are queued (the queue's keys
-        are distinct block ids), so the zero-count blocks are exactly the queue."""
+        are distinct block ids: free() refuses any other), so the zero-count blocks are exactly the
+        queue."""
         counts, free = self.ref_counts, self._free
         if len(free) == len(counts):  # all queued (an idle swap pool): then every count is zero
             broken = counts.count(0) != len(counts)

@@ -145,7 +145,8 @@ def test_a_lone_outlying_key_moves_its_channels_range_in(name, outlier, bound):
 @pytest.mark.parametrize("name", ["int4", "int2"])
 def test_compiled_block_quantizer_writes_the_formats_bytes(name, dtype):
     """The pool's writes go through the compiled quantizer on a CPU: byte for byte the format's own
-    (torch) quantize_key_blocks and quantize_values, outlier channels, constant groups and all."""
+    (torch) quantize_key_blocks and quantize_values, outlier channels, constant groups, an infinite key
+    and all."""
     from llmserve.kernels.cpu_ops import load_cpu_ops
 
     ops = load_cpu_ops()
@@ -156,6 +157,7 @@ def test_compiled_block_quantizer_writes_the_formats_bytes(name, dtype):
         keys = (torch.randn(5, BLOCK, 3, dim, generator=generator) * torch.linspace(0.01, 30, dim)).to(dtype)
         values = torch.randn(5, BLOCK, 3, dim, generator=generator).to(dtype)
         keys[1], values[2] = 0.5, -2.0  # constant groups: the smallest scale
+        keys[3, 5, 0, 7] = float("inf")  # an infinite key: its channel's pair stays finite
         key_rows, value_rows = ops.quantize_low_bit_blocks(keys, values, BITS[name])
         assert torch.equal(key_rows, fmt.quantize_key_blocks(keys))
         assert torch.equal(value_rows, fmt.quantize_values(values))

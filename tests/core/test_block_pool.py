@@ -64,6 +64,14 @@ def test_integrity_check_of_a_pool_with_nothing_held_catches_a_count():
         pool.check_integrity()
 
 
+def test_freeing_a_negative_block_id_is_an_error():
+    pool = BlockPool(3)
+    pool.allocate(3)
+    with pytest.raises(RuntimeError, match="block -1 is not a block of this pool"):
+        pool.free([-1])  # as a list index, the last block
+    assert pool.ref_counts == [1, 1, 1] and pool.num_free_blocks == 0
+
+
 def test_double_free_is_an_error():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -355,6 +356,7 @@ __attribute__((optimize("fp-contract=off"))) void key_pairs(const float* x, int6
   const __m256 top = _mm256_set1_ps(static_cast<float>((1 << bits) - 1)), zero = _mm256_setzero_ps();
   const __m256 limit = _mm256_set1_ps(65504.0f), lowest = _mm256_set1_ps(-65504.0f);
   const __m256 tiny = _mm256_set1_ps(6.103515625e-05f);  // float16's smallest normal
+  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
   for (int64_t d = 0; d < dim; d += 8) {
     __m256 low = _mm256_loadu_ps(x + d), high = low;
     for (int64_t t = 1; t < block; ++t) {
@@ -362,7 +364,7 @@ __attribute__((optimize("fp-contract=off"))) void key_pairs(const float* x, int6
       low = _mm256_min_ps(value, low);
       high = _mm256_max_ps(value, high);
     }
-    const __m256 span = _mm256_sub_ps(high, low);
+    const __m256 span = _mm256_min_ps(_mm256_sub_ps(high, low), largest);  // an infinite key: no 0 * inf
     __m256 best = zero;
     __m128i best_scale = _mm_setzero_si128(), best_minimum = _mm_setzero_si128();
     for (int a = 0; a < kKeyClipSteps; ++a)
@@ -474,7 +476,8 @@ std::vector<at::Tensor> quantize_low_bit_blocks(at::Tensor keys, at::Tensor valu
   TORCH_CHECK(bits == 4 || bits == 2, "bits must be 4 or 2");
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.scalar_type() == values.scalar_type(),
               "keys and values must be [blocks, block, kv_heads, head_dim] alike");
-  TORCH_CHECK(keys.size(3) % 32 == 0 && keys.size(3) % keys.size(1) == 0, "head_dim must be a multiple of 32 and of the block");
+  TORCH_CHECK(keys.size(1) == 32, "a block must hold 32 tokens: a key row carries head_dim / 32 channels' pairs");
+  TORCH_CHECK(keys.size(3) % 32 == 0, "head_dim must be a multiple of 32");
   auto k = keys.contiguous(), v = values.contiguous();
   const int64_t dim = k.size(3);
   auto options = k.options().dtype(at::kByte);
