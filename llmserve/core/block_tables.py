@@ -115,7 +115,7 @@ class BlockTables:
         table = self.by_request.get(request_id)
         keep = self.entries_for(num_tokens)
         if table is not None and len(table) > keep:
-            self.pool.free(reversed(table[keep:]))
+            self.pool.free(reversed(live(table[keep:])))  # a window's dropped entries hold no block
             del table[keep:]
             self.rewritten.add(request_id)
 
