@@ -19,7 +19,7 @@
 #include "kernels.h"
 
 at::Tensor small_batch_linear_packed(const at::Tensor& x, const at::Tensor& weight,
-                                        const at::Tensor& scales, int64_t out_features) {
+                                     const at::Tensor& scales, int64_t out_features) {
   if (weight.scalar_type() == at::kByte && scales.dim() == 4)
     return small_batch_linear_int4(x, weight, scales, out_features);
   if (weight.scalar_type() == at::kByte) return small_batch_linear_int8(x, weight, scales, out_features);
@@ -80,8 +80,8 @@ at::Tensor quantize_kv_rows(const at::Tensor& rows, int64_t kv_format) {
 // kSmallBatchRows, int8 and int4 weights at any row count, bf16 weights up to kernel_max_rows (the bias
 // added after); above that AMX on the same bf16 copy up to amx_max_rows, oneDNN on its blocked copy beyond.
 at::Tensor stack_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                           const at::Tensor& onednn_weight, const at::Tensor& bias, int64_t out_features,
-                           int64_t amx_max_rows, int64_t kernel_max_rows) {
+                        const at::Tensor& onednn_weight, const at::Tensor& bias, int64_t out_features,
+                        int64_t amx_max_rows, int64_t kernel_max_rows) {
   const int64_t rows = x.size(0);
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   const bool has_bias = bias.defined() && bias.numel();
@@ -129,9 +129,9 @@ void DecodeStack::set_lora(std::vector<at::Tensor> lora_tensors) {
 }
 
 at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping,
-                                   at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
-                                   int64_t block_size, int64_t sinks, int64_t window,
-                                   const std::optional<at::Tensor>& token_slots) const {
+                                at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
+                                int64_t block_size, int64_t sinks, int64_t window,
+                                const std::optional<at::Tensor>& token_slots) const {
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size_, "hidden must be [tokens, hidden_size]");
   TORCH_CHECK(!token_slots || !lora_.empty(), "DecodeStack: token slots given but no LoRA adapters bound");
   const int64_t tokens = hidden.size(0);

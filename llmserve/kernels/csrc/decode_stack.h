@@ -47,9 +47,9 @@ class DecodeStack {
   void set_lora(std::vector<at::Tensor> lora_tensors);
 
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping,
-                        at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
-                        int64_t block_size, int64_t sinks, int64_t window,
-                        const std::optional<at::Tensor>& token_slots) const;
+                     at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
+                     int64_t block_size, int64_t sinks, int64_t window,
+                     const std::optional<at::Tensor>& token_slots) const;
 
  private:
   static constexpr int kTensorsPerLayer = 23;

@@ -16,7 +16,7 @@ namespace {
 
 // x W^T + b (a head's linears have biases).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias,
-                     int64_t out_features) {
+                  int64_t out_features) {
   auto out = small_batch_linear_packed(x, packed, at::Tensor(), out_features);
   return bias.defined() ? out + bias : out;
 }
@@ -52,7 +52,7 @@ DraftHeadChain::DraftHeadChain(at::Tensor embed_weight, at::Tensor token_norm, a
 }
 
 std::tuple<at::Tensor, at::Tensor> DraftHeadChain::greedy(at::Tensor feature, at::Tensor tokens,
-                                                                int64_t max_steps, double min_confidence) const {
+                                                          int64_t max_steps, double min_confidence) const {
   TORCH_CHECK(feature.dim() == 2 && feature.size(1) == hidden_size_ && feature.size(0) >= 1 && feature.size(0) <= 8,
               "DraftHeadChain.greedy: feature must be [1-8, hidden_size]");
   TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == feature.size(0) && tokens.scalar_type() == at::kLong,

@@ -21,7 +21,7 @@ class DraftHeadChain {
   // confidence (the product of its top probabilities) reaches min_confidence; returns the drafts
   // [B, steps] (int64 token ids) and whether each row's chain still held there [B, steps] (bool).
   std::tuple<at::Tensor, at::Tensor> greedy(at::Tensor feature, at::Tensor tokens, int64_t max_steps,
-                                                  double min_confidence) const;
+                                            double min_confidence) const;
 
  private:
   at::Tensor embed_weight_, token_norm_, fc_in_, fc_in_bias_, fc_out_, fc_out_bias_, out_norm_, subset_head_,

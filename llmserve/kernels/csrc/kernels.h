@@ -10,19 +10,19 @@
 
 // paged_attention.cpp, prefill_attention.cpp, prefill_attention_fma.cpp
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
-                              int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
+                           at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
+                           int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
 std::string paged_attention_path(at::ScalarType dtype, int64_t kv_format, int64_t head_dim);
 // paged_attention_low_bit.cpp: one query per sequence over an int4/int2 cache, its windows and sinks
 at::Tensor paged_attention_low_bit(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                      at::Tensor window_keys, at::Tensor window_values, at::Tensor sink_keys,
-                                      at::Tensor sink_values, at::Tensor block_tables, at::Tensor seq_lens,
-                                      at::Tensor window_slots, at::Tensor sink_entries, int64_t block_size,
-                                      int64_t window_blocks, int64_t sink_tokens, double scale, int64_t bits);
+                                   at::Tensor window_keys, at::Tensor window_values, at::Tensor sink_keys,
+                                   at::Tensor sink_values, at::Tensor block_tables, at::Tensor seq_lens,
+                                   at::Tensor window_slots, at::Tensor sink_entries, int64_t block_size,
+                                   int64_t window_blocks, int64_t sink_tokens, double scale, int64_t bits);
 bool paged_attention_low_bit_supported(at::ScalarType dtype, int64_t head_dim);
 std::vector<at::Tensor> quantize_low_bit_blocks(at::Tensor keys, at::Tensor values, int64_t bits);
 at::Tensor prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                at::Tensor context_slots, double scale, bool use_amx);
+                             at::Tensor context_slots, double scale, bool use_amx);
 bool prefill_attention_supported(at::ScalarType dtype);
 std::string prefill_attention_path(at::ScalarType dtype);
 bool prefill_attention_amx_supported();
@@ -40,7 +40,7 @@ at::Tensor small_batch_linear_float_out(at::Tensor x, at::Tensor packed, int64_t
 bool small_batch_linear_supported();
 // linear_amx.cpp: the same packed bf16 weight, any row count, on AMX's tile products
 at::Tensor amx_linear(at::Tensor x, at::Tensor packed, const std::optional<at::Tensor>& bias,
-                         int64_t out_features, bool float_out);
+                      int64_t out_features, bool float_out);
 bool amx_linear_supported();
 
 // linear_f32.cpp
@@ -51,25 +51,25 @@ at::Tensor small_batch_pack_int8(at::Tensor qweight);
 at::Tensor small_batch_pack_int8_group_scales(at::Tensor scales);
 at::Tensor small_batch_linear_int8(at::Tensor x, at::Tensor packed, at::Tensor scales, int64_t out_features);
 at::Tensor small_batch_linear_int8_float_out(at::Tensor x, at::Tensor packed, at::Tensor scales,
-                                                int64_t out_features);
+                                             int64_t out_features);
 bool small_batch_linear_int8_supported(at::ScalarType input = at::kBFloat16);  // for inputs of this dtype
 std::vector<at::Tensor> small_batch_pack_int4(at::Tensor codes, at::Tensor scales, at::Tensor offsets,
-                                                 int64_t bits = 4);  // 5: codes 0..31, a plane of fifth bits
+                                              int64_t bits = 4);  // 5: codes 0..31, a plane of fifth bits
 at::Tensor small_batch_linear_int4(at::Tensor x, at::Tensor packed, at::Tensor params, int64_t out_features);
 // A mixture-of-experts projection: x's rows [ends[e - 1], ends[e]) against expert e's packed weights.
 at::Tensor grouped_linear_int8(at::Tensor x, at::Tensor ends, at::Tensor packed, at::Tensor scales,
-                                  int64_t out_features);
+                               int64_t out_features);
 at::Tensor grouped_linear_int4(at::Tensor x, at::Tensor ends, at::Tensor packed, at::Tensor params,
-                                  int64_t out_features);
+                               int64_t out_features);
 
 // moe.cpp: a mixture-of-experts layer's quantized experts in one call, and its combine step.
 at::Tensor moe_combine(at::Tensor rows, at::Tensor weights, at::Tensor order);
 at::Tensor moe_experts(at::Tensor hidden, at::Tensor weights, at::Tensor experts,
-                          at::Tensor gate_up_packed, at::Tensor gate_up_scales, at::Tensor down_packed,
-                          at::Tensor down_scales, int64_t intermediate_size, int64_t out_features,
-                          int64_t first_expert, int64_t num_experts);
+                       at::Tensor gate_up_packed, at::Tensor gate_up_scales, at::Tensor down_packed,
+                       at::Tensor down_scales, int64_t intermediate_size, int64_t out_features,
+                       int64_t first_expert, int64_t num_experts);
 at::Tensor small_batch_dequantize_int4(at::Tensor packed, at::Tensor params, int64_t out_features,
-                                          int64_t bits = 4);
+                                       int64_t bits = 4);
 at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int64_t out_features);
 
 // decode_stack.cpp: x W^T through the small-batch kernel for W's packed format and x's dtype: uint8 W ->
@@ -79,7 +79,7 @@ at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int
 // or bf16 for a draft head), bf16 x -> small_batch_linear (bf16 W). What SmallBatchLinear, PackedLinear and
 // the quantized kernels run from Python, for the compiled compositions of them (DecodeStack, DraftHeadChain).
 at::Tensor small_batch_linear_packed(const at::Tensor& x, const at::Tensor& weight,
-                                        const at::Tensor& scales, int64_t out_features);
+                                     const at::Tensor& scales, int64_t out_features);
 
 // elementwise.cpp, kv_write.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);

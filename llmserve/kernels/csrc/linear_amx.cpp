@@ -148,7 +148,7 @@ bool amx_linear_supported() {
 // x [M, K] bf16 with any M >= 1, packed from small_batch_pack of an [N, K] weight, bias [N] (any float
 // dtype) or none. Returns [M, N]: bf16, or float32 with float_out (logits: the sums unrounded).
 at::Tensor amx_linear(at::Tensor x, at::Tensor packed, const std::optional<at::Tensor>& bias,
-                         int64_t out_features, bool float_out) {
+                      int64_t out_features, bool float_out) {
   TORCH_CHECK(amx_linear_supported(), "amx_linear needs a CPU with AMX BF16 and the kernel's permission to use it");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "amx_linear takes bfloat16 inputs and weights");

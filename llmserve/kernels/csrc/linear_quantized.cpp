@@ -796,7 +796,7 @@ at::Tensor small_batch_linear_int8(at::Tensor x, at::Tensor packed, at::Tensor s
 // and scales stacked [E, ...] (each as small_batch_linear_int8 takes them). Returns [T, N] in x's dtype,
 // each row what small_batch_linear_int8 gives it against its expert's weights.
 at::Tensor grouped_linear_int8(at::Tensor x, at::Tensor ends, at::Tensor packed, at::Tensor scales,
-                                  int64_t out_features) {
+                               int64_t out_features) {
   const auto experts = grouped_experts(x, ends, packed, scales);
   auto out = at::empty({x.size(0), out_features}, x.options());
   // no rows routed here (a rank's experts under expert parallelism): the layout still checked
@@ -812,7 +812,7 @@ at::Tensor grouped_linear_int8(at::Tensor x, at::Tensor ends, at::Tensor packed,
 
 // The same, returning [M, N] float32: the logits of a quantized output projection, unrounded.
 at::Tensor small_batch_linear_int8_float_out(at::Tensor x, at::Tensor packed, at::Tensor scales,
-                                                int64_t out_features) {
+                                             int64_t out_features) {
   check_int8(x, packed, scales, out_features);
   auto out = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
   const int64_t rows = x.size(0);
@@ -826,7 +826,7 @@ at::Tensor small_batch_linear_int8_float_out(at::Tensor x, at::Tensor packed, at
 // in it (GGUF Q4_0/Q4_1/Q5_0's, or float16 checkpoints'), else float32. bits 5: packed [N', 5 K / 8],
 // each 32-row block's nibbles followed by its plane of fifth bits (the header says how they lie).
 std::vector<at::Tensor> small_batch_pack_int4(at::Tensor codes, at::Tensor scales, at::Tensor offsets,
-                                                 int64_t bits) {
+                                              int64_t bits) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "small_batch_pack_int4 takes 2-D uint8 codes");
   TORCH_CHECK(bits == 4 || bits == 5, "small_batch_pack_int4 packs 4- or 5-bit codes");
   TORCH_CHECK(codes.numel() == 0 || codes.max().item<int>() < (1 << bits),
@@ -875,7 +875,7 @@ at::Tensor small_batch_linear_int4(at::Tensor x, at::Tensor packed, at::Tensor p
 // by small_batch_pack_int4 and stacked: packed [E, N', ...], params [E, N' / 32, groups, 2, 32]. Returns
 // [T, N] in x's dtype, each row what small_batch_linear_int4 gives it against its expert's weights.
 at::Tensor grouped_linear_int4(at::Tensor x, at::Tensor ends, at::Tensor packed, at::Tensor params,
-                                  int64_t out_features) {
+                               int64_t out_features) {
   const auto experts = grouped_experts(x, ends, packed, params);
   auto out = at::empty({x.size(0), out_features}, x.options());
   // no rows routed here (a rank's experts under expert parallelism): the layout still checked
@@ -963,7 +963,7 @@ void dequantize_int8_blocks(const uint8_t* packed, const Param* scales, float* o
 // (packed, params) from small_batch_pack_int4 for out_features rows (bits 4 or 5) -> the float32 W [N, K]
 // that small_batch_linear_int4 multiplies by: q * scale + offset per group.
 at::Tensor small_batch_dequantize_int4(at::Tensor packed, at::Tensor params, int64_t out_features,
-                                          int64_t bits) {
+                                       int64_t bits) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(0) == (out_features + kRows - 1) / kRows * kRows && params.dim() == 4 &&
                   params.is_contiguous() && params.size(0) * kRows == packed.size(0) && params.size(2) == 2 &&

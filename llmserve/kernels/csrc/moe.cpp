@@ -21,7 +21,7 @@ namespace {
 // (order, ends): order [P'] the indices (token * k + j) of the pairs routed to the held experts
 // [first, first + held), sorted by expert, stable; ends [held] each held expert's end in that order.
 std::pair<at::Tensor, at::Tensor> sort_pairs(const at::Tensor& experts, int64_t first, int64_t held,
-                                                   int64_t num_experts) {
+                                             int64_t num_experts) {
   const int64_t pairs = experts.numel();
   const int64_t* chosen = experts.data_ptr<int64_t>();
   auto ends = at::zeros({held}, experts.options());
@@ -48,7 +48,7 @@ std::pair<at::Tensor, at::Tensor> sort_pairs(const at::Tensor& experts, int64_t 
 }
 
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& ends, const at::Tensor& packed,
-                             const at::Tensor& scales, int64_t out_features) {
+                          const at::Tensor& scales, int64_t out_features) {
   // int4's parameters are [E, N'/32, groups, 2, 32]; int8's scales [E, N] or [E, N'/32, groups, 32]
   if (scales.dim() == 5) return grouped_linear_int4(x, ends, packed, scales, out_features);
   return grouped_linear_int8(x, ends, packed, scales, out_features);
@@ -107,9 +107,9 @@ at::Tensor moe_combine(at::Tensor rows, at::Tensor weights, at::Tensor order) {
 // packed and stacked as grouped_linear_int8/int4 take them. out_features: down's (D). Returns [T, D]:
 // sum over each token's chosen experts among the held ones of weight x down(silu(gate) x up).
 at::Tensor moe_experts(at::Tensor hidden, at::Tensor weights, at::Tensor experts,
-                          at::Tensor gate_up_packed, at::Tensor gate_up_scales, at::Tensor down_packed,
-                          at::Tensor down_scales, int64_t intermediate_size, int64_t out_features,
-                          int64_t first_expert, int64_t num_experts) {
+                       at::Tensor gate_up_packed, at::Tensor gate_up_scales, at::Tensor down_packed,
+                       at::Tensor down_scales, int64_t intermediate_size, int64_t out_features,
+                       int64_t first_expert, int64_t num_experts) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "moe_experts takes contiguous hidden [T, D]");
   TORCH_CHECK(experts.dim() == 2 && experts.scalar_type() == at::kLong && experts.is_contiguous() &&
                   experts.size(0) == hidden.size(0) && weights.sizes() == experts.sizes() &&

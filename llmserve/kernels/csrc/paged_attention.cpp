@@ -881,8 +881,8 @@ std::string paged_attention_path(at::ScalarType dtype, int64_t kv_format, int64_
 // [B, max_blocks] int64; seq_lens [B] int64 (context lengths, this step's tokens included); window > 0
 // keeps only the first `sinks` and the last `window` positions. Returns [T, H, D].
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                              at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
-                              int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window) {
+                           at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
+                           int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "paged_attention needs contiguous tensors");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&

@@ -298,10 +298,10 @@ bool paged_attention_low_bit_supported(at::ScalarType dtype, int64_t head_dim) {
 // sink_values [entries * sink_tokens, kv_heads, D] in the query's dtype; block_tables [seqs, max_blocks],
 // seq_lens, window_slots, sink_entries [seqs] int64. Returns [seqs, heads, D].
 at::Tensor paged_attention_low_bit(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                      at::Tensor window_keys, at::Tensor window_values, at::Tensor sink_keys,
-                                      at::Tensor sink_values, at::Tensor block_tables, at::Tensor seq_lens,
-                                      at::Tensor window_slots, at::Tensor sink_entries, int64_t block_size,
-                                      int64_t window_blocks, int64_t sink_tokens, double scale, int64_t bits) {
+                                   at::Tensor window_keys, at::Tensor window_values, at::Tensor sink_keys,
+                                   at::Tensor sink_values, at::Tensor block_tables, at::Tensor seq_lens,
+                                   at::Tensor window_slots, at::Tensor sink_entries, int64_t block_size,
+                                   int64_t window_blocks, int64_t sink_tokens, double scale, int64_t bits) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   TORCH_CHECK(paged_attention_low_bit_supported(query.scalar_type(), head_dim),
               "paged_attention_low_bit takes float32 or bf16 queries with head_dim 64 or 128 on AVX2, FMA and F16C");

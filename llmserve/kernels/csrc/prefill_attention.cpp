@@ -395,7 +395,7 @@ bool prefill_attention_supported(at::ScalarType dtype) { return !prefill_attenti
 // positions 0..C-1, the queries being positions C-Q..C-1. Returns the causal attention output [Q, H, D].
 // float32, and bf16 without AVX-512 BF16, go to prefill_attention_fma.cpp.
 at::Tensor prefill_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                                at::Tensor context_slots, double scale, bool use_amx) {
+                             at::Tensor context_slots, double scale, bool use_amx) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "prefill_attention takes queries and caches of one dtype");
