@@ -193,3 +193,18 @@ def _refuse(item: pytest.Item, what: str) -> None:
         f"{item.nodeid} starts {what}: mark it process, server, ray or browser (pyproject.toml), "
         "so that the fast tier (make test) leaves it out"
     )
+
+
+@pytest.fixture(scope="session")
+def hf_model_fp32():
+    """transformers' own float32 loading of the default GGUF, the suite's reference model: loaded once
+    (its GGUF parsing takes seconds), shared read-only by every test that compares against it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmserve.model_loader import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()

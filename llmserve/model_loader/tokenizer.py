@@ -6,7 +6,8 @@ on later starts. That saved `tokenizer.json` is the very `tokenizers` object tra
 a cached tokenizer encodes and decodes on it directly and transformers loads only when `.hf` is
 first needed (the chat template): importing it and building its tokenizer takes seconds, and the
 engine process, which only decodes, would pay that on the start-up's critical path
-(docs/benchmarks.md, "Start-up").
+(docs/benchmarks.md, "Start-up"). An HF directory whose tokenizer is transformers' plain fast one
+(`_on_backend`'s conditions) loads the same way from its own files.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class Tokenizer:
     @classmethod
     def from_hf(cls, hf: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...]) -> Tokenizer:
         return cls(eos_token_ids, hf.bos_token_id, len(hf), lambda: hf)
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer | None:
+        """The `tokenizers` object encoding and decoding run on, where they do not go through `.hf`."""
+        return self._backend
 
     @property
     def hf(self) -> PreTrainedTokenizerBase:
@@ -164,42 +170,100 @@ def load_tokenizer(path: str, eos_token_ids: tuple[int, ...] | None = None) -> T
     path = resolve_model_path(path)
     if eos_token_ids is None:
         eos_token_ids = load_arch_config(path).eos_token_ids
-    if is_gguf(path) and (tokenizer := _cached_gguf_tokenizer(path, eos_token_ids)) is not None:
-        return tokenizer
+    if is_gguf(path):
+        cached = weights_cache.cached_dir(path, _TOKENIZER_DIR)
+        if cached is not None:
+            try:
+                load_hf = lambda: _load_cached_hf_tokenizer(path, cached)  # noqa: E731
+                tokenizer = _on_backend(cached, eos_token_ids, load_hf)
+            except Exception as error:  # a damaged entry: transformers' path converts again and replaces it
+                logger.warning("ignoring the unreadable cached tokenizer %s (%s)", cached, describe(error))
+                tokenizer = None
+            if tokenizer is not None:
+                return tokenizer
+    else:
+        try:
+            tokenizer = _on_backend(Path(path), eos_token_ids, lambda: _load_hf_tokenizer(path))
+        except Exception:  # noqa: BLE001 - transformers' loading below names what is wrong
+            tokenizer = None
+        if tokenizer is not None:
+            return tokenizer
     hf = _load_hf_tokenizer(path)
     if not eos_token_ids and hf.eos_token_id is not None:
         eos_token_ids = (hf.eos_token_id,)
     return Tokenizer.from_hf(hf, tuple(eos_token_ids))
 
 
-def _cached_gguf_tokenizer(path: str, eos_token_ids: tuple[int, ...]) -> Tokenizer | None:
-    """The cached conversion on the `tokenizers` backend, or None (a miss, or an entry that does
-    not hold one fast tokenizer with transformers' default decoding)."""
+# tokenizer_config.json keys that leave transformers' plain fast tokenizer encoding and decoding
+# exactly as its `tokenizers` object does; any other key (add_bos_token, add_prefix_space, legacy, ...)
+# may change them, and such a tokenizer loads through transformers.
+_PLAIN_CONFIG_KEYS = frozenset(
+    {
+        "backend",
+        "tokenizer_class",
+        "bos_token",
+        "eos_token",
+        "pad_token",
+        "unk_token",
+        "sep_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+        "extra_special_tokens",
+        "added_tokens_decoder",
+        "clean_up_tokenization_spaces",
+        "model_max_length",
+        "model_input_names",
+        "padding_side",
+        "truncation_side",
+        "is_local",
+        "local_files_only",
+        "chat_template",
+    }
+)
+_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # one class in transformers 5
+
+
+def _on_backend(
+    directory: Path, eos_token_ids: tuple[int, ...], load_hf: Callable[[], PreTrainedTokenizerBase]
+) -> Tokenizer | None:
+    """The tokenizer of `directory` (a cached GGUF conversion or an HF model directory) on its
+    `tokenizers` object alone, transformers built by `load_hf` only when `.hf` is first needed; None
+    where that would not be transformers' own encoding and decoding: another tokenizer class, a
+    configuration key outside the plain ones, cleaned-up decoding, a special or added token its
+    `tokenizers` object lacks. Raises for unreadable files."""
     import tokenizers
 
-    cached = weights_cache.cached_dir(path, _TOKENIZER_DIR)
-    if cached is None:
+    config_file, tokenizer_file = directory / "tokenizer_config.json", directory / "tokenizer.json"
+    if not (config_file.is_file() and tokenizer_file.is_file()):
         return None
-    try:
-        config = json.loads((cached / "tokenizer_config.json").read_text())
-        if config.get("tokenizer_class") != "TokenizersBackend" or config.get("clean_up_tokenization_spaces"):
-            return None
-        backend = tokenizers.Tokenizer.from_file(str(cached / "tokenizer.json"))
-    except Exception as error:  # a damaged entry: transformers' path converts again and replaces it
-        logger.warning("ignoring the unreadable cached tokenizer %s (%s)", cached, describe(error))
+    config = json.loads(config_file.read_text())
+    if (
+        not isinstance(config, dict)
+        or config.get("tokenizer_class") not in _PLAIN_CLASSES
+        or config.get("clean_up_tokenization_spaces")
+        or not set(config) <= _PLAIN_CONFIG_KEYS
+    ):
         return None
+    backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
     special = {
         name: backend.token_to_id(token["content"] if isinstance(token, dict) else token)
         for name, token in config.items()
         if name.endswith("_token") and isinstance(token, str | dict)
     }
+    added = config.get("added_tokens_decoder", {})
+    if None in special.values() or not isinstance(added, dict):
+        return None
+    for token_id, token in added.items():  # transformers would add the ones its backend lacks
+        if not isinstance(token, dict) or backend.id_to_token(int(token_id)) != token.get("content"):
+            return None
     if not eos_token_ids and special.get("eos_token") is not None:
         eos_token_ids = (special["eos_token"],)
     return Tokenizer(
         tuple(eos_token_ids),
         special.get("bos_token"),
         backend.get_vocab_size(with_added_tokens=True),
-        lambda: _load_cached_hf_tokenizer(path, cached),
+        load_hf,
         backend,
     )
 
@@ -216,17 +280,28 @@ def _load_cached_hf_tokenizer(path: str, cached: Path) -> PreTrainedTokenizerBas
 
 
 def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
         if is_gguf(path):
             return _gguf_tokenizer(path)
-        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # the plain fast class named directly: AutoTokenizer imports every model's configuration first
+        plain = _tokenizer_class(path) in _PLAIN_CLASSES
+        loader = PreTrainedTokenizerFast if plain else AutoTokenizer
+        hf = loader.from_pretrained(path, local_files_only=True)
     except Exception as error:  # transformers raises many kinds for a missing or bad tokenizer
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({describe(error)})") from None
     if not hf.chat_template:  # a multimodal model may keep its template beside its processor
         hf.chat_template = multimodal.processor_chat_template(path)
     return hf
+
+
+def _tokenizer_class(directory: str) -> str | None:
+    try:
+        config = json.loads((Path(directory) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
 
 
 def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -41,16 +41,6 @@ def default_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def hf_model_fp32():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
-
-
-@pytest.fixture(scope="session")
 def llm_fp32():
     from llmserve import LLM
 

@@ -5,7 +5,6 @@ default model; batched inputs equal single ones; every input shape and encoding;
 from __future__ import annotations
 
 import base64
-import os
 
 import numpy as np
 import openai
@@ -105,7 +104,7 @@ def test_dimensions_and_bad_inputs(client, server):
 
 
 @pytest.mark.slow
-def test_default_model_embeddings_match_transformers(tmp_path):
+def test_default_model_embeddings_match_transformers(tmp_path, hf_model_fp32):
     from llmserve.model_loader import load_tokenizer
 
     path = default_model_path()
@@ -123,11 +122,8 @@ def test_default_model_embeddings_match_transformers(tmp_path):
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
         got = vectors(client.embeddings.create(model="SmolLM2-135M-Instruct", input=TEXTS))
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-        ).eval()
         tokenizer = load_tokenizer(path)
-        expected = reference_embeddings(model, [tokenizer.encode(text) for text in TEXTS])
+        expected = reference_embeddings(hf_model_fp32, [tokenizer.encode(text) for text in TEXTS])
         assert cosines(got, expected).min() >= 0.999
     finally:
         server.stop()

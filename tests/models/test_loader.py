@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,11 +52,9 @@ def default_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_model(default_path):
+def hf_gguf_model(hf_model_fp32):
     """transformers' own loading of the default GGUF: the reference for names, values and config."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(default_path), gguf_file=os.path.basename(default_path), dtype=torch.float32
-    )
+    return hf_model_fp32
 
 
 @pytest.fixture(scope="module")
@@ -140,15 +139,17 @@ def test_tokenizer_matches_transformers(default_path, hf_gguf_tokenizer, start, 
 
 
 @pytest.mark.process
-def test_cached_tokenizer_decodes_without_importing_transformers(default_path):
-    """The engine process's start-up: encoding and decoding a cached GGUF tokenizer leave
-    transformers unimported (its import is on the start-up's critical path there; module docstring of
-    model_loader/tokenizer.py)."""
-    load_tokenizer(default_path)  # make sure the conversion is cached
+@pytest.mark.parametrize("model", ["default_path", "tiny_llama_dir"])
+def test_cached_tokenizer_decodes_without_importing_transformers(model, request):
+    """The engine process's start-up: encoding and decoding a cached GGUF tokenizer, or an HF
+    directory's plain fast one, leave transformers unimported (its import is on the start-up's
+    critical path there; module docstring of model_loader/tokenizer.py)."""
+    path = request.getfixturevalue(model)
+    load_tokenizer(path)  # make sure a GGUF's conversion is cached
     script = (
         "import sys\n"
         "from llmserve.model_loader import load_tokenizer\n"
-        f"tokenizer = load_tokenizer({default_path!r})\n"
+        f"tokenizer = load_tokenizer({path!r})\n"
         "assert tokenizer.decode(tokenizer.encode('Hello world')) == 'Hello world'\n"
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
         "tokenizer.load_chat_template()\n"
@@ -219,6 +220,49 @@ def test_hf_directory_arch_config_and_tokenizer(tiny_llama_dir):
     assert tokenizer.eos_token_ids == (2,)
     assert tokenizer.encode("Hello world") == [19556, 905]
     assert tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])[0] == 1
+
+
+def _tokenizes_as_transformers(ours: Tokenizer, directory: str) -> None:
+    reference = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    for text in [*TEXTS, "<|im_start|>user\nHi<|im_end|>", " ".join(map(str, range(-50, 300, 13)))]:
+        assert ours.encode(text) == reference.encode(text), text
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == reference.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids, skip_special_tokens=False)
+    rng = np.random.default_rng(0)
+    for ids in rng.integers(0, 49152, size=(10, 12)).tolist() + [[0, 1, 2, 3], [2, 2]]:
+        for skip in (True, False):
+            assert ours.decode(ids, skip) == reference.decode(ids, skip_special_tokens=skip), ids
+        assert ours.convert_ids_to_tokens(ids) == reference.convert_ids_to_tokens(ids)
+    assert (ours.vocab_size, ours.bos_token_id) == (len(reference), reference.bos_token_id)
+
+
+def test_a_plain_fast_tokenizer_directory_loads_on_its_tokenizers_object(tiny_llama_dir):
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    assert tokenizer.backend is not None  # transformers' TokenizersBackend, as saved by transformers 5
+    _tokenizes_as_transformers(tokenizer, tiny_llama_dir)
+    assert isinstance(tokenizer.hf, transformers.PreTrainedTokenizerFast) and tokenizer.hf.chat_template
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"add_bos_token": True},
+        {"clean_up_tokenization_spaces": True},
+        {"tokenizer_class": "LlamaTokenizer"},
+        {"pad_token": "<|not in the vocabulary|>"},
+        {"added_tokens_decoder": {"49151": {"content": "<|not the token there|>", "special": True}}},
+    ],
+    ids=["add_bos_token", "clean_up", "another_class", "unknown_special", "unknown_added"],
+)
+def test_a_tokenizer_beyond_the_plain_one_loads_through_transformers(tmp_path, tiny_llama_dir, change):
+    directory = tmp_path / "tokenizer"
+    shutil.copytree(tiny_llama_dir, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
+    tokenizer = load_tokenizer(str(directory))
+    assert tokenizer.backend is None
+    _tokenizes_as_transformers(tokenizer, str(directory))
 
 
 def test_generation_config_eos_ids_win_over_config(tmp_path, tiny_llama_dir):
