@@ -27,10 +27,16 @@ $(STAMP): pyproject.toml
 # slowest real-model tests (`full`: a fast-tier test checks the same property).
 # -rs: the reason for any skip (tests/conftest.py: a failed kernel build fails, never skips).
 FAST_TIER := not (process or server or ray or browser or full)
+# Byte-code for every module the tests' processes import, written now: where PYTHONDONTWRITEBYTECODE
+# is set (as on CI machines) each of the suite's hundreds of Python processes would otherwise compile
+# llmserve from source again. Fresh files are skipped, so this is cheap on a second run.
+PYC := $(BIN)/python -m compileall -q -j 0 llmserve tests >/dev/null
 test: venv
+	$(PYC)
 	$(BIN)/python -m pytest -q -x -rs --durations=15 -m "$(FAST_TIER)"
 
 test-all: venv
+	$(PYC)
 	$(BIN)/python -m pytest -q -x -rs --durations=25
 
 # The kernel-bound tests again at the AVX2 level, as an AVX2-only CPU runs them (PyTorch's and
@@ -42,6 +48,7 @@ AVX2_TESTS := tests/kernels tests/attention tests/quantization tests/models/test
 	tests/e2e/test_batch_invariance.py::test_batched_with_other_prompts \
 	tests/entrypoints/test_server_lifecycle.py::test_default_model_smoke tests/lora/test_lora_vs_peft.py
 test-avx2: venv
+	$(PYC)
 	$(AVX2_ENV) $(BIN)/python -m pytest -q -x -rs --durations=10 $(AVX2_TESTS)
 
 serve: venv

@@ -1,7 +1,5 @@
 """`python -m llmserve.cli ...`: the `llmserve` command without the console script's set-up."""
 
-import sys
+from llmserve.cli.main import exit_without_teardown, main
 
-from llmserve.cli.main import main
-
-sys.exit(main())
+exit_without_teardown(main())

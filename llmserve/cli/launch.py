@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import typing
 from pathlib import Path
 
 from llmserve.worker.malloc_tuning import keep_large_allocations_on_the_heap
@@ -67,14 +68,15 @@ def shorten_openmp_spin_for_serve(argv: list[str]) -> None:
         os.environ.setdefault("GOMP_SPINCOUNT", SERVER_OPENMP_SPINCOUNT)
 
 
-def main() -> int:
+def main() -> typing.NoReturn:
     shorten_openmp_spin_for_serve(sys.argv)
     preload_tcmalloc()
     keep_large_allocations_on_the_heap()
+    from llmserve.cli.main import exit_without_teardown
     from llmserve.cli.main import main as cli_main
 
-    return cli_main()
+    exit_without_teardown(cli_main())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

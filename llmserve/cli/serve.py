@@ -1,19 +1,8 @@
-"""`llmserve serve`: the OpenAI-compatible HTTP server (llmserve/entrypoints/openai/).
-
-A server that has shut down exits without the interpreter's teardown (`exit_without_teardown`):
-collecting every module's objects (torch's operator tables, the tokenizer's) takes seconds after the
-last request was answered and the engine process joined, seconds a restart or a rolling update waits.
-"""
+"""`llmserve serve`: the OpenAI-compatible HTTP server (llmserve/entrypoints/openai/)."""
 
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
-import os
-import sys
-import threading
-import typing
 
 from llmserve.config import EngineArgs
 from llmserve.config.flags import add_flags
@@ -34,19 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    exit_without_teardown(run(ServerConfig.from_cli_args(args), EngineArgs.from_cli_args(args)))
-
-
-def exit_without_teardown(code: int) -> typing.NoReturn:
-    """End the process as a normal exit would, less the interpreter's teardown (module docstring):
-    thread pools told to stop and every non-daemon thread joined, the exit handlers run (the engine
-    process's, the loggers' flush), the standard streams flushed; the rest the OS reclaims."""
-    threading._shutdown()  # what the interpreter's exit does first
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a closed or broken stream: nothing left to write
-            stream.flush()
-    os._exit(code)
+    return run(ServerConfig.from_cli_args(args), EngineArgs.from_cli_args(args))
 
 
 def run(config: ServerConfig, engine_args: EngineArgs) -> int:
