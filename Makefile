@@ -30,7 +30,7 @@ FAST_TIER := not (process or server or ray or browser or full)
 # Byte-code for every module the tests' processes import, written now: where PYTHONDONTWRITEBYTECODE
 # is set (as on CI machines) each of the suite's hundreds of Python processes would otherwise compile
 # llmserve from source again. Fresh files are skipped, so this is cheap on a second run.
-PYC := $(BIN)/python -m compileall -q -j 0 llmserve tests >/dev/null
+PYC := $(BIN)/python -m compileall -q -j 0 llmserve tests
 test: venv
 	$(PYC)
 	$(BIN)/python -m pytest -q -x -rs --durations=15 -m "$(FAST_TIER)"

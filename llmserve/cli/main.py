@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import ctypes
 import functools
 import logging
 import os
@@ -67,11 +68,16 @@ def exit_without_teardown(code: int) -> typing.NoReturn:
     thread pools told to stop and every non-daemon thread joined, the exit handlers run (an engine
     process's, the loggers' flush), the standard streams flushed; the rest the OS reclaims. Only for
     a process's entry point: it never returns."""
-    threading._shutdown()  # what the interpreter's exit does first
+    try:
+        threading._shutdown()  # what the interpreter's exit does first
+    except KeyboardInterrupt:  # a second Ctrl-C while threads finish
+        code = 130
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or broken stream: nothing left to write
             stream.flush()
+    with contextlib.suppress(Exception):  # C-level stdio buffers (native extensions' output)
+        ctypes.CDLL(None).fflush(None)
     os._exit(code)
 
 

@@ -221,7 +221,10 @@ _PLAIN_CONFIG_KEYS = frozenset(
         "chat_template",
     }
 )
-_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # one class in transformers 5
+# The class transformers 5 writes for a tokenizer it loaded as its plain fast one: for a model type
+# whose tokenizer is another class (or Mistral's), it would have loaded and saved that class instead.
+_PLAIN_CLASS = "TokenizersBackend"
+_ADDED_TOKEN_FLAGS = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
 
 
 def _on_backend(
@@ -229,34 +232,46 @@ def _on_backend(
 ) -> Tokenizer | None:
     """The tokenizer of `directory` (a cached GGUF conversion or an HF model directory) on its
     `tokenizers` object alone, transformers built by `load_hf` only when `.hf` is first needed; None
-    where that would not be transformers' own encoding and decoding: another tokenizer class, a
-    configuration key outside the plain ones, cleaned-up decoding, a special or added token its
-    `tokenizers` object lacks. Raises for unreadable files."""
+    where that might not be transformers' own encoding and decoding: another tokenizer class, a
+    configuration key outside the plain ones or a file transformers would also read, cleaned-up
+    decoding, a special token that is not one of the object's special added tokens, an added token
+    whose flags differ from the object's. Raises for unreadable files."""
     import tokenizers
 
     config_file, tokenizer_file = directory / "tokenizer_config.json", directory / "tokenizer.json"
     if not (config_file.is_file() and tokenizer_file.is_file()):
         return None
+    if any((directory / name).exists() for name in ("special_tokens_map.json", "added_tokens.json")):
+        return None
     config = json.loads(config_file.read_text())
     if (
         not isinstance(config, dict)
-        or config.get("tokenizer_class") not in _PLAIN_CLASSES
+        or config.get("tokenizer_class") != _PLAIN_CLASS
         or config.get("clean_up_tokenization_spaces")
         or not set(config) <= _PLAIN_CONFIG_KEYS
     ):
         return None
     backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
-    special = {
-        name: backend.token_to_id(token["content"] if isinstance(token, dict) else token)
-        for name, token in config.items()
-        if name.endswith("_token") and isinstance(token, str | dict)
-    }
-    added = config.get("added_tokens_decoder", {})
-    if None in special.values() or not isinstance(added, dict):
+    backend.no_truncation()  # transformers turns a tokenizer.json's own off for every call
+    backend.no_padding()
+    added = {index: token.__getstate__() for index, token in backend.get_added_tokens_decoder().items()}
+    special_added = {token["content"] for token in added.values() if token["special"]}
+    declared = config.get("added_tokens_decoder", {})
+    if not isinstance(declared, dict):
         return None
-    for token_id, token in added.items():  # transformers would add the ones its backend lacks
-        if not isinstance(token, dict) or backend.id_to_token(int(token_id)) != token.get("content"):
+    for token_id, token in declared.items():  # transformers adds each again, with these flags
+        present = added.get(int(token_id)) if str(token_id).isdigit() else None
+        if not isinstance(token, dict) or present is None:
             return None
+        if any(token.get(flag, present[flag]) != present[flag] for flag in _ADDED_TOKEN_FLAGS):
+            return None
+    named = {name: token for name, token in config.items() if name.endswith("_token")}
+    extra = [*_listed(config.get("additional_special_tokens")), *_listed(config.get("extra_special_tokens"))]
+    special_tokens = [*named.values(), *extra]
+    contents = [token.get("content") if isinstance(token, dict) else token for token in special_tokens]
+    if not all(isinstance(content, str) and content in special_added for content in contents):
+        return None  # transformers would add it, or mark it special
+    special = {name: backend.token_to_id(content) for name, content in zip(named, contents, strict=False)}
     if not eos_token_ids and special.get("eos_token") is not None:
         eos_token_ids = (special["eos_token"],)
     return Tokenizer(
@@ -266,6 +281,15 @@ def _on_backend(
         load_hf,
         backend,
     )
+
+
+def _listed(tokens: object) -> list:
+    """A configuration's extra special tokens: a list, or (transformers 5) a dict of named ones."""
+    if tokens is None:
+        return []
+    if isinstance(tokens, dict):
+        return list(tokens.values())
+    return list(tokens) if isinstance(tokens, list) else [None]  # None: not a token, so not plain
 
 
 def _load_cached_hf_tokenizer(path: str, cached: Path) -> PreTrainedTokenizerBase:
@@ -286,7 +310,7 @@ def _load_hf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         if is_gguf(path):
             return _gguf_tokenizer(path)
         # the plain fast class named directly: AutoTokenizer imports every model's configuration first
-        plain = _tokenizer_class(path) in _PLAIN_CLASSES
+        plain = _tokenizer_class(path) == _PLAIN_CLASS
         loader = PreTrainedTokenizerFast if plain else AutoTokenizer
         hf = loader.from_pretrained(path, local_files_only=True)
     except Exception as error:  # transformers raises many kinds for a missing or bad tokenizer

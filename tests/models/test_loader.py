@@ -244,25 +244,71 @@ def test_a_plain_fast_tokenizer_directory_loads_on_its_tokenizers_object(tiny_ll
     assert isinstance(tokenizer.hf, transformers.PreTrainedTokenizerFast) and tokenizer.hf.chat_template
 
 
+END = {"content": "<|im_end|>", "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+
+
 @pytest.mark.parametrize(
     "change",
     [
         {"add_bos_token": True},
         {"clean_up_tokenization_spaces": True},
+        {"tokenizer_class": "PreTrainedTokenizerFast"},
         {"tokenizer_class": "LlamaTokenizer"},
         {"pad_token": "<|not in the vocabulary|>"},
+        {"pad_token": "hello"},  # in the vocabulary, but not an added token
+        {"additional_special_tokens": ["hello"]},
+        {"extra_special_tokens": {"image_token": "<|not in the vocabulary|>"}},
         {"added_tokens_decoder": {"49151": {"content": "<|not the token there|>", "special": True}}},
+        {"added_tokens_decoder": {"2": {**END, "special": True, "lstrip": True}}},
+        {"added_tokens_decoder": {"5000": {**END, "content": "hello", "special": False}}},
+        {"special_tokens_map.json": {"bos_token": "<|endoftext|>"}},
     ],
-    ids=["add_bos_token", "clean_up", "another_class", "unknown_special", "unknown_added"],
+    ids=[
+        "add_bos_token",
+        "clean_up",
+        "hub_class",
+        "another_class",
+        "unknown_special",
+        "special_not_added",
+        "extra_special",
+        "extra_named_special",
+        "unknown_added",
+        "added_flags",
+        "vocabulary_token_added",
+        "special_tokens_map",
+    ],
 )
 def test_a_tokenizer_beyond_the_plain_one_loads_through_transformers(tmp_path, tiny_llama_dir, change):
     directory = tmp_path / "tokenizer"
     shutil.copytree(tiny_llama_dir, directory)
     config = json.loads((directory / "tokenizer_config.json").read_text())
+    for name in [name for name in change if name.endswith(".json")]:
+        (directory / name).write_text(json.dumps(change.pop(name)))
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
     tokenizer = load_tokenizer(str(directory))
     assert tokenizer.backend is None
     _tokenizes_as_transformers(tokenizer, str(directory))
+
+
+def test_a_tokenizer_json_with_truncation_and_padding_encodes_as_transformers(tmp_path, tiny_llama_dir):
+    """transformers turns a tokenizer.json's own truncation and padding off for every call."""
+    directory = tmp_path / "tokenizer"
+    shutil.copytree(tiny_llama_dir, directory)
+    saved = json.loads((directory / "tokenizer.json").read_text())
+    saved["truncation"] = {"direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0}
+    saved["padding"] = {
+        "strategy": {"Fixed": 64},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 2,
+        "pad_type_id": 0,
+        "pad_token": "<|im_end|>",
+    }
+    (directory / "tokenizer.json").write_text(json.dumps(saved))
+    tokenizer = load_tokenizer(str(directory))
+    assert tokenizer.backend is not None
+    _tokenizes_as_transformers(tokenizer, str(directory))
+    assert len(tokenizer.encode(TEXTS[1])) > 3
 
 
 def test_generation_config_eos_ids_win_over_config(tmp_path, tiny_llama_dir):
