@@ -265,13 +265,16 @@ def _on_backend(
             return None
         if any(token.get(flag, present[flag]) != present[flag] for flag in _ADDED_TOKEN_FLAGS):
             return None
-    named = {name: token for name, token in config.items() if name.endswith("_token")}
+    # a null token is unset; a dict without content is malformed, so not plain
+    named = {
+        name: _content(token)
+        for name, token in config.items()
+        if name.endswith("_token") and token is not None
+    }
     extra = [*_listed(config.get("additional_special_tokens")), *_listed(config.get("extra_special_tokens"))]
-    special_tokens = [*named.values(), *extra]
-    contents = [token.get("content") if isinstance(token, dict) else token for token in special_tokens]
-    if not all(isinstance(content, str) and content in special_added for content in contents):
+    if not all(isinstance(text, str) and text in special_added for text in [*named.values(), *extra]):
         return None  # transformers would add it, or mark it special
-    special = {name: backend.token_to_id(content) for name, content in zip(named, contents, strict=False)}
+    special = {name: backend.token_to_id(content) for name, content in named.items()}
     if not eos_token_ids and special.get("eos_token") is not None:
         eos_token_ids = (special["eos_token"],)
     return Tokenizer(
@@ -283,13 +286,19 @@ def _on_backend(
     )
 
 
+def _content(token: object) -> object:
+    """A configured token's text: the string, or an AddedToken dict's content."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
 def _listed(tokens: object) -> list:
-    """A configuration's extra special tokens: a list, or (transformers 5) a dict of named ones."""
+    """The texts of a configuration's extra special tokens: a list, or (transformers 5) a dict of
+    named ones; [None] (not plain) for anything else."""
     if tokens is None:
         return []
     if isinstance(tokens, dict):
-        return list(tokens.values())
-    return list(tokens) if isinstance(tokens, list) else [None]  # None: not a token, so not plain
+        tokens = list(tokens.values())
+    return [_content(token) for token in tokens] if isinstance(tokens, list) else [None]
 
 
 def _load_cached_hf_tokenizer(path: str, cached: Path) -> PreTrainedTokenizerBase:

@@ -52,12 +52,6 @@ def default_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_model(hf_model_fp32):
-    """transformers' own loading of the default GGUF: the reference for names, values and config."""
-    return hf_model_fp32
-
-
-@pytest.fixture(scope="module")
 def hf_gguf_tokenizer(default_path):
     return transformers.AutoTokenizer.from_pretrained(
         os.path.dirname(default_path), gguf_file=os.path.basename(default_path)
@@ -66,9 +60,9 @@ def hf_gguf_tokenizer(default_path):
 
 @pytest.mark.full
 @pytest.mark.slow
-def test_gguf_weights_equal_transformers_gguf_loading(default_path, hf_gguf_model):
+def test_gguf_weights_equal_transformers_gguf_loading(default_path, hf_model_fp32):
     ours = load_weights(default_path, torch.float32)
-    reference = hf_gguf_model.state_dict()
+    reference = hf_model_fp32.state_dict()
     assert set(ours) == set(reference) - {"lm_head.weight"}  # tied: transformers aliases the embedding
     for name, tensor in reference.items():
         if name != "lm_head.weight":
@@ -78,9 +72,9 @@ def test_gguf_weights_equal_transformers_gguf_loading(default_path, hf_gguf_mode
 
 @pytest.mark.full
 @pytest.mark.slow
-def test_default_arch_config_matches_transformers(default_path, hf_gguf_model):
+def test_default_arch_config_matches_transformers(default_path, hf_model_fp32):
     arch = load_arch_config(default_path)
-    config = hf_gguf_model.config
+    config = hf_model_fp32.config
     assert arch.architecture == "llama"
     assert (arch.vocab_size, arch.hidden_size, arch.intermediate_size) == (49152, 576, 1536)
     assert (arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads) == (30, 9, 3)
@@ -287,6 +281,16 @@ def test_a_tokenizer_beyond_the_plain_one_loads_through_transformers(tmp_path, t
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
     tokenizer = load_tokenizer(str(directory))
     assert tokenizer.backend is None
+    _tokenizes_as_transformers(tokenizer, str(directory))
+
+
+def test_an_unset_special_token_keeps_the_plain_path(tmp_path, tiny_llama_dir):
+    directory = tmp_path / "tokenizer"
+    shutil.copytree(tiny_llama_dir, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": None}))
+    tokenizer = load_tokenizer(str(directory))
+    assert tokenizer.backend is not None
     _tokenizes_as_transformers(tokenizer, str(directory))
 
 
