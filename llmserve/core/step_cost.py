@@ -154,20 +154,13 @@ class StepCostModel:
         self._moment = self._moment * scale + (weights * y) @ x
 
     def refit(self) -> None:
-        """Solve the normal equations, dropping coefficients that come out negative."""
+        """The least-squares coefficients that are all non-negative (Lawson and Hanson's active set,
+        on the normal equations): dropping every coefficient that comes out negative at once can keep
+        a worse support than the best one."""
         self._fold_pending()
-        active = list(range(_NUM_FEATURES))
         # ridge relative to each feature's own size; a feature never seen stays exactly 0
-        ridge = np.diag(_RIDGE * np.diag(self._gram) + _TINY)
-        solution = np.zeros(_NUM_FEATURES)
-        while active:
-            gram = (self._gram + ridge)[np.ix_(active, active)]
-            values = np.linalg.solve(gram, self._moment[active])
-            if (values >= 0).all():
-                solution[active] = values
-                break
-            active = [index for index, value in zip(active, values, strict=True) if value >= 0]
-        self._coefficients = StepCost(*map(float, solution))
+        gram = self._gram + np.diag(_RIDGE * np.diag(self._gram) + _TINY)
+        self._coefficients = StepCost(*map(float, _nonnegative_solve(gram, self._moment)))
 
     def predict(self, shape: StepShape) -> float | None:
         """Seconds the step would take; None until fitted."""
@@ -184,3 +177,34 @@ class StepCostModel:
         bound (not fitted, or prefill measured as free)."""
         cost = self._coefficients
         return None if cost is None else cost.max_chunk(seconds, num_computed)
+
+
+def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """argmin over w >= 0 of w'Gw/2 - m'w, for a positive definite G: at most a few small solves."""
+    size = len(moment)
+    solution = np.zeros(size)
+    positive = np.zeros(size, dtype=bool)
+    tolerance = 1e-12 * (np.abs(moment).max() + _TINY)
+    for _ in range(3 * size):  # the active set converges in far fewer; a bound, not a tuning
+        gradient = moment - gram @ solution
+        candidates = np.where(~positive & (gradient > tolerance))[0]
+        if not len(candidates):
+            break
+        positive[candidates[np.argmax(gradient[candidates])]] = True
+        while True:
+            trial = np.zeros(size)
+            index = np.where(positive)[0]
+            trial[index] = np.linalg.solve(gram[np.ix_(index, index)], moment[index])
+            if (trial[index] > 0).all():
+                solution = trial
+                break
+            # step from the solution towards the trial as far as every coefficient stays >= 0; the
+            # one that reaches 0 first (and any other at 0) leaves the positive set
+            falling = np.where(positive & (trial <= 0))[0]
+            drop = solution[falling] - trial[falling]  # >= 0; 0 where a coefficient is 0 in both
+            ratios = np.divide(solution[falling], drop, out=np.zeros_like(drop), where=drop > 0)
+            solution = solution + ratios.min() * (trial - solution)
+            solution[falling[np.argmin(ratios)]] = 0.0
+            positive &= solution > 0
+            solution[~positive] = 0.0
+    return solution

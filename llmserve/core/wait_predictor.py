@@ -10,7 +10,11 @@ dilute them). The prompt's prefill and the decode steps are the engine's step-ti
 in the server) once it is fitted, else its tokens x seconds per token and the recent seconds per step.
 The engine's warm-up steps (engine/warmup.py) are the first of them (`prime`), so the first burst after
 start-up is predicted too; until a request has finished there is no finish rate, and the admission
-assumes the requests ahead are as long as the new one. The server's admission
+assumes the requests ahead are as long as the new one. The warm-up ran in the engine's process on idle
+cores, while served steps share them with the server's HTTP and output handling: until
+`_SERVED_STEPS_TO_TRUST` served steps are measured, the prior's predictions are taken
+`_COLD_START_MARGIN` times longer (a 429 with a Retry-After costs a client less than a 408 after
+waiting out its timeout). The server's admission
 (entrypoints/openai/admission.py) refuses a request whose wait exceeds its deadline.
 """
 
@@ -25,6 +29,8 @@ from llmserve.metrics.stats import StepStats
 from llmserve.outputs import RequestOutput
 
 _RECENT_STEPS = 256
+_COLD_START_MARGIN = 2.0
+_SERVED_STEPS_TO_TRUST = 32  # then the engine's decayed fit rests mostly on served steps
 
 
 @dataclass(frozen=True)
@@ -43,15 +49,19 @@ class WaitPredictor:
         self._finished = 0
         self._seconds = 0.0
         self.step_cost: StepCost | None = None  # the engine's step-time model, as of its latest step
+        self._primed = False
+        self._served_steps = 0
 
     def on_step(self, stats: StepStats | None, outputs: Sequence[RequestOutput]) -> None:
         if stats is None:  # an abort's output, not a step
             return
+        self._served_steps += 1
         self._add(stats, sum(1 for output in outputs if output.finished))
 
     def prime(self, steps: Sequence[StepStats]) -> None:
         """Take the engine's warm-up steps as measured ones (their requests' finishes do not count)."""
         for stats in steps:
+            self._primed = True
             self._add(stats, 0)
 
     def _add(self, stats: StepStats, finished: int) -> None:
@@ -82,12 +92,18 @@ class WaitPredictor:
     def seconds_per_finished_request(self) -> float | None:
         return self._seconds / self._finished if self._finished else None
 
+    @property
+    def margin(self) -> float:
+        """What predictions are multiplied by: the cold start's margin while they rest on the warm-up."""
+        cold = self._primed and self._served_steps < _SERVED_STEPS_TO_TRUST
+        return _COLD_START_MARGIN if cold else 1.0
+
     def predict(self, queued_tokens: int, requests_over_slots: int = 0) -> float:
         """Seconds until a request arriving now is first scheduled; 0 before anything was measured."""
         wait = queued_tokens * (self.seconds_per_token or 0.0)
         if requests_over_slots > 0:
             wait += requests_over_slots * (self.seconds_per_finished_request or 0.0)
-        return wait
+        return wait * self.margin
 
     def service(self, prompt_tokens: int, max_tokens: int, rows: int = 1) -> float:
         """Seconds a request takes once scheduled: its prefill, then a step per output token (at most
@@ -96,7 +112,7 @@ class WaitPredictor:
         cost = self.step_cost
         if cost is None:
             per_token, per_step = self.seconds_per_token or 0.0, self.seconds_per_step or 0.0
-            return prompt_tokens * per_token + max_tokens * per_step
+            return (prompt_tokens * per_token + max_tokens * per_step) * self.margin
         context = rows * (prompt_tokens + max_tokens // 2)  # the decodes' KV, each halfway through
         decode_step = cost.predict(StepShape(rows, 0, context, 0))
-        return cost.chunk_seconds(prompt_tokens, 0) + max_tokens * decode_step
+        return (cost.chunk_seconds(prompt_tokens, 0) + max_tokens * decode_step) * self.margin

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 import pytest
 
@@ -103,6 +106,35 @@ def test_steps_whose_time_falls_with_a_feature_give_it_no_negative_cost():
     for rows in range(1, 40):  # a step's time that falls as decode rows grow (noise, other load)
         model.observe(StepShape(rows, 0, 100 * rows, 0), 0.05 - 0.0005 * rows)
     assert min(model.coefficients) >= 0.0
+
+
+def test_the_fit_is_the_best_non_negative_one():
+    """A warm-up's steps (ms): prefills, greedy decodes of two rows, sampled decodes of one row that
+    cost more. Least squares wants a negative cost per decode row; dropping every negative
+    coefficient at once then kept a fit that put one row's step at a third of what was measured."""
+    steps = [((0, 64, 0, 2816), 5.06), ((0, 48, 0, 1152), 6.43)]
+    steps += [((2, 0, 162 + 2 * i, 0), t) for i, t in enumerate((1.68, 1.48, 1.27, 1.10, 1.17))]
+    steps += [((1, 0, 49 + i, 0), t) for i, t in enumerate((2.75, 2.71, 2.58, 2.65, 2.50))]
+    model = StepCostModel(recent_steps=10**9)  # no forgetting: the plain least squares
+    for shape, ms in steps:
+        model.observe(StepShape(*shape), ms / 1e3)
+    model.refit()
+    x = np.array([[1.0, s[0], s[1], s[2] / 1e3, s[3] / 1e6] for s, _ in steps])
+    y = np.array([ms / 1e3 for _, ms in steps])
+
+    def error(w: np.ndarray) -> float:
+        return float(np.sum((x @ w - y) ** 2))
+
+    best = math.inf  # every support's unconstrained solution that is non-negative
+    for size in range(1, 6):
+        for support in itertools.combinations(range(5), size):
+            w = np.zeros(5)
+            w[list(support)] = np.linalg.lstsq(x[:, support], y, rcond=None)[0]
+            if (w >= 0).all():
+                best = min(best, error(w))
+    fitted = np.array(model.coefficients)
+    assert (fitted >= 0).all() and error(fitted) == pytest.approx(best, rel=1e-4)
+    assert model.predict(StepShape(1, 0, 54, 0)) > 0.0015  # one row: nearer its 2.5-2.75 ms
 
 
 @pytest.mark.parametrize("computed", [0, 700, 5000])

@@ -39,9 +39,20 @@ def test_the_warm_up_steps_are_the_prior_and_give_no_finish_rate():
     assert predictor.seconds_per_token == pytest.approx(0.04 / 31)
     assert predictor.seconds_per_step == pytest.approx(0.01)
     assert predictor.seconds_per_finished_request is None  # its requests' ends are not a workload's
-    assert predictor.predict(3100) == pytest.approx(4.0)
+    assert predictor.predict(3100) == pytest.approx(2 * 4.0)  # the cold start's margin
     predictor.on_step(_step(0, 2, 0.01), _finished(2))  # the first real finishes give the rate
     assert predictor.seconds_per_finished_request == pytest.approx(0.025)
+    assert predictor.margin == 2.0
+    for _ in range(31):  # 32 served steps: the margin goes
+        predictor.on_step(_step(0, 2, 0.01), [])
+    assert predictor.margin == 1.0
+    assert predictor.predict(3100) == pytest.approx(3100 * predictor.seconds_per_token)
+
+
+def test_without_a_warm_up_the_served_steps_need_no_margin():
+    predictor = WaitPredictor()
+    predictor.on_step(_step(0, 2, 0.01), [])
+    assert predictor.margin == 1.0 and predictor.service(0, 10) == pytest.approx(0.1)
 
 
 def test_a_cold_start_burst_is_refused_from_the_warm_up_prior():
@@ -50,18 +61,21 @@ def test_a_cold_start_burst_is_refused_from_the_warm_up_prior():
     admission.check([10], timeout=0.5, in_flight=5, max_tokens=100)  # nothing measured: admitted
     warm_up = [_step(10, 0, 0.01)] + [_step(0, 1, 0.01)] * 4  # 10 ms a step
     engine.warmup_listeners[0](warm_up)
-    # its service: 10 prompt tokens (10 x 1/14 x 50 ms) and 100 steps of 10 ms = 1.036 s
-    admission.check([10], timeout=1.1, in_flight=1, max_tokens=100)  # a free slot: no wait
+    # its service: 10 prompt tokens (10 x 1/14 x 50 ms) and 100 steps of 10 ms = 1.036 s, twice over
+    # (the cold start's margin): 2.071 s
+    admission.check([10], timeout=2.1, in_flight=1, max_tokens=100)  # a free slot: no wait
+    with pytest.raises(Refused, match=r"predicted time of 2.1 s \(queue wait 0.0 s\)"):
+        admission.check([10], timeout=2.0, in_flight=1, max_tokens=100)
     # 5 in flight on 2 slots, nothing finished yet: they started together; the 6th waits for 2 rounds
     assert admission.predicted_wait(in_flight=5, service=1.0) == pytest.approx(2.0)
-    with pytest.raises(Refused, match=r"predicted time of 3.1 s \(queue wait 2.1 s\)") as refused:
-        admission.check([10], timeout=2.5, in_flight=5, max_tokens=100)
-    assert refused.value.retry_after == 1  # ceil(3.11 - 2.5)
+    with pytest.raises(Refused, match=r"predicted time of 6.2 s \(queue wait 4.1 s\)") as refused:
+        admission.check([10], timeout=4.5, in_flight=5, max_tokens=100)
+    assert refused.value.retry_after == 2  # ceil(6.21 - 4.5)
     tight = Admission(engine, AdmissionConfig(max_queue_delay=1.0))
     engine.warmup_listeners[1](warm_up)
     with pytest.raises(Refused, match="--max-queue-delay of 1 s") as refused:
         tight.check([10], None, in_flight=5, max_tokens=100)
-    assert refused.value.retry_after == 2  # ceil(2.07 - 1)
+    assert refused.value.retry_after == 4  # ceil(4.14 - 1)
 
 
 def test_only_the_recent_steps_count():
@@ -126,17 +140,18 @@ def test_a_burst_is_served_at_the_batch_it_makes_not_at_the_recent_pace():
     predictor = WaitPredictor()
     predictor.prime([_step(64, 1, 0.05)])  # the engine's model not fitted yet: the recent pace
     assert predictor.step_cost is None
-    assert predictor.service(10, 100) == pytest.approx(10 * 0.05 / 65 + 100 * 0.05)
+    # twice over while the prediction rests on the warm-up (the cold start's margin)
+    assert predictor.service(10, 100) == pytest.approx(2 * (10 * 0.05 / 65 + 100 * 0.05))
     predictor.prime([_costed(rows, 0, 0.010 + 0.002 * rows) for rows in (1, 2, 16)])
     assert predictor.step_cost == (0.010, 0.002, 0.0001, 0.0, 0.0)  # read from the engine, not fitted here
     alone = predictor.service(10, 100)  # 100 steps of one row (12 ms) after a 1 ms prefill
-    assert alone == pytest.approx(0.001 + 100 * 0.012)
-    assert predictor.service(10, 100, rows=16) == pytest.approx(0.001 + 100 * 0.042)
+    assert alone == pytest.approx(2 * (0.001 + 100 * 0.012))
+    assert predictor.service(10, 100, rows=16) == pytest.approx(2 * (0.001 + 100 * 0.042))
     predictor.on_step(_step(0, 1, 0.5), [])  # a step without the model (a pipeline's): the last one holds
     assert predictor.service(10, 100) == pytest.approx(alone)
     engine = _Engine(queued=0, max_num_seqs=16)
     admission = Admission(engine, AdmissionConfig())
     engine.warmup_listeners[0]([_costed(rows, 0, 0.010 + 0.002 * rows) for rows in (1, 2, 16)])
-    admission.check([10], timeout=2.0, in_flight=0, max_tokens=100)  # alone: 1.2 s
-    with pytest.raises(Refused):  # the 16th of a burst: 100 steps of 16 rows, 4.2 s
-        admission.check([10], timeout=2.0, in_flight=15, max_tokens=100)
+    admission.check([10], timeout=2.5, in_flight=0, max_tokens=100)  # alone: 1.2 s (2.4 cold)
+    with pytest.raises(Refused):  # the 16th of a burst: 100 steps of 16 rows, 4.2 s (8.4 cold)
+        admission.check([10], timeout=2.5, in_flight=15, max_tokens=100)
