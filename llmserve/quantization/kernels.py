@@ -27,7 +27,6 @@ from llmserve.quantization.formats import Int4Weight, Int8Weight, QuantizedWeigh
 
 _INT4_INNER_K_TILES = 1  # the CPU packing ignores tiling beyond this; any value >= 1 is accepted
 _INT4_CENTER = 8  # tinygemm's dequantization: w = (q - 8) * scale + zero
-_PACKED_ROWS = 32  # output rows per block of the compiled kernels' packed copies (kRows)
 
 
 class LinearKernel(nn.Module):
@@ -135,37 +134,11 @@ class RoundedInputKernel(LinearKernel):
         return self._unpack(self.small_batch_qweight, self.small_batch_scales, self.out_features).to(dtype)
 
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Read from the packed layouts (small_batch_pack_int8/int4 in linear_quantized.cpp): codes
-        in blocks of 32 rows, [N'/32, K/4, 32, 4] bytes q + 128 (int8) or [N'/32, K/8, 32, 4] bytes
-        holding columns k..k+3 low and k+4..k+7 high (int4; 5-bit codes: each block's nibbles followed
-        by its fifth bits, `_fifth_bits`); scales [N] per row, [N'/32, K/G, 32] per group, int4's
-        (scale, offset) [N'/32, K/G, 2, 32]. Each product q * scale is exact in float32 for GGUF's
-        scales, so (q * scale) + offset rounds once, as the reference does."""
-        flat = index.reshape(-1)
-        block, lane = flat // _PACKED_ROWS, flat % _PACKED_ROWS
-        rows, packed = flat.numel(), self.small_batch_qweight
-        if self.kind == "int4":
-            cols = packed.shape[1] * 8 // self.bits
-            blocks = packed.view(packed.shape[0] // _PACKED_ROWS, -1)  # views, not copies, of the blocks
-            nibbles = blocks[:, : _PACKED_ROWS * cols // 2].unflatten(1, (cols // 8, _PACKED_ROWS, 4))
-            data = nibbles[block, :, lane]  # [T, K/8, 4]
-            codes = torch.stack([data & 0x0F, data >> 4], dim=2)  # [T, K/8, 2, 4]
-            if self.bits == 5:
-                codes = codes | _fifth_bits(blocks[:, _PACKED_ROWS * cols // 2 :], block, lane) << 4
-            codes = codes.view(rows, cols)
-            params = self.small_batch_scales[block, :, :, lane].float()  # [T, groups, 2]
-            scales, offsets = params[..., 0], params[..., 1]
-        else:
-            cols = packed.shape[1]
-            data = packed.view(-1, cols // 4, _PACKED_ROWS, 4)[block, :, lane]  # [T, K/4, 4]
-            codes = data.view(rows, cols).to(torch.int16) - 128
-            scales = self.small_batch_scales
-            scales = scales[flat, None] if scales.dim() == 1 else scales[block, :, lane].float()
-            offsets = None
-        grouped = codes.float().view(rows, scales.shape[1], -1) * scales[..., None]
-        if offsets is not None:
-            grouped = grouped + offsets[..., None]
-        return grouped.view(*index.shape, cols)
+        """Rows `index` of the float32 weight, read from the packed copy by the compiled dequantizer (its
+        rows, in the dequantize's arithmetic: equal to `dequantize(torch.float32)[index]`)."""
+        flat = index.reshape(-1).long()
+        rows = self._unpack(self.small_batch_qweight, self.small_batch_scales, self.out_features, rows=flat)
+        return rows.view(*index.shape, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in self._takes:
@@ -312,15 +285,6 @@ class Int4PackedKernel(LinearKernel):
         cols = self.scales_and_zeros.shape[0] * self.group_size
         eye = torch.eye(cols, dtype=self.scales_and_zeros.dtype, device=self.packed.device)
         return self.forward(eye).t().to(dtype)
-
-
-def _fifth_bits(planes: torch.Tensor, block: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
-    """[T, K/8, 2, 4] fifth bits of rows (block, lane) from the blocks' planes [N'/32, K/8 * 32]: per
-    chunk of 8 columns 32 bytes, byte 16 h + row / 2 holding (columns 4 h.. 4 h + 3) of rows 2p, 2p + 1
-    in bits 0-3, 4-7 (small_batch_pack_int4's layout)."""
-    chunks = planes.unflatten(1, (-1, 2, _PACKED_ROWS // 2))[block, :, :, lane // 2]  # [T, K/8, 2]
-    shifts = (lane % 2 * 4)[:, None, None, None] + torch.arange(4, device=planes.device)
-    return (chunks[..., None].to(torch.int32) >> shifts & 1).to(torch.uint8)
 
 
 def _small_batch_int8_ops(codes: torch.Tensor, dtype: torch.dtype = torch.bfloat16):

@@ -450,9 +450,18 @@ def test_scales_exact_in_float16_are_packed_as_float16_with_the_same_outputs(row
 def test_packed_weights_read_back_as_the_weights_they_hold(kind, group, out_features):
     """small_batch_dequantize_*: the float32 W of a packed weight (padded rows dropped), equal to the
     formats' own dequantization (q * scale + offset, two roundings), with float16 or float32 scales
-    (int8 group None: one float32 scale per row)."""
+    (int8 group None: one float32 scale per row); with `rows`, those rows of it (an embedding's lookups)."""
     gen = torch.Generator().manual_seed(out_features)
     cols = 192
+    ids = torch.tensor([[out_features - 1, 0, 31], [32, 31, out_features - 1]])  # block edges, repeats
+
+    def read_back(dequantize, *args, expected: torch.Tensor) -> None:
+        assert torch.equal(dequantize(*args, out_features), expected)
+        assert torch.equal(dequantize(*args, out_features, rows=ids), expected[ids.reshape(-1)])
+        assert dequantize(*args, out_features, rows=ids[:0]).shape == (0, cols)
+        with pytest.raises(RuntimeError, match=f"row id out of range: {out_features} of {out_features} rows"):
+            dequantize(*args, out_features, rows=torch.tensor([0, out_features]))
+
     if kind == "int4":
         nibbles = torch.randint(0, 16, (out_features, cols), generator=gen, dtype=torch.uint8)
         for half in (False, True):
@@ -463,21 +472,21 @@ def test_packed_weights_read_back_as_the_weights_they_hold(kind, group, out_feat
             packed, params = ops.small_batch_pack_int4(nibbles, scales, offsets)
             assert (params.dtype == torch.float16) == half
             expected = Int4Weight(nibbles, scales, offsets, group).dequantize()
-            assert torch.equal(ops.small_batch_dequantize_int4(packed, params, out_features), expected)
+            read_back(ops.small_batch_dequantize_int4, packed, params, expected=expected)
         return
     codes = torch.randint(-127, 128, (out_features, cols), generator=gen, dtype=torch.int8)
     packed = ops.small_batch_pack_int8(codes)
     if group is None:
         scales = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
         expected = Int8Weight(codes, scales[:, None], cols).dequantize()
-        assert torch.equal(ops.small_batch_dequantize_int8(packed, scales, out_features), expected)
+        read_back(ops.small_batch_dequantize_int8, packed, scales, expected=expected)
         return
     scales = (torch.rand(out_features, cols // group, generator=gen) * 0.01 + 1e-4).half().float()
     packed_scales = ops.small_batch_pack_int8_group_scales(scales)
     assert packed_scales.dtype == torch.float16
     expected = Int8Weight(codes, scales, group).dequantize()
-    assert torch.equal(ops.small_batch_dequantize_int8(packed, packed_scales, out_features), expected)
-    assert torch.equal(ops.small_batch_dequantize_int8(packed, packed_scales.float(), out_features), expected)
+    read_back(ops.small_batch_dequantize_int8, packed, packed_scales, expected=expected)
+    read_back(ops.small_batch_dequantize_int8, packed, packed_scales.float(), expected=expected)
 
 
 def test_freed_weights_still_count_as_the_models_weights():

@@ -69,8 +69,9 @@ at::Tensor moe_experts(at::Tensor hidden, at::Tensor weights, at::Tensor experts
                        at::Tensor down_scales, int64_t intermediate_size, int64_t out_features,
                        int64_t first_expert, int64_t num_experts);
 at::Tensor small_batch_dequantize_int4(at::Tensor packed, at::Tensor params, int64_t out_features,
-                                       int64_t bits = 4);
-at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int64_t out_features);
+                                       int64_t bits = 4, const std::optional<at::Tensor>& rows = std::nullopt);
+at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int64_t out_features,
+                                       const std::optional<at::Tensor>& rows = std::nullopt);
 
 // decode_stack.cpp: x W^T through the small-batch kernel for W's packed format and x's dtype: uint8 W ->
 // small_batch_linear_int8 (scales [N] or [blocks, groups, 32]) or small_batch_linear_int4 (4-D params; 4- or

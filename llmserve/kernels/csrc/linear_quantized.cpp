@@ -893,77 +893,84 @@ at::Tensor grouped_linear_int4(at::Tensor x, at::Tensor ends, at::Tensor packed,
 
 namespace {
 
-// One 32-row block's rows (its own function: the attribute does not reach into a lambda).
+// Row r of one 32-row block (its own function: the attribute does not reach into a lambda).
 // `plane`: the block's fifth bits (5-bit codes), or null.
 template <typename Param>
-__attribute__((optimize("fp-contract=off"))) void dequantize_int4_block(const uint8_t* block, const uint8_t* plane,
-                                                                       const Param* block_params, float* out,
-                                                                       int64_t rows, int64_t k_size,
-                                                                       int64_t group_size) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = out + r * k_size;
-    for (int64_t chunk = 0; chunk < k_size / 8; ++chunk) {
-      const uint8_t* bytes = block + (chunk * kRows + r) * 4;  // columns 8 chunk.. (low), +4.. (high)
-      const int64_t g = chunk * 8 / group_size;
-      const float scale = static_cast<float>(block_params[g * 2 * kRows + r]);
-      const float offset = static_cast<float>(block_params[g * 2 * kRows + kRows + r]);
-      // the chunk's low-nibble bits of row r, then its high-nibble ones: 4 bits each
-      const int low_bits = plane ? (plane[chunk * kRows + r / 2] >> (4 * (r % 2))) & 0x0F : 0;
-      const int high_bits = plane ? (plane[chunk * kRows + 16 + r / 2] >> (4 * (r % 2))) & 0x0F : 0;
-      for (int j = 0; j < 4; ++j) {
-        const float low = static_cast<float>((bytes[j] & 0x0F) | (((low_bits >> j) & 1) << 4)) * scale;
-        const float high = static_cast<float>((bytes[j] >> 4) | (((high_bits >> j) & 1) << 4)) * scale;
-        dst[chunk * 8 + j] = low + offset;
-        dst[chunk * 8 + 4 + j] = high + offset;
-      }
+__attribute__((optimize("fp-contract=off"))) void dequantize_int4_row(const uint8_t* block, const uint8_t* plane,
+                                                                     const Param* block_params, float* dst,
+                                                                     int64_t r, int64_t k_size, int64_t group_size) {
+  for (int64_t chunk = 0; chunk < k_size / 8; ++chunk) {
+    const uint8_t* bytes = block + (chunk * kRows + r) * 4;  // columns 8 chunk.. (low), +4.. (high)
+    const int64_t g = chunk * 8 / group_size;
+    const float scale = static_cast<float>(block_params[g * 2 * kRows + r]);
+    const float offset = static_cast<float>(block_params[g * 2 * kRows + kRows + r]);
+    // the chunk's low-nibble bits of row r, then its high-nibble ones: 4 bits each
+    const int low_bits = plane ? (plane[chunk * kRows + r / 2] >> (4 * (r % 2))) & 0x0F : 0;
+    const int high_bits = plane ? (plane[chunk * kRows + 16 + r / 2] >> (4 * (r % 2))) & 0x0F : 0;
+    for (int j = 0; j < 4; ++j) {
+      const float low = static_cast<float>((bytes[j] & 0x0F) | (((low_bits >> j) & 1) << 4)) * scale;
+      const float high = static_cast<float>((bytes[j] >> 4) | (((high_bits >> j) & 1) << 4)) * scale;
+      dst[chunk * 8 + j] = low + offset;
+      dst[chunk * 8 + 4 + j] = high + offset;
     }
   }
 }
 
+// Rows `ids` (null: every row, in order) of an int4 weight into out [rows, K].
 template <typename Param>
-void dequantize_int4_blocks(const uint8_t* packed, const Param* params, float* out, int64_t n_size, int64_t k_size,
-                            int64_t groups, bool five_bit) {
-  const int64_t blocks = (n_size + kRows - 1) / kRows;
+void dequantize_int4_rows(const uint8_t* packed, const Param* params, float* out, int64_t n_size, int64_t k_size,
+                          int64_t groups, bool five_bit, const int64_t* ids, int64_t count) {
   const int64_t nibble_bytes = kRows * k_size / 2, block_bytes = nibble_bytes + (five_bit ? kRows * k_size / 8 : 0);
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  const int64_t rows = ids ? count : n_size;
+  at::parallel_for(0, rows, ids ? 64 : kRows, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = ids ? ids[i] : i, b = row / kRows;
       const uint8_t* block = packed + b * block_bytes;
-      dequantize_int4_block(block, five_bit ? block + nibble_bytes : nullptr, params + b * groups * 2 * kRows,
-                            out + b * kRows * k_size, std::min<int64_t>(kRows, n_size - b * kRows), k_size,
-                            k_size / groups);
+      dequantize_int4_row(block, five_bit ? block + nibble_bytes : nullptr, params + b * groups * 2 * kRows,
+                          out + i * k_size, row % kRows, k_size, k_size / groups);
     }
   });
 }
 
+// Rows `ids` (null: every row, in order) of an int8 weight into out [rows, K].
 template <typename Param>
-void dequantize_int8_blocks(const uint8_t* packed, const Param* scales, float* out, int64_t n_size, int64_t k_size,
-                            int64_t groups) {
-  const int64_t blocks = (n_size + kRows - 1) / kRows;
+void dequantize_int8_rows(const uint8_t* packed, const Param* scales, float* out, int64_t n_size, int64_t k_size,
+                          int64_t groups, const int64_t* ids, int64_t count) {
   const int64_t group_size = groups ? k_size / groups : k_size;  // groups 0: one float32 scale per row
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  const int64_t rows = ids ? count : n_size;
+  at::parallel_for(0, rows, ids ? 64 : kRows, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = ids ? ids[i] : i, b = row / kRows, r = row % kRows;
       const uint8_t* block = packed + b * kRows * k_size;
-      const int64_t rows = std::min<int64_t>(kRows, n_size - b * kRows);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* dst = out + (b * kRows + r) * k_size;
-        for (int64_t quad = 0; quad < k_size / 4; ++quad) {
-          const uint8_t* bytes = block + (quad * kRows + r) * 4;
-          const float scale =
-              groups ? static_cast<float>(scales[(b * groups + quad * 4 / group_size) * kRows + r])
-                     : static_cast<float>(scales[b * kRows + r]);
-          for (int j = 0; j < 4; ++j) dst[quad * 4 + j] = static_cast<float>(int{bytes[j]} - 128) * scale;
-        }
+      float* dst = out + i * k_size;
+      for (int64_t quad = 0; quad < k_size / 4; ++quad) {
+        const uint8_t* bytes = block + (quad * kRows + r) * 4;
+        const float scale = groups ? static_cast<float>(scales[(b * groups + quad * 4 / group_size) * kRows + r])
+                                   : static_cast<float>(scales[row]);
+        for (int j = 0; j < 4; ++j) dst[quad * 4 + j] = static_cast<float>(int{bytes[j]} - 128) * scale;
       }
     }
   });
+}
+
+// The row ids asked for (int64, any shape, each in [0, n_size)) as a flat contiguous tensor, or undefined.
+at::Tensor checked_rows(const std::optional<at::Tensor>& rows, int64_t n_size) {
+  if (!rows) return {};
+  TORCH_CHECK(rows->scalar_type() == at::kLong && rows->device().is_cpu(), "rows must be int64 row ids on the CPU");
+  auto flat = rows->reshape({-1}).contiguous();
+  const int64_t* ids = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < flat.numel(); ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < n_size, "row id out of range: ", ids[i], " of ", n_size, " rows");
+  return flat;
 }
 
 }  // namespace
 
 // (packed, params) from small_batch_pack_int4 for out_features rows (bits 4 or 5) -> the float32 W [N, K]
-// that small_batch_linear_int4 multiplies by: q * scale + offset per group.
+// that small_batch_linear_int4 multiplies by: q * scale + offset per group; with `rows`, only those rows
+// ([rows.numel(), K], in their order: an embedding's lookups on a tied head's one copy).
 at::Tensor small_batch_dequantize_int4(at::Tensor packed, at::Tensor params, int64_t out_features,
-                                       int64_t bits) {
+                                       int64_t bits, const std::optional<at::Tensor>& rows) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(0) == (out_features + kRows - 1) / kRows * kRows && params.dim() == 4 &&
                   params.is_contiguous() && params.size(0) * kRows == packed.size(0) && params.size(2) == 2 &&
@@ -971,19 +978,24 @@ at::Tensor small_batch_dequantize_int4(at::Tensor packed, at::Tensor params, int
                   (bits == 4 || (bits == 5 && packed.size(1) % 5 == 0)),
               "small_batch_dequantize_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
   const int64_t k_size = bits == 4 ? packed.size(1) * 2 : packed.size(1) / 5 * 8, groups = params.size(1);
-  auto out = at::empty({out_features, k_size}, packed.options().dtype(at::kFloat));
+  const auto ids = checked_rows(rows, out_features);
+  const int64_t count = ids.defined() ? ids.numel() : out_features;
+  const int64_t* id_ptr = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
+  auto out = at::empty({count, k_size}, packed.options().dtype(at::kFloat));
   if (params.scalar_type() == at::kHalf)
-    dequantize_int4_blocks(packed.data_ptr<uint8_t>(), params.data_ptr<c10::Half>(), out.data_ptr<float>(),
-                           out_features, k_size, groups, bits == 5);
+    dequantize_int4_rows(packed.data_ptr<uint8_t>(), params.data_ptr<c10::Half>(), out.data_ptr<float>(),
+                         out_features, k_size, groups, bits == 5, id_ptr, count);
   else
-    dequantize_int4_blocks(packed.data_ptr<uint8_t>(), params.data_ptr<float>(), out.data_ptr<float>(), out_features,
-                           k_size, groups, bits == 5);
+    dequantize_int4_rows(packed.data_ptr<uint8_t>(), params.data_ptr<float>(), out.data_ptr<float>(), out_features,
+                         k_size, groups, bits == 5, id_ptr, count);
   return out;
 }
 
 // packed from small_batch_pack_int8 with its scales ([N] float32 per row, or packed per 32 or 16
-// columns) -> the float32 W [N, K] that small_batch_linear_int8 multiplies by: q * scale.
-at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int64_t out_features) {
+// columns) -> the float32 W [N, K] that small_batch_linear_int8 multiplies by: q * scale; with `rows`, only
+// those rows.
+at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int64_t out_features,
+                                       const std::optional<at::Tensor>& rows) {
   const bool grouped = scales.dim() == 3;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(0) == (out_features + kRows - 1) / kRows * kRows && scales.is_contiguous() &&
@@ -993,12 +1005,15 @@ at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int
                                  scales.scalar_type() == at::kFloat),
               "small_batch_dequantize_int8 takes weights packed by small_batch_pack_int8 and their scales");
   const int64_t k_size = packed.size(1), groups = grouped ? scales.size(1) : 0;
-  auto out = at::empty({out_features, k_size}, packed.options().dtype(at::kFloat));
+  const auto ids = checked_rows(rows, out_features);
+  const int64_t count = ids.defined() ? ids.numel() : out_features;
+  const int64_t* id_ptr = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
+  auto out = at::empty({count, k_size}, packed.options().dtype(at::kFloat));
   if (grouped && scales.scalar_type() == at::kHalf)
-    dequantize_int8_blocks(packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), out.data_ptr<float>(),
-                           out_features, k_size, groups);
+    dequantize_int8_rows(packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), out.data_ptr<float>(),
+                         out_features, k_size, groups, id_ptr, count);
   else
-    dequantize_int8_blocks(packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out.data_ptr<float>(), out_features,
-                           k_size, groups);
+    dequantize_int8_rows(packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out.data_ptr<float>(), out_features,
+                         k_size, groups, id_ptr, count);
   return out;
 }

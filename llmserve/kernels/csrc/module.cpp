@@ -65,10 +65,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A mixture-of-experts layer's int8/int4 experts in one call: sort pairs, gather, grouped gate/up, "
         "silu_and_mul, grouped down, combine; pairs routed outside the held experts [first_expert, +E) skipped");
   m.def("small_batch_dequantize_int4", &small_batch_dequantize_int4,
-        "The float32 W [N, K] of an int4 (bits 5: 5-bit) weight packed by small_batch_pack_int4 (its one copy)",
-        py::arg("packed"), py::arg("params"), py::arg("out_features"), py::arg("bits") = 4);
+        "The float32 W [N, K] of an int4 (bits 5: 5-bit) weight packed by small_batch_pack_int4 (its one copy); "
+        "with rows, only those rows",
+        py::arg("packed"), py::arg("params"), py::arg("out_features"), py::arg("bits") = 4,
+        py::arg("rows") = py::none());
   m.def("small_batch_dequantize_int8", &small_batch_dequantize_int8,
-        "The float32 W [N, K] of an int8 weight packed by small_batch_pack_int8 with its scales");
+        "The float32 W [N, K] of an int8 weight packed by small_batch_pack_int8 with its scales; with rows, only "
+        "those rows",
+        py::arg("packed"), py::arg("scales"), py::arg("out_features"), py::arg("rows") = py::none());
   m.def("small_batch_linear_int8_supported", &small_batch_linear_int8_supported,
         "Whether the int8 and int4 small-batch kernels were compiled in for inputs of this dtype",
         py::arg("input_dtype") = at::kBFloat16);
