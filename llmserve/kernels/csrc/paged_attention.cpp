@@ -540,11 +540,17 @@ void attend_fma(const Batch<scalar_t, typename Rows::elem_t>& batch, int64_t seq
   const int64_t num_chunks = static_cast<int64_t>(chunks.size());
   // scores, 8 keys at a time
   const elem_t* keys = batch.key_cache + kv_head * batch.row_len;
-  for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i)
+  const elem_t* values = batch.value_cache + kv_head * batch.row_len;
+  // the K pass asks for each chunk's V rows too: the V pass then starts from the caches, not memory
+  for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i) {
     prefetch_rows(keys + chunks[i].offset, chunks[i].count, stride, row_bytes);
+    prefetch_rows(values + chunks[i].offset, chunks[i].count, stride, row_bytes);
+  }
   for (int64_t i = 0; i < num_chunks; ++i) {
-    if (i + kPrefetchChunks < num_chunks)
+    if (i + kPrefetchChunks < num_chunks) {
       prefetch_rows(keys + chunks[i + kPrefetchChunks].offset, chunks[i + kPrefetchChunks].count, stride, row_bytes);
+      prefetch_rows(values + chunks[i + kPrefetchChunks].offset, chunks[i + kPrefetchChunks].count, stride, row_bytes);
+    }
     const Chunk chunk = chunks[i];
     for (int64_t first = 0; first < chunk.count; first += 8) {
       const int count = static_cast<int>(std::min<int64_t>(8, chunk.count - first));
@@ -573,9 +579,6 @@ void attend_fma(const Batch<scalar_t, typename Rows::elem_t>& batch, int64_t seq
   }
   for (int64_t r = 0; r < rows; ++r) softmax_row_f32(span, (row_begin + r) / group, scores + r * pitch);
   // P V, chunk by chunk (all rows, 32 columns at a time), accumulating in the rows' outputs
-  const elem_t* values = batch.value_cache + kv_head * batch.row_len;
-  for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i)
-    prefetch_rows(values + chunks[i].offset, chunks[i].count, stride, row_bytes);
   if (num_chunks == 0) {  // nothing visible (cannot happen for a real query, which sees itself)
     for (int64_t r = 0; r < rows; ++r) std::fill(out_rows[r], out_rows[r] + D, 0.0f);
   }
