@@ -12,7 +12,8 @@ The coefficients are fitted online by least squares over the recent steps (expon
 about `recent_steps` of them), from the shapes the scheduler planned and the step times the engine
 measured: no step is added, nothing is synchronized. A small ridge keeps a direction the recent steps
 never varied (no prefill yet, say) at zero rather than at noise, and a coefficient the fit drives below
-zero is dropped from the fit (a step never gets cheaper by adding work). Until `min_steps` steps were
+zero is held at zero: the fit is the best one whose coefficients are all non-negative (a step never
+gets cheaper by adding work). Until `min_steps` steps were
 seen the model is not fitted and predicts nothing (callers then apply no latency cap).
 
 This is the one step-time model. The engine's scheduler (core/scheduler.py) owns the one fitted
@@ -182,21 +183,27 @@ class StepCostModel:
 def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
     """argmin over w >= 0 of w'Gw/2 - m'w, for a positive definite G: at most a few small solves."""
     size = len(moment)
+    unconstrained = np.linalg.solve(gram, moment)
+    if (unconstrained >= 0).all():  # the usual case: nothing to hold at zero
+        return unconstrained
     solution = np.zeros(size)
     positive = np.zeros(size, dtype=bool)
+    blocked = np.zeros(size, dtype=bool)  # dropped at once after entering (rounding): not re-entered
     tolerance = 1e-12 * (np.abs(moment).max() + _TINY)
     for _ in range(3 * size):  # the active set converges in far fewer; a bound, not a tuning
         gradient = moment - gram @ solution
-        candidates = np.where(~positive & (gradient > tolerance))[0]
+        candidates = np.where(~positive & ~blocked & (gradient > tolerance))[0]
         if not len(candidates):
             break
-        positive[candidates[np.argmax(gradient[candidates])]] = True
+        entering = candidates[np.argmax(gradient[candidates])]
+        positive[entering] = True
         while True:
             trial = np.zeros(size)
             index = np.where(positive)[0]
             trial[index] = np.linalg.solve(gram[np.ix_(index, index)], moment[index])
             if (trial[index] > 0).all():
                 solution = trial
+                blocked[:] = False
                 break
             # step from the solution towards the trial as far as every coefficient stays >= 0; the
             # one that reaches 0 first (and any other at 0) leaves the positive set
@@ -207,4 +214,6 @@ def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
             solution[falling[np.argmin(ratios)]] = 0.0
             positive &= solution > 0
             solution[~positive] = 0.0
+            if not positive[entering]:
+                blocked[entering] = True
     return solution

@@ -11,11 +11,13 @@ in the server) once it is fitted, else its tokens x seconds per token and the re
 The engine's warm-up steps (engine/warmup.py) are the first of them (`prime`), so the first burst after
 start-up is predicted too; until a request has finished there is no finish rate, and the admission
 assumes the requests ahead are as long as the new one. The warm-up ran in the engine's process on idle
-cores, while served steps share them with the server's HTTP and output handling: until
-`_SERVED_STEPS_TO_TRUST` served steps are measured, the prior's predictions are taken
-`_COLD_START_MARGIN` times longer (a 429 with a Retry-After costs a client less than a 408 after
-waiting out its timeout). The server's admission
-(entrypoints/openai/admission.py) refuses a request whose wait exceeds its deadline.
+cores, while served steps share them with the server's HTTP and output handling: until a served
+request has finished and `_SERVED_STEPS_TO_TRUST` served steps are measured (after each warm-up: an
+engine restart primes again), the prior's predictions are taken `_COLD_START_MARGIN` times longer (a
+429 with a Retry-After costs a client less than a 408 after waiting out its timeout). A burst's
+admissions all happen before its first request finishes, so the margin holds for the whole burst.
+The server's admission (entrypoints/openai/admission.py) refuses a request whose wait exceeds its
+deadline.
 """
 
 from __future__ import annotations
@@ -50,18 +52,22 @@ class WaitPredictor:
         self._seconds = 0.0
         self.step_cost: StepCost | None = None  # the engine's step-time model, as of its latest step
         self._primed = False
-        self._served_steps = 0
+        self._served_steps = 0  # since the last warm-up
+        self._served_finish = False  # a served request finished since the last warm-up
 
     def on_step(self, stats: StepStats | None, outputs: Sequence[RequestOutput]) -> None:
         if stats is None:  # an abort's output, not a step
             return
         self._served_steps += 1
-        self._add(stats, sum(1 for output in outputs if output.finished))
+        finished = sum(1 for output in outputs if output.finished)
+        self._served_finish = self._served_finish or finished > 0
+        self._add(stats, finished)
 
     def prime(self, steps: Sequence[StepStats]) -> None:
         """Take the engine's warm-up steps as measured ones (their requests' finishes do not count)."""
+        if steps:  # a new engine's prior: the margin again until served steps replace it
+            self._primed, self._served_steps, self._served_finish = True, 0, False
         for stats in steps:
-            self._primed = True
             self._add(stats, 0)
 
     def _add(self, stats: StepStats, finished: int) -> None:
@@ -95,7 +101,7 @@ class WaitPredictor:
     @property
     def margin(self) -> float:
         """What predictions are multiplied by: the cold start's margin while they rest on the warm-up."""
-        cold = self._primed and self._served_steps < _SERVED_STEPS_TO_TRUST
+        cold = self._primed and (not self._served_finish or self._served_steps < _SERVED_STEPS_TO_TRUST)
         return _COLD_START_MARGIN if cold else 1.0
 
     def predict(self, queued_tokens: int, requests_over_slots: int = 0) -> float:

@@ -40,7 +40,8 @@ class Int8Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows, cols = self.qweight.shape
-        grouped = self.qweight.to(dtype).view(rows, -1, self.group_size) * self.scales.to(dtype)[..., None]
+        codes = self.qweight.to(dtype).view(rows, cols // self.group_size, self.group_size)  # 0 rows too
+        grouped = codes * self.scales.to(dtype)[..., None]
         return grouped.view(rows, cols)
 
     def rows(self, index: torch.Tensor) -> Int8Weight:
@@ -63,7 +64,7 @@ class Int4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows, cols = self.qweight.shape
-        codes = self.qweight.to(dtype).view(rows, -1, self.group_size)
+        codes = self.qweight.to(dtype).view(rows, cols // self.group_size, self.group_size)  # 0 rows too
         return (codes * self.scales.to(dtype)[..., None] + self.offsets.to(dtype)[..., None]).view(rows, cols)
 
     def rows(self, index: torch.Tensor) -> Int4Weight:

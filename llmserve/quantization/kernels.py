@@ -73,8 +73,8 @@ class DequantizeKernel(LinearKernel):
     def weight_rows(self, index: torch.Tensor) -> torch.Tensor | None:
         if self.scales.dtype != torch.float32:  # rounded to the activation dtype: not the file's values
             return None
-        flat = index.reshape(-1)
-        return self._weight().rows(flat).dequantize(torch.float32).view(*index.shape, -1)
+        rows = self._weight().rows(index.reshape(-1)).dequantize(torch.float32)
+        return rows.view(*index.shape, rows.shape[-1])
 
     def _weight(self) -> QuantizedWeight:
         if self.kind == "int8":
@@ -138,7 +138,7 @@ class RoundedInputKernel(LinearKernel):
         rows, in the dequantize's arithmetic: equal to `dequantize(torch.float32)[index]`)."""
         flat = index.reshape(-1).long()
         rows = self._unpack(self.small_batch_qweight, self.small_batch_scales, self.out_features, rows=flat)
-        return rows.view(*index.shape, -1)
+        return rows.view(*index.shape, rows.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in self._takes:

@@ -43,10 +43,20 @@ def test_the_warm_up_steps_are_the_prior_and_give_no_finish_rate():
     predictor.on_step(_step(0, 2, 0.01), _finished(2))  # the first real finishes give the rate
     assert predictor.seconds_per_finished_request == pytest.approx(0.025)
     assert predictor.margin == 2.0
-    for _ in range(31):  # 32 served steps: the margin goes
+    for _ in range(40):  # a served finish (above) and 32 served steps: the margin goes
         predictor.on_step(_step(0, 2, 0.01), [])
+        predictor.on_step(None, _finished(1))  # an abort's output is neither a step nor a finish
     assert predictor.margin == 1.0
     assert predictor.predict(3100) == pytest.approx(3100 * predictor.seconds_per_token)
+    predictor.prime([_step(27, 1, 0.028)])  # a restarted engine's warm-up: cold again
+    for _ in range(40):
+        predictor.on_step(_step(0, 2, 0.01), [])
+    assert predictor.margin == 2.0  # no served finish since
+    predictor.on_step(_step(0, 2, 0.01), _finished(1))
+    assert predictor.margin == 1.0
+    predictor.prime([_step(27, 1, 0.028)])
+    predictor.on_step(_step(0, 2, 0.01), _finished(1))
+    assert predictor.margin == 2.0  # a finish, but only one served step since the warm-up
 
 
 def test_without_a_warm_up_the_served_steps_need_no_margin():

@@ -62,6 +62,7 @@ def test_rows_equal_gguf_dequantize_of_those_rows(type_name, kind):
     rows = kernel.weight_rows(IDS)
     assert rows.dtype == torch.float32 and torch.equal(rows, reference[IDS])
     assert not torch.equal(rows[0, 0], rows[0, 2])  # different rows really differ
+    assert kernel.weight_rows(torch.empty(2, 0, dtype=torch.long)).shape == (2, 0, COLS)  # no lookups
 
 
 @pytest.mark.parametrize("kind", KERNELS)

@@ -916,15 +916,14 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_int4_row(const uint
   }
 }
 
-// Rows `ids` (null: every row, in order) of an int4 weight into out [rows, K].
+// Rows `ids` (every row in order where `all_rows`) of an int4 weight into out [count, K].
 template <typename Param>
-void dequantize_int4_rows(const uint8_t* packed, const Param* params, float* out, int64_t n_size, int64_t k_size,
-                          int64_t groups, bool five_bit, const int64_t* ids, int64_t count) {
+void dequantize_int4_rows(const uint8_t* packed, const Param* params, float* out, int64_t k_size, int64_t groups,
+                          bool five_bit, bool all_rows, const int64_t* ids, int64_t count) {
   const int64_t nibble_bytes = kRows * k_size / 2, block_bytes = nibble_bytes + (five_bit ? kRows * k_size / 8 : 0);
-  const int64_t rows = ids ? count : n_size;
-  at::parallel_for(0, rows, ids ? 64 : kRows, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, count, all_rows ? kRows : 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = ids ? ids[i] : i, b = row / kRows;
+      const int64_t row = all_rows ? i : ids[i], b = row / kRows;
       const uint8_t* block = packed + b * block_bytes;
       dequantize_int4_row(block, five_bit ? block + nibble_bytes : nullptr, params + b * groups * 2 * kRows,
                           out + i * k_size, row % kRows, k_size, k_size / groups);
@@ -932,15 +931,14 @@ void dequantize_int4_rows(const uint8_t* packed, const Param* params, float* out
   });
 }
 
-// Rows `ids` (null: every row, in order) of an int8 weight into out [rows, K].
+// Rows `ids` (every row in order where `all_rows`) of an int8 weight into out [count, K].
 template <typename Param>
-void dequantize_int8_rows(const uint8_t* packed, const Param* scales, float* out, int64_t n_size, int64_t k_size,
-                          int64_t groups, const int64_t* ids, int64_t count) {
+void dequantize_int8_rows(const uint8_t* packed, const Param* scales, float* out, int64_t k_size, int64_t groups,
+                          bool all_rows, const int64_t* ids, int64_t count) {
   const int64_t group_size = groups ? k_size / groups : k_size;  // groups 0: one float32 scale per row
-  const int64_t rows = ids ? count : n_size;
-  at::parallel_for(0, rows, ids ? 64 : kRows, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, count, all_rows ? kRows : 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = ids ? ids[i] : i, b = row / kRows, r = row % kRows;
+      const int64_t row = all_rows ? i : ids[i], b = row / kRows, r = row % kRows;
       const uint8_t* block = packed + b * kRows * k_size;
       float* dst = out + i * k_size;
       for (int64_t quad = 0; quad < k_size / 4; ++quad) {
@@ -958,6 +956,7 @@ at::Tensor checked_rows(const std::optional<at::Tensor>& rows, int64_t n_size) {
   if (!rows) return {};
   TORCH_CHECK(rows->scalar_type() == at::kLong && rows->device().is_cpu(), "rows must be int64 row ids on the CPU");
   auto flat = rows->reshape({-1}).contiguous();
+  if (flat.numel() == 0) return flat;
   const int64_t* ids = flat.data_ptr<int64_t>();
   for (int64_t i = 0; i < flat.numel(); ++i)
     TORCH_CHECK(ids[i] >= 0 && ids[i] < n_size, "row id out of range: ", ids[i], " of ", n_size, " rows");
@@ -979,15 +978,17 @@ at::Tensor small_batch_dequantize_int4(at::Tensor packed, at::Tensor params, int
               "small_batch_dequantize_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
   const int64_t k_size = bits == 4 ? packed.size(1) * 2 : packed.size(1) / 5 * 8, groups = params.size(1);
   const auto ids = checked_rows(rows, out_features);
-  const int64_t count = ids.defined() ? ids.numel() : out_features;
-  const int64_t* id_ptr = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
+  const bool all_rows = !ids.defined();
+  const int64_t count = all_rows ? out_features : ids.numel();
   auto out = at::empty({count, k_size}, packed.options().dtype(at::kFloat));
+  if (count == 0) return out;  // an empty tensor's data pointer may be null
+  const int64_t* id_ptr = all_rows ? nullptr : ids.data_ptr<int64_t>();
   if (params.scalar_type() == at::kHalf)
-    dequantize_int4_rows(packed.data_ptr<uint8_t>(), params.data_ptr<c10::Half>(), out.data_ptr<float>(),
-                         out_features, k_size, groups, bits == 5, id_ptr, count);
+    dequantize_int4_rows(packed.data_ptr<uint8_t>(), params.data_ptr<c10::Half>(), out.data_ptr<float>(), k_size,
+                         groups, bits == 5, all_rows, id_ptr, count);
   else
-    dequantize_int4_rows(packed.data_ptr<uint8_t>(), params.data_ptr<float>(), out.data_ptr<float>(), out_features,
-                         k_size, groups, bits == 5, id_ptr, count);
+    dequantize_int4_rows(packed.data_ptr<uint8_t>(), params.data_ptr<float>(), out.data_ptr<float>(), k_size, groups,
+                         bits == 5, all_rows, id_ptr, count);
   return out;
 }
 
@@ -1006,14 +1007,16 @@ at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int
               "small_batch_dequantize_int8 takes weights packed by small_batch_pack_int8 and their scales");
   const int64_t k_size = packed.size(1), groups = grouped ? scales.size(1) : 0;
   const auto ids = checked_rows(rows, out_features);
-  const int64_t count = ids.defined() ? ids.numel() : out_features;
-  const int64_t* id_ptr = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
+  const bool all_rows = !ids.defined();
+  const int64_t count = all_rows ? out_features : ids.numel();
   auto out = at::empty({count, k_size}, packed.options().dtype(at::kFloat));
+  if (count == 0) return out;  // an empty tensor's data pointer may be null
+  const int64_t* id_ptr = all_rows ? nullptr : ids.data_ptr<int64_t>();
   if (grouped && scales.scalar_type() == at::kHalf)
-    dequantize_int8_rows(packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), out.data_ptr<float>(),
-                         out_features, k_size, groups, id_ptr, count);
+    dequantize_int8_rows(packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), out.data_ptr<float>(), k_size,
+                         groups, all_rows, id_ptr, count);
   else
-    dequantize_int8_rows(packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out.data_ptr<float>(), out_features,
-                         k_size, groups, id_ptr, count);
+    dequantize_int8_rows(packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out.data_ptr<float>(), k_size, groups,
+                         all_rows, id_ptr, count);
   return out;
 }

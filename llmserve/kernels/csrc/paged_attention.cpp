@@ -578,7 +578,10 @@ void attend_fma(const Batch<scalar_t, typename Rows::elem_t>& batch, int64_t seq
     }
   }
   for (int64_t r = 0; r < rows; ++r) softmax_row_f32(span, (row_begin + r) / group, scores + r * pitch);
-  // P V, chunk by chunk (all rows, 32 columns at a time), accumulating in the rows' outputs
+  // P V, chunk by chunk (all rows, 32 columns at a time), accumulating in the rows' outputs; its own lead
+  // too (a context past the caches has lost the first chunks' V rows again by now)
+  for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i)
+    prefetch_rows(values + chunks[i].offset, chunks[i].count, stride, row_bytes);
   if (num_chunks == 0) {  // nothing visible (cannot happen for a real query, which sees itself)
     for (int64_t r = 0; r < rows; ++r) std::fill(out_rows[r], out_rows[r] + D, 0.0f);
   }
