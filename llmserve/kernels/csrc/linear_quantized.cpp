@@ -951,16 +951,25 @@ void dequantize_int8_rows(const uint8_t* packed, const Param* scales, float* out
   });
 }
 
-// The row ids asked for (int64, any shape, each in [0, n_size)) as a flat contiguous tensor, or undefined.
-at::Tensor checked_rows(const std::optional<at::Tensor>& rows, int64_t n_size) {
-  if (!rows) return {};
+// The rows a dequantize call rebuilds: every row in order (`all`), or the ids asked for (int64, any
+// shape, each in [0, n_size), checked), flattened; `ids` is null when there are none (an empty tensor's
+// data pointer may be null).
+struct RowIds {
+  at::Tensor flat;
+  bool all;
+  int64_t count;
+  const int64_t* ids;
+};
+
+RowIds row_ids(const std::optional<at::Tensor>& rows, int64_t n_size) {
+  if (!rows) return {at::Tensor(), true, n_size, nullptr};
   TORCH_CHECK(rows->scalar_type() == at::kLong && rows->device().is_cpu(), "rows must be int64 row ids on the CPU");
   auto flat = rows->reshape({-1}).contiguous();
-  if (flat.numel() == 0) return flat;
-  const int64_t* ids = flat.data_ptr<int64_t>();
-  for (int64_t i = 0; i < flat.numel(); ++i)
+  const int64_t count = flat.numel();
+  const int64_t* ids = count ? flat.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; i < count; ++i)
     TORCH_CHECK(ids[i] >= 0 && ids[i] < n_size, "row id out of range: ", ids[i], " of ", n_size, " rows");
-  return flat;
+  return {flat, false, count, ids};
 }
 
 }  // namespace
@@ -977,18 +986,14 @@ at::Tensor small_batch_dequantize_int4(at::Tensor packed, at::Tensor params, int
                   (bits == 4 || (bits == 5 && packed.size(1) % 5 == 0)),
               "small_batch_dequantize_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
   const int64_t k_size = bits == 4 ? packed.size(1) * 2 : packed.size(1) / 5 * 8, groups = params.size(1);
-  const auto ids = checked_rows(rows, out_features);
-  const bool all_rows = !ids.defined();
-  const int64_t count = all_rows ? out_features : ids.numel();
-  auto out = at::empty({count, k_size}, packed.options().dtype(at::kFloat));
-  if (count == 0) return out;  // an empty tensor's data pointer may be null
-  const int64_t* id_ptr = all_rows ? nullptr : ids.data_ptr<int64_t>();
+  const RowIds ids = row_ids(rows, out_features);
+  auto out = at::empty({ids.count, k_size}, packed.options().dtype(at::kFloat));
   if (params.scalar_type() == at::kHalf)
     dequantize_int4_rows(packed.data_ptr<uint8_t>(), params.data_ptr<c10::Half>(), out.data_ptr<float>(), k_size,
-                         groups, bits == 5, all_rows, id_ptr, count);
+                         groups, bits == 5, ids.all, ids.ids, ids.count);
   else
     dequantize_int4_rows(packed.data_ptr<uint8_t>(), params.data_ptr<float>(), out.data_ptr<float>(), k_size, groups,
-                         bits == 5, all_rows, id_ptr, count);
+                         bits == 5, ids.all, ids.ids, ids.count);
   return out;
 }
 
@@ -1006,17 +1011,13 @@ at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int
                                  scales.scalar_type() == at::kFloat),
               "small_batch_dequantize_int8 takes weights packed by small_batch_pack_int8 and their scales");
   const int64_t k_size = packed.size(1), groups = grouped ? scales.size(1) : 0;
-  const auto ids = checked_rows(rows, out_features);
-  const bool all_rows = !ids.defined();
-  const int64_t count = all_rows ? out_features : ids.numel();
-  auto out = at::empty({count, k_size}, packed.options().dtype(at::kFloat));
-  if (count == 0) return out;  // an empty tensor's data pointer may be null
-  const int64_t* id_ptr = all_rows ? nullptr : ids.data_ptr<int64_t>();
+  const RowIds ids = row_ids(rows, out_features);
+  auto out = at::empty({ids.count, k_size}, packed.options().dtype(at::kFloat));
   if (grouped && scales.scalar_type() == at::kHalf)
     dequantize_int8_rows(packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), out.data_ptr<float>(), k_size,
-                         groups, all_rows, id_ptr, count);
+                         groups, ids.all, ids.ids, ids.count);
   else
     dequantize_int8_rows(packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), out.data_ptr<float>(), k_size, groups,
-                         all_rows, id_ptr, count);
+                         ids.all, ids.ids, ids.count);
   return out;
 }
