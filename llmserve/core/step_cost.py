@@ -203,7 +203,8 @@ def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
             trial[index] = np.linalg.solve(gram[np.ix_(index, index)], moment[index])
             if (trial[index] > 0).all():
                 solution = trial
-                blocked[:] = False
+                if positive[entering]:  # an index entered for good: the blocked ones may again
+                    blocked[:] = False
                 break
             # step from the solution towards the trial as far as every coefficient stays >= 0; the
             # one that reaches 0 first (and any other at 0) leaves the positive set
