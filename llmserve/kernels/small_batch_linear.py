@@ -224,6 +224,14 @@ def _identity(weight: torch.Tensor) -> tuple[int, int]:
     return weight.data_ptr(), weight._version
 
 
+def note_moved_weights(model: nn.Module) -> None:
+    """Each `PackedLinear`'s weight moved with its copies (worker/weight_arena.py): not a write, so the
+    copies stay (`forward` would pack them again for a weight at a new address)."""
+    for module in model.modules():
+        if type(module) is PackedLinear:
+            module.packed_from = _identity(module.weight)
+
+
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` reordered once into oneDNN's blocked layout, or None where this torch cannot."""
     if not torch.backends.mkldnn.is_available():

@@ -37,7 +37,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple[object, int]:
     return (tensor.device, storage.data_ptr()), storage.nbytes()
 
 
-def _module_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+def module_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
     for module in model.modules():
         yield from (t for t in module._parameters.values() if t is not None)
         yield from (t for t in module._buffers.values() if t is not None)
@@ -53,7 +53,7 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor], exclude: Iterable[torc
 
 def weights_memory_bytes(model: nn.Module, exclude: Iterable[torch.Tensor] = ()) -> int:
     """The bytes `model`'s weights hold (module docstring); `exclude`: the KV pool."""
-    return unique_storage_bytes(_module_tensors(model), exclude)
+    return unique_storage_bytes(module_tensors(model), exclude)
 
 
 def weight_count(model: nn.Module) -> int:

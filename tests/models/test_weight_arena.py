@@ -1,0 +1,143 @@
+"""The loaded model's CPU weights in one huge-page buffer (llmserve/worker/weight_arena.py): every
+storage moved with all its views, none that something outside the model holds, the values and the
+outputs unchanged."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from llmserve.config import EngineArgs
+from llmserve.kernels.small_batch_linear import PackedLinear
+from llmserve.model_loader import load_arch_config
+from llmserve.worker import model_loading
+from llmserve.worker.memory_report import weights_memory_bytes
+from llmserve.worker.weight_arena import WeightArena, gather_weights
+from tests.helpers import make_tiny_llama_dir
+
+_HUGE_PAGE = 2 << 20
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied: one storage
+        self.register_buffer("scale", torch.arange(3.0))
+        self.packed = torch.arange(5, dtype=torch.int8)  # a plain tensor attribute (a kernel's packed copy)
+        self.rows = self.embed.weight.detach()[2:]  # a view of a moved storage
+        self.fused = torch.arange(12.0).view(3, 4)[:, 1:]  # a view whose base only it reaches
+        with torch.inference_mode():  # an inference tensor (quantized weights are made under the mode)
+            self.codes = torch.arange(4, dtype=torch.int32)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _in_one_mapping(tensors: list[torch.Tensor], moved: int) -> bool:
+    """Whether the tensors' storages lie in `moved` bytes from a 2 MiB boundary (gather_weights' mapping)."""
+    starts = [t.untyped_storage().data_ptr() for t in tensors]
+    ends = [t.untyped_storage().data_ptr() + t.untyped_storage().nbytes() for t in tensors]
+    return min(starts) % _HUGE_PAGE == 0 and max(ends) - min(starts) <= moved
+
+
+def test_every_storage_moves_into_one_aligned_mapping_with_all_its_views():
+    model = _Tied()
+    before = {name: value.clone() for name, value in vars(model).items() if isinstance(value, torch.Tensor)}
+    weights = {"embed": model.embed.weight.clone(), "scale": model.scale.clone()}
+    storages = {_storage(t) for t in (model.embed.weight, model.scale, model.packed)}
+    report = weights_memory_bytes(model)
+    moved = gather_weights(model)
+    tensors = [model.embed.weight, model.head.weight, model.scale, model.packed, model.rows, model.fused]
+    tensors.append(model.codes)
+    assert moved > 0 and _in_one_mapping(tensors, moved)
+    assert not storages & {_storage(t) for t in tensors}  # none left behind
+    assert weights_memory_bytes(model) == report  # each storage its own still, of its size
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(model.embed.weight, weights["embed"]) and torch.equal(model.scale, weights["scale"])
+    for name, value in before.items():
+        assert torch.equal(getattr(model, name), value), name
+    with torch.no_grad():
+        model.embed.weight[3, 1] = 42.0
+    assert model.rows[1, 1] == 42.0  # still a view of the weight, not a copy of it
+    assert model.fused._base is not None and _storage(model.fused._base) == _storage(model.fused)
+
+
+def test_a_reserved_arena_takes_the_weights_where_they_fit_else_a_new_one():
+    model = _Tied()
+    small = WeightArena(1, background=True)  # a whole page: the model's few bytes fit
+    moved = gather_weights(model, small)
+    start = small.bytes(0, 1).data_ptr()
+    assert moved > 0 and all(start <= t.data_ptr() < start + moved for t in (model.embed.weight, model.scale))
+    model = _Tied()
+    model.big = torch.zeros(3 << 20, dtype=torch.uint8)  # more than the page reserved
+    tight = WeightArena(1, background=True)
+    moved = gather_weights(model, tight)
+    within = (
+        tight.bytes(0, 1).data_ptr() <= model.big.data_ptr() < tight.bytes(0, 1).data_ptr() + tight.nbytes
+    )
+    assert moved > 2 << 20 and not within and _in_one_mapping([model.big, model.scale], moved)
+
+
+def test_a_storage_held_outside_the_model_stays_where_it_is():
+    model = _Tied()
+    outside = model.scale.detach()  # another tensor on the buffer's storage, which the model does not reach
+    where = model.scale.data_ptr()
+    gather_weights(model)
+    assert model.scale.data_ptr() == where and _storage(model.embed.weight) != _storage(model.scale)
+    outside[0] = 7.0
+    assert model.scale[0] == 7.0  # the two still share their memory
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+@pytest.mark.parametrize("background", [False, True])
+def test_an_arena_is_2mib_aligned_and_eligible_for_huge_pages_where_the_os_enables_them(background):
+    arena = WeightArena(3 << 20, background)
+    arena.release()  # the background thread's pages mapped, or stopped
+    buffer = arena.bytes(0, arena.nbytes)
+    address = buffer.data_ptr()
+    assert arena.nbytes == 4 << 20 and address % _HUGE_PAGE == 0 and int(buffer.sum()) == 0
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            enabled = "[never]" not in f.read()
+    except FileNotFoundError:  # a kernel built without THP
+        enabled = False
+    eligible = None
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "THPeligible:":
+                eligible = line.split()[1] == "1"
+    assert eligible is None or eligible == enabled  # older kernels do not report it
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_loaded_model_serves_from_the_buffer_and_its_packed_copies_stay(tmp_path, monkeypatch, dtype):
+    path = make_tiny_llama_dir(str(tmp_path / "tiny"))
+    args = EngineArgs(model=path, dtype=dtype, max_model_len=128, kv_cache_memory="8MiB")
+    config = args.create_config(load_arch_config(path), path).model
+    monkeypatch.setattr(model_loading, "gather_weights", lambda model, arena: 0)
+    plain = model_loading.load_model(config)
+    monkeypatch.undo()
+    model = model_loading.load_model(config)
+    # a PackedLinear packs again for a weight at a new address: a moved one must not look new
+    tensors = [*model.parameters(), *model.buffers()]
+    padded = weights_memory_bytes(model) + 64 * len({_storage(t) for t in tensors})  # each from a cache line
+    assert _in_one_mapping(tensors, padded)
+    packed = [m for m in model.modules() if type(m) is PackedLinear]
+    assert bool(packed) == (dtype == "float32")
+    monkeypatch.setattr(PackedLinear, "_pack_again", lambda self: pytest.fail("packed again"))
+    ids = torch.randint(0, config.arch.vocab_size, (1, 12))
+    with torch.no_grad():
+        hidden, plain_hidden = model.model.embed_tokens(ids), plain.model.embed_tokens(ids)
+        layer, plain_layer = model.model.layers[0].mlp, plain.model.layers[0].mlp
+        assert torch.equal(layer(hidden), plain_layer(plain_hidden))
