@@ -50,7 +50,6 @@ from llmserve.worker.memory_report import log_memory_report, measure_memory, wei
 from llmserve.worker.model_loading import load_model
 from llmserve.worker.model_runner import ModelRunner, ModelRunnerOutput, allocate_kv_pool_early
 from llmserve.worker.pipeline_stage import PipelineDriver
-from llmserve.worker.weight_arena import reserve_weight_arena
 
 logger = logging.getLogger("llmserve")
 
@@ -153,7 +152,6 @@ class LLMEngine:
         the runner's config is `resolve_config` of the device's memory measured after loading."""
         group = None if self.executor is None else self.executor.group
         config = self.config.model
-        arena = reserve_weight_arena(config)  # huge pages for the weights, mapped in while they load
         early_kv_pool = allocate_kv_pool_early(self.config)  # its prefault runs while the weights load
         target_vocabulary = None
         spec = self.config.speculative
@@ -167,7 +165,7 @@ class LLMEngine:
         stage = PipelineStage.of(
             config.arch.num_hidden_layers, parallel.pipeline_parallel_size, 0
         )  # rank 0's
-        model = load_model(config, self.tokenizer, group, stage, arena)
+        model = load_model(config, self.tokenizer, group, stage)
         config = self.config
         if config.cache.size_from_gpu_memory is not None:  # the pool: what the weights and a step leave
             config = resolve_config(profile_device_memory(config, model))

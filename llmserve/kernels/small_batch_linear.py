@@ -224,12 +224,16 @@ def _identity(weight: torch.Tensor) -> tuple[int, int]:
     return weight.data_ptr(), weight._version
 
 
-def note_moved_weights(model: nn.Module) -> None:
-    """Each `PackedLinear`'s weight moved with its copies (worker/weight_arena.py): not a write, so the
-    copies stay (`forward` would pack them again for a weight at a new address)."""
-    for module in model.modules():
-        if type(module) is PackedLinear:
-            module.packed_from = _identity(module.weight)
+def current_packs(model: nn.Module) -> list[PackedLinear]:
+    """The `PackedLinear`s whose copies were made from their weight as it is now."""
+    return [m for m in model.modules() if type(m) is PackedLinear and m.packed_from == _identity(m.weight)]
+
+
+def note_moved_weights(modules: list[PackedLinear]) -> None:
+    """Their weights moved with their copies (worker/weight_arena.py): not a write, so the copies stay
+    (`forward` would pack them again for a weight at a new address)."""
+    for module in modules:
+        module.packed_from = _identity(module.weight)
 
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:

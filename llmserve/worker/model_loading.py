@@ -13,11 +13,11 @@ from torch import nn
 from llmserve.config import ModelConfig
 from llmserve.distributed.group import TensorParallelGroup
 from llmserve.distributed.pipeline import PipelineStage
-from llmserve.kernels.small_batch_linear import note_moved_weights, use_small_batch_linear
+from llmserve.kernels.small_batch_linear import current_packs, note_moved_weights, use_small_batch_linear
 from llmserve.model_loader import load_weights
 from llmserve.models.registry import build_model, check_materialized, meta_model
 from llmserve.quantization.embedding import embed_from_packed_head
-from llmserve.worker.weight_arena import WeightArena, gather_weights
+from llmserve.worker.weight_arena import gather_weights
 
 
 def load_model(
@@ -25,12 +25,11 @@ def load_model(
     tokenizer=None,
     group: TensorParallelGroup | None = None,
     stage: PipelineStage | None = None,
-    arena: WeightArena | None = None,
 ) -> nn.Module:
     """This rank's shard (all of it with one rank) of the model at `config.path`, quantized as
     `config.quantization` says, its linear layers in the CPU kernels' packed layouts, its CPU weights
-    in huge pages (`arena`: reserved for them, worker/weight_arena.py). `tokenizer`: for calibrated
-    quantization (None: loaded where needed)."""
+    in huge pages (worker/weight_arena.py). `tokenizer`: for calibrated quantization (None: loaded
+    where needed)."""
     method = None if config.quantization is None else config.quantization.method
     if method is not None:  # quantization's modules load only where a model is quantized
         from llmserve.quantization import sharding
@@ -53,6 +52,7 @@ def load_model(
     check_materialized(model)
     use_small_batch_linear(model)  # CPU: packed weight layouts (bf16: the small-batch kernel)
     embed_from_packed_head(model)  # a tied bf16 embedding: its rows from the head's packed copy
-    if gather_weights(model, arena):  # CPU: into huge pages, as they will be read
-        note_moved_weights(model)
+    current = current_packs(model)  # before the move, which changes their weights' addresses
+    if gather_weights(model):  # CPU: into huge pages, as they will be read
+        note_moved_weights(current)
     return model

@@ -71,8 +71,9 @@ class _Chunks:
     """Ranges of memory handed out one at a time, in order, to whichever thread asks: the background
     thread, and a caller that would otherwise wait for it (`PrefaultThread.finish`)."""
 
-    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+    def __init__(self, ranges: list[tuple[int, int]], label: str = "KV pool") -> None:
         self._ranges = ranges
+        self.label = label  # what the memory is, for the logs
         self._next = 0
         self._lock = threading.Lock()
         self.failed = False
@@ -96,7 +97,7 @@ class _Chunks:
         while (chunk := self.take()) is not None:
             address, length = chunk
             if libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_POPULATE_WRITE) != 0:
-                logger.debug("KV pool prefault stopped: madvise errno %d", ctypes.get_errno())
+                logger.debug("%s prefault stopped: madvise errno %d", self.label, ctypes.get_errno())
                 self.failed = True
         return not self.failed
 
@@ -121,7 +122,7 @@ def populate(tensor: torch.Tensor) -> bool:
     return pages is not None and _Chunks(_ranges(*pages, 1)).populate()
 
 
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
+def advise_huge_pages(tensor: torch.Tensor, label: str = "KV pool") -> bool:
     """Ask for transparent huge pages over the 2 MiB-aligned part of a CPU tensor's memory, before
     anything touches it; False where the OS declines (THP off, or not Linux)."""
     pages = _whole_pages(tensor, _HUGE_PAGE)
@@ -129,7 +130,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
     libc, (start, end) = _libc(), pages
     if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) != 0:
-        logger.debug("KV pool: no transparent huge pages (madvise errno %d)", ctypes.get_errno())
+        logger.debug("%s: no transparent huge pages (madvise errno %d)", label, ctypes.get_errno())
         return False
     return True
 
@@ -138,7 +139,7 @@ class PrefaultThread(threading.Thread):
     """The background prefault; `finish` populates alongside it in the calling thread, then joins."""
 
     def __init__(self, chunks: _Chunks) -> None:
-        super().__init__(target=chunks.populate, name="kv-prefault", daemon=True)
+        super().__init__(target=chunks.populate, name=f"{chunks.label} prefault", daemon=True)
         self.chunks = chunks
 
     def finish(self) -> None:
@@ -148,14 +149,16 @@ class PrefaultThread(threading.Thread):
         self.join()
 
 
-def populate_in_background(tensor: torch.Tensor, planes: int = 1) -> PrefaultThread | None:
+def populate_in_background(
+    tensor: torch.Tensor, planes: int = 1, label: str = "KV pool"
+) -> PrefaultThread | None:
     """Huge pages advised, then `populate` on a daemon thread (ctypes releases the GIL for the call);
     None off the CPU. The tensor's memory is `planes` equal planes block-indexed from their starts
-    (the pool's [layer, K/V] slices), mapped low blocks of every plane first."""
+    (the pool's [layer, K/V] slices), mapped low blocks of every plane first; `label` names it in logs."""
     pages = _whole_pages(tensor, _PAGE) if tensor.device.type == "cpu" else None
     if pages is None:
         return None
-    advise_huge_pages(tensor)
-    thread = PrefaultThread(_Chunks(_ranges(*pages, planes)))
+    advise_huge_pages(tensor, label)
+    thread = PrefaultThread(_Chunks(_ranges(*pages, planes), label))
     thread.start()
     return thread

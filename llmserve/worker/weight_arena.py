@@ -11,6 +11,8 @@ Storage by storage, every tensor of the model that views one is pointed at its c
 views keep sharing (a tied embedding's packed head, fused projections) and the old memory is freed. A
 storage moves only where those tensors are all that hold it (its use count says so): a tensor outside
 the model, or a C++ object holding one, would go on reading the old copy, so such a storage stays.
+Nothing moves where the copy could not be huge pages (THP off, not Linux) or would not fit beside the
+weights in the memory available.
 """
 
 from __future__ import annotations
@@ -22,68 +24,58 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from llmserve.config import ModelConfig
-from llmserve.worker.memory_report import module_tensors, weights_file_bytes
-from llmserve.worker.prefault import advise_huge_pages, populate, populate_in_background
+from llmserve.worker.malloc_tuning import release_free_heap
+from llmserve.worker.memory_report import module_tensors
+from llmserve.worker.prefault import advise_huge_pages, populate_in_background
 
 logger = logging.getLogger("llmserve")
 
 _HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each storage's start: a cache line, and a multiple of every element size
+_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-class WeightArena:
-    """A private anonymous mapping of whole 2 MiB pages (from a 2 MiB boundary) for a model's weights,
-    advised into huge pages and mapped in before the copy writes it: on a daemon thread while the model
-    loads (`reserve_weight_arena`), or at once (`gather_weights` without a reserved one). A fresh huge
-    page can cost milliseconds on a VM, and the KV pool's prefault competes for them: mapped in after
-    loading, they lengthen the start-up; beside it, loading hides them."""
-
-    def __init__(self, nbytes: int, background: bool) -> None:
-        self.nbytes = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
-        # private (a shared anonymous mapping is shmem, whose huge pages are configured apart), a huge
-        # page more than asked so that the aligned part holds all of it
-        self.mapping = mmap.mmap(-1, self.nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.start = -torch.frombuffer(self.mapping, dtype=torch.uint8).data_ptr() % _HUGE_PAGE
-        pages = self.bytes(0, self.nbytes)
-        self.prefault = populate_in_background(pages) if background else None
-        if not background and advise_huge_pages(pages):
-            populate(pages)
-
-    def bytes(self, offset: int, count: int) -> torch.Tensor:
-        """uint8 [count] from `offset`, a storage of its own (the memory report counts storages) that
-        holds the mapping."""
-        return torch.frombuffer(self.mapping, dtype=torch.uint8, count=count, offset=self.start + offset)
-
-    def trim(self, used: int) -> None:
-        """Give back the whole pages past the first `used` bytes (a reservation's margin)."""
-        end = -(-used // _HUGE_PAGE) * _HUGE_PAGE
-        if end < self.nbytes:
-            self.mapping.madvise(mmap.MADV_DONTNEED, self.start + end, self.nbytes - end)
-
-    def release(self) -> None:
-        """Stop mapping pages in (the arena goes unused: its mapping goes with the last reference)."""
-        if self.prefault is not None:
-            self.prefault.chunks.stop()
-            self.prefault.join()
+def _huge_pages_on() -> bool:
+    """Whether the OS gives advised mappings transparent huge pages (Linux, THP not `never`)."""
+    try:
+        with open(_THP_SETTING) as setting:
+            return "[never]" not in setting.read()
+    except OSError:  # not Linux, or a kernel without THP
+        return False
 
 
-def reserve_weight_arena(config: ModelConfig) -> WeightArena | None:
-    """An arena for the weights of a CPU model served at its file's size (a quantization read from
-    files: a GGUF's blocks, a saved or published checkpoint), mapped in while it loads; None elsewhere
-    (`gather_weights` then maps one at once) or where the OS cannot."""
-    if config.device.type != "cpu" or config.quantization is None:
-        return None
-    from llmserve.quantization.sharding import FROM_FILES  # quantization's modules: only where quantized
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo; None where there is none."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
-    size = weights_file_bytes(config.path)
-    if config.quantization.method not in FROM_FILES or not size:
-        return None
-    try:  # the file's size and a margin: the packed layouts add little (scales, padding)
-        return WeightArena(size + size // 16 + _HUGE_PAGE, background=True)
+
+def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int] | None:
+    """A private anonymous mapping with `nbytes` from a 2 MiB boundary, advised into huge pages and
+    mapped in (this thread and a helper, as the KV pool's prefault finishes), and that boundary's offset
+    in it; None where the OS refuses. `torch.frombuffer(mapping, ..., offset=...)` views it, each
+    storage holding the mapping."""
+    span = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    try:  # private: a shared anonymous mapping is shmem, whose huge pages are configured apart
+        mapping = mmap.mmap(-1, span + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as error:
-        logger.warning("weights: no mapping for huge pages (%s)", error)
+        logger.warning("weights: no mapping of %.1f MiB for huge pages (%s)", nbytes / 2**20, error)
         return None
+    start = -torch.frombuffer(mapping, dtype=torch.uint8).data_ptr() % _HUGE_PAGE
+    pages = torch.frombuffer(mapping, dtype=torch.uint8, count=span, offset=start)
+    if not advise_huge_pages(pages):
+        return None
+    # faulted in before the copy writes them: half the time of faulting them one by one as it goes
+    prefault = populate_in_background(pages, label="weights")
+    if prefault is not None:
+        prefault.finish()
+    return mapping, start
 
 
 def _storages(model: nn.Module) -> Iterator[tuple[torch.UntypedStorage, list[torch.Tensor]]]:
@@ -101,7 +93,7 @@ def _storages(model: nn.Module) -> Iterator[tuple[torch.UntypedStorage, list[tor
             except (NotImplementedError, RuntimeError):  # opaque (oneDNN-blocked): no storage to move
                 break
             if storage.nbytes():
-                holders.setdefault(storage.data_ptr(), []).append(tensor)
+                holders.setdefault(storage._cdata, []).append(tensor)  # the storage itself, not its address
             tensor = tensor._base
     for tensors in holders.values():
         yield tensors[0].untyped_storage(), tensors
@@ -112,8 +104,8 @@ def _use_count(storage: torch.UntypedStorage) -> int:
 
 
 def _plan(model: nn.Module) -> tuple[list[tuple[list[torch.Tensor], int]], int, int]:
-    """(each movable storage's tensors and its place in the buffer, the buffer's bytes, the bytes of the
-    storages held outside the model); no handle on a storage outlives it, so each is freed once moved."""
+    """(each movable storage's tensors and its place in the mapping, the mapping's bytes, the bytes of
+    the storages held outside the model); no handle on a storage outlives it, so each is freed once moved."""
     single = torch.empty(1)  # a storage one tensor holds, as counted with a Python handle on it
     handle_count = _use_count(single.untyped_storage()) - 1
     movable, total, held_elsewhere = [], 0, 0
@@ -126,31 +118,28 @@ def _plan(model: nn.Module) -> tuple[list[tuple[list[torch.Tensor], int]], int, 
     return movable, total, held_elsewhere
 
 
-def gather_weights(model: nn.Module, arena: WeightArena | None = None) -> int:
-    """Move the model's CPU weights into huge pages (module docstring): into `arena` where it holds them
-    (reserve_weight_arena), else a new one; returns the bytes moved."""
-    movable, total, held_elsewhere = _plan(model)
-    if arena is not None and arena.nbytes < total:
-        arena.release()
-        arena = None
-    if total == 0:
+def gather_weights(model: nn.Module) -> int:
+    """Move the model's CPU weights into huge pages (module docstring); returns the bytes moved."""
+    if not _huge_pages_on():
         return 0
-    if arena is None:
-        try:
-            arena = WeightArena(total, background=False)
-        except OSError as error:  # no address space or memory for it: the weights stay where they are
-            logger.warning("weights: no mapping of %.1f MiB for huge pages (%s)", total / 2**20, error)
-            return 0
+    movable, total, held_elsewhere = _plan(model)
+    available = _available_bytes()
+    if total == 0 or (available is not None and available < 2 * total):  # the copy beside the weights
+        return 0
+    mapped = huge_page_mapping(total)
+    if mapped is None:
+        return 0
+    mapping, start = mapped
     with torch.inference_mode():  # some weights are inference tensors (made under it)
         for tensors, place in movable:
             old = torch.empty(0, dtype=torch.uint8).set_(tensors[0].untyped_storage())
-            new = arena.bytes(place, old.numel())
+            # a storage of its own for each (the memory report counts a module's storages)
+            new = torch.frombuffer(mapping, dtype=torch.uint8, count=old.numel(), offset=start + place)
             new.copy_(old)
             del old
             for tensor in tensors:
                 tensor.set_(new.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
-    arena.release()  # done where the copy came first
-    arena.trim(total)
+    release_free_heap()  # the old copies, freed to the heap
     logger.debug(
         "weights: %.1f MiB gathered into huge pages, %.1f MiB left where held outside the model",
         total / 2**20,

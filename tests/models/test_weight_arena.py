@@ -4,8 +4,6 @@ outputs unchanged."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from torch import nn
@@ -13,9 +11,9 @@ from torch import nn
 from llmserve.config import EngineArgs
 from llmserve.kernels.small_batch_linear import PackedLinear
 from llmserve.model_loader import load_arch_config
-from llmserve.worker import model_loading
+from llmserve.worker import model_loading, weight_arena
 from llmserve.worker.memory_report import weights_memory_bytes
-from llmserve.worker.weight_arena import WeightArena, gather_weights
+from llmserve.worker.weight_arena import gather_weights, huge_page_mapping
 from tests.helpers import make_tiny_llama_dir
 
 _HUGE_PAGE = 2 << 20
@@ -35,6 +33,12 @@ class _Tied(nn.Module):
             self.codes = torch.arange(4, dtype=torch.int32)
 
 
+@pytest.fixture
+def huge_pages_on(monkeypatch):
+    """The copy runs as where the OS has THP on (without it the pages are 4 KiB, the same bytes)."""
+    monkeypatch.setattr(weight_arena, "_huge_pages_on", lambda: True)
+
+
 def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
@@ -46,7 +50,7 @@ def _in_one_mapping(tensors: list[torch.Tensor], moved: int) -> bool:
     return min(starts) % _HUGE_PAGE == 0 and max(ends) - min(starts) <= moved
 
 
-def test_every_storage_moves_into_one_aligned_mapping_with_all_its_views():
+def test_every_storage_moves_into_one_aligned_mapping_with_all_its_views(huge_pages_on):
     model = _Tied()
     before = {name: value.clone() for name, value in vars(model).items() if isinstance(value, torch.Tensor)}
     weights = {"embed": model.embed.weight.clone(), "scale": model.scale.clone()}
@@ -68,23 +72,7 @@ def test_every_storage_moves_into_one_aligned_mapping_with_all_its_views():
     assert model.fused._base is not None and _storage(model.fused._base) == _storage(model.fused)
 
 
-def test_a_reserved_arena_takes_the_weights_where_they_fit_else_a_new_one():
-    model = _Tied()
-    small = WeightArena(1, background=True)  # a whole page: the model's few bytes fit
-    moved = gather_weights(model, small)
-    start = small.bytes(0, 1).data_ptr()
-    assert moved > 0 and all(start <= t.data_ptr() < start + moved for t in (model.embed.weight, model.scale))
-    model = _Tied()
-    model.big = torch.zeros(3 << 20, dtype=torch.uint8)  # more than the page reserved
-    tight = WeightArena(1, background=True)
-    moved = gather_weights(model, tight)
-    within = (
-        tight.bytes(0, 1).data_ptr() <= model.big.data_ptr() < tight.bytes(0, 1).data_ptr() + tight.nbytes
-    )
-    assert moved > 2 << 20 and not within and _in_one_mapping([model.big, model.scale], moved)
-
-
-def test_a_storage_held_outside_the_model_stays_where_it_is():
+def test_a_storage_held_outside_the_model_stays_where_it_is(huge_pages_on):
     model = _Tied()
     outside = model.scale.detach()  # another tensor on the buffer's storage, which the model does not reach
     where = model.scale.data_ptr()
@@ -94,19 +82,26 @@ def test_a_storage_held_outside_the_model_stays_where_it_is():
     assert model.scale[0] == 7.0  # the two still share their memory
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
-@pytest.mark.parametrize("background", [False, True])
-def test_an_arena_is_2mib_aligned_and_eligible_for_huge_pages_where_the_os_enables_them(background):
-    arena = WeightArena(3 << 20, background)
-    arena.release()  # the background thread's pages mapped, or stopped
-    buffer = arena.bytes(0, arena.nbytes)
+def test_nothing_moves_where_thp_is_off_or_the_copy_would_not_fit(monkeypatch):
+    model = _Tied()
+    where = model.embed.weight.data_ptr()
+    monkeypatch.setattr(weight_arena, "_huge_pages_on", lambda: False)
+    assert gather_weights(model) == 0
+    monkeypatch.setattr(weight_arena, "_huge_pages_on", lambda: True)
+    monkeypatch.setattr(weight_arena, "_available_bytes", lambda: 100)  # less than twice the weights
+    assert gather_weights(model) == 0 and model.embed.weight.data_ptr() == where
+
+
+def test_the_mapping_is_2mib_aligned_zeroed_and_eligible_for_huge_pages_where_the_os_enables_them():
+    mapped = huge_page_mapping(3 << 20)
+    if mapped is None:  # the advice refused: only where the kernel has no THP at all
+        assert not weight_arena._huge_pages_on()
+        return
+    mapping, start = mapped
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8, count=3 << 20, offset=start)
     address = buffer.data_ptr()
-    assert arena.nbytes == 4 << 20 and address % _HUGE_PAGE == 0 and int(buffer.sum()) == 0
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            enabled = "[never]" not in f.read()
-    except FileNotFoundError:  # a kernel built without THP
-        enabled = False
+    assert address % _HUGE_PAGE == 0 and int(buffer.sum()) == 0
+    enabled = weight_arena._huge_pages_on()
     eligible = None
     with open("/proc/self/smaps") as f:
         inside = False
@@ -121,13 +116,14 @@ def test_an_arena_is_2mib_aligned_and_eligible_for_huge_pages_where_the_os_enabl
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_loaded_model_serves_from_the_buffer_and_its_packed_copies_stay(tmp_path, monkeypatch, dtype):
+def test_a_loaded_model_serves_from_the_mapping_and_its_packed_copies_stay(tmp_path, monkeypatch, dtype):
     path = make_tiny_llama_dir(str(tmp_path / "tiny"))
     args = EngineArgs(model=path, dtype=dtype, max_model_len=128, kv_cache_memory="8MiB")
     config = args.create_config(load_arch_config(path), path).model
-    monkeypatch.setattr(model_loading, "gather_weights", lambda model, arena: 0)
+    monkeypatch.setattr(model_loading, "gather_weights", lambda model: 0)
     plain = model_loading.load_model(config)
     monkeypatch.undo()
+    monkeypatch.setattr(weight_arena, "_huge_pages_on", lambda: True)
     model = model_loading.load_model(config)
     # a PackedLinear packs again for a weight at a new address: a moved one must not look new
     tensors = [*model.parameters(), *model.buffers()]
