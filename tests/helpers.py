@@ -120,3 +120,18 @@ def rounding_hook():
         return (torch.round(blocks * inverse) * scale).view_as(x)
 
     return hook
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds `address` (/proc/self/smaps): "hg" where it is advised
+    into huge pages."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -17,6 +17,7 @@ from llmserve.worker.prefault import (
     populate,
     populate_in_background,
 )
+from tests.helpers import vm_flags
 
 
 def _kernel_has_populate_write() -> bool:
@@ -74,20 +75,6 @@ def test_populate_off_cpu_tensors_is_a_no_op():
     assert populate_in_background(meta) is None
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(part, 16) for part in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 def _thp_available() -> bool:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
@@ -102,7 +89,7 @@ def test_the_pool_is_advised_into_huge_pages_and_keeps_its_contents():
     tensor[::4096] = 3  # written before the advice: must survive it and the prefault
     assert advise_huge_pages(tensor)
     aligned = -(-tensor.data_ptr() // (2 << 20)) * (2 << 20)
-    assert "hg" in _vm_flags(aligned)  # MADV_HUGEPAGE set on the mapping
+    assert "hg" in vm_flags(aligned)  # MADV_HUGEPAGE set on the mapping
     assert populate(tensor)
     assert bool((tensor[::4096] == 3).all())
 
