@@ -112,6 +112,9 @@ class Proxy:
         except httpx.TransportError as error:
             replica.mark_failed(_describe(error))
             raise _NotStarted(_describe(error)) from None
+        except Exception as error:  # one httpx leaves unwrapped (a socket closed as the replica died)
+            logger.warning("sending to %s failed: %r", replica.url, error)
+            raise _NotStarted(f"{type(error).__name__}: {error}") from None
         if upstream.status_code in RETRYABLE_STATUS and not last_try:
             await upstream.aclose()
             raise _NotStarted(f"HTTP {upstream.status_code}")

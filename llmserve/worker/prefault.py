@@ -71,9 +71,9 @@ class _Chunks:
     """Ranges of memory handed out one at a time, in order, to whichever thread asks: the background
     thread, and a caller that would otherwise wait for it (`PrefaultThread.finish`)."""
 
-    def __init__(self, ranges: list[tuple[int, int]], label: str = "KV pool") -> None:
+    def __init__(self, ranges: list[tuple[int, int]], label: str = "kv") -> None:
         self._ranges = ranges
-        self.label = label  # what the memory is, for the logs
+        self.label = label  # what the memory is, for the thread's name and the logs
         self._next = 0
         self._lock = threading.Lock()
         self.failed = False
@@ -122,7 +122,7 @@ def populate(tensor: torch.Tensor) -> bool:
     return pages is not None and _Chunks(_ranges(*pages, 1)).populate()
 
 
-def advise_huge_pages(tensor: torch.Tensor, label: str = "KV pool") -> bool:
+def advise_huge_pages(tensor: torch.Tensor, label: str = "kv") -> bool:
     """Ask for transparent huge pages over the 2 MiB-aligned part of a CPU tensor's memory, before
     anything touches it; False where the OS declines (THP off, or not Linux)."""
     pages = _whole_pages(tensor, _HUGE_PAGE)
@@ -139,7 +139,7 @@ class PrefaultThread(threading.Thread):
     """The background prefault; `finish` populates alongside it in the calling thread, then joins."""
 
     def __init__(self, chunks: _Chunks) -> None:
-        super().__init__(target=chunks.populate, name=f"{chunks.label} prefault", daemon=True)
+        super().__init__(target=chunks.populate, name=f"{chunks.label}-prefault", daemon=True)
         self.chunks = chunks
 
     def finish(self) -> None:
@@ -149,9 +149,7 @@ class PrefaultThread(threading.Thread):
         self.join()
 
 
-def populate_in_background(
-    tensor: torch.Tensor, planes: int = 1, label: str = "KV pool"
-) -> PrefaultThread | None:
+def populate_in_background(tensor: torch.Tensor, planes: int = 1, label: str = "kv") -> PrefaultThread | None:
     """Huge pages advised, then `populate` on a daemon thread (ctypes releases the GIL for the call);
     None off the CPU. The tensor's memory is `planes` equal planes block-indexed from their starts
     (the pool's [layer, K/V] slices), mapped low blocks of every plane first; `label` names it in logs."""
