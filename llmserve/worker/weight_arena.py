@@ -69,7 +69,7 @@ def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int] | None:
         return None
     start = -torch.frombuffer(mapping, dtype=torch.uint8).data_ptr() % _HUGE_PAGE
     pages = torch.frombuffer(mapping, dtype=torch.uint8, count=span, offset=start)
-    if not advise_huge_pages(pages):
+    if not advise_huge_pages(pages, label="weights"):
         return None
     # faulted in before the copy writes them: half the time of faulting them one by one as it goes
     prefault = populate_in_background(pages, label="weights")
