@@ -114,12 +114,12 @@ def test_a_loaded_model_serves_from_the_mapping_and_its_packed_copies_stay(tmp_p
     monkeypatch.undo()
     monkeypatch.setattr(weight_arena, "_huge_pages_on", lambda: True)
     model = model_loading.load_model(config)
-    # a PackedLinear packs again for a weight at a new address: a moved one must not look new
     tensors = [*model.parameters(), *model.buffers()]
     padded = weights_memory_bytes(model) + 64 * len({_storage(t) for t in tensors})  # each from a cache line
     assert _in_one_mapping(tensors, padded)
     packed = [m for m in model.modules() if type(m) is PackedLinear]
     assert bool(packed) == (dtype == "float32")
+    # a PackedLinear packs again for a weight at a new address: a moved one must not look new
     monkeypatch.setattr(PackedLinear, "_pack_again", lambda self: pytest.fail("packed again"))
     ids = torch.randint(0, config.arch.vocab_size, (1, 12))
     with torch.no_grad():
