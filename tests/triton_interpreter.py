@@ -19,6 +19,7 @@ KERNEL_MODULES = (
     "llmserve.kernels.triton.elementwise",
     "llmserve.kernels.triton.lora",
     "llmserve.kernels.triton.paged_attention",
+    "llmserve.kernels.triton.quantized_linear",
 )
 
 

@@ -5,8 +5,9 @@ activations, and float32 ones at the AVX2 level (which CPUs without native bf16 
 the input to 8 bits per 32 columns and multiply with integer dot products, streaming the packed
 codes at batch 1 and running several times faster than the dequantized GEMM or PyTorch's packed
 ops at batch sizes above (docs/quantization.md: how the kernels work). Where they do not serve (a
-width not a multiple of 32, an int8 code of -128), bf16 takes PyTorch's packed ops; float32 and
-other devices dequantize on the fly: correct everywhere, a memory saving but not a speed-up.
+width not a multiple of 32, an int8 code of -128), bf16 takes PyTorch's packed ops and float32
+dequantizes on the fly. On CUDA the Triton kernel (`TritonKernel`) multiplies by tiles of W rebuilt
+from the codes in registers; other devices dequantize on the fly (correct, a memory saving only).
 
 Contract: a kernel maps x [..., in] to x @ W.T [..., out] in x's dtype, and `dequantize()` returns
 the W it multiplies by (what the tests compare a float run against).
@@ -15,6 +16,7 @@ the W it multiplies by (what the tests compare a float run against).
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -209,6 +211,82 @@ class GroupedExpertsKernel:
         return self._kernel(x.contiguous(), ends, self.qweight, self.scales, self.out_features)
 
 
+class TritonKernel(LinearKernel):
+    """Any format on CUDA: the Triton kernel (kernels/triton/quantized_linear.py) rebuilds each tile of W
+    from the codes it keeps (int4 two to a byte, 5-bit with a plane of fifth bits, int8 one a byte) and
+    multiplies in registers, so the layer holds about its codes' size and never a float copy of W."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        from llmserve.kernels.triton import quantized_linear
+
+        self._linear = quantized_linear.quantized_linear
+        self.group_size, self.bits = weight.group_size, weight.bits
+        if isinstance(weight, Int4Weight):
+            codes, fifths = quantized_linear.pack_int4(weight.qweight.contiguous(), weight.bits)
+            offsets = _half_if_exact(weight.offsets)
+        else:
+            codes, fifths, offsets = weight.qweight.contiguous(), None, None
+        self.register_buffer("codes", codes)
+        self.register_buffer("fifths", fifths)
+        self.register_buffer("scales", _half_if_exact(weight.scales))
+        self.register_buffer("offsets", offsets)
+
+    @staticmethod
+    def serves(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+        """CUDA, float activations, whole bytes of codes (K a multiple of 8) in groups of an even size."""
+        return (
+            device.type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and weight.shape[1] % 8 == 0
+            and weight.group_size % 2 == 0
+            and importlib.util.find_spec("triton") is not None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, x.dtype)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel's float32 sums, unrounded."""
+        return self._run(x, torch.float32)
+
+    def _run(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = self._linear(
+            flat, self.codes, self.fifths, self.scales, self.offsets, self.group_size, self.bits, out_dtype
+        )
+        return out.view(*x.shape[:-1], -1)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._weight().dequantize(torch.float32).to(dtype)
+
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of `dequantize(torch.float32)`, unpacked from those rows alone."""
+        rows = self._weight(index.reshape(-1)).dequantize(torch.float32)
+        return rows.view(*index.shape, rows.shape[-1])
+
+    def _weight(self, index: torch.Tensor | None = None) -> QuantizedWeight:
+        """The format's form of rows `index` (all by default), scales and offsets in float32 as read."""
+
+        def pick(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return tensor if tensor is None or index is None else tensor[index]
+
+        scales = pick(self.scales).float()
+        if self.bits == 8:
+            return Int8Weight(pick(self.codes), scales, self.group_size)
+        from llmserve.kernels.triton.quantized_linear import unpack_int4
+
+        codes = unpack_int4(pick(self.codes), pick(self.fifths))
+        return Int4Weight(codes, scales, pick(self.offsets).float(), self.group_size, self.bits)
+
+
+def _half_if_exact(values: torch.Tensor) -> torch.Tensor:
+    """float16 where every value is exact in it (a GGUF's d and m), else float32."""
+    values = values.float()
+    half = values.half()
+    return half if torch.equal(half.float(), values) else values.contiguous()
+
+
 class Int8PackedKernel(LinearKernel):
     """Per-output-channel int8 where the compiled kernels do not serve: `aten._weight_int8pack_mm`
     (CPU, bf16).
@@ -308,6 +386,7 @@ def _packed_cpu(weight: QuantizedWeight, dtype: torch.dtype, device: torch.devic
 # In order of preference: (applies to weight/dtype/device, kernel class).
 _KERNELS: list[tuple[Callable[[QuantizedWeight, torch.dtype, torch.device], bool], type[LinearKernel]]] = [
     (RoundedInputKernel.serves, RoundedInputKernel),
+    (TritonKernel.serves, TritonKernel),
     (lambda w, d, dev: _packed_cpu(w, d, dev) and w.kind == "int4" and w.bits == 4, Int4PackedKernel),
     (
         lambda w, d, dev: _packed_cpu(w, d, dev) and w.kind == "int8" and w.group_size == w.shape[1],

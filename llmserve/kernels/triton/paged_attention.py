@@ -303,13 +303,13 @@ def _tiles(num_tokens: int, num_seqs: int, group: int, head_dim_pad: int) -> tup
 def _num_splits(programs: int, max_context: int, device: torch.device) -> int:
     """KV splits when the (query tile, KV head) programs alone would leave multiprocessors idle: a
     power of two (few compiled variants), each split keeping at least _MIN_KEYS_PER_SPLIT keys."""
-    wanted = triton.cdiv(2 * _multiprocessors(device), programs)
+    wanted = triton.cdiv(2 * multiprocessors(device), programs)
     splits = min(wanted, max_context // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS)
     return 1 << (splits.bit_length() - 1) if splits > 1 else 1
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 8  # the interpreter on CPU: any small count
