@@ -19,6 +19,9 @@ Sections (docs/gpu.md: the command, what to carry, the targets):
           and 128 with 1k and 4k contexts against the memory floor (weights plus the KV read, over
           the copy bandwidth); 2k-token prefill against the FLOP ceiling; kernels, launches and host
           syncs per decode step; start-up to the first token
+  quantized `--quantization int4` (RTN at load) on the device's quantized layers (the Triton kernel):
+          the greedy model's tokens against a float32 run of the weights those layers hold; the speed
+          model's decode at batch 1 and 32 against the floor of its bytes
 Each section runs in its own try: a failure prints its traceback's tail and the others go on. The
 tokenizer is the embedded default model's (SmolLM2's), carried as the small folder --write-bundle
 writes (the GGUF is too large to carry); weights are random, made where the check runs. --smoke runs
@@ -62,6 +65,7 @@ TEST_FILES = (
     "tests/attention/test_triton_paged_attention.py",
     "tests/kernels/test_triton_elementwise.py",
     "tests/kernels/test_triton_lora.py",
+    "tests/kernels/test_triton_quantized_linear.py",
 )
 TEST_DEVICE_VARIABLE = "LLMSERVE_TEST_DEVICE"  # the Triton tests' device: cpu (interpreted) or cuda
 TOKENIZER_VOCAB = 49152  # SmolLM2's tokens: ids past it decode to nothing (checked before use)
@@ -88,6 +92,7 @@ TARGET_GRAPH_START_SECONDS = 10.0
 PREFILL_PATIENCE_S = 120.0  # a batch's prompts not all decoding by then: a scheduling or pool problem
 # The speed engines schedule by the token budget alone (latency targets would cut prompt chunks
 # short), and each takes under half the device: one whose memory outlived it leaves the next room.
+QUANTIZED_METHOD = "int4"  # RTN at load: the layout a GGUF's Q4_0/Q4_1 blocks take too
 SPEED_ENGINE = dict(ttft_target_ms=0, tpot_target_ms=0, gpu_memory_utilization=0.45)
 
 
@@ -147,8 +152,8 @@ FULL = Plan(
     count_batch=32,
     count_context=1024,
     count_steps=5,
-    tests_timeout=150.0,
-    budget=330.0,
+    tests_timeout=210.0,
+    budget=390.0,
 )
 TINY = dict(
     hidden_size=64,
@@ -471,8 +476,7 @@ def section_greedy(run: Run) -> dict:
     from llmserve.model_loader import load_tokenizer
 
     plan = run.plan
-    weights = random_weights(plan.greedy_model, torch.float32, plan.device, scale=4.0)
-    folder = model_dir(run.work / "greedy", run.bundle, plan.greedy_model, weights)
+    folder = greedy_folder(run)
     prompts = corpus_prompts(load_tokenizer(str(folder)), plan.greedy_lengths)
     chunked = dict(max_num_batched_tokens=plan.greedy_chunk, max_num_seqs=4)
     with exact_float32():
@@ -492,6 +496,15 @@ def section_greedy(run: Run) -> dict:
     }
     say(f"  greedy tokens equal to transformers' for {result['equal']}/{result['prompts']} prompts")
     return result
+
+
+def greedy_folder(run: Run) -> Path:
+    """The greedy model's folder (float32 weights drawn large, so its logits are peaked), written once."""
+    folder = run.work / "greedy"
+    if not (folder / "model.safetensors").exists():
+        weights = random_weights(run.plan.greedy_model, torch.float32, run.plan.device, scale=4.0)
+        model_dir(folder, run.bundle, run.plan.greedy_model, weights)
+    return folder
 
 
 def llm_greedy(folder: Path, prompts, expected, plan: Plan, engine_kwargs: dict, passes: int) -> dict:
@@ -665,15 +678,7 @@ def write_random_adapter(folder: Path, weights: dict[str, torch.Tensor], config:
 def section_speed(run: Run) -> dict:
     if (skip := skipped_without_cuda(run)) is not None:
         return skip
-    plan = run.plan
-    config, note = dict(plan.speed_model), None
-    if not _decodes_past_vocabulary(run.bundle, config["vocab_size"]):
-        config["vocab_size"], note = TOKENIZER_VOCAB, "the tokenizer fails on ids past its vocabulary"
-    dtype = getattr(torch, plan.speed_dtype)
-    folder = model_dir(
-        run.work / "speed", run.bundle, config, random_weights(config, dtype, plan.device, 1.0)
-    )
-    free_memory()
+    folder, config, note = speed_folder(run)
     result: dict = {"vocab_size": config["vocab_size"], "vocab_note": note}
     llm, result["startup"] = start_engine(run, folder, {})
     engine = llm.engine
@@ -688,6 +693,21 @@ def section_speed(run: Run) -> dict:
     free_memory()
     result["eager"] = eager_comparison(run, folder)
     return result
+
+
+def speed_folder(run: Run) -> tuple[Path, dict, str | None]:
+    """The speed model's folder (written once a check), its config, and why its vocabulary was cut, if
+    it was (ids past the tokenizer's that it cannot decode)."""
+    config, note = dict(run.plan.speed_model), None
+    if not _decodes_past_vocabulary(run.bundle, config["vocab_size"]):
+        config["vocab_size"], note = TOKENIZER_VOCAB, "the tokenizer fails on ids past its vocabulary"
+    folder = run.work / "speed"
+    if not (folder / "model.safetensors").exists():
+        weights = random_weights(config, getattr(torch, run.plan.speed_dtype), run.plan.device, 1.0)
+        model_dir(folder, run.bundle, config, weights)
+        del weights
+        free_memory()
+    return folder, config, note
 
 
 def _decodes_past_vocabulary(bundle: Path, vocab_size: int) -> bool:
@@ -809,11 +829,13 @@ def decode_grid(run: Run, engine) -> list[dict]:
     return rows
 
 
-def decode_row(engine, batch: int, context: int, times: DecodeTimes) -> dict:
-    """Median step and execute times, and the step's bytes: the weights once, every KV entry read."""
+def decode_row(engine, batch: int, context: int, times: DecodeTimes, weight_bytes: int | None = None) -> dict:
+    """Median step and execute times, and the step's bytes: the weights once (the parameters', unless
+    given), every KV entry read."""
     config = engine.config
     kv_bytes = config.model.arch.kv_bytes_per_token(config.model.dtype, config.cache.kv_cache_dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model_runner.model.parameters())
+    if weight_bytes is None:
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model_runner.model.parameters())
     return {
         "batch": batch,
         "context": context,
@@ -938,6 +960,85 @@ def eager_comparison(run: Run, folder: Path) -> dict:
     return result
 
 
+# -- quantized: weights in their codes on the device's kernel ------------------------------------------
+
+
+def section_quantized(run: Run) -> dict:
+    """`--quantization int4` (RTN at load: int4 decoder layers in groups of 32, an int8 output
+    projection): which kernel its layers took; the greedy model's tokens against a float32 run of the
+    weights those layers hold (each swapped layer's `dequantize()` copied into the float model, which
+    runs eagerly: the head's new weight is a new tensor); then the speed model's decode at batch 1 and
+    32 (the first context) against the floor of the bytes a step reads (its buffers and parameters
+    but the embedding table, the KV)."""
+    if (skip := skipped_without_cuda(run)) is not None:
+        return skip
+    from llmserve import LLM, SamplingParams
+    from llmserve.model_loader import load_tokenizer
+    from llmserve.quantization.kernels import QuantizedLinear
+
+    plan = run.plan
+    folder = greedy_folder(run)
+    prompts = corpus_prompts(load_tokenizer(str(folder)), plan.greedy_lengths)
+    params = SamplingParams(temperature=0, max_tokens=plan.greedy_new_tokens)
+    engine = dict(device=plan.device, dtype="float32", **plan.engine_kwargs)
+    with exact_float32():
+        llm = LLM(str(folder), quantization=QUANTIZED_METHOD, **engine)
+        layers = {
+            n: m for n, m in llm.engine.model_runner.model.named_modules() if isinstance(m, QuantizedLinear)
+        }
+        kernels = sorted({type(layer.kernel).__name__ for layer in layers.values()})
+        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        weights = {name: layer.kernel.dequantize(torch.float32) for name, layer in layers.items()}
+        llm.shutdown()
+        del llm, layers
+        free_memory()
+        reference = LLM(str(folder), enforce_eager=True, **engine)
+        modules = dict(reference.engine.model_runner.model.named_modules())
+        with torch.no_grad():
+            for name, weight in weights.items():
+                if name == "lm_head":  # tied: the embedding keeps its float table
+                    modules[name].weight = torch.nn.Parameter(weight)
+                else:
+                    modules[name].weight.copy_(weight)
+        theirs = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
+        reference.shutdown()
+        del reference, modules, weights
+        free_memory()
+    differ = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if list(a) != list(b)]
+    result: dict = {
+        "method": QUANTIZED_METHOD,
+        "device": plan.device,
+        "kernels": kernels,
+        "prompts": len(prompts),
+        "equal": len(prompts) - len(differ),
+        "differ": differ,
+    }
+    say(
+        f"  {QUANTIZED_METHOD} on {kernels}: greedy equal to its float weights' for "
+        f"{result['equal']}/{len(prompts)}"
+    )
+    speed, _, _ = speed_folder(run)
+    llm, result["startup"] = start_engine(run, speed, {"quantization": QUANTIZED_METHOD})
+    model = llm.engine.model_runner.model
+    # what a step reads: every layer's codes and scales once; of the embedding table only its rows
+    table = {id(t) for t in model.model.embed_tokens.parameters()}
+    held = (t for t in (*model.parameters(), *model.buffers()) if id(t) not in table)
+    weight_bytes = sum(t.numel() * t.element_size() for t in held)
+    result["decode"] = []
+    context = plan.decode_contexts[0]
+    for batch in (1, 32 if run.cuda else plan.decode_batches[-1]):
+        if run.seconds_left() < 45 and run.cuda:
+            result["decode"].append({"batch": batch, "context": context, "status": "skipped: time budget"})
+            continue
+        ids = decoding(llm.engine, batch, context, seed=batch + 7, max_model_len=plan.max_model_len)
+        times = time_decode(llm.engine, plan.decode_steps)
+        finish(llm.engine, ids)
+        result["decode"].append(decode_row(llm.engine, batch, context, times, weight_bytes))
+        say(f"  {QUANTIZED_METHOD} decode {result['decode'][-1]}")
+    llm.shutdown()
+    return result
+
+
 # -- the summary ---------------------------------------------------------------------------------------
 
 
@@ -958,6 +1059,7 @@ def summary_rows(results: dict) -> list[dict]:
     rows += _prefill_rows(speed.get("prefill"), flops)
     rows += _count_rows(speed.get("counts"))
     rows += _startup_rows(speed)
+    rows += _quantized_rows(results.get("quantized", {}), bandwidth)
     return rows
 
 
@@ -1014,6 +1116,41 @@ def _decode_rows(decode: list[dict], bandwidth: float | None) -> list[dict]:
             target = f">= {TARGET_B128_BANDWIDTH:.0%} of bandwidth (1/ratio)"
             ok = None if ratio is None else 1 / ratio >= TARGET_B128_BANDWIDTH
         rows.append(_row(name, entry["step_ms"], floor, ratio, target, ok))
+    return rows
+
+
+def _quantized_rows(quantized: dict, bandwidth: float | None) -> list[dict]:
+    name = f"{QUANTIZED_METHOD} greedy = its float weights (fp32)"
+    if "equal" not in quantized:
+        return [_row(name, quantized.get("status"))]
+    rows = [
+        _row(
+            f"{QUANTIZED_METHOD} layers' kernel",
+            ", ".join(quantized["kernels"]),
+            target="TritonKernel",
+            ok=quantized["kernels"] == ["TritonKernel"] if quantized["device"] == "cuda" else None,
+        ),
+        _row(
+            name,
+            f"{quantized['equal']}/{quantized['prompts']} prompts",
+            target="all",
+            ok=quantized["equal"] == quantized["prompts"],
+        ),
+    ]
+    for entry in quantized.get("decode", []):
+        if "step_ms" not in entry:
+            rows.append(_row(f"{QUANTIZED_METHOD} decode b{entry['batch']}", entry.get("status")))
+            continue
+        floor = entry["bytes_per_step"] / (bandwidth * 1e9) * 1e3 if bandwidth else None
+        ratio = entry["step_ms"] / floor if floor else None
+        rows.append(
+            _row(
+                f"{QUANTIZED_METHOD} decode b{entry['batch']} ctx{entry['context']} ms/step",
+                entry["step_ms"],
+                floor,
+                ratio,
+            )
+        )
     return rows
 
 
@@ -1092,6 +1229,7 @@ SECTIONS: dict[str, Callable[[Run], dict]] = {
     "greedy": section_greedy,
     "lora": section_lora,
     "speed": section_speed,
+    "quantized": section_quantized,
 }
 
 

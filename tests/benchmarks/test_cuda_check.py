@@ -29,9 +29,15 @@ def test_smoke_runs_every_section_on_the_cpu(tmp_path):
     assert all(row["step_ms"] > 0 and row["bytes_per_step"] > 0 for row in speed["decode"])
     assert speed["prefill"]["tokens"] == 4 * 32
     assert speed["counts"]["aten_ops"] > 0
+    quantized = results["quantized"]  # on the CPU: the compiled kernels, against their float weights
+    assert quantized["status"] == "ok" and quantized["prompts"] == 2 and quantized["kernels"], quantized
+    assert [(row["batch"], row["context"]) for row in quantized["decode"]] == [(1, 16), (4, 16)]
+    # tied: the int8 head's codes, the layers' codes; not the float table whose rows it looks up
+    assert quantized["decode"][0]["bytes_per_step"] < speed["decode"][0]["bytes_per_step"]
     checks = [row["check"] for row in results["summary"]]
     assert "greedy = transformers (fp32)" in checks and "host syncs per decode step" in checks
     assert "LoRA greedy = merged weights (fp32)" in checks
+    assert "int4 greedy = its float weights (fp32)" in checks
 
 
 def test_pytest_lines_are_counted_with_and_without_xdist():
