@@ -21,7 +21,7 @@ PREQUANTIZED = "prequantized"  # a checkpoint published quantized: its own codes
 # layer rebuilds its float weight every forward, slower than the float model the loader decoded
 PACKED_KERNEL_DEVICES = ("cpu",)
 # GGUF tensor types whose blocks `--quantization gguf` keeps (quantization/gguf_native.py reads them)
-GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 GGUF_BLOCK_COLUMNS = 32  # a rank's share of a layer's input must hold whole groups of every type above
 # levels whose int8/int4 kernels take bf16 inputs only (kernels/csrc/linear_quantized.cpp: the AVX-512
 # BF16/VNNI code); the other levels run the AVX2 code, which takes float32 too

@@ -1,4 +1,4 @@
-"""`--quantization gguf`: a GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K blocks read
+"""`--quantization gguf`: a GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K and Q6_K blocks read
 straight into the engine's formats.
 
 No detour through float and no second rounding: a block's float16 `d` (and `m`) become float32
@@ -27,9 +27,16 @@ float16 factor:
     Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales sc, d
           w = (d * sc) * (q - 32)      -> Int8Weight(scale d * sc, codes q - 32), groups of 16
 
-Tensors of other types (float, Q2_K, Q3_K, the IQ types) are not read here: their layers
-stay in float. A mixture-of-experts file's merged experts tensors [E, rows, cols] are read as each
-expert's rows (`gguf_loader.expert_parts`), which quantization/moe.py fuses per expert.
+Q3_K's hold 256 weights as sixteen sub-blocks of 16 under 6-bit signed scales and one float16 factor:
+
+    Q3_K: 32 bytes of high bits, 64 bytes of 2-bit lows, 12 bytes of 6-bit sc x 16, d
+          w = (d * (sc - 32)) * q, q in -4..3  -> Int8Weight(scale d * (sc - 32), codes q), groups of 16
+
+(int8 codes: 10 bits a weight held for the file's 3.4, the int8 kernels' speed.) Tensors of other
+types (float, Q2_K, whose per-16 offsets only an int4 kernel with groups of 16 could hold exactly, the
+IQ types) are not read here: their layers stay in float. A mixture-of-experts file's merged experts
+tensors [E, rows, cols] are read as each expert's rows (`gguf_loader.expert_parts`), which
+quantization/moe.py fuses per expert.
 """
 
 from __future__ import annotations
@@ -148,6 +155,27 @@ def _k_quant_groups(blocks: np.ndarray, nibbles: np.ndarray, fifths: np.ndarray 
     return Int4Weight(*weight, BLOCK, bits=4 if fifths is None else 5)
 
 
+def _read_q3_k(blocks: np.ndarray) -> Int8Weight:
+    """[rows, super-blocks, 110] -> int8 codes q in -4..3 in groups of 16, scale d * (sc - 32) (exact in
+    float32: 11 by 6 significant bits). A super-block: 32 bytes of high bits (bit b of byte l: that of
+    weight 32 b + l), 64 bytes of 2-bit lows (each half of 128 weights: 32 bytes, weights 32 j + l at
+    bits 2j of byte l), 12 bytes of sixteen 6-bit scales, then d; q = low - 4 where the high bit is 0."""
+    rows, supers = blocks.shape[:2]
+    lows = blocks[..., 32:96].reshape(rows, supers, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]
+    highs = blocks[..., :32].reshape(rows, supers, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+    codes = (lows & 3).reshape(rows, supers, 256).astype(np.int8) - 4 * (
+        1 - (highs & 1).reshape(rows, supers, 256)
+    )
+    # scale s: its low 4 bits in byte s (s < 8) or the high half of byte s - 8; its top 2 bits at
+    # bits 2 (s // 4) of byte 8 + s % 4
+    packed = blocks[..., 96:108]
+    low_bits = np.concatenate([packed[..., :8] & 15, packed[..., :8] >> 4], axis=-1)
+    top_bits = np.concatenate([(packed[..., 8:12] >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1)
+    sc = (low_bits | (top_bits << 4)).astype(np.float32) - 32
+    scales = _halves(blocks, 108)[..., None] * torch.from_numpy(sc)
+    return Int8Weight(torch.from_numpy(codes.astype(np.int8).reshape(rows, -1)), scales.reshape(rows, -1), 16)
+
+
 def _read_q6_k(blocks: np.ndarray) -> Int8Weight:
     """[rows, super-blocks, 210] -> int8 codes q - 32 in groups of 16, scale d * sc (exact in float32)."""
     rows, supers = blocks.shape[:2]
@@ -171,9 +199,10 @@ _READERS = {
     "Q8_0": _read_q8_0,
     "Q4_K": _read_q4_k,
     "Q5_K": _read_q5_k,
+    "Q3_K": _read_q3_k,
     "Q6_K": _read_q6_k,
 }
-_SUPER_BLOCK_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+_SUPER_BLOCK_TYPES = frozenset({"Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 SUPPORTED_TYPES = GGUF_BLOCK_TYPES  # the config's list, which makes gguf the default: a test checks it
 
 

@@ -297,7 +297,7 @@ def _gguf_tensors(config: ModelConfig) -> dict[str, QuantizedWeight]:
     )
 
 
-_GGUF_CACHE_ENTRY = "gguf-native-v4"  # v2: Q4_K, Q5_0; v3: Q5_0 as 5-bit codes; v4: Q5_K too
+_GGUF_CACHE_ENTRY = "gguf-native-v5"  # v2: Q4_K, Q5_0; v3: Q5_0 as 5-bit codes; v4: Q5_K; v5: Q3_K
 
 
 def _cached(

@@ -95,11 +95,26 @@ def test_q6_k_super_blocks_equal_gguf_dequantize():
     assert torch.equal(weight.dequantize(), torch.from_numpy(reference))
 
 
-@pytest.mark.parametrize("main_type", ["Q4_K", "Q5_K"])
+def test_q3_k_super_blocks_equal_gguf_dequantize():
+    """Q3_K: sixteen sub-blocks of 16 per super-block (random bytes: every pattern of high bits and
+    signed 6-bit scales) become int8 codes in -4..3 in groups of 16 (scale d * (sc - 32)), equal to
+    the gguf package's dequantization bit for bit."""
+    rng = np.random.default_rng(4)
+    blocks = rng.integers(0, 256, (7, 3, 110), dtype=np.uint8)
+    blocks[..., 108:110] = rng.uniform(1e-4, 2e-3, (7, 3, 1)).astype(np.float16).view(np.uint8)
+    weight = gguf_native._READERS["Q3_K"](blocks)
+    assert isinstance(weight, Int8Weight) and weight.group_size == 16 and weight.shape == (7, 768)
+    assert (int(weight.qweight.min()), int(weight.qweight.max())) == (-4, 3)
+    assert bool((weight.scales < 0).any()) and bool((weight.scales > 0).any())
+    reference = dequantize(blocks.reshape(7, -1), GGMLQuantizationType.Q3_K)
+    assert torch.equal(weight.dequantize(), torch.from_numpy(reference))
+
+
+@pytest.mark.parametrize("main_type", ["Q4_K", "Q5_K", "Q3_K"])
 def test_a_k_m_style_file_reads_in_hf_layout(tmp_path, main_type):
-    """A GGUF mixing types as a Q4_K_M (Q5_K_M) file does (Q4_K (Q5_K), with Q6_K for the v and down
-    projections; q/k rows permuted as llama.cpp writes them): each tensor is read natively, equal to the
-    gguf package's dequantization of the file's tensor, rows put back in HF order."""
+    """A GGUF mixing types as a Q4_K_M (Q5_K_M, Q3_K_M) file does (Q4_K (Q5_K, Q3_K), with Q6_K for the
+    v and down projections; q/k rows permuted as llama.cpp writes them): each tensor is read natively,
+    equal to the gguf package's dequantization of the file's tensor, rows put back in HF order."""
     hidden, intermediate, heads, kv_heads = 256, 512, 4, 2
     path = tmp_path / "q4_k_m.gguf"
     writer = GGUFWriter(str(path), "llama")
@@ -134,6 +149,14 @@ def test_a_k_m_style_file_reads_in_hf_layout(tmp_path, main_type):
             )
         elif main_type == "Q4_K":
             qtype, blocks = GGMLQuantizationType.Q4_K, _random_q4_k_blocks(rng, rows, cols // 256)
+        elif main_type == "Q3_K":  # random bytes under a float16 d of a real model's size
+            qtype, blocks = (
+                GGMLQuantizationType.Q3_K,
+                rng.integers(0, 256, (rows, cols // 256, 110), dtype=np.uint8),
+            )
+            blocks[..., 108:110] = (
+                rng.uniform(1e-4, 2e-3, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+            )
         else:  # Q5_K: random bytes (every pattern of fifth bits) under Q4_K-sized factors
             qtype, blocks = (
                 GGMLQuantizationType.Q5_K,
@@ -158,7 +181,8 @@ def test_a_k_m_style_file_reads_in_hf_layout(tmp_path, main_type):
         rows = blocks.shape[0]
         reference = dequantize(blocks.reshape(rows, -1), qtype)
         reference = np.ascontiguousarray(_to_hf_layout(name, reference, arch, str(path)))
-        kind = (Int8Weight, 16) if qtype == GGMLQuantizationType.Q6_K else (Int4Weight, 32)
+        sixteen = (GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q3_K)
+        kind = (Int8Weight, 16) if qtype in sixteen else (Int4Weight, 32)
         assert (type(weights[name]), weights[name].group_size) == kind, name
         assert torch.equal(weights[name].dequantize(), torch.from_numpy(reference)), name
     q_name = hf_name("blk.0.attn_q.weight")
