@@ -9,7 +9,8 @@ model runs on the CPU with the in-place paged attention backend and a plain, int
 (new rows quantized by the ops the cache format uses; Qwen3's norms over each query and key head
 included), either in bf16
 with its linear layers bf16, int8 (per channel or GGUF Q8_0) or group-wise int4 (GGUF Q5_0's 5-bit
-codes too: the int4 kernel tells them by their packed width) with their small-batch kernels, or in
+codes too: the int4 kernel tells them by their packed width) with their small-batch kernels (a q/k/v
+layer of two formats, a Q4_K_M's Q4_K q/k beside its Q6_K v, as two calls, one a part), or in
 float32 (on CPUs without native bf16) with every linear layer
 on the float32 kernel or, quantized, on the int8 and int4 kernels where they take float32 inputs.
 Above the small-batch kernel's 8 rows it takes what the modules take: int8 and int4 layers their
@@ -38,7 +39,7 @@ from llmserve.distributed.group import TensorParallelGroup
 from llmserve.forward_context import AttentionMetadata
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.small_batch_linear import AMX_MAX_ROWS, MAX_ROWS, PackedLinear, SmallBatchLinear
-from llmserve.quantization.kernels import RoundedInputKernel
+from llmserve.quantization.kernels import RoundedInputKernel, StackedKernel
 
 
 class FusedDecodeStack:
@@ -182,6 +183,24 @@ def _small_batch_weights(module, dtype: torch.dtype) -> StackWeights | None:
     return None
 
 
+def _two_part_weights(module, dtype: torch.dtype) -> tuple[StackWeights, tuple] | None:
+    """A q/k/v layer whose shards' formats do not join (StackedKernel) in two parts on their compiled
+    kernels: (the first part's weights as `_small_batch_weights` gives them, (the second's packed
+    weight, its scales, the first's output rows as an int64 [1])); else None."""
+    kernel = getattr(module, "kernel", None)
+    if not isinstance(kernel, StackedKernel) or len(kernel.parts) != 2:
+        return None
+    head, tail = kernel.parts
+    if not all(isinstance(part, RoundedInputKernel) and part.takes(dtype) for part in (head, tail)):
+        return None
+    rows = torch.tensor([head.out_features], dtype=torch.int64)
+    return (head.small_batch_qweight, head.small_batch_scales, None), (
+        tail.small_batch_qweight,
+        tail.small_batch_scales,
+        rows,
+    )
+
+
 def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
     """The fused stack for `model` (a LlamaForCausalLM whose attention layers are bound to their KV
     cache views), or None where it does not apply."""
@@ -213,6 +232,9 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
         mlp_linears = (mlp.gate,) if experts else (mlp.gate_up_proj, mlp.down_proj)
         modules = (attention.qkv_proj, attention.o_proj, *mlp_linears)
         linears = [_small_batch_weights(m, dtype) for m in modules]
+        qkv_tail = _two_part_weights(attention.qkv_proj, dtype)
+        if qkv_tail is not None:
+            linears[0], qkv_tail = qkv_tail
         if any(linear is None for linear in linears) or attention.attn.key_cache is None:
             return None
         if any(m.bias is not None for m in modules[1:]):
@@ -255,6 +277,7 @@ def build_decode_stack(model, attention_backend) -> FusedDecodeStack | None:
             *map(_or_empty, (qkv_onednn, o_onednn, gate_up_onednn, down_onednn)),
             *((norm.weight.detach() for norm in head_norms) if head_norms else (_EMPTY, _EMPTY)),
             *map(_or_empty, moe),
+            *(qkv_tail or (_EMPTY, _EMPTY, _EMPTY)),
         ]
     first = layers[0].self_attn
     # the bf16 layers' choices (they share them); a stack of quantized layers has none

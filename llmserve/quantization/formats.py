@@ -105,14 +105,67 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
     )
 
 
+@dataclass
+class StackedRows:
+    """A fused layer (q/k/v, gate/up) whose shards' formats do not join: a Q4_K_M file's Q4_K q and k
+    beside a Q6_K v. Its parts stack along the output rows, each in its own format (runs of shards that
+    do join are one part), so every shard keeps its file's codes."""
+
+    parts: list[QuantizedWeight]
+
+    kind = "stacked"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([part.dequantize(dtype) for part in self.parts])
+
+    def rows(self, index: torch.Tensor) -> StackedRows:
+        """Rows `index` (ascending: a tensor-parallel rank's heads of each shard), each part keeping
+        those of its own rows it holds (a part with none of them drops out)."""
+        if index.numel() > 1 and not bool((index[1:] > index[:-1]).all()):
+            raise ValueError("StackedRows.rows takes ascending rows")
+        parts, start = [], 0
+        for part in self.parts:
+            stop = start + part.shape[0]
+            mine = index[(index >= start) & (index < stop)] - start
+            if mine.numel():
+                parts.append(part.rows(mine))
+            start = stop
+        return StackedRows(parts)
+
+
+def stack_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | StackedRows:
+    """Fuse shards into one weight: `concat_rows` where their formats join, else a StackedRows of the
+    runs of neighbouring shards that do."""
+    fused = concat_rows(weights)
+    if fused is not None:
+        return fused
+    runs: list[list[QuantizedWeight]] = [[weights[0]]]
+    for weight in weights[1:]:
+        if concat_rows([*runs[-1], weight]) is not None:
+            runs[-1].append(weight)
+        else:
+            runs.append([weight])
+    return StackedRows([concat_rows(run) for run in runs])
+
+
 def _layout(weight: QuantizedWeight) -> tuple:
     """What shards must share to be fused: format, group size and code width."""
     return type(weight), weight.group_size, weight.bits
 
 
-def shard_rows(weight: QuantizedWeight, index: torch.Tensor, rows: int) -> QuantizedWeight:
+def shard_rows(
+    weight: QuantizedWeight | StackedRows, index: torch.Tensor, rows: int
+) -> QuantizedWeight | StackedRows:
     """The output rows `index` of `weight`, then zero rows up to `rows` (codes, scales and offsets
     all zero: they dequantize to the zero padding of a float shard's last vocabulary block)."""
+    if isinstance(weight, StackedRows):  # a fused column-parallel layer's heads: never padded
+        if index.numel() != rows:
+            raise ValueError("a stacked layer's rank rows are not padded")
+        return weight.rows(index)
     return dataclasses.replace(weight, **{name: _pad(t[index], rows) for name, t in _tensors(weight)})
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
 from llmserve.kernels.logits import float32_logits
-from llmserve.quantization.formats import Int4Weight, Int8Weight, QuantizedWeight
+from llmserve.quantization.formats import Int4Weight, Int8Weight, QuantizedWeight, StackedRows
 
 _INT4_INNER_K_TILES = 1  # the CPU packing ignores tiling beyond this; any value >= 1 is accepted
 _INT4_CENTER = 8  # tinygemm's dequantization: w = (q - 8) * scale + zero
@@ -227,7 +227,7 @@ class TritonKernel(LinearKernel):
             offsets = _half_if_exact(weight.offsets)
         else:
             codes, fifths, offsets = weight.qweight.contiguous(), None, None
-        self.register_buffer("codes", codes)
+        self.register_buffer("codes", codes.contiguous())
         self.register_buffer("fifths", fifths)
         self.register_buffer("scales", _half_if_exact(weight.scales))
         self.register_buffer("offsets", offsets)
@@ -255,7 +255,7 @@ class TritonKernel(LinearKernel):
         out = self._linear(
             flat, self.codes, self.fifths, self.scales, self.offsets, self.group_size, self.bits, out_dtype
         )
-        return out.view(*x.shape[:-1], -1)
+        return out.view(*x.shape[:-1], out.shape[-1])  # a step of no rows too
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self._weight().dequantize(torch.float32).to(dtype)
@@ -283,7 +283,7 @@ class TritonKernel(LinearKernel):
 def _half_if_exact(values: torch.Tensor) -> torch.Tensor:
     """float16 where every value is exact in it (a GGUF's d and m), else float32."""
     values = values.float()
-    half = values.half()
+    half = values.half().contiguous()
     return half if torch.equal(half.float(), values) else values.contiguous()
 
 
@@ -397,8 +397,28 @@ _KERNELS: list[tuple[Callable[[QuantizedWeight, torch.dtype, torch.device], bool
 ]
 
 
-def select_kernel(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> LinearKernel:
+class StackedKernel(LinearKernel):
+    """A StackedRows weight (a fused layer whose shards' formats do not join): each part's own kernel
+    on the same input, their outputs side by side. The CPU's fused decode stack runs a q/k/v layer of
+    two parts on their compiled kernels the same way (models/decode_stack.py)."""
+
+    def __init__(self, weight: StackedRows, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(select_kernel(part, dtype, device) for part in weight.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([part.dequantize(dtype) for part in self.parts])
+
+
+def select_kernel(
+    weight: QuantizedWeight | StackedRows, dtype: torch.dtype, device: torch.device
+) -> LinearKernel:
     """The fastest kernel measured for this weight format, activation dtype and device."""
+    if isinstance(weight, StackedRows):
+        return StackedKernel(weight, dtype, device)
     weight = _to_device(weight, device)
     kernel_cls = next(cls for applies, cls in _KERNELS if applies(weight, dtype, device))
     return kernel_cls(weight, dtype)
@@ -421,7 +441,7 @@ class QuantizedLinear(nn.Module):
 
     def __init__(
         self,
-        weight: QuantizedWeight,
+        weight: QuantizedWeight | StackedRows,
         bias: torch.Tensor | None,
         dtype: torch.dtype,
         device,

@@ -24,9 +24,10 @@ from llmserve.quantization.embedding import embed_from_head
 from llmserve.quantization.formats import (
     Int4Weight,
     QuantizedWeight,
-    concat_rows,
+    StackedRows,
     quantize_int4,
     quantize_int8,
+    stack_rows,
 )
 from llmserve.quantization.gptq import HessianAccumulator, gptq_quantize
 from llmserve.quantization.kernels import LinearKernel, QuantizedLinear
@@ -38,7 +39,7 @@ LM_HEAD = "lm_head"
 
 @dataclass
 class QuantizationResult:
-    weights: dict[str, QuantizedWeight]  # module name (model.layers.0.mlp.down_proj) -> weight
+    weights: dict[str, QuantizedWeight | StackedRows]  # module name (model.layers.0.mlp.down_proj) -> weight
     float_updates: dict[str, torch.Tensor] = field(default_factory=dict)  # parameter name -> new value
     # the lm_head's weight holds the tied embedding's own values (a GGUF's token_embd): the
     # embedding reads its rows from it and its float table is freed (quantization/embedding.py)
@@ -268,9 +269,8 @@ def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
         parent, _, child = name.rpartition(".")
         shards = model.packed_modules.get(child, (child,))
         parts = [tensors.get(f"{parent}.{shard}.weight") for shard in shards]
-        fused = None if any(p is None for p in parts) else concat_rows(parts)
-        if fused is not None:
-            weights[name] = fused
+        if all(p is not None for p in parts):  # shards whose formats do not join stay stacked
+            weights[name] = stack_rows(parts)
     head = "model.embed_tokens.weight" if config.arch.tie_word_embeddings else "lm_head.weight"
     if head in tensors:  # 5-bit codes as the int8 codes they equal: int8 has a float32-logits kernel
         weights[LM_HEAD] = _as_int8_if_five_bit(tensors[head])
@@ -336,12 +336,12 @@ def _prequantized(model: nn.Module, config: ModelConfig, tokenizer) -> Quantizat
         parts = [layers.get(part) for part in names]
         fused = layers.get(name)  # a checkpoint that stores the fused layer itself (Phi-3)
         if fused is None and all(part is not None for part in parts):
-            fused = concat_rows(parts)
+            fused = stack_rows(parts)  # parts of different formats stay stacked
         if fused is not None:
             weights[name] = fused
             used.update([name, *names])
         elif any(part is not None for part in parts):
-            dequantized[name] = "fused parts of different formats"
+            dequantized[name] = "some of its fused parts are float"
             used.update(names)
     experts, expert_names = moe.checkpoint_expert_weights(model, layers)
     weights.update(experts)

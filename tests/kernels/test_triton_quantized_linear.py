@@ -19,7 +19,6 @@ from llmserve.kernels.triton import quantized_linear as ql  # noqa: E402
 from llmserve.quantization import kernels  # noqa: E402
 from llmserve.quantization.formats import Int4Weight, Int8Weight, quantize_int4, quantize_int8  # noqa: E402
 from tests.e2e.conftest import teacher_forced_logits  # noqa: E402
-from tests.quantization.test_quantized_embedding import ENGINE, VOCAB, Q, write_tied_gguf  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -103,15 +102,41 @@ def test_the_product_is_the_formats_weights(dtype, kind, group, in_features, row
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "int5"])
-def test_a_split_k_range_sums_its_parts(kind):
+def test_a_split_k_range_sums_its_parts(kind, monkeypatch):
     """One row over few outputs and a long K: the grid splits K (the decode shape on a large device),
-    and the parts' float32 sums add up to the product."""
-    weight = weight_of(kind, 40, 2048, 32)
-    programs = 1  # one row tile, one column tile
-    assert ql._splits(programs, 2048 // ql._BLOCK_K[weight.bits], DEVICE) > 1
-    x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(2))
+    the last part shorter than the others and ending inside a loop step, and the parts' float32 sums
+    add up to the product."""
+    cols = 2016  # 63 groups of 32
+    weight = weight_of(kind, 40, cols, 32)
+    launched = []
+    kernel = ql._quantized_matmul_kernel
+    monkeypatch.setattr(ql, "_quantized_matmul_kernel", _Recording(kernel, launched))
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(2))
     out = ql.quantized_linear(x.to(DEVICE), *layout(weight), 32, weight.bits)
+    ((grid, k_per_split),) = launched
+    assert grid[2] > 1 and cols % k_per_split and k_per_split % ql._BLOCK_K[weight.bits] == 0
     torch.testing.assert_close(out.cpu().double(), reference(x, weight, torch.float32), atol=1e-3, rtol=1e-5)
+
+
+class _Recording:
+    """The kernel, its launches' grids and K parts noted."""
+
+    def __init__(self, kernel, launched: list) -> None:
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append((grid, args[12]))  # k_per_split
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_no_rows_give_no_rows():
+    weight = weight_of("int4", 8, 64, 32)
+    kernel = kernels.TritonKernel(kernels._to_device(weight, DEVICE), torch.float32)
+    assert kernel(torch.zeros(0, 64, device=DEVICE)).shape == (0, 8)
+    assert kernel(torch.zeros(2, 0, 64, device=DEVICE)).shape == (2, 0, 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_ON_GPU)])
@@ -187,9 +212,13 @@ def test_cuda_selects_the_triton_layer():
 
 def test_a_gguf_model_on_the_triton_layers_gives_the_float_weights_logits_and_tokens(tmp_path, monkeypatch):
     """A tied tiny Llama written with Q4_1, Q5_0 and Q8_0 blocks (the embedding read from the head's
-    Q8_0 codes) served with `--quantization gguf` twice, float32: every quantized layer on the Triton
-    layer (interpreted here, as CUDA would pick it), then on the format's float weights rebuilt each
-    call. Teacher-forced logits agree to float32 summation order; greedy tokens are equal."""
+    Q8_0 codes; a q/k/v of two formats) served with `--quantization gguf` twice, float32: every
+    quantized layer on the Triton layer (interpreted here, as CUDA would pick it), then on the
+    format's float weights rebuilt each call. Teacher-forced logits agree to float32 summation
+    order; greedy tokens are equal."""
+    pytest.importorskip("gguf", reason="writing the GGUF needs the gguf package (not on the device)")
+    from tests.quantization.test_quantized_embedding import ENGINE, VOCAB, Q, write_tied_gguf
+
     monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = str(tmp_path / "tied.gguf")
     write_tied_gguf(path, Q.Q8_0, Q.Q4_1, {"blk.0.attn_q.weight": Q.Q5_0, "blk.1.ffn_down.weight": Q.Q8_0})
@@ -209,7 +238,8 @@ def test_a_gguf_model_on_the_triton_layers_gives_the_float_weights_logits_and_to
             llm.shutdown()
 
     chosen, logits, tokens = run(kernels.TritonKernel)
-    assert chosen == {kernels.TritonKernel}
+    # layer 0's Q5_0 q beside Q4_1 k and v: two parts, each on the Triton layer
+    assert chosen == {kernels.TritonKernel, kernels.StackedKernel}
     _, float_logits, float_tokens = run(kernels.DequantizeKernel)
     torch.testing.assert_close(logits, float_logits, atol=1e-4, rtol=1e-4)
     assert tokens == float_tokens

@@ -57,14 +57,14 @@ NAMES = {
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 
 
-def _tokenizer(writer) -> None:
-    """A sentencepiece-style vocabulary of VOCAB pieces (the prompts are token ids)."""
-    tokens = ["<pad>", "<s>", "</s>", *(f"<t{i}>" for i in range(VOCAB - 3))]
+def _tokenizer(writer, vocab: int = VOCAB) -> None:
+    """A sentencepiece-style vocabulary of `vocab` pieces (the prompts are token ids)."""
+    tokens = ["<pad>", "<s>", "</s>", *(f"<t{i}>" for i in range(vocab - 3))]
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * VOCAB)
-    writer.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (VOCAB - 3))
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (vocab - 3))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 

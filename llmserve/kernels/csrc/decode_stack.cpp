@@ -119,7 +119,7 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> layer_tensors, at::Tensor final
       scale_(scale) {
   TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "DecodeStack takes plain, int8 and fp8 KV caches");
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kTensorsPerLayer == 0,
-              "DecodeStack takes 23 tensors per layer");
+              "DecodeStack takes 26 tensors per layer");
 }
 
 void DecodeStack::set_lora(std::vector<at::Tensor> lora_tensors) {
@@ -152,10 +152,20 @@ at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Ten
     const auto& [qkv_onednn, o_onednn, gate_up_onednn, down_onednn] = std::tie(t[13], t[14], t[15], t[16]);
     const auto& [q_norm, k_norm] = std::tie(t[17], t[18]);
     const auto& [router, router_scales, router_onednn, moe_params] = std::tie(t[19], t[20], t[21], t[22]);
+    const auto& [qkv_tail, qkv_tail_scales, qkv_head_rows] = std::tie(t[23], t[24], t[25]);
     // attention block
     const auto qkv_input = rms_norm(hidden, input_norm, eps_);
-    auto qkv = stack_linear(qkv_input, qkv_weight, qkv_scales, qkv_onednn, qkv_bias, qkv_size, amx_max_rows_,
-                            kernel_max_rows_);
+    at::Tensor qkv;
+    if (qkv_tail.numel()) {  // shards of two formats (a Q4_K_M's Q4_K q/k, Q6_K v): each on its kernel
+      const int64_t head_rows = qkv_head_rows.data_ptr<int64_t>()[0];
+      qkv = at::cat({small_batch_linear_packed(qkv_input, qkv_weight, qkv_scales, head_rows),
+                     small_batch_linear_packed(qkv_input, qkv_tail, qkv_tail_scales, qkv_size - head_rows)},
+                    1);
+      if (qkv_bias.defined() && qkv_bias.numel()) qkv = qkv + qkv_bias;
+    } else {
+      qkv = stack_linear(qkv_input, qkv_weight, qkv_scales, qkv_onednn, qkv_bias, qkv_size, amx_max_rows_,
+                         kernel_max_rows_);
+    }
     add_lora(0, qkv_input, qkv);
     auto query = qkv.narrow(1, 0, q_size), key = qkv.narrow(1, q_size, kv_size);
     auto value = qkv.narrow(1, q_size + kv_size, kv_size);

@@ -52,7 +52,7 @@ class DecodeStack {
                      const std::optional<at::Tensor>& token_slots) const;
 
  private:
-  static constexpr int kTensorsPerLayer = 23;
+  static constexpr int kTensorsPerLayer = 26;
   static constexpr int kLoraTensorsPerLayer = 16;
   std::vector<at::Tensor> tensors_;
   std::vector<at::Tensor> lora_;  // empty: no adapters bound

@@ -10,7 +10,8 @@ The layouts, made once from a format's one-code-per-byte form by `pack_int4` (th
 
 so a GGUF's blocks stay at about the file's size (Q4_1: 4 bits a weight plus two float16 a group of 32).
 Scales and offsets are float16 where every value is exact in it (a GGUF's d and m), else float32. A tile
-rebuilds w in float32, rounds it once to x's dtype and multiplies with float32 accumulators (TF32 off);
+rebuilds w in float32 as the format's `dequantize` does (the product, then the offset: no fused
+multiply-add), rounds it once to x's dtype and multiplies with float32 accumulators (TF32 off);
 `logits` writes those sums unrounded. Where the (row tile, column tile) programs alone would leave
 multiprocessors idle (decode), the K range is split and the float32 partial sums are added in a fixed
 order after. The wrapper reads no tensor's values on the host (no syncs; CUDA graphs can hold it).
@@ -74,6 +75,12 @@ def quantized_linear(
         raise ValueError(
             f"quantized_linear: scales {tuple(scales.shape)} do not fit K {cols} in groups of {group_size}"
         )
+    if not all(t is None or t.is_contiguous() for t in (codes, fifths, scales, offsets)):
+        raise ValueError("quantized_linear takes contiguous codes, fifths, scales and offsets")
+    if fifths is not None and fifths.shape != (out_features, cols // 8):
+        raise ValueError(
+            f"quantized_linear: fifths {tuple(fifths.shape)} do not fit [{out_features}, {cols // 8}]"
+        )
     if codes.shape != (out_features, cols if bits == 8 else cols // 2):
         raise ValueError(
             f"quantized_linear: codes {tuple(codes.shape)} do not fit [{out_features}, {cols}] at {bits} bits"
@@ -112,6 +119,8 @@ def quantized_linear(
         BLOCK_M=block_m,
         BLOCK_N=_BLOCK_N,
         BLOCK_K=block_k,
+        num_stages=2 if x.dtype == torch.float32 else 3,  # float32 tiles: half the shared memory a stage
+        enable_fp_fusion=False,  # w = q * scale + offset rounded twice, as the format's dequantize()
     )
     if splits > 1:
         out.copy_(target.sum(0))  # the partial sums in a fixed order, rounded once
