@@ -80,8 +80,11 @@ class AttentionMetadata:
     attention_sinks: int = 0  # ... except the sequence's first this many tokens (StreamingLLM)
     # KV-cache groups 1.. (config/kv_groups.py): their own slots and tables; this one is group 0's
     other_groups: tuple[AttentionMetadata, ...] = ()
+    # [num_decode_tokens] int64: token trees verified as decode spans (backends with `takes_tree_masks`):
+    # bit j of a query's mask set where it sees its span's token j (its ancestors; -1: every earlier one)
+    decode_tree_masks: torch.Tensor | None = None
     # the backend every layer calls this step in place of its own (None: its own): a step verifying a
-    # token tree runs the torch reference, the one backend that takes tree masks
+    # token tree where its own backend takes no tree masks runs the torch reference
     backend: object | None = None
     recent_kv: RecentKVPlan | None = None  # int4/int2 caches: the step's window and block moves
 

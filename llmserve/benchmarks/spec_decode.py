@@ -108,10 +108,12 @@ def methods(names: Sequence[str], early_exit_layers: Sequence[int | None], draft
         elif name == "draft_head_only":  # the head alone, without prompt lookup
             kwargs = {"speculative_method": "draft_head", "prompt_lookup_max": 0}
             result.append(Method("draft_head_only", kwargs))
+        elif name == "eagle":  # the draft head as a token tree
+            result.append(Method("eagle", {"speculative_method": "eagle"}))
         elif name != "none":
             raise ValueError(
-                "--methods takes none, ngram, early_exit, draft, draft_head, draft_head_only and suffix; "
-                f"got {name!r}"
+                "--methods takes none, ngram, early_exit, draft, draft_head, draft_head_only, suffix and "
+                f"eagle; got {name!r}"
             )
     return result
 

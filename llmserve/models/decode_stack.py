@@ -115,6 +115,7 @@ class FusedDecodeStack:
             metadata.attention_sinks,
             metadata.sliding_window,
             lora_slots,
+            metadata.decode_tree_masks,
         )
 
     def _bind_all_reduce(self) -> None:

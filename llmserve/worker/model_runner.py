@@ -134,7 +134,7 @@ class ModelRunner:
         if config.model.deterministic:  # before the fused stack, which takes the layers' kernels
             make_batch_invariant(model, self.attention_backend)
         self.input_builder = InputBuilder(config.cache, self.attention_backend, self.device)
-        # token trees: verified on the torch reference (the compiled and Triton kernels take no tree mask)
+        # token trees: verified in the paged kernel where it takes tree masks, else on the torch reference
         self.tree_verifier = TreeVerifier(self.vocab_size, self.device)
         self.tree_input_builder = self.input_builder
         if self.attention_backend.name != "torch":
@@ -347,7 +347,8 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return None
         rows = [(self.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
-        if plan.spec_tree_parents:  # a token tree: the reference attention, which takes tree masks
+        if plan.spec_tree_parents and not self.input_builder.takes_trees(plan.spec_tree_parents):
+            # token trees the backend cannot verify in place: the reference attention's spans and masks
             return self.tree_input_builder.build(rows, None if self.lora is None else self._lora_slots)
         if self.decode_graphs is not None and self.decode_graphs.serves(rows):
             return self._prepare_static([request for request, _ in rows])

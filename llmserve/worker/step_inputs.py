@@ -97,7 +97,7 @@ class InputBuilder:
             slot_mapping = self._slots(block_tables[token_rows, positions // self.block_size], positions)
             attention = self.attention_metadata(block_tables, num_new, seq_lens, starts, slot_mapping)
         if trees:
-            self._add_tree_masks(attention, trees, seq_lens)
+            self._add_tree_masks(attention, trees, seq_lens, starts)
         if self.recent_kv is not None:
             attention.recent_kv = self._recent_kv_plan(
                 requests, block_tables, computed, seq_lens, token_rows, positions, len(attention.prefills)
@@ -192,12 +192,31 @@ class InputBuilder:
             computed=computed.tolist(),
         )
 
-    def _add_tree_masks(self, attention: AttentionMetadata, trees: dict[int, list[int]], seq_lens) -> None:
-        """Token trees (sample/token_tree.py): each tree's verify span (a prefill span here, the reference
-        backend taking spans of one token as decodes) gets its mask, and the step runs this builder's
-        backend, which must be the reference: it is the one backend that takes tree masks."""
-        if self.attention_backend.name != "torch" or self.kv_groups or self.cache.sliding_window:
-            raise ValueError("token trees need the torch attention backend, no sliding window, no KV groups")
+    def takes_trees(self, trees: dict[str, list[int]]) -> bool:
+        """Whether this builder's backend verifies these token trees in place: one whose paged kernel takes
+        tree masks (`takes_tree_masks`), every tree's span (its root and drafts) short enough to be a
+        decode span there."""
+        backend = self.attention_backend
+        return (
+            getattr(backend, "takes_tree_masks", False)
+            and not self.kv_groups
+            and not self.cache.sliding_window
+            and all(1 + len(parents) <= backend.max_decode_query_len for parents in trees.values())
+        )
+
+    def _add_tree_masks(
+        self, attention: AttentionMetadata, trees: dict[int, list[int]], seq_lens, starts: np.ndarray
+    ) -> None:
+        """Token trees (sample/token_tree.py): each tree's verify span gets its mask. A backend that takes
+        tree masks reads them as bits over its decode spans (`decode_tree_masks`); otherwise the span is a
+        prefill span here and the step runs this builder's backend, which must be the torch reference."""
+        if self.kv_groups or self.cache.sliding_window:
+            raise ValueError("token trees need no sliding window and no KV groups")
+        if getattr(self.attention_backend, "takes_tree_masks", False):
+            attention.decode_tree_masks = self._to_device(_tree_bits(trees, attention, starts))
+            return
+        if self.attention_backend.name != "torch":
+            raise ValueError("token trees need the torch attention backend or one that takes tree masks")
         attention.backend = self.attention_backend
         num_decodes = len(seq_lens) - len(attention.prefills)
         for row, parents in trees.items():
@@ -299,6 +318,22 @@ def _tree_positions(positions: np.ndarray, trees: dict[int, list[int]], ends, co
         end = int(ends[row])
         positions[end - len(parents) : end] = computed[row] + tree_shape(parents).depth
     return positions
+
+
+def _tree_bits(trees: dict[int, list[int]], attention: AttentionMetadata, starts: np.ndarray) -> np.ndarray:
+    """[num_decode_tokens] int64 masks for a paged kernel: -1 (every earlier token of its span: causal)
+    for rows without a tree; a tree's root 0 (nothing before it in its span), draft i its span's token 0
+    (the root) and tokens 1 + j for its ancestors j (itself among them). `starts`: each row's first token."""
+    if attention.prefills:
+        raise ValueError("token trees in a paged kernel must all be decode spans")
+    bits = np.full(attention.num_decode_tokens, -1, dtype=np.int64)
+    for row, parents in trees.items():
+        ancestors = tree_shape(parents).ancestors  # [n, n]: draft j is draft i or an ancestor
+        weights = np.left_shift(np.int64(1), np.arange(1, 1 + len(parents), dtype=np.int64))
+        first = int(starts[row])
+        bits[first] = 0
+        bits[first + 1 : first + 1 + len(parents)] = 1 | (ancestors.astype(np.int64) @ weights)
+    return bits
 
 
 def _tree_mask(parents: list[int], seq_len: int) -> np.ndarray:

@@ -329,3 +329,65 @@ def test_every_8bit_code_is_read_exactly(dtype, kv_dtype, head_dim):
     expected = fmt.dequantize(values, torch.float32).to(dtype)
     assert bool(torch.isnan(expected).any()) == (kv_dtype == "fp8")  # 0x7F and 0xFF are fp8's NaNs
     torch.testing.assert_close(out, expected, atol=0, rtol=0, equal_nan=True)
+
+
+# A token tree's verify span (root + 7 drafts; parents listed first), a chain's and a plain decode together
+TREE_PARENTS = [-1, -1, 0, 0, 2, 1, -1]
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [64, 128, 32])
+@pytest.mark.parametrize("context", [8, 47, 300])
+def test_tree_spans_in_kernel_match_the_reference_tree_mask(dtype, atol, head_dim, context, threads):
+    """Each draft of a tree sees the context, the root, its ancestors and itself: the kernel's bits
+    (step_inputs._tree_bits, every vector path and the portable one) give the reference backend's dense
+    tree mask's attention; a chain's span beside it stays causal, and the masks change the drafts'
+    rows (so the comparison can fail)."""
+    from llmserve.attention.backends.cpu_paged import CPUPagedBackend
+    from llmserve.worker.step_inputs import _tree_bits, _tree_mask
+
+    n = len(TREE_PARENTS)
+    spans = [(1 + n, context + n), (5, 60)]
+    query, key, value, key_cache, value_cache, metadata, tables = random_batch(
+        dtype, [33], spans, head_dim=head_dim, seed=context
+    )
+    metadata.prefills[0].tree_mask = torch.from_numpy(_tree_mask(TREE_PARENTS, context + n))
+    scale = head_dim**-0.5
+    expected = TorchSDPABackend().forward(
+        query, key, value, key_cache.clone(), value_cache.clone(), metadata, scale
+    )
+    in_kernel = with_spans_in_kernel(metadata, [33], spans, tables)
+    starts = in_kernel.decode_query_starts.numpy()
+    in_kernel.decode_tree_masks = torch.from_numpy(_tree_bits({1: TREE_PARENTS}, in_kernel, starts))
+    backend = CPUPagedBackend()
+    actual = backend.forward(query, key, value, key_cache.clone(), value_cache.clone(), in_kernel, scale)
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=atol)
+    in_kernel.decode_tree_masks = None
+    causal = backend.forward(query, key, value, key_cache.clone(), value_cache.clone(), in_kernel, scale)
+    drafts = slice(2, 2 + n)  # rows: the decode, the root, the drafts, the chain's span
+    assert not torch.allclose(causal[drafts].float(), actual[drafts].float(), atol=atol, rtol=atol)
+    # the decode, the root and the first draft (a child of the root) see what causal rows see
+    torch.testing.assert_close(causal[:3].float(), actual[:3].float(), atol=0, rtol=0)
+    torch.testing.assert_close(causal[drafts.stop :].float(), actual[drafts.stop :].float(), atol=0, rtol=0)
+
+
+def test_tree_masks_are_refused_with_a_window_or_too_long_a_span():
+    ops = load_cpu_ops()
+    query = torch.zeros(3, 2, 64)
+    cache = torch.zeros(32, 1, 64)
+    args = (
+        query,
+        cache,
+        cache,
+        torch.zeros(1, 2, dtype=torch.long),
+        torch.tensor([3]),
+        torch.tensor([0, 3]),
+        16,
+        1.0,
+        0,
+        0,
+    )
+    with pytest.raises(RuntimeError, match="no sliding window"):
+        ops.paged_attention(*args, 8, torch.full((3,), -1))
+    with pytest.raises(RuntimeError, match="int64 \\[num_tokens\\]"):
+        ops.paged_attention(*args, 0, torch.full((2,), -1))

@@ -74,10 +74,30 @@ def reference(reference_llm) -> dict[tuple[int, ...], list[int]]:
     return {tuple(p): ids for p, ids in zip(PROMPTS, token_ids(outputs), strict=True)}
 
 
+def record_tree_kernel_steps(runner) -> list[str]:
+    """Make `runner` note, for each step whose attention carries kernel tree masks, whether the fused
+    decode stack or the modules ran it; returns the list it fills."""
+    steps: list[str] = []
+    forward = runner._forward
+
+    def noting(inputs):
+        if inputs.attention.decode_tree_masks is not None:
+            stack = runner.decode_stack
+            serves = stack is not None and stack.serves(len(inputs.input_ids), inputs.attention)
+            steps.append("stack" if serves else "modules")
+        return forward(inputs)
+
+    runner._forward = noting
+    return steps
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_greedy_tree_verification_equals_plain_decoding(target_dir, reference, shape):
+def test_greedy_tree_verification_equals_plain_decoding(target_dir, reference, shape, backend):
     """Prefix caching on (the prompts run twice: the second pass hits), chunked prefill with a budget
-    that splits the longer prompts; every request must give plain decoding's tokens."""
+    that splits the longer prompts; every request must give plain decoding's tokens, the trees
+    verified in the compiled paged kernel (its tree masks; the fused decode stack where it applies)
+    or on the reference's dense masks."""
     llm = make_llm(
         target_dir,
         speculative_method="ngram",
@@ -85,10 +105,12 @@ def test_greedy_tree_verification_equals_plain_decoding(target_dir, reference, s
         prefix_caching=True,
         enable_chunked_prefill=True,
         max_num_batched_tokens=16,
+        attention_backend=backend,
     )
     proposer = OracleTreeProposer(reference, shape)
     llm.engine.proposer = proposer  # the engine drafts through whatever Proposer it holds
     paths = record_tree_paths(llm.engine.model_runner)
+    kernel_steps = record_tree_kernel_steps(llm.engine.model_runner)
     for _ in range(2):
         outputs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
         assert token_ids(outputs) == [reference[tuple(p)] for p in PROMPTS]
@@ -97,8 +119,9 @@ def test_greedy_tree_verification_equals_plain_decoding(target_dir, reference, s
         moved = [p for p in paths if p != list(range(len(p)))]
         assert any(len(p) >= 2 for p in moved) or shape == "star"
         assert moved, "no accepted path needed its KV moved"
+        assert bool(kernel_steps) == (backend == "cpu_paged")
     else:
-        assert not paths
+        assert not paths and not kernel_steps
     assert_no_leaks(llm)
 
 
@@ -112,6 +135,23 @@ def test_batch_of_one_deep_branch_then_plain_steps(target_dir, reference):
     assert token_ids(outputs) == [reference[tuple(PROMPTS[2])]]
     stats = llm.engine.spec_decode_stats
     assert stats.num_accepted_tokens >= 4 * 3  # several passes accepted the whole 4-deep branch
+    assert_no_leaks(llm)
+
+
+def test_a_small_tree_step_runs_in_the_fused_decode_stack(target_dir, reference):
+    """One request's star of 4 drafts (5 rows: within the float32 stack's 8): its tree steps run in the
+    one compiled call with their masks, and give plain decoding's tokens."""
+    llm = make_llm(
+        target_dir, speculative_method="ngram", num_speculative_tokens=4, speculative_adaptive_k=False
+    )
+    runner = llm.engine.model_runner
+    if runner.decode_stack is None:
+        pytest.skip("no fused decode stack for this model here (its float32 kernels need AVX2)")
+    llm.engine.proposer = OracleTreeProposer(reference, "star")
+    kernel_steps = record_tree_kernel_steps(runner)
+    outputs = llm.generate([PROMPTS[2]], greedy(), use_tqdm=False)
+    assert token_ids(outputs) == [reference[tuple(PROMPTS[2])]]
+    assert kernel_steps and set(kernel_steps) == {"stack"}
     assert_no_leaks(llm)
 
 

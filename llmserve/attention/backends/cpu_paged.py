@@ -2,7 +2,8 @@
 
 Sequences with at most `max_decode_query_len` query tokens this step (decodes, speculative
 verification of k drafts, short prompt tails) go to one `paged_attention` call, which walks each
-sequence's block table directly; no padded copy of any context is gathered, and no mask is built.
+sequence's block table directly; no padded copy of any context is gathered, and no mask is built (a
+token tree's verify span is one too: each query's ancestors as bits, `decode_tree_masks`).
 It dequantizes 8-bit caches as it reads them (8 lanes at a time where AVX2 is, float32 and bf16
 models alike) and visits only the sinks and the window when a sliding window is on.
 
@@ -43,6 +44,7 @@ class CPUPagedBackend(TorchSDPABackend):
     # A verify pass of up to 15 drafts stays in this kernel; longer spans are matmul-shaped (_prefill).
     max_decode_query_len = 16
     piece_len = 0  # > 0: every span in the paged kernel, in pieces of this many queries at most
+    takes_tree_masks = True  # token trees' verify spans as decode spans, each draft seeing its ancestors
 
     def __init__(self, kv_cache_dtype: str = "auto") -> None:
         super().__init__(kv_cache_dtype)
@@ -56,6 +58,7 @@ class CPUPagedBackend(TorchSDPABackend):
         }
         if self.kv_format.is_low_bit:
             self.max_decode_query_len = 1  # spans: the reference (low_bit.prefill)
+            self.takes_tree_masks = False
         self.fast_prefill_dtypes = {
             dtype
             for dtype in (torch.bfloat16, torch.float32)
@@ -69,6 +72,7 @@ class CPUPagedBackend(TorchSDPABackend):
             return
         self.piece_len = type(self).max_decode_query_len
         self.max_decode_query_len = sys.maxsize
+        self.takes_tree_masks = False  # (trees are refused under --deterministic anyway)
         self._pieces: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
     def _decode(
@@ -90,6 +94,7 @@ class CPUPagedBackend(TorchSDPABackend):
             self.kv_format.kernel_code,
             metadata.attention_sinks,
             window,  # the engine's window, or a layer's own over the whole context (sinks then 0)
+            metadata.decode_tree_masks,
         )
 
     def _low_bit_prefill(self, query, span: low_bit.LowBitSpan, scale: float, softcap: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ def register(commands) -> None:
     parser.add_argument(
         "--methods",
         default="ngram,early_exit",
-        help="besides none: ngram,early_exit,draft,draft_head,draft_head_only,suffix",
+        help="besides none: ngram,early_exit,draft,draft_head,draft_head_only,suffix,eagle",
     )
     parser.add_argument(
         "--early-exit-layers", type=positive_ints, default=None, help="early-exit depths, e.g. 8,12,16"

@@ -131,7 +131,8 @@ void DecodeStack::set_lora(std::vector<at::Tensor> lora_tensors) {
 at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping,
                                 at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
                                 int64_t block_size, int64_t sinks, int64_t window,
-                                const std::optional<at::Tensor>& token_slots) const {
+                                const std::optional<at::Tensor>& token_slots,
+                                const std::optional<at::Tensor>& tree_masks) const {
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size_, "hidden must be [tokens, hidden_size]");
   TORCH_CHECK(!token_slots || !lora_.empty(), "DecodeStack: token slots given but no LoRA adapters bound");
   const int64_t tokens = hidden.size(0);
@@ -185,7 +186,7 @@ at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Ten
     }
     auto attention = paged_attention(query.view({tokens, num_heads_, head_dim_}).contiguous(), key_cache,
                                      value_cache, block_tables, seq_lens, query_starts, block_size, scale_,
-                                     kv_format_, sinks, window);
+                                     kv_format_, sinks, window, tree_masks);
     const auto o_input = attention.view({tokens, q_size});
     auto attention_out =
         stack_linear(o_input, o_weight, o_scales, o_onednn, kNone, hidden_size_, amx_max_rows_, kernel_max_rows_);

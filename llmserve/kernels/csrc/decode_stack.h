@@ -49,7 +49,8 @@ class DecodeStack {
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping,
                      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
                      int64_t block_size, int64_t sinks, int64_t window,
-                     const std::optional<at::Tensor>& token_slots) const;
+                     const std::optional<at::Tensor>& token_slots,
+                     const std::optional<at::Tensor>& tree_masks = std::nullopt) const;
 
  private:
   static constexpr int kTensorsPerLayer = 26;

@@ -11,7 +11,8 @@
 // paged_attention.cpp, prefill_attention.cpp, prefill_attention_fma.cpp
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
-                           int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window);
+                           int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window,
+                           const std::optional<at::Tensor>& tree_masks = std::nullopt);
 std::string paged_attention_path(at::ScalarType dtype, int64_t kv_format, int64_t head_dim);
 // paged_attention_low_bit.cpp: one query per sequence over an int4/int2 cache, its windows and sinks
 at::Tensor paged_attention_low_bit(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,

@@ -7,7 +7,11 @@
 #include "shm_collectives.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)");
+  m.def("paged_attention", &paged_attention, "Attention of short query spans over a paged KV cache (CPU)",
+        pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("seq_lens"), pybind11::arg("query_starts"), pybind11::arg("block_size"), pybind11::arg("scale"),
+        pybind11::arg("kv_format"), pybind11::arg("sinks"), pybind11::arg("window"),
+        pybind11::arg("tree_masks") = std::nullopt);
   m.def("paged_attention_low_bit", &paged_attention_low_bit,
         "Decode attention over an int4/int2 KV cache with its full-precision windows and sinks (CPU)");
   m.def("paged_attention_low_bit_supported", &paged_attention_low_bit_supported,
@@ -89,7 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeStack::forward, pybind11::arg("hidden"), pybind11::arg("positions"),
            pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("seq_lens"),
            pybind11::arg("query_starts"), pybind11::arg("block_size"), pybind11::arg("sinks"), pybind11::arg("window"),
-           pybind11::arg("token_slots") = std::nullopt)
+           pybind11::arg("token_slots") = std::nullopt, pybind11::arg("tree_masks") = std::nullopt)
       .def("set_lora", &DecodeStack::set_lora)
       .def("set_shm_all_reduce",
            [](DecodeStack& stack, std::shared_ptr<ShmCollectives> shm) {

@@ -248,10 +248,28 @@ inline void softmax_row(const Span& span, int64_t query, float* s) {
   std::fill(s + c, s + span.context, 0.0f);
 }
 
-// Softmax of every query row of a span (row (query, g) at (query * group + g) * context).
-inline void softmax_rows(const Span& span, int64_t group, float* scores) {
+// A token tree's verify span (speculative decoding): query i of the span sees the span's own token j < i
+// only where bit j of its mask is set (its ancestors; itself always), the context before the span as
+// usual. `value` goes where it must not see: -inf before the softmax; then exact 0 in the probabilities
+// (the softmax's clamped exponent leaves a term of about 1e-38 there, which its total, at least 1, absorbs).
+template <typename T>
+inline void hide_tree_positions(const Span& span, int64_t mask, int64_t query, T* s, T value) {
+  const int64_t first = span.context - span.num_queries;  // the span's token 0
+  for (int64_t j = 0; j < query; ++j)
+    if (!((mask >> j) & 1)) s[first + j] = value;
+}
+
+// Softmax of every query row of a span (row (query, g) at (query * group + g) * context); `tree`: the
+// span's queries' masks (hide_tree_positions), or nullptr.
+inline void softmax_rows(const Span& span, int64_t group, float* scores, const int64_t* tree) {
+  constexpr float kHidden = -std::numeric_limits<float>::infinity();
   for (int64_t query = 0; query < span.num_queries; ++query)
-    for (int64_t g = 0; g < group; ++g) softmax_row(span, query, scores + (query * group + g) * span.context);
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores + (query * group + g) * span.context;
+      if (tree != nullptr) hide_tree_positions(span, tree[query], query, s, kHidden);
+      softmax_row(span, query, s);
+      if (tree != nullptr) hide_tree_positions(span, tree[query], query, s, 0.0f);
+    }
 }
 
 // Everything one work item needs to know about the batch.
@@ -266,8 +284,11 @@ struct Batch {
   scalar_t* out;
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, row_len, sinks, window;
   float scale;
+  const int64_t* tree_masks;  // [num_tokens] token trees' masks (hide_tree_positions), or nullptr
 
   int64_t group() const { return num_heads / num_kv_heads; }
+  // Sequence seq's queries' tree masks, or nullptr.
+  const int64_t* tree(int64_t seq) const { return tree_masks ? tree_masks + query_starts[seq] : nullptr; }
   int64_t slot_stride() const { return num_kv_heads * row_len; }
   // Query row r = (token i of the span, head g of the group), as a pointer into query / out.
   int64_t head_offset(int64_t seq, int64_t kv_head, int64_t row) const {
@@ -325,7 +346,7 @@ void attend_portable(const Batch<scalar_t, typename Rows::elem_t>& batch, int64_
                  Rows::load(key_row, row, head_dim);
                  for (int64_t r = 0; r < rows; ++r) scores[r * context + index] = dot(q + r * head_dim, row, head_dim);
                });
-  softmax_rows(span, group, scores);
+  softmax_rows(span, group, scores, batch.tree(seq));
   std::fill(acc, acc + rows * head_dim, 0.0f);
   walk_context(span, batch.value_cache + kv_head * batch.row_len, table, batch.block_size, stride, row_bytes,
                [&](const elem_t* value_row, int64_t index) {
@@ -577,7 +598,14 @@ void attend_fma(const Batch<scalar_t, typename Rows::elem_t>& batch, int64_t seq
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) softmax_row_f32(span, (row_begin + r) / group, scores + r * pitch);
+  const int64_t* tree = batch.tree(seq);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t query = (row_begin + r) / group;
+    float* s = scores + r * pitch;
+    if (tree != nullptr) hide_tree_positions(span, tree[query], query, s, -std::numeric_limits<float>::infinity());
+    softmax_row_f32(span, query, s);
+    if (tree != nullptr) hide_tree_positions(span, tree[query], query, s, 0.0f);
+  }
   // P V, chunk by chunk (all rows, 32 columns at a time), accumulating in the rows' outputs; its own lead
   // too (a context past the caches has lost the first chunks' V rows again by now)
   for (int64_t i = 0; i < std::min(kPrefetchChunks, num_chunks); ++i)
@@ -777,7 +805,18 @@ void attend_bf16(const Batch<c10::BFloat16, c10::BFloat16>& batch, int64_t seq, 
   const int64_t probs_stride = context + 2;
   uint16_t* probs = scratch.grow(scratch.probs, rows * probs_stride);
   float* totals = scratch.grow(scratch.totals, rows);
+  const int64_t* tree = batch.tree(seq);
+  if (tree != nullptr)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t query = (row_begin + r) / group;
+      hide_tree_positions(span, tree[query], query, scores + r * context, -std::numeric_limits<float>::infinity());
+    }
   bf16_probabilities(span, group, row_begin, rows, scores, probs, probs_stride, totals);
+  if (tree != nullptr)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t query = (row_begin + r) / group;
+      hide_tree_positions(span, tree[query], query, probs + r * probs_stride, uint16_t{0});
+    }
   // Query rows per V pass: R * D / 16 accumulators in registers. Each pass after the first reads the
   // values again (from L2), so spans take 6 rows at a time where head_dim 64 leaves the registers for it.
   const auto* values = reinterpret_cast<const uint16_t*>(batch.value_cache) + kv_head * batch.row_len;
@@ -888,7 +927,8 @@ std::string paged_attention_path(at::ScalarType dtype, int64_t kv_format, int64_
 // keeps only the first `sinks` and the last `window` positions. Returns [T, H, D].
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
-                           int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window) {
+                           int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window,
+                           const std::optional<at::Tensor>& tree_masks) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "paged_attention needs contiguous tensors");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
@@ -910,6 +950,16 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
     TORCH_CHECK(key_cache.scalar_type() == at::kByte && key_cache.size(2) == head_dim + 2,
                 "an 8-bit KV cache must be uint8 rows of head_dim + 2 bytes");
   }
+  at::Tensor masks;
+  if (tree_masks && tree_masks->defined()) {
+    masks = tree_masks->contiguous();
+    TORCH_CHECK(masks.scalar_type() == at::kLong && masks.dim() == 1 && masks.size(0) == query.size(0),
+                "tree_masks must be int64 [num_tokens]");
+    TORCH_CHECK(window == 0, "token trees take no sliding window");
+    const int64_t* s = starts.data_ptr<int64_t>();
+    for (int64_t b = 0; b < num_seqs; ++b)
+      TORCH_CHECK(s[b + 1] - s[b] <= 64, "a token tree's span holds at most 64 queries (one bit each)");
+  }
   if (num_seqs == 0) return out;
   const int64_t* lens_ptr = lens.data_ptr<int64_t>();
   const int64_t* starts_ptr = starts.data_ptr<int64_t>();
@@ -921,7 +971,8 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
       const Batch<scalar_t, elem_t> batch{query.data_ptr<scalar_t>(), keys, values, tables.data_ptr<int64_t>(),
                                           lens_ptr, starts.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
                                           num_seqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
-                                          head_dim + Rows::extra, sinks, window, static_cast<float>(scale)};
+                                          head_dim + Rows::extra, sinks, window, static_cast<float>(scale),
+                                          masks.defined() ? masks.data_ptr<int64_t>() : nullptr};
       const Path path = choose_path(query.scalar_type(), kv_format, head_dim);
 #ifdef LLMSERVE_BF16_FAST_PATH
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<elem_t, c10::BFloat16>) {
