@@ -354,11 +354,20 @@ class SpecBenchConfig:
     seed: int = 0
 
 
+def same_kernels(engine_args) -> dict:
+    """The engines' arguments, batch invariance decided once for all: speculation keeps its default off
+    (worker/batch_invariance.py), so the baseline runs the same kernels and its tokens are the others'
+    reference (with it on, prompts take other attention kernels: near ties part the outputs)."""
+    deterministic = False if engine_args.deterministic is None else engine_args.deterministic
+    return {**asdict(engine_args), "deterministic": deterministic}
+
+
 def run_benchmark(engine_args, config: SpecBenchConfig, progress=print) -> dict:
     """Every method on both workloads at batch 1, then throughput off / on / auto; JSON-ready."""
     from llmserve import LLM
 
-    base = {**asdict(engine_args), "speculative_disable_batch_size": 0}
+    common = same_kernels(engine_args)
+    base = {**common, "speculative_disable_batch_size": 0}
     progress(f"loading {len(config.methods)} engines: {', '.join(m.name for m in config.methods)}")
     llms = {method.name: LLM(**{**base, **method.engine_kwargs}) for method in config.methods}
     tokenizer = next(iter(llms.values())).tokenizer
@@ -383,7 +392,7 @@ def run_benchmark(engine_args, config: SpecBenchConfig, progress=print) -> dict:
         engines = {
             "off": LLM(**{**base, "speculative_method": None}),
             "on": LLM(**{**base, **method.engine_kwargs}),
-            "auto": LLM(**{**asdict(engine_args), **method.engine_kwargs}),
+            "auto": LLM(**{**common, **method.engine_kwargs}),
         }
         for llm in engines.values():
             warm_up(llm, throughput_prompts[0])

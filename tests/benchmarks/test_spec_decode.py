@@ -79,3 +79,15 @@ def test_method_list_errors():
     ]
     suffix = methods(["suffix"], [None], None)[1]
     assert (suffix.name, suffix.engine_kwargs) == ("suffix", {"speculative_method": "suffix"})
+
+
+def test_every_engine_runs_the_same_kernels_and_eagle_is_a_method():
+    """Batch invariance decided once for all the engines (unset: off, as speculation keeps it), so the
+    baseline's tokens are the reference of the others'; given, it is kept."""
+    from llmserve.benchmarks.spec_decode import same_kernels
+    from llmserve.config import EngineArgs
+
+    assert same_kernels(EngineArgs())["deterministic"] is False
+    assert same_kernels(EngineArgs(deterministic=True))["deterministic"] is True
+    assert [m.name for m in methods(["eagle"], [None], None)] == ["none", "eagle"]
+    assert methods(["eagle"], [None], None)[1].engine_kwargs == {"speculative_method": "eagle"}
