@@ -150,6 +150,24 @@ def test_create_config_resolves_and_keeps_the_checks_that_need_the_model(smollm2
     assert config.model.max_model_len == min(smollm2_arch.max_position_embeddings, 4096)
 
 
+def test_speculation_by_default_stays_on_at_any_batch_over_the_int_kernels(smollm2_arch):
+    """--speculative-disable-batch-size unset: 0 for a proposer that runs no model over layers on the
+    CPU's int8/int4 kernels (the default model's blocks), 4 for the others and for float layers; given,
+    kept."""
+
+    def limit(**args) -> int:
+        return (
+            EngineArgs(device="cpu", **args).create_config(smollm2_arch, "m").speculative.disable_batch_size
+        )
+
+    for method in ("ngram", "suffix", "draft_head"):
+        assert limit(speculative_method=method) == 0
+        assert limit(speculative_method=method, quantization="none") == 4
+        assert limit(speculative_method=method, speculative_disable_batch_size=2) == 2
+    assert limit(speculative_method="early_exit") == 4  # it runs most of the target's layers per draft
+    assert limit(speculative_method="eagle") == 4
+
+
 def test_a_gguf_files_blocks_are_the_cpus_default_and_none_opts_out(smollm2_arch, monkeypatch):
     from llmserve.quantization.gguf_native import SUPPORTED_TYPES
 

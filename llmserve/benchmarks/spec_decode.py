@@ -385,22 +385,23 @@ def run_benchmark(engine_args, config: SpecBenchConfig, progress=print) -> dict:
     latency = [by_workload[w][m.name][0] for m in config.methods for w in workloads]
     del llms
     throughput: list[ThroughputSummary] = []
+    limit = engine_args.speculative_disable_batch_size
     method = next((m for m in config.methods if m.name == config.throughput_method), None)
     if method is not None:
-        limit = engine_args.speculative_disable_batch_size
-        progress(f"throughput {method.name}: off, on, auto (off above {limit} requests)")
         engines = {
             "off": LLM(**{**base, "speculative_method": None}),
             "on": LLM(**{**base, **method.engine_kwargs}),
             "auto": LLM(**{**common, **method.engine_kwargs}),
         }
+        limit = engines["auto"].engine.config.speculative.disable_batch_size  # as the flag resolved
+        progress(f"throughput {method.name}: off, on, auto (off above {limit or 'no number of'} requests)")
         for llm in engines.values():
             warm_up(llm, throughput_prompts[0])
         throughput = summarize_throughput(run_throughput(engines, throughput_prompts, config, progress))
     return {
         "latency": [r.to_json() for r in latency],
         "throughput": [r.to_json() for r in throughput],
-        "auto_disable_batch_size": engine_args.speculative_disable_batch_size,
+        "auto_disable_batch_size": limit,
         "throughput_method": config.throughput_method,
         "throughput_repeats": config.throughput_repeats,
     }

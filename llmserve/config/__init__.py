@@ -49,7 +49,13 @@ from llmserve.config.quantization import (
     QuantizationConfig,
     int_kernels_take,
 )
-from llmserve.config.speculative import TREE_METHODS, SpeculativeConfig, SuffixDecodingConfig
+from llmserve.config.speculative import (
+    DEFAULT_DISABLE_BATCH_SIZE,
+    LIGHT_PROPOSERS,
+    TREE_METHODS,
+    SpeculativeConfig,
+    SuffixDecodingConfig,
+)
 from llmserve.config.structured_outputs import StructuredOutputsConfig
 
 logger = logging.getLogger("llmserve")
@@ -487,8 +493,11 @@ class EngineArgs:
     )
     prompt_lookup_min: int = arg(2, "ngram, draft_head: shortest suffix that may match the earlier text")
     prompt_lookup_max: int = arg(6, "ngram, draft_head: longest suffix tried first (draft_head: 0 = none)")
-    speculative_disable_batch_size: int = arg(
-        4, "propose nothing while more requests than this run (0: always speculate)"
+    speculative_disable_batch_size: int | None = arg(
+        None,
+        "propose nothing while more requests than this run (0: always speculate); default: 0 for a "
+        "proposer that runs no model (ngram, suffix, draft_head) over linear layers on the CPU's int8/int4 "
+        "kernels (a GGUF's blocks: each verify row costs little at any batch), else 4",
     )
     speculative_adaptive_k: bool = arg(
         True, "each request's drafts per step follow its measured acceptance, up to K (docs/speculative.md)"
@@ -630,7 +639,7 @@ class EngineArgs:
                 prompt_lookup_max=self.prompt_lookup_max,
                 draft_model=self.speculative_draft_model,
                 draft_layers=self.speculative_draft_layers,
-                disable_batch_size=self.speculative_disable_batch_size,
+                disable_batch_size=self._speculative_disable_batch_size(device, dtype, quantization),
                 draft_head=self.speculative_draft_head,
                 draft_head_tokens=self.speculative_draft_head_tokens,
                 adaptive_k=self.speculative_adaptive_k,
@@ -710,6 +719,22 @@ class EngineArgs:
             logger.info("the GGUF's %s tensors are served dequantized to float: %s", "/".join(kept), why_not)
             return None
         return "gguf"
+
+    def _speculative_disable_batch_size(self, device: torch.device, dtype: torch.dtype, quantization) -> int:
+        """--speculative-disable-batch-size; unset: 0 (speculate at any batch size) where the proposer runs
+        no model of its own and the target's linear layers run the CPU's int8/int4 kernels, whose cost per
+        verify row stays small at every row count (docs/speculative.md, "Auto mode"), else 4 (bf16 and
+        float32 layers leave their small-batch kernels past 8 rows)."""
+        if self.speculative_disable_batch_size is not None:
+            return self.speculative_disable_batch_size
+        if (
+            self.speculative_method not in LIGHT_PROPOSERS
+            or quantization in (None, "none")
+            or device.type != "cpu"
+        ):
+            return DEFAULT_DISABLE_BATCH_SIZE
+        level = selected_level()
+        return 0 if int_kernels_take(dtype, level and level.name) else DEFAULT_DISABLE_BATCH_SIZE
 
     def _suffix_decoding(self) -> SuffixDecodingConfig | None:
         """The suffix proposer's options (validated) where --speculative-method suffix is chosen."""

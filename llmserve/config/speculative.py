@@ -28,6 +28,9 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = {
     "eagle": 7,
 }
 DEFAULT_DRAFT_HEAD_TOKENS = 3
+# --speculative-disable-batch-size unset: where a step's verify rows are dear (EngineArgs resolves it)
+DEFAULT_DISABLE_BATCH_SIZE = 4
+LIGHT_PROPOSERS = ("ngram", "suffix", "draft_head")  # proposers that run no model of their own per request
 # Auto mode also shares drafts so that a step's decodes verify at most this many rows in all: the
 # small-batch linear kernels' limit, below which a step is bound by reading the weights and extra rows
 # cost little. Past it (4 requests x 4 rows) a step leaves the small-batch kernels (the planner drafts
