@@ -167,6 +167,10 @@ def _packed_copy(module: nn.Module) -> torch.Tensor | None:
 
 
 def _decode_buffers(kernel: nn.Module) -> list[torch.Tensor]:
+    """What a decode step reads of a quantized layer's kernel (a stacked layer's: each part's)."""
+    parts = getattr(kernel, "parts", None)
+    if parts is not None:
+        return [buffer for part in parts for buffer in _decode_buffers(part)]
     buffers = {name: b for name, b in kernel.named_buffers(recurse=False) if b is not None and name != "bias"}
     small_batch = {
         name: b for name, b in buffers.items() if name.startswith("small_batch_") or name == "scales_float"

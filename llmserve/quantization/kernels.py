@@ -405,6 +405,8 @@ class StackedKernel(LinearKernel):
     def __init__(self, weight: StackedRows, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.parts = nn.ModuleList(select_kernel(part, dtype, device) for part in weight.parts)
+        # each row's output independent of its batch where every part's is (worker/batch_invariance.py)
+        self.batch_invariant = all(getattr(part, "batch_invariant", False) for part in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)

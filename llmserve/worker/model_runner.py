@@ -347,8 +347,8 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return None
         rows = [(self.requests[rid], n) for rid, n in plan.num_scheduled_tokens.items()]
-        if plan.spec_tree_parents and not self.input_builder.takes_trees(plan.spec_tree_parents):
-            # token trees the backend cannot verify in place: the reference attention's spans and masks
+        if plan.spec_tree_parents and not self.input_builder.takes_trees([n for _, n in rows]):
+            # trees the backend cannot verify in place (or beside a prompt chunk): the reference attention
             return self.tree_input_builder.build(rows, None if self.lora is None else self._lora_slots)
         if self.decode_graphs is not None and self.decode_graphs.serves(rows):
             return self._prepare_static([request for request, _ in rows])

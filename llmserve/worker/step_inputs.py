@@ -192,16 +192,17 @@ class InputBuilder:
             computed=computed.tolist(),
         )
 
-    def takes_trees(self, trees: dict[str, list[int]]) -> bool:
-        """Whether this builder's backend verifies these token trees in place: one whose paged kernel takes
-        tree masks (`takes_tree_masks`), every tree's span (its root and drafts) short enough to be a
-        decode span there."""
+    def takes_trees(self, counts: list[int]) -> bool:
+        """Whether this builder's backend verifies a step's token trees in place: one whose paged kernel
+        takes tree masks (`takes_tree_masks`), every row of the step (`counts`: tokens each; a tree's
+        root and drafts, other decodes and spans, prompt chunks) short enough to be a decode span there,
+        since the masks cover decode spans only."""
         backend = self.attention_backend
         return (
             getattr(backend, "takes_tree_masks", False)
             and not self.kv_groups
             and not self.cache.sliding_window
-            and all(1 + len(parents) <= backend.max_decode_query_len for parents in trees.values())
+            and max(counts) <= backend.max_decode_query_len
         )
 
     def _add_tree_masks(

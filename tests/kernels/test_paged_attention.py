@@ -371,23 +371,16 @@ def test_tree_spans_in_kernel_match_the_reference_tree_mask(dtype, atol, head_di
     torch.testing.assert_close(causal[drafts.stop :].float(), actual[drafts.stop :].float(), atol=0, rtol=0)
 
 
-def test_tree_masks_are_refused_with_a_window_or_too_long_a_span():
+def test_tree_masks_are_refused_for_too_long_a_span_or_the_wrong_shape():
     ops = load_cpu_ops()
-    query = torch.zeros(3, 2, 64)
-    cache = torch.zeros(32, 1, 64)
-    args = (
-        query,
-        cache,
-        cache,
-        torch.zeros(1, 2, dtype=torch.long),
-        torch.tensor([3]),
-        torch.tensor([0, 3]),
-        16,
-        1.0,
-        0,
-        0,
-    )
-    with pytest.raises(RuntimeError, match="no sliding window"):
-        ops.paged_attention(*args, 8, torch.full((3,), -1))
+    query = torch.zeros(65, 2, 64)
+    cache = torch.zeros(96, 1, 64)
+    tables, lens = torch.tensor([[0, 1, 2, 3, 4]]), torch.tensor([65])
+    with pytest.raises(RuntimeError, match="at most 64 queries"):
+        ops.paged_attention(
+            query, cache, cache, tables, lens, torch.tensor([0, 65]), 16, 1.0, 0, 0, 0, torch.full((65,), -1)
+        )
     with pytest.raises(RuntimeError, match="int64 \\[num_tokens\\]"):
-        ops.paged_attention(*args, 0, torch.full((2,), -1))
+        ops.paged_attention(
+            query, cache, cache, tables, lens, torch.tensor([0, 65]), 16, 1.0, 0, 0, 0, torch.full((2,), -1)
+        )

@@ -143,3 +143,23 @@ def test_stack_rows_joins_runs_and_cuts_rank_rows_from_each_part():
     with pytest.raises(ValueError, match="ascending"):
         stacked.rows(torch.tensor([9, 0]))
     assert not isinstance(stack_rows([q, k]), StackedRows)  # formats that join stay one weight
+
+
+@pytest.mark.cpu_kernels("avx2")
+def test_a_stacked_layer_is_batch_invariant_where_its_parts_are():
+    """worker/batch_invariance.py reads `batch_invariant` off a layer's kernel: a stacked layer's is its
+    parts' (the compiled kernels' for inputs they take; not where a part rebuilds its float weight)."""
+    from llmserve.quantization.kernels import select_kernel
+
+    gen = torch.Generator().manual_seed(1)
+    stacked = stack_rows(
+        [
+            quantize_int4(torch.randn(64, 64, generator=gen), 32),
+            quantize_int8(torch.randn(32, 64, generator=gen), 16),
+        ]
+    )
+    ops = load_cpu_ops()
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        kernel = select_kernel(stacked, dtype, torch.device("cpu"))
+        assert isinstance(kernel, StackedKernel)
+        assert kernel.batch_invariant == ops.small_batch_linear_int8_supported(dtype)

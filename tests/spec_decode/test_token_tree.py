@@ -155,6 +155,37 @@ def test_a_small_tree_step_runs_in_the_fused_decode_stack(target_dir, reference)
     assert_no_leaks(llm)
 
 
+def test_a_tree_step_beside_a_prompt_chunk_takes_the_reference(target_dir, reference):
+    """A request arriving while another verifies trees: its 30-token prompt (longer than a decode span)
+    shares a tree step, which then runs on the reference's spans and masks (the kernel's masks cover
+    decode spans only); both give plain decoding's tokens."""
+    llm = make_llm(
+        target_dir, speculative_method="ngram", num_speculative_tokens=8, speculative_adaptive_k=False
+    )
+    engine = llm.engine
+    engine.proposer = OracleTreeProposer(reference, "branched", miss_every=1000)
+    kernel_steps = record_tree_kernel_steps(engine.model_runner)
+    mixed = []
+    build = engine.model_runner.tree_input_builder.build
+
+    def noting(rows, *args):
+        mixed.append(max(n for _, n in rows))
+        return build(rows, *args)
+
+    engine.model_runner.tree_input_builder.build = noting
+    engine.add_request("a", PROMPTS[0], greedy())
+    outputs = {}
+    while not kernel_steps:  # until a tree is verified in the kernel
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.add_request("b", PROMPTS[2], greedy())
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert list(outputs["a"].outputs[0].token_ids) == reference[tuple(PROMPTS[0])]
+    assert list(outputs["b"].outputs[0].token_ids) == reference[tuple(PROMPTS[2])]
+    assert mixed and max(mixed) == len(PROMPTS[2])  # the tree step that held b's prompt
+    assert_no_leaks(llm)
+
+
 # -- the tree's structure and its attention mask ------------------------------------------------------
 
 

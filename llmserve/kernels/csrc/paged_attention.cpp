@@ -254,7 +254,8 @@ inline void softmax_row(const Span& span, int64_t query, float* s) {
 // (the softmax's clamped exponent leaves a term of about 1e-38 there, which its total, at least 1, absorbs).
 template <typename T>
 inline void hide_tree_positions(const Span& span, int64_t mask, int64_t query, T* s, T value) {
-  const int64_t first = span.context - span.num_queries;  // the span's token 0
+  // the span's token 0 (with a window too: the window begins at or before the span's first query)
+  const int64_t first = span.context - span.num_queries;
   for (int64_t j = 0; j < query; ++j)
     if (!((mask >> j) & 1)) s[first + j] = value;
 }
@@ -955,7 +956,6 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
     masks = tree_masks->contiguous();
     TORCH_CHECK(masks.scalar_type() == at::kLong && masks.dim() == 1 && masks.size(0) == query.size(0),
                 "tree_masks must be int64 [num_tokens]");
-    TORCH_CHECK(window == 0, "token trees take no sliding window");
     const int64_t* s = starts.data_ptr<int64_t>();
     for (int64_t b = 0; b < num_seqs; ++b)
       TORCH_CHECK(s[b + 1] - s[b] <= 64, "a token tree's span holds at most 64 queries (one bit each)");
