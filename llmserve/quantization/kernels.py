@@ -227,7 +227,7 @@ class TritonKernel(LinearKernel):
             offsets = _half_if_exact(weight.offsets)
         else:
             codes, fifths, offsets = weight.qweight.contiguous(), None, None
-        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("codes", codes)
         self.register_buffer("fifths", fifths)
         self.register_buffer("scales", _half_if_exact(weight.scales))
         self.register_buffer("offsets", offsets)
