@@ -105,6 +105,7 @@ class RoundedInputKernel(LinearKernel):
             packed, scales = ops.small_batch_pack_int4(
                 codes, weight.scales.float(), weight.offsets.float(), bits=weight.bits
             )
+            scales = factored_int4_params(scales)
         else:
             self._kernel = ops.small_batch_linear_int8
             self._float_out = ops.small_batch_linear_int8_float_out
@@ -198,7 +199,7 @@ class GroupedExpertsKernel:
         def layout(kernel: RoundedInputKernel) -> tuple:
             packed, scales = kernel.small_batch_qweight, kernel.small_batch_scales
             return (kernel.kind, kernel.bits, kernel.group_size, kernel.out_features, packed.shape,
-                    packed.dtype, scales.shape)  # fmt: skip
+                    packed.dtype, scales.shape, scales.dtype == torch.uint8)  # fmt: skip
 
         return GroupedExpertsKernel(kernels) if len({layout(k) for k in kernels}) == 1 else None
 
@@ -278,6 +279,57 @@ class TritonKernel(LinearKernel):
 
         codes = unpack_int4(pick(self.codes), pick(self.fifths))
         return Int4Weight(codes, scales, pick(self.offsets).float(), self.group_size, self.bits)
+
+
+SUPER_GROUPS = 8  # groups of a K-quant super-block (Q4_K: 8 x 32 columns)
+_FACTOR_CODES = (*range(63, 0, -1), *range(64, 256))  # a K-quant's largest 6-bit code first: one pass
+_PROBE_BLOCKS = 1  # blocks tried first, so that parameters that do not factor cost one block's search
+
+
+def factored_int4_params(params: torch.Tensor) -> torch.Tensor:
+    """int4 parameters as `small_batch_pack_int4` lays them out ([N' / 32, groups, 2, 32], float32),
+    factored by super-blocks where that is exact: each run of 8 groups' 32 scales (and 32 offsets) of a
+    row as one float16 factor times uint8 codes, uint8 [N' / 32, groups / 8, 5, 128] (linear_quantized.cpp
+    says how they lie). A GGUF Q4_K/Q5_K's scales d * sc and offsets -dmin * m (float16 d and dmin,
+    6-bit sc and m) factor so: 4.6 bits a weight held instead of 6. Otherwise `params` unchanged (float16
+    ones, where the packer found them exact, too)."""
+    if params.dtype != torch.float32 or params.shape[1] % SUPER_GROUPS:
+        return params
+    probe = _factor(params[:_PROBE_BLOCKS])
+    if probe is None:
+        return params
+    factored = _factor(params) if params.shape[0] > _PROBE_BLOCKS else probe
+    return params if factored is None else factored
+
+
+def _factor(params: torch.Tensor) -> torch.Tensor | None:
+    """`factored_int4_params`'s search: for each run of 8 values (a super-block's scales or offsets of one
+    row) a float16 factor f = peak / c (peak: the run's value of largest magnitude, c tried from 63) with
+    every value f * q for an integer q in 0..255, checked exactly in float32; None if a run has none."""
+    blocks, groups = params.shape[:2]
+    runs = params.view(blocks, groups // SUPER_GROUPS, SUPER_GROUPS, 2, 32).permute(0, 1, 3, 4, 2)
+    values = runs.reshape(-1, SUPER_GROUPS)  # [blocks * supers * 2 * 32, 8]
+    peak = values.gather(1, values.abs().argmax(1, keepdim=True))[:, 0]
+    factors = torch.zeros(len(values), dtype=torch.float16)
+    codes = torch.zeros(values.shape, dtype=torch.uint8)
+    todo = torch.nonzero(peak != 0)[:, 0]  # all-zero runs: factor 0, codes 0
+    for code in _FACTOR_CODES:
+        if not len(todo):
+            break
+        factor = (peak[todo] / code).half()
+        wide = factor.float()[:, None]
+        quotient = torch.round(values[todo] / wide)
+        exact = ((quotient >= 0) & (quotient <= 255) & (quotient * wide == values[todo])).all(1)
+        exact &= factor.isfinite() & (factor != 0)
+        factors[todo[exact]] = factor[exact]
+        codes[todo[exact]] = quotient[exact].to(torch.uint8)
+        todo = todo[~exact]
+    if len(todo):
+        return None
+    supers = groups // SUPER_GROUPS
+    head = factors.view(blocks, supers, 2 * 32).view(torch.uint8)  # [B, S, 128] bytes: scales', offsets'
+    body = codes.view(blocks, supers, 2, 32, SUPER_GROUPS).permute(0, 1, 2, 4, 3).reshape(blocks, supers, -1)
+    return torch.cat([head, body], dim=2).view(blocks, supers, 5, 128).contiguous()
 
 
 def _half_if_exact(values: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,35 @@ struct Experts {
   int64_t weight_stride = 0, param_stride = 0;
 };
 
+// int4 parameters of a 32-row block come in one of two layouts (the packers choose):
+// - float32 or float16 [groups][2][32]: each group's 32 scales, then its 32 offsets;
+// - factored by super-blocks of 8 groups, uint8 [groups / 8][640] (GGUF Q4_K and Q5_K, whose scales are
+//   d * sc and offsets -dmin * m: float16 factors, 6-bit codes): per super-block 32 float16 scale factors
+//   and 32 offset factors (128 bytes), then each group's 32 scale codes (8 x 32 bytes) and 32 offset codes
+//   (8 x 32 bytes). A value is factor * code, exact in float32 (11 by 8 significant bits), so both layouts
+//   of the same values give the same outputs.
+constexpr int64_t kSuperGroups = 8;
+constexpr int64_t kSuperFactorBytes = 2 * kRows * 2;
+constexpr int64_t kSuperBytes = kSuperFactorBytes + 2 * kSuperGroups * kRows;
+// A group's share of a block's parameters, in elements of the layout's type.
+template <typename Param>
+constexpr int64_t kGroupParams = 2 * kRows;
+template <>
+constexpr int64_t kGroupParams<uint8_t> = kSuperBytes / kSuperGroups;
+
+// Row r's scale (part 0) or offset (part 1) in group g of a block's parameters.
+template <typename Param>
+inline float group_param(const Param* block, int64_t g, int part, int64_t r) {
+  return static_cast<float>(block[g * 2 * kRows + part * kRows + r]);
+}
+inline float group_param(const uint8_t* block, int64_t g, int part, int64_t r) {
+  const uint8_t* super = block + g / kSuperGroups * kSuperBytes;
+  uint16_t factor;
+  std::memcpy(&factor, super + 2 * (part * kRows + r), sizeof(factor));
+  const uint8_t code = super[kSuperFactorBytes + (part * kSuperGroups + g % kSuperGroups) * kRows + r];
+  return static_cast<float>(c10::Half(factor, c10::Half::from_bits())) * static_cast<float>(code);
+}
+
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
 
 // Four input codes as one 32-bit lane value (memcpy: no aliasing or alignment assumptions).
@@ -113,6 +142,19 @@ constexpr int kQuadsPerPart = kInputBlock / 4 / kParts<Group>;
 inline __m512 load_params16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_params16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lanes [lane, lane + 16) of the scales (part 0) or offsets (part 1) of group g of a block's parameters.
+template <typename Param>
+inline __m512 group_params16(const Param* block, int64_t g, int part, int lane) {
+  return load_params16(block + g * 2 * kRows + part * kRows + lane);
+}
+inline __m512 group_params16(const uint8_t* block, int64_t g, int part, int lane) {
+  const uint8_t* super = block + g / kSuperGroups * kSuperBytes;
+  const __m512 factors = load_params16(reinterpret_cast<const c10::Half*>(super) + part * kRows + lane);
+  const uint8_t* codes = super + kSuperFactorBytes + (part * kSuperGroups + g % kSuperGroups) * kRows + lane;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  return _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
 }
 
 QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size) {
@@ -232,10 +274,9 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
   __m512 acc[2][MC];
   for (int m = 0; m < MC; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const Param* group_params = params + g * 2 * kRows;
-    const __m512 scale[2] = {load_params16(group_params), load_params16(group_params + 16)};
+    const __m512 scale[2] = {group_params16(params, g, 0, 0), group_params16(params, g, 0, 16)};
     for (int t = 0; t < 2; ++t) {
-      const __m512 offset = load_params16(group_params + kRows + 16 * t);
+      const __m512 offset = group_params16(params, g, 1, 16 * t);
       for (int m = 0; m < MC; ++m)
         acc[t][m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(group_sums[(m0 + m) * groups + g]), acc[t][m]);
     }
@@ -323,6 +364,19 @@ inline __m256 load_input8(const float* x) { return _mm256_loadu_ps(x); }
 inline __m256 load_params8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_params8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Lanes [lane, lane + 8) of the scales (part 0) or offsets (part 1) of group g of a block's parameters.
+template <typename Param>
+inline __m256 group_params8(const Param* block, int64_t g, int part, int lane) {
+  return load_params8(block + g * 2 * kRows + part * kRows + lane);
+}
+inline __m256 group_params8(const uint8_t* block, int64_t g, int part, int lane) {
+  const uint8_t* super = block + g / kSuperGroups * kSuperBytes;
+  const __m256 factors = load_params8(reinterpret_cast<const c10::Half*>(super) + part * kRows + lane);
+  const uint8_t* codes = super + kSuperFactorBytes + (part * kSuperGroups + g % kSuperGroups) * kRows + lane;
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes));
+  return _mm256_mul_ps(factors, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
 }
 
 inline int32_t horizontal_sum8_epi32(__m256i v) {
@@ -457,9 +511,8 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
   LLMSERVE_UNROLL for (int v = 0; v < 4; ++v)
     LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) acc[v][m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const Param* group_params = params + g * 2 * kRows;  // 32 scales, then 32 offsets
     LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
-      const __m256 offset = load_params8(group_params + kRows + 8 * v);
+      const __m256 offset = group_params8(params, g, 1, 8 * v);
       LLMSERVE_UNROLL for (int m = 0; m < MC; ++m)
         acc[v][m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(group_sums[(m0 + m) * groups + g]), acc[v][m]);
     }
@@ -502,7 +555,7 @@ inline void int4_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
       LLMSERVE_UNROLL for (int m = 0; m < MC; ++m) {
         const __m256 input_scale = _mm256_set1_ps(in.scales[(m0 + m) * blocks + b]);
         LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
-          const __m256 scale = load_params8(group_params + 8 * v);
+          const __m256 scale = group_params8(params, g, 0, 8 * v);
           const __m256 block_sums = _mm256_cvtepi32_ps(FiveBit ? sums[v][m] : _mm256_madd_epi16(sums[v][m], ones));
           acc[v][m] = _mm256_fmadd_ps(block_sums, _mm256_mul_ps(scale, input_scale), acc[v][m]);
         }
@@ -588,7 +641,7 @@ void int4_linear(const QuantizedInput& in, const Experts& experts, const uint8_t
   for_each_block(experts, n_size, block_bytes, [&](int64_t expert, int64_t b, int64_t m_begin, int64_t m_end) {
     const uint8_t* block = packed + expert * experts.weight_stride + b * block_bytes;
     const uint8_t* plane = block + nibble_bytes;  // FiveBit only
-    const Param* block_params = params + expert * experts.param_stride + b * groups * 2 * kRows;
+    const Param* block_params = params + expert * experts.param_stride + b * groups * kGroupParams<Param>;
     const int64_t row = b * kRows;
     for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxRowsPerPass) {
       const bool first = m0 == m_begin;
@@ -711,6 +764,19 @@ void run_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
 #endif
 }
 
+// The groups per row of int4 parameters laid out for K input columns (4-D: [N' / 32, groups, 2, 32] float32
+// or float16, or [N' / 32, groups / 8, 5, 128] bytes factored by super-blocks), each a multiple of 32
+// columns; 0 for any other layout.
+int64_t int4_groups(const at::Tensor& params, int64_t k_size) {
+  if (params.dim() != 4 || !params.is_contiguous()) return 0;
+  const auto type = params.scalar_type();
+  const bool flat = (type == at::kFloat || type == at::kHalf) && params.size(2) == 2 && params.size(3) == kRows;
+  const bool factored = type == at::kByte && params.size(2) * params.size(3) == kSuperBytes && params.size(3) == 128;
+  const int64_t groups = params.size(1) * (factored ? kSuperGroups : 1);
+  if (!(flat || factored) || groups < 1 || k_size % groups || (k_size / groups) % kInputBlock) return 0;
+  return groups;
+}
+
 // The int4 entry points' checks; whether the codes are 5-bit (a plane of fifth bits follows each block).
 bool check_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params, int64_t out_features) {
   TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int4 needs a CPU with AVX2 and FMA");
@@ -721,11 +787,8 @@ bool check_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   const int64_t padded = (out_features + kRows - 1) / kRows * kRows;
   const bool five_bit = packed.dim() == 2 && packed.size(1) * 8 == x.size(1) * 5;  // its fifth bits' plane too
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
-                  packed.size(0) == padded && (packed.size(1) * 2 == x.size(1) || five_bit) && params.dim() == 4 &&
-                  (params.scalar_type() == at::kFloat || params.scalar_type() == at::kHalf) &&
-                  params.is_contiguous() && params.size(0) * kRows == padded &&
-                  params.size(2) == 2 && params.size(3) == kRows && x.size(1) % params.size(1) == 0 &&
-                  (x.size(1) / params.size(1)) % kInputBlock == 0,
+                  packed.size(0) == padded && (packed.size(1) * 2 == x.size(1) || five_bit) &&
+                  int4_groups(params, x.size(1)) > 0 && params.size(0) * kRows == padded,
               "small_batch_linear_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
   return five_bit;
 }
@@ -734,7 +797,7 @@ void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& p
               int64_t out_features, bool five_bit, const Experts& experts) {
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
   const auto input = quantized_rows(x);
-  const int64_t group_size = x.size(1) / params.size(1);
+  const int64_t group_size = x.size(1) / int4_groups(params, x.size(1));
   const auto run = [&](auto five, auto* params_data) {
     constexpr bool FiveBit = decltype(five)::value;
 #ifdef LLMSERVE_INT8_LINEAR_AVX2
@@ -748,15 +811,18 @@ void run_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& p
                          reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(1), out_features,
                          group_size);
   };
-  const bool half = params.scalar_type() == at::kHalf;
-  if (five_bit && half)
-    run(std::true_type{}, params.data_ptr<c10::Half>());
-  else if (five_bit)
-    run(std::true_type{}, params.data_ptr<float>());
-  else if (half)
-    run(std::false_type{}, params.data_ptr<c10::Half>());
+  const auto run_params = [&](auto five) {
+    if (params.scalar_type() == at::kHalf)
+      run(five, params.data_ptr<c10::Half>());
+    else if (params.scalar_type() == at::kByte)
+      run(five, params.data_ptr<uint8_t>());
+    else
+      run(five, params.data_ptr<float>());
+  };
+  if (five_bit)
+    run_params(std::true_type{});
   else
-    run(std::false_type{}, params.data_ptr<float>());
+    run_params(std::false_type{});
 #endif
 }
 
@@ -902,8 +968,7 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_int4_row(const uint
   for (int64_t chunk = 0; chunk < k_size / 8; ++chunk) {
     const uint8_t* bytes = block + (chunk * kRows + r) * 4;  // columns 8 chunk.. (low), +4.. (high)
     const int64_t g = chunk * 8 / group_size;
-    const float scale = static_cast<float>(block_params[g * 2 * kRows + r]);
-    const float offset = static_cast<float>(block_params[g * 2 * kRows + kRows + r]);
+    const float scale = group_param(block_params, g, 0, r), offset = group_param(block_params, g, 1, r);
     // the chunk's low-nibble bits of row r, then its high-nibble ones: 4 bits each
     const int low_bits = plane ? (plane[chunk * kRows + r / 2] >> (4 * (r % 2))) & 0x0F : 0;
     const int high_bits = plane ? (plane[chunk * kRows + 16 + r / 2] >> (4 * (r % 2))) & 0x0F : 0;
@@ -925,7 +990,7 @@ void dequantize_int4_rows(const uint8_t* packed, const Param* params, float* out
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = all_rows ? i : ids[i], b = row / kRows;
       const uint8_t* block = packed + b * block_bytes;
-      dequantize_int4_row(block, five_bit ? block + nibble_bytes : nullptr, params + b * groups * 2 * kRows,
+      dequantize_int4_row(block, five_bit ? block + nibble_bytes : nullptr, params + b * groups * kGroupParams<Param>,
                           out + i * k_size, row % kRows, k_size, k_size / groups);
     }
   });
@@ -980,16 +1045,20 @@ RowIds row_ids(const std::optional<at::Tensor>& rows, int64_t n_size) {
 at::Tensor small_batch_dequantize_int4(at::Tensor packed, at::Tensor params, int64_t out_features,
                                        int64_t bits, const std::optional<at::Tensor>& rows) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
-                  packed.size(0) == (out_features + kRows - 1) / kRows * kRows && params.dim() == 4 &&
-                  params.is_contiguous() && params.size(0) * kRows == packed.size(0) && params.size(2) == 2 &&
-                  (params.scalar_type() == at::kFloat || params.scalar_type() == at::kHalf) &&
+                  packed.size(0) == (out_features + kRows - 1) / kRows * kRows &&
                   (bits == 4 || (bits == 5 && packed.size(1) % 5 == 0)),
               "small_batch_dequantize_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
-  const int64_t k_size = bits == 4 ? packed.size(1) * 2 : packed.size(1) / 5 * 8, groups = params.size(1);
+  const int64_t k_size = bits == 4 ? packed.size(1) * 2 : packed.size(1) / 5 * 8;
+  const int64_t groups = int4_groups(params, k_size);
+  TORCH_CHECK(groups > 0 && params.size(0) * kRows == packed.size(0),
+              "small_batch_dequantize_int4 takes weights packed by small_batch_pack_int4 for out_features rows");
   const RowIds ids = row_ids(rows, out_features);
   auto out = at::empty({ids.count, k_size}, packed.options().dtype(at::kFloat));
   if (params.scalar_type() == at::kHalf)
     dequantize_int4_rows(packed.data_ptr<uint8_t>(), params.data_ptr<c10::Half>(), out.data_ptr<float>(), k_size,
+                         groups, bits == 5, ids.all, ids.ids, ids.count);
+  else if (params.scalar_type() == at::kByte)
+    dequantize_int4_rows(packed.data_ptr<uint8_t>(), params.data_ptr<uint8_t>(), out.data_ptr<float>(), k_size,
                          groups, bits == 5, ids.all, ids.ids, ids.count);
   else
     dequantize_int4_rows(packed.data_ptr<uint8_t>(), params.data_ptr<float>(), out.data_ptr<float>(), k_size, groups,

@@ -1,0 +1,147 @@
+"""int4 parameters factored by super-blocks (`factored_int4_params`, kernels/csrc/linear_quantized.cpp):
+a GGUF Q4_K/Q5_K's scales d * sc and offsets -dmin * m held as float16 factors and byte codes (4.6 bits a
+weight instead of 6), giving the float32 parameters' outputs bit for bit in every kernel that reads them."""
+
+import pytest
+import torch
+
+from llmserve.kernels.cpu_ops import load_cpu_ops
+from llmserve.quantization.formats import Int4Weight, quantize_int4
+from llmserve.quantization.kernels import GroupedExpertsKernel, RoundedInputKernel, factored_int4_params
+
+ops = load_cpu_ops()
+pytestmark = pytest.mark.cpu_kernels("int8_linear")
+DTYPES = [torch.bfloat16, torch.float32]  # float32: where the level's kernels take it (AVX2)
+
+
+def _k_quant(out_features: int, in_features: int, seed: int, bits: int = 4) -> Int4Weight:
+    """A Q4_K-like weight (Q5_K-like at bits 5): groups of 32, scale d * sc and offset -dmin * m with a
+    float16 d and dmin per 256 columns and 6-bit sc and m, whose largest is 63 as llama.cpp writes them
+    in most super-blocks but not all (a run whose codes top out lower takes another factor)."""
+    gen = torch.Generator().manual_seed(seed)
+    supers = in_features // 256
+
+    def factored(scale: float) -> torch.Tensor:
+        codes = torch.randint(0, 64, (out_features, supers, 8), generator=gen).float()
+        codes[:, ::2, 0] = 63
+        factor = (torch.rand(out_features, supers, 1, generator=gen) * scale + 1e-5).half().float()
+        return (factor * codes).view(out_features, -1)
+
+    codes = torch.randint(0, 1 << bits, (out_features, in_features), generator=gen, dtype=torch.uint8)
+    return Int4Weight(codes, factored(2e-3), -factored(1e-3), 32, bits)
+
+
+def _pack(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    return ops.small_batch_pack_int4(weight.qweight, weight.scales, weight.offsets, bits=weight.bits)
+
+
+@pytest.mark.parametrize("bits", [4, 5])
+@pytest.mark.parametrize(("out_features", "in_features"), [(70, 512), (33, 256), (8, 2304)])
+def test_factored_parameters_give_the_float32_ones_outputs_bit_for_bit(bits, out_features, in_features):
+    """Every row count 1..12 and a large one, both input dtypes the level takes, odd output sizes (zero
+    rows pad the last block); the weight read back (all rows, chosen rows) is the format's own."""
+    weight = _k_quant(out_features, in_features, out_features + bits, bits)
+    packed, params = _pack(weight)
+    assert params.dtype == torch.float32  # d * sc is not exact in float16
+    factored = factored_int4_params(params)
+    assert factored.dtype == torch.uint8 and factored.shape == (params.shape[0], in_features // 256, 5, 128)
+    assert factored.numel() * 8 / (params.shape[0] * 32 * in_features) == 0.625  # bits a weight
+    expected = weight.dequantize()
+    assert torch.equal(ops.small_batch_dequantize_int4(packed, factored, out_features, bits=bits), expected)
+    rows = torch.tensor([[out_features - 1, 0], [1, out_features // 2]])
+    picked = ops.small_batch_dequantize_int4(packed, factored, out_features, bits=bits, rows=rows)
+    assert torch.equal(picked, expected[rows.reshape(-1)])
+    ran = 0
+    for dtype in DTYPES:
+        if not ops.small_batch_linear_int8_supported(dtype):
+            continue
+        x = torch.randn(40, in_features, generator=torch.Generator().manual_seed(bits)).to(dtype)
+        x[0, :32] = 0  # an all-zero input block: scale 0
+        for count in [*range(1, 13), 40]:
+            head = x[:count].contiguous()
+            out = ops.small_batch_linear_int4(head, packed, factored, out_features)
+            reference = ops.small_batch_linear_int4(head, packed, params, out_features)
+            assert torch.equal(out, reference), (dtype, count)
+        ran += 1
+    assert ran >= 1  # bf16 inputs run at every level
+
+
+def test_the_layer_holds_the_factored_copy_and_its_rows():
+    """RoundedInputKernel keeps the factored parameters (its buffers' bytes: the codes plus 0.625 bits a
+    weight) and gives the format's weight and rows."""
+    weight = _k_quant(64, 512, 3)
+    kernel = RoundedInputKernel(weight, torch.bfloat16)
+    assert kernel.small_batch_scales.dtype == torch.uint8
+    held = sum(buffer.numel() * buffer.element_size() for buffer in kernel.buffers())
+    assert held * 8 / weight.qweight.numel() == 4.625
+    assert torch.equal(kernel.dequantize(torch.float32), weight.dequantize())
+    index = torch.tensor([5, 63, 5])
+    assert torch.equal(kernel.weight_rows(index), weight.dequantize()[index])
+
+
+def test_parameters_that_do_not_factor_stay_as_packed():
+    """RTN's float32 scales and offsets (no float16 factor times byte codes holds them), float16 ones
+    (already 5 bits a weight) and groups in runs other than 8 keep the packer's layout."""
+    rtn = quantize_int4(torch.randn(40, 512, generator=torch.Generator().manual_seed(1)), 32)
+    params = _pack(rtn)[1]
+    assert params.dtype == torch.float32 and factored_int4_params(params) is params
+    half = Int4Weight(rtn.qweight, rtn.scales.half().float(), rtn.offsets.half().float(), 32)
+    half_params = _pack(half)[1]
+    assert half_params.dtype == torch.float16 and factored_int4_params(half_params) is half_params
+    narrow = _k_quant(40, 256, 2)
+    cut = Int4Weight(narrow.qweight[:, :224], narrow.scales[:, :7], narrow.offsets[:, :7], 32)
+    assert factored_int4_params(_pack(cut)[1]).dtype == torch.float32  # 7 groups a row
+    late = _k_quant(70, 256, 4)  # factors in its first block, not in its last
+    late.scales[65, 3] += 1e-7
+    params = _pack(late)[1]
+    assert factored_int4_params(params) is params
+
+
+def test_runs_of_zeros_and_of_one_sign_factor_exactly():
+    """All-zero runs (padding rows, a zero sub-block's minimums), positive offsets and a run whose largest
+    code is below 63 all factor, read back exactly."""
+    weight = _k_quant(40, 512, 5)
+    weight.offsets[:, :8] = 0
+    weight.offsets[3] = -weight.offsets[3]  # a positive minimum's run
+    low = torch.tensor([5.0, 0, 1, 2, 3, 4, 5, 1])  # a run whose largest code is 5
+    weight.scales[7, 8:16] = torch.tensor(1.5e-3).half().float() * low
+    packed, params = _pack(weight)
+    factored = factored_int4_params(params)
+    assert factored.dtype == torch.uint8
+    assert torch.equal(ops.small_batch_dequantize_int4(packed, factored, 40, bits=4), weight.dequantize())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_experts_read_the_factored_parameters(dtype):
+    """A mixture-of-experts projection whose experts are Q4_K-like: the stack keeps their factored
+    parameters, and each expert's rows get what its own kernel gives them."""
+    weights = [_k_quant(70, 512, seed) for seed in range(4)]
+    kernels = [RoundedInputKernel(weight, dtype) for weight in weights]
+    if not kernels[0].takes(dtype):
+        pytest.skip(f"this level's kernels do not take {dtype} inputs")
+    alone = [RoundedInputKernel(weight, dtype) for weight in weights]
+    grouped = GroupedExpertsKernel.of(kernels)
+    assert grouped is not None and grouped.scales.dtype == torch.uint8
+    counts = [3, 0, 1, 5]
+    x = torch.randn(sum(counts), 512, generator=torch.Generator().manual_seed(9)).to(dtype)
+    out = grouped(x, torch.tensor(counts).cumsum(0))
+    start = 0
+    for kernel, count in zip(alone, counts, strict=True):
+        rows = x[start : start + count]
+        if count:
+            assert torch.equal(out[start : start + count], kernel(rows))
+        start += count
+    rtn = quantize_int4(torch.randn(70, 512), 32)
+    mixed = [RoundedInputKernel(weights[0], dtype), RoundedInputKernel(rtn, dtype)]
+    assert GroupedExpertsKernel.of(mixed) is None  # factored beside float32: expert by expert
+
+
+def test_malformed_factored_parameters_are_refused():
+    weight = _k_quant(32, 256, 6)
+    packed, params = _pack(weight)
+    factored = factored_int4_params(params)
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="packed by small_batch_pack_int4"):
+        ops.small_batch_linear_int4(x, packed, factored.view(1, 1, 10, 64), 32)
+    with pytest.raises(RuntimeError, match="packed by small_batch_pack_int4"):
+        ops.small_batch_dequantize_int4(packed, factored[:, :, :4].contiguous(), 32, bits=4)
