@@ -56,6 +56,14 @@ class HeadRowsEmbedding(nn.Module):
         kernel = head.kernel
         return cls(head, kernel.weight_rows, lambda: kernel.dequantize(torch.float32), vocab, dtype, tp)
 
+    @classmethod
+    def of_blocks(cls, blocks: nn.Module, vocab: range, dtype: torch.dtype, tp: TensorParallelGroup):
+        """Over an untied embedding's own quantized copy (`blocks`, a QuantizedLinear of its rows),
+        which this module holds."""
+        embedding = cls.of_quantized(blocks, vocab, dtype, tp)
+        embedding.blocks = blocks
+        return embedding
+
     def rows(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Rows `local_ids` of this rank's block, in the model's dtype."""
         return self._weight_rows(local_ids).to(self.dtype)
@@ -73,7 +81,8 @@ class HeadRowsEmbedding(nn.Module):
         return self.tp.all_reduce(hidden.masked_fill_(elsewhere.unsqueeze(-1), 0))
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, rows from the output projection's packed copy"
+        source = "its own blocks" if hasattr(self, "blocks") else "the output projection's packed copy"
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows from {source}"
 
 
 def embed_from_head(model: nn.Module, dtype: torch.dtype) -> bool:
@@ -100,6 +109,26 @@ def embed_from_head(model: nn.Module, dtype: torch.dtype) -> bool:
         table.numel() * table.element_size() / 2**20,
     )
     return True
+
+
+def embed_from_blocks(model: nn.Module, weight, dtype: torch.dtype, device) -> None:
+    """Give `model` (whose float embedding table was never loaded) the embedding `weight` holds, this
+    rank's rows of an untied GGUF `token_embd` in its blocks: looked up row by row from its kernel's
+    packed copy (`LinearKernel.weight_rows`, equal to the file's dequantized rows, then `dtype`, as the
+    float load gives them), or where that kernel cannot rebuild rows exactly, the float table itself."""
+    from llmserve.quantization.kernels import QuantizedLinear
+
+    inner = model.model
+    blocks = QuantizedLinear(weight, None, dtype, device)
+    if blocks.kernel.weight_rows(torch.zeros(1, dtype=torch.long, device=torch.device(device))) is None:
+        table = weight.dequantize(torch.float32).to(device, dtype)
+        inner.embed_tokens.weight = nn.Parameter(table, requires_grad=False)
+        return
+    inner.embed_tokens = HeadRowsEmbedding.of_blocks(blocks, inner.embed_tokens.vocab, dtype, model.tp)
+    logger.info(
+        "quantization: the embedding reads its rows from its own blocks (%s, no float table)",
+        type(blocks.kernel).__name__,
+    )
 
 
 def embed_from_packed_head(model: nn.Module) -> bool:

@@ -20,7 +20,7 @@ from torch import nn
 from llmserve.config import ModelConfig
 from llmserve.config.quantization import CHECKPOINT, PREQUANTIZED
 from llmserve.quantization import awq, calibration, checkpoint, gguf_native, moe, prequantized
-from llmserve.quantization.embedding import embed_from_head
+from llmserve.quantization.embedding import embed_from_blocks, embed_from_head
 from llmserve.quantization.formats import (
     Int4Weight,
     QuantizedWeight,
@@ -35,6 +35,7 @@ from llmserve.quantization.kernels import LinearKernel, QuantizedLinear
 logger = logging.getLogger("llmserve")
 
 LM_HEAD = "lm_head"
+EMBEDDING = "model.embed_tokens"  # an untied GGUF token_embd kept in its blocks (quantization/embedding.py)
 
 
 @dataclass
@@ -83,6 +84,9 @@ def apply_quantization(model: nn.Module, result: QuantizationResult, config: Mod
     moe.apply_experts(model, experts, config.dtype, config.device)
     for name, weight in result.weights.items():
         if name in experts:
+            continue
+        if name == EMBEDDING:
+            embed_from_blocks(model, weight, config.dtype, config.device)
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -275,6 +279,9 @@ def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
     if head in tensors:  # 5-bit codes as the int8 codes they equal: int8 has a float32-logits kernel
         weights[LM_HEAD] = _as_int8_if_five_bit(tensors[head])
     kept = len(decoder_linears(model)) + 1 - len(weights)
+    embedding = tensors.get("model.embed_tokens.weight")
+    if not config.arch.tie_word_embeddings and embedding is not None and model.model.embed_tokens is not None:
+        weights[EMBEDDING] = embedding  # looked up row by row from its blocks, never a float table
     experts = moe.gguf_expert_weights(model, tensors)
     weights.update(experts)
     kept += len(moe.experts_modules(model)) - len({moe.owner(name) for name in experts})

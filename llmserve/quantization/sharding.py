@@ -158,7 +158,8 @@ def _rank_weight(name: str, weight: QuantizedWeight, model: nn.Module) -> Quanti
     if dim == 1:
         return _columns(name, weight, ranges[0], model.shard)
     index = torch.cat([torch.arange(part.start, part.stop) for part in ranges])
-    return shard_rows(weight, index, model.get_submodule(name).out_features)
+    module = model.get_submodule(name)  # a linear layer, or the embedding (its vocabulary block's rows)
+    return shard_rows(weight, index, getattr(module, "out_features", None) or module.num_embeddings)
 
 
 def _check_columns(weights: dict[str, QuantizedWeight], model: nn.Module, layout: ShardLayout) -> None:

@@ -47,7 +47,12 @@ def _k_quant_blocks(rng: np.random.Generator, qtype, rows: int, cols: int) -> np
 def mixed_gguf(tmp_path_factory) -> str:
     """A 2-layer Llama as a Q4_K_M file lays one out: Q4_K projections, Q6_K down and, in layer 0 only,
     a Q6_K v (so its q/k/v does not join); float embedding, tied."""
-    path = str(tmp_path_factory.mktemp("mixed") / "q4_k_m.gguf")
+    return write_q4_k_m(str(tmp_path_factory.mktemp("mixed") / "q4_k_m.gguf"))
+
+
+def write_q4_k_m(path: str, untied: bool = False) -> str:
+    """`mixed_gguf`'s file at `path`; `untied`: a Q4_K embedding and a Q6_K output projection of its own,
+    as llama.cpp writes an untied model's Q4_K_M."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(path, "llama")
     for add, value in [
@@ -62,7 +67,11 @@ def mixed_gguf(tmp_path_factory) -> str:
     ]:
         add(value)
     _tokenizer(writer, VOCAB)
-    writer.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32))
+    if untied:
+        writer.add_tensor("token_embd.weight", _k_quant_blocks(rng, Q.Q4_K, VOCAB, HIDDEN), raw_dtype=Q.Q4_K)
+        writer.add_tensor("output.weight", _k_quant_blocks(rng, Q.Q6_K, VOCAB, HIDDEN), raw_dtype=Q.Q6_K)
+    else:
+        writer.add_tensor("token_embd.weight", rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32))
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     shapes = {
         "attn_q": (HIDDEN, HIDDEN),
