@@ -115,6 +115,7 @@ class RoundedInputKernel(LinearKernel):
                 scales = weight.scales[:, 0].float().contiguous()
             else:
                 scales = ops.small_batch_pack_int8_group_scales(weight.scales.float().contiguous())
+                scales = factored_int8_scales(scales) if weight.group_size == 16 else scales
         self.register_buffer("small_batch_qweight", packed)
         self.register_buffer("small_batch_scales", scales)  # [N], per 16/32 columns packed, or int4's params
         self.out_features = weight.shape[0]
@@ -199,7 +200,7 @@ class GroupedExpertsKernel:
         def layout(kernel: RoundedInputKernel) -> tuple:
             packed, scales = kernel.small_batch_qweight, kernel.small_batch_scales
             return (kernel.kind, kernel.bits, kernel.group_size, kernel.out_features, packed.shape,
-                    packed.dtype, scales.shape, scales.dtype == torch.uint8)  # fmt: skip
+                    packed.dtype, scales.shape, scales.is_floating_point())  # fmt: skip
 
         return GroupedExpertsKernel(kernels) if len({layout(k) for k in kernels}) == 1 else None
 
@@ -281,9 +282,13 @@ class TritonKernel(LinearKernel):
         return Int4Weight(codes, scales, pick(self.offsets).float(), self.group_size, self.bits)
 
 
-SUPER_GROUPS = 8  # groups of a K-quant super-block (Q4_K: 8 x 32 columns)
-_FACTOR_CODES = (*range(63, 0, -1), *range(64, 256))  # a K-quant's largest 6-bit code first: one pass
+SUPER_GROUPS = 8  # int4 groups of a K-quant super-block (Q4_K: 8 x 32 columns)
+SCALE_SUPER_GROUPS = 16  # int8 groups of 16 columns in one (Q6_K, Q3_K)
 _PROBE_BLOCKS = 1  # blocks tried first, so that parameters that do not factor cost one block's search
+# the code a run's value of largest magnitude may take, most likely first: a K-quant's largest 6-bit
+# scale 63 (Q4_K, Q5_K), Q6_K's -128 and Q3_K's -32
+_UNSIGNED_PEAKS = (*range(63, 0, -1), *range(64, 256))
+_SIGNED_PEAKS = (-128, -32, *(c for c in range(-127, 0) if c != -32), *range(1, 128))
 
 
 def factored_int4_params(params: torch.Tensor) -> torch.Tensor:
@@ -295,41 +300,67 @@ def factored_int4_params(params: torch.Tensor) -> torch.Tensor:
     ones, where the packer found them exact, too)."""
     if params.dtype != torch.float32 or params.shape[1] % SUPER_GROUPS:
         return params
-    probe = _factor(params[:_PROBE_BLOCKS])
-    if probe is None:
+    blocks, supers = params.shape[0], params.shape[1] // SUPER_GROUPS
+    # runs [B, S, part, lane, 8 groups]
+    runs = params.view(blocks, supers, SUPER_GROUPS, 2, 32).permute(0, 1, 3, 4, 2)
+    found = _factor_runs(runs.reshape(blocks, -1, SUPER_GROUPS), _UNSIGNED_PEAKS, 0, 255)
+    if found is None:
         return params
-    factored = _factor(params) if params.shape[0] > _PROBE_BLOCKS else probe
-    return params if factored is None else factored
+    factors, codes = found
+    head = factors.view(blocks, supers, 2 * 32).view(torch.uint8)  # [B, S, 128]: scales', offsets'
+    body = codes.view(blocks, supers, 2, 32, SUPER_GROUPS).permute(0, 1, 2, 4, 3).reshape(blocks, supers, -1)
+    return torch.cat([head, body.to(torch.uint8)], dim=2).view(blocks, supers, 5, 128).contiguous()
 
 
-def _factor(params: torch.Tensor) -> torch.Tensor | None:
-    """`factored_int4_params`'s search: for each run of 8 values (a super-block's scales or offsets of one
-    row) a float16 factor f = peak / c (peak: the run's value of largest magnitude, c tried from 63) with
-    every value f * q for an integer q in 0..255, checked exactly in float32; None if a run has none."""
-    blocks, groups = params.shape[:2]
-    runs = params.view(blocks, groups // SUPER_GROUPS, SUPER_GROUPS, 2, 32).permute(0, 1, 3, 4, 2)
-    values = runs.reshape(-1, SUPER_GROUPS)  # [blocks * supers * 2 * 32, 8]
+def factored_int8_scales(scales: torch.Tensor) -> torch.Tensor:
+    """int8 scales per 16 columns as `small_batch_pack_int8_group_scales` lays them out ([N' / 32, K / 16,
+    32], float32), factored where exact: each row's 16 scales of a super-block of 256 columns as one
+    float16 factor times int8 codes, int8 [N' / 32, K / 256, 576]. A GGUF Q6_K's d * sc (float16 d, 8-bit
+    signed sc) and Q3_K's d * (sc - 32) factor so: 8.56 bits a weight held instead of 10. Otherwise
+    `scales` unchanged."""
+    if scales.dtype != torch.float32 or scales.dim() != 3 or scales.shape[1] % SCALE_SUPER_GROUPS:
+        return scales
+    blocks, supers = scales.shape[0], scales.shape[1] // SCALE_SUPER_GROUPS
+    runs = scales.view(blocks, supers, SCALE_SUPER_GROUPS, 32).permute(0, 1, 3, 2)  # [B, S, lane, 16]
+    found = _factor_runs(runs.reshape(blocks, -1, SCALE_SUPER_GROUPS), _SIGNED_PEAKS, -128, 127)
+    if found is None:
+        return scales
+    factors, codes = found
+    head = factors.view(blocks, supers, 32).view(torch.int8)  # [B, S, 64]
+    body = codes.view(blocks, supers, 32, SCALE_SUPER_GROUPS).transpose(2, 3).reshape(blocks, supers, -1)
+    return torch.cat([head, body.to(torch.int8)], dim=2).contiguous()
+
+
+def _factor_runs(
+    runs: torch.Tensor, peaks: tuple[int, ...], low: int, high: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """runs [B, R, n] -> (float16 factors [B * R], integer codes [B * R, n] in low..high) with every
+    value factor * code exactly (checked in float32), or None where a run has none. Each run's factor is
+    peak / c (peak: its value of largest magnitude) for the first code c of `peaks` that works; the
+    first block is searched alone first, so that values that do not factor cost one block's search."""
+    probe = _search(runs[:_PROBE_BLOCKS].reshape(-1, runs.shape[-1]), peaks, low, high)
+    if probe is None or runs.shape[0] <= _PROBE_BLOCKS:
+        return probe
+    return _search(runs.reshape(-1, runs.shape[-1]), peaks, low, high)
+
+
+def _search(values: torch.Tensor, peaks: tuple[int, ...], low: int, high: int):
     peak = values.gather(1, values.abs().argmax(1, keepdim=True))[:, 0]
     factors = torch.zeros(len(values), dtype=torch.float16)
-    codes = torch.zeros(values.shape, dtype=torch.uint8)
+    codes = torch.zeros(values.shape, dtype=torch.int16)
     todo = torch.nonzero(peak != 0)[:, 0]  # all-zero runs: factor 0, codes 0
-    for code in _FACTOR_CODES:
+    for code in peaks:
         if not len(todo):
-            break
+            return factors, codes
         factor = (peak[todo] / code).half()
         wide = factor.float()[:, None]
         quotient = torch.round(values[todo] / wide)
-        exact = ((quotient >= 0) & (quotient <= 255) & (quotient * wide == values[todo])).all(1)
+        exact = ((quotient >= low) & (quotient <= high) & (quotient * wide == values[todo])).all(1)
         exact &= factor.isfinite() & (factor != 0)
         factors[todo[exact]] = factor[exact]
-        codes[todo[exact]] = quotient[exact].to(torch.uint8)
+        codes[todo[exact]] = quotient[exact].to(torch.int16)
         todo = todo[~exact]
-    if len(todo):
-        return None
-    supers = groups // SUPER_GROUPS
-    head = factors.view(blocks, supers, 2 * 32).view(torch.uint8)  # [B, S, 128] bytes: scales', offsets'
-    body = codes.view(blocks, supers, 2, 32, SUPER_GROUPS).permute(0, 1, 2, 4, 3).reshape(blocks, supers, -1)
-    return torch.cat([head, body], dim=2).view(blocks, supers, 5, 128).contiguous()
+    return (factors, codes) if not len(todo) else None
 
 
 def _half_if_exact(values: torch.Tensor) -> torch.Tensor:

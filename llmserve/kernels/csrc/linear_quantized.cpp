@@ -108,6 +108,32 @@ inline float group_param(const uint8_t* block, int64_t g, int part, int64_t r) {
   return static_cast<float>(c10::Half(factor, c10::Half::from_bits())) * static_cast<float>(code);
 }
 
+// int8 scales per 16 columns come as float32 or float16 [K / 16][32] per 32-row block, or (GGUF Q6_K and
+// Q3_K, whose scales are d * sc: a float16 d per 256 columns, a signed 8-bit sc) factored: int8
+// [K / 256][576] per block, each super-block's 32 float16 factors (64 bytes) then its 16 groups' 32 int8
+// codes. factor * code is exact in float32, as for int4's factored parameters.
+constexpr int64_t kScaleSuperGroups = 16;
+constexpr int64_t kScaleFactorBytes = 2 * kRows;
+constexpr int64_t kScaleSuperBytes = kScaleFactorBytes + kScaleSuperGroups * kRows;
+// A group's share of a block's scales, in elements of the layout's type.
+template <typename Param>
+constexpr int64_t kGroupScales = kRows;
+template <>
+constexpr int64_t kGroupScales<int8_t> = kScaleSuperBytes / kScaleSuperGroups;
+
+// Row r's scale in group g of a block's int8 scales.
+template <typename Param>
+inline float group_scale(const Param* block, int64_t g, int64_t r) {
+  return static_cast<float>(block[g * kRows + r]);
+}
+inline float group_scale(const int8_t* block, int64_t g, int64_t r) {
+  const int8_t* super = block + g / kScaleSuperGroups * kScaleSuperBytes;
+  uint16_t factor;
+  std::memcpy(&factor, super + 2 * r, sizeof(factor));
+  const int8_t code = super[kScaleFactorBytes + g % kScaleSuperGroups * kRows + r];
+  return static_cast<float>(c10::Half(factor, c10::Half::from_bits())) * static_cast<float>(code);
+}
+
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
 
 // Four input codes as one 32-bit lane value (memcpy: no aliasing or alignment assumptions).
@@ -155,6 +181,19 @@ inline __m512 group_params16(const uint8_t* block, int64_t g, int part, int lane
   const uint8_t* codes = super + kSuperFactorBytes + (part * kSuperGroups + g % kSuperGroups) * kRows + lane;
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
   return _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+}
+
+// Lanes [lane, lane + 16) of group g's int8 scales in a block.
+template <typename Param>
+inline __m512 group_scales16(const Param* block, int64_t g, int lane) {
+  return load_params16(block + g * kRows + lane);
+}
+inline __m512 group_scales16(const int8_t* block, int64_t g, int lane) {
+  const int8_t* super = block + g / kScaleSuperGroups * kScaleSuperBytes;
+  const __m512 factors = load_params16(reinterpret_cast<const c10::Half*>(super) + lane);
+  const int8_t* codes = super + kScaleFactorBytes + g % kScaleSuperGroups * kRows + lane;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  return _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
 }
 
 QuantizedInput quantize_input(const uint16_t* x, int64_t m_size, int64_t k_size) {
@@ -226,8 +265,8 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
     __m512 weight_scale[2] = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f)};
     if constexpr (Grouped) {
       const int64_t group = b * kParts<Group> + part;
-      weight_scale[0] = load_params16(group_scales + group * kRows);
-      weight_scale[1] = load_params16(group_scales + group * kRows + 16);
+      weight_scale[0] = group_scales16(group_scales, group, 0);
+      weight_scale[1] = group_scales16(group_scales, group, 16);
     }
     for (int m = 0; m < MC; ++m) {
       const int32_t code_sum = kParts<Group> == 1 ? in.sums[(m0 + m) * blocks + b]
@@ -379,6 +418,19 @@ inline __m256 group_params8(const uint8_t* block, int64_t g, int part, int lane)
   return _mm256_mul_ps(factors, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
 }
 
+// Lanes [lane, lane + 8) of group g's int8 scales in a block.
+template <typename Param>
+inline __m256 group_scales8(const Param* block, int64_t g, int lane) {
+  return load_params8(block + g * kRows + lane);
+}
+inline __m256 group_scales8(const int8_t* block, int64_t g, int lane) {
+  const int8_t* super = block + g / kScaleSuperGroups * kScaleSuperBytes;
+  const __m256 factors = load_params8(reinterpret_cast<const c10::Half*>(super) + lane);
+  const int8_t* codes = super + kScaleFactorBytes + g % kScaleSuperGroups * kRows + lane;
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes));
+  return _mm256_mul_ps(factors, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+}
+
 inline int32_t horizontal_sum8_epi32(__m256i v) {
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -468,7 +520,7 @@ inline void int8_block(const QuantizedInput& in, int64_t m0, const uint8_t* bloc
       const __m256 scale = _mm256_set1_ps(in.scales[(m0 + m) * blocks + b]);
       LLMSERVE_UNROLL for (int v = 0; v < 4; ++v) {
         const __m256 block_scale =
-            Grouped ? _mm256_mul_ps(scale, load_params8(group_scales + (b * kParts<Group> + part) * kRows + 8 * v))
+            Grouped ? _mm256_mul_ps(scale, group_scales8(group_scales, b * kParts<Group> + part, 8 * v))
                     : scale;
         acc[v][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[v][m]), block_scale, acc[v][m]);
       }
@@ -611,7 +663,7 @@ void int8_linear(const QuantizedInput& in, const Experts& experts, const uint8_t
     const uint8_t* block = packed + expert * experts.weight_stride + b * block_bytes;
     const Param* expert_scales = scales + expert * experts.param_stride;
     const float* row_scales = reinterpret_cast<const float*>(expert_scales);  // !Grouped only
-    const Param* group_scales = expert_scales + b * kRows * (k_size / std::max(Group, 1));  // Group > 0 only
+    const Param* group_scales = expert_scales + b * kGroupScales<Param> * (k_size / std::max(Group, 1));  // Group > 0
     const int64_t row = b * kRows;
     for (int64_t m0 = m_begin; m0 < m_end; m0 += kMaxRowsPerPass) {
       const bool first = m0 == m_begin;
@@ -709,6 +761,17 @@ at::Tensor small_batch_pack_int8_group_scales(at::Tensor scales) {
 
 namespace {
 
+// The groups per row of int8 scales packed for K input columns ([N' / 32, K / G, 32] float32 or float16 for
+// G = 32 or 16, or [N' / 32, K / 256, 576] factored int8 for G = 16); 0 for any other layout.
+int64_t int8_scale_groups(const at::Tensor& scales, int64_t k_size) {
+  if (scales.dim() != 3) return 0;
+  const auto type = scales.scalar_type();
+  if (type == at::kChar)
+    return scales.size(2) == kScaleSuperBytes && scales.size(1) * kScaleSuperGroups * 16 == k_size ? k_size / 16 : 0;
+  const bool width = scales.size(1) * kInputBlock == k_size || scales.size(1) * 16 == k_size;
+  return (type == at::kFloat || type == at::kHalf) && scales.size(2) == kRows && width ? scales.size(1) : 0;
+}
+
 // The int8 entry points' checks.
 void check_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n_size) {
   TORCH_CHECK(small_batch_linear_int8_supported(), "small_batch_linear_int8 needs a CPU with AVX2 and FMA");
@@ -721,14 +784,11 @@ void check_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
   TORCH_CHECK(x.size(1) % kInputBlock == 0, "small_batch_linear_int8 needs an input width that is a multiple of 32");
   TORCH_CHECK(n_size >= 1 && (n_size + kRows - 1) / kRows * kRows == packed.size(0),
               "small_batch_linear_int8 takes weights packed by small_batch_pack_int8 for out_features rows");
-  const bool grouped = scales.dim() == 3;
-  TORCH_CHECK((scales.scalar_type() == at::kFloat || (grouped && scales.scalar_type() == at::kHalf)) &&
-                  scales.is_contiguous() &&
-                  (grouped ? scales.size(0) * kRows == packed.size(0) &&
-                                 (scales.size(1) * kInputBlock == x.size(1) || scales.size(1) * 16 == x.size(1)) &&
-                                 scales.size(2) == kRows
-                           : scales.dim() == 1 && scales.size(0) == n_size),
-              "scales must be float32 [N], or packed by small_batch_pack_int8_group_scales (float32 or float16)");
+  TORCH_CHECK(scales.is_contiguous() &&
+                  (scales.dim() == 3 ? scales.size(0) * kRows == packed.size(0) && int8_scale_groups(scales, x.size(1))
+                                     : scales.dim() == 1 && scales.size(0) == n_size && scales.scalar_type() == at::kFloat),
+              "scales must be float32 [N], or packed by small_batch_pack_int8_group_scales (float32 or float16, or "
+              "factored int8)");
 }
 
 #if defined(LLMSERVE_INT8_LINEAR) || defined(LLMSERVE_INT8_LINEAR_AVX2)
@@ -753,6 +813,8 @@ void run_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   const bool half = scales.scalar_type() == at::kHalf;
   if (scales.dim() != 3)
     int8_linear<0>(input, experts, codes, scales.data_ptr<float>(), out, k_size, n_size);
+  else if (scales.scalar_type() == at::kChar)
+    int8_linear<16>(input, experts, codes, scales.data_ptr<int8_t>(), out, k_size, n_size);
   else if (scales.size(1) * 16 == k_size && half)
     int8_linear<16>(input, experts, codes, scales.data_ptr<c10::Half>(), out, k_size, n_size);
   else if (scales.size(1) * 16 == k_size)
@@ -1008,7 +1070,7 @@ void dequantize_int8_rows(const uint8_t* packed, const Param* scales, float* out
       float* dst = out + i * k_size;
       for (int64_t quad = 0; quad < k_size / 4; ++quad) {
         const uint8_t* bytes = block + (quad * kRows + r) * 4;
-        const float scale = groups ? static_cast<float>(scales[(b * groups + quad * 4 / group_size) * kRows + r])
+        const float scale = groups ? group_scale(scales + b * groups * kGroupScales<Param>, quad * 4 / group_size, r)
                                    : static_cast<float>(scales[row]);
         for (int j = 0; j < 4; ++j) dst[quad * 4 + j] = static_cast<float>(int{bytes[j]} - 128) * scale;
       }
@@ -1074,15 +1136,17 @@ at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int
   const bool grouped = scales.dim() == 3;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(0) == (out_features + kRows - 1) / kRows * kRows && scales.is_contiguous() &&
-                  (grouped ? scales.size(0) * kRows == packed.size(0) && scales.size(2) == kRows &&
-                                 (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf)
+                  (grouped ? scales.size(0) * kRows == packed.size(0) && int8_scale_groups(scales, packed.size(1))
                            : scales.dim() == 1 && scales.size(0) == out_features &&
                                  scales.scalar_type() == at::kFloat),
               "small_batch_dequantize_int8 takes weights packed by small_batch_pack_int8 and their scales");
-  const int64_t k_size = packed.size(1), groups = grouped ? scales.size(1) : 0;
+  const int64_t k_size = packed.size(1), groups = grouped ? int8_scale_groups(scales, k_size) : 0;
   const RowIds ids = row_ids(rows, out_features);
   auto out = at::empty({ids.count, k_size}, packed.options().dtype(at::kFloat));
-  if (grouped && scales.scalar_type() == at::kHalf)
+  if (grouped && scales.scalar_type() == at::kChar)
+    dequantize_int8_rows(packed.data_ptr<uint8_t>(), scales.data_ptr<int8_t>(), out.data_ptr<float>(), k_size,
+                         groups, ids.all, ids.ids, ids.count);
+  else if (grouped && scales.scalar_type() == at::kHalf)
     dequantize_int8_rows(packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), out.data_ptr<float>(), k_size,
                          groups, ids.all, ids.ids, ids.count);
   else

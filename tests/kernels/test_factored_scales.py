@@ -1,13 +1,20 @@
-"""int4 parameters factored by super-blocks (`factored_int4_params`, kernels/csrc/linear_quantized.cpp):
-a GGUF Q4_K/Q5_K's scales d * sc and offsets -dmin * m held as float16 factors and byte codes (4.6 bits a
-weight instead of 6), giving the float32 parameters' outputs bit for bit in every kernel that reads them."""
+"""Scales factored by super-blocks (`factored_int4_params`, `factored_int8_scales`,
+kernels/csrc/linear_quantized.cpp): a GGUF Q4_K/Q5_K's scales d * sc and offsets -dmin * m, and a Q6_K's or
+Q3_K's int8 scales d * sc, held as float16 factors per 256 columns times byte codes (Q4_K 4.6 bits a weight
+instead of 6, Q6_K 8.6 instead of 10), giving the float32 scales' outputs bit for bit in every kernel that
+reads them."""
 
 import pytest
 import torch
 
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.quantization.formats import Int4Weight, quantize_int4
-from llmserve.quantization.kernels import GroupedExpertsKernel, RoundedInputKernel, factored_int4_params
+from llmserve.quantization.formats import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from llmserve.quantization.kernels import (
+    GroupedExpertsKernel,
+    RoundedInputKernel,
+    factored_int4_params,
+    factored_int8_scales,
+)
 
 ops = load_cpu_ops()
 pytestmark = pytest.mark.cpu_kernels("int8_linear")
@@ -145,3 +152,81 @@ def test_malformed_factored_parameters_are_refused():
         ops.small_batch_linear_int4(x, packed, factored.view(1, 1, 10, 64), 32)
     with pytest.raises(RuntimeError, match="packed by small_batch_pack_int4"):
         ops.small_batch_dequantize_int4(packed, factored[:, :, :4].contiguous(), 32, bits=4)
+
+
+def _q6_k(out_features: int, in_features: int, seed: int) -> Int8Weight:
+    """A Q6_K-like weight: int8 codes -32..31 in groups of 16, scale d * sc with a float16 d per 256
+    columns and a signed 8-bit sc, -128 for the run's largest magnitude as llama.cpp writes it (in half
+    of the runs; the others top out elsewhere)."""
+    gen = torch.Generator().manual_seed(seed)
+    supers = in_features // 256
+    sc = torch.randint(-127, 128, (out_features, supers, 16), generator=gen).float()
+    sc[:, ::2, 3] = -128
+    d = (torch.rand(out_features, supers, 1, generator=gen) * 2e-4 + 1e-6).half().float()
+    codes = torch.randint(-32, 32, (out_features, in_features), generator=gen, dtype=torch.int8)
+    return Int8Weight(codes, (d * sc).view(out_features, -1), 16)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(70, 512), (33, 256), (8, 2304)])
+def test_factored_int8_scales_give_the_float32_ones_outputs_bit_for_bit(out_features, in_features):
+    """bf16/float32 outputs and the float32-out entry point at every row count 1..12 and a large one;
+    the weight read back (all rows, chosen rows) is the format's own."""
+    weight = _q6_k(out_features, in_features, out_features)
+    packed = ops.small_batch_pack_int8(weight.qweight)
+    scales = ops.small_batch_pack_int8_group_scales(weight.scales)
+    assert scales.dtype == torch.float32
+    factored = factored_int8_scales(scales)
+    assert factored.dtype == torch.int8 and factored.shape == (scales.shape[0], in_features // 256, 576)
+    assert factored.numel() * 8 / (scales.shape[0] * 32 * in_features) == 0.5625  # bits a weight
+    expected = weight.dequantize()
+    assert torch.equal(ops.small_batch_dequantize_int8(packed, factored, out_features), expected)
+    rows = torch.tensor([out_features - 1, 0, out_features // 2])
+    assert torch.equal(
+        ops.small_batch_dequantize_int8(packed, factored, out_features, rows=rows), expected[rows]
+    )
+    ran = 0
+    for dtype in DTYPES:
+        if not ops.small_batch_linear_int8_supported(dtype):
+            continue
+        x = torch.randn(40, in_features, generator=torch.Generator().manual_seed(3)).to(dtype)
+        for count in [*range(1, 13), 40]:
+            head = x[:count].contiguous()
+            for entry in (ops.small_batch_linear_int8, ops.small_batch_linear_int8_float_out):
+                out = entry(head, packed, factored, out_features)
+                assert torch.equal(out, entry(head, packed, scales, out_features)), (dtype, count)
+        ran += 1
+    assert ran >= 1
+
+
+def test_int8_layers_hold_factored_scales_where_exact():
+    """A Q6_K-like layer holds 8.5625 bits a weight and gives the format's weight and rows; RTN's
+    group scales (no float16 factor holds them) and Q8_0's float16 ones stay as packed."""
+    weight = _q6_k(64, 512, 1)
+    kernel = RoundedInputKernel(weight, torch.bfloat16)
+    assert kernel.small_batch_scales.dtype == torch.int8
+    held = sum(buffer.numel() * buffer.element_size() for buffer in kernel.buffers())
+    assert held * 8 / weight.qweight.numel() == 8.5625
+    assert torch.equal(kernel.dequantize(torch.float32), weight.dequantize())
+    index = torch.tensor([[5, 63], [0, 5]])
+    assert torch.equal(kernel.weight_rows(index), weight.dequantize()[index])
+    rtn = quantize_int8(torch.randn(40, 512, generator=torch.Generator().manual_seed(2)), 16)
+    assert RoundedInputKernel(rtn, torch.bfloat16).small_batch_scales.dtype == torch.float32
+    half = Int8Weight(rtn.qweight, rtn.scales.half().float(), 16)
+    assert RoundedInputKernel(half, torch.bfloat16).small_batch_scales.dtype == torch.float16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_experts_read_factored_int8_scales(dtype):
+    weights = [_q6_k(70, 512, seed) for seed in range(3)]
+    kernels = [RoundedInputKernel(weight, dtype) for weight in weights]
+    if not kernels[0].takes(dtype):
+        pytest.skip(f"this level's kernels do not take {dtype} inputs")
+    alone = [RoundedInputKernel(weight, dtype) for weight in weights]
+    grouped = GroupedExpertsKernel.of(kernels)
+    assert grouped is not None and grouped.scales.dtype == torch.int8
+    counts = [2, 4, 1]
+    x = torch.randn(sum(counts), 512, generator=torch.Generator().manual_seed(4)).to(dtype)
+    out = grouped(x, torch.tensor(counts).cumsum(0))
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    for kernel, start, end in zip(alone, [0, *ends], ends, strict=False):
+        assert torch.equal(out[start:end], kernel(x[start:end]))
