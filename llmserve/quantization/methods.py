@@ -75,16 +75,20 @@ def compute_quantization(model: nn.Module, config: ModelConfig, tokenizer=None) 
     return _METHODS[config.quantization.method](model, config, tokenizer)
 
 
-def apply_quantization(model: nn.Module, result: QuantizationResult, config: ModelConfig) -> None:
+def apply_quantization(
+    model: nn.Module, result: QuantizationResult, config: ModelConfig, release: bool = False
+) -> None:
+    """Swap `result`'s layers into `model`. `release`: take each weight out of `result` once its layer
+    is built, so that a layer's format (int4 codes one a byte, float32 scales) is freed as its packed
+    copy is made, not held beside every layer's until the end."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in result.float_updates.items():
             params[name].copy_(value)
     experts = {name: weight for name, weight in result.weights.items() if moe.parse_expert_key(name)}
     moe.apply_experts(model, experts, config.dtype, config.device)
-    for name, weight in result.weights.items():
-        if name in experts:
-            continue
+    for name in [name for name in result.weights if name not in experts]:
+        weight = result.weights.pop(name) if release else result.weights[name]
         if name == EMBEDDING:
             embed_from_blocks(model, weight, config.dtype, config.device)
             continue
@@ -100,17 +104,23 @@ def apply_quantization(model: nn.Module, result: QuantizationResult, config: Mod
 
 
 def quantize_model(
-    model: nn.Module, config: ModelConfig, tokenizer=None, compute: QuantizeMethod = compute_quantization
+    model: nn.Module,
+    config: ModelConfig,
+    tokenizer=None,
+    compute: QuantizeMethod = compute_quantization,
+    release: bool = False,
 ) -> QuantizationResult:
     """Quantize `model` in place with what `compute` returns (by default, what `config.quantization`
-    says for this model); returns that."""
+    says for this model); returns that (`release`: without the weights it applied, as
+    `apply_quantization` says)."""
     start = time.monotonic()
     result = compute(model, config, tokenizer)
     float_bytes = sum(_float_bytes(weight.shape, config.dtype) for weight in result.weights.values())
-    apply_quantization(model, result, config)
+    names = list(dict.fromkeys(map(moe.owner, result.weights)))
+    apply_quantization(model, result, config, release)
     if result.embedding_in_head:
         embed_from_head(model, config.dtype)
-    layers = [model.get_submodule(name) for name in dict.fromkeys(map(moe.owner, result.weights))]
+    layers = [model.get_submodule(name) for name in names]
     quant_bytes = sum(_buffer_bytes(layer) for layer in layers)
     kernels = {type(m).__name__ for layer in layers for m in layer.modules() if isinstance(m, LinearKernel)}
     logger.info(
@@ -271,10 +281,10 @@ def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
     weights: dict[str, QuantizedWeight] = {}
     for name in decoder_linears(model):
         parent, _, child = name.rpartition(".")
-        shards = model.packed_modules.get(child, (child,))
-        parts = [tensors.get(f"{parent}.{shard}.weight") for shard in shards]
-        if all(p is not None for p in parts):  # shards whose formats do not join stay stacked
-            weights[name] = stack_rows(parts)
+        keys = [f"{parent}.{shard}.weight" for shard in model.packed_modules.get(child, (child,))]
+        if all(key in tensors for key in keys):  # shards whose formats do not join stay stacked
+            # the shards leave `tensors` as they fuse: one layer's two copies at a time, not the model's
+            weights[name] = stack_rows([tensors.pop(key) for key in keys])
     head = "model.embed_tokens.weight" if config.arch.tie_word_embeddings else "lm_head.weight"
     if head in tensors:  # 5-bit codes as the int8 codes they equal: int8 has a float32-logits kernel
         weights[LM_HEAD] = _as_int8_if_five_bit(tensors[head])

@@ -53,9 +53,10 @@ def quantize_shard(
     `whole_model()` builds one process's float model, which calibrated methods need under tensor or
     pipeline parallelism (the caller builds it: `models/` imports this package); `tokenizer` None:
     loaded where calibration needs one. `planned`: what `plan_shard` computed on the model's
-    structure, applied as it is."""
+    structure, applied as it is. Each weight leaves the result as its layer is built (the formats
+    are freed as the packed copies are made); the result returned holds the rest."""
     compute = _shard_method(model, config, whole_model) if planned is None else (lambda *_: planned)
-    return quantize_model(model, config, tokenizer, compute=compute)
+    return quantize_model(model, config, tokenizer, compute=compute, release=True)
 
 
 def plan_shard(
