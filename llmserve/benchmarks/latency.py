@@ -19,6 +19,7 @@ from torch import nn
 
 from llmserve.benchmarks.results import format_table, pyplot, save_figure
 from llmserve.benchmarks.workload import TokenCorpus, greedy_params
+from llmserve.quantization.embedding import lookup_blocks
 from llmserve.quantization.kernels import QuantizedLinear
 
 COLUMNS = ("prompt_len", "prefill_ms", "prefill_tok_s", "decode_ms_per_token", "decode_tok_s")
@@ -152,8 +153,9 @@ def model_size(model: nn.Module) -> tuple[int, int]:
     count = sum(p.numel() for p in parameters) + sum(m.in_features * m.out_features for m in packed.values())
     num_bytes = sum(p.numel() * p.element_size() for p in parameters)
     num_bytes += sum(_packed_copy(m).numel() * _packed_copy(m).element_size() for m in packed.values())
+    lookups_only = lookup_blocks(model)  # an untied embedding's own blocks: a row a step
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, QuantizedLinear) and id(module) not in lookups_only:
             count += module.in_features * module.out_features
             num_bytes += sum(b.numel() * b.element_size() for b in _decode_buffers(module.kernel))
     return count, num_bytes

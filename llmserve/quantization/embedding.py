@@ -85,6 +85,14 @@ class HeadRowsEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, rows from {source}"
 
 
+def lookup_blocks(model: nn.Module) -> set[int]:
+    """The ids of the modules that hold an untied embedding's own blocks (`embed_from_blocks`): read a
+    row per token by lookups, never multiplied, so neither a decode step's weight stream nor a
+    question of batch invariance."""
+    embeddings = [m for m in model.modules() if isinstance(m, HeadRowsEmbedding)]
+    return {id(m.blocks) for m in embeddings if hasattr(m, "blocks")}
+
+
 def embed_from_head(model: nn.Module, dtype: torch.dtype) -> bool:
     """Swap `model`'s tied float embedding for a `HeadRowsEmbedding` over its quantized output
     projection, where this pipeline stage holds both and the kernel gives exact rows; returns

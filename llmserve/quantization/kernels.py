@@ -105,7 +105,6 @@ class RoundedInputKernel(LinearKernel):
             packed, scales = ops.small_batch_pack_int4(
                 codes, weight.scales.float(), weight.offsets.float(), bits=weight.bits
             )
-            scales = factored_int4_params(scales)
         else:
             self._kernel = ops.small_batch_linear_int8
             self._float_out = ops.small_batch_linear_int8_float_out
@@ -115,9 +114,9 @@ class RoundedInputKernel(LinearKernel):
                 scales = weight.scales[:, 0].float().contiguous()
             else:
                 scales = ops.small_batch_pack_int8_group_scales(weight.scales.float().contiguous())
-                scales = factored_int8_scales(scales) if weight.group_size == 16 else scales
         self.register_buffer("small_batch_qweight", packed)
-        self.register_buffer("small_batch_scales", scales)  # [N], per 16/32 columns packed, or int4's params
+        # [N], per 16/32 columns packed, or int4's params; factored by super-blocks where exact
+        self.register_buffer("small_batch_scales", factored_scales(self.kind, self.group_size, scales))
         self.out_features = weight.shape[0]
         self._takes = {d for d in (torch.bfloat16, torch.float32) if ops.small_batch_linear_int8_supported(d)}
         self.batch_invariant = dtype in self._takes  # the model's activations run the kernel
@@ -196,6 +195,13 @@ class GroupedExpertsKernel:
         expert by expert."""
         if not kernels or not all(isinstance(kernel, RoundedInputKernel) for kernel in kernels):
             return None
+        if any(not kernel.small_batch_scales.is_floating_point() for kernel in kernels):
+            # an expert whose scales the packer kept in float16 (all zero, say) beside factored ones:
+            # factored too where its values allow, so that the stack keeps one layout
+            for kernel in kernels:
+                if kernel.small_batch_scales.is_floating_point():
+                    scales = kernel.small_batch_scales.float()
+                    kernel.small_batch_scales = factored_scales(kernel.kind, kernel.group_size, scales)
 
         def layout(kernel: RoundedInputKernel) -> tuple:
             packed, scales = kernel.small_batch_qweight, kernel.small_batch_scales
@@ -284,11 +290,19 @@ class TritonKernel(LinearKernel):
 
 SUPER_GROUPS = 8  # int4 groups of a K-quant super-block (Q4_K: 8 x 32 columns)
 SCALE_SUPER_GROUPS = 16  # int8 groups of 16 columns in one (Q6_K, Q3_K)
-_PROBE_BLOCKS = 1  # blocks tried first, so that parameters that do not factor cost one block's search
+_PROBE_RUNS = 64  # runs tried against every code first: values that do not factor fail there
 # the code a run's value of largest magnitude may take, most likely first: a K-quant's largest 6-bit
 # scale 63 (Q4_K, Q5_K), Q6_K's -128 and Q3_K's -32
 _UNSIGNED_PEAKS = (*range(63, 0, -1), *range(64, 256))
 _SIGNED_PEAKS = (-128, -32, *(c for c in range(-127, 0) if c != -32), *range(1, 128))
+
+
+def factored_scales(kind: str, group_size: int, scales: torch.Tensor) -> torch.Tensor:
+    """A RoundedInputKernel's packed scales (int4's parameters) factored where exact: int4's by
+    `factored_int4_params`, int8's per 16 columns by `factored_int8_scales`; others unchanged."""
+    if kind == "int4":
+        return factored_int4_params(scales)
+    return factored_int8_scales(scales) if group_size == 16 and scales.dim() == 3 else scales
 
 
 def factored_int4_params(params: torch.Tensor) -> torch.Tensor:
@@ -301,9 +315,7 @@ def factored_int4_params(params: torch.Tensor) -> torch.Tensor:
     if params.dtype != torch.float32 or params.shape[1] % SUPER_GROUPS:
         return params
     blocks, supers = params.shape[0], params.shape[1] // SUPER_GROUPS
-    # runs [B, S, part, lane, 8 groups]
-    runs = params.view(blocks, supers, SUPER_GROUPS, 2, 32).permute(0, 1, 3, 4, 2)
-    found = _factor_runs(runs.reshape(blocks, -1, SUPER_GROUPS), _UNSIGNED_PEAKS, 0, 255)
+    found = _factor_runs(params, _int4_runs, _UNSIGNED_PEAKS, 0, 255)
     if found is None:
         return params
     factors, codes = found
@@ -321,8 +333,7 @@ def factored_int8_scales(scales: torch.Tensor) -> torch.Tensor:
     if scales.dtype != torch.float32 or scales.dim() != 3 or scales.shape[1] % SCALE_SUPER_GROUPS:
         return scales
     blocks, supers = scales.shape[0], scales.shape[1] // SCALE_SUPER_GROUPS
-    runs = scales.view(blocks, supers, SCALE_SUPER_GROUPS, 32).permute(0, 1, 3, 2)  # [B, S, lane, 16]
-    found = _factor_runs(runs.reshape(blocks, -1, SCALE_SUPER_GROUPS), _SIGNED_PEAKS, -128, 127)
+    found = _factor_runs(scales, _int8_runs, _SIGNED_PEAKS, -128, 127)
     if found is None:
         return scales
     factors, codes = found
@@ -331,17 +342,41 @@ def factored_int8_scales(scales: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, body.to(torch.int8)], dim=2).contiguous()
 
 
+def _int4_runs(params: torch.Tensor) -> torch.Tensor:
+    """[B, groups, 2, 32] -> runs [B * S * 2 * 32, 8]: each (block, super-block, part, lane)'s 8 groups."""
+    blocks, supers = params.shape[0], params.shape[1] // SUPER_GROUPS
+    runs = params.view(blocks, supers, SUPER_GROUPS, 2, 32).permute(0, 1, 3, 4, 2)
+    return runs.reshape(-1, SUPER_GROUPS)
+
+
+def _int8_runs(scales: torch.Tensor) -> torch.Tensor:
+    """[B, K / 16, 32] -> runs [B * S * 32, 16]: each (block, super-block, lane)'s 16 groups."""
+    blocks, supers = scales.shape[0], scales.shape[1] // SCALE_SUPER_GROUPS
+    runs = scales.view(blocks, supers, SCALE_SUPER_GROUPS, 32).permute(0, 1, 3, 2)
+    return runs.reshape(-1, SCALE_SUPER_GROUPS)
+
+
 def _factor_runs(
-    runs: torch.Tensor, peaks: tuple[int, ...], low: int, high: int
+    packed: torch.Tensor, runs_of: Callable, peaks: tuple[int, ...], low: int, high: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """runs [B, R, n] -> (float16 factors [B * R], integer codes [B * R, n] in low..high) with every
+    """`runs_of(packed)` [R, n] -> (float16 factors [R], integer codes [R, n] in low..high) with every
     value factor * code exactly (checked in float32), or None where a run has none. Each run's factor is
-    peak / c (peak: its value of largest magnitude) for the first code c of `peaks` that works; the
-    first block is searched alone first, so that values that do not factor cost one block's search."""
-    probe = _search(runs[:_PROBE_BLOCKS].reshape(-1, runs.shape[-1]), peaks, low, high)
-    if probe is None or runs.shape[0] <= _PROBE_BLOCKS:
-        return probe
-    return _search(runs.reshape(-1, runs.shape[-1]), peaks, low, high)
+    peak / c (peak: its value of largest magnitude) for the first code c of `peaks` that works. A few
+    runs of the first block are tried against every code at once first, so that values that do not
+    factor (RTN's, AWQ's) cost one small vectorized check at load, not a search."""
+    if not _every_run_factors(runs_of(packed[:1])[:_PROBE_RUNS], peaks, low, high):
+        return None
+    return _search(runs_of(packed), peaks, low, high)
+
+
+def _every_run_factors(values: torch.Tensor, peaks: tuple[int, ...], low: int, high: int) -> bool:
+    peak = values.gather(1, values.abs().argmax(1, keepdim=True))
+    live = peak[:, 0] != 0
+    values, peak = values[live], peak[live]
+    factor = (peak / torch.tensor(peaks, dtype=torch.float32)).half().float()  # [runs, codes]
+    quotient = torch.round(values[:, None, :] / factor[..., None])
+    exact = (quotient >= low) & (quotient <= high) & (quotient * factor[..., None] == values[:, None, :])
+    return bool((exact.all(-1) & factor.isfinite() & (factor != 0)).any(1).all())
 
 
 def _search(values: torch.Tensor, peaks: tuple[int, ...], low: int, high: int):

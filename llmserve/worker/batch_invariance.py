@@ -41,6 +41,7 @@ from llmserve.config import EngineConfig
 from llmserve.config.kv_cache_dtype import is_low_bit
 from llmserve.kernels.small_batch_linear import LogitsLinear, PackedLinear, SmallBatchLinear
 from llmserve.models.layers.moe import MoEExperts
+from llmserve.quantization.embedding import lookup_blocks
 from llmserve.quantization.kernels import QuantizedLinear
 
 
@@ -80,7 +81,9 @@ def reasons(
         raise ValueError("reasons() needs --deterministic resolved (ModelRunner decides an unset flag)")
     found = [] if deterministic else ["--deterministic is off"]
     found += _attention_reasons(config, attention_backend, deterministic)
-    found += sorted({reason for module in model.modules() if (reason := _module_reason(module))})
+    lookups_only = lookup_blocks(model)  # an untied embedding's blocks: rows rebuilt alone, whatever the step
+    modules = [module for module in model.modules() if id(module) not in lookups_only]
+    found += sorted({reason for module in modules if (reason := _module_reason(module))})
     if config.lora is not None and (lora is None or not lora.rows_computed_alone()):
         found.append("LoRA adapters: some deltas are torch matmuls, blocked by the step's row count")
     if config.parallel.world_size > 1:

@@ -11,11 +11,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from llmserve import LLM, SamplingParams
+from llmserve.benchmarks.latency import model_size
 from llmserve.config import EngineArgs
 from llmserve.distributed.group import TensorParallelGroup
 from llmserve.model_loader import load_arch_config
 from llmserve.quantization.embedding import HeadRowsEmbedding
-from llmserve.quantization.kernels import RoundedInputKernel
+from llmserve.quantization.kernels import QuantizedLinear, RoundedInputKernel
 from llmserve.worker.model_loading import load_model
 from tests.quantization.test_gguf_mixed_shards import ENGINE, HIDDEN, VOCAB, write_q4_k_m
 
@@ -52,6 +53,10 @@ def test_the_embedding_reads_the_files_rows_from_its_blocks(untied_gguf, dtype, 
     ids = torch.arange(VOCAB).view(20, -1)
     expected = _file_embedding(untied_gguf).to(getattr(torch, dtype))
     assert torch.equal(embedding(ids), expected[ids])
+    # a decode step reads a row of it: the latency floor leaves its blocks out, as an untied float table
+    linears = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    floats = sum(p.numel() for p in model.parameters())
+    assert model_size(model)[0] == linears + floats - VOCAB * HIDDEN
     llm.shutdown()
 
 
