@@ -230,3 +230,23 @@ def test_grouped_experts_read_factored_int8_scales(dtype):
     ends = torch.tensor(counts).cumsum(0).tolist()
     for kernel, start, end in zip(alone, [0, *ends], ends, strict=False):
         assert torch.equal(out[start:end], kernel(x[start:end]))
+
+
+def test_an_all_zero_expert_joins_its_factored_siblings():
+    """An expert whose parameters are all zero (float16 exact, so the packer keeps them so) beside
+    Q4_K-like experts is factored too: the stack keeps one layout and its rows give zeros."""
+    weights = [_k_quant(70, 512, seed) for seed in range(2)]
+    zero = Int4Weight(
+        weights[0].qweight, torch.zeros_like(weights[0].scales), torch.zeros_like(weights[0].offsets), 32
+    )
+    kernels = [RoundedInputKernel(weight, torch.bfloat16) for weight in [*weights, zero]]
+    assert kernels[2].small_batch_scales.dtype == torch.float16
+    grouped = GroupedExpertsKernel.of(kernels)
+    assert grouped is not None and grouped.scales.dtype == torch.uint8
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    out = grouped(x, torch.tensor([1, 2, 3]))
+    assert torch.equal(
+        out[:2],
+        torch.cat([RoundedInputKernel(w, torch.bfloat16)(x[i : i + 1]) for i, w in enumerate(weights)]),
+    )
+    assert not out[2].any()
