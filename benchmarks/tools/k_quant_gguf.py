@@ -97,7 +97,7 @@ def write(path: str, args: argparse.Namespace) -> None:
     writer.close()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
     parser.add_argument("--layers", type=int, default=4)
@@ -107,7 +107,11 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--type", choices=["Q4_K_M", "Q5_K_M"], default="Q4_K_M")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     write(args.out, args)
 
 

@@ -20,6 +20,7 @@ from benchmarks.tools import (
     decode_attention_micro,
     dp_prefix_hits,
     elementwise_micro,
+    k_quant_gguf,
     linear_micro,
     prefill_attention_micro,
     side_by_side,
@@ -338,3 +339,33 @@ def test_dp_prefix_hits_runs_one_engine_then_the_router_and_compares_their_hit_r
     assert list(result["runs"]) == ["one-engine", "dp2"] and result["hit_rate_ratio"] == pytest.approx(0.95)
     assert result["command"].startswith("python -m benchmarks.tools.dp_prefix_hits --out")
     assert result["machine"] and result["git_commit"] is not None
+
+
+def test_k_quant_gguf_types_its_tensors_as_a_q4_k_m_and_serves_in_its_blocks(tmp_path, monkeypatch):
+    """The tool's file: Q6_K output, Q4_K embedding and projections, Q6_K v and down in the layers where
+    `use_more_bits` holds; served by default in its blocks (every layer a quantized one)."""
+    import gguf
+
+    from llmserve import LLM, SamplingParams
+    from llmserve.quantization.kernels import QuantizedLinear
+
+    path = str(tmp_path / "q4_k_m.gguf")
+    args = ["--layers", "8", "--hidden", "256", "--intermediate", "512", "--heads", "4", "--kv-heads", "2"]
+    k_quant_gguf.write(path, k_quant_gguf.build_parser().parse_args([path, *args, "--vocab", "300"]))
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert (types["output.weight"], types["token_embd.weight"], types["blk.3.attn_q.weight"]) == (
+        "Q6_K",
+        "Q4_K",
+        "Q4_K",
+    )
+    more = [layer for layer in range(8) if types[f"blk.{layer}.ffn_down.weight"] == "Q6_K"]
+    assert more == [0, 3, 6, 7] and more == [k for k in range(8) if types[f"blk.{k}.attn_v.weight"] == "Q6_K"]
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(path, dtype="bfloat16", quantization="gguf", max_model_len=64, kv_cache_memory="4MiB")
+    model = llm.engine.model_runner.model
+    assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 8 * 4 + 2  # qkv, o, gate_up, down
+    out = llm.generate(
+        [{"prompt_token_ids": [1, 5, 9]}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    )
+    assert len(out[0].outputs[0].token_ids) == 3
+    llm.shutdown()
