@@ -16,6 +16,7 @@ Scales and offsets are float32, which holds GGUF's float16 `d` and `m` exactly.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,20 @@ class StackedRows:
                 parts.append(part.rows(mine))
             start = stop
         return StackedRows(parts)
+
+
+@dataclass
+class DeferredWeight:
+    """A weight built when its layer is (`materialize`): a GGUF's shards, fused only then, so that a
+    model's fused copies never all exist at once. Its shape is known before its data."""
+
+    shape: tuple[int, int]
+    build: Callable[[], QuantizedWeight | StackedRows]
+
+
+def materialize(weight):
+    """The weight itself: a DeferredWeight built, anything else as it is."""
+    return weight.build() if isinstance(weight, DeferredWeight) else weight
 
 
 def stack_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | StackedRows:

@@ -9,6 +9,7 @@ every int4 method: it is the largest single matmul, and 8 bits keep its error sm
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -22,9 +23,11 @@ from llmserve.config.quantization import CHECKPOINT, PREQUANTIZED
 from llmserve.quantization import awq, calibration, checkpoint, gguf_native, moe, prequantized
 from llmserve.quantization.embedding import embed_from_blocks, embed_from_head
 from llmserve.quantization.formats import (
+    DeferredWeight,
     Int4Weight,
     QuantizedWeight,
     StackedRows,
+    materialize,
     quantize_int4,
     quantize_int8,
     stack_rows,
@@ -85,10 +88,12 @@ def apply_quantization(
     with torch.no_grad():
         for name, value in result.float_updates.items():
             params[name].copy_(value)
-    experts = {name: weight for name, weight in result.weights.items() if moe.parse_expert_key(name)}
+    experts = {name: materialize(w) for name, w in result.weights.items() if moe.parse_expert_key(name)}
     moe.apply_experts(model, experts, config.dtype, config.device)
     for name in [name for name in result.weights if name not in experts]:
-        weight = result.weights.pop(name) if release else result.weights[name]
+        weight = materialize(result.weights.pop(name))
+        if not release:
+            result.weights[name] = weight
         if name == EMBEDDING:
             embed_from_blocks(model, weight, config.dtype, config.device)
             continue
@@ -283,8 +288,10 @@ def _gguf(model: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResul
         parent, _, child = name.rpartition(".")
         keys = [f"{parent}.{shard}.weight" for shard in model.packed_modules.get(child, (child,))]
         if all(key in tensors for key in keys):  # shards whose formats do not join stay stacked
-            # the shards leave `tensors` as they fuse: one layer's two copies at a time, not the model's
-            weights[name] = stack_rows([tensors.pop(key) for key in keys])
+            # fused as the layer is built: one layer's fused copy at a time, not the model's
+            parts = [tensors.pop(key) for key in keys]
+            shape = (sum(part.shape[0] for part in parts), parts[0].shape[1])
+            weights[name] = DeferredWeight(shape, functools.partial(stack_rows, parts))
     head = "model.embed_tokens.weight" if config.arch.tie_word_embeddings else "lm_head.weight"
     if head in tensors:  # 5-bit codes as the int8 codes they equal: int8 has a float32-logits kernel
         weights[LM_HEAD] = _as_int8_if_five_bit(tensors[head])

@@ -33,7 +33,13 @@ from llmserve.config import ModelConfig
 from llmserve.config.quantization import CHECKPOINT, PREQUANTIZED
 from llmserve.distributed.shard import ShardLayout
 from llmserve.quantization import moe
-from llmserve.quantization.formats import QuantizedWeight, column_groups, shard_columns, shard_rows
+from llmserve.quantization.formats import (
+    QuantizedWeight,
+    column_groups,
+    materialize,
+    shard_columns,
+    shard_rows,
+)
 from llmserve.quantization.methods import LM_HEAD, QuantizationResult, compute_quantization, quantize_model
 
 PER_SHARD = ("int8-rtn", "int4")  # methods that are a function of each weight alone
@@ -93,6 +99,7 @@ def _shard_method(model: nn.Module, config: ModelConfig, whole_model: Callable[[
 
     def compute(shard: nn.Module, config: ModelConfig, tokenizer) -> QuantizationResult:
         whole = on_this_stage(_whole_model_result(shard, config, tokenizer, whole_model), shard)
+        whole.weights = {name: materialize(weight) for name, weight in whole.weights.items()}  # to cut them
         for rank in range(shard.tp.world_size):  # every rank's cuts, so that rank 0 names any bad one
             _check_columns(whole.weights, shard, ShardLayout.of(shard.arch, shard.tp.world_size, rank))
         moe.check_expert_cuts(_expert_weights(whole.weights), shard)
