@@ -11,12 +11,15 @@ comes from the source model, whose SHA-256 (GGUF) or path (HF directory) the jso
     quantization.json: {"format": 1, "method": ..., "group_size": ..., "source": ..., "source_sha256": ...,
                         "layers": {NAME: {"kind": "int8" | "int4", "group_size": G (, "bits": 5)}}}
 (Folded AWQ scales change the source's norm weights too; those are stored as NAME.float tensors.)
+A checkpoint written as its weights are read (`save_quantized_stream`: the weights cache's GGUF entry)
+holds the same tensors in several files, listed in the json's "files".
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -25,6 +28,7 @@ from llmserve.quantization.formats import Int4Weight, Int8Weight, QuantizedWeigh
 
 FORMAT_VERSION = 1
 TENSORS_FILE = "quantized.safetensors"
+SHARD_BYTES = 256 << 20  # a streamed checkpoint's files (save_quantized_stream)
 INFO_FILE = "quantization.json"
 
 
@@ -39,18 +43,60 @@ def save_quantized(
     tensors: dict[str, torch.Tensor] = {}
     layers = {}
     for name, weight in weights.items():
-        tensors[f"{name}.qweight"] = weight.qweight.contiguous()
-        tensors[f"{name}.scales"] = weight.scales.float().contiguous()
-        if isinstance(weight, Int4Weight):
-            tensors[f"{name}.offsets"] = weight.offsets.float().contiguous()
-        layers[name] = {"kind": weight.kind, "group_size": weight.group_size}
-        if isinstance(weight, Int4Weight) and weight.bits != 4:  # 5-bit codes (GGUF Q5_0); older: 4-bit
-            layers[name]["bits"] = weight.bits
+        tensors.update(_layer_tensors(name, weight))
+        layers[name] = _layer_info(weight)
     for name, tensor in (float_tensors or {}).items():
         tensors[f"{name}.float"] = tensor.detach().float().contiguous()
     save_file(tensors, os.path.join(directory, TENSORS_FILE))
+    _write_info(directory, {"format": FORMAT_VERSION, **info, "layers": layers})
+
+
+def save_quantized_stream(
+    directory: str, weights: Iterable[tuple[str, QuantizedWeight]], info: dict, shard_bytes: int = SHARD_BYTES
+) -> None:
+    """Write a checkpoint from (name, weight) pairs as they come, in files of about `shard_bytes`
+    (listed in the json's "files"), so that writing it never holds more than a file's worth of them:
+    the weights cache's entry of a GGUF kept in its blocks, written as the file is read."""
+    os.makedirs(directory, exist_ok=True)
+    layers: dict[str, dict] = {}
+    files: list[str] = []
+    tensors: dict[str, torch.Tensor] = {}
+
+    def flush() -> None:
+        files.append(f"quantized-{len(files) + 1:05d}.safetensors")
+        save_file(tensors, os.path.join(directory, files[-1]))
+        tensors.clear()
+
+    for name, weight in weights:
+        tensors.update(_layer_tensors(name, weight))
+        layers[name] = _layer_info(weight)
+        if sum(t.numel() * t.element_size() for t in tensors.values()) >= shard_bytes:
+            flush()
+    if tensors or not files:
+        flush()
+    _write_info(directory, {"format": FORMAT_VERSION, **info, "layers": layers, "files": files})
+
+
+def _layer_tensors(name: str, weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+    tensors = {
+        f"{name}.qweight": weight.qweight.contiguous(),
+        f"{name}.scales": weight.scales.float().contiguous(),
+    }
+    if isinstance(weight, Int4Weight):
+        tensors[f"{name}.offsets"] = weight.offsets.float().contiguous()
+    return tensors
+
+
+def _layer_info(weight: QuantizedWeight) -> dict:
+    layer = {"kind": weight.kind, "group_size": weight.group_size}
+    if isinstance(weight, Int4Weight) and weight.bits != 4:  # 5-bit codes (GGUF Q5_0); older: 4-bit
+        layer["bits"] = weight.bits
+    return layer
+
+
+def _write_info(directory: str, info: dict) -> None:
     with open(os.path.join(directory, INFO_FILE), "w") as file:
-        json.dump({"format": FORMAT_VERSION, **info, "layers": layers}, file, indent=1)
+        json.dump(info, file, indent=1)
 
 
 def read_info(directory: str) -> dict:
@@ -68,7 +114,9 @@ def read_info(directory: str) -> dict:
 def load_quantized(directory: str) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], dict]:
     """(quantized layers, float tensors that replace the source's, the json)."""
     info = read_info(directory)
-    tensors = load_file(os.path.join(directory, TENSORS_FILE))
+    tensors = {}
+    for name in info.get("files", [TENSORS_FILE]):  # mapped, read where touched
+        tensors.update(load_file(os.path.join(directory, name)))
     weights: dict[str, QuantizedWeight] = {}
     for name, layer in info["layers"].items():
         if layer["kind"] == "int8":

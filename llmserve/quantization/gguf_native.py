@@ -41,6 +41,8 @@ quantization/moe.py fuses per expert.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -58,8 +60,13 @@ def read_quantized_tensors(path: str, arch: ModelArchConfig) -> dict[str, Quanti
     """Every tensor of the GGUF at `path` of a type read here (SUPPORTED_TYPES), under its HF name, in HF's
     row order; a merged experts tensor [E, rows, cols] as each expert's weight
     (`mlp.experts.N.up_proj.weight`)."""
+    return dict(iter_quantized_tensors(path, arch))
+
+
+def iter_quantized_tensors(path: str, arch: ModelArchConfig) -> Iterator[tuple[str, QuantizedWeight]]:
+    """`read_quantized_tensors`' (name, weight) pairs, each read when asked for (one file tensor at a
+    time: the weights cache writes them out as they come, never holding the whole model)."""
     reader = gguf_loader.open_gguf(path)
-    weights: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         name = gguf_loader.hf_name(tensor.name)
         reader_fn = _READERS.get(tensor.tensor_type.name)
@@ -69,8 +76,7 @@ def read_quantized_tensors(path: str, arch: ModelArchConfig) -> dict[str, Quanti
         block = SUPER_BLOCK if tensor.tensor_type.name in _SUPER_BLOCK_TYPES else BLOCK
         blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(*experts, rows, cols // block, -1)
         for part_name, part in gguf_loader.expert_parts(name, blocks):
-            weights[part_name] = _hf_rows(reader_fn(part), part_name, arch, path)
-    return weights
+            yield part_name, _hf_rows(reader_fn(part), part_name, arch, path)
 
 
 def _halves(blocks: np.ndarray, start: int) -> torch.Tensor:

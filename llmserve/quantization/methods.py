@@ -9,10 +9,11 @@ every int4 method: it is the largest single matmul, and 8 bits keep its error sm
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -315,25 +316,34 @@ def _as_int8_if_five_bit(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def _gguf_tensors(config: ModelConfig) -> dict[str, QuantizedWeight]:
-    """Read once (parsing a GGUF takes seconds), then from the weights cache in our own format."""
+    """Read once (parsing a GGUF takes seconds), written to the weights cache in our own format as it
+    is read, then mapped from there (its tensors read where touched: as each layer is packed)."""
     return _cached(
-        config, _GGUF_CACHE_ENTRY, lambda: gguf_native.read_quantized_tensors(config.path, config.arch)
+        config, _GGUF_CACHE_ENTRY, lambda: gguf_native.iter_quantized_tensors(config.path, config.arch)
     )
 
 
-_GGUF_CACHE_ENTRY = "gguf-native-v5"  # v2: Q4_K, Q5_0; v3: Q5_0 as 5-bit codes; v4: Q5_K; v5: Q3_K
+# v2: Q4_K, Q5_0; v3: Q5_0 as 5-bit codes; v4: Q5_K; v5: Q3_K; v6: written as read, in several files
+_GGUF_CACHE_ENTRY = "gguf-native-v6"
 
 
 def _cached(
-    config: ModelConfig, entry: str, compute: Callable[[], dict[str, QuantizedWeight]]
+    config: ModelConfig,
+    entry: str,
+    compute: Callable[[], dict[str, QuantizedWeight] | Iterable[tuple[str, QuantizedWeight]]],
 ) -> dict[str, QuantizedWeight]:
-    """`compute()`, kept in the weights cache of a GGUF source (keyed by its SHA-256) under `entry`
-    and reloaded from there at the next start; an HF directory is computed every time."""
+    """`compute()` (a dict, or (name, weight) pairs as they are made), kept in the weights cache of a
+    GGUF source (keyed by its SHA-256) under `entry` and reloaded from there at the next start; an HF
+    directory is computed every time. Pairs are written as they come and then read back from the
+    entry, so that a model's weights are never all made in memory at once."""
     from llmserve.model_loader import weights_cache
     from llmserve.model_loader.default_model import is_gguf
 
+    def made(values) -> dict[str, QuantizedWeight]:
+        return values if isinstance(values, dict) else dict(values)
+
     if not is_gguf(config.path):
-        return compute()
+        return made(compute())
     cached = weights_cache.cached_dir(config.path, entry)
     if cached is not None:
         try:
@@ -341,10 +351,17 @@ def _cached(
         except (ValueError, OSError, KeyError) as error:
             logger.warning("ignoring a damaged cache entry %s (%s)", cached, error)
             weights_cache.discard_dir(config.path, entry)
-    tensors = compute()
     info = {"method": entry, "source": config.path, "source_id": checkpoint.source_id(config.path)}
-    weights_cache.save_dir(config.path, entry, lambda d: checkpoint.save_quantized(d, tensors, info))
-    return tensors
+    values = compute()
+    if isinstance(values, dict):
+        weights_cache.save_dir(config.path, entry, lambda d: checkpoint.save_quantized(d, values, info))
+        return values
+    weights_cache.save_dir(config.path, entry, lambda d: checkpoint.save_quantized_stream(d, values, info))
+    cached = weights_cache.cached_dir(config.path, entry)
+    if cached is not None:
+        with contextlib.suppress(ValueError, OSError, KeyError):
+            return checkpoint.load_quantized(str(cached))[0]
+    return made(compute())  # the cache cannot be written here: made in memory
 
 
 @register(PREQUANTIZED)

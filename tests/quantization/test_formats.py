@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from llmserve.config.quantization import QuantizationConfig, resolve_group_size
 from llmserve.kernels.cpu_ops import load_cpu_ops
-from llmserve.quantization.checkpoint import load_quantized, save_quantized
+from llmserve.quantization.checkpoint import load_quantized, save_quantized, save_quantized_stream
 from llmserve.quantization.formats import Int8Weight, concat_rows, quantize_int4, quantize_int8
 from llmserve.quantization.gptq import gptq_quantize
 from llmserve.quantization.kernels import (
@@ -176,6 +178,30 @@ def test_checkpoint_round_trip(tmp_path, weight):
     for name, original in weights.items():
         assert type(loaded[name]) is type(original) and loaded[name].group_size == original.group_size
         assert torch.equal(loaded[name].dequantize(), original.dequantize())
+
+
+def test_a_streamed_checkpoint_is_written_in_files_as_its_weights_come(tmp_path, weight):
+    """`save_quantized_stream` writes (name, weight) pairs as a generator makes them, a file whenever
+    about `shard_bytes` have gathered (the generator is never run ahead), and reads back equal."""
+    weights = {f"layer{i}": quantize_int4(weight, 32) if i % 2 else quantize_int8(weight) for i in range(5)}
+    made = []
+
+    def pairs():
+        for name, original in weights.items():
+            made.append((name, len(list(tmp_path.glob("*.safetensors")))))  # files written before it
+            yield name, original
+
+    one = sum(t.numel() * t.element_size() for t in (weights["layer0"].qweight, weights["layer0"].scales))
+    save_quantized_stream(str(tmp_path), pairs(), {"method": "gguf-native"}, shard_bytes=one)
+    info = json.loads((tmp_path / "quantization.json").read_text())
+    assert len(info["files"]) == 5 and sorted(p.name for p in tmp_path.glob("*.safetensors")) == info["files"]
+    loaded, floats, _ = load_quantized(str(tmp_path))
+    assert made == [(name, i) for i, name in enumerate(weights)]  # each file written before the next pair
+    assert sorted(loaded) == sorted(weights) and not floats
+    for name, original in weights.items():
+        assert type(loaded[name]) is type(original) and torch.equal(
+            loaded[name].dequantize(), original.dequantize()
+        )
 
 
 def test_group_size_resolution():
