@@ -11,8 +11,9 @@ Storage by storage, every tensor of the model that views one is pointed at its c
 views keep sharing (a tied embedding's packed head, fused projections) and the old memory is freed. A
 storage moves only where those tensors are all that hold it (its use count says so): a tensor outside
 the model, or a C++ object holding one, would go on reading the old copy, so such a storage stays.
-Nothing moves where the copy could not be huge pages (THP off, not Linux) or would not fit beside the
-weights in the memory available.
+Nothing moves where the copy could not be huge pages (THP off, not Linux) or where two chunks of it
+would not fit in the memory available: the mapping is faulted in a chunk ahead of the copy and the heap
+given back a chunk behind it, so the move never holds both copies of the model at once.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ logger = logging.getLogger("llmserve")
 _HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each storage's start: a cache line, and a multiple of every element size
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+_CHUNK = 256 << 20  # of the mapping faulted in ahead of the copy, and of old copies freed between trims
 
 
 def _huge_pages_on() -> bool:
@@ -56,11 +58,11 @@ def _available_bytes() -> int | None:
     return None
 
 
-def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int] | None:
+def huge_page_mapping(nbytes: int, populate: bool = True) -> tuple[mmap.mmap, int] | None:
     """A private anonymous mapping with `nbytes` from a 2 MiB boundary, advised into huge pages and
-    mapped in (this thread and a helper, as the KV pool's prefault finishes), and that boundary's offset
-    in it; None where the OS refuses. `torch.frombuffer(mapping, ..., offset=...)` views it, each
-    storage holding the mapping."""
+    (`populate`) mapped in (this thread and a helper, as the KV pool's prefault finishes), and that
+    boundary's offset in it; None where the OS refuses. `torch.frombuffer(mapping, ..., offset=...)`
+    views it, each storage holding the mapping."""
     span = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
     try:  # private: a shared anonymous mapping is shmem, whose huge pages are configured apart
         mapping = mmap.mmap(-1, span + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -71,11 +73,16 @@ def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int] | None:
     pages = torch.frombuffer(mapping, dtype=torch.uint8, count=span, offset=start)
     if not advise_huge_pages(pages, label="weights"):
         return None
-    # faulted in before the copy writes them: half the time of faulting them one by one as it goes
+    if populate:
+        _populate(pages)
+    return mapping, start
+
+
+def _populate(pages: torch.Tensor) -> None:
+    """Fault `pages` in before a copy writes them: half the time of faulting them one by one as it goes."""
     prefault = populate_in_background(pages, label="weights")
     if prefault is not None:
         prefault.finish()
-    return mapping, start
 
 
 def _storages(model: nn.Module) -> Iterator[tuple[torch.UntypedStorage, list[torch.Tensor]]]:
@@ -124,22 +131,33 @@ def gather_weights(model: nn.Module) -> int:
         return 0
     movable, total, held_elsewhere = _plan(model)
     available = _available_bytes()
-    if total == 0 or (available is not None and available < 2 * total):  # the copy beside the weights
-        return 0
-    mapped = huge_page_mapping(total)
+    if total == 0 or (available is not None and available < 2 * min(total, 2 * _CHUNK)):
+        return 0  # the chunks ahead of and behind the copy
+    mapped = huge_page_mapping(total, populate=False)
     if mapped is None:
         return 0
     mapping, start = mapped
+    span = -(-total // _HUGE_PAGE) * _HUGE_PAGE
+    pages = torch.frombuffer(mapping, dtype=torch.uint8, count=span, offset=start)
+    faulted = freed = 0  # the mapping's bytes faulted in; old copies' bytes freed since the last trim
     with torch.inference_mode():  # some weights are inference tensors (made under it)
         for tensors, place in movable:
             old = torch.empty(0, dtype=torch.uint8).set_(tensors[0].untyped_storage())
+            if place + old.numel() > faulted:  # the next chunks, before the copy writes them
+                end = min(span, -(-(place + old.numel()) // _CHUNK) * _CHUNK)
+                _populate(pages[faulted:end])
+                faulted = end
             # a storage of its own for each (the memory report counts a module's storages)
             new = torch.frombuffer(mapping, dtype=torch.uint8, count=old.numel(), offset=start + place)
             new.copy_(old)
+            freed += old.numel()
             del old
             for tensor in tensors:
                 tensor.set_(new.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
-    release_free_heap()  # the old copies, freed to the heap
+            if freed >= _CHUNK:  # the old copies behind, back to the OS as the move goes
+                release_free_heap()
+                freed = 0
+    release_free_heap()  # the last old copies, freed to the heap
     logger.debug(
         "weights: %.1f MiB gathered into huge pages, %.1f MiB left where held outside the model",
         total / 2**20,
