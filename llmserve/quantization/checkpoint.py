@@ -61,16 +61,21 @@ def save_quantized_stream(
     layers: dict[str, dict] = {}
     files: list[str] = []
     tensors: dict[str, torch.Tensor] = {}
+    gathered = 0
 
     def flush() -> None:
+        nonlocal gathered
         files.append(f"quantized-{len(files) + 1:05d}.safetensors")
         save_file(tensors, os.path.join(directory, files[-1]))
         tensors.clear()
+        gathered = 0
 
     for name, weight in weights:
-        tensors.update(_layer_tensors(name, weight))
+        layer = _layer_tensors(name, weight)
+        tensors.update(layer)
         layers[name] = _layer_info(weight)
-        if sum(t.numel() * t.element_size() for t in tensors.values()) >= shard_bytes:
+        gathered += sum(t.numel() * t.element_size() for t in layer.values())
+        if gathered >= shard_bytes:
             flush()
     if tensors or not files:
         flush()

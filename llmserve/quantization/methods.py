@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from llmserve.config import ModelConfig
@@ -325,6 +326,7 @@ def _gguf_tensors(config: ModelConfig) -> dict[str, QuantizedWeight]:
 
 # v2: Q4_K, Q5_0; v3: Q5_0 as 5-bit codes; v4: Q5_K; v5: Q3_K; v6: written as read, in several files
 _GGUF_CACHE_ENTRY = "gguf-native-v6"
+_DAMAGED = (ValueError, OSError, KeyError, SafetensorError)  # what a damaged cache entry raises
 
 
 def _cached(
@@ -348,7 +350,7 @@ def _cached(
     if cached is not None:
         try:
             return checkpoint.load_quantized(str(cached))[0]
-        except (ValueError, OSError, KeyError) as error:
+        except _DAMAGED as error:
             logger.warning("ignoring a damaged cache entry %s (%s)", cached, error)
             weights_cache.discard_dir(config.path, entry)
     info = {"method": entry, "source": config.path, "source_id": checkpoint.source_id(config.path)}
@@ -356,10 +358,22 @@ def _cached(
     if isinstance(values, dict):
         weights_cache.save_dir(config.path, entry, lambda d: checkpoint.save_quantized(d, values, info))
         return values
-    weights_cache.save_dir(config.path, entry, lambda d: checkpoint.save_quantized_stream(d, values, info))
+    failed: list[Exception] = []
+
+    def watched():  # the source's own errors (a bad tensor) are raised, not taken for the cache's
+        try:
+            yield from values
+        except Exception as error:
+            failed.append(error)
+            raise
+
+    weights_cache.save_dir(config.path, entry, lambda d: checkpoint.save_quantized_stream(d, watched(), info))
+    if failed:
+        raise failed[0]
+    values = None  # the spent generator and the file reader it holds
     cached = weights_cache.cached_dir(config.path, entry)
     if cached is not None:
-        with contextlib.suppress(ValueError, OSError, KeyError):
+        with contextlib.suppress(*_DAMAGED):
             return checkpoint.load_quantized(str(cached))[0]
     return made(compute())  # the cache cannot be written here: made in memory
 

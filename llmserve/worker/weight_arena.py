@@ -131,8 +131,9 @@ def gather_weights(model: nn.Module) -> int:
         return 0
     movable, total, held_elsewhere = _plan(model)
     available = _available_bytes()
-    if total == 0 or (available is not None and available < 2 * min(total, 2 * _CHUNK)):
-        return 0  # the chunks ahead of and behind the copy
+    largest = max((tensors[0].untyped_storage().nbytes() for tensors, _ in movable), default=0)
+    if total == 0 or (available is not None and available < min(2 * total, largest + 2 * _CHUNK)):
+        return 0  # the largest storage's new copy beside its old one, the chunks ahead and behind
     mapped = huge_page_mapping(total, populate=False)
     if mapped is None:
         return 0

@@ -204,6 +204,40 @@ def test_a_streamed_checkpoint_is_written_in_files_as_its_weights_come(tmp_path,
         )
 
 
+def test_a_streamed_cache_entry_is_read_back_and_a_bad_tensor_is_raised_once(tmp_path, weight, monkeypatch):
+    """`methods._cached` writes a source's pairs into the weights cache as they come and serves what it
+    wrote; an error of the source itself (a bad tensor) is raised as it is, after one pass over the
+    source, not taken for an unwritable cache."""
+    from types import SimpleNamespace
+
+    from llmserve.quantization import methods
+
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"not read")
+    config = SimpleNamespace(path=str(source))
+    weights = {"a": quantize_int4(weight, 32), "b": quantize_int8(weight)}
+    passes = []
+
+    def good():
+        passes.append("good")
+        yield from weights.items()
+
+    served = methods._cached(config, "entry", good)
+    assert passes == ["good"] and sorted(served) == ["a", "b"]
+    assert all(torch.equal(served[k].dequantize(), w.dequantize()) for k, w in weights.items())
+    assert sorted(methods._cached(config, "entry", good)) == ["a", "b"] and passes == ["good"]  # a hit
+
+    def bad():
+        passes.append("bad")
+        yield "a", weights["a"]
+        raise ValueError("tensor b: a bad block")
+
+    with pytest.raises(ValueError, match="a bad block"):
+        methods._cached(config, "other", bad)
+    assert passes == ["good", "bad"]
+
+
 def test_group_size_resolution():
     assert resolve_group_size(None, (576, 1536, 576)) == 64  # SmolLM2: 128 does not divide 576
     assert resolve_group_size(None, (4096, 11008)) == 128
