@@ -73,19 +73,6 @@ def test_factored_parameters_give_the_float32_ones_outputs_bit_for_bit(bits, out
     assert ran >= 1  # bf16 inputs run at every level
 
 
-def test_the_layer_holds_the_factored_copy_and_its_rows():
-    """RoundedInputKernel keeps the factored parameters (its buffers' bytes: the codes plus 0.625 bits a
-    weight) and gives the format's weight and rows."""
-    weight = _k_quant(64, 512, 3)
-    kernel = RoundedInputKernel(weight, torch.bfloat16)
-    assert kernel.small_batch_scales.dtype == torch.uint8
-    held = sum(buffer.numel() * buffer.element_size() for buffer in kernel.buffers())
-    assert held * 8 / weight.qweight.numel() == 4.625
-    assert torch.equal(kernel.dequantize(torch.float32), weight.dequantize())
-    index = torch.tensor([5, 63, 5])
-    assert torch.equal(kernel.weight_rows(index), weight.dequantize()[index])
-
-
 def test_parameters_that_do_not_factor_stay_as_packed():
     """RTN's float32 scales and offsets (no float16 factor times byte codes holds them), float16 ones
     (already 5 bits a weight) and groups in runs other than 8 keep the packer's layout."""
@@ -116,31 +103,6 @@ def test_runs_of_zeros_and_of_one_sign_factor_exactly():
     factored = factored_int4_params(params)
     assert factored.dtype == torch.uint8
     assert torch.equal(ops.small_batch_dequantize_int4(packed, factored, 40, bits=4), weight.dequantize())
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_experts_read_the_factored_parameters(dtype):
-    """A mixture-of-experts projection whose experts are Q4_K-like: the stack keeps their factored
-    parameters, and each expert's rows get what its own kernel gives them."""
-    weights = [_k_quant(70, 512, seed) for seed in range(4)]
-    kernels = [RoundedInputKernel(weight, dtype) for weight in weights]
-    if not kernels[0].takes(dtype):
-        pytest.skip(f"this level's kernels do not take {dtype} inputs")
-    alone = [RoundedInputKernel(weight, dtype) for weight in weights]
-    grouped = GroupedExpertsKernel.of(kernels)
-    assert grouped is not None and grouped.scales.dtype == torch.uint8
-    counts = [3, 0, 1, 5]
-    x = torch.randn(sum(counts), 512, generator=torch.Generator().manual_seed(9)).to(dtype)
-    out = grouped(x, torch.tensor(counts).cumsum(0))
-    start = 0
-    for kernel, count in zip(alone, counts, strict=True):
-        rows = x[start : start + count]
-        if count:
-            assert torch.equal(out[start : start + count], kernel(rows))
-        start += count
-    rtn = quantize_int4(torch.randn(70, 512), 32)
-    mixed = [RoundedInputKernel(weights[0], dtype), RoundedInputKernel(rtn, dtype)]
-    assert GroupedExpertsKernel.of(mixed) is None  # factored beside float32: expert by expert
 
 
 def test_malformed_factored_parameters_are_refused():
@@ -198,17 +160,24 @@ def test_factored_int8_scales_give_the_float32_ones_outputs_bit_for_bit(out_feat
     assert ran >= 1
 
 
-def test_int8_layers_hold_factored_scales_where_exact():
-    """A Q6_K-like layer holds 8.5625 bits a weight and gives the format's weight and rows; RTN's
-    group scales (no float16 factor holds them) and Q8_0's float16 ones stay as packed."""
-    weight = _q6_k(64, 512, 1)
+@pytest.mark.parametrize(
+    ("make", "stored", "bits"), [(_k_quant, torch.uint8, 4.625), (_q6_k, torch.int8, 8.5625)]
+)
+def test_the_layer_holds_the_factored_copy_and_its_rows(make, stored, bits):
+    """RoundedInputKernel keeps the factored scales (its buffers: the codes plus 0.625 bits a weight
+    for Q4_K, 0.5625 for Q6_K) and gives the format's weight and rows."""
+    weight = make(64, 512, 3)
     kernel = RoundedInputKernel(weight, torch.bfloat16)
-    assert kernel.small_batch_scales.dtype == torch.int8
+    assert kernel.small_batch_scales.dtype == stored
     held = sum(buffer.numel() * buffer.element_size() for buffer in kernel.buffers())
-    assert held * 8 / weight.qweight.numel() == 8.5625
+    assert held * 8 / weight.qweight.numel() == bits
     assert torch.equal(kernel.dequantize(torch.float32), weight.dequantize())
     index = torch.tensor([[5, 63], [0, 5]])
     assert torch.equal(kernel.weight_rows(index), weight.dequantize()[index])
+
+
+def test_int8_scales_that_do_not_factor_stay_as_packed():
+    """RTN's group-of-16 scales (no float16 factor holds them) and float16 ones stay as packed."""
     rtn = quantize_int8(torch.randn(40, 512, generator=torch.Generator().manual_seed(2)), 16)
     assert RoundedInputKernel(rtn, torch.bfloat16).small_batch_scales.dtype == torch.float32
     half = Int8Weight(rtn.qweight, rtn.scales.half().float(), 16)
@@ -216,20 +185,33 @@ def test_int8_layers_hold_factored_scales_where_exact():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_experts_read_factored_int8_scales(dtype):
-    weights = [_q6_k(70, 512, seed) for seed in range(3)]
+@pytest.mark.parametrize(
+    ("make", "stored"), [(_k_quant, torch.uint8), (_q6_k, torch.int8)], ids=["q4_k", "q6_k"]
+)
+def test_grouped_experts_read_factored_scales(dtype, make, stored):
+    """A mixture-of-experts projection whose experts are Q4_K-like (Q6_K-like): the stack keeps their
+    factored scales, each expert's rows get what its own kernel gives them (an expert with none too),
+    and a factored expert beside an RTN one (float32 scales) runs expert by expert."""
+    weights = [make(70, 512, seed) for seed in range(4)]
     kernels = [RoundedInputKernel(weight, dtype) for weight in weights]
     if not kernels[0].takes(dtype):
         pytest.skip(f"this level's kernels do not take {dtype} inputs")
     alone = [RoundedInputKernel(weight, dtype) for weight in weights]
     grouped = GroupedExpertsKernel.of(kernels)
-    assert grouped is not None and grouped.scales.dtype == torch.int8
-    counts = [2, 4, 1]
-    x = torch.randn(sum(counts), 512, generator=torch.Generator().manual_seed(4)).to(dtype)
+    assert grouped is not None and grouped.scales.dtype == stored
+    counts = [3, 0, 1, 5]
+    x = torch.randn(sum(counts), 512, generator=torch.Generator().manual_seed(9)).to(dtype)
     out = grouped(x, torch.tensor(counts).cumsum(0))
     ends = torch.tensor(counts).cumsum(0).tolist()
     for kernel, start, end in zip(alone, [0, *ends], ends, strict=False):
-        assert torch.equal(out[start:end], kernel(x[start:end]))
+        assert end == start or torch.equal(out[start:end], kernel(x[start:end]))
+    rtn = (
+        quantize_int4(torch.randn(70, 512), 32)
+        if stored == torch.uint8
+        else quantize_int8(torch.randn(70, 512), 16)
+    )
+    mixed = [RoundedInputKernel(weights[0], dtype), RoundedInputKernel(rtn, dtype)]
+    assert GroupedExpertsKernel.of(mixed) is None
 
 
 def test_an_all_zero_expert_joins_its_factored_siblings():
