@@ -94,12 +94,14 @@ def round_inputs_as_the_small_batch_kernels(reference: torch.nn.Module, quantize
     every row count): to 8 bits per 32 columns, a step of max|x| / 127 per block. The reference must
     run its modules (no fused decode stack, which calls no hooks). Returns how many layers round;
     none where the quantized layers dequantize instead."""
+    from llmserve.quantization.embedding import lookup_blocks
     from llmserve.quantization.kernels import RoundedInputKernel
 
     hooked = 0
+    lookups = lookup_blocks(quantized)  # an untied embedding's blocks: looked up, never multiplied
     for name, module in quantized.named_modules():
         kernel = getattr(module, "kernel", None)
-        if not isinstance(kernel, RoundedInputKernel):
+        if not isinstance(kernel, RoundedInputKernel) or id(module) in lookups:
             continue
         float_layer = reference.get_submodule(name)
         if kernel.takes(float_layer.weight.dtype):

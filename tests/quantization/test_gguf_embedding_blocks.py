@@ -18,6 +18,7 @@ from llmserve.model_loader import load_arch_config
 from llmserve.quantization.embedding import HeadRowsEmbedding
 from llmserve.quantization.kernels import QuantizedLinear, RoundedInputKernel
 from llmserve.worker.model_loading import load_model
+from tests.quantization.moe_reference import assert_greedy_equal_but_at_near_ties, dequantized_reference
 from tests.quantization.test_gguf_mixed_shards import ENGINE, HIDDEN, VOCAB, write_q4_k_m
 
 
@@ -100,3 +101,29 @@ def test_each_tensor_parallel_rank_holds_its_vocabulary_blocks_rows(untied_gguf,
         rows = embedding.rows(local)
         assert torch.equal(rows[: len(vocab)], expected[vocab.start : vocab.stop])
         assert not rows[len(vocab) :].any()
+
+
+def test_an_untied_q4_k_m_gives_the_float_runs_tokens(untied_gguf, tmp_path, monkeypatch):
+    """The whole Q4_K_M-style file served in its blocks (Q4_K and Q6_K layers with factored scales
+    where the compiled kernels hold them, the Q4_K embedding and Q6_K head in theirs) gives the greedy
+    tokens of the same file served in float32 (`--quantization none`, inputs rounded where the kernels
+    round theirs), parting only at a near tie."""
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    quantized = LLM(untied_gguf, quantization="gguf", dtype="float32", **ENGINE)
+    reference = LLM(untied_gguf, quantization="none", dtype="float32", **ENGINE)
+    try:
+        kernels = [
+            m.kernel
+            for m in quantized.engine.model_runner.model.modules()
+            if isinstance(m, QuantizedLinear) and isinstance(m.kernel, RoundedInputKernel)
+        ]
+        if kernels:  # the compiled kernels hold every layer here, its scales factored
+            assert {k.small_batch_scales.dtype for k in kernels} == {torch.uint8, torch.int8}
+        rounded = dequantized_reference(quantized, reference)
+        if rounded:
+            reference.engine.model_runner.decode_stack = None  # the rounding hooks are on the modules
+        prompts = [[1, 17, 400, 4100, 9], [1, 2000, 33, 5, 6, 7], [1, 3]]
+        assert_greedy_equal_but_at_near_ties(quantized, reference, prompts, rounded)
+    finally:
+        quantized.shutdown()
+        reference.shutdown()
