@@ -369,18 +369,32 @@ def _factor_runs(
     return _search(runs_of(packed), peaks, low, high)
 
 
+def _exact(
+    values: torch.Tensor, factor: torch.Tensor, low: int, high: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether every value of a run [..., n] is `factor` [...] (float16) times an integer code in
+    low..high, checked in float32 as the kernels multiply them, [...]; those codes, [..., n])."""
+    wide = factor.float()[..., None]
+    quotient = torch.round(values / wide)
+    exact = ((quotient >= low) & (quotient <= high) & (quotient * wide == values)).all(-1)
+    return exact & factor.isfinite() & (factor != 0), quotient
+
+
+def _peaks(values: torch.Tensor) -> torch.Tensor:
+    """Each run's value of largest magnitude, signed."""
+    return values.gather(1, values.abs().argmax(1, keepdim=True))[:, 0]
+
+
 def _every_run_factors(values: torch.Tensor, peaks: tuple[int, ...], low: int, high: int) -> bool:
-    peak = values.gather(1, values.abs().argmax(1, keepdim=True))
-    live = peak[:, 0] != 0
-    values, peak = values[live], peak[live]
-    factor = (peak / torch.tensor(peaks, dtype=torch.float32)).half().float()  # [runs, codes]
-    quotient = torch.round(values[:, None, :] / factor[..., None])
-    exact = (quotient >= low) & (quotient <= high) & (quotient * factor[..., None] == values[:, None, :])
-    return bool((exact.all(-1) & factor.isfinite() & (factor != 0)).any(1).all())
+    peak = _peaks(values)
+    live = peak != 0
+    factor = (peak[live, None] / torch.tensor(peaks, dtype=torch.float32)).half()  # [runs, codes]
+    exact, _ = _exact(values[live, None, :], factor, low, high)
+    return bool(exact.any(1).all())
 
 
 def _search(values: torch.Tensor, peaks: tuple[int, ...], low: int, high: int):
-    peak = values.gather(1, values.abs().argmax(1, keepdim=True))[:, 0]
+    peak = _peaks(values)
     factors = torch.zeros(len(values), dtype=torch.float16)
     codes = torch.zeros(values.shape, dtype=torch.int16)
     todo = torch.nonzero(peak != 0)[:, 0]  # all-zero runs: factor 0, codes 0
@@ -388,10 +402,7 @@ def _search(values: torch.Tensor, peaks: tuple[int, ...], low: int, high: int):
         if not len(todo):
             return factors, codes
         factor = (peak[todo] / code).half()
-        wide = factor.float()[:, None]
-        quotient = torch.round(values[todo] / wide)
-        exact = ((quotient >= low) & (quotient <= high) & (quotient * wide == values[todo])).all(1)
-        exact &= factor.isfinite() & (factor != 0)
+        exact, quotient = _exact(values[todo], factor, low, high)
         factors[todo[exact]] = factor[exact]
         codes[todo[exact]] = quotient[exact].to(torch.int16)
         todo = todo[~exact]

@@ -93,9 +93,11 @@ def apply_quantization(
     experts = {name: materialize(w) for name, w in result.weights.items() if moe.parse_expert_key(name)}
     moe.apply_experts(model, experts, config.dtype, config.device)
     for name in [name for name in result.weights if name not in experts]:
-        weight = materialize(result.weights.pop(name))
-        if not release:
-            result.weights[name] = weight
+        weight = materialize(result.weights[name])
+        if release:
+            del result.weights[name]
+        else:
+            result.weights[name] = weight  # built, for the caller (`llmserve quantize` saves them)
         if name == EMBEDDING:
             embed_from_blocks(model, weight, config.dtype, config.device)
             continue

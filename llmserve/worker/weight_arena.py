@@ -58,11 +58,10 @@ def _available_bytes() -> int | None:
     return None
 
 
-def huge_page_mapping(nbytes: int, populate: bool = True) -> tuple[mmap.mmap, int] | None:
-    """A private anonymous mapping with `nbytes` from a 2 MiB boundary, advised into huge pages and
-    (`populate`) mapped in (this thread and a helper, as the KV pool's prefault finishes), and that
-    boundary's offset in it; None where the OS refuses. `torch.frombuffer(mapping, ..., offset=...)`
-    views it, each storage holding the mapping."""
+def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int] | None:
+    """A private anonymous mapping with `nbytes` from a 2 MiB boundary, advised into huge pages (not yet
+    faulted in: `_populate`), and that boundary's offset in it; None where the OS refuses.
+    `torch.frombuffer(mapping, ..., offset=...)` views it, each storage holding the mapping."""
     span = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
     try:  # private: a shared anonymous mapping is shmem, whose huge pages are configured apart
         mapping = mmap.mmap(-1, span + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -73,13 +72,12 @@ def huge_page_mapping(nbytes: int, populate: bool = True) -> tuple[mmap.mmap, in
     pages = torch.frombuffer(mapping, dtype=torch.uint8, count=span, offset=start)
     if not advise_huge_pages(pages, label="weights"):
         return None
-    if populate:
-        _populate(pages)
     return mapping, start
 
 
 def _populate(pages: torch.Tensor) -> None:
-    """Fault `pages` in before a copy writes them: half the time of faulting them one by one as it goes."""
+    """Fault `pages` in (this thread and a helper, as the KV pool's prefault finishes) before a copy
+    writes them: half the time of faulting them one by one as it goes."""
     prefault = populate_in_background(pages, label="weights")
     if prefault is not None:
         prefault.finish()
@@ -134,7 +132,7 @@ def gather_weights(model: nn.Module) -> int:
     largest = max((tensors[0].untyped_storage().nbytes() for tensors, _ in movable), default=0)
     if total == 0 or (available is not None and available < min(2 * total, largest + 2 * _CHUNK)):
         return 0  # the largest storage's new copy beside its old one, the chunks ahead and behind
-    mapped = huge_page_mapping(total, populate=False)
+    mapped = huge_page_mapping(total)
     if mapped is None:
         return 0
     mapping, start = mapped

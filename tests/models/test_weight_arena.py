@@ -72,6 +72,43 @@ def test_every_storage_moves_into_one_aligned_mapping_with_all_its_views(huge_pa
     assert model.fused._base is not None and _storage(model.fused._base) == _storage(model.fused)
 
 
+def test_the_move_faults_the_mapping_in_ahead_and_trims_the_heap_behind_chunk_by_chunk(
+    huge_pages_on, monkeypatch
+):
+    """With 2 MiB chunks, a model of several storages above a chunk in all is moved with the mapping
+    faulted in a chunk at a time just ahead of the copy (every byte a copy writes lies in a faulted
+    range) and the heap trimmed once each chunk of old copies is freed; the values are unchanged."""
+    monkeypatch.setattr(weight_arena, "_CHUNK", _HUGE_PAGE)
+    model = nn.Sequential(*(nn.Linear(512, 512 + 64 * i, bias=False) for i in range(6)))  # 1-1.6 MiB each
+    weights = [layer.weight.clone() for layer in model]
+    faulted, trims, populate = [], [], weight_arena._populate
+
+    def record(pages: torch.Tensor) -> None:
+        faulted.append((pages.data_ptr(), pages.data_ptr() + pages.numel()))
+        populate(pages)
+
+    monkeypatch.setattr(weight_arena, "_populate", record)
+    monkeypatch.setattr(weight_arena, "release_free_heap", lambda: trims.append(len(faulted)))
+    moved = gather_weights(model)
+    assert moved > 3 * _HUGE_PAGE and len(faulted) >= 3  # chunk by chunk, not all at once
+    assert all(end - start <= 2 * _HUGE_PAGE for start, end in faulted)
+    for layer, weight in zip(model, weights, strict=True):
+        first, last = layer.weight.data_ptr(), layer.weight.data_ptr() + layer.weight.nbytes
+        assert any(start <= first and last <= end for start, end in _merged(faulted)), "written unfaulted"
+        assert torch.equal(layer.weight, weight)
+    assert len(trims) >= 3 and trims[0] < len(faulted)  # trimmed while the mapping was still being faulted in
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def test_a_storage_held_outside_the_model_stays_where_it_is(huge_pages_on):
     model = _Tied()
     outside = model.scale.detach()  # another tensor on the buffer's storage, which the model does not reach
