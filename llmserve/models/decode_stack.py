@@ -25,6 +25,13 @@ join it where their experts are int8/int4 on the grouped kernels and the model i
 router as a linear layer, softmax, top k and renormalization as SparseMoE.route computes them, then
 the one `moe_experts` call QuantizedMoEExperts makes.
 
+Where every dense layer's projections are int8 or int4 (a GGUF's blocks, the default model's) and a
+step has at most 8 rows, no adapters and one rank, the stack holds its threads in one parallel region
+for the whole step: each projection's blocks and attention's items are split among them with a
+barrier after each, and the small per-row operations are repeated on every thread's own copy of the
+row, instead of starting and joining the threads five times a layer (decode_stack.h;
+`one_region_calls` counts those steps).
+
 Under tensor parallelism the stack holds the rank's shards and sums the o and down projections'
 outputs over the ranks inside the call, through the group's shared-memory collectives (one host) or
 its gloo all-reduce called back from C++ (several hosts): the same sums the modules make, in the
@@ -66,6 +73,11 @@ class FusedDecodeStack:
         self.bound = [(layer, layer.key_cache, layer.value_cache) for layer in attention_layers]
         self.lora_bound = False  # steps with LoRA adapters run here too (bind_lora)
         self.has_experts = has_experts  # some layers are mixture-of-experts ones
+
+    @property
+    def one_region_calls(self) -> int:
+        """Steps the stack ran with its threads held in one parallel region (decode_stack.h says when)."""
+        return self.stack.one_region_calls()
 
     def bind_lora(self, lora_layers: list[tuple]) -> None:
         """Steps whose rows have adapters run here too, each layer's stacked adapters (lora/weights.py:

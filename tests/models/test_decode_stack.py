@@ -31,12 +31,14 @@ def model_dir(tmp_path_factory) -> str:
 class _Counting:
     def __init__(self, stack) -> None:
         self.stack, self.calls, self.max_rows_seen, self.rows_seen = stack, 0, 0, set()
+        self.small_calls = 0  # calls of at most 8 rows (the small-batch kernels' limit)
 
     def serves(self, *args) -> bool:
         return self.stack.serves(*args)
 
     def __call__(self, hidden, *args):
         self.calls += 1
+        self.small_calls += hidden.shape[0] <= 8
         self.max_rows_seen = max(self.max_rows_seen, hidden.shape[0])
         self.rows_seen.add(hidden.shape[0])
         return self.stack(hidden, *args)
@@ -85,8 +87,15 @@ def test_bit_identical_to_the_module_path(model_dir, dtype, speculative_method, 
     runner.decode_stack = counting = _Counting(stack)
     fused = _run(llm, PROMPTS[:3]) + _run(llm, PROMPTS[3:])
     assert counting.calls >= 20  # the decode steps of both batches went through it
+    # int8/int4 layers: every step ran with the threads held in one region (where there are threads)
+    expected = counting.small_calls if quantization is not None and _threads() > 1 else 0
+    assert stack.one_region_calls == expected, counting.rows_seen
     runner.decode_stack = None
     assert _run(llm, PROMPTS[:3]) + _run(llm, PROMPTS[3:]) == fused
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
 
 
 @pytest.fixture(scope="module")
@@ -140,20 +149,31 @@ def qwen3_dir(tmp_path_factory) -> str:
 def test_qwen3_head_norms_run_in_the_stack(qwen3_dir, dtype, quantization):
     """Qwen3's per-head query and key norms run inside the stack, between the qkv projection and
     rope, as QKNormAttention runs them: the same tokens and log-probabilities with and without it."""
-    _assert_three_decodes_bit_identical(qwen3_dir, dtype=dtype, quantization=quantization)
+    stack = _assert_three_decodes_bit_identical(qwen3_dir, dtype=dtype, quantization=quantization)
+    assert (stack.one_region_calls > 0) == (quantization is not None and _threads() > 1)
 
 
-def _assert_three_decodes_bit_identical(path: str, **engine_args) -> None:
+@needs_bf16
+def test_qkv_bias_in_one_region(qwen2_dir):
+    """Qwen2's q/k/v bias added after the int4 projection, in the region that holds the threads for the
+    whole step, as the module path adds it."""
+    stack = _assert_three_decodes_bit_identical(qwen2_dir, dtype="bfloat16", quantization="int4")
+    assert (stack.one_region_calls > 0) == (_threads() > 1)
+
+
+def _assert_three_decodes_bit_identical(path: str, **engine_args):
     """The model at `path` has a stack, and three decodes give the very same tokens and
-    log-probabilities through it as through the modules."""
+    log-probabilities through it as through the modules; returns the stack."""
     llm = LLM(path, kv_cache_memory="8MiB", max_model_len=256, prefix_caching=False, **engine_args)
     runner = llm.engine.model_runner
-    assert runner.decode_stack is not None
-    runner.decode_stack = counting = _Counting(runner.decode_stack)
+    stack = runner.decode_stack
+    assert stack is not None
+    runner.decode_stack = counting = _Counting(stack)
     fused = _run(llm, PROMPTS[:3])
     assert counting.calls >= 19
     runner.decode_stack = None
     assert _run(llm, PROMPTS[:3]) == fused
+    return stack
 
 
 @pytest.fixture
@@ -303,11 +323,43 @@ def test_quantized_layers_take_every_decode_batch_into_the_stack(model_dir, dtyp
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "float32"])
-def test_8_bit_kv_caches_run_in_the_stack(model_dir, dtype, kv_cache_dtype):
+@pytest.mark.parametrize("quantization", [None, "int8-rtn"])
+def test_8_bit_kv_caches_run_in_the_stack(model_dir, dtype, kv_cache_dtype, quantization):
     """Over an int8 or fp8 cache the stack quantizes each new K/V row as the cache format does (the
     same ops: codes against the float16-rounded scale) and attends over the codes: the very same
-    tokens and log-probabilities with and without it."""
-    _assert_three_decodes_bit_identical(model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    tokens and log-probabilities with and without it (int8 layers: in one parallel region)."""
+    if dtype == "float32" and quantization and not ops.small_batch_linear_int8_supported(torch.float32):
+        pytest.skip("float32 int8 layers need the AVX2 level's kernels (this CPU has AVX-512 VNNI's)")
+    stack = _assert_three_decodes_bit_identical(
+        model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization
+    )
+    assert (stack.one_region_calls > 0) == (quantization is not None and _threads() > 1)
+
+
+def test_a_failure_inside_the_region_is_raised(model_dir):
+    """A kernel that fails on one of the region's threads (here a cache slot out of range) ends the
+    region on every thread and is raised to the caller, not left to terminate the process."""
+    llm = LLM(model_dir, dtype=DTYPE, kv_cache_memory="8MiB", max_model_len=256, quantization="int4")
+    stack = llm.engine.model_runner.decode_stack
+    if stack is None:
+        pytest.skip("float32 int4 layers need the AVX2 level's kernels (this CPU has AVX-512 VNNI's)")
+    if _threads() < 2:
+        pytest.skip("one thread: the stack holds no region")
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        stack.stack.forward(
+            stack.embed_tokens(torch.tensor([5])),
+            torch.tensor([0], dtype=torch.int64),
+            torch.tensor([1 << 40], dtype=torch.int64),
+            torch.zeros(1, 1, dtype=torch.int64),
+            torch.tensor([1], dtype=torch.int64),
+            torch.tensor([0, 1], dtype=torch.int64),
+            16,
+            0,
+            0,
+        )
+    assert stack.one_region_calls == 1
+    outputs = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 4  # the engine still serves
 
 
 def test_not_built_where_it_does_not_apply(model_dir):

@@ -12,8 +12,14 @@
 // kernel_max_rows) or oneDNN's GEMM, as the modules choose. The model uses it when every sequence is
 // a decode or a short span (models/decode_stack.py says when). Under tensor parallelism the layers are
 // one rank's shards, and the o and down projections' outputs are summed over the ranks in the stack
-// (shm_collectives.cpp on one host), as the modules sum them.
+// (shm_collectives.cpp on one host), as the modules sum them. int8/int4 layers at 1-8 rows run in one
+// OpenMP region for the whole step (forward_in_one_region, decode_stack.h says why).
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <omp.h>
+
+#include <exception>
+#include <mutex>
 
 #include "decode_stack.h"
 #include "kernels.h"
@@ -120,6 +126,15 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> layer_tensors, at::Tensor final
   TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "DecodeStack takes plain, int8 and fp8 KV caches");
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kTensorsPerLayer == 0,
               "DecodeStack takes 26 tensors per layer");
+  const auto quantized = [](const at::Tensor& weight, const at::Tensor& scales) {
+    return weight.defined() && weight.scalar_type() == at::kByte && scales.defined() && scales.numel();
+  };
+  quantized_dense_ = true;
+  for (size_t base = 0; base < tensors_.size(); base += kTensorsPerLayer) {
+    const at::Tensor* t = tensors_.data() + base;
+    quantized_dense_ = quantized_dense_ && quantized(t[1], t[2]) && quantized(t[4], t[5]) && quantized(t[7], t[8]) &&
+                       quantized(t[9], t[10]) && !t[22].numel() && !t[23].numel();
+  }
 }
 
 void DecodeStack::set_lora(std::vector<at::Tensor> lora_tensors) {
@@ -136,6 +151,13 @@ at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Ten
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_size_, "hidden must be [tokens, hidden_size]");
   TORCH_CHECK(!token_slots || !lora_.empty(), "DecodeStack: token slots given but no LoRA adapters bound");
   const int64_t tokens = hidden.size(0);
+  const int64_t threads = at::get_num_threads();
+  if (quantized_dense_ && tokens <= kSmallBatchRows && !token_slots && !all_reduce_ && threads > 1 &&
+      !at::in_parallel_region()) {
+    ++one_region_calls_;
+    return forward_in_one_region(hidden, positions, slot_mapping, block_tables, seq_lens, query_starts, block_size,
+                                 sinks, window, tree_masks, threads);
+  }
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t qkv_size = q_size + 2 * kv_size;
   const at::Tensor kNone;  // o, gate_up and down have no bias (models/decode_stack.py checks)
@@ -217,4 +239,103 @@ at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Ten
     hidden = attention_out + mlp_out;
   }
   return rms_norm(hidden, final_norm_, eps_);
+}
+
+at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at::Tensor& positions,
+                                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                              const at::Tensor& seq_lens, const at::Tensor& query_starts,
+                                              int64_t block_size, int64_t sinks, int64_t window,
+                                              const std::optional<at::Tensor>& tree_masks, int64_t threads) const {
+  const int64_t tokens = hidden.size(0);
+  const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  // what the threads write their parts of, and read whole after the barrier that follows
+  const auto options = hidden.options();
+  auto qkv = at::empty({tokens, qkv_size}, options);
+  auto attention = at::empty({tokens, num_heads_, head_dim_}, options);
+  const auto o_input = attention.view({tokens, q_size});
+  auto attention_out = at::empty({tokens, hidden_size_}, options);
+  auto gate_up = at::empty({tokens, 2 * intermediate_size_}, options);
+  auto mlp_out = at::empty({tokens, hidden_size_}, options);
+  at::Tensor result;
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  std::atomic<bool> failed{false};
+  const at::ThreadLocalState state;  // the caller's inference mode and dispatch state, for every thread
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    const at::ThreadLocalStateGuard state_guard(state);
+    const int64_t thread = omp_get_thread_num(), team = omp_get_num_threads();
+    const ThreadShareGuard share(thread, team);
+    // Runs one phase on this thread unless a thread has failed; every thread still meets every barrier,
+    // so a failure ends the region instead of leaving the others waiting.
+    const auto phase = [&](auto&& work) {
+      if (failed.load(std::memory_order_relaxed)) return;
+      try {
+        work();
+      } catch (...) {
+        const std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+        failed.store(true);
+      }
+    };
+    at::Tensor residual = hidden;  // this thread's copy of the residual stream (the same bits on every thread)
+    at::Tensor query, after_attention;
+    for (size_t base = 0; base < tensors_.size(); base += kTensorsPerLayer) {
+      const at::Tensor* t = tensors_.data() + base;
+      const auto& [input_norm, qkv_weight, qkv_scales, qkv_bias, o_weight, o_scales, post_norm, gate_up_weight,
+                   gate_up_scales, down_weight, down_scales, key_cache, value_cache] =
+          std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12]);
+      const auto& [q_norm, k_norm] = std::tie(t[17], t[18]);
+      phase([&] {
+        small_batch_linear_quantized_into(rms_norm(residual, input_norm, eps_), qkv_weight, qkv_scales, qkv_size,
+                                          qkv);
+      });
+#pragma omp barrier
+      phase([&] {  // rope on this thread's copy of the queries and keys; the first thread writes the cache rows
+        const auto rows = qkv_bias.defined() && qkv_bias.numel() ? qkv + qkv_bias : qkv.clone();
+        query = rows.narrow(1, 0, q_size);
+        auto key = rows.narrow(1, q_size, kv_size);
+        const auto value = rows.narrow(1, q_size + kv_size, kv_size);
+        if (q_norm.numel()) {
+          query = rms_norm(query.reshape({-1, head_dim_}), q_norm, eps_).view({tokens, q_size});
+          key = rms_norm(key.reshape({-1, head_dim_}), k_norm, eps_).view({tokens, kv_size});
+        }
+        rotary_embedding(positions, query, key, cos_, sin_, head_dim_);
+        query = query.view({tokens, num_heads_, head_dim_}).contiguous();
+        if (thread != 0) return;
+        const auto key_rows = key.view({tokens, num_kv_heads_, head_dim_});
+        const auto value_rows = value.view({tokens, num_kv_heads_, head_dim_});
+        if (kv_format_) {
+          key_cache.index_copy_(0, slot_mapping, quantize_kv_rows(key_rows, kv_format_));
+          value_cache.index_copy_(0, slot_mapping, quantize_kv_rows(value_rows, kv_format_));
+        } else {
+          write_kv_rows(key_cache, slot_mapping, key_rows);
+          write_kv_rows(value_cache, slot_mapping, value_rows);
+        }
+      });
+#pragma omp barrier
+      phase([&] {
+        paged_attention_into(query, key_cache, value_cache, block_tables, seq_lens, query_starts, block_size, scale_,
+                             kv_format_, sinks, window, tree_masks, attention);
+      });
+#pragma omp barrier
+      phase([&] { small_batch_linear_quantized_into(o_input, o_weight, o_scales, hidden_size_, attention_out); });
+#pragma omp barrier
+      phase([&] {
+        after_attention = attention_out.clone();  // becomes this thread's residual stream
+        small_batch_linear_quantized_into(add_rms_norm(after_attention, residual, post_norm, eps_), gate_up_weight,
+                                          gate_up_scales, 2 * intermediate_size_, gate_up);
+      });
+#pragma omp barrier
+      phase([&] {
+        small_batch_linear_quantized_into(silu_and_mul(gate_up), down_weight, down_scales, hidden_size_, mlp_out);
+      });
+#pragma omp barrier
+      phase([&] { residual = after_attention + mlp_out; });
+    }
+    if (thread == 0) phase([&] { result = rms_norm(residual, final_norm_, eps_); });
+  }
+  if (error) std::rethrow_exception(error);
+  return result;
 }

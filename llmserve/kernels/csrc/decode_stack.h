@@ -3,6 +3,7 @@
 
 #include "aten.h"
 
+#include <atomic>
 #include <functional>
 #include <optional>
 #include <vector>
@@ -52,7 +53,23 @@ class DecodeStack {
                      const std::optional<at::Tensor>& token_slots,
                      const std::optional<at::Tensor>& tree_masks = std::nullopt) const;
 
+  // Steps forward ran in one parallel region (forward_in_one_region); tests check a configuration takes it.
+  int64_t one_region_calls() const { return one_region_calls_; }
+
  private:
+  // The same layers with the step's threads held in one OpenMP region from the first layer to the final
+  // norm: each linear layer's blocks and attention's (sequence, head) items split among them, a barrier
+  // after each, the small per-row operations repeated by every thread on its own copy of the row (a few
+  // KiB) instead of handed off. At 1-8 rows a layer's kernels are short enough that starting and joining
+  // the threads for each (five times a layer) was a large share of the step. Each kernel computes what
+  // its own call computes, so the output is the same bits. Taken when every dense layer's projections
+  // are int8 or int4 (one format each) and the step has at most 8 rows, no adapters and one rank.
+  at::Tensor forward_in_one_region(const at::Tensor& hidden, const at::Tensor& positions,
+                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                   const at::Tensor& seq_lens, const at::Tensor& query_starts, int64_t block_size,
+                                   int64_t sinks, int64_t window, const std::optional<at::Tensor>& tree_masks,
+                                   int64_t threads) const;
+
   static constexpr int kTensorsPerLayer = 26;
   static constexpr int kLoraTensorsPerLayer = 16;
   std::vector<at::Tensor> tensors_;
@@ -62,4 +79,6 @@ class DecodeStack {
   int64_t amx_max_rows_, kernel_max_rows_, kv_format_;
   double eps_, scale_;
   std::function<void(at::Tensor)> all_reduce_;
+  bool quantized_dense_ = false;  // every layer dense with int8/int4 projections of one format each
+  mutable std::atomic<int64_t> one_region_calls_{0};
 };

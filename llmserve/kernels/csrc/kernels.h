@@ -8,11 +8,35 @@
 #include <string>
 #include <vector>
 
+// threads.cpp: a thread's part of a kernel's work inside a caller's OpenMP region (decode_stack.cpp's
+// one region per step). With `threads` > 0 the int8/int4 small-batch linear kernels and paged_attention
+// run only this thread's part of their work, on the calling thread, and the caller synchronizes; each
+// part is computed as in a call of their own, so the outputs are the same bits.
+struct ThreadShare {
+  int64_t thread = 0, threads = 0;
+};
+ThreadShare& thread_share();  // the calling thread's
+class ThreadShareGuard {
+ public:
+  ThreadShareGuard(int64_t thread, int64_t threads) : saved_(thread_share()) { thread_share() = {thread, threads}; }
+  ~ThreadShareGuard() { thread_share() = saved_; }
+  ThreadShareGuard(const ThreadShareGuard&) = delete;
+  ThreadShareGuard& operator=(const ThreadShareGuard&) = delete;
+
+ private:
+  ThreadShare saved_;
+};
+
 // paged_attention.cpp, prefill_attention.cpp, prefill_attention_fma.cpp
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                            at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
                            int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window,
                            const std::optional<at::Tensor>& tree_masks = std::nullopt);
+// the same into out [T, H, D] (query's dtype, contiguous)
+void paged_attention_into(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
+                          int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window,
+                          const std::optional<at::Tensor>& tree_masks, at::Tensor& out);
 std::string paged_attention_path(at::ScalarType dtype, int64_t kv_format, int64_t head_dim);
 // paged_attention_low_bit.cpp: one query per sequence over an int4/int2 cache, its windows and sinks
 at::Tensor paged_attention_low_bit(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
@@ -82,6 +106,10 @@ at::Tensor small_batch_dequantize_int8(at::Tensor packed, at::Tensor scales, int
 // the quantized kernels run from Python, for the compiled compositions of them (DecodeStack, DraftHeadChain).
 at::Tensor small_batch_linear_packed(const at::Tensor& x, const at::Tensor& weight,
                                      const at::Tensor& scales, int64_t out_features);
+// x W^T for int8 (2-D scales or group scales) or int4 (4-D params) weights as small_batch_linear_packed
+// computes it, into out [M, out_features] (x's dtype, contiguous)
+void small_batch_linear_quantized_into(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                                       int64_t out_features, at::Tensor& out);
 
 // elementwise.cpp, kv_write.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);

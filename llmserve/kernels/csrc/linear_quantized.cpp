@@ -640,13 +640,20 @@ template <typename Run>
 void for_each_block(const Experts& experts, int64_t n_size, int64_t block_bytes, const Run& run) {
   const auto busy = busy_experts(experts);
   const int64_t blocks = (n_size + kRows - 1) / kRows;
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / block_bytes);
-  at::parallel_for(0, static_cast<int64_t>(busy.size()) * blocks, grain, [&](int64_t begin, int64_t end) {
+  const int64_t items = static_cast<int64_t>(busy.size()) * blocks;
+  const auto run_items = [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const BusyExpert& e = busy[item / blocks];
       run(e.expert, item % blocks, e.begin, e.end);
     }
-  });
+  };
+  const ThreadShare share = thread_share();
+  if (share.threads > 0) {  // a thread of the caller's region: its contiguous run of the items
+    const int64_t chunk = (items + share.threads - 1) / share.threads;
+    run_items(std::min(items, share.thread * chunk), std::min(items, (share.thread + 1) * chunk));
+    return;
+  }
+  at::parallel_for(0, items, std::max<int64_t>(1, (64 * 1024) / block_bytes), run_items);
 }
 
 // Inputs in passes of at most 4 rows (accumulators stay in registers) over each block of the level's
@@ -904,6 +911,24 @@ Experts grouped_experts(const at::Tensor& x, const at::Tensor& ends, const at::T
 }
 
 }  // namespace
+
+void small_batch_linear_quantized_into(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                                       int64_t out_features, at::Tensor& out) {
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == x.scalar_type() && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == out_features,
+              "small_batch_linear_quantized_into: out must be contiguous [M, out_features] in x's dtype");
+  const int64_t rows = x.size(0);
+  if (scales.dim() == 4) {
+    const bool five_bit = check_int4(x, weight, scales, out_features);
+    run_int4(x, weight, scales, out, out_features, five_bit, {&rows, 1});
+    return;
+  }
+  check_int8(x, weight, scales, out_features);
+  if (x.scalar_type() == at::kFloat)
+    run_int8(x, weight, scales, out.data_ptr<float>(), out_features, {&rows, 1});
+  else
+    run_int8(x, weight, scales, reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out_features, {&rows, 1});
+}
 
 // x [M, K] bf16 (or float32 at the AVX2 level), any M >= 1, packed from small_batch_pack_int8, and
 // scales: [N] float32 per row, or from small_batch_pack_int8_group_scales for groups of 32 or 16 columns.

@@ -95,6 +95,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("query_starts"), pybind11::arg("block_size"), pybind11::arg("sinks"), pybind11::arg("window"),
            pybind11::arg("token_slots") = std::nullopt, pybind11::arg("tree_masks") = std::nullopt)
       .def("set_lora", &DecodeStack::set_lora)
+      .def("one_region_calls", &DecodeStack::one_region_calls)
       .def("set_shm_all_reduce",
            [](DecodeStack& stack, std::shared_ptr<ShmCollectives> shm) {
              stack.set_all_reduce([shm](torch::Tensor t) { shm->all_reduce(t); });

@@ -865,7 +865,8 @@ void for_each_item(int64_t num_seqs, int64_t num_kv_heads, const int64_t* seq_le
   std::vector<int64_t> order(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return seq_lens[a] > seq_lens[b]; });
-  const int64_t max_threads = at::get_num_threads();
+  const ThreadShare share = thread_share();
+  const int64_t max_threads = share.threads > 0 ? share.threads : at::get_num_threads();
   const int64_t heads_per_item = num_seqs >= 4 * max_threads ? num_kv_heads : 1;
   const int64_t pairs = num_seqs * num_kv_heads;
   const int64_t split_from = split_rows && pairs < 2 * max_threads ? pairs - pairs % max_threads : pairs;
@@ -881,6 +882,15 @@ void for_each_item(int64_t num_seqs, int64_t num_kv_heads, const int64_t* seq_le
     }
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
+  if (share.threads > 0) {  // a thread of the caller's region: every threads-th item from its own
+    static thread_local Scratch scratch;
+    for (int64_t i = share.thread; i < num_items; i += share.threads) {
+      const Item& item = items[i];
+      for (int64_t head = item.first_head; head < item.first_head + item.num_heads; ++head)
+        attend(item.seq, head, item.row_begin, item.row_end, scratch);
+    }
+    return;
+  }
   const int threads = static_cast<int>(std::min<int64_t>(max_threads, num_items));
 #pragma omp parallel num_threads(threads)
   {
@@ -930,15 +940,26 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
                            at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_starts,
                            int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window,
                            const std::optional<at::Tensor>& tree_masks) {
+  auto out = at::empty_like(query);
+  paged_attention_into(query, key_cache, value_cache, block_tables, seq_lens, query_starts, block_size, scale,
+                       kv_format, sinks, window, tree_masks, out);
+  return out;
+}
+
+void paged_attention_into(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_starts,
+                          int64_t block_size, double scale, int64_t kv_format, int64_t sinks, int64_t window,
+                          const std::optional<at::Tensor>& tree_masks, at::Tensor& out) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "paged_attention needs contiguous tensors");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "paged_attention's output must be contiguous, shaped and typed as the query");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_starts.scalar_type() == at::kLong,
               "block_tables, seq_lens and query_starts must be int64");
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto starts = query_starts.contiguous();
-  auto out = at::empty_like(query);
   const int64_t num_seqs = lens.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(1);
   TORCH_CHECK(starts.size(0) == num_seqs + 1 && starts.data_ptr<int64_t>()[num_seqs] == query.size(0),
@@ -960,7 +981,7 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
     for (int64_t b = 0; b < num_seqs; ++b)
       TORCH_CHECK(s[b + 1] - s[b] <= 64, "a token tree's span holds at most 64 queries (one bit each)");
   }
-  if (num_seqs == 0) return out;
+  if (num_seqs == 0) return;
   const int64_t* lens_ptr = lens.data_ptr<int64_t>();
   const int64_t* starts_ptr = starts.data_ptr<int64_t>();
   const int64_t group = num_heads / num_kv_heads;
@@ -1011,5 +1032,4 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor va
       run(Fp8Rows{}, key_cache.data_ptr<uint8_t>(), value_cache.data_ptr<uint8_t>());
     }
   });
-  return out;
 }

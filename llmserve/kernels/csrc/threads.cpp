@@ -7,6 +7,11 @@
 
 #include "kernels.h"
 
+ThreadShare& thread_share() {
+  static thread_local ThreadShare share;
+  return share;
+}
+
 bool set_omp_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_per_thread) {
 #ifndef __linux__
   return false;
