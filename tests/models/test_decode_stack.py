@@ -358,7 +358,8 @@ def test_a_failure_inside_the_region_is_raised(model_dir):
             0,
         )
     assert stack.one_region_calls == 1
-    outputs = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate([[5, 6, 7]], params, use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) == 4  # the engine still serves
 
 
