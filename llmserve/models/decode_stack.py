@@ -26,7 +26,7 @@ router as a linear layer, softmax, top k and renormalization as SparseMoE.route 
 the one `moe_experts` call QuantizedMoEExperts makes.
 
 Where every dense layer's projections are int8 or int4 (a GGUF's blocks, the default model's) and a
-step has at most 8 rows, no adapters and one rank, the stack holds its threads in one parallel region
+step has at most 8 rows and one rank (adapters too), the stack holds its threads in one parallel region
 for the whole step: each projection's blocks and attention's items are split among them with a
 barrier after each, and the small per-row operations are repeated on every thread's own copy of the
 row, instead of starting and joining the threads five times a layer (decode_stack.h;

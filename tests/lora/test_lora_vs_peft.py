@@ -58,7 +58,7 @@ def _llm(model_dirs: dict[str, str], max_loras: int, **kwargs) -> LLM:
     modules = [f"{name}={model_dirs[name]}" for name in ADAPTERS]
     return LLM(
         model_dirs["base"],
-        dtype="float32",
+        dtype=kwargs.pop("dtype", "float32"),
         kv_cache_memory="64MiB",
         enable_lora=True,
         lora_modules=modules,
@@ -490,6 +490,38 @@ def test_fused_decode_stack_serves_steps_with_and_without_adapters(llm, monkeypa
     assert stack.calls == before  # every step of this batch has a row with an adapter
     for ours, theirs in zip(stacked, modules, strict=True):
         assert _tokens_and_logprobs(ours) == _tokens_and_logprobs(theirs)  # the same kernels: bit for bit
+
+
+@pytest.mark.cpu_kernels("avx2")
+def test_adapters_over_int4_layers_in_the_stacks_one_region(model_dirs, monkeypatch):
+    """Over int4 layers (bf16 where the level has its kernels, else float32) the stack runs each step in
+    one parallel region, adapters' deltas added by the thread that wrote each output row: the same
+    tokens and log-probs as the modules, for each adapter alone and all of them in one batch."""
+    from llmserve.kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    dtype = "bfloat16" if ops.small_batch_linear_supported() else "float32"
+    with _llm(model_dirs, max_loras=len(ADAPTERS), quantization="int4", dtype=dtype) as llm:
+        stack = llm.engine.model_runner.decode_stack
+        assert stack is not None and stack.lora_bound
+        names = [None, *ADAPTERS]
+        params = [_params(name) for name in names for _ in PROMPTS]
+        prompts = [prompt for _ in names for prompt in PROMPTS]
+        alone = []
+        for name in names:
+            before = stack.one_region_calls
+            alone.append(llm.generate([PROMPTS[0]], _params(name), use_tqdm=False)[0])
+            # every decode step after the prompt's, where there are threads to hold
+            assert stack.one_region_calls - before == (MAX_TOKENS - 1 if torch.get_num_threads() > 1 else 0)
+        together = llm.generate(prompts, params, use_tqdm=False)
+        monkeypatch.setattr(stack, "lora_bound", False)
+        monkeypatch.setattr(stack, "max_rows", 0)  # every step on the modules
+        for output, name in zip(alone, names, strict=True):
+            module_output = llm.generate([PROMPTS[0]], _params(name), use_tqdm=False)[0]
+            assert _tokens_and_logprobs(output) == _tokens_and_logprobs(module_output)
+        modules = llm.generate(prompts, params, use_tqdm=False)
+        for ours, theirs in zip(together, modules, strict=True):
+            assert _tokens_and_logprobs(ours) == _tokens_and_logprobs(theirs)
 
 
 def test_gguf_lora_files_match_peft_merged_model(model_dirs, tmp_path):

@@ -18,6 +18,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 
+#include <cstring>
 #include <exception>
 #include <mutex>
 
@@ -152,11 +153,11 @@ at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Ten
   TORCH_CHECK(!token_slots || !lora_.empty(), "DecodeStack: token slots given but no LoRA adapters bound");
   const int64_t tokens = hidden.size(0);
   const int64_t threads = at::get_num_threads();
-  if (quantized_dense_ && tokens <= kSmallBatchRows && !token_slots && !all_reduce_ && threads > 1 &&
+  if (quantized_dense_ && tokens <= kSmallBatchRows && !all_reduce_ && threads > 1 &&
       !at::in_parallel_region()) {
     ++one_region_calls_;
     return forward_in_one_region(hidden, positions, slot_mapping, block_tables, seq_lens, query_starts, block_size,
-                                 sinks, window, tree_masks, threads);
+                                 sinks, window, token_slots, tree_masks, threads);
   }
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t qkv_size = q_size + 2 * kv_size;
@@ -245,6 +246,7 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
                                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                               const at::Tensor& seq_lens, const at::Tensor& query_starts,
                                               int64_t block_size, int64_t sinks, int64_t window,
+                                              const std::optional<at::Tensor>& token_slots,
                                               const std::optional<at::Tensor>& tree_masks, int64_t threads) const {
   const int64_t tokens = hidden.size(0);
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -261,6 +263,11 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
   std::exception_ptr error;
   std::mutex error_mutex;
   std::atomic<bool> failed{false};
+  std::vector<at::Tensor> queries(threads), keys(threads);  // each thread's rotated rows
+  for (int64_t thread = 0; thread < threads; ++thread) {
+    queries[thread] = at::empty({tokens, num_heads_, head_dim_}, options);
+    keys[thread] = at::empty({tokens, kv_size}, options);
+  }
   const at::ThreadLocalState state;  // the caller's inference mode and dispatch state, for every thread
 #pragma omp parallel num_threads(static_cast<int>(threads))
   {
@@ -279,40 +286,63 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
         failed.store(true);
       }
     };
+    // x W^T into out, this thread's blocks, then (adapters) the deltas of the rows it wrote
+    const auto linear = [&](int64_t layer, int p, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& scales, int64_t out_features, at::Tensor& out) {
+      small_batch_linear_quantized_into(x, weight, scales, out_features, out);
+      if (!token_slots) return;
+      const at::Tensor* l = lora_.data() + layer * kLoraTensorsPerLayer + 4 * p;
+      lora_delta(x, out, l[0], l[1], *token_slots, l[2], l[3]);
+    };
     at::Tensor residual = hidden;  // this thread's copy of the residual stream (the same bits on every thread)
     at::Tensor query, after_attention;
-    for (size_t base = 0; base < tensors_.size(); base += kTensorsPerLayer) {
-      const at::Tensor* t = tensors_.data() + base;
+    for (int64_t layer = 0; layer < static_cast<int64_t>(tensors_.size()) / kTensorsPerLayer; ++layer) {
+      const at::Tensor* t = tensors_.data() + layer * kTensorsPerLayer;
       const auto& [input_norm, qkv_weight, qkv_scales, qkv_bias, o_weight, o_scales, post_norm, gate_up_weight,
                    gate_up_scales, down_weight, down_scales, key_cache, value_cache] =
           std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12]);
       const auto& [q_norm, k_norm] = std::tie(t[17], t[18]);
       phase([&] {
-        small_batch_linear_quantized_into(rms_norm(residual, input_norm, eps_), qkv_weight, qkv_scales, qkv_size,
-                                          qkv);
+        linear(layer, 0, rms_norm(residual, input_norm, eps_), qkv_weight, qkv_scales, qkv_size, qkv);
       });
 #pragma omp barrier
-      phase([&] {  // rope on this thread's copy of the queries and keys; the first thread writes the cache rows
-        const auto rows = qkv_bias.defined() && qkv_bias.numel() ? qkv + qkv_bias : qkv.clone();
-        query = rows.narrow(1, 0, q_size);
-        auto key = rows.narrow(1, q_size, kv_size);
-        const auto value = rows.narrow(1, q_size + kv_size, kv_size);
-        if (q_norm.numel()) {
-          query = rms_norm(query.reshape({-1, head_dim_}), q_norm, eps_).view({tokens, q_size});
-          key = rms_norm(key.reshape({-1, head_dim_}), k_norm, eps_).view({tokens, kv_size});
+      phase([&] {  // rope on this thread's copy of the queries and keys; the cache rows written by two threads
+        at::Tensor key, value;
+        if ((qkv_bias.defined() && qkv_bias.numel()) || q_norm.numel()) {
+          const auto rows = qkv_bias.defined() && qkv_bias.numel() ? qkv + qkv_bias : qkv.clone();
+          query = rows.narrow(1, 0, q_size);
+          key = rows.narrow(1, q_size, kv_size);
+          value = rows.narrow(1, q_size + kv_size, kv_size);
+          if (q_norm.numel()) {
+            query = rms_norm(query.reshape({-1, head_dim_}), q_norm, eps_).view({tokens, q_size});
+            key = rms_norm(key.reshape({-1, head_dim_}), k_norm, eps_).view({tokens, kv_size});
+          }
+          rotary_embedding(positions, query, key, cos_, sin_, head_dim_);
+          query = query.view({tokens, num_heads_, head_dim_}).contiguous();
+        } else {  // the rows copied into this thread's buffers, rotated there
+          query = queries[thread];
+          key = keys[thread];
+          const int64_t bytes = qkv.element_size();
+          const char* source = static_cast<const char*>(qkv.data_ptr());
+          char* query_rows = static_cast<char*>(query.data_ptr());
+          char* key_rows = static_cast<char*>(key.data_ptr());
+          for (int64_t token = 0; token < tokens; ++token) {
+            std::memcpy(query_rows + token * q_size * bytes, source + token * qkv_size * bytes, q_size * bytes);
+            std::memcpy(key_rows + token * kv_size * bytes, source + (token * qkv_size + q_size) * bytes, kv_size * bytes);
+          }
+          value = qkv.narrow(1, q_size + kv_size, kv_size);
+          rotary_embedding(positions, query.view({tokens, q_size}), key, cos_, sin_, head_dim_);
         }
-        rotary_embedding(positions, query, key, cos_, sin_, head_dim_);
-        query = query.view({tokens, num_heads_, head_dim_}).contiguous();
-        if (thread != 0) return;
-        const auto key_rows = key.view({tokens, num_kv_heads_, head_dim_});
-        const auto value_rows = value.view({tokens, num_kv_heads_, head_dim_});
-        if (kv_format_) {
-          key_cache.index_copy_(0, slot_mapping, quantize_kv_rows(key_rows, kv_format_));
-          value_cache.index_copy_(0, slot_mapping, quantize_kv_rows(value_rows, kv_format_));
-        } else {
-          write_kv_rows(key_cache, slot_mapping, key_rows);
-          write_kv_rows(value_cache, slot_mapping, value_rows);
-        }
+        // the keys by the first thread, the values by the last (one thread: both)
+        const auto write = [&](const at::Tensor& cache, const at::Tensor& rows) {
+          const auto heads = rows.view({tokens, num_kv_heads_, head_dim_});
+          if (kv_format_)
+            cache.index_copy_(0, slot_mapping, quantize_kv_rows(heads, kv_format_));
+          else
+            write_kv_rows(cache, slot_mapping, heads);
+        };
+        if (thread == 0) write(key_cache, key);
+        if (thread == team - 1) write(value_cache, value);
       });
 #pragma omp barrier
       phase([&] {
@@ -320,16 +350,16 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
                              kv_format_, sinks, window, tree_masks, attention);
       });
 #pragma omp barrier
-      phase([&] { small_batch_linear_quantized_into(o_input, o_weight, o_scales, hidden_size_, attention_out); });
+      phase([&] { linear(layer, 1, o_input, o_weight, o_scales, hidden_size_, attention_out); });
 #pragma omp barrier
       phase([&] {
         after_attention = attention_out.clone();  // becomes this thread's residual stream
-        small_batch_linear_quantized_into(add_rms_norm(after_attention, residual, post_norm, eps_), gate_up_weight,
-                                          gate_up_scales, 2 * intermediate_size_, gate_up);
+        linear(layer, 2, add_rms_norm(after_attention, residual, post_norm, eps_), gate_up_weight, gate_up_scales,
+               2 * intermediate_size_, gate_up);
       });
 #pragma omp barrier
       phase([&] {
-        small_batch_linear_quantized_into(silu_and_mul(gate_up), down_weight, down_scales, hidden_size_, mlp_out);
+        linear(layer, 3, silu_and_mul(gate_up), down_weight, down_scales, hidden_size_, mlp_out);
       });
 #pragma omp barrier
       phase([&] { residual = after_attention + mlp_out; });

@@ -63,12 +63,13 @@ class DecodeStack {
   // KiB) instead of handed off. At 1-8 rows a layer's kernels are short enough that starting and joining
   // the threads for each (five times a layer) was a large share of the step. Each kernel computes what
   // its own call computes, so the output is the same bits. Taken when every dense layer's projections
-  // are int8 or int4 (one format each) and the step has at most 8 rows, no adapters and one rank.
+  // are int8 or int4 (one format each) and the step has at most 8 rows and one rank; adapters' deltas are
+  // added by the thread that wrote each output row.
   at::Tensor forward_in_one_region(const at::Tensor& hidden, const at::Tensor& positions,
                                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, const at::Tensor& query_starts, int64_t block_size,
-                                   int64_t sinks, int64_t window, const std::optional<at::Tensor>& tree_masks,
-                                   int64_t threads) const;
+                                   int64_t sinks, int64_t window, const std::optional<at::Tensor>& token_slots,
+                                   const std::optional<at::Tensor>& tree_masks, int64_t threads) const;
 
   static constexpr int kTensorsPerLayer = 26;
   static constexpr int kLoraTensorsPerLayer = 16;

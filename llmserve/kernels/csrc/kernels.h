@@ -10,15 +10,21 @@
 
 // threads.cpp: a thread's part of a kernel's work inside a caller's OpenMP region (decode_stack.cpp's
 // one region per step). With `threads` > 0 the int8/int4 small-batch linear kernels and paged_attention
-// run only this thread's part of their work, on the calling thread, and the caller synchronizes; each
-// part is computed as in a call of their own, so the outputs are the same bits.
+// run only this thread's part of their work, on the calling thread, and lora_delta adds the deltas of
+// the output rows this thread's last linear kernel wrote; the caller synchronizes. Each part is computed
+// as in a call of their own, so the outputs are the same bits.
 struct ThreadShare {
   int64_t thread = 0, threads = 0;
+  // the output rows [rows_begin, rows_end) of the last linear kernel this thread ran its part of:
+  // lora_delta adds its deltas to those rows, which no other thread writes
+  int64_t rows_begin = 0, rows_end = 0;
 };
 ThreadShare& thread_share();  // the calling thread's
 class ThreadShareGuard {
  public:
-  ThreadShareGuard(int64_t thread, int64_t threads) : saved_(thread_share()) { thread_share() = {thread, threads}; }
+  ThreadShareGuard(int64_t thread, int64_t threads) : saved_(thread_share()) {
+    thread_share() = {thread, threads, 0, 0};
+  }
   ~ThreadShareGuard() { thread_share() = saved_; }
   ThreadShareGuard(const ThreadShareGuard&) = delete;
   ThreadShareGuard& operator=(const ThreadShareGuard&) = delete;

@@ -263,9 +263,39 @@ void split_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t
   }
 }
 
+// Inside a caller's region (ThreadShare): a tile's shrink, all its columns, then its expand into the
+// output rows [rows_begin, rows_end) this thread's linear kernel wrote, each shard's part of them.
+// Every column's and output's sum is the one run_tile computes.
+template <typename T, int N>
+void tile_rows(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t used, int64_t rows_begin,
+               int64_t rows_end) {
+  const TileRows<T, N> tile(pb, rows);
+  float hidden[N][kMaxWidth];
+  shrink<T, N>(pb, tile.x, pb.a + slot * pb.width * pb.in, 0, used, hidden);
+  const T* bt_slot = pb.bt + slot * pb.width * pb.out_features;
+  for (int64_t p = 0; p < pb.shards; ++p) {
+    const int64_t begin = std::max(pb.shard_starts[p], rows_begin), end = std::min(pb.shard_starts[p + 1], rows_end);
+    if (begin < end) expand_shard<T, N>(pb, tile.out, bt_slot, p, used / pb.shards, begin, end, hidden);
+  }
+}
+
 template <typename T>
 void lora_tiles(const Problem<T>& pb, const int64_t* widths, const std::vector<int64_t>& order,
                 const std::vector<Tile>& tiles) {
+  const ThreadShare share = thread_share();
+  if (share.threads > 0) {
+    for (const Tile& tile : tiles) {
+      const int64_t* rows = order.data() + tile.first;
+      const int64_t used = widths[tile.slot];
+      switch (tile.count) {
+        case 4: tile_rows<T, 4>(pb, rows, tile.slot, used, share.rows_begin, share.rows_end); break;
+        case 3: tile_rows<T, 3>(pb, rows, tile.slot, used, share.rows_begin, share.rows_end); break;
+        case 2: tile_rows<T, 2>(pb, rows, tile.slot, used, share.rows_begin, share.rows_end); break;
+        default: tile_rows<T, 1>(pb, rows, tile.slot, used, share.rows_begin, share.rows_end); break;
+      }
+    }
+    return;
+  }
   // multiply-adds of one row and one of a slot's columns: its shrink's dot product, its expand's row of B
   const int64_t per_column = pb.in + pb.out_features / std::max<int64_t>(1, pb.shards);
   const int64_t tile_max = kTileRows * pb.width * per_column;  // a whole tile's, the widest slot's
