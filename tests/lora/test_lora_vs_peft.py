@@ -494,26 +494,25 @@ def test_fused_decode_stack_serves_steps_with_and_without_adapters(llm, monkeypa
 
 @pytest.mark.cpu_kernels("avx2")
 def test_adapters_over_int4_layers_in_the_stacks_one_region(model_dirs, monkeypatch):
-    """Over int4 layers (bf16 where the level has its kernels, else float32) the stack runs each step in
-    one parallel region, adapters' deltas added by the thread that wrote each output row: the same
-    tokens and log-probs as the modules, for each adapter alone and all of them in one batch."""
-    from llmserve.kernels.cpu_ops import load_cpu_ops
-
-    ops = load_cpu_ops()
-    dtype = "bfloat16" if ops.small_batch_linear_supported() else "float32"
-    with _llm(model_dirs, max_loras=len(ADAPTERS), quantization="int4", dtype=dtype) as llm:
+    """Over int4 layers the stack runs each step in one parallel region, adapters' deltas added by the
+    thread that wrote each output row: the same tokens and log-probs as the modules, for each adapter
+    alone and for all of them (and none) in one batch of 8 rows (several tiles a call)."""
+    with _llm(model_dirs, max_loras=len(ADAPTERS), quantization="int4", dtype="bfloat16") as llm:
         stack = llm.engine.model_runner.decode_stack
         assert stack is not None and stack.lora_bound
         names = [None, *ADAPTERS]
-        params = [_params(name) for name in names for _ in PROMPTS]
-        prompts = [prompt for _ in names for prompt in PROMPTS]
+        batch = PROMPTS[: 8 // len(names)]  # at most 8 rows: the region's limit
+        params = [_params(name) for name in names for _ in batch]
+        prompts = [prompt for _ in names for prompt in batch]
         alone = []
         for name in names:
             before = stack.one_region_calls
             alone.append(llm.generate([PROMPTS[0]], _params(name), use_tqdm=False)[0])
             # every decode step after the prompt's, where there are threads to hold
             assert stack.one_region_calls - before == (MAX_TOKENS - 1 if torch.get_num_threads() > 1 else 0)
+        before = stack.one_region_calls
         together = llm.generate(prompts, params, use_tqdm=False)
+        assert (stack.one_region_calls > before) == (torch.get_num_threads() > 1)
         monkeypatch.setattr(stack, "lora_bound", False)
         monkeypatch.setattr(stack, "max_rows", 0)  # every step on the modules
         for output, name in zip(alone, names, strict=True):

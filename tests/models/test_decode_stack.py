@@ -161,6 +161,60 @@ def test_qkv_bias_in_one_region(qwen2_dir):
     assert (stack.one_region_calls > 0) == (_threads() > 1)
 
 
+@needs_bf16
+def test_qkv_bias_then_adapters_in_one_region(qwen2_dir, tmp_path, monkeypatch):
+    """Qwen2's q/k/v bias, then an adapter's delta, in the modules' order (the bias inside the projection,
+    the delta after it), in the one region: the same tokens and log-probs as the modules."""
+    from benchmarks.tools.lora_adapters import write_adapter
+    from llmserve.model_loader import load_arch_config
+
+    adapter = write_adapter(tmp_path / "adapter", load_arch_config(qwen2_dir), 8, seed=0)
+    llm = LLM(
+        qwen2_dir,
+        dtype="bfloat16",
+        kv_cache_memory="8MiB",
+        max_model_len=256,
+        prefix_caching=False,
+        quantization="int4",
+        enable_lora=True,
+        lora_modules=[f"a={adapter}"],
+        max_loras=1,
+        max_lora_rank=8,
+    )
+    stack = llm.engine.model_runner.decode_stack
+    assert stack is not None and stack.lora_bound
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3, lora_name="a")
+
+    def run():
+        outputs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    fused = run()
+    assert (stack.one_region_calls > 0) == (_threads() > 1)
+    monkeypatch.setattr(stack, "lora_bound", False)
+    monkeypatch.setattr(stack, "max_rows", 0)  # every step on the modules
+    assert run() == fused
+
+
+@pytest.fixture
+def three_threads():
+    """torch's threads at 3 for the test (more than this CI's cores: the region's uneven splits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8-rtn"])
+def test_one_region_with_three_threads(model_dir, three_threads, quantization):
+    """Three threads split 32-row blocks, attention items and output rows unevenly (a thread with one
+    block fewer, a KV head's query rows over three parts): the module path's bits all the same."""
+    if not ops.small_batch_linear_int8_supported(getattr(torch, DTYPE)):
+        pytest.skip("float32 int8/int4 layers need the AVX2 level's kernels (this CPU has AVX-512 VNNI's)")
+    stack = _assert_three_decodes_bit_identical(model_dir, dtype=DTYPE, quantization=quantization)
+    assert stack.one_region_calls >= 19
+
+
 def _assert_three_decodes_bit_identical(path: str, **engine_args):
     """The model at `path` has a stack, and three decodes give the very same tokens and
     log-probabilities through it as through the modules; returns the stack."""
@@ -459,6 +513,7 @@ def test_quantized_expert_layers_run_in_the_stack(moe_dir, dtype, quantization):
     assert counting.calls >= 19 and counting.max_rows_seen == (12 if stack.max_rows > 8 else 3)
     runner.decode_stack = None
     assert (_run(llm, PROMPTS[:3]), _run(llm, many, max_tokens=6)) == fused
+    assert stack.one_region_calls == 0  # expert layers keep the op-by-op stack
     llm.shutdown()
     floats = LLM(path, dtype=dtype, kv_cache_memory="8MiB", max_model_len=256)
     assert floats.engine.model_runner.decode_stack is None  # torch's grouped matmul: the modules

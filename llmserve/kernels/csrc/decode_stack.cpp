@@ -15,6 +15,7 @@
 // (shm_collectives.cpp on one host), as the modules sum them. int8/int4 layers at 1-8 rows run in one
 // OpenMP region for the whole step (forward_in_one_region, decode_stack.h says why).
 #include <ATen/ThreadLocalState.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <omp.h>
 
@@ -153,8 +154,9 @@ at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Ten
   TORCH_CHECK(!token_slots || !lora_.empty(), "DecodeStack: token slots given but no LoRA adapters bound");
   const int64_t tokens = hidden.size(0);
   const int64_t threads = at::get_num_threads();
+  // (a Python dispatch mode would have the region's other threads wait for the GIL this one holds)
   if (quantized_dense_ && tokens <= kSmallBatchRows && !all_reduce_ && threads > 1 &&
-      !at::in_parallel_region()) {
+      !at::in_parallel_region() && !c10::impl::TorchDispatchModeTLS::any_modes_set()) {
     ++one_region_calls_;
     return forward_in_one_region(hidden, positions, slot_mapping, block_tables, seq_lens, query_starts, block_size,
                                  sinks, window, token_slots, tree_masks, threads);
@@ -251,6 +253,7 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
   const int64_t tokens = hidden.size(0);
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t qkv_size = q_size + 2 * kv_size;
+  const at::Tensor kNone;  // o, gate_up and down have no bias
   // what the threads write their parts of, and read whole after the barrier that follows
   const auto options = hidden.options();
   auto qkv = at::empty({tokens, qkv_size}, options);
@@ -263,8 +266,8 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
   std::exception_ptr error;
   std::mutex error_mutex;
   std::atomic<bool> failed{false};
-  std::vector<at::Tensor> queries(threads), keys(threads);  // each thread's rotated rows
-  for (int64_t thread = 0; thread < threads; ++thread) {
+  std::vector<at::Tensor> queries(threads), keys(threads);  // each thread's rotated rows (no head norms)
+  for (int64_t thread = 0; thread < threads && !tensors_[17].numel(); ++thread) {
     queries[thread] = at::empty({tokens, num_heads_, head_dim_}, options);
     keys[thread] = at::empty({tokens, kv_size}, options);
   }
@@ -286,10 +289,16 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
         failed.store(true);
       }
     };
-    // x W^T into out, this thread's blocks, then (adapters) the deltas of the rows it wrote
+    // x W^T into out, this thread's blocks, then its rows' bias (as `out + bias` rounds it) and (adapters)
+    // their deltas, in the modules' order
     const auto linear = [&](int64_t layer, int p, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& scales, int64_t out_features, at::Tensor& out) {
+                            const at::Tensor& scales, const at::Tensor& bias, int64_t out_features,
+                            at::Tensor& out) {
       small_batch_linear_quantized_into(x, weight, scales, out_features, out);
+      const ThreadShare& rows = thread_share();
+      if (bias.defined() && bias.numel() && rows.rows_end > rows.rows_begin)
+        out.narrow(1, rows.rows_begin, rows.rows_end - rows.rows_begin)
+            .add_(bias.narrow(0, rows.rows_begin, rows.rows_end - rows.rows_begin));
       if (!token_slots) return;
       const at::Tensor* l = lora_.data() + layer * kLoraTensorsPerLayer + 4 * p;
       lora_delta(x, out, l[0], l[1], *token_slots, l[2], l[3]);
@@ -303,13 +312,13 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
           std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12]);
       const auto& [q_norm, k_norm] = std::tie(t[17], t[18]);
       phase([&] {
-        linear(layer, 0, rms_norm(residual, input_norm, eps_), qkv_weight, qkv_scales, qkv_size, qkv);
+        linear(layer, 0, rms_norm(residual, input_norm, eps_), qkv_weight, qkv_scales, qkv_bias, qkv_size, qkv);
       });
 #pragma omp barrier
       phase([&] {  // rope on this thread's copy of the queries and keys; the cache rows written by two threads
         at::Tensor key, value;
-        if ((qkv_bias.defined() && qkv_bias.numel()) || q_norm.numel()) {
-          const auto rows = qkv_bias.defined() && qkv_bias.numel() ? qkv + qkv_bias : qkv.clone();
+        if (q_norm.numel()) {
+          const auto rows = qkv.clone();
           query = rows.narrow(1, 0, q_size);
           key = rows.narrow(1, q_size, kv_size);
           value = rows.narrow(1, q_size + kv_size, kv_size);
@@ -350,16 +359,16 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
                              kv_format_, sinks, window, tree_masks, attention);
       });
 #pragma omp barrier
-      phase([&] { linear(layer, 1, o_input, o_weight, o_scales, hidden_size_, attention_out); });
+      phase([&] { linear(layer, 1, o_input, o_weight, o_scales, kNone, hidden_size_, attention_out); });
 #pragma omp barrier
       phase([&] {
         after_attention = attention_out.clone();  // becomes this thread's residual stream
         linear(layer, 2, add_rms_norm(after_attention, residual, post_norm, eps_), gate_up_weight, gate_up_scales,
-               2 * intermediate_size_, gate_up);
+               kNone, 2 * intermediate_size_, gate_up);
       });
 #pragma omp barrier
       phase([&] {
-        linear(layer, 3, silu_and_mul(gate_up), down_weight, down_scales, hidden_size_, mlp_out);
+        linear(layer, 3, silu_and_mul(gate_up), down_weight, down_scales, kNone, hidden_size_, mlp_out);
       });
 #pragma omp barrier
       phase([&] { residual = after_attention + mlp_out; });
