@@ -123,13 +123,15 @@ def test_the_mixed_layer_keeps_each_shard_in_its_codes(mixed_gguf, tmp_path, mon
 def test_the_decode_stack_runs_the_two_part_layer_as_the_modules(mixed_gguf, tmp_path, monkeypatch):
     """bf16 where this build's int kernels take it, else float32 (the AVX2 level's int kernels take
     float32): the stack is built over the two-part q/k/v and gives the modules' tokens and
-    log-probabilities bit for bit."""
+    log-probabilities bit for bit, in its one parallel region (each part's rows split among the
+    threads, the parts joined after the barrier)."""
     monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
     ops = load_cpu_ops()
     dtype = "bfloat16" if ops.small_batch_linear_int8_supported(torch.bfloat16) else "float32"
     if not ops.small_batch_linear_int8_supported(getattr(torch, dtype)):
         pytest.skip("this build's int8/int4 kernels take neither bfloat16 nor float32 inputs")
-    _assert_three_decodes_bit_identical(mixed_gguf, dtype=dtype, quantization="gguf")
+    stack = _assert_three_decodes_bit_identical(mixed_gguf, dtype=dtype, quantization="gguf")
+    assert (stack.one_region_calls > 0) == (torch.get_num_threads() > 1)
 
 
 def test_stack_rows_joins_runs_and_cuts_rank_rows_from_each_part():

@@ -135,7 +135,8 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> layer_tensors, at::Tensor final
   for (size_t base = 0; base < tensors_.size(); base += kTensorsPerLayer) {
     const at::Tensor* t = tensors_.data() + base;
     quantized_dense_ = quantized_dense_ && quantized(t[1], t[2]) && quantized(t[4], t[5]) && quantized(t[7], t[8]) &&
-                       quantized(t[9], t[10]) && !t[22].numel() && !t[23].numel();
+                       quantized(t[9], t[10]) && !t[22].numel() && (!t[23].numel() || quantized(t[23], t[24]));
+    two_part_qkv_ = two_part_qkv_ || t[23].numel();
   }
 }
 
@@ -155,7 +156,7 @@ at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Ten
   const int64_t tokens = hidden.size(0);
   const int64_t threads = at::get_num_threads();
   // (a Python dispatch mode would have the region's other threads wait for the GIL this one holds)
-  if (quantized_dense_ && tokens <= kSmallBatchRows && !all_reduce_ && threads > 1 &&
+  if (quantized_dense_ && tokens <= kSmallBatchRows && !all_reduce_ && threads > 1 && !(token_slots && two_part_qkv_) &&
       !at::in_parallel_region() && !c10::impl::TorchDispatchModeTLS::any_modes_set()) {
     ++one_region_calls_;
     return forward_in_one_region(hidden, positions, slot_mapping, block_tables, seq_lens, query_starts, block_size,
@@ -257,6 +258,9 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
   // what the threads write their parts of, and read whole after the barrier that follows
   const auto options = hidden.options();
   auto qkv = at::empty({tokens, qkv_size}, options);
+  // a q/k/v layer of two formats: each part's output, joined by every thread after the barrier
+  const auto head_part = two_part_qkv_ ? at::empty({tokens * qkv_size}, options) : at::Tensor();
+  const auto tail_part = two_part_qkv_ ? at::empty({tokens * qkv_size}, options) : at::Tensor();
   auto attention = at::empty({tokens, num_heads_, head_dim_}, options);
   const auto o_input = attention.view({tokens, q_size});
   auto attention_out = at::empty({tokens, hidden_size_}, options);
@@ -266,8 +270,8 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
   std::exception_ptr error;
   std::mutex error_mutex;
   std::atomic<bool> failed{false};
-  std::vector<at::Tensor> queries(threads), keys(threads);  // each thread's rotated rows (no head norms)
-  for (int64_t thread = 0; thread < threads && !tensors_[17].numel(); ++thread) {
+  std::vector<at::Tensor> queries(threads), keys(threads);  // each thread's rotated rows
+  for (int64_t thread = 0; thread < threads; ++thread) {
     queries[thread] = at::empty({tokens, num_heads_, head_dim_}, options);
     keys[thread] = at::empty({tokens, kv_size}, options);
   }
@@ -311,14 +315,29 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
                    gate_up_scales, down_weight, down_scales, key_cache, value_cache] =
           std::tie(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11], t[12]);
       const auto& [q_norm, k_norm] = std::tie(t[17], t[18]);
+      const auto& [qkv_tail, qkv_tail_scales, qkv_head_rows] = std::tie(t[23], t[24], t[25]);
+      const int64_t head_rows = qkv_tail.numel() ? qkv_head_rows.data_ptr<int64_t>()[0] : qkv_size;
+      at::Tensor head, tail;  // the two parts' outputs, [tokens, head_rows] and [tokens, qkv_size - head_rows]
+      if (qkv_tail.numel()) {
+        head = head_part.narrow(0, 0, tokens * head_rows).view({tokens, head_rows});
+        tail = tail_part.narrow(0, 0, tokens * (qkv_size - head_rows)).view({tokens, qkv_size - head_rows});
+      }
       phase([&] {
-        linear(layer, 0, rms_norm(residual, input_norm, eps_), qkv_weight, qkv_scales, qkv_bias, qkv_size, qkv);
+        const auto x = rms_norm(residual, input_norm, eps_);
+        if (!qkv_tail.numel()) {
+          linear(layer, 0, x, qkv_weight, qkv_scales, qkv_bias, qkv_size, qkv);
+          return;
+        }
+        const bool bias = qkv_bias.defined() && qkv_bias.numel();
+        linear(layer, 0, x, qkv_weight, qkv_scales, bias ? qkv_bias.narrow(0, 0, head_rows) : kNone, head_rows, head);
+        linear(layer, 0, x, qkv_tail, qkv_tail_scales, bias ? qkv_bias.narrow(0, head_rows, qkv_size - head_rows) : kNone,
+               qkv_size - head_rows, tail);
       });
 #pragma omp barrier
       phase([&] {  // rope on this thread's copy of the queries and keys; the cache rows written by two threads
         at::Tensor key, value;
-        if (q_norm.numel()) {
-          const auto rows = qkv.clone();
+        if (q_norm.numel() || qkv_tail.numel()) {
+          const auto rows = qkv_tail.numel() ? at::cat({head, tail}, 1) : qkv.clone();
           query = rows.narrow(1, 0, q_size);
           key = rows.narrow(1, q_size, kv_size);
           value = rows.narrow(1, q_size + kv_size, kv_size);
