@@ -25,8 +25,9 @@ join it where their experts are int8/int4 on the grouped kernels and the model i
 router as a linear layer, softmax, top k and renormalization as SparseMoE.route computes them, then
 the one `moe_experts` call QuantizedMoEExperts makes.
 
-Where every dense layer's projections are int8 or int4 (a GGUF's blocks, the default model's) and a
-step has at most 8 rows and one rank (adapters too), the stack holds its threads in one parallel region
+Where every dense layer's projections are int8, int4 (a GGUF's blocks, the default model's; a q/k/v
+of two formats too, without adapters) or bf16, and a step has at most 8 rows and one rank (adapters
+too), the stack holds its threads in one parallel region
 for the whole step: each projection's blocks and attention's items are split among them with a
 barrier after each, and the small per-row operations are repeated on every thread's own copy of the
 row, instead of starting and joining the threads five times a layer (decode_stack.h;

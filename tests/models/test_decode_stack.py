@@ -87,8 +87,9 @@ def test_bit_identical_to_the_module_path(model_dir, dtype, speculative_method, 
     runner.decode_stack = counting = _Counting(stack)
     fused = _run(llm, PROMPTS[:3]) + _run(llm, PROMPTS[3:])
     assert counting.calls >= 20  # the decode steps of both batches went through it
-    # int8/int4 layers: every step ran with the threads held in one region (where there are threads)
-    expected = counting.small_calls if quantization is not None and _threads() > 1 else 0
+    # int8/int4 or bf16 layers: every step of at most 8 rows held the threads in one region (where
+    # there are threads); float32 ones keep the op-by-op stack
+    expected = counting.small_calls if _in_region(dtype, quantization) else 0
     assert stack.one_region_calls == expected, counting.rows_seen
     runner.decode_stack = None
     assert _run(llm, PROMPTS[:3]) + _run(llm, PROMPTS[3:]) == fused
@@ -96,6 +97,12 @@ def test_bit_identical_to_the_module_path(model_dir, dtype, speculative_method, 
 
 def _threads() -> int:
     return torch.get_num_threads()
+
+
+def _in_region(dtype: str, quantization: str | None) -> bool:
+    """Whether the stack's steps of at most 8 rows run in one parallel region: int8/int4 or bf16
+    projections, and threads to hold."""
+    return (quantization is not None or dtype == "bfloat16") and _threads() > 1
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +157,7 @@ def test_qwen3_head_norms_run_in_the_stack(qwen3_dir, dtype, quantization):
     """Qwen3's per-head query and key norms run inside the stack, between the qkv projection and
     rope, as QKNormAttention runs them: the same tokens and log-probabilities with and without it."""
     stack = _assert_three_decodes_bit_identical(qwen3_dir, dtype=dtype, quantization=quantization)
-    assert (stack.one_region_calls > 0) == (quantization is not None and _threads() > 1)
+    assert (stack.one_region_calls > 0) == _in_region(dtype, quantization)
 
 
 @needs_bf16
@@ -205,11 +212,12 @@ def three_threads():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8-rtn"])
+@pytest.mark.parametrize("quantization", ["int4", "int8-rtn", pytest.param(None, marks=needs_bf16)])
 def test_one_region_with_three_threads(model_dir, three_threads, quantization):
     """Three threads split 32-row blocks, attention items and output rows unevenly (a thread with one
-    block fewer, a KV head's query rows over three parts): the module path's bits all the same."""
-    if not ops.small_batch_linear_int8_supported(getattr(torch, DTYPE)):
+    block fewer, a KV head's query rows over three parts): the module path's bits all the same, with
+    int4, int8 and bf16 projections."""
+    if quantization and not ops.small_batch_linear_int8_supported(getattr(torch, DTYPE)):
         pytest.skip("float32 int8/int4 layers need the AVX2 level's kernels (this CPU has AVX-512 VNNI's)")
     stack = _assert_three_decodes_bit_identical(model_dir, dtype=DTYPE, quantization=quantization)
     assert stack.one_region_calls >= 19
@@ -387,7 +395,7 @@ def test_8_bit_kv_caches_run_in_the_stack(model_dir, dtype, kv_cache_dtype, quan
     stack = _assert_three_decodes_bit_identical(
         model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, quantization=quantization
     )
-    assert (stack.one_region_calls > 0) == (quantization is not None and _threads() > 1)
+    assert (stack.one_region_calls > 0) == _in_region(dtype, quantization)
 
 
 def test_a_failure_inside_the_region_is_raised(model_dir):

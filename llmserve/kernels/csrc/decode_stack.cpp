@@ -128,8 +128,11 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> layer_tensors, at::Tensor final
   TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "DecodeStack takes plain, int8 and fp8 KV caches");
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kTensorsPerLayer == 0,
               "DecodeStack takes 26 tensors per layer");
+  // int8/int4 weights with their scales, or bf16 ones on the small-batch kernel (no scales)
   const auto quantized = [](const at::Tensor& weight, const at::Tensor& scales) {
-    return weight.defined() && weight.scalar_type() == at::kByte && scales.defined() && scales.numel();
+    if (!weight.defined()) return false;
+    if (weight.scalar_type() == at::kBFloat16) return !scales.defined() || !scales.numel();
+    return weight.scalar_type() == at::kByte && scales.defined() && scales.numel();
   };
   quantized_dense_ = true;
   for (size_t base = 0; base < tensors_.size(); base += kTensorsPerLayer) {
@@ -298,7 +301,10 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
     const auto linear = [&](int64_t layer, int p, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& scales, const at::Tensor& bias, int64_t out_features,
                             at::Tensor& out) {
-      small_batch_linear_quantized_into(x, weight, scales, out_features, out);
+      if (weight.scalar_type() == at::kBFloat16)
+        small_batch_linear_into(x, weight, out_features, out);
+      else
+        small_batch_linear_quantized_into(x, weight, scales, out_features, out);
       const ThreadShare& rows = thread_share();
       if (bias.defined() && bias.numel() && rows.rows_end > rows.rows_begin)
         out.narrow(1, rows.rows_begin, rows.rows_end - rows.rows_begin)

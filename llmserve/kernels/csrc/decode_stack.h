@@ -63,7 +63,7 @@ class DecodeStack {
   // KiB) instead of handed off. At 1-8 rows a layer's kernels are short enough that starting and joining
   // the threads for each (five times a layer) was a large share of the step. Each kernel computes what
   // its own call computes, so the output is the same bits. Taken when every dense layer's projections
-  // are int8 or int4 (a q/k/v layer of two formats as two parts, joined after the barrier; not with
+  // are int8, int4 or bf16 (a q/k/v layer of two formats as two parts, joined after the barrier; not with
   // adapters) and the step has at most 8 rows and one rank; adapters' deltas are added by the thread
   // that wrote each output row.
   at::Tensor forward_in_one_region(const at::Tensor& hidden, const at::Tensor& positions,
@@ -81,7 +81,7 @@ class DecodeStack {
   int64_t amx_max_rows_, kernel_max_rows_, kv_format_;
   double eps_, scale_;
   std::function<void(at::Tensor)> all_reduce_;
-  bool quantized_dense_ = false;  // every layer dense with int8/int4 projections
+  bool quantized_dense_ = false;  // every layer dense with int8/int4 or bf16 small-batch projections
   bool two_part_qkv_ = false;     // some layer's q/k/v in two formats (qkv_tail)
   mutable std::atomic<int64_t> one_region_calls_{0};
 };

@@ -4,6 +4,7 @@
 
 #include "aten.h"
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -32,6 +33,20 @@ class ThreadShareGuard {
  private:
   ThreadShare saved_;
 };
+
+// Inside a caller's region: runs this thread's contiguous part of `items` 32-row blocks of an
+// n_rows-row output as run(first, end) and records its rows; returns false (nothing run) outside one.
+template <typename Run>
+bool run_thread_part(int64_t items, int64_t n_rows, const Run& run) {
+  ThreadShare& share = thread_share();
+  if (share.threads <= 0) return false;
+  const int64_t chunk = (items + share.threads - 1) / share.threads;
+  const int64_t first = std::min(items, share.thread * chunk), last = std::min(items, (share.thread + 1) * chunk);
+  run(first, last);
+  share.rows_begin = std::min(n_rows, first * 32);
+  share.rows_end = std::min(n_rows, last * 32);
+  return true;
+}
 
 // paged_attention.cpp, prefill_attention.cpp, prefill_attention_fma.cpp
 at::Tensor paged_attention(at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
@@ -67,6 +82,8 @@ void prefill_attention_fma(const at::Tensor& query, const at::Tensor& key_cache,
 // linear.cpp, linear_quantized.cpp
 at::Tensor small_batch_pack(at::Tensor weight);
 at::Tensor small_batch_linear(at::Tensor x, at::Tensor packed, int64_t out_features);
+// the same into out [M, out_features] (bf16, contiguous)
+void small_batch_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, at::Tensor& out);
 at::Tensor small_batch_linear_float_out(at::Tensor x, at::Tensor packed, int64_t out_features);
 bool small_batch_linear_supported();
 // linear_amx.cpp: the same packed bf16 weight, any row count, on AMX's tile products

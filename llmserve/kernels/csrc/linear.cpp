@@ -154,12 +154,13 @@ void linear_packed(const uint16_t* x, const uint16_t* packed, Out* out, int64_t 
   // the output stays in cache, on Zen 5). Aligned rows only (64-byte lines of 16 floats).
   const bool stream = std::is_same_v<Out, float> && m_size * n_size * sizeof(Out) > (1 << 20) && n_size % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(out) % 64 == 0;
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  const auto run = [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       linear_block_rows(x, packed + b * block_elements, out, m_size, k_size, n_size, b * kBlockRows, stream,
                         b + 1 < end);
     if (stream) _mm_sfence();  // the streamed lines reach memory before the region's end
-  });
+  };
+  if (!run_thread_part(blocks, n_size, run)) at::parallel_for(0, blocks, grain, run);
 }
 
 #endif  // LLMSERVE_BF16_LINEAR
@@ -234,7 +235,7 @@ void linear_packed(const uint16_t* x_bf16, const uint16_t* packed, Out* out, int
   const int64_t block_elements = kBlockRows * k_size;
   // Each task covers at least ~64 KiB of weights, so thread start-up is paid on real work.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (2 * block_elements));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  const auto run = [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const uint16_t* block = packed + b * block_elements;
       for (int64_t m0 = 0; m0 < m_size; m0 += kRowsPerPass) {
@@ -244,7 +245,8 @@ void linear_packed(const uint16_t* x_bf16, const uint16_t* packed, Out* out, int
           linear_block_avx2<1>(x + m0 * k_size, block, out + m0 * n_size, k_size, n_size, b * kBlockRows, m0 == 0);
       }
     }
-  });
+  };
+  if (!run_thread_part(blocks, n_size, run)) at::parallel_for(0, blocks, grain, run);
 }
 
 #endif  // LLMSERVE_BF16_LINEAR_AVX2
@@ -287,6 +289,18 @@ at::Tensor small_batch_linear(at::Tensor x, at::Tensor packed, int64_t out_featu
                 reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(0), x.size(1), out_features);
 #endif
   return out;
+}
+
+void small_batch_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, at::Tensor& out) {
+  check_inputs(x, packed, out_features);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == out_features,
+              "small_batch_linear_into: out must be contiguous bf16 [M, out_features]");
+#if defined(LLMSERVE_BF16_LINEAR) || defined(LLMSERVE_BF16_LINEAR_AVX2)
+  linear_packed(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
+                reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()),
+                reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), x.size(0), x.size(1), out_features);
+#endif
 }
 
 // x [M, K] bf16 with any M >= 1, the same packed weight. Returns [M, N] float32: the sums unrounded,

@@ -647,15 +647,8 @@ void for_each_block(const Experts& experts, int64_t n_size, int64_t block_bytes,
       run(e.expert, item % blocks, e.begin, e.end);
     }
   };
-  ThreadShare& share = thread_share();
-  if (share.threads > 0) {  // a thread of the caller's region: its contiguous run of the items
-    const int64_t chunk = (items + share.threads - 1) / share.threads;
-    const int64_t first = std::min(items, share.thread * chunk), last = std::min(items, (share.thread + 1) * chunk);
-    run_items(first, last);
-    share.rows_begin = busy.size() == 1 ? std::min(n_size, first * kRows) : 0;  // one expert: a layer's rows
-    share.rows_end = busy.size() == 1 ? std::min(n_size, last * kRows) : 0;
-    return;
-  }
+  // a thread of the caller's region: its contiguous run of the items (one expert's: a layer's rows)
+  if (busy.size() == 1 && run_thread_part(items, n_size, run_items)) return;
   at::parallel_for(0, items, std::max<int64_t>(1, (64 * 1024) / block_bytes), run_items);
 }
 
