@@ -493,11 +493,12 @@ def test_fused_decode_stack_serves_steps_with_and_without_adapters(llm, monkeypa
 
 
 @pytest.mark.cpu_kernels("avx2")
-def test_adapters_over_int4_layers_in_the_stacks_one_region(model_dirs, monkeypatch):
-    """Over int4 layers the stack runs each step in one parallel region, adapters' deltas added by the
-    thread that wrote each output row: the same tokens and log-probs as the modules, for each adapter
-    alone and for all of them (and none) in one batch of 8 rows (several tiles a call)."""
-    with _llm(model_dirs, max_loras=len(ADAPTERS), quantization="int4", dtype="bfloat16") as llm:
+@pytest.mark.parametrize("quantization", ["int4", None])
+def test_adapters_in_the_stacks_one_region(model_dirs, monkeypatch, quantization):
+    """Over int4 or bf16 layers the stack runs each step in one parallel region, adapters' deltas added
+    by the thread that wrote each output row: the same tokens and log-probs as the modules, for each
+    adapter alone and for all of them (and none) in one batch of 8 rows (several tiles a call)."""
+    with _llm(model_dirs, max_loras=len(ADAPTERS), quantization=quantization, dtype="bfloat16") as llm:
         stack = llm.engine.model_runner.decode_stack
         assert stack is not None and stack.lora_bound
         names = [None, *ADAPTERS]

@@ -12,8 +12,8 @@
 // kernel_max_rows) or oneDNN's GEMM, as the modules choose. The model uses it when every sequence is
 // a decode or a short span (models/decode_stack.py says when). Under tensor parallelism the layers are
 // one rank's shards, and the o and down projections' outputs are summed over the ranks in the stack
-// (shm_collectives.cpp on one host), as the modules sum them. int8/int4 layers at 1-8 rows run in one
-// OpenMP region for the whole step (forward_in_one_region, decode_stack.h says why).
+// (shm_collectives.cpp on one host), as the modules sum them. int8, int4 and bf16 layers at 1-8 rows run
+// in one OpenMP region for the whole step (forward_in_one_region, decode_stack.h says why).
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -128,16 +128,18 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> layer_tensors, at::Tensor final
   TORCH_CHECK(kv_format >= 0 && kv_format <= 2, "DecodeStack takes plain, int8 and fp8 KV caches");
   TORCH_CHECK(!tensors_.empty() && tensors_.size() % kTensorsPerLayer == 0,
               "DecodeStack takes 26 tensors per layer");
-  // int8/int4 weights with their scales, or bf16 ones on the small-batch kernel (no scales)
-  const auto quantized = [](const at::Tensor& weight, const at::Tensor& scales) {
+  // int8/int4 weights with their scales, or, in a bf16 model, bf16 ones on the small-batch kernel (a
+  // float32 model's bf16 copies are the float32 kernel's layout)
+  const bool bf16_model = final_norm_.scalar_type() == at::kBFloat16;
+  const auto quantized = [bf16_model](const at::Tensor& weight, const at::Tensor& scales) {
     if (!weight.defined()) return false;
-    if (weight.scalar_type() == at::kBFloat16) return !scales.defined() || !scales.numel();
+    if (weight.scalar_type() == at::kBFloat16) return bf16_model && (!scales.defined() || !scales.numel());
     return weight.scalar_type() == at::kByte && scales.defined() && scales.numel();
   };
-  quantized_dense_ = true;
+  region_layers_ = true;
   for (size_t base = 0; base < tensors_.size(); base += kTensorsPerLayer) {
     const at::Tensor* t = tensors_.data() + base;
-    quantized_dense_ = quantized_dense_ && quantized(t[1], t[2]) && quantized(t[4], t[5]) && quantized(t[7], t[8]) &&
+    region_layers_ = region_layers_ && quantized(t[1], t[2]) && quantized(t[4], t[5]) && quantized(t[7], t[8]) &&
                        quantized(t[9], t[10]) && !t[22].numel() && (!t[23].numel() || quantized(t[23], t[24]));
     two_part_qkv_ = two_part_qkv_ || t[23].numel();
   }
@@ -159,7 +161,7 @@ at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Ten
   const int64_t tokens = hidden.size(0);
   const int64_t threads = at::get_num_threads();
   // (a Python dispatch mode would have the region's other threads wait for the GIL this one holds)
-  if (quantized_dense_ && tokens <= kSmallBatchRows && !all_reduce_ && threads > 1 && !(token_slots && two_part_qkv_) &&
+  if (region_layers_ && tokens <= kSmallBatchRows && !all_reduce_ && threads > 1 && !(token_slots && two_part_qkv_) &&
       !at::in_parallel_region() && !c10::impl::TorchDispatchModeTLS::any_modes_set()) {
     ++one_region_calls_;
     return forward_in_one_region(hidden, positions, slot_mapping, block_tables, seq_lens, query_starts, block_size,

@@ -81,7 +81,7 @@ class DecodeStack {
   int64_t amx_max_rows_, kernel_max_rows_, kv_format_;
   double eps_, scale_;
   std::function<void(at::Tensor)> all_reduce_;
-  bool quantized_dense_ = false;  // every layer dense with int8/int4 or bf16 small-batch projections
+  bool region_layers_ = false;  // every layer dense with int8/int4 or bf16 small-batch projections
   bool two_part_qkv_ = false;     // some layer's q/k/v in two formats (qkv_tail)
   mutable std::atomic<int64_t> one_region_calls_{0};
 };

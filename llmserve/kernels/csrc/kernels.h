@@ -10,10 +10,10 @@
 #include <vector>
 
 // threads.cpp: a thread's part of a kernel's work inside a caller's OpenMP region (decode_stack.cpp's
-// one region per step). With `threads` > 0 the int8/int4 small-batch linear kernels and paged_attention
-// run only this thread's part of their work, on the calling thread, and lora_delta adds the deltas of
-// the output rows this thread's last linear kernel wrote; the caller synchronizes. Each part is computed
-// as in a call of their own, so the outputs are the same bits.
+// one region per step). With `threads` > 0 the bf16, int8 and int4 small-batch linear kernels and
+// paged_attention run only this thread's part of their work, on the calling thread, and lora_delta adds
+// the deltas of the output rows this thread's last linear kernel wrote; the caller synchronizes. Each
+// part is computed as in a call of its own, so the outputs are the same bits.
 struct ThreadShare {
   int64_t thread = 0, threads = 0;
   // the output rows [rows_begin, rows_end) of the last linear kernel this thread ran its part of:

@@ -647,8 +647,9 @@ void for_each_block(const Experts& experts, int64_t n_size, int64_t block_bytes,
       run(e.expert, item % blocks, e.begin, e.end);
     }
   };
-  // a thread of the caller's region: its contiguous run of the items (one expert's: a layer's rows)
-  if (busy.size() == 1 && run_thread_part(items, n_size, run_items)) return;
+  // a thread of the caller's region: its contiguous run of the items (one expert's rows are a layer's;
+  // several experts' items record no rows)
+  if (run_thread_part(items, busy.size() == 1 ? n_size : 0, run_items)) return;
   at::parallel_for(0, items, std::max<int64_t>(1, (64 * 1024) / block_bytes), run_items);
 }
 
