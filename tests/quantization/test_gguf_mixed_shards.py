@@ -50,11 +50,11 @@ def mixed_gguf(tmp_path_factory) -> str:
     return write_q4_k_m(str(tmp_path_factory.mktemp("mixed") / "q4_k_m.gguf"))
 
 
-def write_q4_k_m(path: str, untied: bool = False) -> str:
+def write_q4_k_m(path: str, untied: bool = False, arch: str = "llama") -> str:
     """`mixed_gguf`'s file at `path`; `untied`: a Q4_K embedding and a Q6_K output projection of its own,
-    as llama.cpp writes an untied model's Q4_K_M."""
+    as llama.cpp writes an untied model's Q4_K_M; arch "qwen2": with float q/k/v biases, as Qwen2's."""
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, arch)
     for add, value in [
         (writer.add_block_count, LAYERS),
         (writer.add_context_length, 256),
@@ -85,6 +85,9 @@ def write_q4_k_m(path: str, untied: bool = False) -> str:
     for layer in range(LAYERS):
         for name in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{layer}.{name}.weight", np.ones(HIDDEN, dtype=np.float32))
+        for short in ("attn_q", "attn_k", "attn_v") if arch == "qwen2" else ():
+            bias = rng.uniform(-0.5, 0.5, shapes[short][0]).astype(np.float32)
+            writer.add_tensor(f"blk.{layer}.{short}.bias", bias)
         for short, (rows, cols) in shapes.items():
             six = short == "ffn_down" or (short == "attn_v" and layer == 0)
             qtype = Q.Q6_K if six else Q.Q4_K
@@ -131,6 +134,23 @@ def test_the_decode_stack_runs_the_two_part_layer_as_the_modules(mixed_gguf, tmp
     if not ops.small_batch_linear_int8_supported(getattr(torch, dtype)):
         pytest.skip("this build's int8/int4 kernels take neither bfloat16 nor float32 inputs")
     stack = _assert_three_decodes_bit_identical(mixed_gguf, dtype=dtype, quantization="gguf")
+    assert (stack.one_region_calls > 0) == (torch.get_num_threads() > 1)
+
+
+@pytest.mark.cpu_kernels("avx2")
+def test_a_two_part_layer_with_a_bias_in_the_stack(tmp_path, monkeypatch):
+    """A Qwen2 Q4_K_M's two-part q/k/v with its bias: each part's rows get their slice of the bias (the
+    tail's from its first row), as the modules add the bias to the joined output."""
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_q4_k_m(str(tmp_path / "qwen2-q4_k_m.gguf"), arch="qwen2")
+    ops = load_cpu_ops()
+    dtype = "bfloat16" if ops.small_batch_linear_int8_supported(torch.bfloat16) else "float32"
+    llm = LLM(path, dtype=dtype, quantization="gguf", **ENGINE)
+    layers = llm.engine.model_runner.model.model.layers
+    assert isinstance(layers[0].self_attn.qkv_proj.kernel, StackedKernel)
+    assert layers[0].self_attn.qkv_proj.bias is not None
+    llm.shutdown()
+    stack = _assert_three_decodes_bit_identical(path, dtype=dtype, quantization="gguf")
     assert (stack.one_region_calls > 0) == (torch.get_num_threads() > 1)
 
 
