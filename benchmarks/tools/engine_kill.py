@@ -60,7 +60,9 @@ class Load:
         self.records: list[tuple[float, float, str]] = []  # (sent, ended, outcome)
         self.stop = asyncio.Event()
 
-    async def client(self) -> None:
+    async def client(self, delay: float = 0.0) -> None:
+        # clients start `delay` apart, so that their identical requests do not all end in one step
+        await asyncio.sleep(delay)
         while not self.stop.is_set():
             sent = time.monotonic()
             outcome = await self._one()
@@ -140,7 +142,7 @@ async def run(args: argparse.Namespace) -> dict:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         body = {"model": model, "prompt": args.prompt, "max_tokens": args.max_tokens, "ignore_eos": True}
         load = Load(http, {**body, "stream": True})
-        clients = [asyncio.create_task(load.client()) for _ in range(args.concurrency)]
+        clients = [asyncio.create_task(load.client(0.05 * i)) for i in range(args.concurrency)]
         try:
             rounds = [await one_kill(http, load, pid, args) for _ in range(args.kills)]
         finally:

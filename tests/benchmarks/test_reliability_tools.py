@@ -33,9 +33,9 @@ def test_overload_counts_429s_and_retries_them(server, tmp_path):
 
 def test_engine_kill_times_the_restart_under_load(server, tmp_path):
     out = tmp_path / "engine_kill.json"
-    # 256 tokens: the two clients' identical requests end in the same step, so a kill landing while
-    # both last chunks are on their way ends no request with an error; the longer the requests, the
-    # rarer that is (with 64 tokens it happened once in a full suite run)
+    # a kill landing while every in-flight request's last chunks are on their way (the engine done, the
+    # server still streaming) ends none with an error: the clients start 50 ms apart so that their
+    # requests do not end in one step, and 256 tokens keep those windows a small part of each request
     argv = ["--url", server.base_url, "--concurrency", "2", "--max-tokens", "256", "--load-seconds", "1"]
     assert engine_kill.main([*argv, "--kills", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
