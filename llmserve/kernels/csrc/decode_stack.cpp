@@ -84,6 +84,16 @@ at::Tensor quantize_kv_rows(const at::Tensor& rows, int64_t kv_format) {
   return at::cat({codes.view(at::kByte), scale.view(at::kByte)}, -1);
 }
 
+// A layer's new K or V rows [tokens, kv_heads, head_dim] into its cache, as KVCacheFormat.write writes
+// them: a plain copy, or an indexed copy of the rows quantized to the 8-bit format.
+void write_cache_rows(const at::Tensor& cache, const at::Tensor& slot_mapping, const at::Tensor& rows,
+                      int64_t kv_format) {
+  if (kv_format)
+    cache.index_copy_(0, slot_mapping, quantize_kv_rows(rows, kv_format));
+  else
+    write_kv_rows(cache, slot_mapping, rows);
+}
+
 // x W^T (+ bias) as the layer's module computes it for this many rows: the small-batch kernel up to
 // kSmallBatchRows, int8 and int4 weights at any row count, bf16 weights up to kernel_max_rows (the bias
 // added after); above that AMX on the same bf16 copy up to amx_max_rows, oneDNN on its blocked copy beyond.
@@ -131,7 +141,7 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> layer_tensors, at::Tensor final
   // int8/int4 weights with their scales, or, in a bf16 model, bf16 ones on the small-batch kernel (a
   // float32 model's bf16 copies are the float32 kernel's layout)
   const bool bf16_model = final_norm_.scalar_type() == at::kBFloat16;
-  const auto quantized = [bf16_model](const at::Tensor& weight, const at::Tensor& scales) {
+  const auto in_region = [bf16_model](const at::Tensor& weight, const at::Tensor& scales) {
     if (!weight.defined()) return false;
     if (weight.scalar_type() == at::kBFloat16) return bf16_model && (!scales.defined() || !scales.numel());
     return weight.scalar_type() == at::kByte && scales.defined() && scales.numel();
@@ -139,8 +149,8 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> layer_tensors, at::Tensor final
   region_layers_ = true;
   for (size_t base = 0; base < tensors_.size(); base += kTensorsPerLayer) {
     const at::Tensor* t = tensors_.data() + base;
-    region_layers_ = region_layers_ && quantized(t[1], t[2]) && quantized(t[4], t[5]) && quantized(t[7], t[8]) &&
-                       quantized(t[9], t[10]) && !t[22].numel() && (!t[23].numel() || quantized(t[23], t[24]));
+    region_layers_ = region_layers_ && in_region(t[1], t[2]) && in_region(t[4], t[5]) && in_region(t[7], t[8]) &&
+                     in_region(t[9], t[10]) && !t[22].numel() && (!t[23].numel() || in_region(t[23], t[24]));
     two_part_qkv_ = two_part_qkv_ || t[23].numel();
   }
 }
@@ -208,13 +218,8 @@ at::Tensor DecodeStack::forward(at::Tensor hidden, at::Tensor positions, at::Ten
     rotary_embedding(positions, query, key, cos_, sin_, head_dim_);
     const auto key_rows = key.view({tokens, num_kv_heads_, head_dim_});
     const auto value_rows = value.view({tokens, num_kv_heads_, head_dim_});
-    if (kv_format_) {  // as KVCacheFormat.write: an indexed copy of the quantized rows
-      key_cache.index_copy_(0, slot_mapping, quantize_kv_rows(key_rows, kv_format_));
-      value_cache.index_copy_(0, slot_mapping, quantize_kv_rows(value_rows, kv_format_));
-    } else {
-      write_kv_rows(key_cache, slot_mapping, key_rows);
-      write_kv_rows(value_cache, slot_mapping, value_rows);
-    }
+    write_cache_rows(key_cache, slot_mapping, key_rows, kv_format_);
+    write_cache_rows(value_cache, slot_mapping, value_rows, kv_format_);
     auto attention = paged_attention(query.view({tokens, num_heads_, head_dim_}).contiguous(), key_cache,
                                      value_cache, block_tables, seq_lens, query_starts, block_size, scale_,
                                      kv_format_, sinks, window, tree_masks);
@@ -370,15 +375,9 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
           rotary_embedding(positions, query.view({tokens, q_size}), key, cos_, sin_, head_dim_);
         }
         // the keys by the first thread, the values by the last (one thread: both)
-        const auto write = [&](const at::Tensor& cache, const at::Tensor& rows) {
-          const auto heads = rows.view({tokens, num_kv_heads_, head_dim_});
-          if (kv_format_)
-            cache.index_copy_(0, slot_mapping, quantize_kv_rows(heads, kv_format_));
-          else
-            write_kv_rows(cache, slot_mapping, heads);
-        };
-        if (thread == 0) write(key_cache, key);
-        if (thread == team - 1) write(value_cache, value);
+        const std::vector<int64_t> heads{tokens, num_kv_heads_, head_dim_};
+        if (thread == 0) write_cache_rows(key_cache, slot_mapping, key.view(heads), kv_format_);
+        if (thread == team - 1) write_cache_rows(value_cache, slot_mapping, value.view(heads), kv_format_);
       });
 #pragma omp barrier
       phase([&] {

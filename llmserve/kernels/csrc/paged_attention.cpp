@@ -882,26 +882,19 @@ void for_each_item(int64_t num_seqs, int64_t num_kv_heads, const int64_t* seq_le
     }
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
+  const auto run_item = [&](int64_t i) {
+    static thread_local Scratch scratch;  // kept across calls: no allocation per layer once grown
+    const Item& item = items[i];
+    for (int64_t head = item.first_head; head < item.first_head + item.num_heads; ++head)
+      attend(item.seq, head, item.row_begin, item.row_end, scratch);
+  };
   if (share.threads > 0) {  // a thread of the caller's region: every threads-th item from its own
-    static thread_local Scratch scratch;
-    for (int64_t i = share.thread; i < num_items; i += share.threads) {
-      const Item& item = items[i];
-      for (int64_t head = item.first_head; head < item.first_head + item.num_heads; ++head)
-        attend(item.seq, head, item.row_begin, item.row_end, scratch);
-    }
+    for (int64_t i = share.thread; i < num_items; i += share.threads) run_item(i);
     return;
   }
   const int threads = static_cast<int>(std::min<int64_t>(max_threads, num_items));
-#pragma omp parallel num_threads(threads)
-  {
-    static thread_local Scratch scratch;  // kept across calls: no allocation per layer once grown
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) {
-      const Item& item = items[i];
-      for (int64_t head = item.first_head; head < item.first_head + item.num_heads; ++head)
-        attend(item.seq, head, item.row_begin, item.row_end, scratch);
-    }
-  }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t i = 0; i < num_items; ++i) run_item(i);
 }
 
 // Which kernel paged_attention runs for queries of `dtype`, a cache of kv_format and head_dim, as compiled
