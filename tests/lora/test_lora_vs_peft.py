@@ -492,12 +492,24 @@ def test_fused_decode_stack_serves_steps_with_and_without_adapters(llm, monkeypa
         assert _tokens_and_logprobs(ours) == _tokens_and_logprobs(theirs)  # the same kernels: bit for bit
 
 
+@pytest.fixture(params=[None, 3], ids=["threads", "three-threads"])
+def region_threads(request):
+    """torch's threads as they are, or at 3 (more than this CI's cores: each adapter's columns and
+    output rows split unevenly among the region's threads)."""
+    threads = torch.get_num_threads()
+    if request.param:
+        torch.set_num_threads(request.param)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.cpu_kernels("avx2")
 @pytest.mark.parametrize("quantization", ["int4", None])
-def test_adapters_in_the_stacks_one_region(model_dirs, monkeypatch, quantization):
-    """Over int4 or bf16 layers the stack runs each step in one parallel region, adapters' deltas added
-    by the thread that wrote each output row: the same tokens and log-probs as the modules, for each
-    adapter alone and for all of them (and none) in one batch of 8 rows (several tiles a call)."""
+def test_adapters_in_the_stacks_one_region(model_dirs, monkeypatch, quantization, region_threads):
+    """Over int4 or bf16 layers the stack runs each step in one parallel region, each thread shrinking
+    its share of an adapter's columns and expanding all of them into the output rows it wrote: the same
+    tokens and log-probs as the modules, for each adapter alone and for all of them (and none) in one
+    batch of 8 rows (several tiles a call)."""
     with _llm(model_dirs, max_loras=len(ADAPTERS), quantization=quantization, dtype="bfloat16") as llm:
         stack = llm.engine.model_runner.decode_stack
         assert stack is not None and stack.lora_bound
@@ -522,6 +534,30 @@ def test_adapters_in_the_stacks_one_region(model_dirs, monkeypatch, quantization
         modules = llm.generate(prompts, params, use_tqdm=False)
         for ours, theirs in zip(together, modules, strict=True):
             assert _tokens_and_logprobs(ours) == _tokens_and_logprobs(theirs)
+
+
+@pytest.mark.cpu_kernels("avx2")
+def test_the_stack_refuses_a_slot_out_of_range(model_dirs):
+    """A step's slots are checked once before the stack's layers (not in every delta): a slot past the
+    stacks is an error raised to the caller, and the engine serves on."""
+    with _llm(model_dirs, max_loras=2, quantization="int4", dtype="bfloat16") as llm:
+        stack = llm.engine.model_runner.decode_stack
+        assert stack is not None and stack.lora_bound
+        with pytest.raises(RuntimeError, match="token slot 5 out of range"):
+            stack.stack.forward(
+                stack.embed_tokens(torch.tensor([5])),
+                torch.tensor([0], dtype=torch.int64),
+                torch.tensor([0], dtype=torch.int64),
+                torch.zeros(1, 1, dtype=torch.int64),
+                torch.tensor([1], dtype=torch.int64),
+                torch.tensor([0, 1], dtype=torch.int64),
+                16,
+                0,
+                0,
+                torch.tensor([5], dtype=torch.int64),
+            )
+        output = llm.generate([PROMPTS[0]], _params(next(iter(ADAPTERS))), use_tqdm=False)[0]
+        assert len(output.outputs[0].token_ids) == MAX_TOKENS
 
 
 def test_gguf_lora_files_match_peft_merged_model(model_dirs, tmp_path):

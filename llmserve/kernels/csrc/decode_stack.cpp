@@ -158,6 +158,16 @@ DecodeStack::DecodeStack(std::vector<at::Tensor> layer_tensors, at::Tensor final
 void DecodeStack::set_lora(std::vector<at::Tensor> lora_tensors) {
   TORCH_CHECK(lora_tensors.size() == tensors_.size() / kTensorsPerLayer * kLoraTensorsPerLayer,
               "DecodeStack::set_lora takes 16 tensors per layer");
+  const int64_t q_size = num_heads_ * head_dim_, qkv_size = q_size + 2 * num_kv_heads_ * head_dim_;
+  // each projection's (in, out) features: qkv, o, gate_up, down
+  const int64_t features[4][2] = {
+      {hidden_size_, qkv_size}, {q_size, hidden_size_}, {hidden_size_, 2 * intermediate_size_},
+      {intermediate_size_, hidden_size_}};
+  for (size_t i = 0; i < lora_tensors.size(); i += 4) {
+    const int64_t p = (i / 4) % 4;
+    lora_check_stacks(lora_tensors[i], lora_tensors[i + 1], lora_tensors[i + 2], lora_tensors[i + 3], features[p][0],
+                      features[p][1]);
+  }
   lora_ = std::move(lora_tensors);
 }
 
@@ -279,11 +289,20 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
   at::Tensor result;
   std::exception_ptr error;
   std::mutex error_mutex;
-  std::atomic<bool> failed{false};
   std::vector<at::Tensor> queries(threads), keys(threads);  // each thread's rotated rows
   for (int64_t thread = 0; thread < threads; ++thread) {
     queries[thread] = at::empty({tokens, num_heads_, head_dim_}, options);
     keys[thread] = at::empty({tokens, kv_size}, options);
+  }
+  std::atomic<bool> failed{false};
+  LoraExchange lora_exchange;  // the adapters' shrinks, shared between the threads
+  lora_exchange.failed = &failed;
+  if (token_slots) {
+    TORCH_CHECK(tokens <= LoraExchange::kMaxRows, "DecodeStack: a region's step with adapters has at most ",
+                LoraExchange::kMaxRows, " rows");
+    TORCH_CHECK(lora_[0].scalar_type() == hidden.scalar_type(), "DecodeStack: adapters of another dtype");
+    for (size_t i = 0; i < lora_.size(); i += 4)
+      lora_check_step(lora_[i], lora_[i + 2], lora_[i + 3].size(0) - 1, *token_slots, tokens);
   }
   const at::ThreadLocalState state;  // the caller's inference mode and dispatch state, for every thread
 #pragma omp parallel num_threads(static_cast<int>(threads))
@@ -303,11 +322,14 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
         failed.store(true);
       }
     };
+    int64_t lora_call = 0;  // this thread's count of the region's adapter calls (the same on every thread)
     // x W^T into out, this thread's blocks, then its rows' bias (as `out + bias` rounds it) and (adapters)
-    // their deltas, in the modules' order
+    // their deltas, in the modules' order; the adapters' shrink before the linear part, their expand after
     const auto linear = [&](int64_t layer, int p, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& scales, const at::Tensor& bias, int64_t out_features,
                             at::Tensor& out) {
+      const at::Tensor* l = token_slots ? lora_.data() + layer * kLoraTensorsPerLayer + 4 * p : nullptr;
+      if (l) lora_shrink_part(x, l[0], *token_slots, l[2], lora_call, lora_exchange);
       if (weight.scalar_type() == at::kBFloat16)
         small_batch_linear_into(x, weight, out_features, out);
       else
@@ -316,9 +338,7 @@ at::Tensor DecodeStack::forward_in_one_region(const at::Tensor& hidden, const at
       if (bias.defined() && bias.numel() && rows.rows_end > rows.rows_begin)
         out.narrow(1, rows.rows_begin, rows.rows_end - rows.rows_begin)
             .add_(bias.narrow(0, rows.rows_begin, rows.rows_end - rows.rows_begin));
-      if (!token_slots) return;
-      const at::Tensor* l = lora_.data() + layer * kLoraTensorsPerLayer + 4 * p;
-      lora_delta(x, out, l[0], l[1], *token_slots, l[2], l[3]);
+      if (l) lora_expand_part(out, l[1], *token_slots, l[2], l[3], lora_call++, lora_exchange);
     };
     at::Tensor residual = hidden;  // this thread's copy of the residual stream (the same bits on every thread)
     at::Tensor query, after_attention;

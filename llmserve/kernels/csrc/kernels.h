@@ -5,6 +5,7 @@
 #include "aten.h"
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
 #include <vector>
@@ -151,3 +152,27 @@ bool set_omp_thread_cpus(const std::vector<std::vector<int64_t>>& cpus_per_threa
 bool lora_delta_supported();
 void lora_delta(const at::Tensor& x, at::Tensor out, const at::Tensor& a, const at::Tensor& bt,
                 const at::Tensor& token_slots, const at::Tensor& widths, const at::Tensor& shard_starts);
+// lora_delta's checks of a layer's stacks (once, where a caller binds them) and of a step's slots and the
+// stacks' widths (once a step; an adapter loaded between steps rewrites its slot's widths)
+void lora_check_stacks(const at::Tensor& a, const at::Tensor& bt, const at::Tensor& widths,
+                       const at::Tensor& shard_starts, int64_t in_features, int64_t out_features);
+void lora_check_step(const at::Tensor& a, const at::Tensor& widths, int64_t shards, const at::Tensor& token_slots,
+                     int64_t rows);
+// Inside a caller's region (ThreadShare), lora_delta in two halves around a linear kernel's part: each
+// thread shrinks its share of the columns into the exchange before its part of the linear, then expands
+// all of them into the output rows it wrote, once every thread has arrived (no barrier: the linear part
+// between the two has long covered the wait). `call` counts the region's calls, the same on every
+// thread. Arguments as lora_delta's, checked beforehand (lora_check_stacks, lora_check_step); at most
+// kMaxRows rows.
+struct LoraExchange {
+  // a step's rows; rank times shards (lora/weights.py keeps wider stacks off the kernel)
+  static constexpr int64_t kMaxRows = 8, kMaxWidth = 512;
+  std::atomic<int64_t> arrived{0};
+  const std::atomic<bool>* failed = nullptr;  // a thread that failed may never arrive: the others give up
+  float hidden[2][kMaxRows][kMaxWidth];       // by the call's parity, so a call never overwrites the last
+};
+void lora_shrink_part(const at::Tensor& x, const at::Tensor& a, const at::Tensor& token_slots,
+                      const at::Tensor& widths, int64_t call, LoraExchange& exchange);
+void lora_expand_part(at::Tensor& out, const at::Tensor& bt, const at::Tensor& token_slots,
+                      const at::Tensor& widths, const at::Tensor& shard_starts, int64_t call,
+                      LoraExchange& exchange);

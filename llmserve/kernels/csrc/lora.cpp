@@ -16,14 +16,54 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include <omp.h>
 
 #include "vector_math.h"
 
-constexpr int64_t kMaxWidth = 512;  // rank times shards: lora/weights.py keeps wider stacks off the kernel
+constexpr int64_t kMaxWidth = LoraExchange::kMaxWidth;
+
+void lora_check_stacks(const at::Tensor& a, const at::Tensor& bt, const at::Tensor& widths,
+                       const at::Tensor& shard_starts, int64_t in_features, int64_t out_features) {
+  TORCH_CHECK(a.scalar_type() == bt.scalar_type() && (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
+              "lora_delta takes a and bt of one dtype, float32 or bfloat16");
+  TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.is_contiguous() && bt.is_contiguous(),
+              "a and bt must be contiguous [slots, width, features]");
+  TORCH_CHECK(a.size(0) == bt.size(0) && a.size(1) == bt.size(1) && a.size(2) == in_features &&
+                  bt.size(2) == out_features,
+              "a must be [slots, width, in] and bt [slots, width, out] of x's and out's features");
+  TORCH_CHECK(a.size(1) <= kMaxWidth, "lora_delta takes widths (rank times shards) up to ", kMaxWidth);
+  TORCH_CHECK(widths.scalar_type() == at::kLong && widths.dim() == 1 && widths.is_contiguous() &&
+                  widths.size(0) == a.size(0),
+              "widths must be a contiguous int64 tensor with one width per slot");
+  TORCH_CHECK(shard_starts.scalar_type() == at::kLong && shard_starts.dim() == 1 &&
+                  shard_starts.is_contiguous() && shard_starts.size(0) >= 2,
+              "shard_starts must be a contiguous int64 tensor of the shards' first rows and out_features");
+  const int64_t shards = shard_starts.size(0) - 1;
+  const int64_t* starts = shard_starts.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[shards] == out_features, "shard_starts must run from 0 to out_features");
+  for (int64_t p = 0; p <= shards; ++p)
+    TORCH_CHECK(starts[p] % 8 == 0 && (p == 0 || starts[p] >= starts[p - 1]),
+                "lora_delta needs shard starts that are rising multiples of 8");
+  TORCH_CHECK(in_features % 8 == 0, "lora_delta needs feature counts that are multiples of 8");
+}
+
+void lora_check_step(const at::Tensor& a, const at::Tensor& widths, int64_t shards, const at::Tensor& token_slots,
+                     int64_t rows) {
+  const int64_t* width_data = widths.data_ptr<int64_t>();
+  for (int64_t s = 0; s < widths.size(0); ++s)
+    TORCH_CHECK(width_data[s] >= 0 && width_data[s] <= a.size(1) && width_data[s] % shards == 0,
+                "a slot's width must be within [0, W], its rank times the shards");
+  TORCH_CHECK(token_slots.scalar_type() == at::kLong && token_slots.dim() == 1 && token_slots.size(0) == rows &&
+                  token_slots.is_contiguous(),
+              "token_slots must be a contiguous int64 tensor with one slot per row");
+  const int64_t* slots = token_slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(slots[t] < a.size(0), "token slot ", slots[t], " out of range");
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -263,39 +303,9 @@ void split_tile(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t
   }
 }
 
-// Inside a caller's region (ThreadShare): a tile's shrink, all its columns, then its expand into the
-// output rows [rows_begin, rows_end) this thread's linear kernel wrote, each shard's part of them.
-// Every column's and output's sum is the one run_tile computes.
-template <typename T, int N>
-void tile_rows(const Problem<T>& pb, const int64_t* rows, int64_t slot, int64_t used, int64_t rows_begin,
-               int64_t rows_end) {
-  const TileRows<T, N> tile(pb, rows);
-  float hidden[N][kMaxWidth];
-  shrink<T, N>(pb, tile.x, pb.a + slot * pb.width * pb.in, 0, used, hidden);
-  const T* bt_slot = pb.bt + slot * pb.width * pb.out_features;
-  for (int64_t p = 0; p < pb.shards; ++p) {
-    const int64_t begin = std::max(pb.shard_starts[p], rows_begin), end = std::min(pb.shard_starts[p + 1], rows_end);
-    if (begin < end) expand_shard<T, N>(pb, tile.out, bt_slot, p, used / pb.shards, begin, end, hidden);
-  }
-}
-
 template <typename T>
 void lora_tiles(const Problem<T>& pb, const int64_t* widths, const std::vector<int64_t>& order,
                 const std::vector<Tile>& tiles) {
-  const ThreadShare share = thread_share();
-  if (share.threads > 0) {
-    for (const Tile& tile : tiles) {
-      const int64_t* rows = order.data() + tile.first;
-      const int64_t used = widths[tile.slot];
-      switch (tile.count) {
-        case 4: tile_rows<T, 4>(pb, rows, tile.slot, used, share.rows_begin, share.rows_end); break;
-        case 3: tile_rows<T, 3>(pb, rows, tile.slot, used, share.rows_begin, share.rows_end); break;
-        case 2: tile_rows<T, 2>(pb, rows, tile.slot, used, share.rows_begin, share.rows_end); break;
-        default: tile_rows<T, 1>(pb, rows, tile.slot, used, share.rows_begin, share.rows_end); break;
-      }
-    }
-    return;
-  }
   // multiply-adds of one row and one of a slot's columns: its shrink's dot product, its expand's row of B
   const int64_t per_column = pb.in + pb.out_features / std::max<int64_t>(1, pb.shards);
   const int64_t tile_max = kTileRows * pb.width * per_column;  // a whole tile's, the widest slot's
@@ -330,6 +340,79 @@ void lora_tiles(const Problem<T>& pb, const int64_t* widths, const std::vector<i
   });
 }
 
+// A region's step has at most LoraExchange::kMaxRows rows: its tiles without the heap (the calls run
+// twice per projection per layer on every thread).
+struct RegionTiles {
+  int64_t order[LoraExchange::kMaxRows];
+  Tile tiles[LoraExchange::kMaxRows];
+  int64_t count = 0;
+  RegionTiles(const int64_t* slots, const int64_t* widths, int64_t rows) {
+    bool placed[LoraExchange::kMaxRows] = {};
+    int64_t next = 0;
+    for (int64_t t = 0; t < rows; ++t) {  // each slot's rows in order, by first appearance
+      if (placed[t] || slots[t] < 0 || widths[slots[t]] <= 0) continue;
+      for (int64_t u = t; u < rows; ++u) {
+        if (placed[u] || slots[u] != slots[t]) continue;
+        if (count == 0 || tiles[count - 1].slot != slots[t] || tiles[count - 1].count == kTileRows)
+          tiles[count++] = {slots[t], next, 0};
+        placed[u] = true;
+        order[next++] = u;
+        ++tiles[count - 1].count;
+      }
+    }
+  }
+};
+
+template <typename Run>
+void by_count(int64_t count, const Run& run) {
+  switch (count) {
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    default: return run(std::integral_constant<int, 1>{});
+  }
+}
+
+// This thread's share of every tile's columns (as split_tile shares them) into the hidden rows of the
+// tile's places in the order.
+template <typename T>
+void shrink_share(const Problem<T>& pb, const int64_t* widths, const RegionTiles& plan, int64_t thread,
+                  int64_t threads, float (*hidden)[kMaxWidth]) {
+  for (int64_t i = 0; i < plan.count; ++i) {
+    const Tile& tile = plan.tiles[i];
+    const int64_t used = widths[tile.slot];
+    const int64_t begin = used * thread / threads, end = used * (thread + 1) / threads;
+    if (begin == end) continue;
+    by_count(tile.count, [&](auto n) {
+      constexpr int N = decltype(n)::value;
+      const T* x[N];
+      for (int r = 0; r < N; ++r) x[r] = pb.x + plan.order[tile.first + r] * pb.x_stride;
+      shrink<T, N>(pb, x, pb.a + tile.slot * pb.width * pb.in, begin, end, hidden + tile.first);
+    });
+  }
+}
+
+// Every tile's expand into the output rows [rows_begin, rows_end), each shard's part of them.
+template <typename T>
+void expand_share(const Problem<T>& pb, const int64_t* widths, const RegionTiles& plan, int64_t rows_begin,
+                  int64_t rows_end, const float (*hidden)[kMaxWidth]) {
+  for (int64_t i = 0; i < plan.count; ++i) {
+    const Tile& tile = plan.tiles[i];
+    const int64_t rank = widths[tile.slot] / pb.shards;
+    by_count(tile.count, [&](auto n) {
+      constexpr int N = decltype(n)::value;
+      T* out[N];
+      for (int r = 0; r < N; ++r) out[r] = pb.out + plan.order[tile.first + r] * pb.out_stride;
+      const T* bt_slot = pb.bt + tile.slot * pb.width * pb.out_features;
+      for (int64_t p = 0; p < pb.shards; ++p) {
+        const int64_t begin = std::max(pb.shard_starts[p], rows_begin);
+        const int64_t end = std::min(pb.shard_starts[p + 1], rows_end);
+        if (begin < end) expand_shard<T, N>(pb, out, bt_slot, p, rank, begin, end, hidden + tile.first);
+      }
+    });
+  }
+}
+
 }  // namespace
 
 bool lora_delta_supported() { return true; }
@@ -341,41 +424,19 @@ bool lora_delta_supported() { return true; }
 // every shard start multiples of 8, W at most kMaxWidth. out is updated in place.
 void lora_delta(const at::Tensor& x, at::Tensor out, const at::Tensor& a, const at::Tensor& bt,
                 const at::Tensor& token_slots, const at::Tensor& widths, const at::Tensor& shard_starts) {
+  TORCH_CHECK(thread_share().threads == 0, "lora_delta inside a region: lora_shrink_part and lora_expand_part");
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "lora_delta takes float32 or bfloat16");
   TORCH_CHECK(out.scalar_type() == dtype && a.scalar_type() == dtype && bt.scalar_type() == dtype,
               "lora_delta takes x, out, a and bt of one dtype");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "x and out must be [rows, features]");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x's and out's rows must be contiguous");
-  TORCH_CHECK(a.dim() == 3 && bt.dim() == 3 && a.is_contiguous() && bt.is_contiguous(),
-              "a and bt must be contiguous [slots, width, features]");
-  TORCH_CHECK(a.size(0) == bt.size(0) && a.size(1) == bt.size(1) && a.size(2) == x.size(1) &&
-                  bt.size(2) == out.size(1),
-              "a must be [slots, width, in] and bt [slots, width, out] of x's and out's features");
-  TORCH_CHECK(a.size(1) <= kMaxWidth, "lora_delta takes widths (rank times shards) up to ", kMaxWidth);
-  TORCH_CHECK(token_slots.scalar_type() == at::kLong && token_slots.dim() == 1 &&
-                  token_slots.size(0) == x.size(0) && token_slots.is_contiguous(),
-              "token_slots must be a contiguous int64 tensor with one slot per row");
-  TORCH_CHECK(widths.scalar_type() == at::kLong && widths.dim() == 1 && widths.is_contiguous() &&
-                  widths.size(0) == a.size(0),
-              "widths must be a contiguous int64 tensor with one width per slot");
-  TORCH_CHECK(shard_starts.scalar_type() == at::kLong && shard_starts.dim() == 1 &&
-                  shard_starts.is_contiguous() && shard_starts.size(0) >= 2,
-              "shard_starts must be a contiguous int64 tensor of the shards' first rows and out_features");
+  lora_check_stacks(a, bt, widths, shard_starts, x.size(1), out.size(1));
   const int64_t shards = shard_starts.size(0) - 1;
   const int64_t* starts = shard_starts.data_ptr<int64_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[shards] == out.size(1), "shard_starts must run from 0 to out_features");
-  for (int64_t p = 0; p <= shards; ++p)
-    TORCH_CHECK(starts[p] % 8 == 0 && (p == 0 || starts[p] >= starts[p - 1]),
-                "lora_delta needs shard starts that are rising multiples of 8");
-  TORCH_CHECK(x.size(1) % 8 == 0, "lora_delta needs feature counts that are multiples of 8");
+  lora_check_step(a, widths, shards, token_slots, x.size(0));
   const int64_t* width_data = widths.data_ptr<int64_t>();
-  for (int64_t s = 0; s < widths.size(0); ++s)
-    TORCH_CHECK(width_data[s] >= 0 && width_data[s] <= a.size(1) && width_data[s] % shards == 0,
-                "a slot's width must be within [0, W], its rank times the shards");
   const int64_t* slots = token_slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < x.size(0); ++t)
-    TORCH_CHECK(slots[t] < a.size(0), "token slot ", slots[t], " out of range");
   std::vector<int64_t> order;
   std::vector<Tile> tiles;
   tiles_by_slot(slots, width_data, x.size(0), a.size(0), order, tiles);
@@ -392,6 +453,50 @@ void lora_delta(const at::Tensor& x, at::Tensor out, const at::Tensor& a, const 
   }
 }
 
+void lora_shrink_part(const at::Tensor& x, const at::Tensor& a, const at::Tensor& token_slots,
+                      const at::Tensor& widths, int64_t call, LoraExchange& exchange) {
+  const ThreadShare& share = thread_share();
+  const RegionTiles plan(token_slots.data_ptr<int64_t>(), widths.data_ptr<int64_t>(), token_slots.size(0));
+  float (*hidden)[kMaxWidth] = exchange.hidden[call & 1];
+  if (x.scalar_type() == at::kFloat) {
+    const Problem<float> pb{x.data_ptr<float>(), a.data_ptr<float>(), nullptr, nullptr, x.size(1), 0,
+                            a.size(1), x.stride(0), 0, nullptr, 1};
+    shrink_share(pb, widths.data_ptr<int64_t>(), plan, share.thread, share.threads, hidden);
+  } else {
+    using B = c10::BFloat16;
+    const Problem<B> pb{x.data_ptr<B>(), a.data_ptr<B>(), nullptr, nullptr, x.size(1), 0, a.size(1), x.stride(0), 0,
+                        nullptr, 1};
+    shrink_share(pb, widths.data_ptr<int64_t>(), plan, share.thread, share.threads, hidden);
+  }
+  exchange.arrived.fetch_add(1, std::memory_order_release);
+}
+
+void lora_expand_part(at::Tensor& out, const at::Tensor& bt, const at::Tensor& token_slots,
+                      const at::Tensor& widths, const at::Tensor& shard_starts, int64_t call,
+                      LoraExchange& exchange) {
+  const ThreadShare& share = thread_share();
+  const RegionTiles plan(token_slots.data_ptr<int64_t>(), widths.data_ptr<int64_t>(), token_slots.size(0));
+  if (plan.count == 0 || share.rows_end <= share.rows_begin) return;
+  // every thread's columns of this call: long since written, as each shrinks before its linear part
+  while (exchange.arrived.load(std::memory_order_acquire) < (call + 1) * share.threads) {
+    if (exchange.failed != nullptr && exchange.failed->load(std::memory_order_relaxed))
+      throw std::runtime_error("lora_expand_part: another thread of the region failed");
+    _mm_pause();
+  }
+  const float(*hidden)[kMaxWidth] = exchange.hidden[call & 1];
+  const int64_t shards = shard_starts.size(0) - 1;
+  if (out.scalar_type() == at::kFloat) {
+    const Problem<float> pb{nullptr, nullptr, bt.data_ptr<float>(), out.data_ptr<float>(), 0, out.size(1),
+                            bt.size(1), 0, out.stride(0), shard_starts.data_ptr<int64_t>(), shards};
+    expand_share(pb, widths.data_ptr<int64_t>(), plan, share.rows_begin, share.rows_end, hidden);
+  } else {
+    using B = c10::BFloat16;
+    const Problem<B> pb{nullptr, nullptr, bt.data_ptr<B>(), out.data_ptr<B>(), 0, out.size(1), bt.size(1), 0,
+                        out.stride(0), shard_starts.data_ptr<int64_t>(), shards};
+    expand_share(pb, widths.data_ptr<int64_t>(), plan, share.rows_begin, share.rows_end, hidden);
+  }
+}
+
 #else
 
 bool lora_delta_supported() { return false; }
@@ -399,6 +504,16 @@ bool lora_delta_supported() { return false; }
 void lora_delta(const at::Tensor&, at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                 const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "lora_delta needs a CPU with AVX2 and FMA");
+}
+
+void lora_shrink_part(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                      LoraExchange&) {
+  TORCH_CHECK(false, "lora_shrink_part needs a CPU with AVX2 and FMA");
+}
+
+void lora_expand_part(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                      int64_t, LoraExchange&) {
+  TORCH_CHECK(false, "lora_expand_part needs a CPU with AVX2 and FMA");
 }
 
 #endif
