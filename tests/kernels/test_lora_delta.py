@@ -19,7 +19,8 @@ TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol
     [(24,), (16, 8, 8), (48, 16, 16), (136, 16, 24)],
     ids=["one-shard", "qkv-like", "wide", "wider"],
 )
-@pytest.mark.parametrize("in_features", [40, 64])  # 8 lanes; 16 where the level has AVX-512
+# 8 lanes; 16 where the level has AVX-512; bf16 pairs of 32 (vdpbf16ps) where it has AVX-512 BF16
+@pytest.mark.parametrize("in_features", [40, 64])
 def test_each_row_gets_its_slots_delta(dtype, rows, shard_sizes, in_features):
     """Rows of three slots and none, a slot of width 0 (an adapter without this layer), a rank short
     of the stack's (a smaller adapter), one layer and three fused shards (only B's blocks read)."""
@@ -53,9 +54,10 @@ def test_rows_of_wider_tensors():
 # 296: a lone row's tile is past the split's work gate, its shrink 8 lanes wide at every level
 @pytest.mark.parametrize("in_features", [40, 64, 296])
 def test_a_rows_result_does_not_depend_on_the_rest_of_the_call(in_features):
-    """Rows tiled with their slot's other rows (tiles dealt to the threads), or alone to up to four (a
+    """Rows tiled with their slot's other rows (tiles dealt to the threads), or alone to up to eight (a
     call's only tile, split among the threads by columns and output rows), on one thread or all, with
-    8 lanes or 16 (in_features 64 where the level has AVX-512): the same bits."""
+    8 lanes, 16 or bf16 pairs (in_features 64 where the level has AVX-512, AVX-512 BF16): the same
+    bits."""
     a, bt, widths, starts = random_stacks((136, 16, 24), ranks=(12, 4, 3), in_features=in_features)
     a, bt = a.bfloat16(), bt.bfloat16()
     gen = torch.Generator().manual_seed(2)
@@ -70,7 +72,16 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_call(in_features):
     try:
         for num_threads in {1, threads}:
             torch.set_num_threads(num_threads)
-            for rows in ([0], [137], [299], [5, 9], [5, 9, 11], [1, 2, 3, 4]):
+            for rows in (
+                [0],
+                [137],
+                [299],
+                [5, 9],
+                [5, 9, 11],
+                [1, 2, 3, 4],
+                [7, 8, 9, 10, 11, 12],
+                list(range(200, 208)),
+            ):
                 alone = base[rows].clone()
                 ops.lora_delta(
                     x[rows], alone, a, bt, torch.zeros(len(rows), dtype=torch.int64), widths, starts

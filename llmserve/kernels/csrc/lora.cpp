@@ -4,9 +4,10 @@
 // A stacks each slot's down-projection [W, in] and Bt each slot's up-projection transposed [W, out]
 // (lora/weights.py), so both steps stream contiguous rows: dot products of x with A's rows, then
 // multiply-adds of Bt's rows into float32 accumulators of the output rows. Rows are grouped by slot and
-// taken up to 4 at a time, each load of A's and Bt's rows serving them all; of a fused layer's B (block-
-// diagonal: shard p's rank columns feed only shard p's output rows) only the blocks are read, and columns
-// past the slot's width are skipped. float32 arithmetic (bf16 widened exactly), the delta rounded once as
+// taken up to 8 at a time (4 with AVX2), each load of A's and Bt's rows serving them all; of a fused
+// layer's B (block-diagonal: shard p's rank columns feed only shard p's output rows) only the blocks are
+// read, and columns past the slot's width are skipped. With AVX-512 BF16 a bf16 shrink multiplies by
+// pairs (vdpbf16ps). float32 arithmetic (bf16 widened exactly), the delta rounded once as
 // it joins the output row; each row sums in one order whatever else the step holds (batch invariant).
 // Where the level has AVX-512 the same loops run 16 lanes wide (the shrink only for inputs in whole
 // vectors of 16, a fixed choice per layer). Tiles are shared among torch's threads when there are enough;
@@ -19,6 +20,7 @@
 #include <atomic>
 #include <cstdint>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -71,7 +73,13 @@ void lora_check_step(const at::Tensor& a, const at::Tensor& widths, int64_t shar
 namespace {
 
 constexpr int64_t kParallelWork = 1 << 16;  // multiply-adds a thread hand-off pays for
-constexpr int kTileRows = 4;                // rows of one slot sharing each load of A's and Bt's rows
+// rows of one slot sharing each load of A's and Bt's rows: as many as the registers hold beside their
+// chains (32 vector registers with AVX-512, 16 with AVX2)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+constexpr int kTileRows = 8;
+#else
+constexpr int kTileRows = 4;
+#endif
 constexpr int64_t kSplitWork = 1 << 12;      // a lone tile's multiply-adds below which it stays on one thread
 
 struct Tile {
@@ -147,8 +155,8 @@ struct Lanes16 {
 // weight vector. More independent chains than the FMA latency needs keep more loads in flight.
 template <typename L, int N>
 constexpr int chains() {
-  if constexpr (L::kWidth == 16) return N == 1 ? 8 : N == 2 ? 6 : 4;
-  return N == 1 ? 8 : N == 2 ? 4 : 2;
+  if constexpr (L::kWidth == 16) return N == 1 ? 8 : N == 2 ? 6 : N <= 4 ? 4 : 2;
+  return N == 1 ? 8 : N == 2 ? 4 : 2;  // N > 4 only where AVX-512 gives 32 registers
 }
 
 // hidden[r][c..c + C) = A[s][c..c + C) . x[row r]: N x C dot products side by side (independent chains
@@ -201,11 +209,48 @@ void shrink_range(const Problem<T>& pb, const T* const* x_rows, const T* a_slot,
   for (; c < end; ++c) shrink_columns<L, T, N, 1>(pb, x_rows, a_slot, c, hidden);
 }
 
-// The slot's columns [begin, end) of N rows' shrink: 16 lanes where the level has them and the inputs
-// fill them (a fixed choice per layer), else 8.
+#if defined(LLMSERVE_LORA_16_LANES) && defined(__AVX512BF16__)
+#define LLMSERVE_LORA_BF16_PAIRS 1
+// shrink_columns of bf16 inputs by pairs (vdpbf16ps: each of 16 lanes adds the exact products of its
+// pair of k, the odd one's first, as two chained FMAs would, denormals as zero): one instruction for 32
+// multiply-adds and no widening of x's or A's elements. Inputs in whole vectors of 32.
+template <int N, int C>
+void shrink_columns_pairs(const Problem<c10::BFloat16>& pb, const c10::BFloat16* const* x_rows,
+                          const c10::BFloat16* a_slot, int64_t c, float (*hidden)[kMaxWidth]) {
+  __m512 acc[N][C];
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) acc[r][i] =
+      _mm512_setzero_ps();
+  for (int64_t k = 0; k < pb.in; k += 32) {
+    __m512bh xv[N];
+    LLMSERVE_UNROLL for (int r = 0; r < N; ++r) xv[r] = (__m512bh)_mm512_loadu_si512(x_rows[r] + k);
+    LLMSERVE_UNROLL for (int i = 0; i < C; ++i) {
+      const __m512bh av = (__m512bh)_mm512_loadu_si512(a_slot + (c + i) * pb.in + k);
+      LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], av, xv[r]);
+    }
+  }
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) hidden[r][c + i] =
+      _mm512_reduce_add_ps(acc[r][i]);
+}
+
+template <int N>
+void shrink_range_pairs(const Problem<c10::BFloat16>& pb, const c10::BFloat16* const* x_rows,
+                        const c10::BFloat16* a_slot, int64_t c, int64_t end, float (*hidden)[kMaxWidth]) {
+  constexpr int kChains = chains<Lanes16, N>();
+  for (; c + kChains <= end; c += kChains) shrink_columns_pairs<N, kChains>(pb, x_rows, a_slot, c, hidden);
+  for (; c < end; ++c) shrink_columns_pairs<N, 1>(pb, x_rows, a_slot, c, hidden);
+}
+#endif
+
+// The slot's columns [begin, end) of N rows' shrink: bf16 pairs where the level has them (vdpbf16ps)
+// and the inputs fill vectors of 32, else 16 lanes where the level has them and the inputs fill them,
+// else 8 (a fixed choice per layer).
 template <typename T, int N>
 void shrink(const Problem<T>& pb, const T* const* x_rows, const T* a_slot, int64_t begin, int64_t end,
             float (*hidden)[kMaxWidth]) {
+#ifdef LLMSERVE_LORA_BF16_PAIRS
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if (pb.in % 32 == 0) return shrink_range_pairs<N>(pb, x_rows, a_slot, begin, end, hidden);
+#endif
 #ifdef LLMSERVE_LORA_16_LANES
   if (pb.in % 16 == 0) return shrink_range<Lanes16, T, N>(pb, x_rows, a_slot, begin, end, hidden);
 #endif
@@ -267,6 +312,23 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T1);
 }
 
+// run(std::integral_constant<int, N>) for a tile of `count` rows, 1 <= count <= kTileRows.
+template <typename Run>
+void by_count(int64_t count, const Run& run) {
+  switch (count) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    case 8: return run(std::integral_constant<int, 8>{});
+    case 7: return run(std::integral_constant<int, 7>{});
+    case 6: return run(std::integral_constant<int, 6>{});
+    case 5: return run(std::integral_constant<int, 5>{});
+#endif
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    default: return run(std::integral_constant<int, 1>{});
+  }
+}
+
 // A step's only tile (batch 1, or a few rows of one adapter) shared by `threads`: thread i shrinks its
 // share of the slot's columns, then, after a barrier, expands all of them into its share of each shard's
 // output rows. Every column's and output's sum is the one run_tile computes (same chains, same order).
@@ -317,12 +379,7 @@ void lora_tiles(const Problem<T>& pb, const int64_t* widths, const std::vector<i
     const Tile& tile = tiles[0];
     const int64_t* rows = order.data() + tile.first;
     const int64_t used = widths[tile.slot];
-    switch (tile.count) {
-      case 4: split_tile<T, 4>(pb, rows, tile.slot, used, threads); break;
-      case 3: split_tile<T, 3>(pb, rows, tile.slot, used, threads); break;
-      case 2: split_tile<T, 2>(pb, rows, tile.slot, used, threads); break;
-      default: split_tile<T, 1>(pb, rows, tile.slot, used, threads); break;
-    }
+    by_count(tile.count, [&](auto n) { split_tile<T, decltype(n)::value>(pb, rows, tile.slot, used, threads); });
     return;
   }
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), grain, [&](int64_t begin, int64_t end) {
@@ -330,12 +387,7 @@ void lora_tiles(const Problem<T>& pb, const int64_t* widths, const std::vector<i
       const Tile& tile = tiles[i];
       const int64_t* rows = order.data() + tile.first;
       const int64_t used = widths[tile.slot];
-      switch (tile.count) {
-        case 4: run_tile<T, 4>(pb, rows, tile.slot, used); break;
-        case 3: run_tile<T, 3>(pb, rows, tile.slot, used); break;
-        case 2: run_tile<T, 2>(pb, rows, tile.slot, used); break;
-        default: run_tile<T, 1>(pb, rows, tile.slot, used); break;
-      }
+      by_count(tile.count, [&](auto n) { run_tile<T, decltype(n)::value>(pb, rows, tile.slot, used); });
     }
   });
 }
@@ -363,15 +415,6 @@ struct RegionTiles {
   }
 };
 
-template <typename Run>
-void by_count(int64_t count, const Run& run) {
-  switch (count) {
-    case 4: return run(std::integral_constant<int, 4>{});
-    case 3: return run(std::integral_constant<int, 3>{});
-    case 2: return run(std::integral_constant<int, 2>{});
-    default: return run(std::integral_constant<int, 1>{});
-  }
-}
 
 // This thread's share of every tile's columns (as split_tile shares them) into the hidden rows of the
 // tile's places in the order.
