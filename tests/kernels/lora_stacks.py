@@ -22,8 +22,10 @@ def random_stacks(shard_sizes=(24,), ranks=(4, 2, 0), in_features=40, dtype=torc
     return a, bt, torch.tensor([shards * rank for rank in ranks]), torch.tensor(starts)
 
 
-def reference(x, out, a, bt, token_slots, widths, starts):
-    """out[t] + (A[s] x[t]) Bt[s] in float64, block by block, columns past the slot's width left out."""
+def reference(x, out, a, bt, token_slots, widths, starts, round_hidden=False):
+    """out[t] + (A[s] x[t]) Bt[s] in float64, block by block, columns past the slot's width left out;
+    `round_hidden`: A[s] x[t] rounded to bf16 first (the CPU kernel's bf16 adapters, as PEFT's bf16
+    modules round lora_A's output)."""
     expected = out.double().clone()
     shards = len(starts) - 1
     for t, slot in enumerate(token_slots.tolist()):
@@ -33,5 +35,7 @@ def reference(x, out, a, bt, token_slots, widths, starts):
         for p in range(shards):
             columns, rows = slice(p * rank, (p + 1) * rank), slice(int(starts[p]), int(starts[p + 1]))
             hidden = a[slot, columns].double() @ x[t].double()
+            if round_hidden:
+                hidden = hidden.to(torch.bfloat16).double()
             expected[t, rows] += hidden @ bt[slot, columns, rows].double()
     return expected

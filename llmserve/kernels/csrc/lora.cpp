@@ -6,12 +6,14 @@
 // multiply-adds of Bt's rows into float32 accumulators of the output rows. Rows are grouped by slot and
 // taken up to 8 at a time (4 with AVX2), each load of A's and Bt's rows serving them all; of a fused
 // layer's B (block-diagonal: shard p's rank columns feed only shard p's output rows) only the blocks are
-// read, and columns past the slot's width are skipped. With AVX-512 BF16 a bf16 shrink multiplies by
-// pairs (vdpbf16ps). float32 arithmetic (bf16 widened exactly), the delta rounded once as
-// it joins the output row; each row sums in one order whatever else the step holds (batch invariant).
-// Where the level has AVX-512 the same loops run 16 lanes wide (the shrink only for inputs in whole
-// vectors of 16, a fixed choice per layer). Tiles are shared among torch's threads when there are enough;
-// a step's only tile is split among them (its columns, then its output rows).
+// read, and columns past the slot's width are skipped. float32 arithmetic (bf16 widened exactly; a bf16
+// adapter's shrink rounded to bf16 before the expand, as PEFT's bf16 modules round lora_A's output), the
+// delta rounded once as it joins the output row; each row sums in one order whatever else the step
+// holds (batch invariant). Where the level has AVX-512 the same loops run 16 lanes wide (the shrink only
+// for inputs in whole vectors of 16, a fixed choice per layer), and with AVX-512 BF16 a bf16 adapter's
+// products go by pairs (vdpbf16ps). Tiles are shared among torch's threads when there are enough; a
+// step's only tile is split among them (its columns, then its output rows); inside the decode stack's
+// region each thread shrinks its share of the columns and expands the rows it wrote (lora_shrink_part).
 #include "aten.h"
 
 #include "kernels.h"
@@ -81,6 +83,9 @@ constexpr int kTileRows = 8;
 constexpr int kTileRows = 4;
 #endif
 constexpr int64_t kSplitWork = 1 << 12;      // a lone tile's multiply-adds below which it stays on one thread
+// How far ahead of its block the expand prefetches each row of Bt it reads, in outputs (past a row's end
+// it fetches the next row's start; a prefetch never faults)
+constexpr int64_t kExpandAhead = 128;
 
 struct Tile {
   int64_t slot, first, count;  // rows order[first, first + count), all of `slot`
@@ -159,6 +164,14 @@ constexpr int chains() {
   return N == 1 ? 8 : N == 2 ? 4 : 2;  // N > 4 only where AVX-512 gives 32 registers
 }
 
+// A shrink's sum as the expand takes it: rounded to bf16 where the adapter is bf16 (as PEFT's bf16
+// modules round lora_A's output), as it is in float32.
+template <typename T>
+inline float hidden_value(float sum) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return static_cast<float>(c10::BFloat16(sum));
+  return sum;
+}
+
 // hidden[r][c..c + C) = A[s][c..c + C) . x[row r]: N x C dot products side by side (independent chains
 // that fill the FMA pipes), each summed L::kWidth lanes at a time over k in order, whatever N and C are
 // (a layer always takes one lane count: 16 where the level has AVX-512 and its inputs fill them).
@@ -176,7 +189,7 @@ void shrink_columns(const Problem<T>& pb, const T* const* x_rows, const T* a_slo
     }
   }
   LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) hidden[r][c + i] =
-      L::sum(acc[r][i]);
+      hidden_value<T>(L::sum(acc[r][i]));
 }
 
 // out[row r][j..j + W J) += sum over columns c in [first, last) of hidden[r][c] Bt[s][c][j..j + W J), W
@@ -189,6 +202,7 @@ void expand_block(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, in
   LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) acc[r][i] = L::zero();
   for (int64_t c = first; c < last; ++c) {
     const T* b_row = bt_slot + c * pb.out_features + j;
+    _mm_prefetch(reinterpret_cast<const char*>(b_row + kExpandAhead), _MM_HINT_T0);  // as expand_block_pairs
     LLMSERVE_UNROLL for (int i = 0; i < J; ++i) {
       const typename L::V bv = L::load(b_row + L::kWidth * i);
       LLMSERVE_UNROLL for (int r = 0; r < N; ++r) acc[r][i] = L::fma(L::set1(hidden[r][c]), bv, acc[r][i]);
@@ -229,7 +243,7 @@ void shrink_columns_pairs(const Problem<c10::BFloat16>& pb, const c10::BFloat16*
     }
   }
   LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < C; ++i) hidden[r][c + i] =
-      _mm512_reduce_add_ps(acc[r][i]);
+      hidden_value<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][i]));
 }
 
 template <int N>
@@ -269,11 +283,76 @@ int64_t expand_rows(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, 
   return j;
 }
 
+#ifdef LLMSERVE_LORA_BF16_PAIRS
+// expand_block of a bf16 adapter by pairs of columns (vdpbf16ps): rows c and c + 1 of Bt interleaved
+// into one vector of 16 outputs' pairs, each row's (hidden[c], hidden[c + 1]) broadcast (the hidden
+// values are bf16 already: hidden_value), one instruction for 32 multiply-adds. An odd last column pairs
+// with zeros. Each output's sum runs over the pairs in c order whatever N and J are.
+template <int N, int J>
+void expand_block_pairs(const Problem<c10::BFloat16>& pb, c10::BFloat16* const* out_rows,
+                        const c10::BFloat16* bt_slot, int64_t first, int64_t last, int64_t j,
+                        const uint32_t (*pairs)[kMaxWidth / 2]) {
+  // word 2m of the result is word m of the first operand, word 2m + 1 word m of the second
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                            37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                            11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  __m512 acc[N][J];
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) acc[r][i] =
+      _mm512_setzero_ps();
+  for (int64_t c = first; c < last; c += 2) {
+    const c10::BFloat16* row = bt_slot + c * pb.out_features + j;
+    // the same rows' next blocks, a few ahead: one stream per row of B, more than the hardware follows
+    _mm_prefetch(reinterpret_cast<const char*>(row + kExpandAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + pb.out_features + kExpandAhead), _MM_HINT_T0);
+    __m512bh bv[J];
+    LLMSERVE_UNROLL for (int i = 0; i < J; ++i) {
+      const __m512i low = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * i)));
+      const __m512i high = c + 1 < last ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                              reinterpret_cast<const __m256i*>(row + pb.out_features + 16 * i)))
+                                        : _mm512_setzero_si512();
+      bv[i] = (__m512bh)_mm512_permutex2var_epi16(low, interleave, high);
+    }
+    LLMSERVE_UNROLL for (int r = 0; r < N; ++r) {
+      const __m512bh h = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][(c - first) / 2]));
+      LLMSERVE_UNROLL for (int i = 0; i < J; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], bv[i], h);
+    }
+  }
+  LLMSERVE_UNROLL for (int r = 0; r < N; ++r) LLMSERVE_UNROLL for (int i = 0; i < J; ++i) {
+    c10::BFloat16* o = out_rows[r] + j + 16 * i;
+    Lanes16::store(o, _mm512_add_ps(Lanes16::load(o), acc[r][i]));
+  }
+}
+
+// Output rows [j, end) of N rows' expand by pairs in blocks of 16 (chains<Lanes16, N>() side by side);
+// returns where it stopped.
+template <int N>
+int64_t expand_rows_pairs(const Problem<c10::BFloat16>& pb, c10::BFloat16* const* out_rows,
+                          const c10::BFloat16* bt_slot, int64_t first, int64_t last, int64_t j, int64_t end,
+                          const float (*hidden)[kMaxWidth]) {
+  uint32_t pairs[N][kMaxWidth / 2];  // each row's hidden values of columns [first, last), two by two
+  for (int r = 0; r < N; ++r)
+    for (int64_t c = first; c < last; c += 2)
+      pairs[r][(c - first) / 2] =
+          c10::BFloat16(hidden[r][c]).x | (c + 1 < last ? uint32_t{c10::BFloat16(hidden[r][c + 1]).x} << 16 : 0u);
+  constexpr int kChains = chains<Lanes16, N>();
+  for (; j + 16 * kChains <= end; j += 16 * kChains)
+    expand_block_pairs<N, kChains>(pb, out_rows, bt_slot, first, last, j, pairs);
+  for (; j + 16 <= end; j += 16) expand_block_pairs<N, 1>(pb, out_rows, bt_slot, first, last, j, pairs);
+  return j;
+}
+#endif
+
 // Output rows [begin, end) of shard p (B is block-diagonal: only its rank columns feed them, the other
-// columns are zeros there, never read), 16 lanes where the level has them, then 8.
+// columns are zeros there, never read): bf16 pairs where the level has them (vdpbf16ps), else 16 lanes
+// where it has them, then 8.
 template <typename T, int N>
 void expand_shard(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, int64_t p, int64_t rank,
                   int64_t begin, int64_t end, const float (*hidden)[kMaxWidth]) {
+#ifdef LLMSERVE_LORA_BF16_PAIRS
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    begin = expand_rows_pairs<N>(pb, out_rows, bt_slot, p * rank, (p + 1) * rank, begin, end, hidden);
+#endif
 #ifdef LLMSERVE_LORA_16_LANES
   begin = expand_rows<Lanes16, T, N>(pb, out_rows, bt_slot, p * rank, (p + 1) * rank, begin, end, hidden);
 #endif
