@@ -141,6 +141,7 @@ class AsyncLLM:
         steps = ready.warmup_steps
         self.memory = ready.memory  # a restarted engine measured its own
         self.batch_invariance = ready.batch_invariance  # worker/batch_invariance.py, for /server_info
+        self.lora.note_cache_keys(ready.lora_keys)
         self.lora.replay()  # a restarted engine: the adapters loaded at run time, again
         self.health.on_warmed_up(steps)
         with self._warmup_lock:

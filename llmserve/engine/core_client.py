@@ -60,6 +60,7 @@ class EngineReady:
     warmup_steps: list[StepStats]
     memory: MemoryReport | None = None
     batch_invariance: tuple[str, ...] | None = None  # worker/batch_invariance.py; None: not reported
+    lora_keys: dict[str, bytes] | None = None  # the loaded adapters' prefix-cache keys; None: not reported
 
 
 class EngineEvents(Protocol):
@@ -168,7 +169,12 @@ class EngineCoreClient:
             self._process.join()
             raise message.error  # bad model or flags: the caller reports it, as in one process
         return EngineReady(
-            message.config, message.main_cpu, message.warmup_steps, message.memory, message.batch_invariance
+            message.config,
+            message.main_cpu,
+            message.warmup_steps,
+            message.memory,
+            message.batch_invariance,
+            message.lora_keys,
         )
 
     def start_threads(self) -> None:

@@ -97,7 +97,8 @@ def run_engine_core(
     freeze_startup_objects()
     # a test's stand-in engine measures nothing
     memory, invariance = getattr(engine, "memory", None), getattr(engine, "batch_invariance", None)
-    outputs.send(EngineReady(engine.config, main_cpu, steps, memory, invariance))
+    lora_keys = engine.lora_cache_keys() if hasattr(engine, "lora_cache_keys") else None
+    outputs.send(EngineReady(engine.config, main_cpu, steps, memory, invariance, lora_keys))
     try:
         EngineCore(engine, commands, outputs).run()
     finally:
@@ -190,7 +191,8 @@ class EngineCore:
         except Exception as error:  # noqa: BLE001 - an unreadable adapter must not take the engine down
             self.outputs.send(LoRACommandDone(command.command_id, str(error) or type(error).__name__))
             return
-        self.outputs.send(LoRACommandDone(command.command_id, None))
+        key = b"" if command.path is None else self.engine.lora_cache_keys().get(command.name, b"")
+        self.outputs.send(LoRACommandDone(command.command_id, None, key))
 
     def _step(self) -> None:
         try:

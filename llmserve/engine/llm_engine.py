@@ -316,6 +316,12 @@ class LLMEngine:
             raise ValueError("loading LoRA adapters after start is not supported with tensor parallelism yet")
         _lora_of(self.model_runner).load(name, path)
 
+    def lora_cache_keys(self) -> dict[str, bytes]:
+        """Each loaded adapter's prefix-cache key (LoRAManager.cache_key) by name: /server_info gives
+        them to a router, which hashes an adapter's prompts as this engine does."""
+        lora = self.model_runner.lora
+        return {} if lora is None else {name: lora.cache_key(name) for name in lora.adapters}
+
     def remove_lora(self, name: str) -> None:
         """Unload adapter `name`; ValueError if it is unknown or unfinished requests use it."""
         if self.executor is not None:

@@ -22,9 +22,13 @@ class LoRACommands:
         self.enabled = config is not None
         self.adapters: dict[str, str] = dict(config.modules) if config is not None else {}  # name -> path
         self._at_start = dict(self.adapters)  # what every engine process loads at its start
+        # name -> the engine's prefix-cache key of the adapter's requests (LLMEngine.lora_cache_keys),
+        # for /server_info: a router hashes an adapter's prompts with it
+        self._cache_keys: dict[str, bytes] = {}
         self._send = send
         self._ids = itertools.count()
-        self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        # command id -> the waiting loop and future, and the adapter it loads (None: an unload)
+        self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, str | None]] = {}
         self._lock = threading.Lock()  # answers arrive on the engine client's reader thread
 
     @property
@@ -32,13 +36,23 @@ class LoRACommands:
         with self._lock:
             return tuple(self.adapters)
 
+    def cache_keys(self) -> dict[str, bytes]:
+        """The served adapters' prefix-cache keys that the engine has reported, by name."""
+        with self._lock:
+            return {name: key for name, key in self._cache_keys.items() if name in self.adapters}
+
+    def note_cache_keys(self, keys: dict[str, bytes] | None) -> None:
+        """An engine process's keys of the adapters it loaded at its start (EngineReady)."""
+        with self._lock:
+            self._cache_keys.update(keys or {})
+
     async def load(self, name: str, path: str) -> None:
         """Load adapter `name` from PEFT directory `path`; ValueError saying why the engine refused."""
         if not self.enabled:
             raise ValueError("LoRA adapters need --enable-lora")
         if name in self.adapters:
             raise ValueError(f"the LoRA adapter {name!r} is already loaded")
-        await self._run(LoRACommand(self._next_id(), name, path))
+        await self._run(LoRACommand(self._next_id(), name, path), loads=name)
         with self._lock:  # replay() reads the adapters on the engine client's reader thread
             self.adapters[name] = path
 
@@ -49,6 +63,7 @@ class LoRACommands:
         await self._run(LoRACommand(self._next_id(), name))
         with self._lock:
             del self.adapters[name]
+            self._cache_keys.pop(name, None)
 
     def replay(self) -> None:
         """A new engine process: send it the adapters loaded at run time (nobody waits for these).
@@ -66,21 +81,23 @@ class LoRACommands:
     def on_done(self, message: LoRACommandDone) -> None:
         with self._lock:
             target = self._pending.pop(message.command_id, None)
+            if target is not None and target[2] is not None and message.error is None:
+                self._cache_keys[target[2]] = message.cache_key
         if target is not None:
-            _settle_later(*target, message.error)
+            _settle_later(target[0], target[1], message.error)
 
     def fail_all(self, message: str) -> None:
         """The engine process is gone: every command waiting for an answer fails with `message`."""
         with self._lock:
             pending, self._pending = self._pending, {}
-        for loop, future in pending.values():
+        for loop, future, _ in pending.values():
             _settle_later(loop, future, f"the engine stopped before applying the command: {message}")
 
-    async def _run(self, command: LoRACommand) -> None:
+    async def _run(self, command: LoRACommand, loads: str | None = None) -> None:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
-            self._pending[command.command_id] = (loop, future)
+            self._pending[command.command_id] = (loop, future, loads)
         self._send(command)
         error = await future
         if error is not None:

@@ -87,6 +87,8 @@ class EngineReady(_Message):
     memory: Any = None  # MemoryReport (worker/memory_report.py): the loaded model's, for /server_info
     # why the engine is not batch invariant (worker/batch_invariance.py), for /server_info; (): it is
     batch_invariance: Any = None
+    # the loaded LoRA adapters' prefix-cache keys by name (LLMEngine.lora_cache_keys), for /server_info
+    lora_keys: Any = None
 
 
 class EngineWarming(_Message):
@@ -162,6 +164,7 @@ class EngineStatus(_Message):
 class LoRACommandDone(_Message):
     command_id: str
     error: str | None  # why the engine refused the command; None: done
+    cache_key: bytes = b""  # a loaded adapter's prefix-cache key (LoRAManager.cache_key)
 
 
 EngineMessage = (

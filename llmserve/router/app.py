@@ -21,7 +21,7 @@ import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import uvicorn
@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 from llmserve.config.router import RouterConfig
 from llmserve.entrypoints.openai import web
 from llmserve.entrypoints.openai.api_server import ApiKeyMiddleware, UvicornServer
-from llmserve.entrypoints.openai.server_info import tokenizer_fingerprint
+from llmserve.entrypoints.openai.server_info import ServerInfo, tokenizer_fingerprint
 from llmserve.metrics.history import MetricsHistory
 from llmserve.metrics.summary import summary
 from llmserve.model_loader.default_model import resolve_model_path
@@ -45,7 +45,7 @@ from llmserve.router.metrics import RouterMetrics, merged_scrape
 from llmserve.router.policy import RoutingPolicy
 from llmserve.router.prompt import PromptHasher
 from llmserve.router.proxy import FORWARDED_HEADERS, NoReplicaError, Proxy
-from llmserve.router.replica import HealthChecker, Replica, check_compatible, wait_for_info
+from llmserve.router.replica import HealthChecker, Replica, check_compatible, fetch_info, wait_for_info
 
 logger = logging.getLogger("llmserve.router")
 
@@ -63,6 +63,10 @@ class RouterState:
     metrics: RouterMetrics
     history: MetricsHistory  # the dashboard's series, of the replicas' summed metrics
     api_key: str | None = None  # the router checks it and sends it on to the replicas
+    # the replicas' LoRA adapters' prefix-cache keys by name (their /server_info), read at registration
+    # and after each load or unload the router passes on; an adapter loaded on a replica directly is
+    # hashed as the base model's request (a cache miss where it lands, never a wrong answer)
+    lora_keys: dict[str, bytes] = field(default_factory=dict)
     prefill: PrefillStage | None = None  # prefill/decode disaggregation; None: replicas serve whole requests
 
     def upstream_headers(self, raw_request: Request) -> dict[str, str]:
@@ -105,6 +109,7 @@ async def build_router(config: RouterConfig, tokenizer: Tokenizer | None = None)
         metrics=metrics,
         history=MetricsHistory(lambda: merged_scrape(replicas)),
         api_key=config.api_key,
+        lora_keys=agreed_lora_keys([r.info for r in replicas]),
         prefill=PrefillStage(client, prefill, config.prefill_timeout_seconds, metrics.on_prefill)
         if prefill
         else None,
@@ -173,7 +178,7 @@ async def forward(raw_request: Request) -> Response:
         except ValueError:
             parsed = None  # the replica answers with the precise 400
         path = raw_request.url.path
-        hashes = await asyncio.to_thread(state.hasher.hashes, path, parsed)
+        hashes = await asyncio.to_thread(state.hasher.hashes, path, parsed, state.lora_keys)
         stream = isinstance(parsed, dict) and parsed.get("stream") is True
         headers = state.upstream_headers(raw_request)
         if state.prefill is not None:  # the prompt's blocks to a decode instance first
@@ -189,9 +194,35 @@ async def broadcast(raw_request: Request) -> Response:
     """Run-time LoRA loading and unloading reach every replica (vLLM's routes, api_server.py)."""
 
     async def send(state: RouterState, body: bytes) -> Response:
-        return await state.proxy.broadcast(raw_request.url.path, body, state.upstream_headers(raw_request))
+        headers = state.upstream_headers(raw_request)
+        response = await state.proxy.broadcast(raw_request.url.path, body, headers)
+        if response.status_code == 200:
+            await _refresh_lora_keys(state)
+        return response
 
     return await _pass_on(raw_request, send)
+
+
+def agreed_lora_keys(infos: list[ServerInfo]) -> dict[str, bytes]:
+    """The adapters' prefix-cache keys by name where every replica that serves the name agrees."""
+    keys: dict[str, bytes] = {}
+    conflicting: set[str] = set()
+    for info in infos:
+        for name, key in info.lora_cache_keys.items():
+            if keys.setdefault(name, bytes.fromhex(key)) != bytes.fromhex(key):
+                conflicting.add(name)
+    return {name: key for name, key in keys.items() if name not in conflicting}
+
+
+async def _refresh_lora_keys(state: RouterState) -> None:
+    """The adapters' keys again from the healthy replicas (a load or unload just reached them)."""
+    infos = []
+    for replica in (r for r in state.replicas if r.healthy):
+        try:
+            infos.append(await fetch_info(state.proxy.client, replica.url))
+        except (httpx.TransportError, ValueError) as error:
+            logger.warning("LoRA keys: replica %s's /server_info failed (%s)", replica.url, error)
+    state.lora_keys = agreed_lora_keys(infos)
 
 
 Sender = Callable[[RouterState, bytes], Awaitable[Response]]

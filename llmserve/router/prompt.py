@@ -2,12 +2,15 @@
 
 The body is parsed with the server's own request models and tokenized with the same tokenizer and
 chat template (model_loader/tokenizer.py), then hashed with the engine's `hash_block`, so the hashes
-are the very keys of the replica's prefix cache. A body the server would reject, and a route with no
-prompt (/tokenize, /detokenize), gets no hashes: the router sends it on anyway (to the least loaded
-replica) and the replica answers, with the precise error where there is one.
+are the very keys of the replica's prefix cache (a LoRA adapter's request with the adapter's key in
+its first block, from the replicas' /server_info, docs/lora.md). A body the server would reject, and
+a route with no prompt (/tokenize, /detokenize), gets no hashes: the router sends it on anyway (to the
+least loaded replica) and the replica answers, with the precise error where there is one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import pydantic
 
@@ -22,11 +25,13 @@ from llmserve.entrypoints.openai.protocol import (
 from llmserve.model_loader.tokenizer import Tokenizer
 
 
-def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """The engine's chained hashes of the full blocks of `token_ids` (PrefixCache.block_hashes)."""
+def block_hashes(token_ids: list[int], block_size: int, lora_key: bytes = b"") -> list[bytes]:
+    """The engine's chained hashes of the full blocks of `token_ids` (PrefixCache.block_hashes);
+    `lora_key`: the request's LoRA adapter's, mixed into the first block's as the engine does."""
     hashes: list[bytes] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else b"", tuple(token_ids[start : start + block_size])))
+        block = tuple(token_ids[start : start + block_size])
+        hashes.append(hash_block(hashes[-1], block) if hashes else hash_block(b"", block, lora_key))
     return hashes
 
 
@@ -35,13 +40,17 @@ class PromptHasher:
         self.tokenizer = tokenizer
         self.block_size = block_size
 
-    def hashes(self, path: str, body: object) -> list[bytes]:
-        """Block hashes of the (first) prompt of a body of a route that has one; else none."""
+    def hashes(self, path: str, body: object, lora_keys: Mapping[str, bytes] | None = None) -> list[bytes]:
+        """Block hashes of the (first) prompt of a body of a route that has one; else none.
+        `lora_keys`: the replicas' adapters' prefix-cache keys by name (/server_info), for a body
+        whose `model` names one."""
         try:
             token_ids = self._token_ids(path, body)
         except (pydantic.ValidationError, ValueError):
             return []
-        return block_hashes(token_ids, self.block_size)
+        model = body.get("model") if isinstance(body, dict) else None
+        key = (lora_keys or {}).get(model, b"") if isinstance(model, str) else b""
+        return block_hashes(token_ids, self.block_size, key)
 
     def _token_ids(self, path: str, body: object) -> list[int]:
         if path == "/v1/chat/completions":

@@ -47,7 +47,8 @@ class FailingEngine:
         self.gauges = EngineGauges()
         self.health = EngineHealth()
         self.queued_prompt_tokens = 0
-        self.lora = types.SimpleNamespace(names=(), adapters={})  # no LoRA adapters (AsyncLLM.lora)
+        # no LoRA adapters (AsyncLLM.lora)
+        self.lora = types.SimpleNamespace(names=(), adapters={}, cache_keys=dict)
         self.memory = None  # no memory report (AsyncLLM.memory: the engine measures its model)
 
     def has_request(self, request_id: str) -> bool:

@@ -72,10 +72,14 @@ def test_load_and_unload_while_serving(server):
     process, dirs = server
     with process.http() as http:
         before = {name: _complete(http, name) for name in (BASE, *AT_START)}
+        keys = http.get("/server_info").json()["lora_cache_keys"]  # for a router (docs/lora.md)
+        assert set(keys) == set(AT_START) and len(set(keys.values())) == len(AT_START)
         assert http.post("/v1/completions", json={"model": "mlp", "prompt": "hi"}).status_code == 404
         response = http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": dirs["mlp"]})
         assert response.status_code == 200, response.text
         assert "mlp" in {card["id"] for card in http.get("/v1/models").json()["data"]}
+        loaded = http.get("/server_info").json()["lora_cache_keys"]
+        assert loaded.keys() == {*AT_START, "mlp"} and loaded["mlp"] not in keys.values()
         text = _complete(http, "mlp")
         assert text not in before.values()
         again = http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": dirs["mlp"]})
@@ -84,6 +88,7 @@ def test_load_and_unload_while_serving(server):
         assert bad.status_code == 400 and "not a PEFT adapter directory" in bad.json()["error"]["message"]
 
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
+        assert http.get("/server_info").json()["lora_cache_keys"] == keys
         assert http.post("/v1/completions", json={"model": "mlp", "prompt": "hi"}).status_code == 404
         gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"})
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"

@@ -117,12 +117,13 @@ def test_lora_config_is_off_without_enable_lora():
 def test_lora_commands_wait_for_the_engine_and_replay_after_a_restart():
     sent = []
     commands = LoRACommands(LoRAConfig((("a", "/a"), ("b", "/b"))), sent.append)
+    commands.note_cache_keys({"a": b"key a", "b": b"key b"})  # the engine's EngineReady
 
     async def scenario():
         load = asyncio.ensure_future(commands.load("c", "/c"))
         await asyncio.sleep(0)
         assert not load.done() and sent[-1].name == "c"
-        commands.on_done(LoRACommandDone(sent[-1].command_id, None))
+        commands.on_done(LoRACommandDone(sent[-1].command_id, None, b"key c"))
         await load
         unload = asyncio.ensure_future(commands.unload("a"))
         await asyncio.sleep(0)
@@ -130,7 +131,7 @@ def test_lora_commands_wait_for_the_engine_and_replay_after_a_restart():
         await unload
         refused = asyncio.ensure_future(commands.load("d", "/d"))
         await asyncio.sleep(0)
-        commands.on_done(LoRACommandDone(sent[-1].command_id, "not a PEFT adapter directory"))
+        commands.on_done(LoRACommandDone(sent[-1].command_id, "not a PEFT adapter directory", b"key d"))
         with pytest.raises(ValueError, match="not a PEFT adapter directory"):
             await refused
         lost = asyncio.ensure_future(commands.load("e", "/e"))
@@ -141,6 +142,7 @@ def test_lora_commands_wait_for_the_engine_and_replay_after_a_restart():
 
     asyncio.run(scenario())
     assert commands.names == ("b", "c")
+    assert commands.cache_keys() == {"b": b"key b", "c": b"key c"}  # what /server_info gives a router
     sent.clear()
     commands.replay()  # a new engine process starts with --lora-modules: c again, a unloaded again
     assert [(command.name, command.path) for command in sent] == [("a", None), ("c", "/c")]

@@ -81,3 +81,47 @@ def test_the_index_is_the_engines_cache_and_sees_evictions(engine_and_index):
     after = synced(engine, index, subscriber)
     assert after == set(pool._cached)
     assert not set(block_hashes(first[0], BLOCK_SIZE)) <= after, "the eviction reached the index"
+
+
+def test_the_routers_hashes_of_an_adapters_prompt_are_the_engines(tmp_path):
+    """An adapter's request is cached under blocks whose chain starts from the adapter's key (no hit
+    across adapters or with the base model); the router, given the keys /server_info reports, hashes
+    the same prompt to those very blocks, and the base model's request to others."""
+    from tests.helpers import make_tiny_llama_dir
+    from tests.lora.adapters import make_adapter
+
+    base = make_tiny_llama_dir(str(tmp_path / "base"))
+    make_adapter(base, str(tmp_path / "qv"), 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    endpoints = {
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+    }
+    engine = LLMEngine(
+        EngineArgs(
+            model=base,
+            dtype="float32",
+            max_model_len=256,
+            block_size=BLOCK_SIZE,
+            enable_lora=True,
+            lora_modules=(f"qv={tmp_path / 'qv'}",),
+            kv_events_config=json.dumps({"enable_kv_cache_events": True, **endpoints}),
+        )
+    )
+    index = PrefixIndex(["engine"])
+    subscriber = KVEventSubscriber(index)
+    subscriber.add("engine", endpoints["endpoint"], endpoints["replay_endpoint"], "")
+    subscriber.start()
+    try:
+        keys = engine.lora_cache_keys()
+        assert set(keys) == {"qv"} and keys["qv"]
+        prompt = list(range(300, 340))
+        engine.add_request("adapter", prompt, SamplingParams(max_tokens=2, ignore_eos=True, lora_name="qv"))
+        while engine.has_unfinished_requests():
+            engine.step()
+        cached = synced(engine, index, subscriber)
+        adapter_hashes = block_hashes(prompt, BLOCK_SIZE, keys["qv"])
+        assert len(adapter_hashes) == 2 and set(adapter_hashes) <= cached
+        assert not set(block_hashes(prompt, BLOCK_SIZE)) & cached  # the base model's: not cached
+    finally:
+        subscriber.stop()
+        engine.shutdown()

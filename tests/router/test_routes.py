@@ -66,4 +66,9 @@ def test_each_route_with_a_prompt_is_hashed_as_its_replica_renders_it():
     responses = {"input": MESSAGES[1]["content"], "instructions": MESSAGES[0]["content"]}
     assert hasher.hashes("/v1/responses", responses) == chat
     assert hasher.hashes("/tokenize", {"prompt": TEXT}) == []  # no prompt to place: the least loaded
+    # an adapter's request: its key (the replicas' /server_info) in the first block, as the engine's
+    keys = {"sql": b"lora:sql"}
+    adapter = hasher.hashes("/v1/completions", {"prompt": TEXT, "model": "sql"}, keys)
+    assert adapter == block_hashes(CharTokenizer().encode(TEXT), 4, b"lora:sql") and adapter != text
+    assert hasher.hashes("/v1/completions", {"prompt": TEXT, "model": "base"}, keys) == text
     assert hasher.hashes("/v1/generate", {"prompt": ""}) == []  # the replica's 400 is the answer

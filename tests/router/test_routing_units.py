@@ -204,3 +204,43 @@ def test_replicas_get_the_chat_flags(tmp_path):
     assert flags[flags.index("--tool-call-parser") + 1] == "llama3_json"
     assert flags[flags.index("--reasoning-parser") + 1] == "qwen3"
     assert "--tool-call-parser" not in replica_flags(argv[:3])
+
+
+def test_the_router_keeps_the_adapter_keys_its_replicas_agree_on():
+    """A name whose key differs between replicas (other weights loaded under it) is hashed as the
+    base model's request: a cache miss at worst, never another adapter's blocks."""
+    from llmserve.router.app import agreed_lora_keys
+
+    def info(keys):
+        return INFO.model_copy(update={"lora_cache_keys": keys})
+
+    infos = [info({"a": "aa", "b": "bb"}), info({"a": "aa", "b": "cc", "c": "dd"})]
+    assert agreed_lora_keys(infos) == {"a": b"\xaa", "c": b"\xdd"}
+
+
+def test_after_a_load_the_router_reads_the_keys_again_from_the_healthy_replicas():
+    import asyncio
+    import types
+
+    import httpx
+
+    from llmserve.router.app import _refresh_lora_keys
+
+    answers = {"http://a": {"x": "01"}, "http://b": {"x": "01", "y": "02"}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/server_info"
+        info = INFO.model_copy(update={"lora_cache_keys": answers[f"http://{request.url.host}"]})
+        return httpx.Response(200, content=info.model_dump_json())
+
+    replicas = [types.SimpleNamespace(url=url, healthy=True) for url in answers]
+    replicas.append(types.SimpleNamespace(url="http://down", healthy=False))  # not asked
+    state = types.SimpleNamespace(replicas=replicas, lora_keys={})
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            state.proxy = types.SimpleNamespace(client=client)
+            await _refresh_lora_keys(state)
+
+    asyncio.run(scenario())
+    assert state.lora_keys == {"x": b"\x01", "y": b"\x02"}

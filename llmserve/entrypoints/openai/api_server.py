@@ -243,8 +243,9 @@ async def get_server_info(raw_request: Request) -> Response:
     ctx = _state(raw_request).ctx
     engine = ctx.engine
     invariance = getattr(engine, "batch_invariance", None)
+    keys = engine.lora.cache_keys()
     return json_response(
-        server_info(ctx.served_model_name, engine.config, engine.tokenizer, engine.memory, invariance)
+        server_info(ctx.served_model_name, engine.config, engine.tokenizer, engine.memory, invariance, keys)
     )
 
 

@@ -46,6 +46,9 @@ class ServerInfo(BaseModel):
     # prefill/decode disaggregation (--kv-transfer-config): kv_producer, kv_consumer or kv_both; None:
     # neither. The router checks it against --prefill-replica and --replica.
     kv_role: str | None = None
+    # each served LoRA adapter's prefix-cache key (hex), which the engine mixes into the first block's
+    # hash of the adapter's requests: the router hashes their prompts with it (docs/lora.md)
+    lora_cache_keys: dict[str, str] = {}
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
@@ -54,10 +57,16 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 
 
 def server_info(
-    served_model_name: str, config, tokenizer: Tokenizer, memory=None, batch_invariance=None
+    served_model_name: str,
+    config,
+    tokenizer: Tokenizer,
+    memory=None,
+    batch_invariance=None,
+    lora_cache_keys: dict[str, bytes] | None = None,
 ) -> ServerInfo:
     """`config`: the replica's EngineConfig; `memory`: its engine's MemoryReport, if it measured one;
-    `batch_invariance`: why its engine is not batch invariant (() where it is; None: not reported)."""
+    `batch_invariance`: why its engine is not batch invariant (() where it is; None: not reported);
+    `lora_cache_keys`: its adapters' prefix-cache keys by name."""
     events = config.cache.kv_events
     sizes = {} if memory is None else dataclasses.asdict(memory)
     return ServerInfo(
@@ -75,5 +84,6 @@ def server_info(
         batch_invariant=None if batch_invariance is None else not batch_invariance,
         batch_invariance_reasons=list(batch_invariance or ()),
         kv_role=None if config.cache.kv_transfer is None else config.cache.kv_transfer.kv_role,
+        lora_cache_keys={name: key.hex() for name, key in (lora_cache_keys or {}).items()},
         **sizes,
     )
