@@ -99,7 +99,8 @@ class AsyncLLM:
         without it the warm-up listeners get no steps (the wait predictor starts with no prior).
         """
         self.step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]] = []
-        self.request_listeners: list[Callable[[list[int], SamplingParams], None]] = []  # at each arrival
+        # at each arrival: the request's id, prompt and parameters
+        self.request_listeners: list[Callable[[str, list[int], SamplingParams], None]] = []
         # the engine's warm-up steps (engine/warmup.py), after each start: the wait predictor's prior
         self._warmup_listeners: list[Callable[[list[StepStats]], None]] = []
         self._warmup_steps: list[StepStats] | None = None  # the latest warm-up's, once it is done
@@ -170,7 +171,7 @@ class AsyncLLM:
         stream = self._register(request_id, prompt_ids, params.output_kind)  # the kind is applied here
         self.engine_core.send(AddRequest(request_id, prompt_ids, params, time.monotonic(), priority))
         for listener in self.request_listeners:
-            listener(prompt_ids, params)
+            listener(request_id, prompt_ids, params)
         finished = False
         try:
             while not finished:

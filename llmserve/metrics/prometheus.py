@@ -34,7 +34,11 @@ at that position was accepted). The KV tiers under the prefix cache (--kv-offloa
 count per tier (`tier` = ram | disk) `kv_offload_hits` (blocks a prefix hit loaded instead of recomputing),
 `kv_offload_bytes{direction=load|store}` and the histogram `kv_offload_load_seconds` (ram: a step's
 copies to the device; disk: one file's read and check); their hits' tokens are in
-`prefix_cache_hits` too.
+`prefix_cache_hits` too. Under --enable-lora each adapter's requests (`lora_name`) count
+`lora_prompt_tokens` and `lora_generation_tokens` as the two token counters do, and observe
+`lora_time_to_first_token_seconds` and `lora_e2e_request_latency_seconds`; the gauges
+`lora_requests_running` and `lora_requests_waiting` and vLLM's `lora_requests_info` are read at
+scrape time.
 
 The registry holds `llmserve:*` without labels of its own; a scrape (`render`) exports every family
 under `llmserve:` and vLLM's `vllm:` (or one of them: `metric_names`) with a `model_name` label on
@@ -136,7 +140,7 @@ class MetricsSource(Protocol):
 
     gauges: EngineGauges
     step_listeners: list[Callable[[StepStats | None, list[RequestOutput]], None]]
-    request_listeners: list[Callable[[list[int], SamplingParams], None]]
+    request_listeners: list[Callable[[str, list[int], SamplingParams], None]]
 
     def has_request(self, request_id: str) -> bool: ...
 
@@ -211,6 +215,7 @@ class PrometheusMetrics:
             "iteration_batch_size", "Requests batched per engine step.", BATCH_BUCKETS
         )
         self._declare_operator_metrics()
+        self._declare_lora_metrics()
         self.total_prompt_tokens = 0  # plain totals for the periodic log line
         self.total_generation_tokens = 0
         self._requests: dict[str, _Progress] = {}
@@ -285,6 +290,31 @@ class PrometheusMetrics:
 
     # -- declaring metrics ----------------------------------------------------------------------
 
+    def _declare_lora_metrics(self) -> None:
+        """Tokens and latencies of the requests under each LoRA adapter (--enable-lora), by `lora_name`;
+        requests of the base model are not in them."""
+        self.lora_prompt_tokens = self.counter(
+            "lora_prompt_tokens",
+            "Prompt tokens of requests under the LoRA adapter, counted once at their first output token.",
+            ["lora_name"],
+        )
+        self.lora_generation_tokens = self.counter(
+            "lora_generation_tokens", "Output tokens generated under the LoRA adapter.", ["lora_name"]
+        )
+        self.lora_time_to_first_token = self.histogram(
+            "lora_time_to_first_token_seconds",
+            "Arrival to first output token of requests under the LoRA adapter.",
+            LATENCY_BUCKETS,
+            ["lora_name"],
+        )
+        self.lora_e2e_request_latency = self.histogram(
+            "lora_e2e_request_latency_seconds",
+            "Arrival to finish of requests under the LoRA adapter.",
+            LATENCY_BUCKETS,
+            ["lora_name"],
+        )
+        self._adapters: dict[str, str] = {}  # live request id -> its LoRA adapter's name
+
     def counter(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Counter:
         """A counter exposed as `llmserve:<name>_total`."""
         return Counter(PREFIX + name, documentation, list(labels), registry=self.registry)
@@ -316,10 +346,12 @@ class PrometheusMetrics:
         self.registry.register(RankCollector(lambda: llm.gauges.ranks))
         self.registry.register(LoRACollector(lambda: llm.gauges.lora_requests, lambda: llm.gauges.max_loras))
 
-    def on_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Request listener: the parameters operators size the server by."""
+    def on_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Request listener: the parameters operators size the server by, and the request's adapter."""
         self.request_params_n.observe(params.n)
         self.request_params_max_tokens.observe(params.max_tokens)
+        if params.lora_name is not None:
+            self._adapters[request_id] = params.lora_name
 
     def on_step(self, stats: StepStats | None, outputs: list[RequestOutput]) -> None:
         """Step listener: per-step histograms, token counters and per-request latencies.
@@ -379,6 +411,9 @@ class PrometheusMetrics:
                 self.inter_token_latency.observe(now - progress.last_token_time)
             self.generation_tokens.inc(num_new)
             self.total_generation_tokens += num_new
+            adapter = self._adapters.get(output.request_id)
+            if adapter is not None:
+                self.lora_generation_tokens.labels(lora_name=adapter).inc(num_new)
             progress.num_tokens += num_new
             progress.last_token_time = now
             for completion in output.outputs:
@@ -389,14 +424,22 @@ class PrometheusMetrics:
                 self.request_success.labels(finished_reason=_reason(completion)).inc()
         if output.finished:
             self._observe_finished(output, self._requests.pop(output.request_id, None))
+            self._adapters.pop(output.request_id, None)
 
     def _observe_first_token(self, output: RequestOutput, now: float) -> None:
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.total_prompt_tokens += len(output.prompt_token_ids)
+        adapter = self._adapters.get(output.request_id)
+        if adapter is not None:
+            self.lora_prompt_tokens.labels(lora_name=adapter).inc(len(output.prompt_token_ids))
         metrics = output.metrics
         if metrics is not None:
             first_token_time = metrics.first_token_time or now
             self.time_to_first_token.observe(first_token_time - metrics.arrival_time)
+            if adapter is not None:
+                self.lora_time_to_first_token.labels(lora_name=adapter).observe(
+                    first_token_time - metrics.arrival_time
+                )
 
     def _observe_finished(self, output: RequestOutput, progress: _Progress | None) -> None:
         longest = max(progress.per_sample.values(), default=0) if progress is not None else 0
@@ -407,6 +450,11 @@ class PrometheusMetrics:
         if metrics is None or metrics.finished_time is None:
             return
         self.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
+        adapter = self._adapters.get(output.request_id)
+        if adapter is not None:
+            self.lora_e2e_request_latency.labels(lora_name=adapter).observe(
+                metrics.finished_time - metrics.arrival_time
+            )
         if metrics.first_scheduled_time is not None:
             self.request_queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
             self.request_inference_time.observe(metrics.finished_time - metrics.first_scheduled_time)
@@ -423,6 +471,8 @@ class PrometheusMetrics:
         """Forget requests the engine no longer knows (aborted ones never report a finished output)."""
         for request_id in [r for r in self._requests if not self._is_live(r)]:
             del self._requests[request_id]
+        for request_id in [r for r in self._adapters if not self._is_live(r)]:
+            del self._adapters[request_id]
 
     # -- exposing them ---------------------------------------------------------------------------
 

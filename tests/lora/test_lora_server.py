@@ -108,6 +108,10 @@ def test_metrics_count_requests_by_adapter(server):
         for kind in ("running", "waiting"):
             series = [line for line in lines if line.startswith(f"llmserve:lora_requests_{kind}{{")]
             assert any(f'lora_name="{name}"' in line and line.endswith(" 0.0") for line in series), series
+    generated = [line for line in lines if line.startswith("llmserve:lora_generation_tokens_total{")]
+    assert any('lora_name="qv"' in line and float(line.split()[-1]) > 0 for line in generated), generated
+    first = [line for line in lines if line.startswith("llmserve:lora_time_to_first_token_seconds_count{")]
+    assert any('lora_name="qv"' in line and float(line.split()[-1]) >= 1 for line in first), first
     (info,) = [line for line in lines if line.startswith("vllm:lora_requests_info{")]  # nothing queued
     assert 'running_lora_adapters=""' in info and 'waiting_lora_adapters=""' in info and "max_lora=" in info
 

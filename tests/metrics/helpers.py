@@ -32,14 +32,14 @@ def output(request_id: str, prompt_len: int, samples: dict[int, list[int]], fini
 
 def fed_metrics(model_name: str = "tiny", metric_names: str = "both") -> PrometheusMetrics:
     """Two requests: `a` (n=2, 5 prompt tokens, samples of 3 and 1 tokens) and `b` (n=1, 2 prompt
-    tokens, 2 tokens); one swap and one recompute preemption, 4 swapped-out and 4 swapped-in
-    blocks; 2 requests verifying drafts, accepting 2 and 0."""
+    tokens, 2 tokens, under LoRA adapter `sql`); one swap and one recompute preemption, 4 swapped-out
+    and 4 swapped-in blocks; 2 requests verifying drafts, accepting 2 and 0."""
     engine = FakeEngineClient()
     metrics = PrometheusMetrics(model_name=model_name, metric_names=metric_names)
     metrics.attach(engine)
     for listener in engine.request_listeners:
-        listener([1] * 5, SamplingParams(n=2, max_tokens=3))
-        listener([1] * 2, SamplingParams(max_tokens=8))
+        listener("a", [1] * 5, SamplingParams(n=2, max_tokens=3))
+        listener("b", [1] * 2, SamplingParams(max_tokens=8, lora_name="sql"))
     steps = [
         (
             StepStats(2, 0, 0.5, 2, 7, 3, 0, 0.01),

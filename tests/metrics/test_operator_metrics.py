@@ -41,6 +41,18 @@ def test_request_length_tpot_and_parameter_histograms():
     assert sample(metrics, "request_params_n_bucket", le="1.0") == 1
 
 
+def test_tokens_and_latencies_per_lora_adapter():
+    """Only b ran under an adapter (sql): its prompt and tokens and its latencies, by lora_name."""
+    metrics = fed_metrics()
+    assert sample(metrics, "lora_prompt_tokens_total", lora_name="sql") == 2
+    assert sample(metrics, "lora_generation_tokens_total", lora_name="sql") == 2
+    assert sample(metrics, "lora_time_to_first_token_seconds_sum", lora_name="sql") == pytest.approx(0.3)
+    assert sample(metrics, "lora_e2e_request_latency_seconds_sum", lora_name="sql") == pytest.approx(1.3)
+    assert sample(metrics, "lora_e2e_request_latency_seconds_count", lora_name="sql") == 1
+    assert metrics.registry.get_sample_value("llmserve:lora_prompt_tokens_total", {"lora_name": "a"}) is None
+    assert not metrics._adapters  # b finished: nothing kept
+
+
 def test_speculative_acceptance_per_position():
     assert accepted_per_position([]) == ()
     assert accepted_per_position([0, 0]) == ()

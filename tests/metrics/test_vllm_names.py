@@ -21,6 +21,10 @@ LLMSERVE_ONLY = {  # exported under vllm: as well, for one scrape config, but vL
     "vllm:kv_offload_load_seconds",
     "vllm:lora_requests_running",  # per adapter (vLLM has only lora_requests_info's joined names)
     "vllm:lora_requests_waiting",
+    "vllm:lora_prompt_tokens",  # tokens and latencies per adapter
+    "vllm:lora_generation_tokens",
+    "vllm:lora_time_to_first_token_seconds",
+    "vllm:lora_e2e_request_latency_seconds",
 }
 
 
