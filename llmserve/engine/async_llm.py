@@ -169,9 +169,9 @@ class AsyncLLM:
         cancelling the iteration aborts it. `prompt_ids` come from `encode_prompt`, the one place a
         prompt is validated: nothing after it checks again."""
         stream = self._register(request_id, prompt_ids, params.output_kind)  # the kind is applied here
-        self.engine_core.send(AddRequest(request_id, prompt_ids, params, time.monotonic(), priority))
-        for listener in self.request_listeners:
+        for listener in self.request_listeners:  # before its first output can arrive
             listener(request_id, prompt_ids, params)
+        self.engine_core.send(AddRequest(request_id, prompt_ids, params, time.monotonic(), priority))
         finished = False
         try:
             while not finished:

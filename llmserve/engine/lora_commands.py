@@ -42,9 +42,12 @@ class LoRACommands:
             return {name: key for name, key in self._cache_keys.items() if name in self.adapters}
 
     def note_cache_keys(self, keys: dict[str, bytes] | None) -> None:
-        """An engine process's keys of the adapters it loaded at its start (EngineReady)."""
+        """An engine process's keys of the adapters it loaded at its start (EngineReady); a name
+        unloaded or loaded from elsewhere since keeps the key its run-time load reported."""
         with self._lock:
-            self._cache_keys.update(keys or {})
+            for name, key in (keys or {}).items():
+                if self.adapters.get(name) == self._at_start.get(name):
+                    self._cache_keys[name] = key
 
     async def load(self, name: str, path: str) -> None:
         """Load adapter `name` from PEFT directory `path`; ValueError saying why the engine refused."""

@@ -471,8 +471,9 @@ class PrometheusMetrics:
         """Forget requests the engine no longer knows (aborted ones never report a finished output)."""
         for request_id in [r for r in self._requests if not self._is_live(r)]:
             del self._requests[request_id]
-        for request_id in [r for r in self._adapters if not self._is_live(r)]:
-            del self._adapters[request_id]
+        # (the event loop adds entries meanwhile: a copy of the keys, and a pop that may find none)
+        for request_id in [r for r in list(self._adapters) if not self._is_live(r)]:
+            self._adapters.pop(request_id, None)
 
     # -- exposing them ---------------------------------------------------------------------------
 

@@ -258,8 +258,10 @@ async def list_models(raw_request: Request) -> Response:
 @routes.get("/server_info")
 async def server_info(raw_request: Request) -> Response:
     """The replicas' model, context and block size (one for all), without KV-event endpoints: a
-    router publishes none, so another router refuses it as a replica."""
-    info = _state(raw_request).replicas[0].info.model_copy(update={"kv_events": None})
+    router publishes none, so another router refuses it as a replica; the adapters' keys it holds."""
+    state = _state(raw_request)
+    keys = {name: key.hex() for name, key in state.lora_keys.items()}
+    info = state.replicas[0].info.model_copy(update={"kv_events": None, "lora_cache_keys": keys})
     return Response(info.model_dump_json(), media_type="application/json")
 
 

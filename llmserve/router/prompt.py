@@ -24,6 +24,8 @@ from llmserve.entrypoints.openai.protocol import (
 )
 from llmserve.model_loader.tokenizer import Tokenizer
 
+_ADAPTER_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
 
 def block_hashes(token_ids: list[int], block_size: int, lora_key: bytes = b"") -> list[bytes]:
     """The engine's chained hashes of the full blocks of `token_ids` (PrefixCache.block_hashes);
@@ -48,7 +50,8 @@ class PromptHasher:
             token_ids = self._token_ids(path, body)
         except (pydantic.ValidationError, ValueError):
             return []
-        model = body.get("model") if isinstance(body, dict) else None
+        # the routes whose `model` may name an adapter (/v1/generate and embeddings run the base model)
+        model = body.get("model") if isinstance(body, dict) and path in _ADAPTER_ROUTES else None
         key = (lora_keys or {}).get(model, b"") if isinstance(model, str) else b""
         return block_hashes(token_ids, self.block_size, key)
 

@@ -147,6 +147,20 @@ def test_lora_commands_wait_for_the_engine_and_replay_after_a_restart():
     commands.replay()  # a new engine process starts with --lora-modules: c again, a unloaded again
     assert [(command.name, command.path) for command in sent] == [("a", None), ("c", "/c")]
 
+    async def reload_b():  # unloaded, then loaded again from another directory: other weights
+        unload = asyncio.ensure_future(commands.unload("b"))
+        await asyncio.sleep(0)
+        commands.on_done(LoRACommandDone(sent[-1].command_id, None))
+        await unload
+        load = asyncio.ensure_future(commands.load("b", "/b2"))
+        await asyncio.sleep(0)
+        commands.on_done(LoRACommandDone(sent[-1].command_id, None, b"key b2"))
+        await load
+
+    asyncio.run(reload_b())
+    commands.note_cache_keys({"a": b"key a", "b": b"key b"})  # a restarted engine's start adapters
+    assert commands.cache_keys() == {"b": b"key b2", "c": b"key c"}
+
 
 def test_lora_commands_replay_a_snapshot_while_the_adapters_change():
     """replay() runs on the reader thread while the event loop loads and unloads: an adapter loaded

@@ -71,4 +71,5 @@ def test_each_route_with_a_prompt_is_hashed_as_its_replica_renders_it():
     adapter = hasher.hashes("/v1/completions", {"prompt": TEXT, "model": "sql"}, keys)
     assert adapter == block_hashes(CharTokenizer().encode(TEXT), 4, b"lora:sql") and adapter != text
     assert hasher.hashes("/v1/completions", {"prompt": TEXT, "model": "base"}, keys) == text
+    assert hasher.hashes("/v1/generate", {"prompt": TEXT, "model": "sql"}, keys) == text  # the base model
     assert hasher.hashes("/v1/generate", {"prompt": ""}) == []  # the replica's 400 is the answer

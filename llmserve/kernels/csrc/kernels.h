@@ -169,7 +169,9 @@ struct LoraExchange {
   static constexpr int64_t kMaxRows = 8, kMaxWidth = 512;
   std::atomic<int64_t> arrived{0};
   const std::atomic<bool>* failed = nullptr;  // a thread that failed may never arrive: the others give up
-  float hidden[2][kMaxRows][kMaxWidth];       // by the call's parity, so a call never overwrites the last
+  // by the call's parity: the stack's barrier after each phase keeps a call's values until every thread
+  // has expanded them; two calls of one phase (no barrier between) write different buffers
+  float hidden[2][kMaxRows][kMaxWidth];
 };
 void lora_shrink_part(const at::Tensor& x, const at::Tensor& a, const at::Tensor& token_slots,
                       const at::Tensor& widths, int64_t call, LoraExchange& exchange);

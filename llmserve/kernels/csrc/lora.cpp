@@ -287,7 +287,8 @@ int64_t expand_rows(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, 
 // expand_block of a bf16 adapter by pairs of columns (vdpbf16ps): rows c and c + 1 of Bt interleaved
 // into one vector of 16 outputs' pairs, each row's (hidden[c], hidden[c + 1]) broadcast (the hidden
 // values are bf16 already: hidden_value), one instruction for 32 multiply-adds. An odd last column pairs
-// with zeros. Each output's sum runs over the pairs in c order whatever N and J are.
+// with zeros. Each output's sum runs over the pairs in c order (each pair's odd column first, as the
+// instruction adds them) whatever N and J are.
 template <int N, int J>
 void expand_block_pairs(const Problem<c10::BFloat16>& pb, c10::BFloat16* const* out_rows,
                         const c10::BFloat16* bt_slot, int64_t first, int64_t last, int64_t j,
@@ -344,14 +345,19 @@ int64_t expand_rows_pairs(const Problem<c10::BFloat16>& pb, c10::BFloat16* const
 #endif
 
 // Output rows [begin, end) of shard p (B is block-diagonal: only its rank columns feed them, the other
-// columns are zeros there, never read): bf16 pairs where the level has them (vdpbf16ps), else 16 lanes
-// where it has them, then 8.
+// columns are zeros there, never read): bf16 pairs where the level has them (vdpbf16ps) and the shard
+// starts on a multiple of 16, else 16 lanes where the level has them, then 8. Pairs sum in another order
+// than single lanes, so each output must take the same one whatever range a call covers: a caller's range
+// starts at the shard's start, at a multiple of 32 (a thread's rows in the stack's region) or a multiple
+// of 16 past the shard's start (split_tile's shares), which on a shard starting at a multiple of 16 puts
+// every output in the same block of 16.
 template <typename T, int N>
 void expand_shard(const Problem<T>& pb, T* const* out_rows, const T* bt_slot, int64_t p, int64_t rank,
                   int64_t begin, int64_t end, const float (*hidden)[kMaxWidth]) {
 #ifdef LLMSERVE_LORA_BF16_PAIRS
   if constexpr (std::is_same_v<T, c10::BFloat16>)
-    begin = expand_rows_pairs<N>(pb, out_rows, bt_slot, p * rank, (p + 1) * rank, begin, end, hidden);
+    if (pb.shard_starts[p] % 16 == 0)
+      begin = expand_rows_pairs<N>(pb, out_rows, bt_slot, p * rank, (p + 1) * rank, begin, end, hidden);
 #endif
 #ifdef LLMSERVE_LORA_16_LANES
   begin = expand_rows<Lanes16, T, N>(pb, out_rows, bt_slot, p * rank, (p + 1) * rank, begin, end, hidden);
