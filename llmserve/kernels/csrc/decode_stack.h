@@ -43,8 +43,10 @@ class DecodeStack {
   void set_all_reduce(std::function<void(at::Tensor)> all_reduce) { all_reduce_ = std::move(all_reduce); }
 
   // LoRA adapters (lora/weights.py): per layer (a, bt, widths, shard_starts) of qkv, o, gate_up and down;
-  // a forward given token_slots adds each row's delta after each of those projections (lora_delta),
-  // before the all-reduce of o and down, as the modules' hooks do.
+  // a forward given token_slots adds each row's delta after each of those projections (lora_delta; in the
+  // one region lora_shrink_part and lora_expand_part), before the all-reduce of o and down, as the
+  // modules' hooks do. The stacks' shapes are checked here (lora_check_stacks), a step's slots and the
+  // stacks' widths once per forward.
   void set_lora(std::vector<at::Tensor> lora_tensors);
 
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, at::Tensor slot_mapping,
