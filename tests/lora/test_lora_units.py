@@ -125,10 +125,7 @@ def test_lora_commands_wait_for_the_engine_and_replay_after_a_restart():
         assert not load.done() and sent[-1].name == "c"
         commands.on_done(LoRACommandDone(sent[-1].command_id, None, b"key c"))
         await load
-        unload = asyncio.ensure_future(commands.unload("a"))
-        await asyncio.sleep(0)
-        commands.on_done(LoRACommandDone(sent[-1].command_id, None))
-        await unload
+        await _answered(commands, sent, commands.unload("a"))
         refused = asyncio.ensure_future(commands.load("d", "/d"))
         await asyncio.sleep(0)
         commands.on_done(LoRACommandDone(sent[-1].command_id, "not a PEFT adapter directory", b"key d"))
@@ -148,18 +145,20 @@ def test_lora_commands_wait_for_the_engine_and_replay_after_a_restart():
     assert [(command.name, command.path) for command in sent] == [("a", None), ("c", "/c")]
 
     async def reload_b():  # unloaded, then loaded again from another directory: other weights
-        unload = asyncio.ensure_future(commands.unload("b"))
-        await asyncio.sleep(0)
-        commands.on_done(LoRACommandDone(sent[-1].command_id, None))
-        await unload
-        load = asyncio.ensure_future(commands.load("b", "/b2"))
-        await asyncio.sleep(0)
-        commands.on_done(LoRACommandDone(sent[-1].command_id, None, b"key b2"))
-        await load
+        await _answered(commands, sent, commands.unload("b"))
+        await _answered(commands, sent, commands.load("b", "/b2"), key=b"key b2")
 
     asyncio.run(reload_b())
     commands.note_cache_keys({"a": b"key a", "b": b"key b"})  # a restarted engine's start adapters
     assert commands.cache_keys() == {"b": b"key b2", "c": b"key c"}
+
+
+async def _answered(commands, sent, command, key: bytes = b"") -> None:
+    """Run a load or unload whose command the engine answers as done (with `key` for a load)."""
+    task = asyncio.ensure_future(command)
+    await asyncio.sleep(0)
+    commands.on_done(LoRACommandDone(sent[-1].command_id, None, key))
+    await task
 
 
 def test_lora_commands_replay_a_snapshot_while_the_adapters_change():

@@ -20,26 +20,33 @@ from tests.helpers import wait_until
 BLOCK_SIZE = 16
 
 
-@pytest.fixture(scope="module")
-def engine_and_index(tiny_model_dir):
+def engine_and_index_of(model: str, **engine_args) -> tuple[LLMEngine, PrefixIndex, KVEventSubscriber]:
+    """An engine publishing its KV events and a router's index subscribed to them (started)."""
     endpoints = {
         "endpoint": f"tcp://127.0.0.1:{free_port()}",
         "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
     }
     engine = LLMEngine(
         EngineArgs(
-            model=tiny_model_dir,
+            model=model,
             dtype="float32",
             max_model_len=256,
             block_size=BLOCK_SIZE,
-            num_kv_blocks=12,  # small: later prompts evict earlier ones
             kv_events_config=json.dumps({"enable_kv_cache_events": True, **endpoints}),
+            **engine_args,
         )
     )
     index = PrefixIndex(["engine"])
     subscriber = KVEventSubscriber(index)
     subscriber.add("engine", endpoints["endpoint"], endpoints["replay_endpoint"], "")
     subscriber.start()
+    return engine, index, subscriber
+
+
+@pytest.fixture(scope="module")
+def engine_and_index(tiny_model_dir):
+    # a small pool: later prompts evict earlier ones
+    engine, index, subscriber = engine_and_index_of(tiny_model_dir, num_kv_blocks=12)
     yield engine, index, subscriber
     subscriber.stop()
     engine.shutdown()
@@ -92,25 +99,9 @@ def test_the_routers_hashes_of_an_adapters_prompt_are_the_engines(tmp_path):
 
     base = make_tiny_llama_dir(str(tmp_path / "base"))
     make_adapter(base, str(tmp_path / "qv"), 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    endpoints = {
-        "endpoint": f"tcp://127.0.0.1:{free_port()}",
-        "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
-    }
-    engine = LLMEngine(
-        EngineArgs(
-            model=base,
-            dtype="float32",
-            max_model_len=256,
-            block_size=BLOCK_SIZE,
-            enable_lora=True,
-            lora_modules=(f"qv={tmp_path / 'qv'}",),
-            kv_events_config=json.dumps({"enable_kv_cache_events": True, **endpoints}),
-        )
+    engine, index, subscriber = engine_and_index_of(
+        base, enable_lora=True, lora_modules=(f"qv={tmp_path / 'qv'}",)
     )
-    index = PrefixIndex(["engine"])
-    subscriber = KVEventSubscriber(index)
-    subscriber.add("engine", endpoints["endpoint"], endpoints["replay_endpoint"], "")
-    subscriber.start()
     try:
         keys = engine.lora_cache_keys()
         assert set(keys) == {"qv"} and keys["qv"]
