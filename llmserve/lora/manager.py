@@ -224,6 +224,9 @@ class LoRAManager:
             self._groups = self._token_slots = None
 
     def _group(self, token_slots: np.ndarray) -> SlotGroups | None:
+        first = int(token_slots[0])
+        if token_slots.size == 1 or (token_slots == first).all():  # one adapter or none (batch 1)
+            return None if first < 0 else [(first, None)]
         slots = np.unique(token_slots)
         if slots[-1] < 0:
             return None
